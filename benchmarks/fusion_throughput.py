@@ -1,0 +1,224 @@
+"""Training throughput of B models: one after another, as one fused array, and the ideal bound.
+
+For each model and array size B this measures member-samples per second (B x batch / step time)
+of one full training step (forward, backward, SGD update) done three ways, side by side in one run:
+
+* ``serial``: B independent models, each with its own ``torch.optim.SGD``, stepped one after another
+  (what a sweep does when it runs one trial at a time on the device);
+* ``fused``: ``hs.fuse`` of the same B models, per-member losses summed, one SGD over the stacked
+  parameters (the same update as B separate SGDs with one learning rate);
+* ``ideal``: one model trained on a batch B times larger, the same arithmetic with no fusion
+  overhead at all; fused can approach but not beat it.
+
+Rounds interleave the three ways and the median round is reported, so a slow moment of the machine
+hits all of them alike. Usage::
+
+    python benchmarks/fusion_throughput.py                 # CPU, writes benchmarks/results/
+    python benchmarks/fusion_throughput.py --device cuda
+    python benchmarks/fusion_throughput.py --models tiny_mlp --sizes 1 32 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hfsweep as hs
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def tiny_mlp() -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 10)
+    )
+
+
+def medium_mlp() -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10)
+    )
+
+
+class SmallCNN(nn.Module):
+    """LeNet-style CNN on 1x28x28 inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 6, 5)
+        self.conv2 = nn.Conv2d(6, 16, 5)
+        self.fc1 = nn.Linear(16 * 4 * 4, 120)
+        self.fc2 = nn.Linear(120, 84)
+        self.fc3 = nn.Linear(84, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        x = x.flatten(1)
+        return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x)))))
+
+
+MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
+    "tiny_mlp": (tiny_mlp, (64,)),
+    "medium_mlp": (medium_mlp, (64,)),
+    "small_cnn": (SmallCNN, (1, 28, 28)),
+}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time(step: Callable[[], None], iters: int, device: torch.device) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        step()
+    _sync(device)
+    return (time.perf_counter() - start) / iters
+
+
+def make_steps(
+    name: str, size: int, batch: int, device: torch.device
+) -> dict[str, Callable[[], None]]:
+    build, shape = MODELS[name]
+    torch.manual_seed(0)
+    models = [build().to(device) for _ in range(size)]
+    x = torch.randn(batch, *shape, device=device)
+    y = torch.randint(0, 10, (batch,), device=device)
+
+    opts = [torch.optim.SGD(m.parameters(), lr=0.01) for m in models]
+
+    def serial() -> None:
+        for m, o in zip(models, opts, strict=True):
+            o.zero_grad(set_to_none=True)
+            F.cross_entropy(m(x), y).backward()
+            o.step()
+
+    array = hs.fuse(models)
+    fused_opt = torch.optim.SGD(array.parameters(), lr=0.01)
+
+    def fused() -> None:
+        fused_opt.zero_grad(set_to_none=True)
+        hs.member_losses(array(x), y).sum().backward()
+        fused_opt.step()
+
+    big = build().to(device)
+    big_opt = torch.optim.SGD(big.parameters(), lr=0.01)
+    xb = x.repeat(size, *([1] * len(shape)))
+    yb = y.repeat(size)
+
+    def ideal() -> None:
+        big_opt.zero_grad(set_to_none=True)
+        F.cross_entropy(big(xb), yb).backward()
+        big_opt.step()
+
+    return {"serial": serial, "fused": fused, "ideal": ideal}
+
+
+def measure(
+    name: str, size: int, batch: int, device: torch.device, rounds: int, min_time: float
+) -> dict[str, float]:
+    steps = make_steps(name, size, batch, device)
+    iters = {}
+    for way, step in steps.items():
+        for _ in range(3):
+            step()  # warm-up: traces, allocator, thread pools
+        t = _time(step, 1, device)
+        iters[way] = max(1, int(min_time / max(t, 1e-6)))
+    samples: dict[str, list[float]] = {way: [] for way in steps}
+    for _ in range(rounds):
+        for way, step in steps.items():
+            samples[way].append(_time(step, iters[way], device))
+    return {way: size * batch / statistics.median(ts) for way, ts in samples.items()}
+
+
+def machine(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda})"
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--sizes", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32])
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--min-time", type=float, default=0.2, help="seconds per timed round")
+    parser.add_argument("--out", type=Path, default=None, help="results file stem")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    rows = []
+    print(f"{'model':12s} {'B':>3s} {'serial':>10s} {'fused':>10s} {'ideal':>10s} "
+          f"{'fused/serial':>12s} {'fused/ideal':>11s}", flush=True)
+    for name in args.models:
+        for size in args.sizes:
+            r = measure(name, size, args.batch, device, args.rounds, args.min_time)
+            row = {"model": name, "B": size, **r}
+            rows.append(row)
+            print(f"{name:12s} {size:3d} {r['serial']:10.0f} {r['fused']:10.0f} {r['ideal']:10.0f} "
+                  f"{r['fused'] / r['serial']:12.2f} {r['fused'] / r['ideal']:11.2f}", flush=True)
+    stem = args.out or RESULTS / f"fusion_throughput_{device.type}"
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    command = "python benchmarks/fusion_throughput.py " + " ".join(argv or sys.argv[1:])
+    meta = {
+        "machine": machine(device),
+        "torch": torch.__version__,
+        "hfsweep": hs.__version__,
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+        "command": command.strip(),
+        "batch": args.batch,
+        "rounds": args.rounds,
+    }
+    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    lines = [
+        "# Training throughput: serial vs fused vs ideal batching",
+        "",
+        f"- machine: {meta['machine']}",
+        f"- torch {meta['torch']}, hfsweep {meta['hfsweep']}, {meta['date']}",
+        f"- command: `{meta['command']}`",
+        f"- one step = forward + backward + SGD update, batch {args.batch} per member; "
+        f"median of {args.rounds} interleaved rounds",
+        "",
+        "Member-samples/s (higher is better).",
+        "",
+        "| model | B | serial | fused | ideal | fused / serial | fused / ideal |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['model']} | {row['B']} | {row['serial']:.0f} | {row['fused']:.0f} | "
+            f"{row['ideal']:.0f} | {row['fused'] / row['serial']:.2f} | "
+            f"{row['fused'] / row['ideal']:.2f} |"
+        )
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {stem.with_suffix('.md')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

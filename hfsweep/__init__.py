@@ -1,0 +1,13 @@
+"""hfsweep: hyperparameter sweeps of PyTorch models trained as horizontally fused arrays.
+
+``hs.fuse(models)`` turns B models of one architecture into one :class:`FusedArray` that trains
+every member exactly as it would train alone, in one pass. ``import hfsweep`` stays light: Ray and
+Optuna are imported only where a sweep uses them.
+"""
+
+from ._errors import FusionError
+from .fusion import FusedArray, fuse, member_losses
+
+__version__ = "0.1.0.dev0"
+
+__all__ = ["FusedArray", "FusionError", "__version__", "fuse", "member_losses"]

@@ -1,0 +1,7 @@
+"""Horizontal fusion: B models of one architecture as one module with ``[B, ...]`` state."""
+
+from ._array import FusedArray
+from ._fuse import fuse
+from ._losses import member_losses
+
+__all__ = ["FusedArray", "fuse", "member_losses"]

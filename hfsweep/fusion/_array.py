@@ -1,0 +1,569 @@
+"""``FusedArray``: B models of one architecture stored as ``[B, ...]`` tensors and run as one.
+
+How a call runs. The array keeps a private *template*: a copy of member 0's module tree whose
+parameters and buffers are the stacked ``[B, ...]`` tensors, with a few layers swapped for the fused
+layers of :mod:`hfsweep.nn`. A call runs the user's own ``forward`` under ``torch.func.vmap`` with
+the stacked tensors swapped in for the duration of the call, so each member sees ordinary
+``[N, ...]`` tensors and user code (views, residuals, ``torch.cat``, functional calls) works as is.
+
+Eager ``vmap`` costs a fixed Python overhead per call that dominates small models. So by default the
+vmapped forward is traced once per input signature (``make_fx`` on fake tensors) into a graph of
+plain batched aten ops, which later calls replay. A trace is only used where it cannot differ from
+eager: forward code that switches grad mode, changes Python attributes of its modules or branches
+on tensor values is detected while tracing and runs eagerly instead. Forward code that draws from
+Python's own ``random`` module would be frozen by a trace: use ``hs.fuse(..., trace=False)``.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor, nn
+from torch.func import vmap
+from torch.overrides import TorchFunctionMode
+
+from .._errors import FusionError
+from ._check import check_compatible, describe_path
+from ._graph import simplify
+from ._plan import dropout_feature_dims, unsupported_reason
+
+__all__ = ["FusedArray"]
+
+_log = logging.getLogger("hfsweep.fusion")
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+@dataclass
+class _Slot:
+    """One stacked tensor and every place in the template that refers to it (tied weights)."""
+
+    name: str
+    is_param: bool
+    places: list[tuple[dict[str, Any], str]]
+    setting: bool = False  # a per-member setting of hfsweep's (dropout p), not model state
+
+
+@dataclass
+class _Outputs:
+    """Structure of a forward's output: the pytree spec and its non-tensor leaves."""
+
+    spec: Any = None
+    leaves: list[Any] | None = None
+
+
+@dataclass
+class _Trace:
+    graph: Callable[..., Any]
+    outputs: _Outputs
+
+
+_EAGER = object()  # cache value: this signature runs eagerly
+
+
+class _GradModeWatch(TorchFunctionMode):
+    """Notices forward code that changes grad mode (``torch.no_grad()`` inside forward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.expected = torch.is_grad_enabled()
+        self.changed = False
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None
+    ) -> Any:
+        if torch.is_grad_enabled() != self.expected:
+            self.changed = True
+        return func(*args, **(kwargs or {}))
+
+
+class FusedArray(nn.Module):
+    """B models of one architecture trained as one module. Build it with :func:`hfsweep.fuse`.
+
+    ``array(x)`` feeds one input to every member and returns ``[B, N, ...]``;
+    ``array(xs, shared=False)`` takes one input per member (``[B, N, ...]``). Every parameter and
+    buffer is stacked with the member as dimension 0 and lives under ``array.module``: that is
+    what optimizers update (``array.parameters()``), what ``state_dict()`` saves, and what
+    :meth:`member` and :meth:`load_member` slice. ``array.module`` itself is storage, not a model:
+    call the array, not the module.
+    """
+
+    def __init__(
+        self,
+        template: nn.Module,
+        prototype: nn.Module,
+        size: int,
+        slots: list[_Slot],
+        trace: bool,
+    ) -> None:
+        super().__init__()
+        self.module = template
+        # The prototype is member 0's module tree on the meta device, in its original classes:
+        # the factory for member(i). It is not registered, so it holds no state of the array.
+        object.__setattr__(self, "_prototype", prototype)
+        self._size = size
+        self._slots = slots
+        self._swap_places = [(d, n, j) for j, s in enumerate(slots) for d, n in s.places]
+        self._trace_enabled = trace
+        self._traces: dict[Any, Any] = {}
+        self._template_modules = list(template.modules())
+        self._dropouts = [
+            (path, m) for path, m in template.named_modules() if hasattr(m, "member_p")
+        ]
+        self._last_call_traced = False
+        self._grad_watch: _GradModeWatch | None = None  # set while tracing
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def size(self) -> int:
+        """Number of members B."""
+        return self._size
+
+    @property
+    def dropout(self) -> dict[str, list[float]]:
+        """Per-member dropout probability of each dropout layer, by submodule path."""
+        return {path: m.member_p.tolist() for path, m in self._dropouts}
+
+    def forward(self, *args: Any, shared: bool = True, **kwargs: Any) -> Any:
+        """Run every member; tensors in ``args``/``kwargs`` are shared unless ``shared=False``.
+
+        Outputs keep the structure of the model's output with a leading member dimension on
+        every tensor. With ``shared=False`` every tensor argument must have size B in dimension 0.
+        """
+        if len(args) == 1 and not kwargs and isinstance(args[0], Tensor):
+            leaves, spec, tensor_at, tensors = list(args), _one_tensor_spec(), [0], list(args)
+        else:
+            leaves, spec = pytree.tree_flatten((args, kwargs))
+            tensor_at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
+            tensors = [leaves[i] for i in tensor_at]
+        if not shared:
+            for i, t in zip(tensor_at, tensors, strict=True):
+                if t.dim() == 0 or t.shape[0] != self._size:
+                    raise FusionError(
+                        f"with shared=False every tensor argument needs the member dimension first "
+                        f"(size {self._size}); argument {i} has shape {tuple(t.shape)}. Pass "
+                        "shared=True to feed one input to all members."
+                    )
+        state = self._state()
+        if not state and shared:
+            # a model without parameters or buffers: vmap needs one batched input
+            tensors = [t.expand(self._size, *t.shape) for t in tensors]
+            shared = False
+        if not tensors and not state:
+            raise FusionError("a fused array needs at least one tensor input or parameter")
+        call = self._vmapped(leaves, spec, tensor_at, shared)
+        trace = self._lookup_trace(call, leaves, spec, tensor_at, tensors, shared, state)
+        if trace is not None:
+            self._last_call_traced = True
+            out = trace.graph(*state, *tensors)
+            return self._rebuild(out, trace.outputs)
+        self._last_call_traced = False
+        outputs = _Outputs()
+        with self._locate_errors():
+            out = call(outputs)(*state, *tensors)
+        return self._rebuild(out, outputs)
+
+    def member(self, i: int) -> nn.Module:
+        """A standalone model of the original class holding member ``i``'s current state.
+
+        Parameters and buffers are copies (later training of the array does not change it);
+        ``member(i).state_dict()`` loads into a fresh instance of the user's class.
+        """
+        i = self._index(i)
+        model = copy.deepcopy(self._prototype)  # meta tensors, tying intact
+        owners = _owners(model)
+        with torch.no_grad():
+            for slot, stacked in zip(self._slots, self._state(), strict=True):
+                if slot.setting:
+                    continue
+                value: Tensor = stacked[i].detach().clone()
+                if slot.is_param:
+                    value = nn.Parameter(value, requires_grad=stacked.requires_grad)
+                for module, name in owners[slot.name]:
+                    setattr(module, name, value)  # one object in every tied place
+        for path, m in self._dropouts:
+            model.get_submodule(path).p = float(m.member_p[i])
+        model.train(self.training)
+        return model
+
+    def load_member(self, i: int, module: nn.Module) -> None:
+        """Write ``module``'s parameters, buffers and dropout probabilities into slot ``i``.
+
+        This is how a freed slot is refilled with a new trial. ``module`` must have the array's
+        architecture; values are copied and cast to the array's dtype and device.
+        """
+        i = self._index(i)
+        check_compatible([self._prototype, module], unsupported_reason, "module", placement=False)
+        places = _places(module)
+        with torch.no_grad():
+            for slot, stacked in zip(self._slots, self._state(), strict=True):
+                if slot.setting:
+                    continue
+                owner, name = places[slot.name][0]
+                stacked[i].copy_(owner[name])
+            for path, m in self._dropouts:
+                p = float(module.get_submodule(path).p)  # type: ignore[arg-type]
+                m.member_p[i] = p
+
+    def set_dropout(self, p: Sequence[float] | dict[str, Sequence[float]]) -> None:
+        """Set per-member dropout probabilities: one list of B values for every dropout layer,
+        or ``{submodule path: B values}`` for some of them."""
+        _assign_dropout(self._dropouts, self._size, p)
+
+    def extra_repr(self) -> str:
+        return f"size={self._size}, trace={self._trace_enabled}"
+
+    # ------------------------------------------------------------------ internals
+    def _index(self, i: int) -> int:
+        if not isinstance(i, int) or isinstance(i, bool) or not -self._size <= i < self._size:
+            raise IndexError(f"member index {i!r} is out of range for an array of size {self._size}")
+        return i % self._size
+
+    def _state(self) -> tuple[Tensor, ...]:
+        out = []
+        for slot in self._slots:
+            owner, name = slot.places[0]
+            out.append(owner[name])
+        return tuple(out)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> FusedArray:
+        self._traces.clear()
+        return super()._apply(fn, recurse)  # type: ignore[no-any-return]
+
+    def _vmapped(
+        self, leaves: list[Any], spec: Any, tensor_at: list[int], shared: bool
+    ) -> Callable[[_Outputs], Callable[..., tuple[Tensor, ...]]]:
+        n_state = len(self._slots)
+
+        def per_member(state: tuple[Tensor, ...], tensors: tuple[Tensor, ...], rec: _Outputs) -> Any:
+            saved = [(d, n, d[n]) for d, n, _ in self._swap_places]
+            for d, n, j in self._swap_places:
+                d[n] = state[j]
+            try:
+                filled = list(leaves)
+                for i, t in zip(tensor_at, tensors, strict=True):
+                    filled[i] = t
+                args, kwargs = pytree.tree_unflatten(filled, spec)
+                with _no_mha_fastpath():
+                    if self._grad_watch is not None:
+                        with self._grad_watch:
+                            out = self.module(*args, **kwargs)
+                    else:
+                        out = self.module(*args, **kwargs)
+            finally:
+                for d, n, v in saved:
+                    d[n] = v
+            out_leaves, rec.spec = pytree.tree_flatten(out)
+            rec.leaves = [None if isinstance(x, Tensor) else x for x in out_leaves]
+            result = tuple(x for x in out_leaves if isinstance(x, Tensor))
+            if not result:
+                raise FusionError("the model's forward returned no tensor")
+            return result
+
+        def make(rec: _Outputs) -> Callable[..., tuple[Tensor, ...]]:
+            batched = vmap(
+                lambda s, t: per_member(s, t, rec),
+                in_dims=(0, None if shared else 0),
+                randomness="different",
+            )
+            return lambda *flat: batched(tuple(flat[:n_state]), tuple(flat[n_state:]))
+
+        return make
+
+    def _rebuild(self, out: Sequence[Tensor], rec: _Outputs) -> Any:
+        assert rec.leaves is not None
+        if rec.leaves == [None] and len(out) == 1:
+            return out[0]  # one tensor out: nothing to rebuild
+        it = iter(out)
+        leaves = [next(it) if x is None else x for x in rec.leaves]
+        return pytree.tree_unflatten(leaves, rec.spec)
+
+    def _attributes(self) -> tuple[Any, ...]:
+        """Every plain Python setting of the template's modules (train/eval mode included)."""
+        out: list[Any] = []
+        for m in self._template_modules:
+            for k, v in m.__dict__.items():
+                if k[0] != "_":
+                    out.append(k)
+                    out.append(v if type(v) in _PLAIN else id(v))
+        return tuple(out)
+
+    def _lookup_trace(
+        self,
+        call: Callable[[_Outputs], Callable[..., tuple[Tensor, ...]]],
+        leaves: list[Any],
+        spec: Any,
+        tensor_at: list[int],
+        tensors: list[Tensor],
+        shared: bool,
+        state: tuple[Tensor, ...],
+    ) -> _Trace | None:
+        if not self._trace_enabled:
+            return None
+        try:
+            key = (
+                self._attributes(),
+                torch.is_grad_enabled(),
+                torch.is_inference_mode_enabled(),
+                _autocast_state(),
+                shared,
+                spec,
+                tuple(None if isinstance(x, Tensor) else x for x in leaves),
+                tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in tensors),
+                tuple(t.requires_grad for t in state),
+            )
+            entry = self._traces.get(key)
+        except TypeError:  # an unhashable non-tensor argument: run eagerly
+            return None
+        if entry is None:
+            entry = self._trace(call, state, tensors)
+            if self._trace_enabled:
+                self._traces[key] = entry
+        return None if entry is _EAGER else entry  # type: ignore[return-value]
+
+    def _trace(
+        self,
+        call: Callable[[_Outputs], Callable[..., tuple[Tensor, ...]]],
+        state: tuple[Tensor, ...],
+        tensors: list[Tensor],
+    ) -> Any:
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        rec = _Outputs()
+        before = self._attributes()
+        watch = self._grad_watch = _GradModeWatch()
+        try:
+            with self._locate_errors(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                graph = simplify(make_fx(call(rec), tracing_mode="fake")(*state, *tensors))
+        except FusionError:
+            raise
+        except Exception as exc:  # data-dependent control flow and the like: stay eager
+            _log.debug("tracing failed, running eagerly: %s", exc)
+            return _EAGER
+        finally:
+            self._grad_watch = None
+        if self._attributes() != before:
+            self._trace_enabled = False
+            warnings.warn(
+                "a forward of this model changes Python attributes of its modules, so its calls "
+                "cannot be replayed from a trace; the array runs eagerly (slower, same results)",
+                stacklevel=4,
+            )
+            return _EAGER
+        if watch.changed:
+            _log.debug("forward switches grad mode; running eagerly")
+            return _EAGER
+        return _Trace(graph=graph, outputs=rec)
+
+    @contextmanager
+    def _locate_errors(self) -> Iterator[None]:
+        """Name the submodule that was running when a call failed."""
+        names = {id(m): path for path, m in self.module.named_modules()}
+        stack: list[str] = []
+
+        def enter(module: nn.Module, args: Any) -> None:
+            if id(module) in names:
+                stack.append(names[id(module)])
+
+        def leave(module: nn.Module, args: Any, out: Any) -> None:
+            if stack and id(module) in names:
+                stack.pop()
+
+        h1 = nn.modules.module.register_module_forward_pre_hook(enter)
+        h2 = nn.modules.module.register_module_forward_hook(leave)
+        try:
+            yield
+        except FusionError:
+            raise
+        except Exception as exc:
+            if not stack:
+                raise
+            path = stack[-1]
+            module = self.module.get_submodule(path)
+            text = str(exc)
+            if "vmap" in text or "atching rule" in text:
+                raise FusionError(
+                    f"{describe_path(path)} ({type(module).__name__}) cannot run in a fused array: "
+                    f"{text.splitlines()[0].rstrip('.')}. Fused layers exist for Linear, convolutions, "
+                    "BatchNorm, Dropout, LSTM/GRU/RNN and attention; replace this layer or open an "
+                    "issue with the model."
+                ) from exc
+            if hasattr(exc, "add_note"):
+                exc.add_note(f"(raised in {describe_path(path)} of a fused array, per member)")
+            raise
+        finally:
+            h1.remove()
+            h2.remove()
+
+
+@contextmanager
+def _no_mha_fastpath() -> Iterator[None]:
+    """Keep attention layers off their inference fast path inside the batched forward.
+
+    Under ``vmap`` the batched stand-ins of parameters report ``requires_grad=False``, so
+    ``MultiheadAttention`` and ``TransformerEncoderLayer`` in eval mode would pick a kernel that
+    has no batching rule (a slow loop over members) and no derivative.
+    """
+    enabled = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(enabled)
+
+
+@functools.cache
+def _one_tensor_spec() -> Any:
+    """Pytree spec of ``((tensor,), {})``, the arguments of the common call ``array(x)``."""
+    return pytree.tree_flatten(((torch.empty(0),), {}))[1]
+
+
+def _autocast_state() -> tuple[Any, ...]:
+    out: list[Any] = []
+    for device in ("cpu", "cuda"):
+        enabled = torch.is_autocast_enabled(device)
+        out.append(enabled)
+        if enabled:
+            out.append(torch.get_autocast_dtype(device))
+    return tuple(out)
+
+
+def _owners(model: nn.Module) -> dict[str, list[tuple[nn.Module, str]]]:
+    """Every (module, attribute) holding each parameter/buffer, keyed by the tensor's first name.
+
+    A tensor tied into several modules (shared embedding and output weights) appears once, with
+    all the places that hold it.
+    """
+    first: dict[int, str] = {}
+    out: dict[str, list[tuple[nn.Module, str]]] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        for store in (module._parameters, module._buffers):
+            for name, t in store.items():
+                if t is None:
+                    continue
+                full = f"{path}.{name}" if path else name
+                key = first.setdefault(id(t), full)
+                out.setdefault(key, []).append((module, name))
+    return out
+
+
+def _places(model: nn.Module) -> dict[str, list[tuple[dict[str, Any], str]]]:
+    """Like :func:`_owners`, with the module's parameter or buffer dict in place of the module."""
+    return {
+        key: [
+            (m._parameters if name in m._parameters else m._buffers, name) for m, name in owners
+        ]
+        for key, owners in _owners(model).items()
+    }
+
+
+def _assign_dropout(
+    dropouts: list[tuple[str, nn.Module]],
+    size: int,
+    p: Sequence[float] | dict[str, Sequence[float]],
+) -> None:
+    if isinstance(p, dict):
+        known = dict(dropouts)
+        targets = []
+        for path, values in p.items():
+            if path not in known:
+                raise FusionError(
+                    f"dropout[{path!r}]: no per-member dropout layer at that path; dropout layers "
+                    f"are {sorted(known) or 'none'}"
+                )
+            targets.append((path, known[path], values))
+    else:
+        if not dropouts:
+            raise FusionError(
+                "dropout= was given but the model has no nn.Dropout/Dropout1d/2d/3d layer"
+            )
+        targets = [(path, m, p) for path, m in dropouts]
+    for path, m, values in targets:
+        vals = [float(v) for v in values]
+        if len(vals) != size:
+            raise FusionError(
+                f"dropout for {describe_path(path)}: got {len(vals)} values for {size} members; "
+                "give one probability per member"
+            )
+        bad = [v for v in vals if not 0.0 <= v <= 1.0]
+        if bad:
+            raise FusionError(
+                f"dropout for {describe_path(path)}: {bad[0]} is not a probability in [0, 1]"
+            )
+        with torch.no_grad():
+            m.member_p.copy_(torch.tensor(vals, dtype=m.member_p.dtype))
+
+
+def build_array(
+    models: Sequence[nn.Module],
+    dropout: Sequence[float] | dict[str, Sequence[float]] | None,
+    trace: bool,
+) -> FusedArray:
+    """Check ``models``, stack their state and assemble the array (see :func:`hfsweep.fuse`)."""
+    from ._plan import fused_class
+
+    models = list(models)
+    check_compatible(models, unsupported_reason)
+    ref = models[0]
+    size = len(models)
+
+    # Copies of member 0's tree whose tensors are meta placeholders: no data is duplicated.
+    def meta_copy() -> nn.Module:
+        memo: dict[int, Any] = {}
+        for t in [*ref.parameters(), *ref.buffers()]:
+            empty = torch.empty_like(t, device="meta")
+            memo[id(t)] = (
+                nn.Parameter(empty, requires_grad=t.requires_grad)
+                if isinstance(t, nn.Parameter)
+                else empty
+            )
+        return copy.deepcopy(ref, memo)
+
+    prototype = meta_copy()
+    template = meta_copy()
+    dropout_paths: list[str] = []
+    for path, module in template.named_modules():
+        dims = dropout_feature_dims(module)
+        cls = fused_class(module)
+        if cls is not None:
+            module.__class__ = cls
+        if dims is not None:
+            module._hfsweep_feature_dims = dims
+            dropout_paths.append(path)
+
+    member_places = [_places(m) for m in models]
+    template_places = _places(template)
+    slots: list[_Slot] = []
+    with torch.no_grad():
+        for name, places in template_places.items():
+            owner0, attr0 = member_places[0][name][0]
+            first = owner0[attr0]
+            stacked = torch.stack([mp[name][0][0][mp[name][0][1]].detach() for mp in member_places])
+            is_param = isinstance(first, nn.Parameter)
+            value: Tensor = nn.Parameter(stacked, requires_grad=first.requires_grad) if is_param else stacked
+            for owner, attr in places:
+                owner[attr] = value
+            slots.append(_Slot(name=name, is_param=is_param, places=places))
+
+    device = slots[0].places[0][0][slots[0].places[0][1]].device if slots else torch.device("cpu")
+    for path in dropout_paths:
+        module = template.get_submodule(path)
+        ps = [float(m.get_submodule(path).p) for m in models]  # type: ignore[arg-type]
+        module.register_buffer("member_p", torch.tensor(ps, dtype=torch.float32, device=device))
+        slots.append(
+            _Slot(f"{path}.member_p", False, [(module._buffers, "member_p")], setting=True)
+        )
+    array = FusedArray(template, prototype, size, slots, trace)
+    if dropout is not None:
+        array.set_dropout(dropout)
+    return array

@@ -1,0 +1,193 @@
+"""Checks that B models can be one array: same structure, same shapes, same non-tensor settings.
+
+Everything that is not stacked per member (a module's class, a parameter's shape, a BatchNorm's
+``eps``, an activation's ``negative_slope``...) is taken from member 0 when the array runs, so any
+difference there would silently train the other members wrongly. These checks turn each such
+difference into a :class:`~hfsweep.FusionError` naming the submodule and the attribute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .._errors import FusionError
+
+__all__ = ["check_compatible", "describe_path", "per_member_attributes"]
+
+_HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_pre_hooks",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+)
+
+
+def describe_path(path: str) -> str:
+    """Human name of a submodule path (``""`` is the root model)."""
+    return f"submodule '{path}'" if path else "the root model"
+
+
+def per_member_attributes(module: nn.Module) -> frozenset[str]:
+    """Attributes of ``module`` that may differ between members (they become per-member data)."""
+    from ._plan import dropout_feature_dims
+
+    if dropout_feature_dims(module) is not None:
+        return frozenset({"p"})
+    return frozenset()
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return (
+            isinstance(a, Tensor)
+            and isinstance(b, Tensor)
+            and a.shape == b.shape
+            and a.dtype == b.dtype
+            and bool(torch.equal(a.cpu(), b.cpu()))
+        )
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
+        return True  # both NaN
+    try:
+        return bool(a == b)
+    except Exception:
+        return a is b
+
+
+def _tensors(module: nn.Module, kind: str) -> dict[str, Tensor]:
+    items = module._parameters if kind == "parameter" else module._buffers
+    return {k: v for k, v in items.items() if v is not None}
+
+
+def _check_pair(
+    ref: nn.Module, other: nn.Module, index: int, what: str, placement: bool = True
+) -> None:
+    ref_mods = dict(ref.named_modules(remove_duplicate=False))
+    other_mods = dict(other.named_modules(remove_duplicate=False))
+    if list(ref_mods) != list(other_mods):
+        missing = [p for p in ref_mods if p not in other_mods]
+        extra = [p for p in other_mods if p not in ref_mods]
+        raise FusionError(
+            f"{what} {index} has a different module tree than member 0: "
+            f"missing {missing or 'nothing'}, extra {extra or 'nothing'}. "
+            "All members must be instances of one architecture."
+        )
+    for path, rm in ref_mods.items():
+        om = other_mods[path]
+        where = describe_path(path)
+        if type(rm) is not type(om):
+            raise FusionError(
+                f"{where} is {type(rm).__qualname__} in member 0 but {type(om).__qualname__} "
+                f"in {what} {index}; all members must use the same classes."
+            )
+        for kind in ("parameter", "buffer"):
+            rt, ot = _tensors(rm, kind), _tensors(om, kind)
+            if list(rt) != list(ot):
+                raise FusionError(
+                    f"{where} has {kind}s {list(rt)} in member 0 but {list(ot)} in {what} {index}."
+                )
+            for name, a in rt.items():
+                b = ot[name]
+                if a.shape != b.shape or (placement and a.dtype != b.dtype):
+                    raise FusionError(
+                        f"{kind} '{_join(path, name)}' is {tuple(a.shape)} {a.dtype} in member 0 but "
+                        f"{tuple(b.shape)} {b.dtype} in {what} {index}. Hyperparameters that change "
+                        "shapes (widths, depths, vocabulary) must be equal within one array; put such "
+                        "trials in different arrays."
+                    )
+                if placement and a.device != b.device:
+                    raise FusionError(
+                        f"{kind} '{_join(path, name)}' is on {a.device} in member 0 but on {b.device} "
+                        f"in {what} {index}; move all models to one device before fusing."
+                    )
+                if isinstance(a, nn.Parameter) and a.requires_grad != b.requires_grad:
+                    raise FusionError(
+                        f"parameter '{_join(path, name)}' has requires_grad={a.requires_grad} in "
+                        f"member 0 but {b.requires_grad} in {what} {index}."
+                    )
+        free = per_member_attributes(rm) | (frozenset() if placement else frozenset({"training"}))
+        for key, value in vars(rm).items():
+            if key.startswith("_") or key in free:
+                continue
+            other_value = vars(om).get(key, _MISSING)
+            if not _equal(value, other_value):
+                hint = (
+                    " Register it as a buffer so that each member keeps its own value."
+                    if isinstance(value, Tensor)
+                    else " Settings that are not tensors are shared by the whole array."
+                )
+                raise FusionError(
+                    f"{where}: attribute '{key}' is {_short(value)} in member 0 but "
+                    f"{_short(other_value)} in {what} {index}.{hint}"
+                )
+
+
+_MISSING = object()
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def _short(value: Any) -> str:
+    if value is _MISSING:
+        return "missing"
+    if isinstance(value, Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _check_supported(model: nn.Module, unsupported: Callable[[nn.Module], str | None]) -> None:
+    for path, module in model.named_modules():
+        where = describe_path(path)
+        for hooks in _HOOK_DICTS:
+            if getattr(module, hooks, None):
+                raise FusionError(
+                    f"{where} ({type(module).__name__}) has {hooks.strip('_').replace('_', ' ')} "
+                    "registered; module hooks are not carried into a fused array (they would see "
+                    "all members at once). Remove them before fusing and attach them to "
+                    "array.member(i) instead."
+                )
+        for name, p in module._parameters.items():
+            if isinstance(p, nn.parameter.UninitializedParameter):
+                raise FusionError(
+                    f"parameter '{_join(path, name)}' is not initialised (a lazy module); run one "
+                    "forward pass through each model before fusing."
+                )
+        reason = unsupported(module)
+        if reason is not None:
+            raise FusionError(f"{where} ({type(module).__name__}) cannot be fused: {reason}")
+
+
+def check_compatible(
+    models: Sequence[nn.Module],
+    unsupported: Callable[[nn.Module], str | None],
+    what: str = "member",
+    placement: bool = True,
+) -> None:
+    """Raise :class:`FusionError` unless every model can share one array with ``models[0]``.
+
+    ``placement=False`` ignores devices, dtypes and train/eval mode (used when a module is loaded
+    into an existing array slot, where values are copied and cast).
+    """
+    if len(models) == 0:
+        raise FusionError("fuse() needs at least one model; got an empty sequence.")
+    for i, m in enumerate(models):
+        if not isinstance(m, nn.Module):
+            raise FusionError(
+                f"{what} {i} is a {type(m).__name__}, not a torch.nn.Module; pass a list of models."
+            )
+    for m in models if not placement else models[:1]:
+        _check_supported(m, unsupported)
+    ids = {id(m) for m in models}
+    if len(ids) != len(models):
+        raise FusionError(
+            "the same model object appears more than once; create each member separately (for "
+            "example with copy.deepcopy and a fresh initialisation) so members do not share weights."
+        )
+    for i, m in enumerate(models[1:], start=1):
+        _check_pair(models[0], m, i, what, placement)

@@ -1,0 +1,38 @@
+"""``hs.fuse``: the entry point that turns B models into a :class:`FusedArray`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from torch import nn
+
+from ._array import FusedArray, build_array
+
+__all__ = ["fuse"]
+
+
+def fuse(
+    models: Iterable[nn.Module],
+    *,
+    dropout: Sequence[float] | dict[str, Sequence[float]] | None = None,
+    trace: bool = True,
+) -> FusedArray:
+    """Fuse B models of one architecture into one :class:`FusedArray`.
+
+    Args:
+        models: B unmodified ``nn.Module`` instances of one architecture, each initialised as the
+            user likes (their own seeds). The array holds copies of their parameters and buffers
+            stacked as ``[B, ...]``; the models passed in are not changed or trained.
+        dropout: per-member dropout probabilities. By default each member keeps the ``p`` of its
+            own ``nn.Dropout``/``Dropout1d/2d/3d`` layers, which may differ between members. A list
+            of B values sets every dropout layer; ``{submodule path: B values}`` sets some.
+        trace: replay each input signature's batched forward from a trace (fast). ``False`` runs
+            ``torch.func.vmap`` eagerly on every call (use it when forward draws from Python's
+            ``random`` module, which a trace would freeze).
+
+    Raises:
+        FusionError: the models differ in class, parameter names, shapes, dtypes, devices or
+            non-tensor settings, or contain something that cannot be fused; the message names the
+            submodule and what would work.
+    """
+    return build_array(list(models), dropout, trace)

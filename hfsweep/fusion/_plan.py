@@ -1,0 +1,85 @@
+"""Which layers of a model are swapped for a fused layer, and which cannot be fused at all."""
+
+from __future__ import annotations
+
+from functools import cache
+
+from torch import nn
+
+from ..nn import (
+    FusedBatchNormMixin,
+    FusedDropoutMixin,
+    FusedEmbeddingMixin,
+    FusedLinearMixin,
+    FusedRNNMixin,
+    FusedRReLUMixin,
+)
+from ..nn._dropout import feature_dims
+
+__all__ = ["dropout_feature_dims", "fused_class", "unsupported_reason"]
+
+_DROPOUTS: dict[type[nn.Module], int] = {
+    nn.Dropout: feature_dims["Dropout"],
+    nn.Dropout1d: feature_dims["Dropout1d"],
+    nn.Dropout2d: feature_dims["Dropout2d"],
+    nn.Dropout3d: feature_dims["Dropout3d"],
+}
+_BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+_RNNS = (nn.LSTM, nn.GRU, nn.RNN)
+
+
+def dropout_feature_dims(module: nn.Module) -> int | None:
+    """Trailing dims sharing one mask for a per-member-``p`` dropout layer, else ``None``."""
+    return _DROPOUTS.get(type(module))
+
+
+@cache
+def _make_fused(mixin: type[nn.Module], base: type[nn.Module]) -> type[nn.Module]:
+    return type(base.__name__, (mixin, base), {"__module__": base.__module__})
+
+
+def fused_class(module: nn.Module) -> type[nn.Module] | None:
+    """The class to give ``module`` in an array's template, or ``None`` to run it as it is.
+
+    Only exact torch classes are swapped: a user subclass may override ``forward``.
+    """
+    cls = type(module)
+    if cls is nn.Linear:
+        return _make_fused(FusedLinearMixin, cls)
+    if cls in _BATCHNORMS:
+        return _make_fused(FusedBatchNormMixin, cls)
+    if cls in _DROPOUTS:
+        return _make_fused(FusedDropoutMixin, cls)
+    if cls in _RNNS:
+        return _make_fused(FusedRNNMixin, cls)
+    if cls is nn.Embedding:
+        return _make_fused(FusedEmbeddingMixin, cls)
+    if cls is nn.RReLU:
+        return _make_fused(FusedRReLUMixin, cls)
+    return None
+
+
+def unsupported_reason(module: nn.Module) -> str | None:
+    """Why ``module`` cannot run in a fused array, or ``None`` if it can."""
+    if isinstance(module, nn.modules.rnn.RNNBase) and type(module) not in _RNNS:
+        return (
+            "custom recurrent subclasses have no batching rule; use nn.LSTM, nn.GRU or nn.RNN "
+            "(hfsweep replaces those with a fused recurrence)"
+        )
+    if isinstance(module, nn.SyncBatchNorm):
+        return "SyncBatchNorm synchronises across processes; use nn.BatchNorm{1,2,3}d in an array"
+    if isinstance(module, nn.Embedding | nn.EmbeddingBag):
+        if module.max_norm is not None:
+            return (
+                f"max_norm={module.max_norm} renormalises the weight in place during forward, "
+                "which cannot be done per member; use max_norm=None"
+            )
+        if module.sparse:
+            return "sparse=True gradients cannot be stacked per member; use sparse=False"
+    if isinstance(module, nn.modules.batchnorm._BatchNorm) and type(module) not in _BATCHNORMS:
+        if module.momentum is None and module.track_running_stats:
+            return (
+                "momentum=None in a BatchNorm subclass is not supported (hfsweep fuses it only "
+                "in nn.BatchNorm1d/2d/3d); give a numeric momentum"
+            )
+    return None

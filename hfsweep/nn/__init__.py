@@ -1,0 +1,25 @@
+"""Fused layers for the places where ``torch.func.vmap`` alone is slow, inexact or impossible.
+
+``hs.fuse`` swaps these in automatically (in its private copy of the model, never in the user's
+modules): Linear gets a one-kernel batching rule, BatchNorm per-member running statistics (also with
+``momentum=None``), Dropout a per-member probability, LSTM/GRU/RNN a step-by-step recurrence
+that ``vmap`` can batch, Embedding a ``padding_idx`` that holds per member, and RReLU (which ``vmap`` does not support) its own random slopes. Each is a mixin placed in front of the torch class, so parameter names,
+``isinstance`` checks and state dicts stay those of the torch module.
+"""
+
+from ._activation import FusedRReLUMixin
+from ._batchnorm import FusedBatchNormMixin
+from ._dropout import FusedDropoutMixin
+from ._embedding import FusedEmbeddingMixin
+from ._linear import FusedLinearMixin, fused_linear
+from ._rnn import FusedRNNMixin
+
+__all__ = [
+    "FusedBatchNormMixin",
+    "FusedDropoutMixin",
+    "FusedEmbeddingMixin",
+    "FusedLinearMixin",
+    "FusedRReLUMixin",
+    "FusedRNNMixin",
+    "fused_linear",
+]
