@@ -68,6 +68,7 @@ class _Trace:
 
 
 _EAGER = object()  # cache value: this signature runs eagerly
+_TENSOR = object()  # marks where a tensor goes in a recorded output structure
 
 
 class _GradModeWatch(TorchFunctionMode):
@@ -253,7 +254,7 @@ class FusedArray(nn.Module):
                 for i, t in zip(tensor_at, tensors, strict=True):
                     filled[i] = t
                 args, kwargs = pytree.tree_unflatten(filled, spec)
-                with _no_mha_fastpath():
+                with _batchable_attention():
                     if self._grad_watch is not None:
                         with self._grad_watch:
                             out = self.module(*args, **kwargs)
@@ -263,7 +264,7 @@ class FusedArray(nn.Module):
                 for d, n, v in saved:
                     d[n] = v
             out_leaves, rec.spec = pytree.tree_flatten(out)
-            rec.leaves = [None if isinstance(x, Tensor) else x for x in out_leaves]
+            rec.leaves = [_TENSOR if isinstance(x, Tensor) else x for x in out_leaves]
             result = tuple(x for x in out_leaves if isinstance(x, Tensor))
             if not result:
                 raise FusionError("the model's forward returned no tensor")
@@ -281,10 +282,10 @@ class FusedArray(nn.Module):
 
     def _rebuild(self, out: Sequence[Tensor], rec: _Outputs) -> Any:
         assert rec.leaves is not None
-        if rec.leaves == [None] and len(out) == 1:
+        if len(rec.leaves) == 1 and rec.leaves[0] is _TENSOR:
             return out[0]  # one tensor out: nothing to rebuild
         it = iter(out)
-        leaves = [next(it) if x is None else x for x in rec.leaves]
+        leaves = [next(it) if x is _TENSOR else x for x in rec.leaves]
         return pytree.tree_unflatten(leaves, rec.spec)
 
     def _attributes(self) -> tuple[Any, ...]:
@@ -340,7 +341,9 @@ class FusedArray(nn.Module):
 
         rec = _Outputs()
         before = self._attributes()
+        saved = [(m, dict(m.__dict__)) for m in self._template_modules]
         watch = self._grad_watch = _GradModeWatch()
+        graph = None
         try:
             with self._locate_errors(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -349,16 +352,20 @@ class FusedArray(nn.Module):
             raise
         except Exception as exc:  # data-dependent control flow and the like: stay eager
             _log.debug("tracing failed, running eagerly: %s", exc)
-            return _EAGER
         finally:
             self._grad_watch = None
         if self._attributes() != before:
+            for m, d in saved:  # undo what the traced forward did, before it runs for real
+                m.__dict__.clear()
+                m.__dict__.update(d)
             self._trace_enabled = False
             warnings.warn(
                 "a forward of this model changes Python attributes of its modules, so its calls "
                 "cannot be replayed from a trace; the array runs eagerly (slower, same results)",
                 stacklevel=4,
             )
+            return _EAGER
+        if graph is None:
             return _EAGER
         if watch.changed:
             _log.debug("forward switches grad mode; running eagerly")
@@ -407,17 +414,22 @@ class FusedArray(nn.Module):
 
 
 @contextmanager
-def _no_mha_fastpath() -> Iterator[None]:
-    """Keep attention layers off their inference fast path inside the batched forward.
+def _batchable_attention() -> Iterator[None]:
+    """Keep attention on kernels that ``vmap`` batches, inside the batched forward.
 
     Under ``vmap`` the batched stand-ins of parameters report ``requires_grad=False``, so
-    ``MultiheadAttention`` and ``TransformerEncoderLayer`` in eval mode would pick a kernel that
-    has no batching rule (a slow loop over members) and no derivative.
+    ``MultiheadAttention`` and ``TransformerEncoderLayer`` in eval mode would pick their inference
+    fast path, which has no batching rule (a loop over members) and no derivative. The fused
+    flash/memory-efficient SDPA kernels have no batching rule either; SDPA's math backend is made
+    of batched matrix products and a softmax.
     """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     enabled = torch.backends.mha.get_fastpath_enabled()
     torch.backends.mha.set_fastpath_enabled(False)
     try:
-        yield
+        with sdpa_kernel(SDPBackend.MATH):
+            yield
     finally:
         torch.backends.mha.set_fastpath_enabled(enabled)
 

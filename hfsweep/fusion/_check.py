@@ -144,6 +144,12 @@ def _short(value: Any) -> str:
 def _check_supported(model: nn.Module, unsupported: Callable[[nn.Module], str | None]) -> None:
     for path, module in model.named_modules():
         where = describe_path(path)
+        for name, p in module._parameters.items():
+            if isinstance(p, nn.parameter.UninitializedParameter):
+                raise FusionError(
+                    f"parameter '{_join(path, name)}' is not initialised (a lazy module); run one "
+                    "forward pass through each model before fusing."
+                )
         for hooks in _HOOK_DICTS:
             if getattr(module, hooks, None):
                 raise FusionError(
@@ -151,12 +157,6 @@ def _check_supported(model: nn.Module, unsupported: Callable[[nn.Module], str | 
                     "registered; module hooks are not carried into a fused array (they would see "
                     "all members at once). Remove them before fusing and attach them to "
                     "array.member(i) instead."
-                )
-        for name, p in module._parameters.items():
-            if isinstance(p, nn.parameter.UninitializedParameter):
-                raise FusionError(
-                    f"parameter '{_join(path, name)}' is not initialised (a lazy module); run one "
-                    "forward pass through each model before fusing."
                 )
         reason = unsupported(module)
         if reason is not None:

@@ -60,3 +60,19 @@ def test_float32_many_steps_stays_close() -> None:
         lambda: MLP(d_in=12, hidden=16, d_out=4), lambda g: (torch.randn(16, 12, generator=g),),
         size=4, steps=100, dtype=torch.float32, rtol=1e-4, atol=1e-5, modes=("train",), lr=0.01,
     )
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("train", [True, False])
+def test_no_op_falls_back_to_a_loop_over_members(name: str, train: bool) -> None:
+    """vmap warns when an op has no batching rule and it loops over members instead."""
+    import warnings
+
+    import hfsweep as hs
+
+    make_model, make_input = MODELS[name]
+    array = hs.fuse([make_model() for _ in range(3)], trace=False)
+    array.train(train)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*performance drop.*")
+        array(*make_input(torch.Generator().manual_seed(0)))

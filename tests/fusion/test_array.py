@@ -1,0 +1,333 @@
+"""FusedArray behaviour: shapes, layout, member export and refill, modes, dtype moves, state dicts,
+and forward code that cannot be replayed from a trace."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hfsweep as hs
+from hfsweep.testing import MLP, LeNet, LSTMClassifier, TransformerClassifier
+
+B = 4
+
+
+def mlp_models(size: int = B, **kw) -> list[nn.Module]:
+    return [MLP(d_in=6, hidden=8, d_out=3, **kw) for _ in range(size)]
+
+
+def test_size_and_output_shapes() -> None:
+    array = hs.fuse(mlp_models())
+    assert array.size == B
+    assert array(torch.randn(5, 6)).shape == (B, 5, 3)
+    assert array(torch.randn(B, 5, 6), shared=False).shape == (B, 5, 3)
+
+
+def test_every_parameter_and_buffer_has_the_member_dimension_first() -> None:
+    array = hs.fuse([LeNet() for _ in range(3)])
+    single = LeNet()
+    shapes = {k: v.shape for k, v in single.state_dict().items()}
+    for name, t in array.module.state_dict().items():
+        if name.endswith("member_p"):
+            continue
+        assert t.shape == (3, *shapes[name]), name
+    assert all(p.shape[0] == 3 for p in array.parameters())
+
+
+def test_shared_false_rejects_inputs_without_member_dimension() -> None:
+    array = hs.fuse(mlp_models())
+    with pytest.raises(hs.FusionError, match=r"shared=False.*size 4.*\(5, 6\)"):
+        array(torch.randn(5, 6), shared=False)
+
+
+def test_fuse_copies_and_never_changes_the_models_passed_in() -> None:
+    models = mlp_models()
+    before = [copy.deepcopy(m.state_dict()) for m in models]
+    array = hs.fuse(models)
+    opt = torch.optim.SGD(array.parameters(), lr=0.1)
+    hs.member_losses(array(torch.randn(5, 6)), torch.randint(0, 3, (5,))).sum().backward()
+    opt.step()
+    for m, sd in zip(models, before, strict=True):
+        for k, v in m.state_dict().items():
+            assert torch.equal(v, sd[k])
+
+
+def test_member_is_an_independent_copy_of_the_original_class() -> None:
+    models = mlp_models()
+    array = hs.fuse(models)
+    m = array.member(2)
+    assert type(m) is MLP
+    x = torch.randn(5, 6)
+    expected = array(x)[2].detach()
+    torch.testing.assert_close(m(x), expected)
+    with torch.no_grad():
+        for p in array.parameters():
+            p.add_(1.0)
+    torch.testing.assert_close(m(x), expected)  # exporting copied, did not alias
+    assert array.member(-1)(x).shape == (5, 3)
+    with pytest.raises(IndexError, match="out of range"):
+        array.member(B)
+
+
+def test_member_state_dict_has_exactly_the_models_keys() -> None:
+    array = hs.fuse([LeNet(dropout=0.2) for _ in range(3)])
+    assert array.member(0).state_dict().keys() == LeNet().state_dict().keys()
+
+
+def test_member_keeps_train_mode_and_requires_grad() -> None:
+    models = mlp_models()
+    for m in models:
+        m.layers[0].weight.requires_grad_(False)
+    array = hs.fuse(models)
+    array.eval()
+    m = array.member(1)
+    assert not m.training
+    assert not m.layers[0].weight.requires_grad and m.head.weight.requires_grad
+
+
+def test_load_member_refills_one_slot_and_leaves_the_others() -> None:
+    array = hs.fuse(mlp_models())
+    x = torch.randn(5, 6)
+    before = array(x).detach()
+    newcomer = MLP(d_in=6, hidden=8, d_out=3)
+    array.load_member(1, newcomer)
+    after = array(x).detach()
+    torch.testing.assert_close(after[1], newcomer(x))
+    for i in (0, 2, 3):
+        assert torch.equal(after[i], before[i])
+
+
+def test_load_member_restarts_batchnorm_statistics_of_that_slot() -> None:
+    torch.manual_seed(1)
+    models = [LeNet() for _ in range(2)]
+    array = hs.fuse(models)
+    for _ in range(3):
+        array(torch.randn(4, 1, 8, 8))
+    fresh = LeNet()
+    array.load_member(0, fresh)
+    bufs = dict(array.module.named_buffers())
+    assert bufs["bn1.num_batches_tracked"].tolist() == [0, 3]
+    torch.testing.assert_close(bufs["bn1.running_mean"][0], fresh.bn1.running_mean)
+
+
+def test_load_member_casts_to_the_arrays_dtype() -> None:
+    array = hs.fuse(mlp_models()).double()
+    newcomer = MLP(d_in=6, hidden=8, d_out=3)
+    array.load_member(0, newcomer)
+    x = torch.randn(5, 6, dtype=torch.float64)
+    torch.testing.assert_close(array(x)[0], newcomer.double()(x))
+
+
+def test_load_member_rejects_another_architecture() -> None:
+    array = hs.fuse(mlp_models())
+    with pytest.raises(hs.FusionError, match=r"layers\.0\.weight.*\(16, 6\)"):
+        array.load_member(0, MLP(d_in=6, hidden=16, d_out=3))
+
+
+def test_train_eval_propagate_and_select_separate_traces() -> None:
+    array = hs.fuse([LeNet() for _ in range(2)])
+    array.eval()
+    assert all(not m.training for m in array.module.modules())
+    x = torch.randn(3, 1, 8, 8)
+    out_eval = array(x)
+    array.train()
+    assert all(m.training for m in array.module.modules())
+    out_train = array(x)
+    assert not torch.allclose(out_eval, out_train)  # batch statistics vs running statistics
+    assert len(array._traces) == 2
+
+
+def test_new_batch_size_traces_again_and_stays_exact() -> None:
+    models = mlp_models()
+    refs = [copy.deepcopy(m) for m in models]
+    array = hs.fuse(models)
+    for n in (5, 3, 5):
+        x = torch.randn(n, 6)
+        out = array(x)
+        for i, r in enumerate(refs):
+            torch.testing.assert_close(out[i], r(x))
+    assert len(array._traces) == 2
+
+
+def test_to_dtype_moves_everything_and_retraces() -> None:
+    array = hs.fuse([LeNet() for _ in range(2)])
+    array(torch.randn(3, 1, 8, 8))
+    array.double()
+    assert all(p.dtype == torch.float64 for p in array.parameters())
+    assert array(torch.randn(3, 1, 8, 8, dtype=torch.float64)).dtype == torch.float64
+    assert array.member(0).fc1.weight.dtype == torch.float64
+
+
+def test_state_dict_round_trip_between_arrays() -> None:
+    a = hs.fuse([LeNet(dropout=0.1) for _ in range(3)])
+    b = hs.fuse([LeNet(dropout=0.4) for _ in range(3)])
+    x = torch.randn(3, 1, 8, 8)
+    a(x)  # move BatchNorm statistics away from their initial values
+    b.load_state_dict(a.state_dict())
+    a.eval()
+    b.eval()
+    torch.testing.assert_close(a(x), b(x))
+    assert b.dropout == a.dropout
+
+
+def test_tensor_keyword_arguments_and_non_tensor_outputs() -> None:
+    class Attn(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mha = nn.MultiheadAttention(8, 2, batch_first=True)
+
+        def forward(self, x, mask=None):
+            return self.mha(x, x, x, key_padding_mask=mask, need_weights=False)
+
+    models = [Attn() for _ in range(3)]
+    refs = [copy.deepcopy(m) for m in models]
+    array = hs.fuse(models)
+    x = torch.randn(2, 5, 8)
+    mask = torch.tensor([[False] * 5, [False, False, False, True, True]])
+    out, weights = array(x, mask=mask)
+    assert weights is None
+    for i, r in enumerate(refs):
+        torch.testing.assert_close(out[i], r(x, mask=mask)[0])
+
+
+def test_lstm_initial_state_as_a_nested_argument() -> None:
+    models = [nn.LSTM(3, 4) for _ in range(2)]
+    refs = [copy.deepcopy(m) for m in models]
+    array = hs.fuse(models)
+    x, h0, c0 = torch.randn(5, 2, 3), torch.randn(1, 2, 4), torch.randn(1, 2, 4)
+    out, (h, c) = array(x, (h0, c0))
+    for i, r in enumerate(refs):
+        ro, (rh, rc) = r(x, (h0, c0))
+        torch.testing.assert_close(out[i], ro)
+        torch.testing.assert_close(c[i], rc)
+
+
+def test_model_without_parameters() -> None:
+    array = hs.fuse([nn.ReLU() for _ in range(3)])
+    x = torch.randn(4, 2)
+    assert torch.equal(array(x), F.relu(x).expand(3, 4, 2))
+
+
+class DataDependent(nn.Module):
+    """Branches on the value of a shared input: a trace would freeze one branch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, x):
+        if x.sum() > 0:
+            x = x * 2
+        return self.fc(x)
+
+
+def test_forward_that_branches_on_values_runs_eagerly_and_exactly() -> None:
+    models = [DataDependent() for _ in range(3)]
+    refs = [copy.deepcopy(m) for m in models]
+    array = hs.fuse(models)
+    for sign in (1.0, -1.0, 1.0):
+        x = sign * torch.rand(4, 3)
+        out = array(x)
+        assert not array._last_call_traced
+        for i, r in enumerate(refs):
+            torch.testing.assert_close(out[i], r(x))
+
+
+class NoGradInside(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(3, 3)
+        self.b = nn.Linear(3, 2)
+
+    def forward(self, x):
+        with torch.no_grad():
+            h = self.a(x)
+        return self.b(h)
+
+
+def test_forward_that_switches_grad_mode_runs_eagerly_with_right_gradients() -> None:
+    models = [NoGradInside() for _ in range(2)]
+    refs = [copy.deepcopy(m) for m in models]
+    array = hs.fuse(models)
+    x = torch.randn(4, 3)
+    array(x).sum().backward()
+    assert not array._last_call_traced
+    assert array.module.a.weight.grad is None
+    for i, r in enumerate(refs):
+        r(x).sum().backward()
+        torch.testing.assert_close(array.module.b.weight.grad[i], r.b.weight.grad)
+
+
+class Counter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.fc(x) * self.calls
+
+
+def test_forward_that_changes_python_attributes_warns_and_runs_eagerly() -> None:
+    models = [Counter() for _ in range(2)]
+    refs = [copy.deepcopy(m) for m in models]
+    array = hs.fuse(models)
+    x = torch.randn(4, 3)
+    with pytest.warns(UserWarning, match="runs eagerly"):
+        array(x)
+    for r in refs:
+        r(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = array(x)
+    for i, r in enumerate(refs):
+        torch.testing.assert_close(out[i], r(x))
+
+
+def test_changing_a_setting_of_the_template_selects_a_new_trace() -> None:
+    models = [nn.Sequential(nn.Linear(3, 3), nn.LeakyReLU(0.1)) for _ in range(2)]
+    array = hs.fuse(models)
+    x = -torch.ones(2, 3)
+    first = array(x).detach()
+    array.module[1].negative_slope = 0.5
+    second = array(x).detach()
+    assert not torch.allclose(first, second)
+
+
+def test_trace_false_never_traces() -> None:
+    array = hs.fuse(mlp_models(), trace=False)
+    array(torch.randn(2, 6))
+    assert not array._last_call_traced and not array._traces
+
+
+def test_unhashable_argument_runs_eagerly() -> None:
+    class TakesList(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(3, 2)
+
+        def forward(self, x, scales):
+            return self.fc(x) * scales[0]
+
+    array = hs.fuse([TakesList() for _ in range(2)])
+    out = array(torch.randn(4, 3), [2.0])
+    assert out.shape == (2, 4, 2)
+
+
+def test_error_inside_forward_names_the_submodule() -> None:
+    array = hs.fuse([LSTMClassifier() for _ in range(2)])
+    with pytest.raises(Exception) as info:
+        array(torch.randn(3, 5))  # floats where token ids belong
+    text = str(info.value) + "".join(getattr(info.value, "__notes__", []))
+    assert "embed" in text
+
+
+def test_repr_and_size_of_transformer_array() -> None:
+    array = hs.fuse([TransformerClassifier() for _ in range(2)])
+    assert "size=2" in repr(array)
