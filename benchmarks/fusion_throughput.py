@@ -131,7 +131,8 @@ def make_steps(
 
 def measure(
     name: str, size: int, batch: int, device: torch.device, rounds: int, min_time: float
-) -> dict[str, float]:
+) -> dict[str, float | list[float]]:
+    """Median member-samples/s of each way, and per-round ratios (fused/serial, fused/ideal)."""
     steps = make_steps(name, size, batch, device)
     iters = {}
     for way, step in steps.items():
@@ -143,7 +144,21 @@ def measure(
     for _ in range(rounds):
         for way, step in steps.items():
             samples[way].append(_time(step, iters[way], device))
-    return {way: size * batch / statistics.median(ts) for way, ts in samples.items()}
+    result: dict[str, float | list[float]] = {
+        way: size * batch / statistics.median(ts) for way, ts in samples.items()
+    }
+    result["fused/serial rounds"] = [
+        s / f for s, f in zip(samples["serial"], samples["fused"], strict=True)
+    ]
+    result["fused/ideal rounds"] = [
+        i / f for i, f in zip(samples["ideal"], samples["fused"], strict=True)
+    ]
+    return result
+
+
+def _ratio(row: dict, key: str) -> str:
+    rounds = row[f"{key} rounds"]
+    return f"{statistics.median(rounds):.2f} ({min(rounds):.2f}-{max(rounds):.2f})"
 
 
 def machine(device: torch.device) -> str:
@@ -173,15 +188,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     rows = []
-    print(f"{'model':12s} {'B':>3s} {'serial':>10s} {'fused':>10s} {'ideal':>10s} "
-          f"{'fused/serial':>12s} {'fused/ideal':>11s}", flush=True)
+    print(
+        f"{'model':12s} {'B':>3s} {'serial':>10s} {'fused':>10s} {'ideal':>10s} "
+        f"{'fused/serial':>18s} {'fused/ideal':>18s}",
+        flush=True,
+    )
     for name in args.models:
         for size in args.sizes:
             r = measure(name, size, args.batch, device, args.rounds, args.min_time)
             row = {"model": name, "B": size, **r}
             rows.append(row)
-            print(f"{name:12s} {size:3d} {r['serial']:10.0f} {r['fused']:10.0f} {r['ideal']:10.0f} "
-                  f"{r['fused'] / r['serial']:12.2f} {r['fused'] / r['ideal']:11.2f}", flush=True)
+            print(
+                f"{name:12s} {size:3d} {r['serial']:10.0f} {r['fused']:10.0f} {r['ideal']:10.0f} "
+                f"{_ratio(row, 'fused/serial'):>18s} {_ratio(row, 'fused/ideal'):>18s}",
+                flush=True,
+            )
     stem = args.out or RESULTS / f"fusion_throughput_{device.type}"
     stem.parent.mkdir(parents=True, exist_ok=True)
     command = "python benchmarks/fusion_throughput.py " + " ".join(argv or sys.argv[1:])
@@ -204,7 +225,9 @@ def main(argv: list[str] | None = None) -> int:
         f"- one step = forward + backward + SGD update, batch {args.batch} per member; "
         f"median of {args.rounds} interleaved rounds",
         "",
-        "Member-samples/s (higher is better).",
+        "Member-samples/s, median over rounds (higher is better). The ratios are the median of",
+        "the per-round ratios, with their range across rounds in parentheses: that range is how",
+        "much this machine's speed moved while the three ways ran side by side.",
         "",
         "| model | B | serial | fused | ideal | fused / serial | fused / ideal |",
         "|---|---:|---:|---:|---:|---:|---:|",
@@ -212,8 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         lines.append(
             f"| {row['model']} | {row['B']} | {row['serial']:.0f} | {row['fused']:.0f} | "
-            f"{row['ideal']:.0f} | {row['fused'] / row['serial']:.2f} | "
-            f"{row['fused'] / row['ideal']:.2f} |"
+            f"{row['ideal']:.0f} | {_ratio(row, 'fused/serial')} | {_ratio(row, 'fused/ideal')} |"
         )
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print(f"wrote {stem.with_suffix('.md')}")

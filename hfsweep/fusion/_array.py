@@ -23,7 +23,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.utils._pytree as pytree
@@ -97,6 +97,8 @@ class FusedArray(nn.Module):
     :meth:`member` and :meth:`load_member` slice. ``array.module`` itself is storage, not a model:
     call the array, not the module.
     """
+
+    _prototype: nn.Module
 
     def __init__(
         self,
@@ -192,7 +194,7 @@ class FusedArray(nn.Module):
                 for module, name in owners[slot.name]:
                     setattr(module, name, value)  # one object in every tied place
         for path, m in self._dropouts:
-            model.get_submodule(path).p = float(m.member_p[i])
+            cast(nn.Dropout, model.get_submodule(path)).p = float(m.get_buffer("member_p")[i])
         model.train(self.training)
         return model
 
@@ -226,7 +228,9 @@ class FusedArray(nn.Module):
     # ------------------------------------------------------------------ internals
     def _index(self, i: int) -> int:
         if not isinstance(i, int) or isinstance(i, bool) or not -self._size <= i < self._size:
-            raise IndexError(f"member index {i!r} is out of range for an array of size {self._size}")
+            raise IndexError(
+                f"member index {i!r} is out of range for an array of size {self._size}"
+            )
         return i % self._size
 
     def _state(self) -> tuple[Tensor, ...]:
@@ -238,14 +242,16 @@ class FusedArray(nn.Module):
 
     def _apply(self, fn: Any, recurse: bool = True) -> FusedArray:
         self._traces.clear()
-        return super()._apply(fn, recurse)  # type: ignore[no-any-return]
+        return super()._apply(fn, recurse)
 
     def _vmapped(
         self, leaves: list[Any], spec: Any, tensor_at: list[int], shared: bool
     ) -> Callable[[_Outputs], Callable[..., tuple[Tensor, ...]]]:
         n_state = len(self._slots)
 
-        def per_member(state: tuple[Tensor, ...], tensors: tuple[Tensor, ...], rec: _Outputs) -> Any:
+        def per_member(
+            state: tuple[Tensor, ...], tensors: tuple[Tensor, ...], rec: _Outputs
+        ) -> Any:
             saved = [(d, n, d[n]) for d, n, _ in self._swap_places]
             for d, n, j in self._swap_places:
                 d[n] = state[j]
@@ -271,6 +277,15 @@ class FusedArray(nn.Module):
             return result
 
         def make(rec: _Outputs) -> Callable[..., tuple[Tensor, ...]]:
+            if self._size == 1:
+                # One member: run forward on its slice of the stacked tensors, no vmap needed.
+                def single(*flat: Tensor) -> tuple[Tensor, ...]:
+                    state = tuple(s[0] for s in flat[:n_state])
+                    inputs = flat[n_state:] if shared else tuple(t[0] for t in flat[n_state:])
+                    out = per_member(state, inputs, rec)
+                    return tuple(o.unsqueeze(0) for o in out)
+
+                return single
             batched = vmap(
                 lambda s, t: per_member(s, t, rec),
                 in_dims=(0, None if shared else 0),
@@ -329,7 +344,7 @@ class FusedArray(nn.Module):
             entry = self._trace(call, state, tensors)
             if self._trace_enabled:
                 self._traces[key] = entry
-        return None if entry is _EAGER else entry  # type: ignore[return-value]
+        return None if entry is _EAGER else entry
 
     def _trace(
         self,
@@ -472,9 +487,7 @@ def _owners(model: nn.Module) -> dict[str, list[tuple[nn.Module, str]]]:
 def _places(model: nn.Module) -> dict[str, list[tuple[dict[str, Any], str]]]:
     """Like :func:`_owners`, with the module's parameter or buffer dict in place of the module."""
     return {
-        key: [
-            (m._parameters if name in m._parameters else m._buffers, name) for m, name in owners
-        ]
+        key: [(m._parameters if name in m._parameters else m._buffers, name) for m, name in owners]
         for key, owners in _owners(model).items()
     }
 
@@ -512,8 +525,9 @@ def _assign_dropout(
             raise FusionError(
                 f"dropout for {describe_path(path)}: {bad[0]} is not a probability in [0, 1]"
             )
+        buf = m.get_buffer("member_p")
         with torch.no_grad():
-            m.member_p.copy_(torch.tensor(vals, dtype=m.member_p.dtype))
+            buf.copy_(torch.tensor(vals, dtype=buf.dtype))
 
 
 def build_array(
@@ -546,7 +560,7 @@ def build_array(
     dropout_paths: list[str] = []
     for path, module in template.named_modules():
         dims = dropout_feature_dims(module)
-        cls = fused_class(module)
+        cls = fused_class(module, size)
         if cls is not None:
             module.__class__ = cls
         if dims is not None:
@@ -562,7 +576,9 @@ def build_array(
             first = owner0[attr0]
             stacked = torch.stack([mp[name][0][0][mp[name][0][1]].detach() for mp in member_places])
             is_param = isinstance(first, nn.Parameter)
-            value: Tensor = nn.Parameter(stacked, requires_grad=first.requires_grad) if is_param else stacked
+            value: Tensor = (
+                nn.Parameter(stacked, requires_grad=first.requires_grad) if is_param else stacked
+            )
             for owner, attr in places:
                 owner[attr] = value
             slots.append(_Slot(name=name, is_param=is_param, places=places))

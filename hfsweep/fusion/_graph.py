@@ -32,7 +32,9 @@ def _is_same_shape_view(node: fx.Node) -> bool:
         return False
     src = node.args[0]
     out, inp = node.meta.get("val"), getattr(src, "meta", {}).get("val")
-    return isinstance(out, torch.Tensor) and isinstance(inp, torch.Tensor) and out.shape == inp.shape
+    return (
+        isinstance(out, torch.Tensor) and isinstance(inp, torch.Tensor) and out.shape == inp.shape
+    )
 
 
 def _removable(node: fx.Node) -> bool:
@@ -62,7 +64,7 @@ def simplify(gm: fx.GraphModule) -> fx.GraphModule:
     graph = gm.graph
     for node in list(graph.nodes):
         if _is_identity_permute(node) or _is_same_shape_view(node):
-            node.replace_all_uses_with(node.args[0])  # type: ignore[arg-type]
+            node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
     changed = True
     while changed:

@@ -19,14 +19,16 @@ from .._errors import FusionError
 __all__ = ["member_losses"]
 
 # Losses whose "mean" reduction is the plain mean of their "none" output.
-_ELEMENTWISE_MEAN: frozenset[Callable[..., Tensor]] = frozenset({
-    F.mse_loss,
-    F.l1_loss,
-    F.smooth_l1_loss,
-    F.huber_loss,
-    F.binary_cross_entropy_with_logits,
-    F.soft_margin_loss,
-})
+_ELEMENTWISE_MEAN: frozenset[Callable[..., Tensor]] = frozenset(
+    {
+        F.mse_loss,
+        F.l1_loss,
+        F.smooth_l1_loss,
+        F.huber_loss,
+        F.binary_cross_entropy_with_logits,
+        F.soft_margin_loss,
+    }
+)
 
 
 def member_losses(
@@ -59,9 +61,15 @@ def member_losses(
             f"{tuple(target.shape)}"
         )
     tgt = target.expand(size, *target.shape) if shared_target else target
-    if loss_fn is F.cross_entropy and not tgt.is_floating_point() and loss_kwargs.get("weight") is None:
+    if (
+        loss_fn is F.cross_entropy
+        and not tgt.is_floating_point()
+        and loss_kwargs.get("weight") is None
+    ):
         ignore = loss_kwargs.get("ignore_index", -100)
-        none = F.cross_entropy(outputs.flatten(0, 1), tgt.flatten(0, 1), reduction="none", **loss_kwargs)
+        none = F.cross_entropy(
+            outputs.flatten(0, 1), tgt.flatten(0, 1), reduction="none", **loss_kwargs
+        )
         kept = target != ignore
         counted = kept.sum() if shared_target else kept.reshape(size, -1).sum(1)
         return none.view(size, -1).sum(1) / counted

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from functools import cache
-
 from torch import nn
 
 from ..nn import (
@@ -33,18 +31,25 @@ def dropout_feature_dims(module: nn.Module) -> int | None:
     return _DROPOUTS.get(type(module))
 
 
-@cache
+_FUSED_CLASSES: dict[tuple[type[nn.Module], type[nn.Module]], type[nn.Module]] = {}
+
+
 def _make_fused(mixin: type[nn.Module], base: type[nn.Module]) -> type[nn.Module]:
-    return type(base.__name__, (mixin, base), {"__module__": base.__module__})
+    """``class Base(mixin, base)``: the mixin's forward, everything else from the torch class."""
+    key = (mixin, base)
+    if key not in _FUSED_CLASSES:
+        _FUSED_CLASSES[key] = type(base.__name__, (mixin, base), {"__module__": base.__module__})
+    return _FUSED_CLASSES[key]
 
 
-def fused_class(module: nn.Module) -> type[nn.Module] | None:
-    """The class to give ``module`` in an array's template, or ``None`` to run it as it is.
+def fused_class(module: nn.Module, size: int) -> type[nn.Module] | None:
+    """The class to give ``module`` in an array of ``size`` members, or ``None`` to keep its own.
 
-    Only exact torch classes are swapped: a user subclass may override ``forward``.
+    Only exact torch classes are swapped: a user subclass may override ``forward``. An array of
+    one member runs without ``vmap``, where torch's own Linear is the fast one.
     """
     cls = type(module)
-    if cls is nn.Linear:
+    if cls is nn.Linear and size > 1:
         return _make_fused(FusedLinearMixin, cls)
     if cls in _BATCHNORMS:
         return _make_fused(FusedBatchNormMixin, cls)
@@ -76,10 +81,14 @@ def unsupported_reason(module: nn.Module) -> str | None:
             )
         if module.sparse:
             return "sparse=True gradients cannot be stacked per member; use sparse=False"
-    if isinstance(module, nn.modules.batchnorm._BatchNorm) and type(module) not in _BATCHNORMS:
-        if module.momentum is None and module.track_running_stats:
-            return (
-                "momentum=None in a BatchNorm subclass is not supported (hfsweep fuses it only "
-                "in nn.BatchNorm1d/2d/3d); give a numeric momentum"
-            )
+    if (
+        isinstance(module, nn.modules.batchnorm._BatchNorm)
+        and type(module) not in _BATCHNORMS
+        and module.momentum is None
+        and module.track_running_stats
+    ):
+        return (
+            "momentum=None in a BatchNorm subclass is not supported (hfsweep fuses it only "
+            "in nn.BatchNorm1d/2d/3d); give a numeric momentum"
+        )
     return None

@@ -19,7 +19,7 @@ __all__ = [
     "FusedDropoutMixin",
     "FusedEmbeddingMixin",
     "FusedLinearMixin",
-    "FusedRReLUMixin",
     "FusedRNNMixin",
+    "FusedRReLUMixin",
     "fused_linear",
 ]

@@ -7,6 +7,7 @@ keeps its own count: a slot refilled with a fresh trial restarts its cumulative 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch.nn.functional as F
@@ -26,14 +27,21 @@ class FusedBatchNormMixin(nn.Module):
     momentum: float | None
     eps: float
     track_running_stats: bool
+    _check_input_dim: Callable[[Tensor], None]  # from the torch class
 
     def forward(self, input: Tensor) -> Tensor:
-        self._check_input_dim(input)  # type: ignore[attr-defined]  # from the torch class
+        self._check_input_dim(input)
         use_batch_stats = self.training or self.running_mean is None
         if not use_batch_stats:
             return F.batch_norm(
-                input, self.running_mean, self.running_var, self.weight, self.bias,
-                False, 0.0, self.eps,
+                input,
+                self.running_mean,
+                self.running_var,
+                self.weight,
+                self.bias,
+                False,
+                0.0,
+                self.eps,
             )
         out = F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
         if self.training and self.track_running_stats and self.running_mean is not None:

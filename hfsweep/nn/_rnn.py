@@ -32,7 +32,7 @@ class FusedRNNMixin(nn.Module):
     proj_size: int
     nonlinearity: str
 
-    def forward(  # type: ignore[override]
+    def forward(
         self, input: Tensor, hx: Tensor | tuple[Tensor, Tensor] | None = None
     ) -> tuple[Tensor, Tensor | tuple[Tensor, Tensor]]:
         if isinstance(input, PackedSequence):
@@ -46,7 +46,7 @@ class FusedRNNMixin(nn.Module):
             input = input.unsqueeze(1)
         elif self.batch_first:
             input = input.transpose(0, 1)
-        seq_len, batch = input.shape[0], input.shape[1]
+        batch = input.shape[1]
         dirs = 2 if self.bidirectional else 1
         out_size = self.proj_size if self.proj_size > 0 else self.hidden_size
         h0, c0 = self._initial_state(hx, unbatched, batch, dirs, out_size, input)

@@ -28,9 +28,7 @@ __all__ = ["assert_fusion_matches", "assert_trees_close"]
 InputFactory = Callable[[torch.Generator], Sequence[Any]]
 
 
-def assert_trees_close(
-    actual: Any, expected: Any, *, rtol: float, atol: float, what: str
-) -> None:
+def assert_trees_close(actual: Any, expected: Any, *, rtol: float, atol: float, what: str) -> None:
     """Assert two output structures are equal: same structure, close floating tensors."""
     a_leaves, a_spec = pytree.tree_flatten(actual)
     e_leaves, e_spec = pytree.tree_flatten(expected)
@@ -193,9 +191,13 @@ def assert_fusion_matches(
                         continue
                     if fused_grad is None:
                         raise AssertionError(f"grad of {name}, {where}: missing in the array")
-                    _close(fused_grad[i], p.grad, rtol=rtol, atol=atol, what=f"grad of {name}, {where}")
+                    _close(
+                        fused_grad[i], p.grad, rtol=rtol, atol=atol, what=f"grad of {name}, {where}"
+                    )
                 for name, b in ref.named_buffers():
-                    _close(buffers[name][i], b, rtol=rtol, atol=atol, what=f"buffer {name}, {where}")
+                    _close(
+                        buffers[name][i], b, rtol=rtol, atol=atol, what=f"buffer {name}, {where}"
+                    )
             with torch.no_grad():
                 for ref in refs:
                     for p in ref.parameters():
@@ -209,8 +211,17 @@ def assert_fusion_matches(
 
     # Export: member(i).state_dict() loads into a fresh model and reproduces member i.
     array.eval()
-    out = array(*([a.unsqueeze(0).expand(size, *a.shape) if isinstance(a, Tensor) else a
-                   for a in last_args] if not shared else last_args), shared=shared)
+    out = array(
+        *(
+            [
+                a.unsqueeze(0).expand(size, *a.shape) if isinstance(a, Tensor) else a
+                for a in last_args
+            ]
+            if not shared
+            else last_args
+        ),
+        shared=shared,
+    )
     for i in range(size):
         exported = array.member(i)
         fresh = make_model().to(device=device, dtype=dtype)
@@ -220,7 +231,10 @@ def assert_fusion_matches(
             _zero_dropout(fresh)
         with torch.no_grad():
             assert_trees_close(
-                fresh(*last_args), _member_tree(out, i), rtol=rtol, atol=atol,
+                fresh(*last_args),
+                _member_tree(out, i),
+                rtol=rtol,
+                atol=atol,
                 what=f"member({i}) exported and reloaded",
             )
     return array

@@ -6,23 +6,36 @@ Their ``forward`` methods use what real code uses (residual additions, ``view``/
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["MLP", "LSTMClassifier", "LeNet", "SmallResNet", "TiedLanguageModel",
-           "TransformerClassifier"]
+__all__ = [
+    "MLP",
+    "LSTMClassifier",
+    "LeNet",
+    "SmallResNet",
+    "TiedLanguageModel",
+    "TransformerClassifier",
+]
 
 
 class MLP(nn.Module):
     """``in -> hidden x depth -> out`` with ReLU and dropout."""
 
     def __init__(
-        self, d_in: int = 64, hidden: int = 32, d_out: int = 10, depth: int = 2, dropout: float = 0.0
+        self,
+        d_in: int = 64,
+        hidden: int = 32,
+        d_out: int = 10,
+        depth: int = 2,
+        dropout: float = 0.0,
     ) -> None:
         super().__init__()
         dims = [d_in] + [hidden] * depth
-        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:]))
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in itertools.pairwise(dims))
         self.drop = nn.Dropout(dropout)
         self.head = nn.Linear(dims[-1], d_out)
 
@@ -36,7 +49,9 @@ class MLP(nn.Module):
 class LeNet(nn.Module):
     """LeNet-style CNN with BatchNorm and Dropout, for ``channels x size x size`` images."""
 
-    def __init__(self, channels: int = 1, size: int = 8, classes: int = 10, dropout: float = 0.0) -> None:
+    def __init__(
+        self, channels: int = 1, size: int = 8, classes: int = 10, dropout: float = 0.0
+    ) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(channels, 6, 3, padding=1)
         self.bn1 = nn.BatchNorm2d(6)
@@ -78,7 +93,9 @@ class SmallResNet(nn.Module):
 
     def __init__(self, width: int = 8, classes: int = 10, blocks: int = 1) -> None:
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU())
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU()
+        )
         layers: list[nn.Module] = []
         c = width
         for stage, stride in enumerate((1, 2)):
@@ -99,8 +116,14 @@ class TransformerClassifier(nn.Module):
     """Token embedding + learned positions, a Transformer encoder, mean pooling, a linear head."""
 
     def __init__(
-        self, vocab: int = 50, d_model: int = 16, heads: int = 2, layers: int = 2, classes: int = 4,
-        max_len: int = 32, dropout: float = 0.0,
+        self,
+        vocab: int = 50,
+        d_model: int = 16,
+        heads: int = 2,
+        layers: int = 2,
+        classes: int = 4,
+        max_len: int = 32,
+        dropout: float = 0.0,
     ) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, d_model, padding_idx=0)
@@ -118,7 +141,9 @@ class TransformerClassifier(nn.Module):
 class LSTMClassifier(nn.Module):
     """Embedding + bidirectional LSTM; the last states of both directions, concatenated."""
 
-    def __init__(self, vocab: int = 50, embed: int = 12, hidden: int = 16, classes: int = 4) -> None:
+    def __init__(
+        self, vocab: int = 50, embed: int = 12, hidden: int = 16, classes: int = 4
+    ) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, embed, padding_idx=0)
         self.lstm = nn.LSTM(embed, hidden, batch_first=True, bidirectional=True)

@@ -204,6 +204,7 @@ def test_lstm_initial_state_as_a_nested_argument() -> None:
     for i, r in enumerate(refs):
         ro, (rh, rc) = r(x, (h0, c0))
         torch.testing.assert_close(out[i], ro)
+        torch.testing.assert_close(h[i], rh)
         torch.testing.assert_close(c[i], rc)
 
 

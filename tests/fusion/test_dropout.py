@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import hfsweep as hs
-from hfsweep.testing import LeNet, MLP
+from hfsweep.testing import MLP, LeNet
 
 
 class Drop(nn.Module):
@@ -105,7 +105,7 @@ def test_invalid_dropout_arguments(dropout, match) -> None:
 
 
 def test_dropout_argument_without_dropout_layers() -> None:
-    with pytest.raises(hs.FusionError, match="no nn.Dropout"):
+    with pytest.raises(hs.FusionError, match=r"no nn\.Dropout"):
         hs.fuse([nn.Linear(2, 2), nn.Linear(2, 2)], dropout=[0.1, 0.2])
 
 

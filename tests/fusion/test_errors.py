@@ -26,7 +26,9 @@ def test_same_object_twice() -> None:
 def test_different_classes_name_the_submodule() -> None:
     a = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
     b = nn.Sequential(nn.Linear(2, 2), nn.Tanh())
-    with pytest.raises(hs.FusionError, match=r"submodule '1' is ReLU in member 0 but Tanh in member 1"):
+    with pytest.raises(
+        hs.FusionError, match=r"submodule '1' is ReLU in member 0 but Tanh in member 1"
+    ):
         hs.fuse([a, b])
 
 
@@ -36,7 +38,9 @@ def test_different_module_trees() -> None:
 
 
 def test_different_shapes_name_the_parameter_and_what_to_do() -> None:
-    with pytest.raises(hs.FusionError, match=r"'layers\.0\.weight' is \(32, 64\).*\(16, 64\).*different arrays"):
+    with pytest.raises(
+        hs.FusionError, match=r"'layers\.0\.weight' is \(32, 64\).*\(16, 64\).*different arrays"
+    ):
         hs.fuse([MLP(hidden=32), MLP(hidden=16)])
 
 
@@ -46,7 +50,9 @@ def test_different_dtypes() -> None:
 
 
 def test_different_non_tensor_settings() -> None:
-    with pytest.raises(hs.FusionError, match=r"submodule 'bn1': attribute 'eps' is 1e-05 in member 0 but 0\.001"):
+    with pytest.raises(
+        hs.FusionError, match=r"submodule 'bn1': attribute 'eps' is 1e-05 in member 0 but 0\.001"
+    ):
         a, b = LeNet(), LeNet()
         b.bn1.eps = 1e-3
         hs.fuse([a, b])
@@ -71,7 +77,7 @@ def test_plain_tensor_attributes_must_match_or_be_buffers() -> None:
         def forward(self, x):
             return self.fc(x) * self.scale
 
-    with pytest.raises(hs.FusionError, match="'scale'.*Register it as a buffer"):
+    with pytest.raises(hs.FusionError, match=r"'scale'.*Register it as a buffer"):
         hs.fuse([Scaled(1.0), Scaled(2.0)])
     hs.fuse([Scaled(1.0), Scaled(1.0)])  # equal values are fine
 
@@ -119,7 +125,9 @@ def test_missing_batching_rule_becomes_a_fusion_error_naming_the_submodule() -> 
             return self.odd(x)
 
     array = hs.fuse([Outer(), Outer()])
-    with pytest.raises(hs.FusionError, match=r"submodule 'odd' \(Odd\) cannot run in a fused array"):
+    with pytest.raises(
+        hs.FusionError, match=r"submodule 'odd' \(Odd\) cannot run in a fused array"
+    ):
         array(torch.randn(2, 3))
 
 
@@ -128,5 +136,5 @@ def test_packed_sequences_are_refused_with_an_alternative() -> None:
 
     array = hs.fuse([nn.LSTM(2, 3), nn.LSTM(2, 3)])
     packed = pack_padded_sequence(torch.randn(4, 2, 2), [4, 3])
-    with pytest.raises(hs.FusionError, match="PackedSequence.*pad"):
+    with pytest.raises(hs.FusionError, match=r"PackedSequence.*pad"):
         array(packed)

@@ -98,54 +98,73 @@ LAYERS: dict[str, tuple[Callable[[], nn.Module], Callable[[torch.Generator], tup
     "Linear": (lambda: nn.Linear(5, 4), randn(7, 5)),
     "Linear-3d-input": (lambda: nn.Linear(5, 4), randn(2, 7, 5)),
     "Linear-no-bias": (lambda: nn.Linear(5, 4, bias=False), randn(7, 5)),
-    "Bilinear": (lambda: TwoInput(nn.Bilinear(4, 3, 5)),
-                 lambda g: (torch.randn(6, 4, generator=g), torch.randn(6, 3, generator=g))),
+    "Bilinear": (
+        lambda: TwoInput(nn.Bilinear(4, 3, 5)),
+        lambda g: (torch.randn(6, 4, generator=g), torch.randn(6, 3, generator=g)),
+    ),
     "Conv1d": (lambda: nn.Conv1d(3, 4, 3, padding=1), randn(5, 3, 9)),
     "Conv2d": (lambda: nn.Conv2d(3, 4, 3, stride=2), randn(5, 3, 9, 9)),
     "Conv2d-groups": (lambda: nn.Conv2d(4, 4, 3, groups=2, padding="same"), randn(3, 4, 6, 6)),
     "Conv3d": (lambda: nn.Conv3d(2, 3, 3), randn(3, 2, 5, 5, 5)),
     "ConvTranspose1d": (lambda: nn.ConvTranspose1d(3, 2, 3, stride=2), randn(4, 3, 6)),
-    "ConvTranspose2d": (lambda: nn.ConvTranspose2d(3, 2, 3, stride=2, output_padding=1),
-                        randn(4, 3, 5, 5)),
+    "ConvTranspose2d": (
+        lambda: nn.ConvTranspose2d(3, 2, 3, stride=2, output_padding=1),
+        randn(4, 3, 5, 5),
+    ),
     "BatchNorm1d": (lambda: nn.BatchNorm1d(4), randn(8, 4)),
     "BatchNorm1d-3d": (lambda: nn.BatchNorm1d(4), randn(6, 4, 5)),
     "BatchNorm2d": (lambda: nn.BatchNorm2d(3), randn(6, 3, 4, 4)),
     "BatchNorm2d-momentum-None": (lambda: nn.BatchNorm2d(3, momentum=None), randn(6, 3, 4, 4)),
-    "BatchNorm2d-no-affine": (lambda: behind_conv(lambda: nn.BatchNorm2d(2, affine=False), 2)(),
-                              randn(6, 2, 4, 4)),
-    "BatchNorm1d-no-running-stats": (lambda: nn.BatchNorm1d(4, track_running_stats=False),
-                                     randn(8, 4)),
+    "BatchNorm2d-no-affine": (
+        lambda: behind_conv(lambda: nn.BatchNorm2d(2, affine=False), 2)(),
+        randn(6, 2, 4, 4),
+    ),
+    "BatchNorm1d-no-running-stats": (
+        lambda: nn.BatchNorm1d(4, track_running_stats=False),
+        randn(8, 4),
+    ),
     "LayerNorm": (lambda: nn.LayerNorm([3, 4]), randn(5, 3, 4)),
     "GroupNorm": (lambda: nn.GroupNorm(2, 4), randn(5, 4, 3, 3)),
     "Embedding": (lambda: nn.Embedding(11, 4), tokens(5, 7)),
     "Embedding-padding_idx": (lambda: nn.Embedding(11, 4, padding_idx=0), tokens(5, 7)),
-    "Embedding-scale_grad_by_freq": (lambda: nn.Embedding(11, 4, scale_grad_by_freq=True),
-                                     tokens(5, 7)),
+    "Embedding-scale_grad_by_freq": (
+        lambda: nn.Embedding(11, 4, scale_grad_by_freq=True),
+        tokens(5, 7),
+    ),
     "PReLU": (lambda: behind_conv(lambda: nn.PReLU(2), 1)(), randn(4, 2, 5)),
     "PReLU-shared": (lambda: behind_linear(lambda: nn.PReLU())(), randn(4, 6)),
     "MultiheadAttention": (SelfAttention, randn(3, 5, 8)),
     "MultiheadAttention-kdim-vdim": (
         CrossAttention,
-        lambda g: (torch.randn(4, 2, 8, generator=g), torch.randn(5, 2, 6, generator=g),
-                   torch.randn(5, 2, 5, generator=g)),
+        lambda g: (
+            torch.randn(4, 2, 8, generator=g),
+            torch.randn(5, 2, 6, generator=g),
+            torch.randn(5, 2, 5, generator=g),
+        ),
     ),
-    "TransformerEncoderLayer": (lambda: nn.TransformerEncoderLayer(8, 2, 16, batch_first=True),
-                                randn(3, 5, 8)),
+    "TransformerEncoderLayer": (
+        lambda: nn.TransformerEncoderLayer(8, 2, 16, batch_first=True),
+        randn(3, 5, 8),
+    ),
     "TransformerEncoderLayer-norm_first-gelu": (
         lambda: nn.TransformerEncoderLayer(8, 2, 16, activation="gelu", norm_first=True),
         randn(5, 3, 8),
     ),
     "TransformerDecoderLayer": (
-        Decoder, lambda g: (torch.randn(3, 4, 8, generator=g), torch.randn(3, 6, 8, generator=g))
+        Decoder,
+        lambda g: (torch.randn(3, 4, 8, generator=g), torch.randn(3, 6, 8, generator=g)),
     ),
     "LSTM": (lambda: nn.LSTM(4, 5, batch_first=True), randn(3, 6, 4)),
-    "LSTM-2layer-bidirectional": (lambda: nn.LSTM(4, 5, num_layers=2, bidirectional=True),
-                                  randn(6, 3, 4)),
+    "LSTM-2layer-bidirectional": (
+        lambda: nn.LSTM(4, 5, num_layers=2, bidirectional=True),
+        randn(6, 3, 4),
+    ),
     "LSTM-proj": (lambda: nn.LSTM(4, 5, proj_size=3, batch_first=True), randn(3, 6, 4)),
     "LSTM-unbatched": (lambda: nn.LSTM(4, 5), randn(6, 4)),
     "GRU": (lambda: nn.GRU(4, 5, batch_first=True), randn(3, 6, 4)),
     "GRU-2layer-bidirectional-no-bias": (
-        lambda: nn.GRU(4, 5, num_layers=2, bidirectional=True, bias=False), randn(6, 3, 4)
+        lambda: nn.GRU(4, 5, num_layers=2, bidirectional=True, bias=False),
+        randn(6, 3, 4),
     ),
     "RNN-relu": (lambda: nn.RNN(4, 5, nonlinearity="relu"), randn(6, 3, 4)),
     # parameterless layers behind a per-member layer
@@ -176,15 +195,34 @@ for name, (make, dims) in POOLS.items():
     LAYERS[name] = (behind_conv(make, dims), randn(3, 2, *([6] * dims)))
 
 ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
-    "ELU": nn.ELU, "CELU": nn.CELU, "SELU": nn.SELU, "GELU": nn.GELU,
-    "GELU-tanh": lambda: nn.GELU(approximate="tanh"), "GLU": nn.GLU,
-    "Hardshrink": nn.Hardshrink, "Hardsigmoid": nn.Hardsigmoid, "Hardswish": nn.Hardswish,
-    "Hardtanh": nn.Hardtanh, "LeakyReLU": lambda: nn.LeakyReLU(0.1), "LogSigmoid": nn.LogSigmoid,
-    "LogSoftmax": lambda: nn.LogSoftmax(-1), "Mish": nn.Mish, "ReLU": nn.ReLU, "ReLU6": nn.ReLU6,
-    "RReLU": nn.RReLU, "Sigmoid": nn.Sigmoid, "SiLU": nn.SiLU, "Softmax": lambda: nn.Softmax(-1),
-    "Softmin": lambda: nn.Softmin(-1), "Softplus": nn.Softplus, "Softshrink": nn.Softshrink,
-    "Softsign": nn.Softsign, "Tanh": nn.Tanh, "Tanhshrink": nn.Tanhshrink,
-    "Threshold": lambda: nn.Threshold(0.1, -1.0), "Identity": nn.Identity,
+    "ELU": nn.ELU,
+    "CELU": nn.CELU,
+    "SELU": nn.SELU,
+    "GELU": nn.GELU,
+    "GELU-tanh": lambda: nn.GELU(approximate="tanh"),
+    "GLU": nn.GLU,
+    "Hardshrink": nn.Hardshrink,
+    "Hardsigmoid": nn.Hardsigmoid,
+    "Hardswish": nn.Hardswish,
+    "Hardtanh": nn.Hardtanh,
+    "LeakyReLU": lambda: nn.LeakyReLU(0.1),
+    "LogSigmoid": nn.LogSigmoid,
+    "LogSoftmax": lambda: nn.LogSoftmax(-1),
+    "Mish": nn.Mish,
+    "ReLU": nn.ReLU,
+    "ReLU6": nn.ReLU6,
+    "RReLU": nn.RReLU,
+    "Sigmoid": nn.Sigmoid,
+    "SiLU": nn.SiLU,
+    "Softmax": lambda: nn.Softmax(-1),
+    "Softmin": lambda: nn.Softmin(-1),
+    "Softplus": nn.Softplus,
+    "Softshrink": nn.Softshrink,
+    "Softsign": nn.Softsign,
+    "Tanh": nn.Tanh,
+    "Tanhshrink": nn.Tanhshrink,
+    "Threshold": lambda: nn.Threshold(0.1, -1.0),
+    "Identity": nn.Identity,
 }
 for name, make in ACTIVATIONS.items():
     LAYERS[name] = (behind_linear(make), randn(4, 6))
@@ -203,8 +241,18 @@ def test_layer_matches_independent_modules(name: str, size: int) -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["Linear", "Conv2d", "BatchNorm2d", "LSTM", "Embedding", "Embedding-padding_idx",
-             "Embedding-scale_grad_by_freq", "MultiheadAttention", "GRU"]
+    "name",
+    [
+        "Linear",
+        "Conv2d",
+        "BatchNorm2d",
+        "LSTM",
+        "Embedding",
+        "Embedding-padding_idx",
+        "Embedding-scale_grad_by_freq",
+        "MultiheadAttention",
+        "GRU",
+    ],
 )
 def test_layer_matches_with_one_input_per_member(name: str) -> None:
     make_model, make_input = LAYERS[name]

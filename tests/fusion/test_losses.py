@@ -21,7 +21,13 @@ def per_member(outputs, target, fn, shared=True, **kw):
 
 
 @pytest.mark.parametrize(
-    "kw", [{}, {"label_smoothing": 0.1}, {"ignore_index": 2}, {"ignore_index": 2, "label_smoothing": 0.2}]
+    "kw",
+    [
+        {},
+        {"label_smoothing": 0.1},
+        {"ignore_index": 2},
+        {"ignore_index": 2, "label_smoothing": 0.2},
+    ],
 )
 def test_cross_entropy_fast_path(outputs, kw) -> None:
     target = torch.randint(0, C, (N,))
@@ -56,19 +62,21 @@ def test_cross_entropy_for_sequences(outputs) -> None:
     )
 
 
-@pytest.mark.parametrize("fn", [F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.binary_cross_entropy_with_logits])
+@pytest.mark.parametrize(
+    "fn", [F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.binary_cross_entropy_with_logits]
+)
 def test_elementwise_losses(outputs, fn) -> None:
     target = torch.rand(N, C, dtype=torch.float64)
-    torch.testing.assert_close(hs.member_losses(outputs, target, fn), per_member(outputs, target, fn))
+    torch.testing.assert_close(
+        hs.member_losses(outputs, target, fn), per_member(outputs, target, fn)
+    )
 
 
 def test_module_loss_runs_per_member(outputs) -> None:
     loss = torch.nn.KLDivLoss(reduction="batchmean")
     target = torch.softmax(torch.randn(N, C, dtype=torch.float64), -1)
     logp = outputs.log_softmax(-1)
-    torch.testing.assert_close(
-        hs.member_losses(logp, target, loss), per_member(logp, target, loss)
-    )
+    torch.testing.assert_close(hs.member_losses(logp, target, loss), per_member(logp, target, loss))
 
 
 def test_sum_gives_each_member_the_gradient_of_its_own_loss(outputs) -> None:

@@ -57,8 +57,15 @@ def test_model_matches_without_tracing(name: str) -> None:
 def test_float32_many_steps_stays_close() -> None:
     """float32 after 100 SGD steps: within rtol 1e-4 of the separate models."""
     assert_fusion_matches(
-        lambda: MLP(d_in=12, hidden=16, d_out=4), lambda g: (torch.randn(16, 12, generator=g),),
-        size=4, steps=100, dtype=torch.float32, rtol=1e-4, atol=1e-5, modes=("train",), lr=0.01,
+        lambda: MLP(d_in=12, hidden=16, d_out=4),
+        lambda g: (torch.randn(16, 12, generator=g),),
+        size=4,
+        steps=100,
+        dtype=torch.float32,
+        rtol=1e-4,
+        atol=1e-5,
+        modes=("train",),
+        lr=0.01,
     )
 
 

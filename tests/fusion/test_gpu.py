@@ -1,0 +1,72 @@
+"""The same conformance checks on a CUDA device (skipped where none is present)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hfsweep as hs
+from hfsweep.testing import (
+    MLP,
+    LeNet,
+    LSTMClassifier,
+    SmallResNet,
+    TransformerClassifier,
+    assert_fusion_matches,
+)
+
+pytestmark = pytest.mark.gpu
+
+MODELS = {
+    "MLP": (lambda: MLP(d_in=12, hidden=10, d_out=4), lambda g: (torch.randn(8, 12, generator=g),)),
+    "LeNet": (lambda: LeNet(dropout=0.2), lambda g: (torch.randn(6, 1, 8, 8, generator=g),)),
+    "SmallResNet": (SmallResNet, lambda g: (torch.randn(4, 3, 8, 8, generator=g),)),
+    "TransformerClassifier": (
+        lambda: TransformerClassifier(dropout=0.1),
+        lambda g: (torch.randint(0, 50, (4, 7), generator=g),),
+    ),
+    "LSTMClassifier": (LSTMClassifier, lambda g: (torch.randint(0, 50, (4, 7), generator=g),)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_model_matches_on_cuda_float64(name: str) -> None:
+    make_model, make_input = MODELS[name]
+    assert_fusion_matches(make_model, make_input, size=3, steps=3, device="cuda")
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_model_matches_on_cuda_float32(name: str) -> None:
+    make_model, make_input = MODELS[name]
+    assert_fusion_matches(
+        make_model,
+        make_input,
+        size=4,
+        steps=3,
+        device="cuda",
+        dtype=torch.float32,
+        rtol=1e-4,
+        atol=1e-5,
+    )
+
+
+def test_member_export_and_refill_on_cuda() -> None:
+    array = hs.fuse([LeNet().cuda() for _ in range(3)])
+    x = torch.randn(5, 1, 8, 8, device="cuda")
+    array.eval()
+    m = array.member(1)
+    assert next(m.parameters()).device.type == "cuda"
+    torch.testing.assert_close(m(x), array(x)[1])
+    newcomer = LeNet().eval()  # on the CPU: load_member moves it
+    array.load_member(0, newcomer)
+    torch.testing.assert_close(array(x)[0].cpu(), newcomer(x.cpu()), rtol=1e-4, atol=1e-5)
+
+
+def test_bf16_autocast_forward_and_backward_run() -> None:
+    array = hs.fuse([SmallResNet().cuda() for _ in range(4)])
+    x = torch.randn(8, 3, 16, 16, device="cuda")
+    y = torch.randint(0, 10, (8,), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        losses = hs.member_losses(array(x), y)
+    losses.float().sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in array.parameters())

@@ -1,0 +1,45 @@
+"""The hfsweep command line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hfsweep.cli import main
+from hfsweep.testing import MLP
+
+
+def test_demo_trains_every_member_and_saves_a_loadable_best_member(tmp_path: Path, capsys) -> None:
+    assert main(["demo", "--members", "3", "--epochs", "2", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "best member" in out and "speed-up" in out
+    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    accuracies = [float(r[2]) for r in rows[:3]]
+    assert all(acc > 0.5 for acc in accuracies)  # two epochs of digits already beat chance (0.1)
+    model = MLP(d_in=64, hidden=64, d_out=10, depth=2)
+    model.load_state_dict(torch.load(tmp_path / "best_member.pt"))
+
+
+def test_demo_rejects_bad_arguments(capsys) -> None:
+    assert main(["demo", "--members", "0"]) == 2
+    assert "at least 1" in capsys.readouterr().err
+
+
+def test_console_script_entry_point() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "hfsweep.cli", "--version"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout.startswith("hfsweep ")
+
+
+def test_unknown_command_exits_with_usage() -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["nope"])
+    assert info.value.code == 2
