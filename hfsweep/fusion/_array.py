@@ -119,6 +119,7 @@ class FusedArray(nn.Module):
         self._trace_enabled = trace
         self._traces: dict[Any, Any] = {}
         self._template_modules = list(template.modules())
+        self._template_dicts = [m.__dict__ for m in self._template_modules]
         self._dropouts = [
             (path, m) for path, m in template.named_modules() if hasattr(m, "member_p")
         ]
@@ -163,8 +164,7 @@ class FusedArray(nn.Module):
             shared = False
         if not tensors and not state:
             raise FusionError("a fused array needs at least one tensor input or parameter")
-        call = self._vmapped(leaves, spec, tensor_at, shared)
-        trace = self._lookup_trace(call, leaves, spec, tensor_at, tensors, shared, state)
+        trace = self._lookup_trace(leaves, spec, tensor_at, tensors, shared, state)
         if trace is not None:
             self._last_call_traced = True
             out = trace.graph(*state, *tensors)
@@ -172,7 +172,7 @@ class FusedArray(nn.Module):
         self._last_call_traced = False
         outputs = _Outputs()
         with self._locate_errors():
-            out = call(outputs)(*state, *tensors)
+            out = self._vmapped(leaves, spec, tensor_at, shared)(outputs)(*state, *tensors)
         return self._rebuild(out, outputs)
 
     def member(self, i: int) -> nn.Module:
@@ -304,10 +304,14 @@ class FusedArray(nn.Module):
         return pytree.tree_unflatten(leaves, rec.spec)
 
     def _attributes(self) -> tuple[Any, ...]:
-        """Every plain Python setting of the template's modules (train/eval mode included)."""
+        """Every plain Python setting of the template's modules (train/eval mode included).
+
+        Part of every call's trace key (about 6 us for a small MLP): names and values, objects by
+        identity.
+        """
         out: list[Any] = []
-        for m in self._template_modules:
-            for k, v in m.__dict__.items():
+        for d in self._template_dicts:
+            for k, v in d.items():
                 if k[0] != "_":
                     out.append(k)
                     out.append(v if type(v) in _PLAIN else id(v))
@@ -315,7 +319,6 @@ class FusedArray(nn.Module):
 
     def _lookup_trace(
         self,
-        call: Callable[[_Outputs], Callable[..., tuple[Tensor, ...]]],
         leaves: list[Any],
         spec: Any,
         tensor_at: list[int],
@@ -341,7 +344,7 @@ class FusedArray(nn.Module):
         except TypeError:  # an unhashable non-tensor argument: run eagerly
             return None
         if entry is None:
-            entry = self._trace(call, state, tensors)
+            entry = self._trace(self._vmapped(leaves, spec, tensor_at, shared), state, tensors)
             if self._trace_enabled:
                 self._traces[key] = entry
         return None if entry is _EAGER else entry

@@ -31,15 +31,27 @@ def dropout_feature_dims(module: nn.Module) -> int | None:
     return _DROPOUTS.get(type(module))
 
 
-_FUSED_CLASSES: dict[tuple[type[nn.Module], type[nn.Module]], type[nn.Module]] = {}
+def _fused(mixin: type[nn.Module], base: type[nn.Module]) -> type[nn.Module]:
+    """``class FusedX(mixin, X)``: the mixin's forward, everything else from torch's class ``X``.
+
+    The class is a global of this module under its ``__qualname__``, so pickled arrays (saved
+    whole, or sent to another process) come back with their fused layers. ``__name__`` stays the
+    torch class's, which is what reprs and error messages show.
+    """
+    cls = type(f"Fused{base.__name__}", (mixin, base), {"__module__": __name__})
+    globals()[cls.__qualname__] = cls
+    cls.__name__ = base.__name__
+    return cls
 
 
-def _make_fused(mixin: type[nn.Module], base: type[nn.Module]) -> type[nn.Module]:
-    """``class Base(mixin, base)``: the mixin's forward, everything else from the torch class."""
-    key = (mixin, base)
-    if key not in _FUSED_CLASSES:
-        _FUSED_CLASSES[key] = type(base.__name__, (mixin, base), {"__module__": base.__module__})
-    return _FUSED_CLASSES[key]
+_FUSED: dict[type[nn.Module], type[nn.Module]] = {
+    nn.Linear: _fused(FusedLinearMixin, nn.Linear),
+    nn.Embedding: _fused(FusedEmbeddingMixin, nn.Embedding),
+    nn.RReLU: _fused(FusedRReLUMixin, nn.RReLU),
+    **{cls: _fused(FusedBatchNormMixin, cls) for cls in _BATCHNORMS},
+    **{cls: _fused(FusedDropoutMixin, cls) for cls in _DROPOUTS},
+    **{cls: _fused(FusedRNNMixin, cls) for cls in _RNNS},
+}
 
 
 def fused_class(module: nn.Module, size: int) -> type[nn.Module] | None:
@@ -49,19 +61,9 @@ def fused_class(module: nn.Module, size: int) -> type[nn.Module] | None:
     one member runs without ``vmap``, where torch's own Linear is the fast one.
     """
     cls = type(module)
-    if cls is nn.Linear and size > 1:
-        return _make_fused(FusedLinearMixin, cls)
-    if cls in _BATCHNORMS:
-        return _make_fused(FusedBatchNormMixin, cls)
-    if cls in _DROPOUTS:
-        return _make_fused(FusedDropoutMixin, cls)
-    if cls in _RNNS:
-        return _make_fused(FusedRNNMixin, cls)
-    if cls is nn.Embedding:
-        return _make_fused(FusedEmbeddingMixin, cls)
-    if cls is nn.RReLU:
-        return _make_fused(FusedRReLUMixin, cls)
-    return None
+    if cls is nn.Linear and size == 1:
+        return None
+    return _FUSED.get(cls)
 
 
 def unsupported_reason(module: nn.Module) -> str | None:

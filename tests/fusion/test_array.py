@@ -332,3 +332,39 @@ def test_error_inside_forward_names_the_submodule() -> None:
 def test_repr_and_size_of_transformer_array() -> None:
     array = hs.fuse([TransformerClassifier() for _ in range(2)])
     assert "size=2" in repr(array)
+
+
+def test_pickled_array_keeps_its_fused_layers(tmp_path) -> None:
+    """torch.save of a whole array (or a hand-off to another process) must not lose fusion."""
+    import subprocess
+    import sys
+
+    torch.manual_seed(3)
+    array = hs.fuse([LeNet(dropout=p) for p in (0.1, 0.2, 0.3)])
+    array.module.bn1.momentum = None
+    for m in array.module.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.momentum = None
+    path = tmp_path / "array.pt"
+    torch.save(array, path)
+    code = (
+        "import torch, sys; a = torch.load(sys.argv[1], weights_only=False); "
+        "print(type(a.module.bn1).__qualname__, a.dropout['drop']); "
+        "x = torch.randn(4, 1, 8, 8); a(x); print(a.module.bn1.num_batches_tracked.tolist())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True
+    ).stdout
+    assert out.splitlines()[0].startswith("FusedBatchNorm2d [0.1")
+    assert out.splitlines()[1] == "[1, 1, 1]"
+
+
+def test_deepcopy_gives_an_independent_working_array() -> None:
+    array = hs.fuse(mlp_models())
+    x = torch.randn(3, 6)
+    twin = copy.deepcopy(array)
+    torch.testing.assert_close(twin(x), array(x))
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.zero_()
+    assert not torch.equal(twin(x), array(x))
