@@ -5,9 +5,10 @@ every member exactly as it would train alone, in one pass. ``import hfsweep`` st
 Optuna are imported only where a sweep uses them.
 """
 
+from . import optim
 from ._errors import FusionError
 from .fusion import FusedArray, fuse, member_losses
 
 __version__ = "0.1.0.dev0"
 
-__all__ = ["FusedArray", "FusionError", "__version__", "fuse", "member_losses"]
+__all__ = ["FusedArray", "FusionError", "__version__", "fuse", "member_losses", "optim"]

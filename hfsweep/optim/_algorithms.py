@@ -1,0 +1,373 @@
+"""SGD, Adam, AdamW, RMSprop and Adagrad over stacked ``[B, ...]`` parameters.
+
+Each ``_update`` follows the arithmetic of torch's single-tensor implementation of the same
+optimizer, with every hyperparameter a ``[B, 1, ...]`` tensor, so member i of a fused optimizer
+takes exactly the step ``torch.optim`` takes for ``array.member(i)``. Where torch branches on a
+hyperparameter's value (``momentum == 0``, a member's first step), the branch is taken per member
+with ``torch.where``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._base import FusedOptimizer, HyperParameter, ParamsT, check_range
+
+__all__ = ["SGD", "Adagrad", "Adam", "AdamW", "RMSprop"]
+
+
+def _as_member_view(values: Tensor, like: Tensor) -> Tensor:
+    """``[B]`` values as ``[B, 1, ...]`` for broadcasting against ``like`` (in its dtype)."""
+    return values.to(like.dtype).view(values.shape[0], *([1] * (like.dim() - 1)))
+
+
+class SGD(FusedOptimizer):
+    """``torch.optim.SGD`` with per-member ``lr``, ``momentum``, ``dampening``, ``weight_decay``."""
+
+    numeric = ("lr", "momentum", "dampening", "weight_decay")
+    options = ("nesterov", "maximize")
+    state_keys = ("momentum_buffer",)
+    torch_class = torch.optim.SGD
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: HyperParameter = 1e-3,
+        momentum: HyperParameter = 0.0,
+        dampening: HyperParameter = 0.0,
+        weight_decay: HyperParameter = 0.0,
+        nesterov: bool = False,
+        *,
+        maximize: bool = False,
+    ) -> None:
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            dampening=dampening,
+            weight_decay=weight_decay,
+            nesterov=nesterov,
+            maximize=maximize,
+        )
+        super().__init__(params, defaults)
+
+    def _validate(self, group: dict[str, Any], index: int) -> None:
+        check_range(group, "lr", index, 0.0)
+        check_range(group, "momentum", index, 0.0)
+        check_range(group, "weight_decay", index, 0.0)
+        if group["nesterov"] and bool(((group["momentum"] <= 0) | (group["dampening"] != 0)).any()):
+            raise ValueError(
+                f"nesterov=True (param group {index}) needs momentum > 0 and dampening = 0 for "
+                "every member"
+            )
+
+    def _group_flags(self, group: dict[str, Any]) -> dict[str, bool]:
+        flags = super()._group_flags(group)
+        # torch's first momentum step copies the gradient; with zero-initialised buffers and
+        # no dampening, buf*m + g gives exactly that, and g for members without momentum
+        flags["first_step_rule"] = flags["any_dampening"]
+        return flags
+
+    def _update(
+        self,
+        p: Tensor,
+        grad: Tensor,
+        state: dict[str, Any],
+        hp: dict[str, Tensor],
+        group: dict[str, Any],
+        flags: dict[str, bool],
+    ) -> None:
+        g = grad.neg() if group["maximize"] else grad
+        if flags["any_weight_decay"]:
+            g = torch.addcmul(g, p, hp["weight_decay"])
+        if flags["any_momentum"]:
+            buf = state["momentum_buffer"]
+            if flags["first_step_rule"]:
+                # per member: keep the buffer at 0 and take the gradient whole on a first step
+                # or without momentum (torch has no buffer then), else buf*m + (1-d)*g
+                plain = (state["step"] == 0) | (group["momentum"] == 0)
+                keep = torch.where(plain, 0.0, group["momentum"])
+                take = torch.where(plain, 1.0, 1 - group["dampening"])
+                buf.mul_(_as_member_view(keep, p)).addcmul_(g, _as_member_view(take, p))
+            else:
+                buf.mul_(hp["momentum"]).add_(g)
+            g = torch.addcmul(g, buf, hp["momentum"]) if group["nesterov"] else buf
+        p.addcmul_(g, hp["neg_lr"])
+
+    def _has_state(self, st: dict[str, Any], i: int, group: dict[str, Any]) -> bool:
+        return float(st["step"][i]) > 0 and float(group["momentum"][i]) != 0
+
+    def _export_state(self, st: dict[str, Any], i: int, group: dict[str, Any]) -> dict[str, Any]:
+        # torch keeps no step for SGD, and no state at all without momentum
+        return {"momentum_buffer": st["momentum_buffer"][i].clone()}
+
+    def _import_state(
+        self, st: dict[str, Any], i: int, src: dict[str, Any], group: dict[str, Any]
+    ) -> None:
+        buf = src.get("momentum_buffer")
+        if buf is not None:
+            st["momentum_buffer"][i].copy_(buf)
+            st["step"][i] = 1  # the buffer exists: the next step is not a first step
+        else:
+            st["step"][i] = 0
+
+
+class _AdamBase(FusedOptimizer):
+    numeric = ("lr", "beta1", "beta2", "eps", "weight_decay")
+    options = ("amsgrad", "maximize")
+    decoupled: bool = False
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: HyperParameter = 1e-3,
+        betas: tuple[HyperParameter, HyperParameter] = (0.9, 0.999),
+        eps: HyperParameter = 1e-8,
+        weight_decay: HyperParameter = 0.0,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+    ) -> None:
+        defaults = dict(
+            lr=lr,
+            beta1=betas[0],
+            beta2=betas[1],
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            maximize=maximize,
+        )
+        super().__init__(params, defaults)
+
+    @property
+    def state_keys(self) -> tuple[str, ...]:  # type: ignore[override]
+        amsgrad = any(g["amsgrad"] for g in self.param_groups)
+        return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if amsgrad else ("exp_avg", "exp_avg_sq")
+
+    def _validate(self, group: dict[str, Any], index: int) -> None:
+        check_range(group, "lr", index, 0.0)
+        check_range(group, "eps", index, 0.0)
+        check_range(group, "beta1", index, 0.0, 1.0, high_open=True)
+        check_range(group, "beta2", index, 0.0, 1.0, high_open=True)
+        check_range(group, "weight_decay", index, 0.0)
+
+    def _update(
+        self,
+        p: Tensor,
+        grad: Tensor,
+        state: dict[str, Any],
+        hp: dict[str, Tensor],
+        group: dict[str, Any],
+        flags: dict[str, bool],
+    ) -> None:
+        g = grad.neg() if group["maximize"] else grad
+        if flags["any_weight_decay"]:
+            if self.decoupled:
+                p.mul_(1 - hp["lr"] * hp["weight_decay"])
+            else:
+                g = torch.addcmul(g, p, hp["weight_decay"])
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        exp_avg.lerp_(g, 1 - hp["beta1"])
+        exp_avg_sq.mul_(hp["beta2"]).addcmul_(g, g * (1 - hp["beta2"]))
+        step = state["step"].to(torch.float64) + 1
+        step_size = _as_member_view(group["lr"] / (1 - group["beta1"] ** step), p)
+        bias2_sqrt = _as_member_view((1 - group["beta2"] ** step).sqrt(), p)
+        if group["amsgrad"]:
+            torch.maximum(state["max_exp_avg_sq"], exp_avg_sq, out=state["max_exp_avg_sq"])
+            denom = state["max_exp_avg_sq"].sqrt()
+        else:
+            denom = exp_avg_sq.sqrt()
+        denom.div_(bias2_sqrt).add_(hp["eps"])
+        p.addcmul_(exp_avg.div(denom), step_size.neg())
+
+    def _torch_kwargs(self, group: dict[str, Any], i: int) -> dict[str, Any]:
+        out = super()._torch_kwargs(group, i)
+        out["betas"] = (out.pop("beta1"), out.pop("beta2"))
+        return out
+
+    def _from_torch_group(self, group: dict[str, Any]) -> dict[str, float]:
+        b1, b2 = group["betas"]
+        return {
+            "lr": group["lr"],
+            "beta1": b1,
+            "beta2": b2,
+            "eps": group["eps"],
+            "weight_decay": group["weight_decay"],
+        }
+
+
+class Adam(_AdamBase):
+    """``torch.optim.Adam`` (L2 weight decay added to the gradient, optional AMSGrad) with
+    per-member ``lr``, ``betas``, ``eps`` and ``weight_decay``."""
+
+    torch_class = torch.optim.Adam
+
+
+class AdamW(_AdamBase):
+    """``torch.optim.AdamW`` (decoupled weight decay) with per-member ``lr``, ``betas``, ``eps``
+    and ``weight_decay`` (default 0.01, as in torch)."""
+
+    torch_class = torch.optim.AdamW
+    decoupled = True
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: HyperParameter = 1e-3,
+        betas: tuple[HyperParameter, HyperParameter] = (0.9, 0.999),
+        eps: HyperParameter = 1e-8,
+        weight_decay: HyperParameter = 1e-2,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+    ) -> None:
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize)
+
+
+class RMSprop(FusedOptimizer):
+    """``torch.optim.RMSprop`` with per-member ``lr``, ``alpha``, ``eps``, ``weight_decay`` and
+    ``momentum``; ``centered`` is shared."""
+
+    numeric = ("lr", "alpha", "eps", "weight_decay", "momentum")
+    options = ("centered", "maximize")
+    torch_class = torch.optim.RMSprop
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: HyperParameter = 1e-2,
+        alpha: HyperParameter = 0.99,
+        eps: HyperParameter = 1e-8,
+        weight_decay: HyperParameter = 0.0,
+        momentum: HyperParameter = 0.0,
+        centered: bool = False,
+        *,
+        maximize: bool = False,
+    ) -> None:
+        defaults = dict(
+            lr=lr,
+            alpha=alpha,
+            eps=eps,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            centered=centered,
+            maximize=maximize,
+        )
+        super().__init__(params, defaults)
+
+    @property
+    def state_keys(self) -> tuple[str, ...]:  # type: ignore[override]
+        keys = ["square_avg", "momentum_buffer"]  # the buffer stays 0 for members without momentum
+        if any(g["centered"] for g in self.param_groups):
+            keys.append("grad_avg")
+        return tuple(keys)
+
+    def _validate(self, group: dict[str, Any], index: int) -> None:
+        for name in ("lr", "eps", "weight_decay", "momentum", "alpha"):
+            check_range(group, name, index, 0.0)
+
+    def _update(
+        self,
+        p: Tensor,
+        grad: Tensor,
+        state: dict[str, Any],
+        hp: dict[str, Tensor],
+        group: dict[str, Any],
+        flags: dict[str, bool],
+    ) -> None:
+        g = grad.neg() if group["maximize"] else grad
+        if flags["any_weight_decay"]:
+            g = torch.addcmul(g, p, hp["weight_decay"])
+        square_avg = state["square_avg"]
+        square_avg.mul_(hp["alpha"]).addcmul_(g, g * (1 - hp["alpha"]))
+        if group["centered"]:
+            grad_avg = state["grad_avg"]
+            grad_avg.lerp_(g, 1 - hp["alpha"])
+            avg = torch.addcmul(square_avg, grad_avg, grad_avg, value=-1).sqrt_()
+        else:
+            avg = square_avg.sqrt()
+        avg.add_(hp["eps"])
+        if flags["any_momentum"]:
+            # members without momentum: buf*0 + g/avg is the plain update, exactly
+            buf = state["momentum_buffer"]
+            buf.mul_(hp["momentum"]).addcdiv_(g, avg)
+            p.addcmul_(buf, hp["neg_lr"])
+        else:
+            p.addcmul_(g.div(avg), hp["neg_lr"])
+
+    def _export_state(self, st: dict[str, Any], i: int, group: dict[str, Any]) -> dict[str, Any]:
+        out = super()._export_state(st, i, group)
+        if float(group["momentum"][i]) <= 0:
+            out.pop("momentum_buffer")  # torch keeps no buffer without momentum
+        return out
+
+
+class Adagrad(FusedOptimizer):
+    """``torch.optim.Adagrad`` with per-member ``lr``, ``lr_decay``, ``weight_decay``,
+    ``initial_accumulator_value`` and ``eps``."""
+
+    numeric = ("lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps")
+    options = ("maximize",)
+    state_keys = ("sum",)
+    torch_class = torch.optim.Adagrad
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: HyperParameter = 1e-2,
+        lr_decay: HyperParameter = 0.0,
+        weight_decay: HyperParameter = 0.0,
+        initial_accumulator_value: HyperParameter = 0.0,
+        eps: HyperParameter = 1e-10,
+        *,
+        maximize: bool = False,
+    ) -> None:
+        defaults = dict(
+            lr=lr,
+            lr_decay=lr_decay,
+            weight_decay=weight_decay,
+            initial_accumulator_value=initial_accumulator_value,
+            eps=eps,
+            maximize=maximize,
+        )
+        super().__init__(params, defaults)
+        # torch creates the accumulators eagerly, filled with the initial value
+        for group in self.param_groups:
+            for p in group["params"]:
+                self._init_state(p, self.state[p], group)
+
+    def _validate(self, group: dict[str, Any], index: int) -> None:
+        for name in ("lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps"):
+            check_range(group, name, index, 0.0)
+
+    def _init_state(self, p: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
+        state["step"] = torch.zeros(self.size, dtype=torch.float32, device=p.device)
+        init = _as_member_view(group["initial_accumulator_value"], p)
+        state["sum"] = (torch.zeros_like(p) + init).contiguous()
+
+    def _reset_state(self, state: dict[str, Any], i: int, group: dict[str, Any]) -> None:
+        state["step"][i] = 0
+        state["sum"][i].fill_(float(group["initial_accumulator_value"][i]))
+
+    def _has_state(self, st: dict[str, Any], i: int, group: dict[str, Any]) -> bool:
+        return True  # torch creates Adagrad's state with the optimizer
+
+    def _update(
+        self,
+        p: Tensor,
+        grad: Tensor,
+        state: dict[str, Any],
+        hp: dict[str, Tensor],
+        group: dict[str, Any],
+        flags: dict[str, bool],
+    ) -> None:
+        g = grad.neg() if group["maximize"] else grad
+        if flags["any_weight_decay"]:
+            g = torch.addcmul(g, p, hp["weight_decay"])
+        step = state["step"].to(torch.float64) + 1
+        clr = _as_member_view(group["lr"] / (1 + (step - 1) * group["lr_decay"]), p)
+        state["sum"].addcmul_(g, g)
+        std = state["sum"].sqrt().add_(hp["eps"])
+        p.addcmul_(g.div(std), clr.neg())

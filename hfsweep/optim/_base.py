@@ -1,0 +1,381 @@
+"""``FusedOptimizer``: a ``torch.optim.Optimizer`` whose hyperparameters are ``[B]`` tensors.
+
+Every numeric hyperparameter (``lr``, ``weight_decay``, ``momentum``, betas, ``eps``...) is given as
+one value for all members or one value per member, and is stored as a ``[B]`` float64 tensor in its
+param group. A step updates all members of every stacked ``[B, ...]`` parameter with a few batched
+tensor operations; hyperparameters broadcast as ``[B, 1, ...]``.
+
+Members can be inactive: their parameters, optimizer state and step count do not change.
+:meth:`FusedOptimizer.reset_member` clears one member's state and sets its new hyperparameters (slot
+refill), and :meth:`member_state_dict` / :meth:`load_member_state_dict` convert one member's state
+to and from the ``state_dict`` that the matching ``torch.optim`` optimizer would have for
+``array.member(i)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, ClassVar, cast
+
+import torch
+from torch import Tensor, nn
+
+from ..fusion import FusedArray
+
+__all__ = ["FusedOptimizer", "HyperParameter"]
+
+HyperParameter = float | int | Sequence[float] | Tensor
+ParamsT = FusedArray | Iterable[Tensor] | Iterable[dict[str, Any]]
+
+
+class FusedOptimizer(torch.optim.Optimizer):
+    """Base class of the ``hs.optim`` optimizers (see the module docstring).
+
+    Subclasses name their per-member numeric hyperparameters in ``numeric``, their shared
+    options (booleans) in ``options``, the state tensors they keep per parameter in
+    ``state_keys``, and implement :meth:`_update` with batched tensor operations.
+    """
+
+    numeric: ClassVar[tuple[str, ...]] = ()
+    options: ClassVar[tuple[str, ...]] = ()
+    state_keys: ClassVar[tuple[str, ...]] = ()
+    torch_class: ClassVar[type[torch.optim.Optimizer]]
+
+    def __init__(self, params: ParamsT, defaults: dict[str, Any]) -> None:
+        groups, size = _param_groups(params)
+        self.size = size
+        super().__init__(groups, defaults)
+        device = self.param_groups[0]["params"][0].device
+        self.active = torch.ones(size, dtype=torch.bool, device=device)
+        self._flags: list[dict[str, bool]] = []
+        self._inactive: Tensor | None = None
+        for index, group in enumerate(self.param_groups):
+            for name in self.numeric:
+                group[name] = _member_values(name, group[name], size, device, index)
+            for name in self.options:
+                if not isinstance(group[name], bool):
+                    raise ValueError(
+                        f"{name}={group[name]!r} (param group {index}) must be a bool shared by "
+                        "all members"
+                    )
+            self._validate(group, index)
+        self._refresh()
+
+    # ------------------------------------------------------------------ subclass hooks
+    def _validate(self, group: dict[str, Any], index: int) -> None:
+        """Check the group's values (``[B]`` tensors); raise ``ValueError`` naming the member."""
+
+    def _init_state(self, p: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
+        state["step"] = torch.zeros(self.size, dtype=torch.float32, device=p.device)
+        for key in self.state_keys:
+            state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def _update(
+        self,
+        p: Tensor,
+        grad: Tensor,
+        state: dict[str, Any],
+        hp: dict[str, Tensor],
+        group: dict[str, Any],
+        flags: dict[str, bool],
+    ) -> None:
+        """Update ``p`` and its state in place, for all members.
+
+        ``hp`` holds the numeric hyperparameters as ``[B, 1, ...]`` in ``p``'s dtype (and
+        ``neg_lr``); ``group`` holds them as ``[B]`` float64 (for per-member scalars such as bias
+        corrections) and the shared options; ``flags`` says which optional terms any member
+        needs. ``state["step"]`` is each member's step count before this update.
+        """
+        raise NotImplementedError
+
+    def _reset_state(self, state: dict[str, Any], i: int, group: dict[str, Any]) -> None:
+        state["step"][i] = 0
+        for key in self.state_keys:
+            state[key][i].zero_()
+
+    # ------------------------------------------------------------------ stepping
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """One update of every active member."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        inactive = self._inactive
+        for index, group in enumerate(self.param_groups):
+            flags = self._flags[index]
+            # hyperparameters as [B, 1, ...] in each parameter's dtype, made once per shape
+            views: dict[tuple[int, torch.dtype], dict[str, Tensor]] = {}
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                state = self.state[p]
+                if not state:
+                    self._init_state(p, state, group)
+                key = (p.dim(), p.dtype)
+                if key not in views:
+                    shape = (self.size, *([1] * (p.dim() - 1)))
+                    views[key] = {n: group[n].to(p.dtype).view(shape) for n in self.numeric}
+                    views[key]["neg_lr"] = -views[key]["lr"]
+                # The update runs in place for all members; inactive members get their slices
+                # back afterwards (their gradients may even be non-finite).
+                saved = None
+                if inactive is not None:
+                    saved = [(t, t[inactive].clone()) for t in (p, *_tensors(state))]
+                self._update(p, p.grad, state, views[key], group, flags)
+                state["step"].add_(1)
+                if saved is not None:
+                    for t, values in saved:
+                        t[inactive] = values
+        return loss
+
+    def _refresh(self) -> None:
+        """Recompute host-side facts about the hyperparameters (no device syncs while stepping)."""
+        self._flags = [self._group_flags(g) for g in self.param_groups]
+        idle = (~self.active).nonzero().flatten()
+        self._inactive = idle if idle.numel() else None
+
+    def _group_flags(self, group: dict[str, Any]) -> dict[str, bool]:
+        """Which optional parts of the update any member of ``group`` needs."""
+        return {f"any_{n}": bool((group[n] != 0).any()) for n in self.numeric}
+
+    # ------------------------------------------------------------------ members
+    def set_active(self, i: int, active: bool) -> None:
+        """Freeze (``False``) or unfreeze member ``i``: an inactive member's parameters, state and
+        step count do not change when the optimizer steps."""
+        self.active[self._index(i)] = active
+        self._refresh()
+
+    def hyperparameters(self, i: int, group: int = 0) -> dict[str, float]:
+        """Member ``i``'s numeric hyperparameters in param group ``group``."""
+        i = self._index(i)
+        g = self.param_groups[group]
+        return {name: float(g[name][i]) for name in self.numeric}
+
+    def set_hyperparameters(self, i: int, *, group: int | None = None, **values: float) -> None:
+        """Set member ``i``'s hyperparameters (in every param group unless ``group`` is given)."""
+        self._set_values(self._index(i), values, group)
+
+    def _set_values(self, i: int, values: dict[str, float], group: int | None) -> None:
+        unknown = sorted(set(values) - set(self.numeric))
+        if unknown:
+            raise ValueError(
+                f"{type(self).__name__} has no per-member hyperparameter {unknown[0]!r}; valid "
+                f"names are {list(self.numeric)}"
+            )
+        targets = self.param_groups if group is None else [self.param_groups[group]]
+        for index, g in enumerate(targets):
+            for name, value in values.items():
+                g[name][i] = float(value)
+            self._validate(g, index)
+        self._refresh()
+
+    def reset_member(self, i: int, **hyperparameters: float) -> None:
+        """Clear member ``i``'s optimizer state (a new trial in a refilled slot) and set its
+        hyperparameters; the member becomes active."""
+        i = self._index(i)
+        if hyperparameters:
+            self._set_values(i, hyperparameters, None)
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if state:
+                    self._reset_state(state, i, group)
+        self.set_active(i, True)
+
+    def member_state_dict(self, i: int) -> dict[str, Any]:
+        """Member ``i``'s state as ``torch_class(array.member(i).parameters(), ...).state_dict()``
+        would hold it after the same steps."""
+        i = self._index(i)
+        params = [p for g in self.param_groups for p in g["params"]]
+        dummies = iter([nn.Parameter(torch.empty(0)) for _ in params])
+        groups = []
+        for g in self.param_groups:
+            kwargs = self._torch_kwargs(g, i)
+            groups.append({"params": [next(dummies) for _ in g["params"]], **kwargs})
+        template = cast(Any, self.torch_class)(groups).state_dict()
+        state: dict[int, dict[str, Any]] = {}
+        for k, p in enumerate(params):
+            st = self.state.get(p)
+            if st and self._has_state(st, i, self._group_of(p)):
+                state[k] = self._export_state(st, i, self._group_of(p))
+        return {"state": state, "param_groups": template["param_groups"]}
+
+    def load_member_state_dict(self, i: int, state_dict: dict[str, Any]) -> None:
+        """Load a ``torch.optim`` state dict (of the matching class, for one member's parameters)
+        into slot ``i``: hyperparameters and state."""
+        i = self._index(i)
+        if len(state_dict["param_groups"]) != len(self.param_groups):
+            raise ValueError(
+                f"state dict has {len(state_dict['param_groups'])} param groups, this optimizer "
+                f"{len(self.param_groups)}"
+            )
+        for g, sg in zip(self.param_groups, state_dict["param_groups"], strict=True):
+            for name, value in self._from_torch_group(sg).items():
+                g[name][i] = value
+        self._refresh()
+        params = [p for g in self.param_groups for p in g["params"]]
+        for k, p in enumerate(params):
+            group = self._group_of(p)
+            st = self.state[p]
+            if not st:
+                self._init_state(p, st, group)
+            self._reset_state(st, i, group)
+            if k in state_dict["state"]:
+                self._import_state(st, i, state_dict["state"][k], group)
+
+    # ------------------------------------------------------------------ whole optimizer
+    def state_dict(self) -> dict[str, Any]:
+        """torch's optimizer state dict, plus which members are active."""
+        out = super().state_dict()
+        out["hfsweep_active"] = self.active.clone()
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict saved by :meth:`state_dict` (of an optimizer of the same array shape)."""
+        active = state_dict.get("hfsweep_active")
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != "hfsweep_active"})
+        device = self.active.device
+        for group in self.param_groups:  # own copies, on the parameters' device
+            for name in self.numeric:
+                group[name] = torch.as_tensor(group[name], dtype=torch.float64).to(device).clone()
+        if active is not None:
+            self.active.copy_(active)
+        self._refresh()
+
+    # ------------------------------------------------------------------ torch format
+    def _torch_kwargs(self, group: dict[str, Any], i: int) -> dict[str, Any]:
+        out: dict[str, Any] = {name: float(group[name][i]) for name in self.numeric}
+        out.update({name: group[name] for name in self.options})
+        return out
+
+    def _from_torch_group(self, group: dict[str, Any]) -> dict[str, float]:
+        return {name: float(group[name]) for name in self.numeric}
+
+    def _has_state(self, st: dict[str, Any], i: int, group: dict[str, Any]) -> bool:
+        """Whether torch would hold state for this parameter (it creates it at the first step)."""
+        return float(st["step"][i]) > 0
+
+    def _export_state(self, st: dict[str, Any], i: int, group: dict[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {"step": torch.tensor(float(st["step"][i]))}
+        for key in self.state_keys:
+            out[key] = st[key][i].clone()
+        return out
+
+    def _import_state(
+        self, st: dict[str, Any], i: int, src: dict[str, Any], group: dict[str, Any]
+    ) -> None:
+        if "step" in src:
+            st["step"][i] = float(src["step"])
+        for key in self.state_keys:
+            if src.get(key) is not None:
+                st[key][i].copy_(src[key])
+
+    # ------------------------------------------------------------------ helpers
+    def _group_of(self, p: Tensor) -> dict[str, Any]:
+        for g in self.param_groups:
+            if any(q is p for q in g["params"]):
+                return g
+        raise KeyError("parameter not in this optimizer")
+
+    def _index(self, i: int) -> int:
+        if not isinstance(i, int) or isinstance(i, bool) or not -self.size <= i < self.size:
+            raise IndexError(f"member index {i!r} is out of range for {self.size} members")
+        return i % self.size
+
+    def __repr__(self) -> str:
+        lines = [f"{type(self).__name__} (B={self.size}, active={int(self.active.sum())})"]
+        for index, g in enumerate(self.param_groups):
+            values = ", ".join(f"{n}={_fmt(g[n])}" for n in (*self.numeric, *self.options))
+            lines.append(f"  group {index}: {len(g['params'])} params, {values}")
+        return "\n".join(lines)
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, Tensor):
+        vals = value.tolist()
+        if all(v == vals[0] for v in vals):
+            return f"{vals[0]:g}"
+        return "[" + ", ".join(f"{v:g}" for v in vals) + "]"
+    return repr(value)
+
+
+def _tensors(state: dict[str, Any]) -> list[Tensor]:
+    return [v for v in state.values() if isinstance(v, Tensor)]
+
+
+def _member_values(name: str, value: Any, size: int, device: torch.device, group: int) -> Tensor:
+    where = f"{name} (param group {group})"
+    if isinstance(value, Tensor):
+        values = value.detach().to(torch.float64).flatten()
+        if value.dim() == 0:
+            values = values.expand(size)
+    elif isinstance(value, int | float):
+        values = torch.full((size,), float(value), dtype=torch.float64)
+    else:
+        try:
+            values = torch.tensor([float(v) for v in value], dtype=torch.float64)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(
+                f"{where} must be a number or one number per member, got {value!r}"
+            ) from exc
+    if values.numel() != size:
+        raise ValueError(f"{where} has {values.numel()} values for {size} members")
+    if not torch.isfinite(values).all():
+        bad = int((~torch.isfinite(values)).nonzero()[0])
+        raise ValueError(f"{where}[{bad}] = {float(values[bad])} is not finite")
+    return values.to(device).clone()
+
+
+def _param_groups(params: ParamsT) -> tuple[list[dict[str, Any]], int]:
+    if isinstance(params, FusedArray):
+        groups: list[dict[str, Any]] = [
+            {"params": [p for p in params.parameters() if p.requires_grad]}
+        ]
+    else:
+        items = list(params)
+        if not items:
+            raise ValueError("optimizer got an empty parameter list")
+        if all(isinstance(x, dict) for x in items):
+            groups = [dict(cast(dict[str, Any], x)) for x in items]
+            for g in groups:
+                g["params"] = list(
+                    g["params"].parameters() if isinstance(g["params"], FusedArray) else g["params"]
+                )
+        else:
+            groups = [{"params": items}]
+    sizes = {int(p.shape[0]) for g in groups for p in g["params"] if p.dim() > 0}
+    if any(p.dim() == 0 for g in groups for p in g["params"]):
+        raise ValueError("fused optimizers need stacked [B, ...] parameters; got a 0-d tensor")
+    if len(sizes) != 1:
+        raise ValueError(
+            f"parameters disagree on the member count (dimension 0): {sorted(sizes)}; pass the "
+            "parameters of one fused array"
+        )
+    return groups, sizes.pop()
+
+
+def check_range(
+    group: dict[str, Any],
+    name: str,
+    index: int,
+    low: float,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> None:
+    """Raise ``ValueError`` naming the first member whose value is outside the range."""
+    values = group[name]
+    bad = values < low if not low_open else values <= low
+    if high is not None:
+        bad = bad | (values >= high if high_open else values > high)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        lo = "(" if low_open else "["
+        hi = ")" if high_open else "]"
+        bounds = f"{lo}{low}, {high if high is not None else 'inf'}{hi}"
+        raise ValueError(
+            f"{name}[{i}] = {float(values[i])} (param group {index}) is outside {bounds}"
+        )
