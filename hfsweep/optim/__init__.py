@@ -3,9 +3,23 @@
 ``hs.optim.SGD``, ``Adam``, ``AdamW``, ``RMSprop`` and ``Adagrad`` take the arguments of their
 ``torch.optim`` namesakes; each numeric hyperparameter is a scalar (all members) or one value per
 member. Member i steps exactly as ``torch.optim`` would step ``array.member(i)``.
+``clip_grad_norm_``/``clip_grad_value_`` clip each member by its own norm, and ``GradScaler``
+keeps one AMP loss scale per member, so an overflow in one member skips only that member's step.
 """
 
 from ._algorithms import SGD, Adagrad, Adam, AdamW, RMSprop
+from ._amp import GradScaler
 from ._base import FusedOptimizer
+from ._clip import clip_grad_norm_, clip_grad_value_
 
-__all__ = ["SGD", "Adagrad", "Adam", "AdamW", "FusedOptimizer", "RMSprop"]
+__all__ = [
+    "SGD",
+    "Adagrad",
+    "Adam",
+    "AdamW",
+    "FusedOptimizer",
+    "GradScaler",
+    "RMSprop",
+    "clip_grad_norm_",
+    "clip_grad_value_",
+]

@@ -14,6 +14,7 @@ to and from the ``state_dict`` that the matching ``torch.optim`` optimizer would
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar, cast
 
@@ -23,6 +24,8 @@ from torch import Tensor, nn
 from ..fusion import FusedArray
 
 __all__ = ["FusedOptimizer", "HyperParameter"]
+
+_log = logging.getLogger("hfsweep.optim")
 
 HyperParameter = float | int | Sequence[float] | Tensor
 ParamsT = FusedArray | Iterable[Tensor] | Iterable[dict[str, Any]]
@@ -49,6 +52,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.active = torch.ones(size, dtype=torch.bool, device=device)
         self._flags: list[dict[str, bool]] = []
         self._inactive: Tensor | None = None
+        #: check gradients for inf/NaN at every step and deactivate the members that have them
+        self.isolate_nonfinite = True
+        #: members deactivated because their loss or gradients were not finite, in order
+        self.nonfinite_members: list[int] = []
         for index, group in enumerate(self.param_groups):
             for name in self.numeric:
                 group[name] = _member_values(name, group[name], size, device, index)
@@ -95,13 +102,28 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ stepping
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """One update of every active member."""
+    def step(  # type: ignore[override]
+        self, closure: Callable[[], float] | None = None, *, skip: Tensor | None = None
+    ) -> float | None:
+        """One update of every active member.
+
+        ``skip`` (a ``[B]`` bool tensor) leaves some members out of this step only (the AMP
+        scaler's overflowed members). With ``isolate_nonfinite`` on (the default), a member whose
+        gradients hold inf or NaN is deactivated before the update, recorded in
+        ``nonfinite_members`` and logged; the others step exactly as if it were not there.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         inactive = self._inactive
+        if skip is not None or self.isolate_nonfinite:
+            left_out = ~self.active if skip is None else ~self.active | skip.to(self.active.device)
+            if self.isolate_nonfinite:
+                self._isolate(self._nonfinite_grads() & ~left_out, "gradient")
+                left_out = left_out | ~self.active
+            idle = left_out.nonzero().flatten()
+            inactive = idle if idle.numel() else None
         for index, group in enumerate(self.param_groups):
             flags = self._flags[index]
             # hyperparameters as [B, 1, ...] in each parameter's dtype, made once per shape
@@ -130,6 +152,32 @@ class FusedOptimizer(torch.optim.Optimizer):
                     for t, values in saved:
                         t[inactive] = values
         return loss
+
+    def _nonfinite_grads(self) -> Tensor:
+        bad = torch.zeros(self.size, dtype=torch.bool, device=self.active.device)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    bad |= ~torch.isfinite(p.grad).flatten(1).all(1)
+        return bad
+
+    def _isolate(self, bad: Tensor, what: str) -> list[int]:
+        members = bad.nonzero().flatten().tolist()
+        for i in members:
+            self.active[i] = False
+            self.nonfinite_members.append(i)
+            _log.info("member %d has a non-finite %s: deactivated, the others go on", i, what)
+        if members:
+            self._refresh()
+        return members
+
+    def deactivate_nonfinite(self, losses: Tensor) -> list[int]:
+        """Deactivate the active members whose entry of ``losses`` (``[B]``) is inf or NaN; return
+        their indices. Call it with the per-member losses before ``backward``/``step``."""
+        if losses.shape != (self.size,):
+            raise ValueError(f"losses must have shape ({self.size},), got {tuple(losses.shape)}")
+        bad = ~torch.isfinite(losses.detach()).to(self.active.device) & self.active
+        return self._isolate(bad, "loss")
 
     def _refresh(self) -> None:
         """Recompute host-side facts about the hyperparameters (no device syncs while stepping)."""
@@ -323,9 +371,9 @@ def _member_values(name: str, value: Any, size: int, device: torch.device, group
             ) from exc
     if values.numel() != size:
         raise ValueError(f"{where} has {values.numel()} values for {size} members")
-    if not torch.isfinite(values).all():
-        bad = int((~torch.isfinite(values)).nonzero()[0])
-        raise ValueError(f"{where}[{bad}] = {float(values[bad])} is not finite")
+    if torch.isnan(values).any():
+        bad = int(torch.isnan(values).nonzero()[0])
+        raise ValueError(f"{where}[{bad}] is NaN; give a number")
     return values.to(device).clone()
 
 
