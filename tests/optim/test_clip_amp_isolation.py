@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import hfsweep as hs
-from hfsweep.testing import LeNet, MLP
+from hfsweep.testing import MLP, LeNet
 
 B = 3
 
