@@ -351,7 +351,7 @@ def test_parameters_of_different_arrays_are_refused() -> None:
 
 @pytest.mark.parametrize("name", ["SGD", "Adam", "RMSprop-centered"])
 def test_whole_optimizer_checkpoint_resumes_exactly(name: str) -> None:
-    fused_cls, torch_cls, per_member, options = CASES[name]
+    fused_cls, torch_cls, _, options = CASES[name]
     array, opt, refs, ref_opts = build(name)
     train(array, opt, refs, ref_opts, steps=6)
     opt.set_active(2, False)
