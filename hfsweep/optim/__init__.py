@@ -5,8 +5,10 @@
 member. Member i steps exactly as ``torch.optim`` would step ``array.member(i)``.
 ``clip_grad_norm_``/``clip_grad_value_`` clip each member by its own norm, and ``GradScaler``
 keeps one AMP loss scale per member, so an overflow in one member skips only that member's step.
+``hs.optim.lr_scheduler`` has torch's schedulers with per-member arguments.
 """
 
+from . import lr_scheduler
 from ._algorithms import SGD, Adagrad, Adam, AdamW, RMSprop
 from ._amp import GradScaler
 from ._base import FusedOptimizer
@@ -22,4 +24,5 @@ __all__ = [
     "RMSprop",
     "clip_grad_norm_",
     "clip_grad_value_",
+    "lr_scheduler",
 ]

@@ -56,6 +56,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.isolate_nonfinite = True
         #: members deactivated because their loss or gradients were not finite, in order
         self.nonfinite_members: list[int] = []
+        self._schedulers: list[Any] = []  # hs.optim.lr_scheduler objects attached to this
         for index, group in enumerate(self.param_groups):
             for name in self.numeric:
                 group[name] = _member_values(name, group[name], size, device, index)
@@ -222,16 +223,21 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def reset_member(self, i: int, **hyperparameters: float) -> None:
         """Clear member ``i``'s optimizer state (a new trial in a refilled slot) and set its
-        hyperparameters; the member becomes active."""
+        hyperparameters; the member becomes active. LR schedulers attached to this optimizer
+        restart member ``i``'s schedule from its (new) learning rate."""
         i = self._index(i)
         if hyperparameters:
             self._set_values(i, hyperparameters, None)
         for group in self.param_groups:
+            if "lr" in hyperparameters and "initial_lr" in group:
+                group["initial_lr"][i] = float(hyperparameters["lr"])
             for p in group["params"]:
                 state = self.state[p]
                 if state:
                     self._reset_state(state, i, group)
         self.set_active(i, True)
+        for scheduler in self._schedulers:
+            scheduler.reset_member(i)
 
     def member_state_dict(self, i: int) -> dict[str, Any]:
         """Member ``i``'s state as ``torch_class(array.member(i).parameters(), ...).state_dict()``
