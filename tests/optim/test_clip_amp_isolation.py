@@ -169,3 +169,28 @@ def test_isolation_can_be_turned_off() -> None:
     array.module.head.weight.grad[1, 0, 0] = float("inf")
     opt.step()
     assert opt.nonfinite_members == [] and bool(opt.active.all())
+
+
+def test_bf16_autocast_trains_every_member_close_to_float32() -> None:
+    """CPU autocast to bfloat16: forward, backward and a step run; each member stays close to its
+    float32 twin (bf16 keeps about 3 significant digits)."""
+    torch.manual_seed(0)
+    models32 = [LeNet() for _ in range(B)]
+    array16 = hs.fuse(copy.deepcopy(models32))
+    array32 = hs.fuse(models32)
+    opts = [hs.optim.SGD(a, lr=[0.01, 0.02, 0.03], momentum=0.9) for a in (array16, array32)]
+    gen = torch.Generator().manual_seed(6)
+    for _ in range(5):
+        x = torch.randn(8, 1, 8, 8, generator=gen)
+        y = torch.randint(0, 10, (8,), generator=gen)
+        for array, opt, bf16 in ((array16, opts[0], True), (array32, opts[1], False)):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                out = array(x)
+            assert out.dtype == (torch.bfloat16 if bf16 else torch.float32)
+            hs.member_losses(out.float(), y).sum().backward()
+            opt.step()
+    assert opts[0].nonfinite_members == []
+    for p16, p32 in zip(array16.parameters(), array32.parameters(), strict=True):
+        assert p16.dtype == torch.float32  # master weights stay float32
+        torch.testing.assert_close(p16, p32, rtol=0.05, atol=0.02)
