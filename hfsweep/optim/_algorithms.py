@@ -170,17 +170,31 @@ class _AdamBase(FusedOptimizer):
                 g = torch.addcmul(g, p, hp["weight_decay"])
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
         exp_avg.lerp_(g, 1 - hp["beta1"])
-        exp_avg_sq.mul_(hp["beta2"]).addcmul_(g, g * (1 - hp["beta2"]))
+        if flags["shared_beta2"]:
+            beta2 = float(group["beta2"][0])
+            exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        else:
+            exp_avg_sq.mul_(hp["beta2"]).addcmul_(g, g * (1 - hp["beta2"]))
         step = state["step"].to(torch.float64) + 1
-        step_size = _as_member_view(group["lr"] / (1 - group["beta1"] ** step), p)
-        bias2_sqrt = _as_member_view((1 - group["beta2"] ** step).sqrt(), p)
+        step_size = group["lr"] / (1 - group["beta1"] ** step)
+        bias2_sqrt = (1 - group["beta2"] ** step).sqrt()
         if group["amsgrad"]:
             torch.maximum(state["max_exp_avg_sq"], exp_avg_sq, out=state["max_exp_avg_sq"])
             denom = state["max_exp_avg_sq"].sqrt()
         else:
             denom = exp_avg_sq.sqrt()
-        denom.div_(bias2_sqrt).add_(hp["eps"])
-        p.addcmul_(exp_avg.div(denom), step_size.neg())
+        # torch: p -= step_size * m / (sqrt(v) / bias2_sqrt + eps). With step_size folded into the
+        # denominator this is one addcdiv_; a member with lr 0 gets an infinite denominator.
+        moving = step_size > 0
+        inv = torch.where(moving, 1 / (bias2_sqrt * step_size), 0.0)
+        eps = torch.where(moving, group["eps"] / step_size, torch.inf)
+        denom.mul_(_as_member_view(inv, p)).add_(_as_member_view(eps, p))
+        p.addcdiv_(exp_avg, denom, value=-1)
+
+    def _group_flags(self, group: dict[str, Any]) -> dict[str, bool]:
+        flags = super()._group_flags(group)
+        flags["shared_beta2"] = bool((group["beta2"] == group["beta2"][0]).all())
+        return flags
 
     def _torch_kwargs(self, group: dict[str, Any], i: int) -> dict[str, Any]:
         out = super()._torch_kwargs(group, i)

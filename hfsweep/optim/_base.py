@@ -57,17 +57,31 @@ class FusedOptimizer(torch.optim.Optimizer):
         #: members deactivated because their loss or gradients were not finite, in order
         self.nonfinite_members: list[int] = []
         self._schedulers: list[Any] = []  # hs.optim.lr_scheduler objects attached to this
-        for index, group in enumerate(self.param_groups):
-            for name in self.numeric:
-                group[name] = _member_values(name, group[name], size, device, index)
-            for name in self.options:
-                if not isinstance(group[name], bool):
-                    raise ValueError(
-                        f"{name}={group[name]!r} (param group {index}) must be a bool shared by "
-                        "all members"
-                    )
-            self._validate(group, index)
         self._refresh()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's ``add_param_group``, with the group's values turned into ``[B]`` tensors."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        index = len(self.param_groups) - 1
+        sizes = {int(p.shape[0]) for p in group["params"] if p.dim() > 0}
+        if sizes != {self.size} or any(p.dim() == 0 for p in group["params"]):
+            raise ValueError(
+                f"param group {index} has parameters with member counts {sorted(sizes)}; this "
+                f"optimizer has {self.size} members"
+            )
+        device = group["params"][0].device
+        for name in self.numeric:
+            group[name] = _member_values(name, group[name], self.size, device, index)
+        for name in self.options:
+            if not isinstance(group[name], bool):
+                raise ValueError(
+                    f"{name}={group[name]!r} (param group {index}) must be a bool shared by "
+                    "all members"
+                )
+        self._validate(group, index)
+        if hasattr(self, "active"):  # added after construction
+            self._refresh()
 
     # ------------------------------------------------------------------ subclass hooks
     def _validate(self, group: dict[str, Any], index: int) -> None:
@@ -155,12 +169,19 @@ class FusedOptimizer(torch.optim.Optimizer):
         return loss
 
     def _nonfinite_grads(self) -> Tensor:
-        bad = torch.zeros(self.size, dtype=torch.bool, device=self.active.device)
+        """``[B]``: which members have an inf or NaN gradient. One reduction per parameter: inf
+        and NaN survive a sum (accumulated in at least float32, so half-precision gradients cannot
+        overflow it); a finite sum that overflowed would need gradients near 1e38."""
+        total: Tensor | None = None
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
-                    bad |= ~torch.isfinite(p.grad).flatten(1).all(1)
-        return bad
+                    g = p.grad
+                    s = g.flatten(1).sum(1, dtype=torch.promote_types(g.dtype, torch.float32))
+                    total = s if total is None else total + s
+        if total is None:
+            return torch.zeros(self.size, dtype=torch.bool, device=self.active.device)
+        return ~torch.isfinite(total)
 
     def _isolate(self, bad: Tensor, what: str) -> list[int]:
         members = bad.nonzero().flatten().tolist()

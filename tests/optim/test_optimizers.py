@@ -373,3 +373,33 @@ def test_whole_optimizer_checkpoint_resumes_exactly(name: str) -> None:
         opt2.step()
     for p, q in zip(array.parameters(), resumed.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
+
+
+def test_param_group_added_later_gets_per_member_values() -> None:
+    array = hs.fuse([MLP(d_in=6, hidden=8, d_out=3) for _ in range(2)])
+    head = list(array.module.head.parameters())
+    body = [p for p in array.parameters() if all(p is not h for h in head)]
+    opt = hs.optim.Adam(body, lr=[0.1, 0.2])
+    opt.add_param_group({"params": head, "lr": [0.3, 0.4]})
+    assert opt.hyperparameters(1, group=1)["lr"] == pytest.approx(0.4)
+    for p in array.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    with pytest.raises(ValueError, match="member counts"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3, 2))]})
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_adam_member_with_zero_lr_stays_put_without_nan(amsgrad: bool) -> None:
+    """Schedules such as cosine annealing reach lr = 0 exactly; zero gradients make v = 0 too."""
+    array = hs.fuse([MLP(d_in=6, hidden=8, d_out=3) for _ in range(2)])
+    opt = hs.optim.AdamW(array, lr=[0.0, 1e-2], amsgrad=amsgrad)
+    before = [p.detach().clone() for p in array.parameters()]
+    for p in array.parameters():
+        p.grad = torch.zeros_like(p)
+        p.grad[1] = 1.0
+    opt.step()
+    for p, q in zip(before, array.parameters(), strict=True):
+        assert torch.equal(p[0], q[0])
+        assert torch.isfinite(q).all()
+    assert opt.nonfinite_members == []
