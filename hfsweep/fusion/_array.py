@@ -116,6 +116,7 @@ class FusedArray(nn.Module):
         self._size = size
         self._slots = slots
         self._swap_places = [(d, n, j) for j, s in enumerate(slots) for d, n in s.places]
+        self._first_places = [s.places[0] for s in slots]
         self._trace_enabled = trace
         self._traces: dict[Any, Any] = {}
         self._template_modules = list(template.modules())
@@ -234,11 +235,14 @@ class FusedArray(nn.Module):
         return i % self._size
 
     def _state(self) -> tuple[Tensor, ...]:
-        out = []
-        for slot in self._slots:
-            owner, name = slot.places[0]
-            out.append(owner[name])
-        return tuple(out)
+        """The stacked tensors, read from the template on every call (``.to()`` replaces them)."""
+        return tuple([owner[name] for owner, name in self._first_places])
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickles and deep copies leave the traces behind: they are caches, rebuilt on demand."""
+        state = self.__dict__.copy()
+        state["_traces"] = {}
+        return state
 
     def _apply(self, fn: Any, recurse: bool = True) -> FusedArray:
         self._traces.clear()
@@ -388,7 +392,8 @@ class FusedArray(nn.Module):
         if watch.changed:
             _log.debug("forward switches grad mode; running eagerly")
             return _EAGER
-        return _Trace(graph=graph, outputs=rec)
+        # the generated forward itself: GraphModule.__call__ adds Module-call machinery per call
+        return _Trace(graph=graph.forward, outputs=rec)
 
     @contextmanager
     def _locate_errors(self) -> Iterator[None]:
