@@ -8,7 +8,9 @@ of one full training step (forward, backward, SGD update) done three ways, side 
 * ``fused``: ``hs.fuse`` of the same B models, per-member losses summed, one SGD over the stacked
   parameters (the same update as B separate SGDs with one learning rate);
 * ``ideal``: one model trained on a batch B times larger, the same arithmetic with no fusion
-  overhead at all; fused can approach but not beat it.
+  overhead at all; fused can approach but not beat it;
+* ``hand`` (MLPs only): the same B MLPs written by hand as one ``baddbmm`` per layer over stacked
+  weights, the HFTA-style implementation the engine is meant to match without being written.
 
 Rounds interleave the three ways and the median round is reported, so a slow moment of the machine
 hits all of them alike. Usage::
@@ -126,7 +128,38 @@ def make_steps(
         F.cross_entropy(big(xb), yb).backward()
         big_opt.step()
 
-    return {"serial": serial, "fused": fused, "ideal": ideal}
+    steps = {"serial": serial, "fused": fused, "ideal": ideal}
+    if isinstance(models[0], nn.Sequential):
+        steps["hand"] = _hand_written(models, x, y)
+    return steps
+
+
+def _hand_written(models: list[nn.Module], x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
+    """One baddbmm per Linear over stacked weights, ReLU between, per-member mean losses."""
+    linears = [[m for m in model if isinstance(m, nn.Linear)] for model in models]
+    weights = [
+        torch.stack([ls[k].weight.detach() for ls in linears]).requires_grad_()
+        for k in range(len(linears[0]))
+    ]
+    biases = [
+        torch.stack([ls[k].bias.detach() for ls in linears]).requires_grad_()
+        for k in range(len(linears[0]))
+    ]
+    opt = torch.optim.SGD([*weights, *biases], lr=0.01)
+    size, batch = len(models), x.shape[0]
+
+    def hand() -> None:
+        opt.zero_grad(set_to_none=True)
+        h = x.expand(size, *x.shape)
+        for k, (w, b) in enumerate(zip(weights, biases, strict=True)):
+            h = torch.baddbmm(b.unsqueeze(1), h, w.transpose(1, 2))
+            if k < len(weights) - 1:
+                h = h.relu()
+        losses = F.cross_entropy(h.flatten(0, 1), y.repeat(size), reduction="none")
+        losses.view(size, batch).mean(1).sum().backward()
+        opt.step()
+
+    return hand
 
 
 def measure(
@@ -153,12 +186,23 @@ def measure(
     result["fused/ideal rounds"] = [
         i / f for i, f in zip(samples["ideal"], samples["fused"], strict=True)
     ]
+    if "hand" in samples:
+        result["hand"] = size * batch / statistics.median(samples["hand"])
+        result["fused/hand rounds"] = [
+            h / f for h, f in zip(samples["hand"], samples["fused"], strict=True)
+        ]
     return result
 
 
 def _ratio(row: dict, key: str) -> str:
-    rounds = row[f"{key} rounds"]
+    rounds = row.get(f"{key} rounds")
+    if rounds is None:
+        return "-"
     return f"{statistics.median(rounds):.2f} ({min(rounds):.2f}-{max(rounds):.2f})"
+
+
+def _rate(row: dict, key: str) -> str:
+    return f"{row[key]:.0f}" if key in row else "-"
 
 
 def machine(device: torch.device) -> str:
@@ -189,8 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     rows = []
     print(
-        f"{'model':12s} {'B':>3s} {'serial':>10s} {'fused':>10s} {'ideal':>10s} "
-        f"{'fused/serial':>18s} {'fused/ideal':>18s}",
+        f"{'model':12s} {'B':>3s} {'serial':>10s} {'fused':>10s} {'ideal':>10s} {'hand':>10s} "
+        f"{'fused/serial':>18s} {'fused/ideal':>18s} {'fused/hand':>18s}",
         flush=True,
     )
     for name in args.models:
@@ -200,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             print(
                 f"{name:12s} {size:3d} {r['serial']:10.0f} {r['fused']:10.0f} {r['ideal']:10.0f} "
-                f"{_ratio(row, 'fused/serial'):>18s} {_ratio(row, 'fused/ideal'):>18s}",
+                f"{_rate(row, 'hand'):>10s} {_ratio(row, 'fused/serial'):>18s} "
+                f"{_ratio(row, 'fused/ideal'):>18s} {_ratio(row, 'fused/hand'):>18s}",
                 flush=True,
             )
     stem = args.out or RESULTS / f"fusion_throughput_{device.type}"
@@ -225,17 +270,20 @@ def main(argv: list[str] | None = None) -> int:
         f"- one step = forward + backward + SGD update, batch {args.batch} per member; "
         f"median of {args.rounds} interleaved rounds",
         "",
-        "Member-samples/s, median over rounds (higher is better). The ratios are the median of",
-        "the per-round ratios, with their range across rounds in parentheses: that range is how",
-        "much this machine's speed moved while the three ways ran side by side.",
+        "Member-samples/s, median over rounds (higher is better). `hand` is the MLPs written by",
+        "hand as one `baddbmm` per layer (what the engine must match without being written). The",
+        "ratios are the median of the per-round ratios, with their range across rounds in",
+        "parentheses: that range is how much this machine's speed moved while the ways ran side",
+        "by side.",
         "",
-        "| model | B | serial | fused | ideal | fused / serial | fused / ideal |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| model | B | serial | fused | ideal | hand | fused / serial | fused / ideal | fused / hand |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         lines.append(
             f"| {row['model']} | {row['B']} | {row['serial']:.0f} | {row['fused']:.0f} | "
-            f"{row['ideal']:.0f} | {_ratio(row, 'fused/serial')} | {_ratio(row, 'fused/ideal')} |"
+            f"{row['ideal']:.0f} | {_rate(row, 'hand')} | {_ratio(row, 'fused/serial')} | "
+            f"{_ratio(row, 'fused/ideal')} | {_ratio(row, 'fused/hand')} |"
         )
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print(f"wrote {stem.with_suffix('.md')}")
