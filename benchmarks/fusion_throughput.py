@@ -23,23 +23,17 @@ hits all of them alike. Usage::
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _results import RESULTS, write_results
 from torch import nn
 
 import hfsweep as hs
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def tiny_mlp() -> nn.Module:
@@ -205,21 +199,6 @@ def _rate(row: dict, key: str) -> str:
     return f"{row[key]:.0f}" if key in row else "-"
 
 
-def machine(device: torch.device) -> str:
-    if device.type == "cuda":
-        return f"{torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda})"
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
@@ -248,45 +227,49 @@ def main(argv: list[str] | None = None) -> int:
                 f"{_ratio(row, 'fused/ideal'):>18s} {_ratio(row, 'fused/hand'):>18s}",
                 flush=True,
             )
-    stem = args.out or RESULTS / f"fusion_throughput_{device.type}"
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    command = "python benchmarks/fusion_throughput.py " + " ".join(argv or sys.argv[1:])
-    meta = {
-        "machine": machine(device),
-        "torch": torch.__version__,
-        "hfsweep": hs.__version__,
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
-        "command": command.strip(),
-        "batch": args.batch,
-        "rounds": args.rounds,
-    }
-    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    lines = [
-        "# Training throughput: serial vs fused vs ideal batching",
-        "",
-        f"- machine: {meta['machine']}",
-        f"- torch {meta['torch']}, hfsweep {meta['hfsweep']}, {meta['date']}",
-        f"- command: `{meta['command']}`",
-        f"- one step = forward + backward + SGD update, batch {args.batch} per member; "
-        f"median of {args.rounds} interleaved rounds",
-        "",
-        "Member-samples/s, median over rounds (higher is better). `hand` is the MLPs written by",
-        "hand as one `baddbmm` per layer (what the engine must match without being written). The",
-        "ratios are the median of the per-round ratios, with their range across rounds in",
-        "parentheses: that range is how much this machine's speed moved while the ways ran side",
-        "by side.",
-        "",
-        "| model | B | serial | fused | ideal | hand | fused / serial | fused / ideal | fused / hand |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for row in rows:
-        lines.append(
-            f"| {row['model']} | {row['B']} | {row['serial']:.0f} | {row['fused']:.0f} | "
-            f"{row['ideal']:.0f} | {_rate(row, 'hand')} | {_ratio(row, 'fused/serial')} | "
-            f"{_ratio(row, 'fused/ideal')} | {_ratio(row, 'fused/hand')} |"
-        )
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {stem.with_suffix('.md')}")
+    write_results(
+        args.out or RESULTS / f"fusion_throughput_{device.type}",
+        "fusion_throughput.py",
+        argv,
+        device,
+        "Training throughput: serial vs fused vs ideal batching",
+        [
+            f"- one step = forward + backward + SGD update, batch {args.batch} per member; "
+            f"median of {args.rounds} interleaved rounds",
+            "",
+            "Member-samples/s, median over rounds (higher is better). `hand` is the MLPs written",
+            "by hand as one `baddbmm` per layer (what the engine must match without being",
+            "written). The ratios are the median of the per-round ratios, with their range across",
+            "rounds in parentheses: that range is how much this machine's speed moved while the",
+            "ways ran side by side.",
+        ],
+        [
+            "model",
+            "B",
+            "serial",
+            "fused",
+            "ideal",
+            "hand",
+            "fused / serial",
+            "fused / ideal",
+            "fused / hand",
+        ],
+        [
+            [
+                row["model"],
+                str(row["B"]),
+                f"{row['serial']:.0f}",
+                f"{row['fused']:.0f}",
+                f"{row['ideal']:.0f}",
+                _rate(row, "hand"),
+                _ratio(row, "fused/serial"),
+                _ratio(row, "fused/ideal"),
+                _ratio(row, "fused/hand"),
+            ]
+            for row in rows
+        ],
+        rows,
+    )
     return 0
 
 

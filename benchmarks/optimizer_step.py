@@ -12,16 +12,14 @@ with the range of the per-round speed-up. Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
-from fusion_throughput import MODELS, RESULTS, _sync, machine
+from _results import RESULTS, write_results
+from fusion_throughput import MODELS, _sync
 
 import hfsweep as hs
 
@@ -108,35 +106,30 @@ def main(argv: list[str] | None = None) -> int:
                     f"{r['fused_ms']:9.3f} {text:>20s}",
                     flush=True,
                 )
-    stem = args.out or RESULTS / f"optimizer_step_{device.type}"
-    command = "python benchmarks/optimizer_step.py " + " ".join(argv or sys.argv[1:])
-    meta = {
-        "machine": machine(device),
-        "torch": torch.__version__,
-        "hfsweep": hs.__version__,
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
-        "command": command.strip(),
-    }
-    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    lines = [
-        "# Optimizer step: one fused optimizer vs B torch.optim optimizers (foreach)",
-        "",
-        f"- machine: {meta['machine']}",
-        f"- torch {meta['torch']}, hfsweep {meta['hfsweep']}, {meta['date']}",
-        f"- command: `{meta['command']}`",
-        f"- median of {args.rounds} interleaved rounds of {args.iters} steps; per-member learning "
-        "rates; speed-up range across rounds in parentheses",
-        "",
-        "| model | optimizer | B | B separate (ms) | fused (ms) | speed-up |",
-        "|---|---|---:|---:|---:|---:|",
-    ]
-    for row in rows:
-        lines.append(
-            f"| {row['model']} | {row['optimizer']} | {row['B']} | "
-            f"{row['separate_ms']:.3f} | {row['fused_ms']:.3f} | {row['speedup']} |"
-        )
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {stem.with_suffix('.md')}")
+    write_results(
+        args.out or RESULTS / f"optimizer_step_{device.type}",
+        "optimizer_step.py",
+        argv,
+        device,
+        "Optimizer step: one fused optimizer vs B torch.optim optimizers (foreach)",
+        [
+            f"- median of {args.rounds} interleaved rounds of {args.iters} steps; per-member "
+            "learning rates; speed-up range across rounds in parentheses",
+        ],
+        ["model", "optimizer", "B", "B separate (ms)", "fused (ms)", "speed-up"],
+        [
+            [
+                row["model"],
+                row["optimizer"],
+                str(row["B"]),
+                f"{row['separate_ms']:.3f}",
+                f"{row['fused_ms']:.3f}",
+                row["speedup"],
+            ]
+            for row in rows
+        ],
+        rows,
+    )
     return 0
 
 

@@ -1,15 +1,15 @@
 """``hfsweep demo``: B MLPs on scikit-learn's bundled digits, trained fused and one after another.
 
 Until the sweep engine lands this is the project's main job: it shows the members training
-together in one array, each with its own initialisation and dropout probability, reports every
-member's validation accuracy, and times the same training done one model at a time.
+together in one array, each with its own initialisation, learning rate and dropout probability,
+reports every member's validation accuracy, and times the same training done one model at a time.
 """
 
 from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .fusion import FusedArray, fuse, member_losses
+from . import optim as fused_optim
+from .fusion import fuse, member_losses
 from .testing import MLP
 
 
@@ -27,6 +28,7 @@ class DemoResult:
 
     accuracy: list[float]
     dropout: list[float]
+    lr: list[float]
     trace_seconds: float
     fused_seconds: float
     serial_seconds: float
@@ -56,30 +58,28 @@ def _batches(n: int, batch: int, gen: torch.Generator) -> Iterator[Tensor]:
         yield order[start : start + batch]
 
 
-def _train_array(
-    array: FusedArray, x: Tensor, y: Tensor, epochs: int, batch: int, lr: float, seed: int
+def _train(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    loss: Callable[[Tensor, Tensor], Tensor],
+    data: tuple[Tensor, Tensor],
+    epochs: int,
+    batch: int,
+    seed: int,
 ) -> None:
-    opt = torch.optim.SGD(array.parameters(), lr=lr, momentum=0.9)
-    gen = torch.Generator().manual_seed(seed)
-    array.train()
-    for _ in range(epochs):
-        for idx in _batches(len(y), batch, gen):
-            opt.zero_grad(set_to_none=True)
-            member_losses(array(x[idx]), y[idx]).sum().backward()
-            opt.step()
-
-
-def _train_one(
-    model: nn.Module, x: Tensor, y: Tensor, epochs: int, batch: int, lr: float, seed: int
-) -> None:
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    """Plain minibatch training; the same loop for the fused array and for one model."""
+    x, y = data
     gen = torch.Generator().manual_seed(seed)
     model.train()
     for _ in range(epochs):
         for idx in _batches(len(y), batch, gen):
             opt.zero_grad(set_to_none=True)
-            F.cross_entropy(model(x[idx]), y[idx]).backward()
+            loss(model(x[idx]), y[idx]).backward()
             opt.step()
+
+
+def _summed_member_losses(out: Tensor, y: Tensor) -> Tensor:
+    return member_losses(out, y).sum()
 
 
 def run_demo(
@@ -91,9 +91,14 @@ def run_demo(
     out: Path | None = None,
     serial: bool = True,
 ) -> DemoResult:
-    """Train ``members`` MLPs fused (and, if ``serial``, one after another) and report."""
+    """Train ``members`` MLPs fused (and, if ``serial``, one after another) and report.
+
+    Member i gets its own dropout probability and learning rate (``lr`` scaled by 1/4 to 4 over
+    the members, log-spaced), as a small sweep would give them.
+    """
     x, y, xv, yv = load_digits_tensors(seed)
     dropout = [round(0.5 * i / max(members - 1, 1), 3) for i in range(members)]
+    lrs = [lr * 16 ** (i / max(members - 1, 1)) / 4 for i in range(members)]
     models = []
     for i, p in enumerate(dropout):
         torch.manual_seed(seed + i)
@@ -106,8 +111,9 @@ def run_demo(
     for n in {batch, len(y) % batch or batch}:
         array(x[:n])
     trace_seconds = time.perf_counter() - start
+    opt = fused_optim.SGD(array, lr=lrs, momentum=0.9)
     start = time.perf_counter()
-    _train_array(array, x, y, epochs, batch, lr, seed)
+    _train(array, opt, _summed_member_losses, (x, y), epochs, batch, seed)
     fused_seconds = time.perf_counter() - start
 
     array.eval()
@@ -117,8 +123,9 @@ def run_demo(
     serial_seconds = float("nan")
     if serial:
         start = time.perf_counter()
-        for m in alone:
-            _train_one(m, x, y, epochs, batch, lr, seed)
+        for m, member_lr in zip(alone, lrs, strict=True):
+            one_opt = torch.optim.SGD(m.parameters(), lr=member_lr, momentum=0.9)
+            _train(m, one_opt, F.cross_entropy, (x, y), epochs, batch, seed)
         serial_seconds = time.perf_counter() - start
 
     if out is not None:
@@ -126,18 +133,26 @@ def run_demo(
         best = max(range(members), key=lambda i: accuracy[i])
         torch.save(array.member(best).state_dict(), out / "best_member.pt")
     return DemoResult(
-        accuracy, dropout, trace_seconds, fused_seconds, serial_seconds, epochs * len(y) * members
+        accuracy,
+        dropout,
+        lrs,
+        trace_seconds,
+        fused_seconds,
+        serial_seconds,
+        epochs * len(y) * members,
     )
 
 
 def print_demo(result: DemoResult) -> None:
     """The demo's report: one row per member, then throughput of both ways."""
-    print(f"{'member':>6}  {'dropout p':>9}  {'val accuracy':>12}")
-    for i, (p, acc) in enumerate(zip(result.dropout, result.accuracy, strict=True)):
-        print(f"{i:>6}  {p:>9.3f}  {acc:>12.4f}")
+    print(f"{'member':>6}  {'lr':>8}  {'dropout p':>9}  {'val accuracy':>12}")
+    rows = zip(result.lr, result.dropout, result.accuracy, strict=True)
+    for i, (lr, p, acc) in enumerate(rows):
+        print(f"{i:>6}  {lr:>8.4f}  {p:>9.3f}  {acc:>12.4f}")
     best = max(range(len(result.accuracy)), key=lambda i: result.accuracy[i])
     print(
-        f"best member: {best} (dropout p={result.dropout[best]}, accuracy {result.accuracy[best]:.4f})"
+        f"best member: {best} (lr={result.lr[best]:.4f}, dropout p={result.dropout[best]}, "
+        f"accuracy {result.accuracy[best]:.4f})"
     )
     fused_rate = result.samples / result.fused_seconds
     print(f"tracing (once):     {result.trace_seconds:7.2f} s")

@@ -14,12 +14,13 @@ from hfsweep.testing import MLP
 
 
 def test_demo_trains_every_member_and_saves_a_loadable_best_member(tmp_path: Path, capsys) -> None:
-    assert main(["demo", "--members", "3", "--epochs", "2", "--out", str(tmp_path)]) == 0
+    assert main(["demo", "--members", "3", "--epochs", "5", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "best member" in out and "speed-up" in out
     rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
-    accuracies = [float(r[2]) for r in rows[:3]]
-    assert all(acc > 0.5 for acc in accuracies)  # two epochs of digits already beat chance (0.1)
+    accuracies = [float(r[-1]) for r in rows[:3]]
+    assert len({r[1] for r in rows[:3]}) == 3  # each member has its own learning rate
+    assert all(acc > 0.5 for acc in accuracies), out  # five epochs beat chance (0.1) by far
     model = MLP(d_in=64, hidden=64, d_out=10, depth=2)
     model.load_state_dict(torch.load(tmp_path / "best_member.pt"))
 

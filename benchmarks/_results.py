@@ -1,0 +1,71 @@
+"""Writing benchmark results: the JSON rows and a Markdown table, with machine and command."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import hfsweep as hs
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine(device: torch.device) -> str:
+    """The device in words: GPU name and CUDA version, or CPU model, cores and torch threads."""
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda})"
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
+
+
+def write_results(
+    stem: Path,
+    script: str,
+    argv: list[str] | None,
+    device: torch.device,
+    title: str,
+    notes: list[str],
+    columns: list[str],
+    cells: list[list[str]],
+    rows: list[dict[str, Any]],
+) -> None:
+    """Write ``stem``.json (metadata and raw rows) and ``stem``.md (the table) and say where."""
+    command = f"python benchmarks/{script} " + " ".join(argv if argv is not None else sys.argv[1:])
+    meta = {
+        "machine": machine(device),
+        "torch": torch.__version__,
+        "hfsweep": hs.__version__,
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+        "command": command.strip(),
+    }
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    lines = [
+        f"# {title}",
+        "",
+        f"- machine: {meta['machine']}",
+        f"- torch {meta['torch']}, hfsweep {meta['hfsweep']}, {meta['date']}",
+        f"- command: `{meta['command']}`",
+        *notes,
+        "",
+        "| " + " | ".join(columns) + " |",
+        "|" + "|".join("---" if i == 0 else "---:" for i in range(len(columns))) + "|",
+        *("| " + " | ".join(c) + " |" for c in cells),
+    ]
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {stem.with_suffix('.md')}")
