@@ -131,6 +131,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._follow_device()
         inactive = self._inactive
         if skip is not None or self.isolate_nonfinite:
             left_out = ~self.active if skip is None else ~self.active | skip.to(self.active.device)
@@ -167,6 +168,22 @@ class FusedOptimizer(torch.optim.Optimizer):
                     for t, values in saved:
                         t[inactive] = values
         return loss
+
+    def _follow_device(self) -> None:
+        """Keep the per-member tensors where the parameters are (``array.to(...)`` after the
+        optimizer was made moves the parameters, not these)."""
+        device = self.param_groups[0]["params"][0].device
+        if self.active.device == device:
+            return
+        self.active = self.active.to(device)
+        for group in self.param_groups:
+            for name in (*self.numeric, "initial_lr"):
+                if name in group:
+                    group[name] = group[name].to(device)
+        for state in self.state.values():
+            if "step" in state:
+                state["step"] = state["step"].to(device)
+        self._refresh()
 
     def _nonfinite_grads(self) -> Tensor:
         """``[B]``: which members have an inf or NaN gradient. One reduction per parameter: inf

@@ -70,3 +70,22 @@ def test_bf16_autocast_forward_and_backward_run() -> None:
         losses = hs.member_losses(array(x), y)
     losses.float().sum().backward()
     assert all(torch.isfinite(p.grad).all() for p in array.parameters())
+
+
+def test_optimizer_and_scheduler_follow_the_array_to_cuda() -> None:
+    array = hs.fuse([LeNet() for _ in range(3)])
+    opt = hs.optim.AdamW(array, lr=[1e-3, 2e-3, 3e-3])
+    sched = hs.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=[5, 10, 20])
+    array.cuda()
+    x = torch.randn(4, 1, 8, 8, device="cuda")
+    y = torch.randint(0, 10, (4,), device="cuda")
+    for _ in range(3):
+        opt.zero_grad()
+        losses = hs.member_losses(array(x), y)
+        opt.deactivate_nonfinite(losses)
+        losses.sum().backward()
+        hs.optim.clip_grad_norm_(array, 1.0)
+        opt.step()
+        sched.step()
+    assert opt.param_groups[0]["lr"].device.type == "cuda"
+    assert opt.nonfinite_members == []
