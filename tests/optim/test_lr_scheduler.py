@@ -244,6 +244,7 @@ def test_optimizer_reset_restarts_the_members_schedule(name: str) -> None:
         "OneCycleLR",
         "ReduceLROnPlateau",
         "LinearLR",
+        "SequentialLR-warmup-cosine",
     ],
 )
 def test_member_state_dict_loads_into_torch_and_continues_identically(name: str) -> None:
