@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from _results import RESULTS, write_results
-from fusion_throughput import MODELS, _sync
+from fusion_throughput import MODELS, _time
 
 import hfsweep as hs
 
@@ -53,21 +52,13 @@ def measure(
     def step_fused() -> None:
         fused.step()
 
-    def timed(fn: Callable[[], None]) -> float:
-        _sync(device)
-        start = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        _sync(device)
-        return (time.perf_counter() - start) / iters
-
     for fn in (step_separate, step_fused):
         for _ in range(5):
             fn()
     sep, fus = [], []
     for _ in range(rounds):
-        sep.append(timed(step_separate))
-        fus.append(timed(step_fused))
+        sep.append(_time(step_separate, iters, device))
+        fus.append(_time(step_fused, iters, device))
     return {
         "separate_ms": statistics.median(sep) * 1e3,
         "fused_ms": statistics.median(fus) * 1e3,

@@ -59,6 +59,10 @@ def _public_function(target: Any) -> Callable[..., Any] | None:
     return fn if callable(fn) else None
 
 
+# Overloads whose public function picks the same kernel for the same positional arguments.
+_SAFE_OVERLOADS = frozenset({"default", "Tensor", "Scalar", "int", "dim", "dim_IntList", "self"})
+
+
 def simplify(gm: fx.GraphModule) -> fx.GraphModule:
     """Remove no-op and dead nodes of a traced forward and retarget calls to public functions."""
     graph = gm.graph
@@ -76,16 +80,8 @@ def simplify(gm: fx.GraphModule) -> fx.GraphModule:
     for node in graph.nodes:
         if node.op == "call_function" and not node.kwargs:
             fn = _public_function(node.target)
-            if fn is not None and _same_overload(node.target, fn):
+            if fn is not None and node.target._overloadname in _SAFE_OVERLOADS:
                 node.target = fn
     graph.lint()
     gm.recompile()
     return gm
-
-
-# Overloads whose public function picks the same kernel for the same positional arguments.
-_SAFE_OVERLOADS = frozenset({"default", "Tensor", "Scalar", "int", "dim", "dim_IntList", "self"})
-
-
-def _same_overload(target: Any, fn: Callable[..., Any]) -> bool:
-    return bool(target._overloadname in _SAFE_OVERLOADS)

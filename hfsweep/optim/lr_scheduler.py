@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -80,7 +80,7 @@ class FusedLRScheduler:
         optimizer._schedulers.append(self)
         for i in range(self.size):
             self._start(i)
-            self._apply(i)
+        self._apply_members(range(self.size))
 
     # ------------------------------------------------------------------ subclass hooks
     def _validate(self) -> None:
@@ -96,10 +96,10 @@ class FusedLRScheduler:
     def step(self) -> None:
         """Advance every active member's schedule by one epoch (or step)."""
         active = self.optimizer.active.tolist()
-        for i in range(self.size):
-            if active[i]:
-                self.last_epoch[i] += 1
-                self._apply(i)
+        members = [i for i in range(self.size) if active[i]]
+        for i in members:
+            self.last_epoch[i] += 1
+        self._apply_members(members)
 
     def get_last_lr(self) -> list[torch.Tensor]:
         """The current ``[B]`` learning rates of each param group."""
@@ -121,7 +121,7 @@ class FusedLRScheduler:
             self.base_lrs[gi][i] = float(group["initial_lr"][i])
         self.last_epoch[i] = 0
         self._start(i)
-        self._apply(i)
+        self._apply_members([i])
 
     def member_state_dict(self, i: int) -> dict[str, Any]:
         """Member ``i``'s schedule as the matching torch scheduler's ``state_dict``."""
@@ -147,9 +147,18 @@ class FusedLRScheduler:
         for gi, base in enumerate(state.get("base_lrs", [])):
             self.base_lrs[gi][i] = float(base)
         self._import_extra(i, state)
-        self._apply(i)
+        self._apply_members([i])
 
     # ------------------------------------------------------------------ helpers
+    def _apply_members(self, members: Iterable[int]) -> None:
+        """Write the scheduled values of ``members``, then let the optimizer catch up once."""
+        for i in members:
+            self._apply(i)
+        self._after_apply()
+
+    def _after_apply(self) -> None:
+        """Called once after a batch of :meth:`_apply` calls."""
+
     def _apply(self, i: int) -> None:
         for gi, group in enumerate(self.optimizer.param_groups):
             group["lr"][i] = self._lr(i, self.base_lrs[gi][i], self.last_epoch[i])
@@ -456,7 +465,10 @@ class OneCycleLR(FusedLRScheduler):
             value = self._value(i, self.last_epoch[i], moms)
             for group in self.optimizer.param_groups:
                 group[self._momentum_key][i] = value
-            self.optimizer._refresh()
+
+    def _after_apply(self) -> None:
+        if self.cycle_momentum:
+            self.optimizer._refresh()  # momentum changed: the optimizer's flags may too
 
     def _torch_args(self, i: int) -> dict[str, Any]:
         out = super()._torch_args(i)
