@@ -19,8 +19,9 @@ from __future__ import annotations
 import copy
 import functools
 import logging
+import operator
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, cast
@@ -96,6 +97,9 @@ class FusedArray(nn.Module):
     what optimizers update (``array.parameters()``), what ``state_dict()`` saves, and what
     :meth:`member` and :meth:`load_member` slice. ``array.module`` itself is storage, not a model:
     call the array, not the module.
+
+    Dropout layers draw each member's masks from that member's own deterministic stream
+    (:meth:`manual_seed`, :meth:`rng_state`, :meth:`set_rng_state`).
     """
 
     _prototype: nn.Module
@@ -180,7 +184,9 @@ class FusedArray(nn.Module):
         """A standalone model of the original class holding member ``i``'s current state.
 
         Parameters and buffers are copies (later training of the array does not change it);
-        ``member(i).state_dict()`` loads into a fresh instance of the user's class.
+        ``member(i).state_dict()`` loads into a fresh instance of the user's class. Its dropout
+        layers are plain torch layers with member ``i``'s ``p``: they draw masks from torch's
+        generator, not from the member's stream (:meth:`rng_state`).
         """
         i = self._index(i)
         model = copy.deepcopy(self._prototype)  # meta tensors, tying intact
@@ -203,7 +209,9 @@ class FusedArray(nn.Module):
         """Write ``module``'s parameters, buffers and dropout probabilities into slot ``i``.
 
         This is how a freed slot is refilled with a new trial. ``module`` must have the array's
-        architecture; values are copied and cast to the array's dtype and device.
+        architecture; values are copied and cast to the array's dtype and device. The slot's
+        dropout streams restart (call counters back to 0) and keep their seed: call
+        :meth:`manual_seed` to give the new trial its own.
         """
         i = self._index(i)
         check_compatible([self._prototype, module], unsupported_reason, "module", placement=False)
@@ -217,11 +225,77 @@ class FusedArray(nn.Module):
             for path, m in self._dropouts:
                 p = float(module.get_submodule(path).p)  # type: ignore[arg-type]
                 m.member_p[i] = p
+                m.get_buffer("member_calls")[i] = 0
 
-    def set_dropout(self, p: Sequence[float] | dict[str, Sequence[float]]) -> None:
+    def set_dropout(self, p: Sequence[float] | Mapping[str, Sequence[float]]) -> None:
         """Set per-member dropout probabilities: one list of B values for every dropout layer,
         or ``{submodule path: B values}`` for some of them."""
         _assign_dropout(self._dropouts, self._size, p)
+
+    def manual_seed(self, i: int, seed: int) -> None:
+        """Seed member ``i``'s dropout masks and restart its streams.
+
+        Every dropout layer of member ``i`` gets ``seed`` (the layers still draw distinct masks:
+        each mixes in its own index) and its call counter goes back to 0. From then on the
+        member's masks depend only on ``seed`` and its own training forwards, not on the array
+        size, its slot or torch's global generator: the trial draws the same masks alone
+        (``hs.fuse([model])``), in any other array and after a resume (:meth:`rng_state`).
+        ``member(i)`` returns plain ``nn.Dropout`` layers, which draw from torch's generator.
+
+        Args:
+            i: member index (negative counts from the end).
+            seed: an int in ``[0, 2**63)``.
+
+        Arrays without dropout layers ignore the call (the index is still checked).
+        """
+        i = self._index(i)
+        value = _check_stream_value("seed", seed)
+        for _, m in self._dropouts:
+            _write_stream(m, i, value, 0)
+
+    def rng_state(self, i: int) -> dict[str, list[int]]:
+        """Member ``i``'s dropout streams: ``{layer path: [seed, calls]}`` in plain ints.
+
+        ``calls`` counts the training-mode forwards member ``i`` has run through that layer. The
+        dict is JSON-serialisable; :meth:`set_rng_state` resumes the masks exactly where they
+        were. An array without dropout layers returns ``{}``.
+        """
+        i = self._index(i)
+        return {
+            path: [int(m.get_buffer("member_seed")[i]), int(m.get_buffer("member_calls")[i])]
+            for path, m in self._dropouts
+        }
+
+    def set_rng_state(self, i: int, state: Mapping[str, Sequence[int]]) -> None:
+        """Restore member ``i``'s dropout streams from :meth:`rng_state` (e.g. on resume).
+
+        ``state`` must name exactly the array's dropout layers, each with ``[seed, calls]``
+        (ints in ``[0, 2**63)``). It is checked whole before anything changes.
+        """
+        i = self._index(i)
+        if not isinstance(state, Mapping):
+            raise TypeError(
+                "rng state must be a dict {layer path: [seed, calls]}, got "
+                f"{type(state).__name__}"
+            )
+        known = [path for path, _ in self._dropouts]
+        if set(state) != set(known):
+            missing = [path for path in known if path not in state]
+            unknown = [path for path in state if path not in known]
+            raise ValueError(
+                f"rng state must name exactly the array's dropout layers {known}; "
+                f"missing {missing}, unknown {unknown}"
+            )
+        values: list[tuple[nn.Module, int, int]] = []
+        for path, m in self._dropouts:
+            entry = state[path]
+            if isinstance(entry, str | bytes) or not isinstance(entry, Sequence) or len(entry) != 2:
+                raise ValueError(f"rng state for {path!r} must be [seed, calls], got {entry!r}")
+            seed = _check_stream_value(f"seed of {path!r}", entry[0])
+            calls = _check_stream_value(f"calls of {path!r}", entry[1])
+            values.append((m, seed, calls))
+        for m, seed, calls in values:
+            _write_stream(m, i, seed, calls)
 
     def extra_repr(self) -> str:
         return f"size={self._size}, trace={self._trace_enabled}"
@@ -500,12 +574,35 @@ def _places(model: nn.Module) -> dict[str, list[tuple[dict[str, Any], str]]]:
     }
 
 
+_STREAM_LIMIT = 1 << 63  # seeds and call counts are non-negative int64
+
+
+def _check_stream_value(what: str, value: Any) -> int:
+    """``value`` as a dropout-stream int in ``[0, 2**63)``, or an error naming it.
+
+    Anything integer-like (``int``, NumPy integers) is accepted; ``bool`` and floats are not.
+    """
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise TypeError(f"{what} must be an int in [0, 2**63), got {value!r}")
+    number = operator.index(value)
+    if not 0 <= number < _STREAM_LIMIT:
+        raise ValueError(f"{what} must be an int in [0, 2**63), got {number}")
+    return number
+
+
+def _write_stream(dropout: nn.Module, i: int, seed: int, calls: int) -> None:
+    """Set member ``i``'s seed and call count in one fused dropout layer."""
+    with torch.no_grad():
+        dropout.get_buffer("member_seed")[i] = seed
+        dropout.get_buffer("member_calls")[i] = calls
+
+
 def _assign_dropout(
     dropouts: list[tuple[str, nn.Module]],
     size: int,
-    p: Sequence[float] | dict[str, Sequence[float]],
+    p: Sequence[float] | Mapping[str, Sequence[float]],
 ) -> None:
-    if isinstance(p, dict):
+    if isinstance(p, Mapping):
         known = dict(dropouts)
         targets = []
         for path, values in p.items():
@@ -540,7 +637,7 @@ def _assign_dropout(
 
 def build_array(
     models: Sequence[nn.Module],
-    dropout: Sequence[float] | dict[str, Sequence[float]] | None,
+    dropout: Sequence[float] | Mapping[str, Sequence[float]] | None,
     trace: bool,
 ) -> FusedArray:
     """Check ``models``, stack their state and assemble the array (see :func:`hfsweep.fuse`)."""
@@ -573,6 +670,8 @@ def build_array(
             module.__class__ = cls
         if dims is not None:
             module._hfsweep_feature_dims = dims
+            # the layer's own stream within a member: its index among the dropout layers
+            module._hfsweep_salt = len(dropout_paths)
             dropout_paths.append(path)
 
     member_places = [_places(m) for m in models]
@@ -592,13 +691,22 @@ def build_array(
             slots.append(_Slot(name=name, is_param=is_param, places=places))
 
     device = slots[0].places[0][0][slots[0].places[0][1]].device if slots else torch.device("cpu")
+    # One default dropout seed per member from torch's global generator (on the CPU, so the
+    # same torch.manual_seed gives the same streams on every device); drawn only when needed,
+    # so arrays without dropout leave the generator alone.
+    seeds = torch.randint(0, _STREAM_LIMIT - 1, (size,)) if dropout_paths else None
     for path in dropout_paths:
         module = template.get_submodule(path)
         ps = [float(m.get_submodule(path).p) for m in models]  # type: ignore[arg-type]
-        module.register_buffer("member_p", torch.tensor(ps, dtype=torch.float32, device=device))
-        slots.append(
-            _Slot(f"{path}.member_p", False, [(module._buffers, "member_p")], setting=True)
-        )
+        assert seeds is not None
+        settings = {
+            "member_p": torch.tensor(ps, dtype=torch.float32, device=device),
+            "member_seed": seeds.to(device, copy=True),  # one tensor per layer, never shared
+            "member_calls": torch.zeros(size, dtype=torch.int64, device=device),
+        }
+        for name, value in settings.items():
+            module.register_buffer(name, value)
+            slots.append(_Slot(f"{path}.{name}", False, [(module._buffers, name)], setting=True))
     array = FusedArray(template, prototype, size, slots, trace)
     if dropout is not None:
         array.set_dropout(dropout)

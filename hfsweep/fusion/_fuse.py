@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from torch import nn
 
@@ -14,7 +14,7 @@ __all__ = ["fuse"]
 def fuse(
     models: Iterable[nn.Module],
     *,
-    dropout: Sequence[float] | dict[str, Sequence[float]] | None = None,
+    dropout: Sequence[float] | Mapping[str, Sequence[float]] | None = None,
     trace: bool = True,
 ) -> FusedArray:
     """Fuse B models of one architecture into one :class:`FusedArray`.
@@ -26,6 +26,9 @@ def fuse(
         dropout: per-member dropout probabilities. By default each member keeps the ``p`` of its
             own ``nn.Dropout``/``Dropout1d/2d/3d`` layers, which may differ between members. A list
             of B values sets every dropout layer; ``{submodule path: B values}`` sets some.
+            Each member's masks come from its own stream, seeded here from torch's global
+            generator (one ``torch.randint`` draw per member when the model has dropout layers);
+            :meth:`FusedArray.manual_seed` sets a member's seed.
         trace: replay each input signature's batched forward from a trace (fast). ``False`` runs
             ``torch.func.vmap`` eagerly on every call (use it when forward draws from Python's
             ``random`` module, which a trace would freeze).

@@ -1,33 +1,135 @@
-"""Dropout with one probability per member.
+"""Dropout with one probability and one deterministic random stream per member.
 
 Under ``vmap`` a Python float ``p`` is the same for every member, so HFTA could not sweep it. Here
-``p`` lives in a ``[B]`` buffer (``member_p``) and the mask is drawn independently per member.
+``p`` lives in a ``[B]`` buffer (``member_p``).
+
+Masks do not come from torch's global generator, whose draws under ``vmap`` depend on the array
+size and on a member's slot. Each member has a seed (``member_seed``) and a count of the training
+forwards it has run through the layer (``member_calls``); the mask is a counter-based hash of
+(seed, count, the layer's salt, element index). So member i's masks are the same in an array of 1
+and of 8, in any slot, traced or eager, on CPU or CUDA, and a checkpoint of seed and count resumes
+them exactly.
+
+The hash works on 32-bit values held in ``int64`` tensors. Each mixing round multiplies a value
+below ``2**32`` by an odd constant below ``2**31`` (the product stays below ``2**63``, so no signed
+overflow, which C++ leaves undefined) and folds the high half of the product into the low half.
+Per element that is a dozen or so in-place integer ops, no dearer than ``torch.rand`` on CPU;
+the keys add about two dozen ops on one number per member, per layer and call.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor, nn
 
-__all__ = ["FusedDropoutMixin", "feature_dims"]
+from .._errors import FusionError
+
+__all__ = ["FusedDropoutMixin", "dropout_mask_hash", "feature_dims"]
 
 #: how many trailing dimensions share one mask value, by dropout class name
 feature_dims: dict[str, int] = {"Dropout": 0, "Dropout1d": 1, "Dropout2d": 2, "Dropout3d": 3}
 
+_MASK32 = 0xFFFFFFFF
+# Odd multipliers below 2**31: (value < 2**32) * multiplier < 2**63 never overflows int64.
+_ROUND_1 = 0x7FEB352D
+_ROUND_2 = 0x5851F42D
+_ROUND_3 = 0x2545F491
+_GOLDEN = 0x9E3779B9  # spreads consecutive layer indices over 32 bits
+_UNIFORM_BITS = 24  # resolution of the uniform number compared with p
+_MAX_ELEMENTS = 1 << 32  # element indices must fit the hash's 32-bit words
+
+
+def _fold(h: Tensor, multiplier: int) -> Tensor:
+    """One mixing round, in place: ``(h * m) mod 2**32`` xor the product's high half.
+
+    ``h`` holds values in ``[0, 2**32)``; the result does too. The product's low half spreads low
+    input bits upwards, the high half brings every input bit back down. One round alone mixes
+    poorly (inputs that differ in low bits stay related); the hash always runs two or more
+    rounds after anything that varies. A round is not one-to-one, so two elements share a 32-bit
+    value a few times more often than independent draws would; with 24-bit uniforms, which
+    independent draws tie far more often, that cannot be seen in a mask.
+    """
+    h.mul_(multiplier)
+    h.bitwise_xor_(h >> 32)
+    return h.bitwise_and_(_MASK32)
+
+
+def _layer_word(salt: int) -> int:
+    """The 32-bit word that makes one dropout layer's stream differ from the others'."""
+    return ((salt + 1) * _GOLDEN) & _MASK32
+
+
+def _member_keys(seed: Tensor, calls: Tensor, salt: int) -> tuple[Tensor, Tensor]:
+    """Two 32-bit keys from (seed, call count, layer salt), one value per member.
+
+    ``seed`` and ``calls`` are non-negative ``int64`` (0-dim per member, or ``[B]``). The first
+    key absorbs the layer, both halves of the seed and the low half of the count; the second
+    goes on from it with the count's high half (zero for the first ``2**32`` calls), so every
+    (seed, calls, salt) gets its own pair of keys. Few ops: this runs once per layer and call.
+    """
+    k = _fold((seed & _MASK32) ^ _layer_word(salt), _ROUND_1)
+    k = _fold(k ^ (seed >> 32), _ROUND_2)
+    k1 = _fold(k ^ (calls & _MASK32), _ROUND_3)
+    k2 = _fold(k1 ^ (calls >> 32), _ROUND_1)
+    return k1, k2
+
+
+def dropout_mask_hash(seed: Tensor, calls: Tensor, salt: int, numel: int) -> Tensor:
+    """32-bit hashes (``int64`` in ``[0, 2**32)``) of element indices ``0..numel-1``.
+
+    The value of element j depends only on (seed, calls, salt, j): elementwise over an ``arange``,
+    so it is the same whatever else is batched alongside (``vmap`` over members, or none).
+    Each key is followed by at least two mixing rounds, and the second key, injected between
+    rounds, keeps the masks of two calls from being permutations of each other.
+    """
+    if numel >= _MAX_ELEMENTS:
+        raise FusionError(
+            f"a dropout mask of {numel} elements per member is too large for the per-member "
+            f"random stream (at most {_MAX_ELEMENTS - 1}); use smaller inputs per call"
+        )
+    k1, k2 = _member_keys(seed, calls, salt)
+    h = torch.arange(numel, dtype=torch.int64, device=seed.device) ^ k1
+    _fold(h, _ROUND_2)
+    h.bitwise_xor_(k2)
+    _fold(h, _ROUND_3)
+    return _fold(h, _ROUND_1)
+
+
+def _keep_threshold(p: Tensor) -> Tensor:
+    """The smallest hash kept for probability ``p``: keep iff ``hash >> 8`` read as a 24-bit
+    uniform in ``[0, 1)`` is ``>= p``. Exact in integers (``p * 2**24`` is exact in floating point),
+    so ``p = 0`` keeps every element and ``p = 1`` none. Half precision would overflow at
+    ``2**24``, so ``p`` is widened to at least float32 first."""
+    p = p.to(torch.promote_types(p.dtype, torch.float32))
+    ticks = torch.ceil(p * (1 << _UNIFORM_BITS)).to(torch.int64)
+    return ticks << (32 - _UNIFORM_BITS)
+
 
 class FusedDropoutMixin(nn.Module):
-    """Forward of ``nn.Dropout``/``Dropout1d/2d/3d`` with the probability read from ``member_p``."""
+    """Forward of ``nn.Dropout``/``Dropout1d/2d/3d`` with the probability read from ``member_p``
+    and the mask from the member's own stream (``member_seed``, ``member_calls``).
+
+    A training-mode forward advances ``member_calls`` by one; eval mode is the identity.
+    """
 
     member_p: Tensor
+    member_seed: Tensor
+    member_calls: Tensor
     inplace: bool
     _hfsweep_feature_dims: int = 0
+    _hfsweep_salt: int = 0
 
     def forward(self, input: Tensor) -> Tensor:
         if not self.training:
             return input
         k = self._hfsweep_feature_dims
         shape = input.shape if k == 0 else (*input.shape[: input.dim() - k], *([1] * k))
+        numel = math.prod(shape)
+        h = dropout_mask_hash(self.member_seed, self.member_calls, self._hfsweep_salt, numel)
+        self.member_calls.add_(1)
+        keep = (h >= _keep_threshold(self.member_p)).view(shape)
         p = self.member_p.to(input.dtype)
-        keep = torch.rand(shape, dtype=input.dtype, device=input.device) >= p
         scale = torch.where(p < 1, 1 / (1 - p), torch.zeros_like(p))
         return input * (keep * scale)

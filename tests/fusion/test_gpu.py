@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+from torch import nn
 
 import hfsweep as hs
 from hfsweep.testing import (
@@ -89,3 +92,37 @@ def test_optimizer_and_scheduler_follow_the_array_to_cuda() -> None:
         sched.step()
     assert opt.param_groups[0]["lr"].device.type == "cuda"
     assert opt.nonfinite_members == []
+
+
+class _ScaledDropout(nn.Module):
+    def __init__(self, p: float, kind: type[nn.Module]) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 5))
+        self.drop = kind(p)
+
+    def forward(self, x):
+        return self.drop(x * self.scale)
+
+
+def _dropout_streams_agree(device: str) -> None:
+    """Member 1's masks on ``device`` equal its masks on the CPU, alone or in an array of 3."""
+    for kind in (nn.Dropout, nn.Dropout2d):
+        models = [_ScaledDropout(p, kind) for p in (0.1, 0.5, 0.3)]
+        on_cpu = hs.fuse([copy.deepcopy(models[1])])
+        array = hs.fuse([copy.deepcopy(m).to(device) for m in models])
+        alone = hs.fuse([copy.deepcopy(models[1]).to(device)])
+        on_cpu.manual_seed(0, 2024)
+        array.manual_seed(1, 2024)
+        alone.manual_seed(0, 2024)
+        for dtype in (torch.float32, torch.bfloat16, torch.float32):
+            x = torch.randn(8, 4, 5, 5).to(dtype)
+            expected = on_cpu(x)[0]
+            for out in (array(x.to(device))[1], alone(x.to(device))[0]):
+                assert out.device.type == torch.device(device).type
+                assert torch.equal(out.cpu() == 0, expected == 0), (kind, dtype)
+                torch.testing.assert_close(out.cpu(), expected)
+        assert array.rng_state(1) == alone.rng_state(0) == on_cpu.rng_state(0)
+
+
+def test_dropout_streams_are_the_same_on_cuda_and_cpu() -> None:
+    _dropout_streams_agree("cuda")
