@@ -1,0 +1,416 @@
+"""``hs.Task``: a training task described once, from which hfsweep trains any trial's config.
+
+A trial's config is a flat mapping of names to values. hfsweep knows which names it can vary
+*inside* one fused array (the per-member keys: optimizer and schedule hyperparameters, dropout,
+label smoothing, gradient clipping, seed, budget) and treats every other name as part of the
+*compatibility key*: the values that build the model or the data, which all members of one array
+share. ``Task.defaults`` doubles as the task's schema: a config may only use hfsweep's own keys,
+the task's defaults and the task's extra per-member keys, so a typo is an error, not a silently
+ignored value.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from . import optim as hs_optim
+from .optim import lr_scheduler as hs_sched
+
+__all__ = [
+    "BASE_DEFAULTS",
+    "OPTIMIZERS",
+    "PER_MEMBER_KEYS",
+    "SCHEDULES",
+    "Task",
+    "TaskError",
+]
+
+Config = Mapping[str, Any]
+#: ``loss(outputs [B, N, ...], target) -> [B]``: each member's mean loss over the batch
+LossFn = Callable[[Tensor, Tensor], Tensor]
+#: ``metric(outputs [B, N, ...], target) -> [B]``: each member's mean over the batch
+MetricFn = Callable[[Tensor, Tensor], Tensor]
+
+
+class TaskError(ValueError):
+    """A task or a trial config is not valid; the message names the key, the value and what
+    would be valid."""
+
+
+#: optimizer name -> (hs.optim class, the per-member config keys that feed it)
+OPTIMIZERS: dict[str, tuple[type[hs_optim.FusedOptimizer], tuple[str, ...]]] = {
+    "sgd": (hs_optim.SGD, ("lr", "momentum", "dampening", "weight_decay")),
+    "adam": (hs_optim.Adam, ("lr", "beta1", "beta2", "eps", "weight_decay")),
+    "adamw": (hs_optim.AdamW, ("lr", "beta1", "beta2", "eps", "weight_decay")),
+    "rmsprop": (hs_optim.RMSprop, ("lr", "alpha", "eps", "weight_decay", "momentum")),
+    "adagrad": (hs_optim.Adagrad, ("lr", "lr_decay", "weight_decay", "eps")),
+}
+
+#: schedule name -> the per-member config keys it reads (it steps once per optimizer step)
+SCHEDULES: dict[str, tuple[str, ...]] = {
+    "constant": (),
+    "cosine": ("eta_min",),
+    "step": ("step_size", "gamma"),
+    "exponential": ("gamma",),
+}
+
+#: hfsweep's own config keys and their defaults; a task's ``defaults`` may override them
+BASE_DEFAULTS: dict[str, Any] = {
+    "optimizer": "sgd",
+    "lr": 0.01,
+    "lr_schedule": "constant",
+    "seed": 0,
+    "data_seed": 0,
+    "dropout": None,
+    "label_smoothing": 0.0,
+    "grad_clip": None,
+    "epochs": 1,
+    "max_steps": None,
+}
+
+_OPTIMIZER_KEYS = sorted({k for _, keys in OPTIMIZERS.values() for k in keys})
+_SCHEDULE_KEYS = sorted({k for keys in SCHEDULES.values() for k in keys})
+#: keys that may differ between the members of one array
+PER_MEMBER_KEYS: frozenset[str] = frozenset(
+    [
+        *_OPTIMIZER_KEYS,
+        *_SCHEDULE_KEYS,
+        "seed",
+        "dropout",
+        "label_smoothing",
+        "grad_clip",
+        "epochs",
+        "max_steps",
+    ]
+)
+_LOSSES = ("cross_entropy", "sequence_cross_entropy", "mse")
+_METRICS = ("accuracy",)
+
+
+@dataclass(frozen=True)
+class Task:
+    """How to train one trial from its config.
+
+    ``model(config)`` builds a fresh ``nn.Module`` (hfsweep seeds torch with ``config["seed"]``
+    first, so the initialisation is the trial's own). ``data(config)`` returns ``(train, val)``,
+    two re-iterable collections of ``(input, target)`` batches; ``batch_size`` and anything else
+    that shapes them are ordinary config keys and therefore part of the compatibility key. The
+    data must not depend on per-member keys: hfsweep checks what ``data`` reads. The trainer
+    seeds torch's global generator with ``(data_seed, epoch)`` before each epoch, so a shuffling
+    ``DataLoader`` replays the same order after a resume.
+
+    ``loss`` is ``"cross_entropy"`` (class indices, classes in dimension 1 of the model's output
+    as for ``F.cross_entropy``; honours the per-member ``label_smoothing``),
+    ``"sequence_cross_entropy"`` (classes in the last dimension, as a language model's
+    ``[N, T, vocab]``), ``"mse"``, or
+    a callable ``(outputs [B, N, ...], target) -> [B]``. ``metrics`` are computed on the
+    validation data next to its loss: names from ``("accuracy",)`` or ``{name: callable}`` with
+    the loss's signature (a per-member batch mean). ``defaults`` lists every config key the task
+    understands beyond hfsweep's own (:data:`BASE_DEFAULTS`) with its default value, and may
+    override hfsweep's defaults. ``per_member`` names extra keys that may differ inside one
+    array because they only change the initial values of the model (e.g. an init scale).
+    ``steps_per_epoch`` is needed only when the training data has no ``len()``.
+    """
+
+    model: Callable[[Config], nn.Module]
+    data: Callable[[Config], tuple[Iterable[Any], Iterable[Any]]]
+    loss: str | LossFn = "cross_entropy"
+    metrics: Sequence[str] | Mapping[str, MetricFn] = ("accuracy",)
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    per_member: Sequence[str] = ()
+    name: str = "task"
+    steps_per_epoch: int | None = None
+
+    def __post_init__(self) -> None:
+        if not callable(self.model) or not callable(self.data):
+            raise TaskError(f"task {self.name!r}: model and data must be callables of the config")
+        if isinstance(self.loss, str) and self.loss not in _LOSSES:
+            raise TaskError(
+                f"task {self.name!r}: loss {self.loss!r} is not one of {list(_LOSSES)} or a callable"
+            )
+        if not isinstance(self.metrics, Mapping):
+            for m in self.metrics:
+                if m not in _METRICS:
+                    raise TaskError(
+                        f"task {self.name!r}: metric {m!r} is not one of {list(_METRICS)}; pass "
+                        "{name: callable} for your own"
+                    )
+        if self.steps_per_epoch is not None and self.steps_per_epoch < 1:
+            raise TaskError(
+                f"task {self.name!r}: steps_per_epoch must be >= 1, got {self.steps_per_epoch}"
+            )
+
+    # ------------------------------------------------------------------ configs
+    @property
+    def per_member_keys(self) -> frozenset[str]:
+        """Config keys that may differ between the members of one array."""
+        return PER_MEMBER_KEYS | frozenset(self.per_member)
+
+    @property
+    def metric_names(self) -> list[str]:
+        """Names of the values each evaluation reports."""
+        names = self.metrics.keys() if isinstance(self.metrics, Mapping) else self.metrics
+        return ["train_loss", "val_loss", *(f"val_{n}" for n in names)]
+
+    def resolve(self, config: Config) -> dict[str, Any]:
+        """``config`` completed with the defaults and checked: unknown keys, bad optimizer or
+        schedule names, keys the chosen optimizer does not take, out-of-range values."""
+        known = {**BASE_DEFAULTS, **self.defaults}
+        unknown = sorted(
+            set(config)
+            - set(known)
+            - set(self.per_member)
+            - set(_OPTIMIZER_KEYS)
+            - set(_SCHEDULE_KEYS)
+        )
+        if unknown:
+            raise TaskError(
+                f"config key {unknown[0]!r} is not known to task {self.name!r}; known keys are "
+                f"{sorted(set(known) | set(self.per_member) | set(_OPTIMIZER_KEYS) | set(_SCHEDULE_KEYS))}"
+            )
+        out = {**known, **config}
+        name = out["optimizer"]
+        if name not in OPTIMIZERS:
+            raise TaskError(f"config optimizer={name!r} is not one of {sorted(OPTIMIZERS)}")
+        out = {**optimizer_defaults(name), **known, **config}
+        takes = OPTIMIZERS[name][1]
+        for key in _OPTIMIZER_KEYS:
+            if key in config and key not in takes:
+                raise TaskError(
+                    f"config key {key!r} is not a hyperparameter of optimizer {name!r}; it takes "
+                    f"{list(takes)}"
+                )
+        schedule = out["lr_schedule"]
+        if schedule not in SCHEDULES:
+            raise TaskError(f"config lr_schedule={schedule!r} is not one of {sorted(SCHEDULES)}")
+        for key in _SCHEDULE_KEYS:
+            if key in config and key not in SCHEDULES[schedule]:
+                raise TaskError(
+                    f"config key {key!r} is not an argument of lr_schedule {schedule!r}; it takes "
+                    f"{list(SCHEDULES[schedule]) or 'none'}"
+                )
+        _check_number(out, "lr", low=0.0)
+        _check_number(out, "label_smoothing", low=0.0, high=1.0)
+        if out["dropout"] is not None:
+            _check_number(out, "dropout", low=0.0, high=1.0)
+        if out["grad_clip"] is not None:
+            _check_number(out, "grad_clip", low=0.0, strict=True)
+        _check_int(out, "seed", low=0)
+        if out["max_steps"] is None:
+            _check_int(out, "epochs", low=1)
+        else:
+            _check_int(out, "max_steps", low=1)
+        return out
+
+    def compatibility_key(self, config: Config) -> str:
+        """The values that must be equal for two trials to share an array, as canonical JSON."""
+        resolved = self.resolve(config)
+        shared = {k: v for k, v in resolved.items() if k not in self.per_member_keys}
+        return json.dumps(shared, sort_keys=True, default=repr)
+
+    def split(self, config: Config) -> tuple[dict[str, Any], str]:
+        """``(per-member values, compatibility key)`` of ``config``."""
+        resolved = self.resolve(config)
+        member = {k: v for k, v in resolved.items() if k in self.per_member_keys}
+        return member, self.compatibility_key(resolved)
+
+    # ------------------------------------------------------------------ building
+    def build_model(self, config: Config) -> nn.Module:
+        """A fresh model for ``config``, initialised from torch seeded with ``config["seed"]``
+        (the global generator is left as it was)."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(int(config["seed"]))
+            model = self.model(config)
+        if not isinstance(model, nn.Module):
+            raise TaskError(
+                f"task {self.name!r}: model(config) returned {type(model).__name__}, not an "
+                "nn.Module"
+            )
+        return model
+
+    def build_data(self, config: Config) -> tuple[Iterable[Any], Iterable[Any]]:
+        """``(train, val)`` for ``config``; refuses data that reads per-member keys."""
+        recorder = _Recorder(config)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(int(config["data_seed"]))
+            data = self.data(recorder)
+        read = sorted(recorder.read & (self.per_member_keys - {"epochs", "max_steps"}))
+        if read:
+            raise TaskError(
+                f"task {self.name!r}: data(config) read {read[0]!r}, a per-member key that may "
+                "differ inside one array; the data may depend only on shared keys (batch_size, "
+                "data_seed, ...)"
+            )
+        if not (isinstance(data, tuple | list) and len(data) == 2):
+            raise TaskError(
+                f"task {self.name!r}: data(config) must return (train, val), got "
+                f"{type(data).__name__}"
+            )
+        return data[0], data[1]
+
+    def member_loss(self, outputs: Tensor, target: Tensor, smoothing: Tensor | None) -> Tensor:
+        """Each member's training loss ``[B]``; ``smoothing`` is the ``[B]`` label smoothing."""
+        if callable(self.loss):
+            return self.loss(outputs, target)
+        if self.loss == "mse":
+            diff = (outputs - target.to(outputs.dtype)).square()
+            return diff.reshape(diff.shape[0], -1).mean(1)
+        logits, labels = self._class_layout(outputs, target)
+        return _cross_entropy(logits, labels, smoothing)
+
+    def member_metrics(self, outputs: Tensor, target: Tensor) -> dict[str, Tensor]:
+        """Each member's validation loss and metrics on one batch, ``{name: [B]}``."""
+        values = {"val_loss": self.member_loss(outputs, target, None)}
+        if isinstance(self.metrics, Mapping):
+            for name, fn in self.metrics.items():
+                values[f"val_{name}"] = fn(outputs, target)
+        else:
+            logits, labels = self._class_layout(outputs, target)
+            for name in self.metrics:
+                values[f"val_{name}"] = _accuracy(logits, labels)
+        return values
+
+    def _class_layout(self, outputs: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
+        """``([B, M, C] logits, [M] labels)``: classes in dimension 1 of a model's output for
+        ``cross_entropy`` (torch's convention), in the last dimension for
+        ``sequence_cross_entropy`` (a language model's ``[N, T, vocab]``)."""
+        if self.loss == "cross_entropy" and outputs.dim() > 3:
+            outputs = outputs.movedim(2, -1)
+        return outputs.reshape(outputs.shape[0], -1, outputs.shape[-1]), target.reshape(-1)
+
+
+# ---------------------------------------------------------------------- optimizers, schedules
+def optimizer_defaults(name: str) -> dict[str, float]:
+    """The default value of each per-member hyperparameter of optimizer ``name``."""
+    cls, keys = OPTIMIZERS[name]
+    params = inspect.signature(cls.__init__).parameters
+    values: dict[str, float] = {}
+    for key in keys:
+        if key in ("beta1", "beta2"):
+            values[key] = float(params["betas"].default[key == "beta2"])
+        else:
+            values[key] = float(params[key].default)
+    return values
+
+
+def make_optimizer(array: nn.Module, configs: Sequence[Config]) -> hs_optim.FusedOptimizer:
+    """The hs.optim optimizer of ``configs[0]["optimizer"]`` with one value per member (resolved
+    configs, which hold every hyperparameter of the optimizer)."""
+    cls, keys = OPTIMIZERS[configs[0]["optimizer"]]
+    kwargs: dict[str, Any] = {k: [float(c[k]) for c in configs] for k in keys}
+    if "beta1" in kwargs:
+        kwargs["betas"] = (kwargs.pop("beta1"), kwargs.pop("beta2"))
+    return cls(array.parameters(), **kwargs)
+
+
+def optimizer_values(config: Config) -> dict[str, float]:
+    """Member hyperparameters of a resolved config under hs.optim's names."""
+    _, keys = OPTIMIZERS[config["optimizer"]]
+    return {k: float(config[k]) for k in keys}
+
+
+def make_schedule(
+    optimizer: hs_optim.FusedOptimizer,
+    configs: Sequence[Config],
+    budgets: Sequence[int],
+    steps_per_epoch: int,
+) -> hs_sched.FusedLRScheduler | None:
+    """The per-step schedule of ``configs[0]["lr_schedule"]`` (``None`` for constant)."""
+    args = [schedule_args(c, b, steps_per_epoch) for c, b in zip(configs, budgets, strict=True)]
+    name = configs[0]["lr_schedule"]
+    if name == "constant":
+        return None
+    per_member = {k: [a[k] for a in args] for k in args[0]}
+    if name == "cosine":
+        return hs_sched.CosineAnnealingLR(optimizer, **per_member)
+    return hs_sched.StepLR(optimizer, **per_member)
+
+
+def schedule_args(config: Config, budget: int, steps_per_epoch: int) -> dict[str, Any]:
+    """Member arguments of its schedule, in optimizer steps: cosine anneals over the member's
+    whole budget; ``step`` decays by ``gamma`` every ``step_size`` epochs; ``exponential``
+    decays by ``gamma`` once per epoch (a staircase, as torch's per-epoch ExponentialLR)."""
+    name = config["lr_schedule"]
+    if name == "cosine":
+        return {"T_max": budget, "eta_min": float(config.get("eta_min", 0.0))}
+    if name == "step":
+        size = config.get("step_size", 1)
+        if not (isinstance(size, int) and size >= 1):
+            raise TaskError(f"config step_size={size!r} must be an integer >= 1 (epochs)")
+        return {"step_size": size * steps_per_epoch, "gamma": float(config.get("gamma", 0.1))}
+    if name == "exponential":
+        return {"step_size": steps_per_epoch, "gamma": float(config.get("gamma", 0.9))}
+    return {}
+
+
+# ---------------------------------------------------------------------- losses and metrics
+def _cross_entropy(logits: Tensor, labels: Tensor, smoothing: Tensor | None) -> Tensor:
+    """``F.cross_entropy`` of ``[B, M, C]`` logits and ``[M]`` class indices with per-member
+    label smoothing, ``[B]``.
+
+    Smoothing ``e`` mixes the one-hot target with the uniform distribution, exactly as torch's
+    ``label_smoothing``: ``(1 - e) * nll + e * mean over classes of -log p``.
+    """
+    logp = F.log_softmax(logits, dim=-1)
+    index = labels.reshape(1, -1, 1).expand(logp.shape[0], -1, 1)
+    nll = -logp.gather(-1, index).squeeze(-1).mean(1)
+    if smoothing is None:
+        return nll
+    uniform = -logp.mean(-1).mean(1)
+    e = smoothing.to(nll.dtype)
+    return (1 - e) * nll + e * uniform
+
+
+def _accuracy(logits: Tensor, labels: Tensor) -> Tensor:
+    return (logits.argmax(-1) == labels.unsqueeze(0)).to(torch.float64).mean(1)
+
+
+# ---------------------------------------------------------------------- checks
+def _check_number(
+    config: Mapping[str, Any],
+    key: str,
+    *,
+    low: float,
+    high: float = math.inf,
+    strict: bool = False,
+) -> None:
+    value = config[key]
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if ok:
+        ok = (value > low if strict else value >= low) and value <= high
+    if not ok:
+        bound = f"{'>' if strict else '>='} {low}" + (f" and <= {high}" if high < math.inf else "")
+        raise TaskError(f"config {key}={value!r} must be a finite number {bound}")
+
+
+def _check_int(config: Mapping[str, Any], key: str, *, low: int) -> None:
+    value = config[key]
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise TaskError(f"config {key}={value!r} must be an integer >= {low}")
+
+
+class _Recorder(Mapping[str, Any]):
+    """A read-only view of a config that remembers which keys were read."""
+
+    def __init__(self, config: Config) -> None:
+        self._config = config
+        self.read: set[str] = set()
+
+    def __getitem__(self, key: str) -> Any:
+        self.read.add(key)
+        return self._config[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._config)
+
+    def __len__(self) -> int:
+        return len(self._config)

@@ -1,0 +1,775 @@
+"""The array trainer: trains the members of one fused array, each on its own budget.
+
+One shared batch feeds every member at each step; each member has its own loss, optimizer
+hyperparameters, schedule, dropout stream, budget and metric history. After each evaluation a
+report hook decides per member whether it goes on; a member that is done (budget reached,
+stopped, or non-finite) frees its slot, which a refill hook may fill at once with a new
+compatible trial. Checkpoints are taken at every evaluation, atomically, and a run resumes from
+them exactly; an out-of-memory error splits the array in two and goes on without losing any
+member's progress.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import tempfile
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ._task import Task, TaskError, make_optimizer, make_schedule, optimizer_values, schedule_args
+from .fusion import FusedArray, fuse
+from .optim import FusedOptimizer, clip_grad_norm_
+from .optim.lr_scheduler import FusedLRScheduler
+
+__all__ = ["ArrayTrainer", "Evaluation", "Member", "MemberResult"]
+
+_log = logging.getLogger("hfsweep.trainer")
+_CHECKPOINT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Member:
+    """A trial to train: a unique ``id`` and its config (completed with the task's defaults)."""
+
+    id: str
+    config: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """One member's metrics at one evaluation, as the report hook receives them."""
+
+    member: str
+    step: int
+    epoch: float
+    metrics: dict[str, float]
+    final: bool  #: the member has reached its budget with this evaluation
+
+
+@dataclass
+class MemberResult:
+    """What a member's training produced.
+
+    ``status`` is ``"completed"`` (budget reached), ``"stopped"`` (the report hook stopped it) or
+    ``"failed"`` (its loss or gradients went non-finite). ``state`` holds ``model`` (a
+    ``state_dict`` that loads into the task's model class), ``optimizer`` and ``scheduler``
+    (``state_dict``\\ s in torch's formats) unless the trainer was told not to keep them.
+    """
+
+    id: str
+    config: dict[str, Any]
+    status: str
+    steps: int
+    history: list[dict[str, float]]
+    state: dict[str, Any] | None = None
+    error: str | None = None
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """The member's last evaluation (empty if it was never evaluated)."""
+        return dict(self.history[-1]) if self.history else {}
+
+
+#: ``report(evaluations) -> {member id: go on?}``; members left out of the answer go on
+ReportHook = Callable[[list[Evaluation]], Mapping[str, bool] | None]
+#: ``refill() -> Member | None``: a new compatible trial for a freed slot, or None
+RefillHook = Callable[[], Member | None]
+
+
+@dataclass
+class _SlotState:
+    member: Member
+    config: dict[str, Any]
+    budget: int
+    steps: int = 0
+    history: list[dict[str, float]] = field(default_factory=list)
+    since: int = 0  # training steps since the last evaluation
+    loss_sum: float = 0.0  # their summed training loss, when restored from a checkpoint
+    saved: dict[str, Any] | None = None  # model/optimizer/scheduler/rng to load
+
+
+@dataclass
+class _ArrayState:
+    slots: list[_SlotState | None]
+    epoch: int = 0
+    batch: int = 0
+
+
+class ArrayTrainer:
+    """Trains arrays of members of one task and compatibility key.
+
+    ``eval_every`` is the evaluation period in a member's own optimizer steps (default: one
+    epoch); a member is also evaluated when it reaches its budget (``max_steps``, else
+    ``epochs`` epochs). With ``checkpoint_dir`` the trainer writes ``array.pt`` (every slot's
+    model, optimizer, schedule, dropout stream, history and the data position) at each
+    evaluation, and ``members/<id>.pt`` plus ``members/<id>.json`` when a member finishes;
+    ``run(..., resume=True)`` continues from ``array.pt``. ``float64`` is for exactness tests;
+    models are built on the CPU from their seed, then moved to ``device``.
+    """
+
+    def __init__(
+        self,
+        task: Task,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        eval_every: int | None = None,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        trace: bool = True,
+        keep_states: bool = True,
+    ) -> None:
+        if eval_every is not None and (not isinstance(eval_every, int) or eval_every < 1):
+            raise ValueError(f"eval_every must be an integer >= 1 (steps), got {eval_every!r}")
+        self.task = task
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.eval_every = eval_every
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self.trace = trace
+        self.keep_states = keep_states
+        self._data: tuple[Iterable[Any], Iterable[Any]] | None = None
+        self._data_key: str | None = None
+
+    # ------------------------------------------------------------------ public
+    def run(
+        self,
+        members: Sequence[Member],
+        *,
+        report: ReportHook | None = None,
+        refill: RefillHook | None = None,
+        on_finish: Callable[[MemberResult], None] | None = None,
+        resume: bool = False,
+    ) -> list[MemberResult]:
+        """Train ``members`` as one array (their configs must share the compatibility key) and
+        return one result per member, including members that joined through ``refill``.
+
+        ``report`` is called after every evaluation with the members evaluated at that step
+        and may stop any of them; ``on_finish`` is called as each member finishes. With
+        ``resume=True`` and a checkpoint in ``checkpoint_dir``, ``members`` is only used for
+        members the checkpoint does not know yet; finished members are not trained again.
+        """
+        run = _Run(self, report, refill, on_finish)
+        return run.execute(members, resume)
+
+    def steps_per_epoch(self, config: Mapping[str, Any]) -> int:
+        """Optimizer steps in one pass over the training data of ``config``."""
+        train, _ = self._dataset(config)
+        if self.task.steps_per_epoch is not None:
+            return self.task.steps_per_epoch
+        try:
+            n = len(train)  # type: ignore[arg-type]
+        except TypeError:
+            raise TaskError(
+                f"task {self.task.name!r}: the training data has no len(); set "
+                "Task(steps_per_epoch=...)"
+            ) from None
+        if n < 1:
+            raise TaskError(f"task {self.task.name!r}: the training data is empty")
+        return int(n)
+
+    # ------------------------------------------------------------------ helpers for _Run
+    def _dataset(self, config: Mapping[str, Any]) -> tuple[Iterable[Any], Iterable[Any]]:
+        key = self.task.compatibility_key(config)
+        if self._data is None or key != self._data_key:
+            self._data = self.task.build_data(config)
+            self._data_key = key
+        return self._data
+
+    def _to_device(self, batch: Any) -> Any:
+        if isinstance(batch, Tensor):
+            batch = batch.to(self.device, non_blocking=True)
+            return batch.to(self.dtype) if batch.is_floating_point() else batch
+        if isinstance(batch, tuple | list):
+            return type(batch)(self._to_device(b) for b in batch)
+        if isinstance(batch, Mapping):
+            return {k: self._to_device(v) for k, v in batch.items()}
+        return batch
+
+
+class _Run:
+    """One call of :meth:`ArrayTrainer.run`: a queue of arrays (more than one after an OOM split)."""
+
+    def __init__(
+        self,
+        trainer: ArrayTrainer,
+        report: ReportHook | None,
+        refill: RefillHook | None,
+        on_finish: Callable[[MemberResult], None] | None,
+    ) -> None:
+        self.t = trainer
+        self.task = trainer.task
+        self.report = report
+        self.refill = refill
+        self.on_finish = on_finish
+        self.results: dict[str, MemberResult] = {}
+        self.order: list[str] = []
+        self.key: str | None = None
+        self.queue: list[_ArrayState] = []
+
+    # ------------------------------------------------------------------ entry
+    def execute(self, members: Sequence[Member], resume: bool) -> list[MemberResult]:
+        ckpt = self._checkpoint_path()
+        if resume and ckpt is not None and ckpt.exists():
+            self._load_checkpoint(ckpt, members)
+        else:
+            if not members:
+                raise ValueError("run() needs at least one member")
+            ids = [m.id for m in members]
+            dup = sorted({i for i in ids if ids.count(i) > 1})
+            if dup:
+                raise ValueError(f"member id {dup[0]!r} appears twice; ids must be unique")
+            self.queue = [_ArrayState([self._new_slot(m) for m in members])]
+        devices = [self.t.device] if self.t.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            while self.queue:
+                halves = self._train(self.queue[0])
+                if halves is None:
+                    self.queue.pop(0)
+                else:
+                    self.queue[0:1] = halves
+                    if self.t.device.type == "cuda":
+                        torch.cuda.empty_cache()
+                    self._save_checkpoint(None)
+        if ckpt is not None:
+            self._save_checkpoint(None)
+        return [self.results[i] for i in self.order]
+
+    # ------------------------------------------------------------------ slots
+    def _new_slot(self, member: Member) -> _SlotState:
+        config = self.task.resolve(member.config)
+        key = self.task.compatibility_key(config)
+        if self.key is None:
+            self.key = key
+        elif key != self.key:
+            raise TaskError(
+                f"member {member.id!r} cannot join this array: its shared config "
+                f"{_diff(self.key, key)} differs from the array's"
+            )
+        if member.id in self.results or any(
+            s is not None and s.member.id == member.id for a in self.queue for s in a.slots
+        ):
+            raise ValueError(f"member id {member.id!r} was already trained or is training")
+        self.order.append(member.id)
+        spe = self.t.steps_per_epoch(config)
+        budget = config["max_steps"] or config["epochs"] * spe
+        return _SlotState(member=member, config=config, budget=int(budget))
+
+    # ------------------------------------------------------------------ one array
+    def _train(self, state: _ArrayState) -> list[_ArrayState] | None:
+        """Train ``state`` until no member is left; on out-of-memory, return the two halves to
+        train instead (nothing of the members' progress is lost)."""
+        live = [s for s in state.slots if s is not None]
+        if not live:
+            return None
+        ref = live[0].config
+        spe = self.t.steps_per_epoch(ref)
+        eval_every = self.t.eval_every or spe
+        array, opt, sched = self._build(state)
+        smoothing = torch.tensor(
+            [s.config["label_smoothing"] if s else 0.0 for s in state.slots],
+            dtype=self.t.dtype,
+            device=self.t.device,
+        )
+        clip = self._clip_values(state)
+        loss_sum = torch.tensor(
+            [s.loss_sum if s else 0.0 for s in state.slots],
+            dtype=torch.float64,
+            device=self.t.device,
+        )
+        seen_nonfinite = len(opt.nonfinite_members)
+        stream = self._stream(ref, state)
+        _log.info("training an array of %d members (%d steps per epoch)", len(state.slots), spe)
+        while any(s is not None for s in state.slots):
+            epoch, index, batch = next(stream)
+            x, y = self.t._to_device(batch)
+            try:
+                losses = backward(self.task, array, x, y, smoothing, clip)
+            except torch.OutOfMemoryError:
+                if sum(s is not None for s in state.slots) == 1:
+                    raise
+                opt.zero_grad(set_to_none=True)
+                return self._split(state, array, opt, sched, loss_sum)
+            update(opt, sched)
+            state.epoch, state.batch = epoch, index + 1
+            if state.batch >= spe:
+                state.epoch, state.batch = epoch + 1, 0
+            with torch.no_grad():
+                loss_sum += losses.detach().to(torch.float64)
+            due: list[int] = []
+            for i, s in enumerate(state.slots):
+                if s is None:
+                    continue
+                s.steps += 1
+                s.since += 1
+                if s.steps % eval_every == 0 or s.steps >= s.budget:
+                    due.append(i)
+            failed = opt.nonfinite_members[seen_nonfinite:]
+            seen_nonfinite = len(opt.nonfinite_members)
+            for i in failed:
+                slot = state.slots[i]
+                if slot is not None:
+                    self._finish(state, i, array, opt, sched, "failed", "non-finite gradients")
+                    due = [j for j in due if j != i]
+            if due:
+                self._evaluate(state, due, array, opt, sched, loss_sum, spe)
+                if self.refill is not None:
+                    self._refill(state, array, opt, sched, smoothing, loss_sum)
+                    clip = self._clip_values(state)
+                self._save_checkpoint((array, opt, sched, loss_sum, state))
+            elif failed and self.refill is not None:
+                self._refill(state, array, opt, sched, smoothing, loss_sum)
+                clip = self._clip_values(state)
+        return None
+
+    def _build(
+        self, state: _ArrayState
+    ) -> tuple[FusedArray, FusedOptimizer, FusedLRScheduler | None]:
+        live = [s for s in state.slots if s is not None]
+        filler = live[0]
+        models: list[nn.Module] = []
+        for s in state.slots:
+            model = self.task.build_model((s or filler).config).to(self.t.dtype)
+            if s is not None and s.saved is not None:
+                model.load_state_dict(s.saved["model"])
+            models.append(model)
+        array = fuse(models, trace=self.t.trace).to(self.t.device)
+        configs = [(s or filler).config for s in state.slots]
+        for i, c in enumerate(configs):
+            if c["dropout"] is not None:
+                _set_member_dropout(array, i, float(c["dropout"]))
+        spe = self.t.steps_per_epoch(filler.config)
+        opt = make_optimizer(array, configs)
+        budgets = [(s or filler).budget for s in state.slots]
+        sched = make_schedule(opt, configs, budgets, spe)
+        for i, s in enumerate(state.slots):
+            if s is None:
+                opt.set_active(i, False)
+                continue
+            if s.saved is None:
+                array.manual_seed(i, int(s.config["seed"]))
+                continue
+            opt.load_member_state_dict(i, s.saved["optimizer"])
+            if sched is not None and s.saved.get("scheduler") is not None:
+                sched.load_member_state_dict(i, s.saved["scheduler"])
+            array.set_rng_state(i, s.saved["rng"])
+            s.saved = None
+        array.train()
+        return array, opt, sched
+
+    def _clip_values(self, state: _ArrayState) -> Tensor | None:
+        values = [s.config["grad_clip"] if s else None for s in state.slots]
+        if all(v is None for v in values):
+            return None
+        return torch.tensor(
+            [math.inf if v is None else float(v) for v in values], dtype=torch.float64
+        )
+
+    def _stream(self, config: Mapping[str, Any], state: _ArrayState) -> Iterator[Any]:
+        """Batches of the shared training data from the array's position, forever, each epoch
+        in the order fixed by ``(data_seed, epoch)``."""
+        train, _ = self.t._dataset(config)
+        epoch, skip = state.epoch, state.batch
+        spe = self.t.steps_per_epoch(config)
+        while True:
+            torch.manual_seed(_epoch_seed(int(config["data_seed"]), epoch))
+            index = 0
+            for batch in train:
+                if index >= skip:
+                    yield epoch, index, batch
+                index += 1
+                if index >= spe:
+                    break
+            if index == 0:
+                raise TaskError(f"task {self.task.name!r}: the training data yielded no batch")
+            epoch, skip = epoch + 1, 0
+
+    # ------------------------------------------------------------------ evaluation
+    def _evaluate(
+        self,
+        state: _ArrayState,
+        due: list[int],
+        array: FusedArray,
+        opt: FusedOptimizer,
+        sched: FusedLRScheduler | None,
+        loss_sum: Tensor,
+        spe: int,
+    ) -> None:
+        _, val = self.t._dataset(state.slots[due[0]].config)  # type: ignore[union-attr]
+        sums: dict[str, Tensor] = {}
+        count = 0
+        array.eval()
+        with torch.no_grad():
+            for batch in val:
+                x, y = self.t._to_device(batch)
+                out = array(x)
+                n = int(y.shape[0]) if isinstance(y, Tensor) and y.dim() else 1
+                for name, value in self.task.member_metrics(out, y).items():
+                    add = value.detach().to(torch.float64) * n
+                    sums[name] = sums[name] + add if name in sums else add
+                count += n
+        array.train()
+        if count == 0:
+            raise TaskError(f"task {self.task.name!r}: the validation data yielded no batch")
+        host = {name: (v / count).tolist() for name, v in sums.items()}
+        train_loss = loss_sum.tolist()
+        evaluations: list[Evaluation] = []
+        for i in due:
+            s = state.slots[i]
+            assert s is not None
+            record = {
+                "step": float(s.steps),
+                "epoch": s.steps / spe,
+                "train_loss": train_loss[i] / max(s.since, 1),
+            }
+            record.update({name: values[i] for name, values in host.items()})
+            s.history.append(record)
+            s.since = 0
+            loss_sum[i] = 0.0
+            metrics = {k: v for k, v in record.items() if k not in ("step", "epoch")}
+            evaluations.append(
+                Evaluation(s.member.id, s.steps, s.steps / spe, metrics, s.steps >= s.budget)
+            )
+        decisions: Mapping[str, bool] = {}
+        if self.report is not None:
+            decisions = self.report(evaluations) or {}
+            unknown = sorted(set(decisions) - {e.member for e in evaluations})
+            if unknown:
+                raise ValueError(
+                    f"report hook answered for member {unknown[0]!r}, which was not evaluated "
+                    f"now; evaluated: {[e.member for e in evaluations]}"
+                )
+        for i, e in zip(due, evaluations, strict=True):
+            if not all(math.isfinite(v) for v in (e.metrics["train_loss"], e.metrics["val_loss"])):
+                self._finish(state, i, array, opt, sched, "failed", "non-finite loss")
+            elif e.final:
+                self._finish(state, i, array, opt, sched, "completed", None)
+            elif not decisions.get(e.member, True):
+                self._finish(state, i, array, opt, sched, "stopped", None)
+
+    # ------------------------------------------------------------------ finishing and refill
+    def _finish(
+        self,
+        state: _ArrayState,
+        i: int,
+        array: FusedArray,
+        opt: FusedOptimizer,
+        sched: FusedLRScheduler | None,
+        status: str,
+        error: str | None,
+    ) -> None:
+        s = state.slots[i]
+        assert s is not None
+        member_state = _member_state(array, opt, sched, i)
+        result = MemberResult(
+            id=s.member.id,
+            config=dict(s.config),
+            status=status,
+            steps=s.steps,
+            history=s.history,
+            state=member_state if self.t.keep_states else None,
+            error=error,
+        )
+        self.results[s.member.id] = result
+        if self.t.checkpoint_dir is not None:
+            _write_member(self.t.checkpoint_dir, result, member_state)
+        opt.set_active(i, False)
+        state.slots[i] = None
+        _log.info("member %s %s after %d steps", s.member.id, status, s.steps)
+        if self.on_finish is not None:
+            self.on_finish(result)
+
+    def _refill(
+        self,
+        state: _ArrayState,
+        array: FusedArray,
+        opt: FusedOptimizer,
+        sched: FusedLRScheduler | None,
+        smoothing: Tensor,
+        loss_sum: Tensor,
+    ) -> None:
+        assert self.refill is not None
+        for i, s in enumerate(state.slots):
+            if s is not None:
+                continue
+            member = self.refill()
+            if member is None:
+                return
+            slot = self._new_slot(member)
+            model = self.task.build_model(slot.config).to(self.t.dtype)
+            array.load_member(i, model)
+            if slot.config["dropout"] is not None:
+                _set_member_dropout(array, i, float(slot.config["dropout"]))
+            array.manual_seed(i, int(slot.config["seed"]))
+            opt.reset_member(i, **optimizer_values(slot.config))
+            if sched is not None:
+                spe = self.t.steps_per_epoch(slot.config)
+                sched.reset_member(i, **schedule_args(slot.config, slot.budget, spe))
+            smoothing[i] = float(slot.config["label_smoothing"])
+            loss_sum[i] = 0.0
+            state.slots[i] = slot
+            _log.info("member %s joined the array in slot %d", member.id, i)
+
+    # ------------------------------------------------------------------ OOM split
+    def _split(
+        self,
+        state: _ArrayState,
+        array: FusedArray,
+        opt: FusedOptimizer,
+        sched: FusedLRScheduler | None,
+        loss_sum: Tensor,
+    ) -> list[_ArrayState]:
+        """Two arrays holding every member's current state, at the same data position."""
+        live = [s for s in self._snapshot(state, array, opt, sched, loss_sum) if s is not None]
+        half = (len(live) + 1) // 2
+        halves = [
+            _ArrayState(list(part), state.epoch, state.batch) for part in (live[:half], live[half:])
+        ]
+        _log.warning(
+            "out of memory with an array of %d: going on as arrays of %d and %d members",
+            len(state.slots),
+            half,
+            len(live) - half,
+        )
+        return halves
+
+    def _snapshot(
+        self,
+        state: _ArrayState,
+        array: FusedArray,
+        opt: FusedOptimizer,
+        sched: FusedLRScheduler | None,
+        loss_sum: Tensor,
+    ) -> list[_SlotState | None]:
+        sums = loss_sum.tolist()
+        out: list[_SlotState | None] = []
+        for i, s in enumerate(state.slots):
+            if s is None:
+                out.append(None)
+                continue
+            saved = _member_state(array, opt, sched, i)
+            out.append(
+                _SlotState(
+                    member=s.member,
+                    config=s.config,
+                    budget=s.budget,
+                    steps=s.steps,
+                    history=list(s.history),
+                    since=s.since,
+                    loss_sum=sums[i],
+                    saved=saved,
+                )
+            )
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+    def _checkpoint_path(self) -> Path | None:
+        d = self.t.checkpoint_dir
+        return None if d is None else d / "array.pt"
+
+    def _save_checkpoint(self, running: tuple[Any, ...] | None) -> None:
+        """Write every array of the queue (the running one from its live tensors) atomically."""
+        path = self._checkpoint_path()
+        if path is None:
+            return
+        arrays = []
+        for n, a in enumerate(self.queue):
+            if n == 0 and running is not None:
+                array, opt, sched, loss_sum, state = running
+                slots = self._snapshot(state, array, opt, sched, loss_sum)
+            else:
+                slots = a.slots
+            arrays.append(
+                {"epoch": a.epoch, "batch": a.batch, "slots": [_slot_dict(s) for s in slots]}
+            )
+        payload = {
+            "version": _CHECKPOINT_VERSION,
+            "key": self.key,
+            "order": list(self.order),
+            "finished": sorted(self.results),
+            "arrays": arrays,
+        }
+        _atomic_save(payload, path)
+
+    def _load_checkpoint(self, path: Path, members: Sequence[Member]) -> None:
+        payload = torch.load(path, map_location="cpu", weights_only=False)
+        if payload.get("version") != _CHECKPOINT_VERSION:
+            raise ValueError(
+                f"{path}: checkpoint version {payload.get('version')!r} is not "
+                f"{_CHECKPOINT_VERSION}; it was written by another hfsweep version"
+            )
+        self.key = payload["key"]
+        self.order = list(payload["order"])
+        assert self.t.checkpoint_dir is not None
+        for member_id in payload["finished"]:
+            self.results[member_id] = _read_member(
+                self.t.checkpoint_dir, member_id, self.t.keep_states
+            )
+        self.queue = [
+            _ArrayState([_slot_from_dict(d) for d in a["slots"]], a["epoch"], a["batch"])
+            for a in payload["arrays"]
+        ]
+        known = set(self.order)
+        fresh = [m for m in members if m.id not in known]
+        if fresh:
+            if not self.queue:
+                self.queue = [_ArrayState([])]
+            for m in fresh:
+                self.queue[-1].slots.append(self._new_slot(m))
+        _log.info(
+            "resumed from %s: %d finished, %d in training",
+            path,
+            len(self.results),
+            sum(s is not None for a in self.queue for s in a.slots),
+        )
+
+
+# ---------------------------------------------------------------------- helpers
+def backward(
+    task: Task, array: FusedArray, x: Any, y: Any, smoothing: Tensor, clip: Tensor | None
+) -> Tensor:
+    """Forward and backward of every member on the shared batch ``(x, y)``, then per-member
+    clipping; returns the ``[B]`` losses. Nothing is changed yet, so after an out-of-memory
+    error here the step can be retried by smaller arrays."""
+    losses = task.member_loss(array(x), y, smoothing)
+    losses.sum().backward()
+    if clip is not None:
+        clip_grad_norm_(array, clip)
+    return losses
+
+
+def update(opt: FusedOptimizer, sched: FusedLRScheduler | None) -> None:
+    """The optimizer and schedule step that ends a training step."""
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    if sched is not None:
+        sched.step()
+
+
+def _set_member_dropout(array: FusedArray, i: int, p: float) -> None:
+    current = array.dropout
+    if not current:
+        raise TaskError(
+            f"config dropout={p} was given but the model has no nn.Dropout layer to apply it to"
+        )
+    values = {path: [*ps[:i], p, *ps[i + 1 :]] for path, ps in current.items()}
+    array.set_dropout(values)
+
+
+def _member_state(
+    array: FusedArray, opt: FusedOptimizer, sched: FusedLRScheduler | None, i: int
+) -> dict[str, Any]:
+    model = {k: v.detach().cpu() for k, v in array.member(i).state_dict().items()}
+    optimizer = _to_cpu(opt.member_state_dict(i))
+    scheduler = sched.member_state_dict(i) if sched is not None else None
+    return {
+        "model": model,
+        "optimizer": optimizer,
+        "scheduler": scheduler,
+        "rng": array.rng_state(i),
+    }
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+def _slot_dict(s: _SlotState | None) -> dict[str, Any] | None:
+    if s is None:
+        return None
+    return {
+        "id": s.member.id,
+        "config": dict(s.member.config),
+        "resolved": s.config,
+        "budget": s.budget,
+        "steps": s.steps,
+        "history": s.history,
+        "since": s.since,
+        "loss_sum": s.loss_sum,
+        "saved": s.saved,
+    }
+
+
+def _slot_from_dict(d: dict[str, Any] | None) -> _SlotState | None:
+    if d is None:
+        return None
+    return _SlotState(
+        member=Member(d["id"], d["config"]),
+        config=d["resolved"],
+        budget=d["budget"],
+        steps=d["steps"],
+        history=d["history"],
+        since=d["since"],
+        loss_sum=d["loss_sum"],
+        saved=d["saved"],
+    )
+
+
+def _write_member(directory: Path, result: MemberResult, state: dict[str, Any]) -> None:
+    folder = directory / "members"
+    folder.mkdir(parents=True, exist_ok=True)
+    _atomic_save(
+        {
+            "config": result.config,
+            "status": result.status,
+            "steps": result.steps,
+            "history": result.history,
+            "error": result.error,
+            **state,
+        },
+        folder / f"{_safe(result.id)}.pt",
+    )
+
+
+def _read_member(directory: Path, member_id: str, keep_state: bool) -> MemberResult:
+    d = torch.load(
+        directory / "members" / f"{_safe(member_id)}.pt", map_location="cpu", weights_only=False
+    )
+    state = {k: d[k] for k in ("model", "optimizer", "scheduler", "rng")} if keep_state else None
+    return MemberResult(
+        member_id, d["config"], d["status"], d["steps"], d["history"], state, d["error"]
+    )
+
+
+def _safe(member_id: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in member_id)
+
+
+def _atomic_save(obj: Any, path: Path) -> None:
+    """``torch.save`` to a temporary file in the same folder, flushed, then renamed over
+    ``path``: a crash leaves the old file or the new one, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _epoch_seed(data_seed: int, epoch: int) -> int:
+    return (data_seed * 1_000_003 + epoch * 7919 + 1) % (2**63)
+
+
+def _diff(a: str, b: str) -> str:
+    import json
+
+    da, db = json.loads(a), json.loads(b)
+    keys = sorted(k for k in set(da) | set(db) if da.get(k) != db.get(k))
+    return ", ".join(f"{k}={db.get(k)!r} (array: {da.get(k)!r})" for k in keys[:3])

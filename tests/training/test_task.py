@@ -1,0 +1,152 @@
+"""hs.Task: config resolution and errors, the per-member / shared split, the built-in losses
+against torch's, and the ready tasks in hfsweep.tasks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _tasks import make_task
+
+import hfsweep as hs
+from hfsweep import tasks
+
+
+def test_resolve_completes_defaults_and_optimizer_hyperparameters() -> None:
+    task = make_task()
+    c = task.resolve({"optimizer": "adamw", "lr": 0.1})
+    assert c["hidden"] == 16 and c["batch_size"] == 32
+    assert (c["beta1"], c["beta2"], c["eps"]) == (0.9, 0.999, 1e-8)
+    assert task.resolve({})["momentum"] == 0.0
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"hiden": 3}, "'hiden' is not known to task 'toy'; known keys are"),
+        ({"optimizer": "lamb"}, "optimizer='lamb' is not one of"),
+        (
+            {"optimizer": "adam", "momentum": 0.9},
+            "'momentum' is not a hyperparameter of optimizer 'adam'",
+        ),
+        ({"lr_schedule": "poly"}, "lr_schedule='poly' is not one of"),
+        ({"gamma": 0.5}, "'gamma' is not an argument of lr_schedule 'constant'"),
+        ({"lr": -1}, "lr=-1 must be a finite number >= 0.0"),
+        ({"lr": float("nan")}, "lr=nan"),
+        ({"dropout": 1.5}, "dropout=1.5"),
+        ({"label_smoothing": "x"}, "label_smoothing='x'"),
+        ({"grad_clip": 0}, "grad_clip=0 must be a finite number > 0.0"),
+        ({"epochs": 0}, "epochs=0 must be an integer >= 1"),
+        ({"seed": 1.5}, "seed=1.5 must be an integer"),
+    ],
+)
+def test_bad_configs_name_the_key_and_the_valid_values(config, message) -> None:
+    with pytest.raises(hs.TaskError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        make_task().resolve(config)
+
+
+def test_split_separates_per_member_values_from_the_compatibility_key() -> None:
+    task = make_task()
+    a = {"lr": 0.1, "seed": 1, "dropout": 0.2, "epochs": 2, "momentum": 0.9}
+    b = {"lr": 0.3, "seed": 5, "label_smoothing": 0.1, "grad_clip": 1.0}
+    member_a, key_a = task.split(a)
+    _, key_b = task.split(b)
+    assert key_a == key_b
+    assert member_a["lr"] == 0.1 and "hidden" not in member_a
+    assert task.compatibility_key({"hidden": 8}) != key_a
+    assert task.compatibility_key({"optimizer": "adam"}) != key_a
+    assert task.compatibility_key({"batch_size": 16}) != key_a
+
+
+def test_extra_per_member_keys_are_declared_by_the_task() -> None:
+    base = make_task()
+    task = hs.Task(
+        model=base.model,
+        data=base.data,
+        defaults={**base.defaults, "init": 1.0},
+        per_member=["init"],
+    )
+    assert task.compatibility_key({"init": 2.0}) == task.compatibility_key({"init": 3.0})
+    assert base.compatibility_key({}) != hs.Task(
+        model=base.model, data=base.data, defaults={**base.defaults, "hidden": 8}
+    ).compatibility_key({})
+
+
+def test_data_may_not_read_per_member_keys() -> None:
+    base = make_task()
+
+    def data(config):
+        torch.manual_seed(config["seed"])
+        return base.data(config)
+
+    task = hs.Task(model=base.model, data=data, defaults=base.defaults)
+    with pytest.raises(hs.TaskError, match="data\\(config\\) read 'seed', a per-member key"):
+        task.build_data(task.resolve({}))
+
+
+def test_bad_tasks() -> None:
+    with pytest.raises(hs.TaskError, match="loss 'hinge'"):
+        hs.Task(model=lambda c: None, data=lambda c: None, loss="hinge")
+    with pytest.raises(hs.TaskError, match="metric 'f1'"):
+        hs.Task(model=lambda c: None, data=lambda c: None, metrics=["f1"])
+    with pytest.raises(hs.TaskError, match=r"returned NoneType, not an nn\.Module"):
+        hs.Task(model=lambda c: None, data=lambda c: None).build_model({"seed": 0})
+
+
+def test_cross_entropy_with_per_member_label_smoothing_matches_torch() -> None:
+    task = make_task()
+    out = torch.randn(3, 10, 4, dtype=torch.float64)
+    y = torch.randint(4, (10,))
+    smooth = torch.tensor([0.0, 0.1, 0.35], dtype=torch.float64)
+    got = task.member_loss(out, y, smooth)
+    want = torch.stack(
+        [F.cross_entropy(out[i], y, label_smoothing=float(smooth[i])) for i in range(3)]
+    )
+    torch.testing.assert_close(got, want)
+    acc = task.member_metrics(out, y)["val_accuracy"]
+    torch.testing.assert_close(acc, (out.argmax(-1) == y).double().mean(1))
+
+
+def test_cross_entropy_layouts_match_torch() -> None:
+    base = make_task()
+    # [N, C, H, W] segmentation-style outputs: classes in dimension 1
+    out = torch.randn(2, 5, 3, 4, 4, dtype=torch.float64)
+    y = torch.randint(3, (5, 4, 4))
+    got = base.member_loss(out, y, torch.tensor([0.0, 0.2], dtype=torch.float64))
+    want = torch.stack(
+        [F.cross_entropy(out[0], y), F.cross_entropy(out[1], y, label_smoothing=0.2)]
+    )
+    torch.testing.assert_close(got, want)
+    # [N, T, vocab] language-model outputs: classes last
+    lm = hs.Task(model=base.model, data=base.data, loss="sequence_cross_entropy")
+    out = torch.randn(2, 4, 6, 9, dtype=torch.float64)
+    y = torch.randint(9, (4, 6))
+    got = lm.member_loss(out, y, None)
+    want = torch.stack([F.cross_entropy(out[i].reshape(-1, 9), y.reshape(-1)) for i in range(2)])
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("name", sorted(tasks.TASKS))
+def test_ready_tasks_fuse_and_train(name: str) -> None:
+    task = tasks.get(name)
+    members = [
+        hs.Member("a", {"seed": 1, "max_steps": 2, "dropout": 0.1}),
+        hs.Member("b", {"seed": 2, "max_steps": 3, "lr": task.resolve({})["lr"] / 2}),
+    ]
+    results = hs.ArrayTrainer(task, eval_every=2).run(members)
+    assert [r.status for r in results] == ["completed", "completed"]
+    assert [r.steps for r in results] == [2, 3]
+    for r in results:
+        assert set(task.metric_names) <= set(r.metrics)
+        model = task.build_model(r.config)
+        model.load_state_dict(r.state["model"])
+
+
+def test_unknown_ready_task() -> None:
+    with pytest.raises(hs.TaskError, match="no ready task 'mnist'; ready tasks are"):
+        tasks.get("mnist")
+
+
+def test_digits_mlp_learns() -> None:
+    result = hs.ArrayTrainer(tasks.digits_mlp).run([hs.Member("a", {"epochs": 5})])[0]
+    assert result.metrics["val_accuracy"] > 0.9
