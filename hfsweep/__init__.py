@@ -7,8 +7,25 @@ Optuna are imported only where a sweep uses them.
 
 from . import optim
 from ._errors import FusionError
+from ._sizing import profile_task
+from ._task import Task, TaskError
 from .fusion import FusedArray, fuse, member_losses
+from .trainer import ArrayTrainer, Evaluation, Member, MemberResult
 
 __version__ = "0.1.0.dev0"
 
-__all__ = ["FusedArray", "FusionError", "__version__", "fuse", "member_losses", "optim"]
+__all__ = [
+    "ArrayTrainer",
+    "Evaluation",
+    "FusedArray",
+    "FusionError",
+    "Member",
+    "MemberResult",
+    "Task",
+    "TaskError",
+    "__version__",
+    "fuse",
+    "member_losses",
+    "optim",
+    "profile_task",
+]

@@ -33,6 +33,80 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _parse_sets(items: list[str]) -> dict[str, object]:
+    import yaml
+
+    config: dict[str, object] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set {item!r}: write KEY=VALUE, e.g. --set hidden=128")
+        config[key] = yaml.safe_load(value)
+    return config
+
+
+def _profile(args: argparse.Namespace) -> int:
+    import torch
+
+    from . import profiler
+    from ._entry import load_task
+    from ._sizing import profile_task
+    from ._task import TaskError
+
+    try:
+        task = load_task(args.task)
+        config = _parse_sets(args.set)
+        task.resolve(config)
+        sizes = [int(v) for v in args.sizes.split(",")] if args.sizes else None
+        dtype = getattr(torch, args.dtype, None)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"--dtype {args.dtype!r} is not a floating torch dtype (float32...)")
+        device = torch.device(args.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"--device {args.device}: CUDA is not available on this machine")
+    except (TaskError, ValueError, RuntimeError) as e:
+        print(f"hfsweep profile: {e}", file=sys.stderr)
+        return 2
+    cache = None if args.no_cache else profiler.ProfileCache(args.cache)
+    print(f"Profiling task {task.name!r} on {device} ({args.dtype})", flush=True)
+
+    def progress(m: profiler.Measurement) -> None:
+        print(
+            f"  B={m.size:<4d} {m.step_s * 1e3:8.2f} ms/step  "
+            f"{m.samples_per_s:12,.0f} member-samples/s  peak {m.peak_bytes / 2**20:9.1f} MiB",
+            flush=True,
+        )
+
+    try:
+        profile = profile_task(
+            task,
+            config,
+            device=device,
+            dtype=dtype,
+            sizes=sizes,
+            max_size=args.max_size,
+            budget_fraction=args.memory_fraction,
+            knee=args.knee,
+            cache=cache,
+            refresh=args.refresh,
+            min_seconds=args.seconds,
+            on_measure=progress,
+        )
+    except (TaskError, ValueError) as e:
+        print(f"hfsweep profile: {e}", file=sys.stderr)
+        return 2
+    print()
+    print(profile.table())
+    print(f"\nchosen B = {profile.chosen}: {profile.reason}")
+    if args.plot is not None:
+        try:
+            profiler.plot(profile, args.plot)
+            print(f"plot: {args.plot}")
+        except ImportError as e:
+            print(f"no plot: {e}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``hfsweep`` and its subcommands."""
     from . import __version__
@@ -57,6 +131,51 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--no-serial", action="store_true", help="skip the one-after-another timing")
     demo.set_defaults(func=_demo)
+
+    prof = sub.add_parser(
+        "profile",
+        help="measure a task's throughput and memory at several array sizes and choose B",
+        description="Measure member-samples/s and peak memory of TASK's training step at array "
+        "sizes 1, 2, 4, ... (or --sizes), fit memory against B, and print the table and the "
+        "array size hfsweep would use. TASK is a ready task (digits_mlp, digits_cnn, "
+        "cifar_resnet, token_transformer), module:attribute or path/to/file.py:attribute.",
+    )
+    prof.add_argument("task")
+    prof.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config value (YAML syntax), repeatable: --set hidden=256 --set batch_size=128",
+    )
+    prof.add_argument("--sizes", help="comma-separated array sizes to measure (default: doubling)")
+    prof.add_argument("--max-size", type=int, default=64, help="largest B tried (default 64)")
+    prof.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    prof.add_argument("--dtype", default="float32")
+    prof.add_argument(
+        "--memory-fraction",
+        type=float,
+        default=0.8,
+        help="share of the device's memory an array may use (GPU memory, or available RAM)",
+    )
+    prof.add_argument(
+        "--knee",
+        type=float,
+        default=0.9,
+        help="choose the smallest B reaching this share of the best throughput (default 0.9)",
+    )
+    prof.add_argument("--seconds", type=float, default=0.5, help="timing per size (default 0.5)")
+    prof.add_argument(
+        "--plot",
+        type=Path,
+        default=Path("profile.png"),
+        help="PNG of throughput and memory against B (default profile.png)",
+    )
+    prof.add_argument("--no-plot", dest="plot", action="store_const", const=None)
+    prof.add_argument("--cache", type=Path, default=None, help="profile cache file")
+    prof.add_argument("--no-cache", action="store_true", help="neither read nor write the cache")
+    prof.add_argument("--refresh", action="store_true", help="measure again even if cached")
+    prof.set_defaults(func=_profile)
     return parser
 
 

@@ -1,0 +1,54 @@
+"""Find a task from a name a user typed: a ready task, ``module:attribute`` or
+``path/to/file.py:attribute``."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+
+from ._task import Task, TaskError
+
+__all__ = ["load_task"]
+
+
+def load_task(spec: str) -> Task:
+    """The :class:`Task` named by ``spec``: ``digits_mlp`` (a ready task in
+    :mod:`hfsweep.tasks`), ``package.module:attribute`` or ``path/to/file.py:attribute``."""
+    from . import tasks
+
+    if ":" not in spec:
+        if spec in tasks.TASKS:
+            return tasks.TASKS[spec]
+        raise TaskError(
+            f"task {spec!r} is not a ready task ({', '.join(sorted(tasks.TASKS))}) nor an entry "
+            "point; write module:attribute or path/to/file.py:attribute"
+        )
+    where, _, attr = spec.rpartition(":")
+    if where.endswith(".py"):
+        path = Path(where)
+        if not path.is_file():
+            raise TaskError(f"task {spec!r}: file {where!r} does not exist")
+        name = f"_hfsweep_task_{abs(hash(path.resolve()))}"
+        module_spec = importlib.util.spec_from_file_location(name, path)
+        if module_spec is None or module_spec.loader is None:
+            raise TaskError(f"task {spec!r}: cannot import {where!r} as Python")
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[name] = module
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as e:
+            del sys.modules[name]
+            raise TaskError(f"task {spec!r}: importing {where!r} failed: {e!r}") from e
+    else:
+        try:
+            module = importlib.import_module(where)
+        except Exception as e:
+            raise TaskError(f"task {spec!r}: importing module {where!r} failed: {e!r}") from e
+    if not hasattr(module, attr):
+        raise TaskError(f"task {spec!r}: {where!r} has no attribute {attr!r}")
+    task = getattr(module, attr)
+    if not isinstance(task, Task):
+        raise TaskError(f"task {spec!r} is a {type(task).__name__}, not an hfsweep.Task")
+    return task

@@ -1,0 +1,218 @@
+"""Measuring a task's training step at several array sizes, for the profiler.
+
+:func:`profile_task` builds arrays of the task's model for one compatibility key, times the
+trainer's own training step (forward, per-member losses, backward, fused optimizer step) on one
+shared batch, records the step's peak memory, and lets :mod:`hfsweep.profiler` choose B.
+
+Peak memory is the CUDA caching allocator's ``max_memory_allocated`` on a GPU. A CPU has no
+allocator statistics, so there it is the peak of the bytes held by live tensors, followed op
+by op through a dispatch mode (parameters, gradients, optimizer state, activations and
+temporaries; allocator slack and Python objects are not counted).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ._task import Task, make_optimizer, make_schedule
+from .fusion import fuse
+from .profiler import (
+    Measurement,
+    Profile,
+    ProfileCache,
+    _describe_device,
+    cache_key,
+    choose_size,
+    device_budget,
+    profile_sizes,
+    signature,
+)
+from .trainer import backward, update
+
+__all__ = ["measure_step", "profile_task"]
+
+_log = logging.getLogger("hfsweep.profiler")
+
+
+class _LiveTensorBytes(TorchDispatchMode):
+    """Follows the bytes of live tensor storages while it is active, and their peak.
+
+    ``existing`` are the tensors alive when it starts (parameters, optimizer state, the
+    batch): they count from the start, and in-place ops on them (which return them) add
+    nothing. Every other storage an op returns counts until it is freed.
+    """
+
+    def __init__(self, existing: Any = ()) -> None:
+        super().__init__()
+        self.live = 0
+        self._held: dict[int, tuple[StorageWeakRef, int]] = {}
+        for t in pytree.tree_leaves(existing):
+            if isinstance(t, Tensor):
+                self._hold(t)
+        self.peak = self.live
+
+    def _hold(self, t: Tensor) -> None:
+        storage = t.untyped_storage()
+        key, size = storage.data_ptr(), storage.nbytes()
+        if size and key not in self._held:
+            self._held[key] = (StorageWeakRef(storage), size)
+            self.live += size
+
+    def _sweep(self) -> None:
+        for key in [k for k, (ref, _) in self._held.items() if ref.expired()]:
+            self.live -= self._held.pop(key)[1]
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self._sweep()
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, Tensor) and t.device.type != "meta":
+                self._hold(t)
+        self.peak = max(self.peak, self.live)
+        return out
+
+
+def measure_step(
+    task: Task,
+    config: Mapping[str, Any],
+    size: int,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    batch: Any,
+    min_seconds: float = 0.5,
+    min_steps: int = 3,
+    warmup: int = 2,
+) -> Measurement:
+    """Time the training step of an array of ``size`` members of ``config`` on ``batch``.
+
+    Members get seeds 0..size-1; ``warmup`` steps run first (tracing, optimizer state), then
+    steps are timed until ``min_seconds`` and ``min_steps`` are both reached; then one more
+    step measures peak memory.
+    """
+    resolved = task.resolve(config)
+    configs = [{**resolved, "seed": i} for i in range(size)]
+    models = [task.build_model(c).to(dtype) for c in configs]
+    array = fuse(models).to(device)
+    del models
+    array.train()
+    opt = make_optimizer(array, configs)
+    sched = make_schedule(opt, configs, [10**9] * size, 1)
+    smoothing = torch.tensor([c["label_smoothing"] for c in configs], dtype=dtype, device=device)
+    x, y = batch
+    n = int(y.shape[0]) if isinstance(y, Tensor) and y.dim() else 1
+    sync: Callable[[], None] = (
+        (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    )
+    for _ in range(warmup):
+        backward(task, array, x, y, smoothing, None)
+        update(opt, sched)
+    sync()
+    steps, start = 0, time.perf_counter()
+    while True:
+        backward(task, array, x, y, smoothing, None)
+        update(opt, sched)
+        steps += 1
+        if steps >= min_steps:
+            sync()
+            elapsed = time.perf_counter() - start
+            if elapsed >= min_seconds:
+                break
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        backward(task, array, x, y, smoothing, None)
+        update(opt, sched)
+        sync()
+        peak = int(torch.cuda.max_memory_allocated(device))
+    else:
+        existing = [dict(array.state_dict(keep_vars=True)), opt.state, x, y]
+        with _LiveTensorBytes(existing) as tracker:
+            backward(task, array, x, y, smoothing, None)
+            update(opt, sched)
+        peak = tracker.peak
+    step_s = elapsed / steps
+    return Measurement(size=size, samples_per_s=size * n / step_s, peak_bytes=peak, step_s=step_s)
+
+
+def profile_task(
+    task: Task,
+    config: Mapping[str, Any] | None = None,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    sizes: list[int] | None = None,
+    max_size: int = 64,
+    budget_fraction: float = 0.8,
+    knee: float = 0.9,
+    cache: ProfileCache | None = None,
+    refresh: bool = False,
+    min_seconds: float = 0.5,
+    on_measure: Callable[[Measurement], None] | None = None,
+) -> Profile:
+    """Measure ``task`` with ``config`` at several array sizes on ``device`` and choose B.
+
+    With a ``cache``, a profile stored under the same (architecture signature, batch size,
+    dtype, device) key is returned without measuring unless ``refresh``; a new profile is
+    stored. ``sizes=None`` doubles from 1 up to ``max_size`` while throughput grows and the
+    memory model says the next size fits ``budget_fraction`` of the device's memory.
+    """
+    device = torch.device(device)
+    resolved = task.resolve(config or {})
+    model = task.build_model(resolved).to(dtype)
+    train, _ = task.build_data(resolved)
+    first = next(iter(train))
+    x, y = (t.to(device) for t in first)
+    if x.is_floating_point():
+        x = x.to(dtype)
+    batch_size = int(y.shape[0])
+    key = cache_key(signature(model), batch_size, dtype, device)
+    if cache is not None and not refresh:
+        hit = cache.get(key)
+        if hit is not None:
+            _log.info("profile of %s found in the cache (%s)", task.name, key)
+            return hit
+    budget = device_budget(device, budget_fraction)
+
+    def measure(size: int) -> Measurement:
+        return measure_step(
+            task,
+            resolved,
+            size,
+            device=device,
+            dtype=dtype,
+            batch=(x, y),
+            min_seconds=min_seconds,
+        )
+
+    measurements, memory = profile_sizes(
+        measure,
+        budget_bytes=budget,
+        max_size=max_size,
+        sizes=sizes,
+        knee=knee,
+        on_measure=on_measure,
+    )
+    chosen, reason = choose_size(measurements, budget, knee=knee)
+    profile = Profile(
+        key=key,
+        device=_describe_device(device),
+        batch_size=batch_size,
+        dtype=str(dtype).removeprefix("torch."),
+        measurements=tuple(measurements),
+        memory=memory,
+        budget_bytes=budget,
+        chosen=chosen,
+        reason=reason,
+    )
+    if cache is not None:
+        cache.put(profile)
+    return profile

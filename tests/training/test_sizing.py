@@ -1,0 +1,135 @@
+"""profile_task and `hfsweep profile`: measured sizes, the choice, the cache, CPU peak memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hfsweep as hs
+from hfsweep import profiler, tasks
+from hfsweep._sizing import _LiveTensorBytes, measure_step, profile_task
+from hfsweep.cli import main
+
+
+def test_live_tensor_bytes_follows_allocations_and_frees() -> None:
+    a = torch.ones(1000)  # 4000 bytes, alive before: counted from the start
+    with _LiveTensorBytes([a]) as tracker:
+        assert tracker.live == 4000
+        a.mul_(2)  # in place: nothing new
+        b = a * 2  # +4000
+        c = b + 1  # +4000 -> 12000
+        del b  # -> 8000
+        d = c.view(10, 100)  # a view: nothing new
+        e = torch.zeros(500)  # +2000 -> 10000
+        del c, d, e
+        f = a + 1  # 8000
+    assert tracker.peak == 12000
+    assert tracker.live == 8000
+    del f
+
+
+def test_profile_task_measures_chooses_and_caches(tmp_path, monkeypatch) -> None:
+    cache = profiler.ProfileCache(tmp_path / "profiles.json")
+    seen: list[int] = []
+    profile = profile_task(
+        tasks.digits_mlp,
+        {"hidden": 32},
+        sizes=[1, 2, 4],
+        cache=cache,
+        min_seconds=0.05,
+        on_measure=lambda m: seen.append(m.size),
+    )
+    assert seen == [1, 2, 4]
+    assert [m.size for m in profile.measurements] == [1, 2, 4]
+    best = max(m.samples_per_s for m in profile.measurements)
+    chosen = next(m for m in profile.measurements if m.size == profile.chosen)
+    assert chosen.samples_per_s >= 0.9 * best
+    peaks = [m.peak_bytes for m in profile.measurements]
+    assert peaks[0] > 0 and peaks == sorted(peaks)  # more members hold more memory
+    assert profile.batch_size == 64 and profile.dtype == "float32"
+    assert profile.device.startswith("cpu:")
+
+    # a second profile of the same architecture, batch size, dtype and device is a cache hit;
+    # a per-member key (lr, seed, dropout) does not change the architecture
+    class Measured(Exception):
+        pass
+
+    def measure(*args, **kwargs):
+        raise Measured
+
+    monkeypatch.setattr("hfsweep._sizing.measure_step", measure)
+    again = profile_task(tasks.digits_mlp, {"hidden": 32, "lr": 0.3, "dropout": 0.2}, cache=cache)
+    assert again == profile
+    with pytest.raises(Measured):
+        profile_task(tasks.digits_mlp, {"hidden": 48}, sizes=[1], cache=cache)
+
+
+def test_cpu_peak_memory_counts_parameters_gradients_and_optimizer_state() -> None:
+    task = tasks.digits_mlp
+    config = {"hidden": 256, "depth": 2, "momentum": 0.9}
+    batch = (torch.randn(8, 64), torch.randint(10, (8,)))
+    m = measure_step(
+        task,
+        config,
+        4,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        batch=batch,
+        min_seconds=0.0,
+        min_steps=1,
+    )
+    params = sum(p.numel() for p in task.build_model(task.resolve(config)).parameters()) * 4 * 4
+    # weights + gradients + momentum buffers, plus activations and the update's temporaries
+    assert 3 * params <= m.peak_bytes < 4 * params
+
+
+def test_cli_profile_prints_the_table_and_the_choice(tmp_path, capsys) -> None:
+    plot = tmp_path / "profile.png"
+    code = main(
+        [
+            "profile",
+            "digits_mlp",
+            "--set",
+            "hidden=32",
+            "--sizes",
+            "1,2",
+            "--seconds",
+            "0.05",
+            "--plot",
+            str(plot),
+            "--cache",
+            str(tmp_path / "c.json"),
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "B=1" in out and "B=2" in out and "chosen B = " in out
+    assert plot.stat().st_size > 1000
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["profile", "mnist"], "'mnist' is not a ready task"),
+        (["profile", "digits_mlp", "--set", "hiden=3"], "'hiden' is not known"),
+        (["profile", "digits_mlp", "--set", "hidden"], "write KEY=VALUE"),
+        (["profile", "digits_mlp", "--dtype", "int8"], "not a floating torch dtype"),
+        (["profile", "no_such_module_x:task"], "importing module 'no_such_module_x' failed"),
+    ],
+)
+def test_cli_profile_bad_input_exits_2(argv, message, capsys) -> None:
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_load_task_from_a_file(tmp_path) -> None:
+    from hfsweep._entry import load_task
+
+    path = tmp_path / "mytask.py"
+    path.write_text("from hfsweep.tasks import digits_cnn\nmy = digits_cnn\nnot_task = 3\n")
+    assert load_task(f"{path}:my") is tasks.digits_cnn
+    with pytest.raises(hs.TaskError, match=r"is a int, not an hfsweep\.Task"):
+        load_task(f"{path}:not_task")
+    with pytest.raises(hs.TaskError, match="has no attribute 'nope'"):
+        load_task(f"{path}:nope")
+    assert load_task("hfsweep.tasks:digits_mlp") is tasks.digits_mlp
