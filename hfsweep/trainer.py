@@ -234,6 +234,7 @@ class _Run:
                     self.queue.pop(0)
                 else:
                     self.queue[0:1] = halves
+                    del halves
                     if self.t.device.type == "cuda":
                         torch.cuda.empty_cache()
                     self._save_checkpoint(None)
@@ -263,8 +264,10 @@ class _Run:
 
     # ------------------------------------------------------------------ one array
     def _train(self, state: _ArrayState) -> list[_ArrayState] | None:
-        """Train ``state`` until no member is left; on out-of-memory, return the two halves to
-        train instead (nothing of the members' progress is lost)."""
+        """Train ``state`` until no member is left. Returns the arrays to train instead, with
+        every member's current state, when it must change shape: two halves after an
+        out-of-memory error, or a compact array once at most half of the slots are busy and no
+        refill came."""
         live = [s for s in state.slots if s is not None]
         if not live:
             return None
@@ -317,15 +320,23 @@ class _Run:
                 if slot is not None:
                     self._finish(state, i, array, opt, sched, "failed", "non-finite gradients")
                     due = [j for j in due if j != i]
-            if due:
-                self._evaluate(state, due, array, opt, sched, loss_sum, spe)
+            if due or failed:
+                if due:
+                    self._evaluate(state, due, array, opt, sched, loss_sum, spe)
                 if self.refill is not None:
                     self._refill(state, array, opt, sched, smoothing, loss_sum)
                     clip = self._clip_values(state)
-                self._save_checkpoint((array, opt, sched, loss_sum, state))
-            elif failed and self.refill is not None:
-                self._refill(state, array, opt, sched, smoothing, loss_sum)
-                clip = self._clip_values(state)
+                live = sum(s is not None for s in state.slots)
+                if 0 < live <= len(state.slots) // 2:
+                    # most slots are idle and nobody is waiting for them: go on with a smaller
+                    # array instead of computing the idle members at every step
+                    compact = [s for s in self._snapshot(state, array, opt, sched, loss_sum) if s]
+                    _log.info(
+                        "%d of %d slots left busy: compacting the array", live, len(state.slots)
+                    )
+                    return [_ArrayState(compact, state.epoch, state.batch)]
+                if due:
+                    self._save_checkpoint((array, opt, sched, loss_sum, state))
         return None
 
     def _build(

@@ -239,3 +239,21 @@ def test_bad_arguments() -> None:
         _trainer(task).run([hs.Member("a", {}), hs.Member("b", {"hidden": 8})])
     with pytest.raises(ValueError, match="at least one member"):
         _trainer(task).run([])
+
+
+def test_array_compacts_when_most_slots_are_idle(monkeypatch) -> None:
+    import hfsweep.trainer as trainer_module
+
+    sizes: list[int] = []
+    fuse = trainer_module.fuse
+
+    def recording_fuse(models, **kw):
+        sizes.append(len(models))
+        return fuse(models, **kw)
+
+    monkeypatch.setattr(trainer_module, "fuse", recording_fuse)
+    task = make_task()
+    # budgets 2, 3, 4, 2, 3, 4, 2, 3 epochs: 5 members left after epoch 2, 2 after epoch 3
+    results = _trainer(task).run(_members(CONFIGS))
+    assert sizes == [8, 2]
+    assert [r.steps for r in results] == [5 * (2 + i % 3) for i in range(8)]
