@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -30,6 +31,7 @@ def load_task(spec: str) -> Task:
         path = Path(where)
         if not path.is_file():
             raise TaskError(f"task {spec!r}: file {where!r} does not exist")
+        _on_path(str(path.resolve().parent))  # the file may import its neighbours
         name = f"_hfsweep_task_{abs(hash(path.resolve()))}"
         module_spec = importlib.util.spec_from_file_location(name, path)
         if module_spec is None or module_spec.loader is None:
@@ -42,6 +44,7 @@ def load_task(spec: str) -> Task:
             del sys.modules[name]
             raise TaskError(f"task {spec!r}: importing {where!r} failed: {e!r}") from e
     else:
+        _on_path(os.getcwd())  # as `python -m` does: modules in the working directory import
         try:
             module = importlib.import_module(where)
         except Exception as e:
@@ -52,3 +55,8 @@ def load_task(spec: str) -> Task:
     if not isinstance(task, Task):
         raise TaskError(f"task {spec!r} is a {type(task).__name__}, not an hfsweep.Task")
     return task
+
+
+def _on_path(folder: str) -> None:
+    if folder not in sys.path:
+        sys.path.insert(0, folder)

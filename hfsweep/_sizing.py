@@ -12,6 +12,7 @@ temporaries; allocator slack and Python objects are not counted).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -23,7 +24,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._task import Task, make_optimizer, make_schedule
+from ._task import Task, fork_rng, make_optimizer, make_schedule
 from .fusion import fuse
 from .profiler import (
     Measurement,
@@ -160,27 +161,35 @@ def profile_task(
 ) -> Profile:
     """Measure ``task`` with ``config`` at several array sizes on ``device`` and choose B.
 
-    With a ``cache``, a profile stored under the same (architecture signature, batch size,
-    dtype, device) key is returned without measuring unless ``refresh``; a new profile is
-    stored. ``sizes=None`` doubles from 1 up to ``max_size`` while throughput grows and the
+    With a ``cache``, a profile stored under the same key (architecture signature, optimizer,
+    input shape, batch size, dtype, device) that measured every size in ``sizes`` is reused
+    without measuring unless ``refresh``: B is chosen again from its measurements with this
+    call's ``knee`` and budget. A new profile is stored. ``sizes=None`` doubles from 1 up to ``max_size`` while throughput grows and the
     memory model says the next size fits ``budget_fraction`` of the device's memory.
     """
     device = torch.device(device)
     resolved = task.resolve(config or {})
-    model = task.build_model(resolved).to(dtype)
-    train, _ = task.build_data(resolved)
-    first = next(iter(train))
+    with fork_rng():
+        model = task.build_model(resolved).to(dtype)
+        train, _ = task.build_data(resolved)
+        first = next(iter(train))
     x, y = (t.to(device) for t in first)
     if x.is_floating_point():
         x = x.to(dtype)
     batch_size = int(y.shape[0])
-    key = cache_key(signature(model), batch_size, dtype, device)
+    # the optimizer (its state) and the input shape change time and memory as much as the model
+    arch = f"{signature(model)}|{resolved['optimizer']}|in={tuple(x.shape)}"
+    key = cache_key(arch, batch_size, dtype, device)
+    budget = device_budget(device, budget_fraction)
     if cache is not None and not refresh:
         hit = cache.get(key)
-        if hit is not None:
+        measured = {m.size for m in hit.measurements} if hit is not None else set()
+        if hit is not None and (sizes is None or set(sizes) <= measured):
             _log.info("profile of %s found in the cache (%s)", task.name, key)
-            return hit
-    budget = device_budget(device, budget_fraction)
+            chosen, reason = choose_size(hit.measurements, budget, knee=knee)
+            return dataclasses.replace(
+                hit, budget_bytes=budget, chosen=chosen, reason=f"{reason} (cached profile)"
+            )
 
     def measure(size: int) -> Measurement:
         return measure_step(

@@ -11,8 +11,10 @@ ignored value.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
+import logging
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -32,7 +34,10 @@ __all__ = [
     "SCHEDULES",
     "Task",
     "TaskError",
+    "fork_rng",
 ]
+
+_log = logging.getLogger("hfsweep.task")
 
 Config = Mapping[str, Any]
 #: ``loss(outputs [B, N, ...], target) -> [B]``: each member's mean loss over the batch
@@ -77,6 +82,31 @@ BASE_DEFAULTS: dict[str, Any] = {
     "max_steps": None,
 }
 
+#: default arguments of each schedule
+_SCHEDULE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "constant": {},
+    "cosine": {"eta_min": 0.0},
+    "step": {"step_size": 1, "gamma": 0.1},
+    "exponential": {"gamma": 0.9},
+}
+#: valid ranges of the numeric per-member keys: (low, high, low open, high open)
+_RANGES: dict[str, tuple[float, float, bool, bool]] = {
+    "lr": (0.0, math.inf, False, True),
+    "momentum": (0.0, math.inf, False, True),
+    "dampening": (0.0, math.inf, False, True),
+    "weight_decay": (0.0, math.inf, False, True),
+    "beta1": (0.0, 1.0, False, True),
+    "beta2": (0.0, 1.0, False, True),
+    "eps": (0.0, math.inf, False, True),
+    "alpha": (0.0, math.inf, False, True),
+    "lr_decay": (0.0, math.inf, False, True),
+    "eta_min": (0.0, math.inf, False, True),
+    "gamma": (0.0, 1.0, True, False),
+    "label_smoothing": (0.0, 1.0, False, False),
+    "dropout": (0.0, 1.0, False, False),
+    "grad_clip": (0.0, math.inf, True, True),
+}
+
 _OPTIMIZER_KEYS = sorted({k for _, keys in OPTIMIZERS.values() for k in keys})
 _SCHEDULE_KEYS = sorted({k for keys in SCHEDULES.values() for k in keys})
 #: keys that may differ between the members of one array
@@ -114,9 +144,11 @@ class Task:
     ``[N, T, vocab]``), ``"mse"``, or
     a callable ``(outputs [B, N, ...], target) -> [B]``. ``metrics`` are computed on the
     validation data next to its loss: names from ``("accuracy",)`` or ``{name: callable}`` with
-    the loss's signature (a per-member batch mean). ``defaults`` lists every config key the task
+    the loss's signature (a per-member batch mean); by default accuracy for the cross-entropy
+    losses and nothing else for the others. ``defaults`` lists every config key the task
     understands beyond hfsweep's own (:data:`BASE_DEFAULTS`) with its default value, and may
-    override hfsweep's defaults. ``per_member`` names extra keys that may differ inside one
+    override hfsweep's defaults (a default hyperparameter applies to whichever optimizer or
+    schedule takes it; the others ignore it). ``per_member`` names extra keys that may differ inside one
     array because they only change the initial values of the model (e.g. an init scale).
     ``steps_per_epoch`` is needed only when the training data has no ``len()``.
     """
@@ -124,7 +156,7 @@ class Task:
     model: Callable[[Config], nn.Module]
     data: Callable[[Config], tuple[Iterable[Any], Iterable[Any]]]
     loss: str | LossFn = "cross_entropy"
-    metrics: Sequence[str] | Mapping[str, MetricFn] = ("accuracy",)
+    metrics: Sequence[str] | Mapping[str, MetricFn] | None = None
     defaults: Mapping[str, Any] = field(default_factory=dict)
     per_member: Sequence[str] = ()
     name: str = "task"
@@ -137,7 +169,21 @@ class Task:
             raise TaskError(
                 f"task {self.name!r}: loss {self.loss!r} is not one of {list(_LOSSES)} or a callable"
             )
+        if isinstance(self.metrics, str) or isinstance(self.per_member, str):
+            raise TaskError(
+                f"task {self.name!r}: metrics and per_member take a list of names, not a string"
+            )
+        shared = sorted({"optimizer", "lr_schedule", "data_seed"} & set(self.per_member))
+        if shared:
+            raise TaskError(
+                f"task {self.name!r}: per_member may not name {shared[0]!r}: it changes the "
+                "optimizer, the schedule or the data, which all members of an array share"
+            )
+        if self.metrics is None:
+            classes = self.loss in ("cross_entropy", "sequence_cross_entropy")
+            object.__setattr__(self, "metrics", ("accuracy",) if classes else ())
         if not isinstance(self.metrics, Mapping):
+            assert self.metrics is not None
             for m in self.metrics:
                 if m not in _METRICS:
                     raise TaskError(
@@ -158,7 +204,7 @@ class Task:
     @property
     def metric_names(self) -> list[str]:
         """Names of the values each evaluation reports."""
-        names = self.metrics.keys() if isinstance(self.metrics, Mapping) else self.metrics
+        names = self.metrics.keys() if isinstance(self.metrics, Mapping) else self.metrics or ()
         return ["train_loss", "val_loss", *(f"val_{n}" for n in names)]
 
     def resolve(self, config: Config) -> dict[str, Any]:
@@ -177,11 +223,9 @@ class Task:
                 f"config key {unknown[0]!r} is not known to task {self.name!r}; known keys are "
                 f"{sorted(set(known) | set(self.per_member) | set(_OPTIMIZER_KEYS) | set(_SCHEDULE_KEYS))}"
             )
-        out = {**known, **config}
-        name = out["optimizer"]
+        name = {**known, **config}["optimizer"]
         if name not in OPTIMIZERS:
             raise TaskError(f"config optimizer={name!r} is not one of {sorted(OPTIMIZERS)}")
-        out = {**optimizer_defaults(name), **known, **config}
         takes = OPTIMIZERS[name][1]
         for key in _OPTIMIZER_KEYS:
             if key in config and key not in takes:
@@ -189,26 +233,44 @@ class Task:
                     f"config key {key!r} is not a hyperparameter of optimizer {name!r}; it takes "
                     f"{list(takes)}"
                 )
-        schedule = out["lr_schedule"]
+        schedule = {**known, **config}["lr_schedule"]
         if schedule not in SCHEDULES:
             raise TaskError(f"config lr_schedule={schedule!r} is not one of {sorted(SCHEDULES)}")
+        uses = SCHEDULES[schedule]
         for key in _SCHEDULE_KEYS:
-            if key in config and key not in SCHEDULES[schedule]:
+            if key in config and key not in uses:
                 raise TaskError(
                     f"config key {key!r} is not an argument of lr_schedule {schedule!r}; it takes "
-                    f"{list(SCHEDULES[schedule]) or 'none'}"
+                    f"{list(uses) or 'none'}"
                 )
-        _check_number(out, "lr", low=0.0)
-        _check_number(out, "label_smoothing", low=0.0, high=1.0)
-        if out["dropout"] is not None:
-            _check_number(out, "dropout", low=0.0, high=1.0)
-        if out["grad_clip"] is not None:
-            _check_number(out, "grad_clip", low=0.0, strict=True)
-        _check_int(out, "seed", low=0)
+        # defaults of hyperparameters the chosen optimizer or schedule does not take are dropped,
+        # so that resolving a resolved config gives it back unchanged
+        out = {**optimizer_defaults(name), **_SCHEDULE_DEFAULTS[schedule], **known, **config}
+        out = {
+            k: v
+            for k, v in out.items()
+            if (k not in _OPTIMIZER_KEYS or k in takes) and (k not in _SCHEDULE_KEYS or k in uses)
+        }
+        for key, (low, high, low_open, high_open) in _RANGES.items():
+            if (
+                key in out
+                and (key != "dropout" or out[key] is not None)
+                and (key != "grad_clip" or out[key] is not None)
+            ):
+                _check_number(out, key, low=low, high=high, strict=low_open, high_open=high_open)
+        for key, low in (("seed", 0), ("data_seed", 0), ("step_size", 1)):
+            if key in out:
+                _check_int(out, key, low=low)
         if out["max_steps"] is None:
             _check_int(out, "epochs", low=1)
         else:
             _check_int(out, "max_steps", low=1)
+        if out["label_smoothing"] and self.loss not in ("cross_entropy", "sequence_cross_entropy"):
+            raise TaskError(
+                f"config label_smoothing={out['label_smoothing']!r}: task {self.name!r} has loss "
+                f"{getattr(self.loss, '__name__', self.loss)!r}; label smoothing needs "
+                "'cross_entropy' or 'sequence_cross_entropy'"
+            )
         return out
 
     def compatibility_key(self, config: Config) -> str:
@@ -227,7 +289,7 @@ class Task:
     def build_model(self, config: Config) -> nn.Module:
         """A fresh model for ``config``, initialised from torch seeded with ``config["seed"]``
         (the global generator is left as it was)."""
-        with torch.random.fork_rng(devices=[]):
+        with fork_rng():
             torch.manual_seed(int(config["seed"]))
             model = self.model(config)
         if not isinstance(model, nn.Module):
@@ -240,11 +302,17 @@ class Task:
     def build_data(self, config: Config) -> tuple[Iterable[Any], Iterable[Any]]:
         """``(train, val)`` for ``config``; refuses data that reads per-member keys."""
         recorder = _Recorder(config)
-        with torch.random.fork_rng(devices=[]):
+        with fork_rng():
             torch.manual_seed(int(config["data_seed"]))
             data = self.data(recorder)
-        read = sorted(recorder.read & (self.per_member_keys - {"epochs", "max_steps"}))
-        if read:
+        read = sorted(recorder.read & self.per_member_keys)
+        if read and recorder.read >= set(config):
+            _log.warning(
+                "task %r: data(config) read every config key (a copy of the config?), so hfsweep "
+                "cannot check that the data ignores per-member keys",
+                self.name,
+            )
+        elif read:
             raise TaskError(
                 f"task {self.name!r}: data(config) read {read[0]!r}, a per-member key that may "
                 "differ inside one array; the data may depend only on shared keys (batch_size, "
@@ -262,6 +330,11 @@ class Task:
         if callable(self.loss):
             return self.loss(outputs, target)
         if self.loss == "mse":
+            if outputs.shape[1:] != target.shape:
+                raise TaskError(
+                    f"task {self.name!r}: loss 'mse' needs a target shaped like one member's "
+                    f"output {tuple(outputs.shape[1:])}, got {tuple(target.shape)}"
+                )
             diff = (outputs - target.to(outputs.dtype)).square()
             return diff.reshape(diff.shape[0], -1).mean(1)
         logits, labels = self._class_layout(outputs, target)
@@ -273,7 +346,7 @@ class Task:
         if isinstance(self.metrics, Mapping):
             for name, fn in self.metrics.items():
                 values[f"val_{name}"] = fn(outputs, target)
-        else:
+        elif self.metrics:
             logits, labels = self._class_layout(outputs, target)
             for name in self.metrics:
                 values[f"val_{name}"] = _accuracy(logits, labels)
@@ -286,6 +359,14 @@ class Task:
         if self.loss == "cross_entropy" and outputs.dim() > 3:
             outputs = outputs.movedim(2, -1)
         return outputs.reshape(outputs.shape[0], -1, outputs.shape[-1]), target.reshape(-1)
+
+
+def fork_rng() -> contextlib.AbstractContextManager[None]:
+    """``torch.random.fork_rng`` over the CPU and every CUDA device in use: ``manual_seed``
+    reseeds all of them, so all of them are restored."""
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    devices = list(range(torch.cuda.device_count())) if cuda else []
+    return torch.random.fork_rng(devices=devices)
 
 
 # ---------------------------------------------------------------------- optimizers, schedules
@@ -341,14 +422,11 @@ def schedule_args(config: Config, budget: int, steps_per_epoch: int) -> dict[str
     decays by ``gamma`` once per epoch (a staircase, as torch's per-epoch ExponentialLR)."""
     name = config["lr_schedule"]
     if name == "cosine":
-        return {"T_max": budget, "eta_min": float(config.get("eta_min", 0.0))}
+        return {"T_max": budget, "eta_min": float(config["eta_min"])}
     if name == "step":
-        size = config.get("step_size", 1)
-        if not (isinstance(size, int) and size >= 1):
-            raise TaskError(f"config step_size={size!r} must be an integer >= 1 (epochs)")
-        return {"step_size": size * steps_per_epoch, "gamma": float(config.get("gamma", 0.1))}
+        return {"step_size": config["step_size"] * steps_per_epoch, "gamma": float(config["gamma"])}
     if name == "exponential":
-        return {"step_size": steps_per_epoch, "gamma": float(config.get("gamma", 0.9))}
+        return {"step_size": steps_per_epoch, "gamma": float(config["gamma"])}
     return {}
 
 
@@ -382,13 +460,18 @@ def _check_number(
     low: float,
     high: float = math.inf,
     strict: bool = False,
+    high_open: bool = False,
 ) -> None:
     value = config[key]
     ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
     if ok:
-        ok = (value > low if strict else value >= low) and value <= high
+        ok = (value > low if strict else value >= low) and (
+            value < high if high_open else value <= high
+        )
     if not ok:
-        bound = f"{'>' if strict else '>='} {low}" + (f" and <= {high}" if high < math.inf else "")
+        bound = f"{'>' if strict else '>='} {low}"
+        if high < math.inf:
+            bound += f" and {'<' if high_open else '<='} {high}"
         raise TaskError(f"config {key}={value!r} must be a finite number {bound}")
 
 
@@ -408,6 +491,9 @@ class _Recorder(Mapping[str, Any]):
     def __getitem__(self, key: str) -> Any:
         self.read.add(key)
         return self._config[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._config
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._config)

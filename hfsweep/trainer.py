@@ -11,19 +11,30 @@ member's progress.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import torch
 from torch import Tensor, nn
 
-from ._task import Task, TaskError, make_optimizer, make_schedule, optimizer_values, schedule_args
+from ._task import (
+    Task,
+    TaskError,
+    fork_rng,
+    make_optimizer,
+    make_schedule,
+    optimizer_values,
+    schedule_args,
+)
 from .fusion import FusedArray, fuse
 from .optim import FusedOptimizer, clip_grad_norm_
 from .optim.lr_scheduler import FusedLRScheduler
@@ -109,7 +120,8 @@ class ArrayTrainer:
     epoch); a member is also evaluated when it reaches its budget (``max_steps``, else
     ``epochs`` epochs). With ``checkpoint_dir`` the trainer writes ``array.pt`` (every slot's
     model, optimizer, schedule, dropout stream, history and the data position) at each
-    evaluation, and ``members/<id>.pt`` plus ``members/<id>.json`` when a member finishes;
+    evaluation and whenever a member ends or joins, ``members/<id>.pt`` when a member ends, and
+    ``delivered.json`` (the members ``on_finish`` was called for);
     ``run(..., resume=True)`` continues from ``array.pt``. ``float64`` is for exactness tests;
     models are built on the CPU from their seed, then moved to ``device``.
     """
@@ -212,35 +224,67 @@ class _Run:
         self.order: list[str] = []
         self.key: str | None = None
         self.queue: list[_ArrayState] = []
+        self.pending: list[str] = []  # finished, on_finish not yet called
+        self.delivered: set[str] = set()
+        self.user_rng: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ entry
     def execute(self, members: Sequence[Member], resume: bool) -> list[MemberResult]:
         ckpt = self._checkpoint_path()
-        if resume and ckpt is not None and ckpt.exists():
-            self._load_checkpoint(ckpt, members)
-        else:
-            if not members:
-                raise ValueError("run() needs at least one member")
-            ids = [m.id for m in members]
-            dup = sorted({i for i in ids if ids.count(i) > 1})
-            if dup:
-                raise ValueError(f"member id {dup[0]!r} appears twice; ids must be unique")
-            self.queue = [_ArrayState([self._new_slot(m) for m in members])]
-        devices = [self.t.device] if self.t.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
+        with fork_rng():
+            self.user_rng = _rng_state()
+            if resume and ckpt is not None and ckpt.exists():
+                self._load_checkpoint(ckpt, members)
+            else:
+                if not members:
+                    raise ValueError("run() needs at least one member")
+                ids = [m.id for m in members]
+                dup = sorted({i for i in ids if ids.count(i) > 1})
+                if dup:
+                    raise ValueError(f"member id {dup[0]!r} appears twice; ids must be unique")
+                self.queue = [_ArrayState([self._new_slot(m) for m in members])]
+            self._deliver()
             while self.queue:
-                halves = self._train(self.queue[0])
-                if halves is None:
+                reshaped = self._train(self.queue[0])
+                if reshaped is None:
                     self.queue.pop(0)
                 else:
-                    self.queue[0:1] = halves
-                    del halves
+                    self.queue[0:1] = reshaped
+                    del reshaped
                     if self.t.device.type == "cuda":
                         torch.cuda.empty_cache()
-                    self._save_checkpoint(None)
-        if ckpt is not None:
-            self._save_checkpoint(None)
+                self._save_checkpoint(None)
+                self._deliver()
+            _set_rng_state(self.user_rng)
         return [self.results[i] for i in self.order]
+
+    def _deliver(self) -> None:
+        """Call ``on_finish`` for members whose end is saved in the checkpoint, then record
+        that they were told. After a crash between the two, a member is told again: the hook
+        is called at least once per member, so it must tolerate a repeat."""
+        if not self.pending:
+            return
+        with self._user_rng_scope():
+            for member_id in self.pending:
+                if self.on_finish is not None:
+                    self.on_finish(self.results[member_id])
+                self.delivered.add(member_id)
+        self.pending.clear()
+        d = self.t.checkpoint_dir
+        if d is not None:
+            _atomic_write_text(d / "delivered.json", json.dumps(sorted(self.delivered)))
+
+    @contextmanager
+    def _user_rng_scope(self) -> Iterator[None]:
+        """Run user hooks on the caller's random generators, not on the trainer's per-epoch
+        seeding (their draws then differ with the caller's seed, as they should)."""
+        mine = _rng_state()
+        _set_rng_state(self.user_rng)
+        try:
+            yield
+        finally:
+            self.user_rng = _rng_state()
+            _set_rng_state(mine)
 
     # ------------------------------------------------------------------ slots
     def _new_slot(self, member: Member) -> _SlotState:
@@ -287,17 +331,31 @@ class _Run:
             device=self.t.device,
         )
         seen_nonfinite = len(opt.nonfinite_members)
+        buffers = list(array.buffers())
+        backup = [b.detach().clone() for b in buffers]
         stream = self._stream(ref, state)
         _log.info("training an array of %d members (%d steps per epoch)", len(state.slots), spe)
         while any(s is not None for s in state.slots):
             epoch, index, batch = next(stream)
             x, y = self.t._to_device(batch)
+            if backup:
+                # forward updates buffers (BatchNorm statistics, dropout call counts): keep
+                # their values so that a step failed by out-of-memory can be replayed exactly
+                torch._foreach_copy_(backup, buffers)
+            out_of_memory = False
             try:
                 losses = backward(self.task, array, x, y, smoothing, clip)
             except torch.OutOfMemoryError:
                 if sum(s is not None for s in state.slots) == 1:
                     raise
+                out_of_memory = True
+            if out_of_memory:
+                # outside the except block, so the failed step's graph is already freed
                 opt.zero_grad(set_to_none=True)
+                if backup:
+                    torch._foreach_copy_(buffers, backup)
+                if self.t.device.type == "cuda":
+                    torch.cuda.empty_cache()
                 return self._split(state, array, opt, sched, loss_sum)
             update(opt, sched)
             state.epoch, state.batch = epoch, index + 1
@@ -323,20 +381,23 @@ class _Run:
             if due or failed:
                 if due:
                     self._evaluate(state, due, array, opt, sched, loss_sum, spe)
-                if self.refill is not None:
+                if self.refill is not None and len(self.queue) == 1:
+                    # (arrays waiting after an out-of-memory split go first)
                     self._refill(state, array, opt, sched, smoothing, loss_sum)
                     clip = self._clip_values(state)
-                live = sum(s is not None for s in state.slots)
-                if 0 < live <= len(state.slots) // 2:
+                busy = sum(s is not None for s in state.slots)
+                if 0 < busy <= len(state.slots) // 2:
                     # most slots are idle and nobody is waiting for them: go on with a smaller
                     # array instead of computing the idle members at every step
-                    compact = [s for s in self._snapshot(state, array, opt, sched, loss_sum) if s]
+                    compact: list[_SlotState | None] = [
+                        s for s in self._snapshot(state, array, opt, sched, loss_sum) if s
+                    ]
                     _log.info(
-                        "%d of %d slots left busy: compacting the array", live, len(state.slots)
+                        "%d of %d slots left busy: compacting the array", busy, len(state.slots)
                     )
                     return [_ArrayState(compact, state.epoch, state.batch)]
-                if due:
-                    self._save_checkpoint((array, opt, sched, loss_sum, state))
+                self._save_checkpoint((array, opt, sched, loss_sum, state))
+                self._deliver()
         return None
 
     def _build(
@@ -388,8 +449,12 @@ class _Run:
         train, _ = self.t._dataset(config)
         epoch, skip = state.epoch, state.batch
         spe = self.t.steps_per_epoch(config)
+        own = getattr(train, "generator", None)  # a DataLoader's own generator, if it has one
         while True:
-            torch.manual_seed(_epoch_seed(int(config["data_seed"]), epoch))
+            seed = _epoch_seed(int(config["data_seed"]), epoch)
+            torch.manual_seed(seed)
+            if isinstance(own, torch.Generator):
+                own.manual_seed(seed)
             index = 0
             for batch in train:
                 if index >= skip:
@@ -449,7 +514,8 @@ class _Run:
             )
         decisions: Mapping[str, bool] = {}
         if self.report is not None:
-            decisions = self.report(evaluations) or {}
+            with self._user_rng_scope():
+                decisions = self.report(evaluations) or {}
             unknown = sorted(set(decisions) - {e.member for e in evaluations})
             if unknown:
                 raise ValueError(
@@ -492,9 +558,8 @@ class _Run:
             _write_member(self.t.checkpoint_dir, result, member_state)
         opt.set_active(i, False)
         state.slots[i] = None
+        self.pending.append(s.member.id)
         _log.info("member %s %s after %d steps", s.member.id, status, s.steps)
-        if self.on_finish is not None:
-            self.on_finish(result)
 
     def _refill(
         self,
@@ -509,7 +574,8 @@ class _Run:
         for i, s in enumerate(state.slots):
             if s is not None:
                 continue
-            member = self.refill()
+            with self._user_rng_scope():
+                member = self.refill()
             if member is None:
                 return
             slot = self._new_slot(member)
@@ -622,6 +688,9 @@ class _Run:
             self.results[member_id] = _read_member(
                 self.t.checkpoint_dir, member_id, self.t.keep_states
             )
+        told = self.t.checkpoint_dir / "delivered.json"
+        self.delivered = set(json.loads(told.read_text())) if told.exists() else set()
+        self.pending = [i for i in payload["finished"] if i not in self.delivered]
         self.queue = [
             _ArrayState([_slot_from_dict(d) for d in a["slots"]], a["epoch"], a["batch"])
             for a in payload["arrays"]
@@ -755,7 +824,35 @@ def _read_member(directory: Path, member_id: str, keep_state: bool) -> MemberRes
 
 
 def _safe(member_id: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in member_id)
+    """A file name for ``member_id``, one-to-one (percent-encoding)."""
+    return quote(member_id, safe="-_.") or "%"
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def _atomic_save(obj: Any, path: Path) -> None:
@@ -779,8 +876,6 @@ def _epoch_seed(data_seed: int, epoch: int) -> int:
 
 
 def _diff(a: str, b: str) -> str:
-    import json
-
     da, db = json.loads(a), json.loads(b)
     keys = sorted(k for k in set(da) | set(db) if da.get(k) != db.get(k))
     return ", ".join(f"{k}={db.get(k)!r} (array: {da.get(k)!r})" for k in keys[:3])

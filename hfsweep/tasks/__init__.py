@@ -1,7 +1,7 @@
 """Ready tasks that run offline on a CPU in seconds to minutes.
 
 ========================  ==================================================================
-``digits_mlp``            MLP on scikit-learn's bundled 8x8 digits (1437 train, 360 val)
+``digits_mlp``            MLP on scikit-learn's bundled 8x8 digits (1438 train, 359 val)
 ``digits_cnn``            small CNN on the same digits
 ``cifar_resnet``          CIFAR-style ResNet on generated CIFAR-shaped images (3x32x32)
 ``token_transformer``     causal Transformer language model on generated Markov token sequences

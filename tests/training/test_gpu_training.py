@@ -15,9 +15,16 @@ pytestmark = pytest.mark.gpu
 def test_trainer_on_cuda_members_train_as_alone() -> None:
     task = make_task(bn=True)
     configs = [
-        {"seed": i, "lr": 0.05 * (i + 1), "momentum": 0.5, "dropout": 0.1 * i,
-         "label_smoothing": 0.05 * i, "grad_clip": 1.0, "lr_schedule": "cosine",
-         "epochs": 2 + i % 2}
+        {
+            "seed": i,
+            "lr": 0.05 * (i + 1),
+            "momentum": 0.5,
+            "dropout": 0.1 * i,
+            "label_smoothing": 0.05 * i,
+            "grad_clip": 1.0,
+            "lr_schedule": "cosine",
+            "epochs": 2 + i % 2,
+        }
         for i in range(4)
     ]
     trainer = hs.ArrayTrainer(task, device="cuda", dtype=torch.float64)

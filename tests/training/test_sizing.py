@@ -59,7 +59,13 @@ def test_profile_task_measures_chooses_and_caches(tmp_path, monkeypatch) -> None
 
     monkeypatch.setattr("hfsweep._sizing.measure_step", measure)
     again = profile_task(tasks.digits_mlp, {"hidden": 32, "lr": 0.3, "dropout": 0.2}, cache=cache)
-    assert again == profile
+    assert again.measurements == profile.measurements and again.chosen == profile.chosen
+    assert again.reason.endswith("(cached profile)")
+    # sizes the cached profile did not measure, another optimizer: measured anew
+    with pytest.raises(Measured):
+        profile_task(tasks.digits_mlp, {"hidden": 32}, sizes=[1, 8], cache=cache)
+    with pytest.raises(Measured):
+        profile_task(tasks.digits_mlp, {"hidden": 32, "optimizer": "adam"}, cache=cache)
     with pytest.raises(Measured):
         profile_task(tasks.digits_mlp, {"hidden": 48}, sizes=[1], cache=cache)
 

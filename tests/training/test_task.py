@@ -150,3 +150,73 @@ def test_unknown_ready_task() -> None:
 def test_digits_mlp_learns() -> None:
     result = hs.ArrayTrainer(tasks.digits_mlp).run([hs.Member("a", {"epochs": 5})])[0]
     assert result.metrics["val_accuracy"] > 0.9
+
+
+@pytest.mark.parametrize("name", sorted(tasks.TASKS))
+@pytest.mark.parametrize(
+    "config",
+    [
+        {},
+        {"optimizer": "adam"},
+        {"optimizer": "rmsprop", "lr_schedule": "step", "gamma": 0.5},
+        {"lr_schedule": "cosine", "eta_min": 1e-4},
+        {"optimizer": "adagrad", "lr_schedule": "exponential"},
+    ],
+)
+def test_resolve_is_idempotent(name, config) -> None:
+    task = tasks.get(name)
+    resolved = task.resolve(config)
+    assert task.resolve(resolved) == resolved
+    assert task.split(resolved) == task.split(config)
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"momentum": -1}, "momentum=-1 must be a finite number >= 0.0"),
+        ({"optimizer": "adam", "beta1": 1.5}, "beta1=1.5 must be a finite number >= 0.0 and < 1.0"),
+        ({"lr_schedule": "step", "step_size": 0}, "step_size=0 must be an integer >= 1"),
+        (
+            {"lr_schedule": "step", "gamma": 2.0},
+            "gamma=2.0 must be a finite number > 0.0 and <= 1.0",
+        ),
+        ({"weight_decay": "0.1"}, "weight_decay='0.1'"),
+        ({"data_seed": "x"}, "data_seed='x' must be an integer >= 0"),
+    ],
+)
+def test_out_of_range_hyperparameters_are_refused_up_front(config, message) -> None:
+    with pytest.raises(hs.TaskError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        make_task().resolve(config)
+
+
+def test_loss_specific_checks() -> None:
+    base = make_task()
+    mse = hs.Task(model=base.model, data=base.data, loss="mse", defaults=base.defaults)
+    assert mse.metric_names == ["train_loss", "val_loss"]  # no accuracy for a regression loss
+    with pytest.raises(hs.TaskError, match="label smoothing needs 'cross_entropy'"):
+        mse.resolve({"label_smoothing": 0.1})
+    with pytest.raises(hs.TaskError, match=r"target shaped like one member's output \(4, 1\)"):
+        mse.member_loss(torch.zeros(2, 4, 1), torch.zeros(4), None)
+    out, y = torch.randn(2, 4, 3), torch.randn(4, 3)
+    torch.testing.assert_close(
+        mse.member_loss(out, y, None), torch.stack([F.mse_loss(o, y) for o in out])
+    )
+
+
+def test_task_argument_errors() -> None:
+    base = make_task()
+    with pytest.raises(hs.TaskError, match="not a string"):
+        hs.Task(model=base.model, data=base.data, metrics="accuracy")
+    with pytest.raises(hs.TaskError, match="per_member may not name 'optimizer'"):
+        hs.Task(model=base.model, data=base.data, per_member=["optimizer"])
+
+
+def test_data_check_ignores_membership_tests() -> None:
+    base = make_task()
+
+    def data(config):
+        assert "seed" in config  # a membership test is not a read
+        return base.data(config)
+
+    task = hs.Task(model=base.model, data=data, defaults=base.defaults)
+    task.build_data(task.resolve({}))

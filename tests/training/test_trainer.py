@@ -257,3 +257,89 @@ def test_array_compacts_when_most_slots_are_idle(monkeypatch) -> None:
     results = _trainer(task).run(_members(CONFIGS))
     assert sizes == [8, 2]
     assert [r.steps for r in results] == [5 * (2 + i % 3) for i in range(8)]
+
+
+def test_on_finish_once_per_member_and_no_refill_lost_across_a_crash(tmp_path) -> None:
+    task = make_task()
+    configs = [{"seed": 0, "epochs": 2}, {"seed": 1, "lr": 1e300, "epochs": 2}]
+    queue = [hs.Member("new0", {"seed": 5, "epochs": 1})]  # the searcher outlives the crash
+    told: list[str] = []
+
+    def crash_at_first_evaluation(evals: list[hs.Evaluation]) -> None:
+        raise _Crash
+
+    with pytest.raises(_Crash):
+        hs.ArrayTrainer(task, checkpoint_dir=tmp_path).run(
+            _members(configs),
+            report=crash_at_first_evaluation,
+            refill=lambda: queue.pop(0) if queue else None,
+            on_finish=lambda r: told.append(r.id),
+        )
+    assert told == ["t1"] and not queue  # t1 failed at a step without evaluation; new0 joined
+    results = hs.ArrayTrainer(task, checkpoint_dir=tmp_path).run(
+        _members(configs),
+        resume=True,
+        refill=lambda: queue.pop(0) if queue else None,
+        on_finish=lambda r: told.append(r.id),
+    )
+    assert sorted(told) == ["new0", "t0", "t1"]
+    assert {r.id: r.status for r in results} == {
+        "t0": "completed",
+        "t1": "failed",
+        "new0": "completed",
+    }
+
+
+def test_out_of_memory_in_backward_replays_the_step_exactly(monkeypatch) -> None:
+    import hfsweep.trainer as trainer_module
+
+    task = make_task(bn=True)
+    configs = CONFIGS[:4]
+    reference = _trainer(task).run(_members(configs))
+    backward = trainer_module.backward
+    calls = {"n": 0}
+
+    def oom_after_forward(task, array, *args):
+        losses = backward(task, array, *args)  # forward ran: BatchNorm and dropout moved on
+        calls["n"] += 1
+        if array.size > 2 and calls["n"] >= 4:
+            raise torch.OutOfMemoryError("simulated: CUDA out of memory")
+        return losses
+
+    monkeypatch.setattr(trainer_module, "backward", oom_after_forward)
+    results = _trainer(task).run(_members(configs))
+    for a, b in zip(results, reference, strict=True):
+        _assert_same(a, b)
+
+
+def test_member_files_of_similar_ids_do_not_collide(tmp_path) -> None:
+    task = make_task()
+    members = [
+        hs.Member("lr=0.1", {"lr": 0.1, "epochs": 1}),
+        hs.Member("lr_0.1", {"lr": 0.3, "epochs": 2}),
+    ]
+    first = _trainer(task, checkpoint_dir=tmp_path).run(members)
+    again = _trainer(task, checkpoint_dir=tmp_path).run(members, resume=True)
+    assert (
+        [(r.id, r.config["lr"], r.steps) for r in again]
+        == [(r.id, r.config["lr"], r.steps) for r in first]
+        == [("lr=0.1", 0.1, 5), ("lr_0.1", 0.3, 10)]
+    )
+
+
+def test_hooks_draw_from_the_callers_generator() -> None:
+    task = make_task()
+    drawn: list[float] = []
+
+    def refill() -> hs.Member | None:
+        drawn.append(float(torch.rand(())))
+        return None
+
+    firsts = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        drawn.clear()
+        _trainer(task).run(_members([{"epochs": 1}, {"epochs": 2}]), refill=refill)
+        firsts.append(drawn[0])
+    expected = [float(torch.rand((), generator=torch.Generator().manual_seed(s))) for s in (1, 2)]
+    assert firsts == expected
