@@ -9,28 +9,24 @@ from pathlib import Path
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
-def test_quick_start_runs(tmp_path, monkeypatch) -> None:
-    text = README.read_text()
-    section = text.split("## Quick start", 1)[1]
+def _run_first_block(heading: str, tmp_path: Path, monkeypatch) -> dict:
+    """Run the first Python block after ``heading`` in a scratch directory; its globals."""
+    section = README.read_text().split(heading, 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.S)
-    assert code is not None, "README has no Python quick start"
-    script = tmp_path / "quick_start.py"
+    assert code is not None, f"README has no Python block after {heading!r}"
+    script = tmp_path / "readme_block.py"
     script.write_text(code.group(1))
     monkeypatch.chdir(tmp_path)
-    runpy.run_path(str(script))
+    return runpy.run_path(str(script))
+
+
+def test_quick_start_runs(tmp_path, monkeypatch) -> None:
+    _run_first_block("## Quick start", tmp_path, monkeypatch)
     assert (tmp_path / "best.pt").exists()
 
 
 def test_training_arrays_example_runs(tmp_path, monkeypatch) -> None:
-    text = README.read_text()
-    section = text.split("## Training arrays", 1)[1]
-    code = re.search(r"```python\n(.*?)```", section, re.S)
-    assert code is not None, "README has no Task example"
-    script = tmp_path / "task_example.py"
-    script.write_text(code.group(1))
-    monkeypatch.chdir(tmp_path)
-    scope = runpy.run_path(str(script))
-    results = scope["results"]
+    results = _run_first_block("## Training arrays", tmp_path, monkeypatch)["results"]
     assert len(results) == 4 and {r.status for r in results} <= {"completed", "stopped"}
     assert (tmp_path / "ckpt" / "array.pt").exists()
     assert all((tmp_path / "ckpt" / "members" / f"{r.id}.pt").exists() for r in results)

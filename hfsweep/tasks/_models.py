@@ -56,22 +56,25 @@ class DigitsCNN(nn.Module):
         return self.head(self.features(x.view(-1, 1, 8, 8)))
 
 
-class _Block(nn.Module):
+class BasicBlock(nn.Module):
+    """ResNet's basic block: two 3x3 convolutions with BatchNorm, a projection shortcut when
+    the shape changes."""
+
     def __init__(self, c_in: int, c_out: int, stride: int) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
         self.bn1 = nn.BatchNorm2d(c_out)
         self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
         self.bn2 = nn.BatchNorm2d(c_out)
-        self.short: nn.Module = nn.Identity()
+        self.shortcut: nn.Module = nn.Identity()
         if stride != 1 or c_in != c_out:
-            self.short = nn.Sequential(
+            self.shortcut = nn.Sequential(
                 nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out)
             )
 
     def forward(self, x: Tensor) -> Tensor:
         out = torch.relu(self.bn1(self.conv1(x)))
-        return torch.relu(self.bn2(self.conv2(out)) + self.short(x))
+        return torch.relu(self.bn2(self.conv2(out)) + self.shortcut(x))
 
 
 class ResNet(nn.Module):
@@ -88,7 +91,7 @@ class ResNet(nn.Module):
         for k, stride in enumerate((1, 2, 2)):
             out = width * 2**k
             for b in range(blocks):
-                stages.append(_Block(c, out, stride if b == 0 else 1))
+                stages.append(BasicBlock(c, out, stride if b == 0 else 1))
                 c = out
         self.stages = nn.Sequential(*stages)
         self.head = nn.Sequential(

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..tasks._models import BasicBlock
+
 __all__ = [
     "MLP",
     "LSTMClassifier",
@@ -69,25 +71,6 @@ class LeNet(nn.Module):
         return self.fc2(self.drop(F.relu(self.fc1(x))))
 
 
-class _Block(nn.Module):
-    def __init__(self, c_in: int, c_out: int, stride: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(c_out)
-        self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(c_out)
-        self.shortcut: nn.Module = nn.Identity()
-        if stride != 1 or c_in != c_out:
-            self.shortcut = nn.Sequential(
-                nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out)
-            )
-
-    def forward(self, x: Tensor) -> Tensor:
-        out = F.relu(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        return F.relu(out + self.shortcut(x))
-
-
 class SmallResNet(nn.Module):
     """A ResNet with residual blocks (two stages), for ``3 x size x size`` images."""
 
@@ -101,7 +84,7 @@ class SmallResNet(nn.Module):
         for stage, stride in enumerate((1, 2)):
             c_out = width * (2**stage)
             for b in range(blocks):
-                layers.append(_Block(c, c_out, stride if b == 0 else 1))
+                layers.append(BasicBlock(c, c_out, stride if b == 0 else 1))
                 c = c_out
         self.layers = nn.Sequential(*layers)
         self.fc = nn.Linear(c, classes)
