@@ -1,8 +1,36 @@
-"""The search-space language (YAML or dict to Optuna distributions / Tune domains) and ready spaces.
+"""The search-space language of ``sweep.yaml``, and ready spaces.
 
-Importable as ``hfsweep.search_spaces``. Nothing is implemented here yet: the sweep engine that
-reads search spaces is planned (see the project's issues) and this package exists so the layout
-and import path are fixed from the start.
+Importable as ``hfsweep.search_spaces``. A search space maps config keys (the flat names
+``hs.Task`` configs use) to how they are drawn::
+
+    lr: {type: float, low: 1.0e-4, high: 1.0, log: true}
+    momentum: {type: float, low: 0.0, high: 0.99, step: 0.01}
+    hidden: {type: int, low: 32, high: 256, log: true}
+    optimizer: {type: categorical, choices: [sgd, adamw]}
+    batch_size: 64                                         # a plain value is fixed
+    beta1: {type: float, low: 0.8, high: 0.99, when: {optimizer: adamw}}
+
+:class:`SearchSpace` validates a space (:class:`SpaceError` names the YAML path, the bad value
+and what is valid), draws configs from an Optuna trial (:meth:`SearchSpace.sample`), and gives
+Optuna's static distributions and a grid for ``GridSampler``. :func:`load_space` reads a space
+from a mapping, a YAML file or the name of a ready space (:func:`ready_spaces`).
+
+Importing this package does not import Optuna; the methods that need it import it.
 """
 
-__all__: list[str] = []
+from ._errors import SpaceError
+from ._params import CategoricalParam, FixedParam, FloatParam, IntParam, Param
+from ._ready import load_space, ready_spaces
+from ._space import SearchSpace
+
+__all__ = [
+    "CategoricalParam",
+    "FixedParam",
+    "FloatParam",
+    "IntParam",
+    "Param",
+    "SearchSpace",
+    "SpaceError",
+    "load_space",
+    "ready_spaces",
+]
