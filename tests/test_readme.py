@@ -30,3 +30,18 @@ def test_training_arrays_example_runs(tmp_path, monkeypatch) -> None:
     assert len(results) == 4 and {r.status for r in results} <= {"completed", "stopped"}
     assert (tmp_path / "ckpt" / "array.pt").exists()
     assert all((tmp_path / "ckpt" / "members" / f"{r.id}.pt").exists() for r in results)
+
+
+def test_search_space_and_scheduler_example_runs(tmp_path, monkeypatch) -> None:
+    section = "## Search spaces and early stopping"
+    text = README.read_text().split(section, 1)[1]
+    blocks = re.findall(r"```python\n(.*?)```", text.split("\n## ", 1)[0], re.S)
+    assert len(blocks) == 1
+    script = tmp_path / "sweep_example.py"
+    script.write_text(blocks[0])
+    monkeypatch.chdir(tmp_path)
+    scope = runpy.run_path(str(script))
+    study = scope["study"]
+    states = [t.state.name for t in study.trials]
+    assert len(states) == 16 and set(states) <= {"COMPLETE", "PRUNED"}
+    assert "PRUNED" in states and study.best_value > 0.5
