@@ -62,8 +62,15 @@ def _profile(args: argparse.Namespace) -> int:
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(f"--dtype {args.dtype!r} is not a floating torch dtype (float32...)")
         device = torch.device(args.device)
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"--device {args.device}: hfsweep profiles on cpu or cuda[:N]")
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"--device {args.device}: CUDA is not available on this machine")
+        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+            raise ValueError(
+                f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA "
+                "device(s)"
+            )
     except (TaskError, ValueError, RuntimeError) as e:
         print(f"hfsweep profile: {e}", file=sys.stderr)
         return 2

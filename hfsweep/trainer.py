@@ -667,12 +667,21 @@ class _Run:
             )
         payload = {
             "version": _CHECKPOINT_VERSION,
+            "settings": self._settings(),
             "key": self.key,
             "order": list(self.order),
             "finished": sorted(self.results),
             "arrays": arrays,
         }
         _atomic_save(payload, path)
+
+    def _settings(self) -> dict[str, Any]:
+        """What must not change between a run and its resume."""
+        return {
+            "task": self.task.name,
+            "dtype": str(self.t.dtype),
+            "eval_every": self.t.eval_every,
+        }
 
     def _load_checkpoint(self, path: Path, members: Sequence[Member]) -> None:
         payload = torch.load(path, map_location="cpu", weights_only=False)
@@ -681,6 +690,14 @@ class _Run:
                 f"{path}: checkpoint version {payload.get('version')!r} is not "
                 f"{_CHECKPOINT_VERSION}; it was written by another hfsweep version"
             )
+        saved = payload.get("settings", {})
+        for name, value in self._settings().items():
+            if saved.get(name) != value:
+                raise ValueError(
+                    f"{path}: the checkpoint was written with {name}={saved.get(name)!r}, this "
+                    f"trainer has {name}={value!r}; resume with the same task and settings, or "
+                    "use another checkpoint_dir"
+                )
         self.key = payload["key"]
         self.order = list(payload["order"])
         assert self.t.checkpoint_dir is not None

@@ -343,3 +343,16 @@ def test_hooks_draw_from_the_callers_generator() -> None:
         firsts.append(drawn[0])
     expected = [float(torch.rand((), generator=torch.Generator().manual_seed(s))) for s in (1, 2)]
     assert firsts == expected
+
+
+def test_resume_refuses_other_settings(tmp_path) -> None:
+    task = make_task()
+    _trainer(task, checkpoint_dir=tmp_path).run(_members([{"epochs": 1}]))
+    with pytest.raises(
+        ValueError, match="written with eval_every=None, this trainer has eval_every=2"
+    ):
+        _trainer(task, checkpoint_dir=tmp_path, eval_every=2).run(_members([{}]), resume=True)
+    with pytest.raises(
+        ValueError, match=r"dtype='torch\.float64', this trainer has dtype='torch\.float32'"
+    ):
+        hs.ArrayTrainer(task, checkpoint_dir=tmp_path).run(_members([{}]), resume=True)
