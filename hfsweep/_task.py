@@ -207,21 +207,23 @@ class Task:
         names = self.metrics.keys() if isinstance(self.metrics, Mapping) else self.metrics or ()
         return ["train_loss", "val_loss", *(f"val_{n}" for n in names)]
 
+    @property
+    def known_keys(self) -> list[str]:
+        """Every config key this task understands: hfsweep's own, every optimizer's and
+        schedule's hyperparameters, the task's defaults and its extra per-member keys."""
+        return sorted(
+            {*BASE_DEFAULTS, *self.defaults, *self.per_member, *_OPTIMIZER_KEYS, *_SCHEDULE_KEYS}
+        )
+
     def resolve(self, config: Config) -> dict[str, Any]:
         """``config`` completed with the defaults and checked: unknown keys, bad optimizer or
         schedule names, keys the chosen optimizer does not take, out-of-range values."""
         known = {**BASE_DEFAULTS, **self.defaults}
-        unknown = sorted(
-            set(config)
-            - set(known)
-            - set(self.per_member)
-            - set(_OPTIMIZER_KEYS)
-            - set(_SCHEDULE_KEYS)
-        )
+        unknown = sorted(set(config) - set(self.known_keys))
         if unknown:
             raise TaskError(
                 f"config key {unknown[0]!r} is not known to task {self.name!r}; known keys are "
-                f"{sorted(set(known) | set(self.per_member) | set(_OPTIMIZER_KEYS) | set(_SCHEDULE_KEYS))}"
+                f"{self.known_keys}"
             )
         name = {**known, **config}["optimizer"]
         if name not in OPTIMIZERS:

@@ -54,14 +54,29 @@ def _profile(args: argparse.Namespace) -> int:
     from ._task import TaskError
 
     try:
-        task = load_task(args.task)
-        config = _parse_sets(args.set)
+        device_name, dtype_name = args.device, args.dtype
+        if args.task.endswith((".yaml", ".yml")):
+            from .config import load_sweep
+
+            sweep = load_sweep(args.task)
+            task = sweep.task
+            # the sweep's shared values; each compatibility key is profiled when the sweep runs
+            config = {**sweep.config, **sweep.space.fixed, **_parse_sets(args.set)}
+            device_name = device_name or sweep.fusion.device
+            dtype_name = dtype_name or sweep.fusion.dtype
+        else:
+            task = load_task(args.task)
+            config = _parse_sets(args.set)
         task.resolve(config)
         sizes = [int(v) for v in args.sizes.split(",")] if args.sizes else None
-        dtype = getattr(torch, args.dtype, None)
+        dtype_name = dtype_name or "float32"
+        dtype = getattr(torch, dtype_name, None)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise ValueError(f"--dtype {args.dtype!r} is not a floating torch dtype (float32...)")
-        device = torch.device(args.device)
+            raise ValueError(f"--dtype {dtype_name!r} is not a floating torch dtype (float32...)")
+        if device_name in (None, "auto"):
+            device_name = "cuda" if torch.cuda.is_available() else "cpu"
+        args.device, args.dtype = device_name, dtype_name
+        device = torch.device(device_name)
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"--device {args.device}: hfsweep profiles on cpu or cuda[:N]")
         if device.type == "cuda" and not torch.cuda.is_available():
@@ -114,6 +129,21 @@ def _profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _validate(args: argparse.Namespace) -> int:
+    sys.dont_write_bytecode = True  # importing a task's .py file must not write __pycache__
+    from .config import ConfigError, load_sweep
+
+    try:
+        sweep = load_sweep(args.sweep)
+    except ConfigError as e:
+        print(f"hfsweep validate: {e}", file=sys.stderr)
+        return 2
+    print(f"{args.sweep} is valid:")
+    for line in sweep.summary().splitlines():
+        print(f"  {line}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``hfsweep`` and its subcommands."""
     from . import __version__
@@ -144,10 +174,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="measure a task's throughput and memory at several array sizes and choose B",
         description="Measure member-samples/s and peak memory of TASK's training step at array "
         "sizes 1, 2, 4, ... (or --sizes), fit memory against B, and print the table and the "
-        "array size hfsweep would use. TASK is a ready task (digits_mlp, digits_cnn, "
-        "cifar_resnet, token_transformer), module:attribute or path/to/file.py:attribute.",
+        "array size hfsweep would use. TASK_OR_SWEEP is a ready task (digits_mlp, digits_cnn, "
+        "cifar_resnet, token_transformer), module:attribute, path/to/file.py:attribute, or a "
+        "sweep.yaml (its task with its fixed config values and fusion settings).",
     )
-    prof.add_argument("task")
+    prof.add_argument("task", metavar="TASK_OR_SWEEP")
     prof.add_argument(
         "--set",
         action="append",
@@ -157,8 +188,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     prof.add_argument("--sizes", help="comma-separated array sizes to measure (default: doubling)")
     prof.add_argument("--max-size", type=int, default=64, help="largest B tried (default 64)")
-    prof.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
-    prof.add_argument("--dtype", default="float32")
+    prof.add_argument(
+        "--device",
+        default=None,
+        help="auto, cpu, cuda or cuda:N (default: the sweep's fusion.device, else auto: cuda if "
+        "available)",
+    )
+    prof.add_argument("--dtype", default=None, help="default: the sweep's, else float32")
     prof.add_argument(
         "--memory-fraction",
         type=float,
@@ -183,6 +219,16 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--no-cache", action="store_true", help="neither read nor write the cache")
     prof.add_argument("--refresh", action="store_true", help="measure again even if cached")
     prof.set_defaults(func=_profile)
+
+    val = sub.add_parser(
+        "validate",
+        help="check a sweep file without training or writing anything",
+        description="Read SWEEP (a sweep.yaml), check every key, the task, the search space, "
+        "the searcher and the scheduler, and print a summary of the resolved sweep. Exits 2 "
+        "with a message naming the YAML path on the first problem. Writes nothing.",
+    )
+    val.add_argument("sweep", type=Path, metavar="SWEEP")
+    val.set_defaults(func=_validate)
     return parser
 
 

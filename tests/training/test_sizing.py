@@ -139,3 +139,23 @@ def test_load_task_from_a_file(tmp_path) -> None:
     with pytest.raises(hs.TaskError, match="has no attribute 'nope'"):
         load_task(f"{path}:nope")
     assert load_task("hfsweep.tasks:digits_mlp") is tasks.digits_mlp
+
+
+def test_cli_profile_takes_a_sweep_file(tmp_path, capsys) -> None:
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(
+        "task: digits_mlp\n"
+        "config: {hidden: 16}\n"
+        "search_space: {lr: {type: float, low: 0.01, high: 0.1, log: true}, depth: 1}\n"
+        "budget: {trials: 4, epochs: 1}\n"
+        "metric: val_accuracy\nmode: max\nfusion: {device: cpu}\n"
+    )
+    code = main(
+        ["profile", str(sweep), "--sizes", "1,2", "--seconds", "0.05", "--no-plot", "--no-cache"]
+    )
+    out = capsys.readouterr().out
+    assert code == 0 and "on cpu (float32)" in out and "chosen B = " in out
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("task: digits_mlp\n")
+    assert main(["profile", str(bad)]) == 2
+    assert "search_space" in capsys.readouterr().err
