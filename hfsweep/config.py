@@ -73,6 +73,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from ._entry import load_task
+from ._errors import LocatedError
 from ._task import Task, TaskError
 from .search_spaces import FixedParam, SearchSpace, SpaceError, load_space
 
@@ -157,7 +158,7 @@ _SEARCHER = ("name", "seed", "options")
 _SCHEDULER = ("name", "options")
 
 
-class ConfigError(ValueError):
+class ConfigError(LocatedError):
     """A sweep config is not valid.
 
     The message is ``"<file>: <path>: <problem>"`` (the parts that are known): the sweep file,
@@ -165,20 +166,6 @@ class ConfigError(ValueError):
     file as a whole), then the bad value and what would be valid. The parts are kept as
     :attr:`file`, :attr:`path` and :attr:`problem`.
     """
-
-    def __init__(self, problem: str, *, path: str = "", file: str | None = None) -> None:
-        self.problem = problem
-        self.path = path
-        self.file = file
-        where = ": ".join(part for part in (file, path) if part)
-        super().__init__(f"{where}: {problem}" if where else problem)
-
-    def __reduce__(self) -> tuple[object, ...]:  # keep path and file through pickling
-        return (_rebuild, (self.problem, self.path, self.file))
-
-
-def _rebuild(problem: str, path: str, file: str | None) -> ConfigError:
-    return ConfigError(problem, path=path, file=file)
 
 
 # ---------------------------------------------------------------------------- the config
