@@ -12,12 +12,14 @@ import copy
 import difflib
 import math
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from ._errors import SpaceError
+
+_N = TypeVar("_N", int, float)
 
 if TYPE_CHECKING:
     from optuna.distributions import BaseDistribution
@@ -452,24 +454,35 @@ def _flag(raw: Mapping[str, Any], path: str) -> bool:
     return value
 
 
-def _parse_float(name: str, raw: Mapping[str, Any], path: str, when: Condition) -> FloatParam:
-    low = _number(
-        _required(raw, "low", path, "float"),
-        join_path(path, "low"),
-        "a float param's low is a finite number",
+def _bounds(
+    raw: Mapping[str, Any],
+    path: str,
+    kind: str,
+    convert: Callable[[Any, str, str], _N],
+    what: str,
+) -> tuple[_N, _N]:
+    """A float or int param's ``(low, high)``, each converted and checked, with high > low."""
+    article = "an" if kind[0] in "aeiou" else "a"
+    low, high = (
+        convert(
+            _required(raw, key, path, kind),
+            join_path(path, key),
+            f"{article} {kind} param's {key} is {what}",
+        )
+        for key in ("low", "high")
     )
-    high = _number(
-        _required(raw, "high", path, "float"),
-        join_path(path, "high"),
-        "a float param's high is a finite number",
-    )
-    log = _flag(raw, join_path(path, "log"))
     if high <= low:
         raise SpaceError(
             f"{raw['high']!r} is not greater than low ({raw['low']!r}); high must be > low "
             "(for a single value write {type: fixed, value: ...})",
             path=join_path(path, "high"),
         )
+    return low, high
+
+
+def _parse_float(name: str, raw: Mapping[str, Any], path: str, when: Condition) -> FloatParam:
+    low, high = _bounds(raw, path, "float", _number, "a finite number")
+    log = _flag(raw, join_path(path, "log"))
     if log and low <= 0:
         raise SpaceError(
             f"{raw['low']!r} is not > 0; a log scale needs low > 0 (e.g. 1.0e-6), or drop log",
@@ -504,23 +517,8 @@ def _parse_float(name: str, raw: Mapping[str, Any], path: str, when: Condition) 
 
 
 def _parse_int(name: str, raw: Mapping[str, Any], path: str, when: Condition) -> IntParam:
-    low = _integer(
-        _required(raw, "low", path, "int"),
-        join_path(path, "low"),
-        "an int param's low is an integer",
-    )
-    high = _integer(
-        _required(raw, "high", path, "int"),
-        join_path(path, "high"),
-        "an int param's high is an integer",
-    )
+    low, high = _bounds(raw, path, "int", _integer, "an integer")
     log = _flag(raw, join_path(path, "log"))
-    if high <= low:
-        raise SpaceError(
-            f"{raw['high']!r} is not greater than low ({raw['low']!r}); high must be > low "
-            "(for a single value write {type: fixed, value: ...})",
-            path=join_path(path, "high"),
-        )
     if log and low < 1:
         raise SpaceError(
             f"{raw['low']!r} is not >= 1; an int param on a log scale needs low >= 1, or drop log",
