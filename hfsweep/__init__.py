@@ -6,10 +6,12 @@ Optuna are imported only where a sweep uses them.
 """
 
 from . import optim
+from ._engine import SweepError, SweepResult, sweep
 from ._errors import FusionError
 from ._sizing import profile_task
 from ._task import Task, TaskError
 from .fusion import FusedArray, fuse, member_losses
+from .searchers import Searcher
 from .trainer import ArrayTrainer, Evaluation, Member, MemberResult
 
 __version__ = "0.1.0.dev0"
@@ -21,6 +23,9 @@ __all__ = [
     "FusionError",
     "Member",
     "MemberResult",
+    "Searcher",
+    "SweepError",
+    "SweepResult",
     "Task",
     "TaskError",
     "__version__",
@@ -28,4 +33,5 @@ __all__ = [
     "member_losses",
     "optim",
     "profile_task",
+    "sweep",
 ]

@@ -144,6 +144,53 @@ def _validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run(args: argparse.Namespace) -> int:
+    from ._engine import SweepError, sweep
+    from .config import ConfigError, load_sweep
+    from .searchers._source import SearcherError
+
+    try:
+        config = load_sweep(args.sweep)
+        if args.output is not None:
+            import dataclasses
+
+            config = dataclasses.replace(config, output=args.output.resolve())
+    except ConfigError as e:
+        print(f"hfsweep run: {e}", file=sys.stderr)
+        return 2
+    if not args.quiet:
+        print(f"Sweep {args.sweep}:", flush=True)
+        for line in config.summary().splitlines():
+            print(f"  {line}", flush=True)
+    try:
+        result = sweep(config, resume=args.resume, progress=not args.quiet)
+    except (SweepError, SearcherError) as e:
+        print(f"hfsweep run: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(
+            f"\nhfsweep run: interrupted. Every finished trial is recorded in {config.output}; "
+            f"continue with: hfsweep run {args.sweep} --resume",
+            file=sys.stderr,
+        )
+        return 130
+    print(result.summary())
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from .report import ReportError, write_report
+
+    try:
+        paths = write_report(args.run_dir, args.out)
+    except ReportError as e:
+        print(f"hfsweep report: {e}", file=sys.stderr)
+        return 2
+    for path in paths:
+        print(path)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``hfsweep`` and its subcommands."""
     from . import __version__
@@ -154,6 +201,35 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"hfsweep {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser(
+        "run",
+        help="run a sweep (the main job): trials trained as fused arrays, results in a run dir",
+        description="Run the sweep SWEEP describes: ask the searcher for trials, train "
+        "compatible ones together as fused arrays, stop trials early with the scheduler, and "
+        "record everything in the run directory (the Optuna study, trials.csv, histories/, "
+        "the best trials' checkpoints, best.json, sweep.log). Interrupted or killed, the same "
+        "command with --resume finishes it without losing or retraining a finished trial.",
+    )
+    run.add_argument("sweep", type=Path, metavar="SWEEP")
+    run.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the sweep in its output directory (or start it if there is none)",
+    )
+    run.add_argument(
+        "--output", type=Path, default=None, help="run directory (default: the sweep's output)"
+    )
+    run.add_argument("--quiet", action="store_true", help="no progress line or summary")
+    run.set_defaults(func=_run)
+    rep = sub.add_parser(
+        "report",
+        help="draw a sweep's plots (history, importance, parallel coordinates, curves) as PNG",
+        description="Draw PNG plots of the sweep in RUN_DIR: optimization history, parameter "
+        "importance, parallel coordinates and learning curves.",
+    )
+    rep.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    rep.add_argument("--out", type=Path, default=None, help="folder (default RUN_DIR/report)")
+    rep.set_defaults(func=_report)
     demo = sub.add_parser(
         "demo",
         help="train B MLPs on the bundled digits data fused, and one after another, and compare",

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import importlib.util
 import inspect
 import logging
@@ -376,10 +377,25 @@ def make_sampler(searcher: SearcherConfig, space: SearchSpace) -> BaseSampler:
 
     cls = getattr(optuna.samplers, _SAMPLERS[searcher.name])
     if searcher.name == "grid":
+        cls = _ask_tell_grid_sampler()
         sampler: BaseSampler = cls(space.grid(), seed=searcher.seed, **searcher.options)
     else:
         sampler = cls(seed=searcher.seed, **searcher.options)
     return sampler
+
+
+@functools.cache
+def _ask_tell_grid_sampler() -> Any:
+    """Optuna's GridSampler without its ``study.stop()`` once the grid is done: that call only
+    works inside ``study.optimize``, and the engine (ask and tell) caps the trials at the grid
+    size itself."""
+    import optuna
+
+    class GridSampler(optuna.samplers.GridSampler):
+        def after_trial(self, *args: Any, **kwargs: Any) -> None:
+            return None
+
+    return GridSampler
 
 
 # ---------------------------------------------------------------------------- parsing

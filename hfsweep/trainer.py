@@ -71,7 +71,9 @@ class MemberResult:
     ``status`` is ``"completed"`` (budget reached), ``"stopped"`` (the report hook stopped it) or
     ``"failed"`` (its loss or gradients went non-finite). ``state`` holds ``model`` (a
     ``state_dict`` that loads into the task's model class), ``optimizer`` and ``scheduler``
-    (``state_dict``\\ s in torch's formats) unless the trainer was told not to keep them.
+    (``state_dict``\\ s in torch's formats). ``on_finish`` always gets it; with
+    ``ArrayTrainer(keep_states=False)`` it is dropped after that, so a long run does not hold
+    every finished member's weights in memory.
     """
 
     id: str
@@ -266,8 +268,11 @@ class _Run:
             return
         with self._user_rng_scope():
             for member_id in self.pending:
+                result = self.results[member_id]
                 if self.on_finish is not None:
-                    self.on_finish(self.results[member_id])
+                    self.on_finish(result)
+                if not self.t.keep_states:
+                    result.state = None
                 self.delivered.add(member_id)
         self.pending.clear()
         d = self.t.checkpoint_dir
@@ -550,7 +555,7 @@ class _Run:
             status=status,
             steps=s.steps,
             history=s.history,
-            state=member_state if self.t.keep_states else None,
+            state=member_state,  # for on_finish; dropped after it unless keep_states
             error=error,
         )
         self.results[s.member.id] = result
@@ -701,12 +706,12 @@ class _Run:
         self.key = payload["key"]
         self.order = list(payload["order"])
         assert self.t.checkpoint_dir is not None
-        for member_id in payload["finished"]:
-            self.results[member_id] = _read_member(
-                self.t.checkpoint_dir, member_id, self.t.keep_states
-            )
         told = self.t.checkpoint_dir / "delivered.json"
         self.delivered = set(json.loads(told.read_text())) if told.exists() else set()
+        for member_id in payload["finished"]:
+            # a member not yet delivered needs its state for on_finish
+            keep = self.t.keep_states or member_id not in self.delivered
+            self.results[member_id] = _read_member(self.t.checkpoint_dir, member_id, keep)
         self.pending = [i for i in payload["finished"] if i not in self.delivered]
         self.queue = [
             _ArrayState([_slot_from_dict(d) for d in a["slots"]], a["epoch"], a["batch"])
@@ -717,8 +722,14 @@ class _Run:
         if fresh:
             if not self.queue:
                 self.queue = [_ArrayState([])]
+            slots = self.queue[-1].slots
             for m in fresh:
-                self.queue[-1].slots.append(self._new_slot(m))
+                # a free slot first: the array keeps its size
+                free = next((i for i, s in enumerate(slots) if s is None), None)
+                if free is None:
+                    slots.append(self._new_slot(m))
+                else:
+                    slots[free] = self._new_slot(m)
         _log.info(
             "resumed from %s: %d finished, %d in training",
             path,

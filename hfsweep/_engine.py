@@ -1,0 +1,739 @@
+"""The sweep engine: searcher -> pools of compatible trials -> arrays -> scheduler -> study.
+
+:func:`sweep` runs a whole sweep from a sweep file, a mapping in its schema or a
+:class:`~hfsweep.config.SweepConfig`. It asks the searcher (an Optuna sampler, or a
+:class:`~hfsweep.searchers.Searcher`) for trials, puts each in the pool of its compatibility key,
+trains a pool's trials as one fused array once it holds the array's size (``fusion.size``, or
+the profiler's choice), hands every evaluation of an array to the trial scheduler at once (a
+joint decision per rung), refills a slot the moment its trial ends with a new trial of the same
+key, and tells the study how each trial ended.
+
+Crash safety: the Optuna study (a journal file in the run directory by default) records every
+trial, its params, intermediate values and end; each array's trainer checkpoints at every
+evaluation; and ``state.json`` holds the scheduler's state with a log of its decisions. A sweep
+killed at any moment (SIGKILL included) and run again with ``resume=True`` finishes with no
+completed trial lost or trained again: running arrays continue from their checkpoints, replayed
+evaluations get the decisions already taken, and a trial whose end was saved but not yet told
+is told once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ._progress import Progress
+from ._rundir import RunDir, member_id, trial_number
+from .config import SweepConfig, load_sweep, make_sampler, parse_sweep
+from .executors import LocalExecutor
+from .packing import Pending, Pools
+from .schedulers import Decision, OptunaPruner, Report, make_scheduler
+from .search_spaces import FixedParam
+from .searchers import Searcher
+from .searchers._source import CustomSource, OptunaSource, TrialSource
+from .trainer import Evaluation, Member, MemberResult, _atomic_save
+
+if TYPE_CHECKING:
+    import optuna
+
+__all__ = ["SweepError", "SweepResult", "sweep"]
+
+_log = logging.getLogger("hfsweep.sweep")
+
+#: settings a resumed sweep may change: they do not touch anything already trained
+_MAY_CHANGE_ON_RESUME = ("budget.trials", "budget.time_limit", "output")
+#: most trials one refill asks the searcher for while looking for one of the array's key
+_REFILL_ASKS = 3
+#: completed trials whose model state_dict is kept in checkpoints/
+_KEEP_BEST = 3
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+_STATE = {"completed": "COMPLETE", "stopped": "PRUNED", "failed": "FAIL"}
+#: Optuna state name -> what a custom searcher's tell() gets
+_TOLD = {"COMPLETE": "complete", "PRUNED": "pruned", "FAIL": "failed"}
+
+
+class SweepError(Exception):
+    """A sweep cannot start or go on: the message says why and what to do."""
+
+
+@dataclass
+class SweepResult:
+    """What a finished (or interrupted) sweep produced.
+
+    ``study`` is the Optuna study (every trial with its params, intermediate values, state and
+    user attrs ``array``, ``status``, ``steps``); ``best_*`` describe the best completed trial
+    (``None``/empty when none completed); ``counts`` the trials by Optuna state name.
+    """
+
+    run_dir: Path
+    study: optuna.Study
+    metric: str
+    mode: str
+    best_trial: optuna.trial.FrozenTrial | None
+    best_value: float | None
+    best_params: dict[str, Any]
+    best_config: dict[str, Any]
+    counts: dict[str, int]
+    wall_s: float
+    arrays: int
+    best_checkpoint: Path | None = None
+    top: list[optuna.trial.FrozenTrial] = field(default_factory=list)
+
+    def summary(self, top: int = 5) -> str:
+        """The end-of-sweep report: counts, the best trial and a table of the top trials."""
+        c = self.counts
+        done = c.get("COMPLETE", 0) + c.get("PRUNED", 0) + c.get("FAIL", 0)
+        lines = [
+            f"Sweep finished in {self.wall_s:.1f} s: {done} trials ({c.get('COMPLETE', 0)} "
+            f"complete, {c.get('PRUNED', 0)} pruned, {c.get('FAIL', 0)} failed) in "
+            f"{self.arrays} fused array(s)"
+            + (f", {c['RUNNING']} still running" if c.get("RUNNING") else "")
+        ]
+        if self.best_trial is None:
+            lines.append("No trial completed, so there is no best trial.")
+        else:
+            lines.append(
+                f"Best {self.metric}: {self.best_value:.6g} (trial {self.best_trial.number})"
+            )
+            lines.append(
+                "Best params: " + ", ".join(f"{k}={_fmt(v)}" for k, v in self.best_params.items())
+            )
+            rows = self.top[:top]
+            names = sorted({p for t in rows for p in t.params})
+            header = ["trial", self.metric, *names]
+            table = [header] + [
+                [str(t.number), _fmt(t.value), *(_fmt(t.params.get(n, "")) for n in names)]
+                for t in rows
+            ]
+            widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+            lines.append(f"Top {len(rows)} completed trials:")
+            lines += [
+                "  " + "  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) for r in table
+            ]
+        files = "trials.csv, best.json, histories/, checkpoints/"
+        lines.append(f"Run directory: {self.run_dir} ({files})")
+        return "\n".join(lines)
+
+
+def sweep(
+    config: str | os.PathLike[str] | Mapping[str, Any] | SweepConfig,
+    *,
+    resume: bool = False,
+    progress: bool = True,
+    searcher: Searcher | None = None,
+) -> SweepResult:
+    """Run the sweep ``config`` describes and return its result.
+
+    ``config`` is a sweep file's path, a mapping in the sweep file schema (relative paths are
+    taken from the working directory) or a validated :class:`~hfsweep.config.SweepConfig`.
+    ``resume=True`` continues the sweep in the config's ``output`` directory where it stopped
+    (or starts it, if there is none); without it, an ``output`` that already holds a sweep is
+    refused. ``progress`` prints a live status line to stderr. ``searcher`` replaces the
+    config's Optuna sampler with a search algorithm of your own.
+
+    Raises :class:`~hfsweep.config.ConfigError` for an invalid config and :class:`SweepError`
+    when the sweep cannot start (an existing run directory, a changed config on resume).
+    """
+    if isinstance(config, SweepConfig):
+        sc = config
+    elif isinstance(config, Mapping):
+        sc = parse_sweep(config)
+    else:
+        sc = load_sweep(config)
+    return _Engine(sc, resume=resume, progress=progress, searcher=searcher).run()
+
+
+@dataclass
+class _Array:
+    index: int
+    key: str
+    size: int
+    done: bool = False
+
+
+class _Engine:
+    """One run of one sweep (see the module docstring)."""
+
+    def __init__(
+        self, sc: SweepConfig, *, resume: bool, progress: bool, searcher: Searcher | None
+    ) -> None:
+        if sc.backend != "local":
+            raise SweepError(
+                f"backend {sc.backend!r} is not available yet: the Ray backend is planned; "
+                "use backend: local"
+            )
+        self.sc = sc
+        self.task = sc.task
+        self.resume = resume
+        self.custom = searcher
+        self.dir = RunDir(sc.output)
+        budget = sc.budget
+        self.total = budget.trials
+        if sc.searcher.grid_size is not None:
+            self.total = min(self.total, sc.searcher.grid_size)
+        self.scheduler = make_scheduler(
+            sc.scheduler.name,
+            mode=sc.mode,
+            max_resource=budget.max_resource,
+            **sc.scheduler.options,
+        )
+        device = sc.fusion.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise SweepError(f"fusion.device is {device!r} but torch sees no CUDA device")
+        self.executor = LocalExecutor(
+            self.task,
+            device=self.device,
+            dtype=_DTYPES[sc.fusion.dtype],
+            eval_every=sc.fusion.eval_every,
+        )
+        self.progress = Progress(self.total, sc.metric, enabled=progress)
+        self.pools = Pools()
+        self.sizes: dict[str, int] = {}
+        self.arrays: list[_Array] = []
+        self.decisions: dict[str, bool] = {}
+        self.ended: set[str] = set()
+        self.best: list[tuple[float, int]] = []  # (value, number) of the kept checkpoints
+        self.live: dict[int, optuna.Trial] = {}  # running trials
+        self.sampled: dict[int, dict[str, Any]] = {}
+        self.reported: dict[int, int] = {}  # last Optuna step reported per running trial
+        self.resumed: dict[int, list[Member]] = {}  # unfinished arrays' members on resume
+        self._last_step: dict[str, int] = {}  # per member, for the throughput shown
+        self.asked = 0
+        self.elapsed_before = 0.0
+        self.start = time.perf_counter()
+
+    # ------------------------------------------------------------------ the run
+    def run(self) -> SweepResult:
+        saved = self._prepare_dir()
+        with self._logging(), _quiet_optuna():
+            self.study = self._open_study()
+            self.source: TrialSource = (
+                OptunaSource(self.study, self.sc.space)
+                if self.custom is None
+                else CustomSource(self.study, self.sc.space, self.custom)
+            )
+            if self.custom is not None:
+                self.custom.setup(
+                    self.sc.space, metric=self.sc.metric, mode=self.sc.mode, seed=self.sc.seed
+                )
+            self._restore(saved)
+            self._save_state()
+            _log.info(
+                "sweep %s: %d trials, run directory %s",
+                self.sc.study_name,
+                self.total,
+                self.dir.path,
+            )
+            try:
+                for array in [a for a in self.arrays if not a.done]:
+                    self._run_array(array, self.resumed.pop(array.index, []), resume=True)
+                while True:
+                    self._fill()
+                    key = self.pools.pick(self.sizes)
+                    if key is None:
+                        break
+                    self._start_array(key)
+            finally:
+                self._save_state()
+                self.dir.write_trials(self.study.get_trials(deepcopy=False))
+                self.progress.close()
+            result = self._result()
+            _log.info("%s", result.summary())
+        return result
+
+    # ------------------------------------------------------------------ set-up and resume
+    def _prepare_dir(self) -> dict[str, Any] | None:
+        state = self.dir.read_state()
+        has_study = state is not None or (self.sc.storage is None and self.dir.journal.exists())
+        if has_study and not self.resume:
+            raise SweepError(
+                f"{self.dir.path} already holds a sweep; continue it with "
+                f"`hfsweep run {self.sc.source or 'SWEEP'} --resume` (hs.sweep(..., "
+                "resume=True)), or set `output` to another directory"
+            )
+        if has_study and self.dir.config.exists():
+            before = json.loads(self.dir.config.read_text(encoding="utf-8"))
+            now = json.loads(json.dumps(self.sc.to_dict()))
+            changed = [
+                path
+                for path in sorted(set(_flatten(before)) | set(_flatten(now)))
+                if _flatten(before).get(path) != _flatten(now).get(path)
+                and not path.startswith(_MAY_CHANGE_ON_RESUME)
+            ]
+            if changed:
+                flat_b, flat_n = _flatten(before), _flatten(now)
+                raise SweepError(
+                    f"cannot resume {self.dir.path}: the sweep config changed since it started: "
+                    + "; ".join(f"{p}: {flat_b.get(p)!r} -> {flat_n.get(p)!r}" for p in changed[:5])
+                    + f". Only {', '.join(_MAY_CHANGE_ON_RESUME)} may change on resume; restore "
+                    "the config or start a new sweep in another output directory"
+                )
+        self.dir.path.mkdir(parents=True, exist_ok=True)
+        self.dir.write_config(self.sc.to_dict())
+        return state
+
+    def _open_study(self) -> optuna.Study:
+        import optuna
+
+        storage: Any = self.sc.storage
+        if storage is None:
+            from optuna.storages.journal import JournalFileBackend
+
+            storage = optuna.storages.JournalStorage(JournalFileBackend(str(self.dir.journal)))
+        pruner = (
+            self.scheduler.pruner
+            if isinstance(self.scheduler, OptunaPruner)
+            else optuna.pruners.NopPruner()
+        )
+        try:
+            return optuna.create_study(
+                storage=storage,
+                study_name=self.sc.study_name,
+                sampler=make_sampler(self.sc.searcher, self.sc.space),
+                pruner=pruner,
+                direction="maximize" if self.sc.mode == "max" else "minimize",
+                load_if_exists=self.resume,
+            )
+        except optuna.exceptions.DuplicatedStudyError:
+            raise SweepError(
+                f"storage {self.sc.storage} already has a study named {self.sc.study_name!r}; "
+                "resume it with --resume, or set another study_name"
+            ) from None
+
+    def _restore(self, saved: dict[str, Any] | None) -> None:
+        """Rebuild the engine's state from ``state.json`` and the study."""
+        import optuna
+        from optuna.trial import TrialState
+
+        if saved is not None:
+            self.scheduler.load_state_dict(saved["scheduler"])
+            self.decisions = {str(k): bool(v) for k, v in saved["decisions"].items()}
+            self.ended = set(saved["ended"])
+            self.arrays = [_Array(**a) for a in saved["arrays"]]
+            self.sizes = {str(k): int(v) for k, v in saved["sizes"].items()}
+            self.best = [(float(v), int(n)) for v, n in saved["best"]]
+            self.elapsed_before = float(saved["elapsed_s"])
+        trials = self.study.get_trials(deepcopy=False)
+        self.asked = len(trials)
+        unfinished = {a.index for a in self.arrays if not a.done}
+        for t in sorted(trials, key=lambda t: t.number):
+            if t.state != TrialState.RUNNING:
+                if t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL):
+                    self.progress.states[t.state.name] += 1
+                    self.source.tell(t.number, t.params, _TOLD[t.state.name], t.value)
+                continue
+            trial = optuna.Trial(self.study, t._trial_id)
+            try:
+                sampled = self.sc.space.sample(trial)  # the recorded params (or new draws)
+                config = self.sc.trial_config(sampled)
+                key = self.task.compatibility_key(config)
+            except (ValueError, TypeError) as exc:  # a bad config fails its trial alone
+                self._fail_unstarted(trial, exc)
+                continue
+            self._track(trial, sampled)
+            if t.intermediate_values:
+                self.reported[t.number] = max(t.intermediate_values)
+            array = t.user_attrs.get("array")
+            if array in unfinished:
+                self.resumed.setdefault(array, []).append(Member(member_id(t.number), config))
+            else:
+                self._pool(key, Pending(t.number, config))
+        best = self._best_trial()
+        if best is not None and best.value is not None:
+            self.progress.set_best(best.value, best.number)
+        if trials:
+            _log.info(
+                "resuming: %d trials in the study, %d running, %d arrays unfinished",
+                len(trials),
+                len(self.live),
+                len(unfinished),
+            )
+
+    def _save_state(self) -> None:
+        self.dir.write_state(
+            {
+                "scheduler": self.scheduler.state_dict(),
+                "decisions": self.decisions,
+                "ended": sorted(self.ended),
+                "arrays": [vars(a) for a in self.arrays],
+                "sizes": self.sizes,
+                "best": [list(b) for b in self.best],
+                "elapsed_s": self._elapsed(),
+            }
+        )
+
+    def _elapsed(self) -> float:
+        return self.elapsed_before + time.perf_counter() - self.start
+
+    # ------------------------------------------------------------------ asking trials
+    def _can_ask(self) -> bool:
+        limit = self.sc.budget.time_limit_s
+        if limit is not None and self._elapsed() >= limit:
+            return False
+        return self.asked < self.total and not self.source.exhausted
+
+    def _fill(self) -> None:
+        """Ask trials until some pool holds a full array, or no more may be asked."""
+        while self.pools.full(self.sizes) is None and self._can_ask():
+            if not self._ask():
+                break
+
+    def _ask(self) -> list[tuple[str, Pending]]:
+        """Ask one trial and pool it; returns ``[(key, pending)]`` (empty if none came)."""
+        out = []
+        for trial, sampled in self.source.ask(1):
+            self.asked += 1
+            try:
+                config = self.sc.trial_config(sampled)
+                key = self.task.compatibility_key(config)
+            except (ValueError, TypeError) as exc:  # a bad config fails its trial alone
+                self._fail_unstarted(trial, exc)
+                continue
+            self._track(trial, sampled)
+            pending = Pending(trial.number, config)
+            self._pool(key, pending)
+            out.append((key, pending))
+        return out
+
+    def _track(self, trial: optuna.Trial, sampled: dict[str, Any]) -> None:
+        self.live[trial.number] = trial
+        self.sampled[trial.number] = sampled
+        if isinstance(self.scheduler, OptunaPruner) and member_id(trial.number) not in self.ended:
+            self.scheduler.attach(member_id(trial.number), trial)
+
+    def _pool(self, key: str, pending: Pending) -> None:
+        if key not in self.sizes:
+            self.sizes[key] = self._array_size(pending.config)
+            self._save_state()
+        self.pools.add(key, pending)
+
+    def _array_size(self, config: Mapping[str, Any]) -> int:
+        size = self.sc.fusion.size
+        if size == "auto":
+            from ._sizing import profile_task
+            from .profiler import ProfileCache
+
+            self._note(f"profiling array sizes for {self._describe(config)} on {self.device}")
+            profile = profile_task(
+                self.task,
+                config,
+                device=self.device,
+                dtype=self.executor.dtype,
+                cache=ProfileCache(),
+            )
+            _log.info(
+                "array size %d for %s: %s", profile.chosen, self._describe(config), profile.reason
+            )
+            size = profile.chosen
+        return max(1, min(int(size), self.total))
+
+    def _fail_unstarted(self, trial: optuna.Trial, exc: Exception) -> None:
+        from optuna.trial import TrialState
+
+        _log.warning("trial %d failed before training: %s", trial.number, exc)
+        trial.set_user_attr("status", "failed")
+        trial.set_user_attr("error", f"{type(exc).__name__}: {exc}"[:500])
+        self.study.tell(trial, state=TrialState.FAIL)
+        self.source.tell(trial.number, trial.params, "failed", None)
+        self.progress.finished("FAIL")
+
+    # ------------------------------------------------------------------ arrays
+    def _start_array(self, key: str) -> None:
+        taken = self.pools.take(key, self.sizes[key])
+        array = _Array(index=len(self.arrays), key=key, size=self.sizes[key])
+        for p in taken:
+            self.live[p.number].set_user_attr("array", array.index)
+        self.arrays.append(array)
+        self._save_state()
+        members = [Member(member_id(p.number), p.config) for p in taken]
+        self._run_array(array, members, resume=False)
+
+    def _run_array(self, array: _Array, members: list[Member], *, resume: bool) -> None:
+        folder = self.dir.array(array.index)
+        if members or (folder / "array.pt").exists():
+            shared = self._describe(json.loads(array.key))
+            self.progress.array_started(
+                f"array {array.index}: {len(members)} x {shared}", len(members)
+            )
+            _log.info(
+                "array %d (%s): %s %d trials: %s",
+                array.index,
+                shared,
+                "resuming with" if resume else "training",
+                len(members),
+                ", ".join(m.id for m in members),
+            )
+            self.executor.run_array(
+                folder,
+                members,
+                report=lambda evaluations: self._report(evaluations),
+                refill=lambda: self._refill(array),
+                on_finish=self._on_finish,
+                resume=resume,
+            )
+        array.done = True
+        self._save_state()
+        self.dir.remove_array(array.index)
+
+    def _refill(self, array: _Array) -> Member | None:
+        """A trial of the array's key for a freed slot: a waiting one, else a new one."""
+        taken = self.pools.take(array.key, 1)
+        asks = 0
+        while not taken and asks < _REFILL_ASKS and self._can_ask():
+            asks += 1
+            if any(key == array.key for key, _ in self._ask()):
+                taken = self.pools.take(array.key, 1)
+        if not taken:
+            return None
+        p = taken[0]
+        self.live[p.number].set_user_attr("array", array.index)
+        return Member(member_id(p.number), p.config)
+
+    # ------------------------------------------------------------------ hooks
+    def _report(self, evaluations: list[Evaluation]) -> dict[str, bool]:
+        """Decide for every member evaluated now, jointly; replayed evaluations (after a
+        resume) get the decision already taken."""
+        answer: dict[str, bool] = {}
+        todo: list[tuple[Evaluation, Report]] = []
+        steps = 0
+        for e in evaluations:
+            logged = self.decisions.get(f"{e.member}@{e.step}")
+            if logged is not None:
+                answer[e.member] = logged
+                continue
+            if self.sc.metric not in e.metrics:
+                raise SweepError(
+                    f"the task's evaluation has no metric {self.sc.metric!r}; it reports "
+                    f"{sorted(e.metrics)}"
+                )
+            value = float(e.metrics[self.sc.metric])
+            resource = e.epoch if self.sc.budget.resource == "epochs" else float(e.step)
+            todo.append((e, Report(e.member, resource, value)))
+        if not todo:
+            return answer
+        if not isinstance(self.scheduler, OptunaPruner):
+            for _, r in todo:
+                self._report_to_study(r)
+        decided = self.scheduler.decide([r for _, r in todo])
+        for e, r in todo:
+            go = decided[r.trial] is Decision.CONTINUE
+            answer[e.member] = go
+            self.decisions[f"{e.member}@{e.step}"] = go
+            number = trial_number(e.member)
+            self.source.report(number, round(r.resource), r.value)
+            steps += e.step - int(self._last_step.get(e.member, 0))
+            self._last_step[e.member] = e.step
+        self._save_state()
+        self.progress.stepped(steps)
+        return answer
+
+    def _report_to_study(self, r: Report) -> None:
+        number = trial_number(r.trial)
+        step = math.floor(r.resource + 0.5)
+        if self.reported.get(number, -1) >= step:
+            return
+        self.live[number].report(r.value, step)
+        self.reported[number] = step
+
+    def _on_finish(self, result: MemberResult) -> None:
+        from optuna.trial import TrialState
+
+        number = trial_number(result.id)
+        trial = self.live.get(number)
+        if trial is None:
+            return  # told before a crash; the trainer delivers at least once
+        if result.id not in self.ended:
+            self.scheduler.on_trial_end(result.id, result.status)
+            self.ended.add(result.id)
+        self.dir.write_history(number, result.history)
+        value = result.metrics.get(self.sc.metric)
+        state = _STATE[result.status]
+        error = result.error
+        if state == "COMPLETE" and (value is None or not math.isfinite(value)):
+            state, error = "FAIL", f"{self.sc.metric} is {value!r}"
+        trial.set_user_attr("status", result.status)
+        trial.set_user_attr("steps", result.steps)
+        if error is not None:
+            trial.set_user_attr("error", error)
+        if state == "COMPLETE" and value is not None and result.state is not None:
+            self._keep_checkpoint(number, value, result.state["model"])
+        self._save_state()
+        if state == "COMPLETE":
+            self.study.tell(trial, value)
+        else:
+            self.study.tell(trial, state=TrialState[state])
+        told = value if state != "FAIL" else None
+        self.source.tell(number, self.sampled.pop(number), _TOLD[state], told)
+        del self.live[number]
+        self.reported.pop(number, None)
+        self.progress.finished(state)
+        best = self._best_trial()
+        if best is not None and best.value is not None:
+            self.progress.set_best(best.value, best.number)
+        self.dir.write_trials(self.study.get_trials(deepcopy=False))
+        self.dir.write_best(self._best_record(best))
+        _log.info(
+            "trial %d %s after %d steps: %s=%s",
+            number,
+            state.lower(),
+            result.steps,
+            self.sc.metric,
+            value,
+        )
+
+    def _keep_checkpoint(self, number: int, value: float, model: Mapping[str, Any]) -> None:
+        """Keep trial ``number``'s weights if it is among the best completed trials."""
+        sign = 1.0 if self.sc.mode == "max" else -1.0
+        ranked = sorted([*self.best, (value, number)], key=lambda b: (-sign * b[0], b[1]))
+        keep, drop = ranked[:_KEEP_BEST], ranked[_KEEP_BEST:]
+        if (value, number) in keep:
+            _atomic_save(dict(model), self.dir.checkpoint(number))
+        for _, n in drop:
+            if n != number:
+                self.dir.checkpoint(n).unlink(missing_ok=True)
+        self.best = keep
+
+    # ------------------------------------------------------------------ results
+    def _best_trial(self) -> optuna.trial.FrozenTrial | None:
+        from optuna.trial import TrialState
+
+        done = self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+        if not done:
+            return None
+        sign = 1.0 if self.sc.mode == "max" else -1.0
+        return min(done, key=lambda t: (-sign * float(t.value or 0.0), t.number))
+
+    def _best_record(self, best: optuna.trial.FrozenTrial | None) -> dict[str, Any] | None:
+        if best is None:
+            return None
+        config = self.task.resolve(self.sc.trial_config(self._params(best)))
+        ckpt = self.dir.checkpoint(best.number)
+        return {
+            "number": best.number,
+            "metric": self.sc.metric,
+            "value": best.value,
+            "params": best.params,
+            "config": config,
+            "checkpoint": str(ckpt) if ckpt.exists() else None,
+        }
+
+    def _params(self, t: optuna.trial.FrozenTrial) -> dict[str, Any]:
+        """The sampled config of a finished trial (its params plus the space's fixed values)."""
+        import optuna
+
+        return self.sc.space.sample(optuna.trial.FixedTrial(t.params))
+
+    def _result(self) -> SweepResult:
+        from optuna.trial import TrialState
+
+        trials = self.study.get_trials(deepcopy=False)
+        counts = {s.name: 0 for s in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)}
+        counts["RUNNING"] = 0
+        for t in trials:
+            if t.state.name in counts:
+                counts[t.state.name] += 1
+        best = self._best_trial()
+        sign = 1.0 if self.sc.mode == "max" else -1.0
+        top = sorted(
+            (t for t in trials if t.state == TrialState.COMPLETE),
+            key=lambda t: (-sign * float(t.value or 0.0), t.number),
+        )
+        record = self._best_record(best)
+        ckpt = self.dir.checkpoint(best.number) if best is not None else None
+        return SweepResult(
+            run_dir=self.dir.path,
+            study=self.study,
+            metric=self.sc.metric,
+            mode=self.sc.mode,
+            best_trial=best,
+            best_value=best.value if best is not None else None,
+            best_params=dict(best.params) if best is not None else {},
+            best_config=record["config"] if record is not None else {},
+            counts=counts,
+            wall_s=time.perf_counter() - self.start,
+            arrays=len(self.arrays),
+            best_checkpoint=ckpt if ckpt is not None and ckpt.exists() else None,
+            top=top,
+        )
+
+    # ------------------------------------------------------------------ display
+    def _describe(self, config: Mapping[str, Any]) -> str:
+        """The values of ``config`` that set its array apart (sampled shared params)."""
+        shared = [
+            n
+            for n in self.sc.space.names
+            if n not in self.task.per_member_keys
+            and n in config
+            and not isinstance(self.sc.space[n], FixedParam)
+        ]
+        return ", ".join(f"{n}={config[n]!r}" for n in shared) or self.task.name
+
+    def _note(self, text: str) -> None:
+        _log.info("%s", text)
+        if self.progress.enabled:
+            self.progress.note(text)
+
+    @contextmanager
+    def _logging(self) -> Iterator[None]:
+        """Log hfsweep's INFO messages to ``sweep.log`` in the run directory."""
+        logger = logging.getLogger("hfsweep")
+        handler = logging.FileHandler(self.dir.log, encoding="utf-8")
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.setLevel(logging.INFO)
+        level = logger.level
+        logger.addHandler(handler)
+        if logger.getEffectiveLevel() > logging.INFO:
+            logger.setLevel(logging.INFO)
+        try:
+            yield
+        finally:
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+            handler.close()
+
+
+@contextmanager
+def _quiet_optuna() -> Iterator[None]:
+    """Optuna's per-trial INFO lines and experimental-feature warnings would drown the progress
+    line; the run directory's log and trials.csv hold the same information."""
+    import optuna
+
+    verbosity = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            yield
+    finally:
+        optuna.logging.set_verbosity(verbosity)
+
+
+def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        path = f"{prefix}.{k}" if prefix else str(k)
+        if isinstance(v, Mapping) and v:
+            out.update(_flatten(v, path))
+        else:
+            out[path] = v
+    return out
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)

@@ -1,0 +1,118 @@
+"""The live progress line of a running sweep."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import TextIO
+
+__all__ = ["Progress"]
+
+
+class Progress:
+    """Counts a sweep's trials and prints one status line.
+
+    On a terminal the line is redrawn in place at most every ``interval`` seconds; elsewhere
+    (a log file, CI) a line is printed every ``log_interval`` seconds and at every array start
+    and end, so the output stays short. ``enabled=False`` prints nothing.
+    """
+
+    def __init__(
+        self,
+        total: int,
+        metric: str,
+        *,
+        enabled: bool = True,
+        stream: TextIO | None = None,
+        interval: float = 0.5,
+        log_interval: float = 15.0,
+    ) -> None:
+        self.total = total
+        self.metric = metric
+        self.enabled = enabled
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.interval = interval if self.tty else log_interval
+        self.start = time.perf_counter()
+        self.states = {"COMPLETE": 0, "PRUNED": 0, "FAIL": 0}
+        self.running = 0
+        self.array: str = ""
+        self.member_steps = 0
+        self.best: tuple[float, int] | None = None
+        self._last = -float("inf")
+        self._width = 0
+
+    def finished(self, state: str) -> None:
+        """A trial ended in ``state`` (``COMPLETE``, ``PRUNED`` or ``FAIL``)."""
+        self.states[state] = self.states.get(state, 0) + 1
+        self.update()
+
+    def set_best(self, value: float, number: int) -> None:
+        """The best value so far and its trial."""
+        self.best = (value, number)
+
+    def note(self, text: str) -> None:
+        """Print ``text`` on its own line (above the status line on a terminal)."""
+        if not self.enabled:
+            return
+        if self.tty and self._width:
+            self.stream.write("\r" + " " * self._width + "\r")
+            self._width = 0
+        self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def stepped(self, member_steps: int) -> None:
+        """``member_steps`` more member optimizer steps were trained."""
+        self.member_steps += member_steps
+        self.update()
+
+    def array_started(self, description: str, running: int) -> None:
+        self.array, self.running = description, running
+        self.update(force=True)
+
+    def line(self) -> str:
+        elapsed = time.perf_counter() - self.start
+        done = sum(self.states.values())
+        parts = [
+            f"[{_clock(elapsed)}] trials {done}/{self.total} done "
+            f"({self.states['COMPLETE']} complete, {self.states['PRUNED']} pruned, "
+            f"{self.states['FAIL']} failed)",
+        ]
+        if self.array:
+            parts.append(self.array)
+        if elapsed > 0 and self.member_steps:
+            parts.append(f"{self.member_steps / elapsed:,.0f} member-steps/s")
+        if self.best is not None:
+            parts.append(f"best {self.metric} {self.best[0]:.4g} (trial {self.best[1]})")
+        return " | ".join(parts)
+
+    def update(self, force: bool = False) -> None:
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        if not force and now - self._last < self.interval:
+            return
+        self._last = now
+        text = self.line()
+        if self.tty:
+            pad = max(self._width - len(text), 0)
+            self.stream.write("\r" + text + " " * pad)
+            self._width = len(text)
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        """Print the final line and end it."""
+        if not self.enabled:
+            return
+        self.update(force=True)
+        if self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _clock(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"

@@ -1,0 +1,196 @@
+"""The run directory of a sweep: what the engine writes, and the state it resumes from.
+
+Layout (``RunDir`` names every path)::
+
+    sweep.json             the resolved sweep config (SweepConfig.to_dict())
+    optuna.journal         the Optuna study, unless the sweep names another storage
+    state.json             the engine's own state: scheduler, decisions, arrays, sizes
+    trials.csv             one row per trial (Optuna's trials_dataframe() columns + array)
+    histories/trial-N.csv  each finished trial's evaluations
+    checkpoints/trial-N.pt the best completed trials' model state_dicts
+    best.json              the best trial: number, value, params and full config
+    sweep.log              the log
+    arrays/K/              array K's trainer checkpoint while it trains (removed when done)
+
+Every file is written to a temporary file and renamed over the old one, so a crash leaves the
+old version or the new one, never half of one.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import optuna
+
+__all__ = ["STATE_VERSION", "RunDir", "atomic_write_text", "member_id", "trial_number"]
+
+STATE_VERSION = 1
+_ID_PREFIX = "trial-"
+
+
+def member_id(number: int) -> str:
+    """The trainer's member id of Optuna trial ``number``."""
+    return f"{_ID_PREFIX}{number}"
+
+
+def trial_number(member: str) -> int:
+    """Inverse of :func:`member_id`."""
+    return int(member[len(_ID_PREFIX) :])
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in the same folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class RunDir:
+    """The files of one sweep's run directory."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+
+    # ---------------------------------------------------------------- paths
+    @property
+    def config(self) -> Path:
+        return self.path / "sweep.json"
+
+    @property
+    def journal(self) -> Path:
+        return self.path / "optuna.journal"
+
+    @property
+    def state(self) -> Path:
+        return self.path / "state.json"
+
+    @property
+    def trials_csv(self) -> Path:
+        return self.path / "trials.csv"
+
+    @property
+    def best(self) -> Path:
+        return self.path / "best.json"
+
+    @property
+    def log(self) -> Path:
+        return self.path / "sweep.log"
+
+    def history(self, number: int) -> Path:
+        return self.path / "histories" / f"trial-{number}.csv"
+
+    def checkpoint(self, number: int) -> Path:
+        return self.path / "checkpoints" / f"trial-{number}.pt"
+
+    def array(self, index: int) -> Path:
+        return self.path / "arrays" / str(index)
+
+    # ---------------------------------------------------------------- state
+    def read_state(self) -> dict[str, Any] | None:
+        """The saved engine state, or ``None`` if this directory holds no sweep yet."""
+        if not self.state.exists():
+            return None
+        state: dict[str, Any] = json.loads(self.state.read_text(encoding="utf-8"))
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(
+                f"{self.state}: run directory state version {state.get('version')!r} is not "
+                f"{STATE_VERSION}; it was written by another hfsweep version"
+            )
+        return state
+
+    def write_state(self, state: Mapping[str, Any]) -> None:
+        atomic_write_text(self.state, json.dumps({"version": STATE_VERSION, **state}))
+
+    def remove_array(self, index: int) -> None:
+        shutil.rmtree(self.array(index), ignore_errors=True)
+
+    # ---------------------------------------------------------------- outputs
+    def write_config(self, config: Mapping[str, Any]) -> None:
+        atomic_write_text(self.config, json.dumps(config, indent=2) + "\n")
+
+    def write_history(self, number: int, history: Sequence[Mapping[str, float]]) -> None:
+        """Trial ``number``'s evaluations as CSV (``step, epoch, train_loss, ...``)."""
+        columns: list[str] = []
+        for row in history:
+            columns += [k for k in row if k not in columns]
+        buf = io.StringIO()
+        writer = csv.DictWriter(buf, fieldnames=columns, lineterminator="\n")
+        writer.writeheader()
+        for row in history:
+            writer.writerow({k: _cell(v) for k, v in row.items()})
+        atomic_write_text(self.history(number), buf.getvalue())
+
+    def write_trials(self, trials: Sequence[optuna.trial.FrozenTrial]) -> None:
+        """``trials.csv`` in the column convention of Optuna's ``trials_dataframe()``
+        (``number, value, datetime_start, datetime_complete, duration, params_*,
+        user_attrs_*, state``) plus ``array``, the array each trial trained in."""
+        params = sorted({p for t in trials for p in t.params})
+        attrs = sorted({a for t in trials for a in t.user_attrs})
+        columns = [
+            "number",
+            "value",
+            "datetime_start",
+            "datetime_complete",
+            "duration",
+            *(f"params_{p}" for p in params),
+            *(f"user_attrs_{a}" for a in attrs),
+            "state",
+            "array",
+        ]
+        buf = io.StringIO()
+        writer = csv.writer(buf, lineterminator="\n")
+        writer.writerow(columns)
+        for t in sorted(trials, key=lambda t: t.number):
+            duration = (
+                t.datetime_complete - t.datetime_start
+                if t.datetime_complete is not None and t.datetime_start is not None
+                else None
+            )
+            writer.writerow(
+                [
+                    t.number,
+                    _cell(t.value),
+                    _cell(t.datetime_start),
+                    _cell(t.datetime_complete),
+                    _cell(duration),
+                    *(_cell(t.params.get(p)) for p in params),
+                    *(_cell(t.user_attrs.get(a)) for a in attrs),
+                    t.state.name,
+                    _cell(t.user_attrs.get("array")),
+                ]
+            )
+        atomic_write_text(self.trials_csv, buf.getvalue())
+
+    def write_best(self, best: Mapping[str, Any] | None) -> None:
+        if best is None:
+            self.best.unlink(missing_ok=True)
+        else:
+            atomic_write_text(self.best, json.dumps(best, indent=2, default=str) + "\n")
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return repr(value) if math.isfinite(value) else str(value)
+    if isinstance(value, list | dict):
+        return json.dumps(value)
+    return str(value)

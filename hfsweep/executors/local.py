@@ -1,0 +1,55 @@
+"""The local executor: trains the engine's arrays one after another in this process."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .._task import Task
+from ..trainer import ArrayTrainer, Member, MemberResult, RefillHook, ReportHook
+
+__all__ = ["LocalExecutor"]
+
+
+class LocalExecutor:
+    """Trains arrays of ``task`` on ``device`` in ``dtype``, in this process (no server).
+
+    The engine hands it one array at a time with its hooks; the array trainer checkpoints into
+    the array's folder, and ``resume=True`` continues from that checkpoint after a crash.
+    """
+
+    def __init__(
+        self,
+        task: Task,
+        *,
+        device: str | torch.device,
+        dtype: torch.dtype,
+        eval_every: int | None,
+    ) -> None:
+        self.task = task
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.eval_every = eval_every
+
+    def run_array(
+        self,
+        checkpoint_dir: str | os.PathLike[str],
+        members: Sequence[Member],
+        *,
+        report: ReportHook,
+        refill: RefillHook,
+        on_finish: Callable[[MemberResult], None],
+        resume: bool,
+    ) -> None:
+        """Train ``members`` (and the trials ``refill`` adds) until every one has ended."""
+        trainer = ArrayTrainer(
+            self.task,
+            device=self.device,
+            dtype=self.dtype,
+            eval_every=self.eval_every,
+            checkpoint_dir=checkpoint_dir,
+            keep_states=False,
+        )
+        trainer.run(members, report=report, refill=refill, on_finish=on_finish, resume=resume)

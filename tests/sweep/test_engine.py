@@ -1,0 +1,334 @@
+"""The sweep engine end to end on a toy task: packing, refill, scheduling, study, run dir, resume."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+import torch
+from optuna.trial import TrialState
+
+import hfsweep as hs
+from hfsweep import _engine
+from hfsweep.config import parse_sweep
+from hfsweep.searchers._source import SearcherError
+
+from ._toy import TASK, sweep_config
+
+FINAL = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+
+
+def _states(result: hs.SweepResult) -> Counter[str]:
+    return Counter(t.state.name for t in result.study.get_trials())
+
+
+def _csv(path: Path) -> list[dict[str, str]]:
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_fifo_sweep_fills_the_run_directory(tmp_path: Path) -> None:
+    result = hs.sweep(sweep_config(tmp_path / "run"), progress=False)
+    trials = result.study.get_trials()
+    assert [t.number for t in trials] == list(range(8))
+    assert all(t.state == TrialState.COMPLETE for t in trials)
+    assert result.counts == {"COMPLETE": 8, "PRUNED": 0, "FAIL": 0, "RUNNING": 0}
+    # one array of four slots: the second four trials took the slots the first four freed
+    assert result.arrays == 1
+    assert Counter(t.user_attrs["array"] for t in trials) == {0: 8}
+    best = max(trials, key=lambda t: (t.value, -t.number))
+    assert result.best_trial is not None and result.best_trial.number == best.number
+    assert result.best_value == best.value
+
+    run = tmp_path / "run"
+    rows = _csv(run / "trials.csv")
+    assert [int(r["number"]) for r in rows] == list(range(8))
+    assert {"params_lr", "params_momentum", "user_attrs_array", "state", "array"} <= set(rows[0])
+    assert {r["state"] for r in rows} == {"COMPLETE"}
+    for t, r in zip(trials, rows, strict=True):
+        assert float(r["value"]) == t.value and int(r["array"]) == t.user_attrs["array"]
+        history = _csv(run / "histories" / f"trial-{t.number}.csv")
+        assert [float(h["epoch"]) for h in history] == [1.0, 2.0, 3.0]
+        assert float(history[-1]["val_accuracy"]) == t.value
+        # intermediate values are in the study, at the epoch
+        assert sorted(t.intermediate_values) == [1, 2, 3]
+    saved = json.loads((run / "best.json").read_text())
+    assert saved["number"] == best.number and saved["value"] == best.value
+    assert saved["config"]["lr"] == best.params["lr"] and saved["config"]["epochs"] == 3
+    # the three best completed trials keep their weights, as state_dicts of the task's model
+    ranked = sorted(trials, key=lambda t: (-t.value, t.number))
+    kept = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert kept == sorted(f"trial-{t.number}.pt" for t in ranked[:3])
+    model = TASK.build_model(TASK.resolve({}))
+    model.load_state_dict(torch.load(run / "checkpoints" / f"trial-{best.number}.pt"))
+    assert json.loads((run / "sweep.json").read_text())["budget"]["trials"] == 8
+    assert not list((run / "arrays").iterdir())  # finished arrays leave no checkpoint behind
+    assert "trial 0 complete" in (run / "sweep.log").read_text()
+    assert "Best val_accuracy" in result.summary()
+
+
+def test_a_trial_in_an_array_trains_as_it_would_alone(tmp_path: Path) -> None:
+    """The members of an array started together train as each would alone (float64)."""
+    fusion = {"size": 8, "device": "cpu", "dtype": "float64"}
+    result = hs.sweep(sweep_config(tmp_path / "run", fusion=fusion), progress=False)
+    sc = parse_sweep(sweep_config(tmp_path / "unused", fusion=fusion))
+    for t in result.study.get_trials():
+        assert t.user_attrs["array"] == 0
+        config = sc.trial_config(sc.space.sample(optuna.trial.FixedTrial(t.params)))
+        trainer = hs.ArrayTrainer(TASK, dtype=torch.float64)
+        (alone,) = trainer.run([hs.Member("alone", config)])
+        history = _csv(tmp_path / "run" / "histories" / f"trial-{t.number}.csv")
+        assert len(history) == len(alone.history) == 3
+        for row, want in zip(history, alone.history, strict=True):
+            for name, value in want.items():
+                assert float(row[name]) == pytest.approx(value, rel=1e-7, abs=1e-12)
+
+
+def test_asha_prunes_and_refills_freed_slots(tmp_path: Path) -> None:
+    config = sweep_config(
+        tmp_path / "run",
+        scheduler={"name": "asha", "options": {"grace_period": 1, "reduction_factor": 2}},
+        budget={"trials": 14, "epochs": 4},
+    )
+    result = hs.sweep(config, progress=False)
+    trials = result.study.get_trials()
+    assert len(trials) == 14 and all(t.state in FINAL for t in trials)
+    states = _states(result)
+    assert states["PRUNED"] > 0 and states["COMPLETE"] > 0
+    # freed slots were refilled: the first array trained more trials than its size
+    per_array = Counter(t.user_attrs["array"] for t in trials)
+    assert per_array[0] > 4
+    for t in trials:
+        if t.state == TrialState.PRUNED:
+            assert t.user_attrs["status"] == "stopped"
+            assert t.value == t.intermediate_values[max(t.intermediate_values)]
+            assert max(t.intermediate_values) < 4
+        else:
+            assert max(t.intermediate_values) == 4
+    state = json.loads((tmp_path / "run" / "state.json").read_text())
+    assert sorted(state["ended"]) == sorted(f"trial-{t.number}" for t in trials)
+
+
+def test_arrays_follow_compatibility_keys(tmp_path: Path) -> None:
+    space = {
+        "lr": {"type": "float", "low": 0.01, "high": 0.3, "log": True},
+        "hidden": {"type": "categorical", "choices": [4, 16]},
+    }
+    result = hs.sweep(sweep_config(tmp_path / "run", search_space=space), progress=False)
+    trials = result.study.get_trials()
+    assert len(trials) == 8 and all(t.state == TrialState.COMPLETE for t in trials)
+    state = json.loads((tmp_path / "run" / "state.json").read_text())
+    width = {a["index"]: json.loads(a["key"])["hidden"] for a in state["arrays"]}
+    assert set(width.values()) == {4, 16}
+    for t in trials:
+        assert width[t.user_attrs["array"]] == t.params["hidden"]
+
+
+def test_optuna_pruner_scheduler(tmp_path: Path) -> None:
+    config = sweep_config(
+        tmp_path / "run",
+        scheduler={
+            "name": "optuna:successive_halving",
+            "options": {"min_resource": 1, "reduction_factor": 2},
+        },
+        budget={"trials": 10, "epochs": 4},
+    )
+    result = hs.sweep(config, progress=False)
+    trials = result.study.get_trials()
+    assert len(trials) == 10 and all(t.state in FINAL for t in trials)
+    assert _states(result)["PRUNED"] > 0
+    assert all(t.intermediate_values for t in trials)
+
+
+def test_non_finite_trial_is_told_failed(tmp_path: Path) -> None:
+    space = {"lr": {"type": "categorical", "choices": [0.05, 3.0e38]}}
+    result = hs.sweep(
+        sweep_config(tmp_path / "run", search_space=space, budget={"trials": 6, "epochs": 2}),
+        progress=False,
+    )
+    trials = result.study.get_trials()
+    assert all(t.state in FINAL for t in trials)
+    for t in trials:
+        if t.params["lr"] > 1:
+            assert t.state == TrialState.FAIL and t.user_attrs["status"] == "failed"
+            assert "non-finite" in t.user_attrs["error"]
+        else:
+            assert t.state == TrialState.COMPLETE
+    assert {t.params["lr"] for t in trials} == {0.05, 3.0e38}
+
+
+def test_grid_searcher_is_capped_at_the_grid(tmp_path: Path) -> None:
+    space = {"lr": {"type": "categorical", "choices": [0.01, 0.1, 0.3]}}
+    result = hs.sweep(
+        sweep_config(tmp_path / "run", search_space=space, searcher="grid"), progress=False
+    )
+    trials = result.study.get_trials()
+    assert len(trials) == 3
+    assert sorted(t.params["lr"] for t in trials) == [0.01, 0.1, 0.3]
+
+
+def test_time_limit_stops_asking_and_leaves_nothing_running(tmp_path: Path) -> None:
+    config = sweep_config(tmp_path / "run", budget={"trials": 40, "epochs": 2, "time_limit": 0.5})
+    result = hs.sweep(config, progress=False)
+    trials = result.study.get_trials()
+    assert 1 <= len(trials) < 40
+    assert all(t.state in FINAL for t in trials)
+
+
+def test_existing_run_directory_needs_resume(tmp_path: Path) -> None:
+    hs.sweep(sweep_config(tmp_path / "run", budget={"trials": 2, "epochs": 1}), progress=False)
+    with pytest.raises(hs.SweepError, match=r"already holds a sweep.*--resume"):
+        hs.sweep(sweep_config(tmp_path / "run", budget={"trials": 2, "epochs": 1}), progress=False)
+    changed = sweep_config(tmp_path / "run", budget={"trials": 2, "epochs": 2})
+    with pytest.raises(hs.SweepError, match=r"budget\.epochs: 1 -> 2"):
+        hs.sweep(changed, resume=True, progress=False)
+    # more trials may be added to a finished sweep
+    more = hs.sweep(
+        sweep_config(tmp_path / "run", budget={"trials": 5, "epochs": 1}),
+        resume=True,
+        progress=False,
+    )
+    trials = more.study.get_trials()
+    assert [t.number for t in trials] == list(range(5))
+    assert all(t.state == TrialState.COMPLETE for t in trials)
+
+
+class _Interrupt(Exception):
+    pass
+
+
+def test_resume_after_a_crash_finishes_exactly_as_an_uninterrupted_sweep(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """All trials are asked up front (one array of 8), so the resumed sweep must reproduce
+    every value of the uninterrupted one; no trial is lost or told twice."""
+    fusion = {"size": 8, "device": "cpu"}
+    scheduler = {"name": "asha", "options": {"grace_period": 1, "reduction_factor": 2}}
+    kw: dict[str, Any] = {
+        "fusion": fusion,
+        "scheduler": scheduler,
+        "budget": {"trials": 8, "epochs": 4},
+    }
+    reference = hs.sweep(sweep_config(tmp_path / "ref", **kw), progress=False)
+
+    told: Counter[int] = Counter()
+    real_tell = optuna.Study.tell
+
+    def counting_tell(self: optuna.Study, trial: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.study_name == "sweep":  # not the in-memory study validation samples with
+            told[trial if isinstance(trial, int) else trial.number] += 1
+        return real_tell(self, trial, *args, **kwargs)
+
+    monkeypatch.setattr(optuna.Study, "tell", counting_tell)
+    calls = {"n": 0}
+    real_report = _engine._Engine._report
+
+    def crashing_report(self: Any, evaluations: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise _Interrupt
+        return real_report(self, evaluations)
+
+    monkeypatch.setattr(_engine._Engine, "_report", crashing_report)
+    with pytest.raises(_Interrupt):
+        hs.sweep(sweep_config(tmp_path / "run", **kw), progress=False)
+    monkeypatch.setattr(_engine._Engine, "_report", real_report)
+    resumed = hs.sweep(sweep_config(tmp_path / "run", **kw), resume=True, progress=False)
+
+    got = {t.number: t for t in resumed.study.get_trials()}
+    want = {t.number: t for t in reference.study.get_trials()}
+    assert sorted(got) == sorted(want) == list(range(8))
+    assert told == Counter(range(8))
+    for n, t in want.items():
+        assert got[n].state == t.state
+        assert got[n].params == t.params
+        assert got[n].intermediate_values == pytest.approx(t.intermediate_values)
+
+
+def test_a_crash_between_saving_and_telling_tells_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """on_finish runs at least once per member: a crash after the engine saved a trial's end
+    but before the study was told must tell it on resume, and only once."""
+    real_tell = optuna.Study.tell
+    state = {"armed": True}
+
+    def crash_once(self: optuna.Study, trial: Any, *args: Any, **kwargs: Any) -> Any:
+        if state["armed"]:
+            state["armed"] = False
+            raise _Interrupt
+        return real_tell(self, trial, *args, **kwargs)
+
+    monkeypatch.setattr(optuna.Study, "tell", crash_once)
+    config = sweep_config(tmp_path / "run", budget={"trials": 4, "epochs": 2})
+    with pytest.raises(_Interrupt):
+        hs.sweep(config, progress=False)
+    result = hs.sweep(config, resume=True, progress=False)
+    trials = result.study.get_trials()
+    assert len(trials) == 4 and all(t.state == TrialState.COMPLETE for t in trials)
+
+
+class _ListSearcher(hs.Searcher):
+    """Proposes the given configs in order, then says it has no more."""
+
+    def __init__(self, configs: list[dict[str, Any]]) -> None:
+        self.configs = list(configs)
+        self.asked: list[int] = []
+        self.told: dict[int, tuple[str, float | None]] = {}
+        self.reports: Counter[int] = Counter()
+
+    def ask(self, numbers: Any) -> list[dict[str, Any]]:
+        out, self.configs = self.configs[: len(numbers)], self.configs[len(numbers) :]
+        self.asked += list(numbers)[: len(out)]
+        return out
+
+    def report(self, number: int, step: int, value: float) -> None:
+        self.reports[number] += 1
+
+    def tell(self, number: int, config: Any, state: str, value: float | None) -> None:
+        assert number not in self.told
+        self.told[number] = (state, value)
+
+
+def test_custom_searcher(tmp_path: Path) -> None:
+    configs = [{"lr": lr, "momentum": 0.5} for lr in (0.01, 0.05, 0.1, 0.2, 0.3)]
+    searcher = _ListSearcher(configs)
+    result = hs.sweep(sweep_config(tmp_path / "run"), searcher=searcher, progress=False)
+    trials = result.study.get_trials()
+    # the searcher ran out after 5 of the 8 budgeted trials
+    assert [t.params["lr"] for t in trials] == [0.01, 0.05, 0.1, 0.2, 0.3]
+    assert searcher.asked == [0, 1, 2, 3, 4]
+    assert searcher.told == {t.number: ("complete", t.value) for t in trials}
+    assert all(searcher.reports[t.number] == 3 for t in trials)
+
+
+def test_custom_searcher_values_are_checked(tmp_path: Path) -> None:
+    with pytest.raises(SearcherError, match=r"trial 0: lr=5\.0 is outside the search space"):
+        hs.sweep(
+            sweep_config(tmp_path / "a"),
+            searcher=_ListSearcher([{"lr": 5.0, "momentum": 0.5}]),
+            progress=False,
+        )
+    with pytest.raises(SearcherError, match="no value for param 'momentum'"):
+        hs.sweep(
+            sweep_config(tmp_path / "b"), searcher=_ListSearcher([{"lr": 0.1}]), progress=False
+        )
+    with pytest.raises(SearcherError, match=r"'width'.*not in the search space"):
+        hs.sweep(
+            sweep_config(tmp_path / "c"),
+            searcher=_ListSearcher([{"lr": 0.1, "momentum": 0.1, "width": 3}]),
+            progress=False,
+        )
+
+
+def test_min_mode_keeps_the_lowest_values(tmp_path: Path) -> None:
+    result = hs.sweep(sweep_config(tmp_path / "run", metric="val_loss", mode="min"), progress=False)
+    values = [t.value for t in result.study.get_trials()]
+    assert result.best_value == min(values)
+    assert all(math.isfinite(v) for v in values)
