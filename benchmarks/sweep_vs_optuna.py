@@ -1,7 +1,8 @@
 """A whole sweep, two ways: plain Optuna (one unfused model after another) against hfsweep.
 
     python benchmarks/sweep_vs_optuna.py [--sweep examples/digits_asha.yaml] [--trials N]
-        [--epochs N] [--only plain,hfsweep-sh,hfsweep-asha] [--rounds R] [--out STEM]
+        [--epochs N] [--only plain,hfsweep-sh,hfsweep-asha,hfsweep-asha-cold] [--rounds R]
+        [--out STEM]
 
 Every arm runs the same sweep: the sweep file's task, search space, sampler (built by
 ``hfsweep.config.make_sampler``, same seed and options), metric, seed and budget.
@@ -16,10 +17,13 @@ Every arm runs the same sweep: the sweep file's task, search space, sampler (bui
 - ``hfsweep-asha``: ``hs.sweep`` of the sweep file unchanged (its own scheduler, ASHA).
 
 Each arm's wall-clock is ``time.perf_counter`` around the whole sweep (models, data, training,
-evaluation, the searcher; for hfsweep also the profiler, whose cache starts empty in every run,
-and the run directory's journal and checkpoints), not the imports. Rounds interleave the arms;
-the median round is reported with the range of the per-round speed-up. Writes
-``results/sweep_vs_optuna_<device>.{md,json}``, or ``STEM.{md,json}`` with ``--out``.
+evaluation, the searcher; for hfsweep also the run directory's journal and checkpoints), not
+the imports. ``hfsweep-sh`` and ``hfsweep-asha`` find their array sizes in a profile cache
+filled before timing (as an earlier sweep or ``hfsweep profile`` leaves it on a machine);
+``hfsweep-asha-cold`` starts from an empty cache in every run (a first sweep on a machine).
+Rounds interleave the arms; the median round is reported with the range of the per-round
+speed-up. Writes ``results/sweep_vs_optuna_<device>.{md,json}``, or ``STEM.{md,json}`` with
+``--out``.
 """
 
 from __future__ import annotations
@@ -51,11 +55,12 @@ from hfsweep._task import OPTIMIZERS
 from hfsweep.config import SweepConfig, make_sampler, parse_sweep
 from hfsweep.trainer import _epoch_seed
 
-ARMS = ("plain", "hfsweep-sh", "hfsweep-asha")
+ARMS = ("plain", "hfsweep-sh", "hfsweep-asha", "hfsweep-asha-cold")
 LABELS = {
     "plain": "plain Optuna (one model at a time)",
     "hfsweep-sh": "hfsweep, Optuna SuccessiveHalving",
     "hfsweep-asha": "hfsweep, ASHA (the sweep file's)",
+    "hfsweep-asha-cold": "hfsweep, ASHA, empty profile cache",
 }
 #: the pruner of the plain arm and of ``hfsweep-sh``
 PRUNER_OPTIONS = {"min_resource": 1, "reduction_factor": 3}
@@ -234,14 +239,42 @@ def run_plain(sweep: SweepConfig, device: torch.device, tag: str) -> dict[str, A
 
 
 # ---------------------------------------------------------------------- hfsweep
-def run_hfsweep(mapping: Mapping[str, Any], tag: str) -> dict[str, Any]:
-    """``hs.sweep`` of ``mapping`` into a fresh run directory, with an empty profile cache."""
+def prefill_profiles(sweep: SweepConfig, cache_dir: Path) -> None:
+    """Profile every compatibility key the sweep can draw into ``cache_dir`` (untimed), as a
+    first sweep or ``hfsweep profile`` leaves the cache on a user's machine."""
+    import hfsweep as hs
+    from hfsweep.profiler import ProfileCache
+
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    seen: set[str] = set()
+    for _ in range(50):
+        trial = study.ask()
+        config = sweep.trial_config(sweep.space.sample(trial))
+        study.tell(trial, 0.0)
+        key = sweep.task.compatibility_key(config)
+        if key not in seen:
+            seen.add(key)
+            log(f"[prefill] profiling {key}")
+            hs.profile_task(
+                sweep.task,
+                config,
+                device=_device(sweep),
+                dtype=getattr(torch, sweep.fusion.dtype),
+                cache=ProfileCache(cache_dir / "profiles.json"),
+            )
+
+
+def run_hfsweep(
+    mapping: Mapping[str, Any], tag: str, cache_dir: Path | None = None
+) -> dict[str, Any]:
+    """``hs.sweep`` of ``mapping`` into a fresh run directory, with the profile cache in
+    ``cache_dir`` (``None``: an empty one)."""
     import hfsweep as hs
 
     with tempfile.TemporaryDirectory(prefix="sweep_vs_optuna_") as tmp:
         config = {**copy.deepcopy(dict(mapping)), "output": str(Path(tmp) / "run")}
         saved = os.environ.get("HFSWEEP_CACHE_DIR")
-        os.environ["HFSWEEP_CACHE_DIR"] = str(Path(tmp) / "profiles")
+        os.environ["HFSWEEP_CACHE_DIR"] = str(cache_dir or Path(tmp) / "profiles")
         log(f"[{tag}] hs.sweep into {config['output']}")
         try:
             start = time.perf_counter()
@@ -349,6 +382,9 @@ def main(argv: list[str] | None = None) -> None:
     }
     device = _device(sweep)
     warm_up(sweep, device)
+    cache = Path(tempfile.mkdtemp(prefix="sweep_vs_optuna_profiles_"))
+    if any(a in ("hfsweep-sh", "hfsweep-asha") for a in arms):
+        prefill_profiles(sweep, cache)
 
     runs: dict[str, list[dict[str, Any]]] = {a: [] for a in arms}
     for r in range(args.rounds):
@@ -357,7 +393,8 @@ def main(argv: list[str] | None = None) -> None:
             if arm == "plain":
                 row = run_plain(sweep, device, tag)
             else:
-                row = run_hfsweep(pruned if arm == "hfsweep-sh" else mapping, tag)
+                warm = cache if arm != "hfsweep-asha-cold" else None
+                row = run_hfsweep(pruned if arm == "hfsweep-sh" else mapping, tag, warm)
             log(f"[{tag}] wall {row['wall_s']:.1f} s, best {sweep.metric} {row['best_value']}")
             runs[arm].append({"arm": arm, "round": r + 1, **row})
 
@@ -413,8 +450,11 @@ def main(argv: list[str] | None = None) -> None:
         "hfsweep, ASHA: `hs.sweep` of the sweep file unchanged "
         f"(scheduler {sweep.scheduler.name} {sweep.scheduler.options}).",
         "- Wall-clock: `time.perf_counter` around the whole sweep (models, data, training, "
-        "evaluation, the searcher; for hfsweep also the profiler with an empty cache in every "
-        "run, the journal storage and checkpoints in a fresh run directory), imports excluded. "
+        "evaluation, the searcher; for hfsweep also the journal storage and checkpoints in a "
+        "fresh run directory), imports excluded. The hfsweep arms find the array size in a "
+        "profile cache filled before timing (as any earlier sweep or `hfsweep profile` of the "
+        "model on the machine leaves it), except the empty-cache arm, which profiles in every "
+        "run (a first sweep on a machine). "
         f"Median of {args.rounds} interleaved round(s) [min-max]; speed-up = plain Optuna's "
         "wall-clock / the arm's, per round. Trials: complete/pruned/failed.",
         "- Best values need not agree: the pruner sees trials one by one in the plain arm and an "

@@ -35,7 +35,7 @@ import torch
 
 from ._progress import Progress
 from ._rundir import RunDir, member_id, trial_number
-from .config import SweepConfig, load_sweep, make_sampler, parse_sweep
+from .config import SweepConfig, load_sweep, make_sampler, make_searcher, parse_sweep
 from .executors import LocalExecutor
 from .packing import Pending, Pools
 from .schedulers import Decision, OptunaPruner, Report, make_scheduler
@@ -151,6 +151,8 @@ def sweep(
         sc = parse_sweep(config)
     else:
         sc = load_sweep(config)
+    if searcher is None and sc.searcher.custom:
+        searcher = make_searcher(sc.searcher)
     return _Engine(sc, resume=resume, progress=progress, searcher=searcher).run()
 
 

@@ -8,10 +8,11 @@ import importlib.util
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from ._task import Task, TaskError
 
-__all__ = ["load_task"]
+__all__ = ["load_object", "load_task"]
 
 
 def load_task(spec: str) -> Task:
@@ -26,35 +27,49 @@ def load_task(spec: str) -> Task:
             f"task {spec!r} is not a ready task ({', '.join(sorted(tasks.TASKS))}) nor an entry "
             "point; write module:attribute or path/to/file.py:attribute"
         )
-    where, _, attr = spec.rpartition(":")
+    try:
+        task = load_object(spec, "task")
+    except ImportError as e:
+        raise TaskError(str(e)) from e.__cause__
+    if not isinstance(task, Task):
+        raise TaskError(f"task {spec!r} is a {type(task).__name__}, not an hfsweep.Task")
+    return task
+
+
+def load_object(spec: str, what: str) -> Any:
+    """The object ``package.module:attribute`` or ``path/to/file.py:attribute`` names; raises
+    ``ImportError`` saying which part failed (``what`` names the object in the message)."""
+    where, sep, attr = spec.rpartition(":")
+    if not sep or not where or not attr:
+        raise ImportError(f"{what} {spec!r}: write module:attribute or path/to/file.py:attribute")
     if where.endswith(".py"):
         path = Path(where)
         if not path.is_file():
-            raise TaskError(f"task {spec!r}: file {where!r} does not exist")
+            raise ImportError(f"{what} {spec!r}: file {where!r} does not exist")
         _on_path(str(path.resolve().parent))  # the file may import its neighbours
-        name = f"_hfsweep_task_{abs(hash(path.resolve()))}"
-        module_spec = importlib.util.spec_from_file_location(name, path)
-        if module_spec is None or module_spec.loader is None:
-            raise TaskError(f"task {spec!r}: cannot import {where!r} as Python")
-        module = importlib.util.module_from_spec(module_spec)
-        sys.modules[name] = module
-        try:
-            module_spec.loader.exec_module(module)
-        except Exception as e:
-            del sys.modules[name]
-            raise TaskError(f"task {spec!r}: importing {where!r} failed: {e!r}") from e
+        name = f"_hfsweep_entry_{abs(hash(path.resolve()))}"
+        if name in sys.modules:
+            module = sys.modules[name]
+        else:
+            module_spec = importlib.util.spec_from_file_location(name, path)
+            if module_spec is None or module_spec.loader is None:
+                raise ImportError(f"{what} {spec!r}: cannot import {where!r} as Python")
+            module = importlib.util.module_from_spec(module_spec)
+            sys.modules[name] = module
+            try:
+                module_spec.loader.exec_module(module)
+            except Exception as e:
+                del sys.modules[name]
+                raise ImportError(f"{what} {spec!r}: importing {where!r} failed: {e!r}") from e
     else:
         _on_path(os.getcwd())  # as `python -m` does: modules in the working directory import
         try:
             module = importlib.import_module(where)
         except Exception as e:
-            raise TaskError(f"task {spec!r}: importing module {where!r} failed: {e!r}") from e
+            raise ImportError(f"{what} {spec!r}: importing module {where!r} failed: {e!r}") from e
     if not hasattr(module, attr):
-        raise TaskError(f"task {spec!r}: {where!r} has no attribute {attr!r}")
-    task = getattr(module, attr)
-    if not isinstance(task, Task):
-        raise TaskError(f"task {spec!r} is a {type(task).__name__}, not an hfsweep.Task")
-    return task
+        raise ImportError(f"{what} {spec!r}: {where!r} has no attribute {attr!r}")
+    return getattr(module, attr)
 
 
 def _on_path(folder: str) -> None:

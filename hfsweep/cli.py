@@ -174,7 +174,8 @@ def _run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 130
-    print(result.summary())
+    if not args.quiet:
+        print(result.summary())
     return 0
 
 

@@ -16,7 +16,10 @@ A sweep file is one YAML mapping. Every key, with its default::
                                 #   are the sampler's constructor arguments; seed defaults to
                                 #   the sweep's seed. grid needs a space grid() can build (floats
                                 #   with a step, no conditional params); the engine caps the
-                                #   trials at the grid size (SearcherConfig.grid_size).
+                                #   trials at the grid size (SearcherConfig.grid_size). A search
+                                #   algorithm of your own: {name: "file.py:Class" or
+                                #   "module:Class", options: {...}}, an hfsweep.Searcher subclass
+                                #   built with the options as keyword arguments.
     scheduler: fifo             # fifo, asha, hyperband, median or optuna:<pruner> (optuna:median,
                                 #   optuna:successive_halving, ...), or
                                 #   {name: asha, options: {grace_period: 1, reduction_factor: 3}};
@@ -81,6 +84,8 @@ from .search_spaces import FixedParam, SearchSpace, SpaceError, load_space
 if TYPE_CHECKING:
     from optuna.samplers import BaseSampler
 
+    from .searchers import Searcher
+
 __all__ = [
     "BACKENDS",
     "DTYPES",
@@ -93,6 +98,7 @@ __all__ = [
     "SweepConfig",
     "load_sweep",
     "make_sampler",
+    "make_searcher",
     "parse_sweep",
 ]
 
@@ -180,6 +186,12 @@ class SearcherConfig:
     seed: int = 0
     options: dict[str, Any] = field(default_factory=dict)
     grid_size: int | None = None
+
+    @property
+    def custom(self) -> bool:
+        """``name`` is a :class:`hfsweep.Searcher` subclass (``module:Class``,
+        ``file.py:Class``), not an Optuna sampler."""
+        return ":" in self.name
 
     def to_dict(self) -> dict[str, Any]:
         """``{name, seed, options}``, as ``searcher:`` takes it."""
@@ -372,8 +384,13 @@ def parse_sweep(mapping: Mapping[str, Any], *, source: Path | None = None) -> Sw
 
 
 def make_sampler(searcher: SearcherConfig, space: SearchSpace) -> BaseSampler:
-    """The Optuna sampler ``searcher`` describes (``grid`` gets ``space.grid()``)."""
+    """The Optuna sampler ``searcher`` describes (``grid`` gets ``space.grid()``). A custom
+    searcher's study gets a seeded random sampler, which never samples: the searcher's
+    configs are recorded as the trials' params."""
     import optuna
+
+    if searcher.custom:
+        return optuna.samplers.RandomSampler(seed=searcher.seed)
 
     cls = getattr(optuna.samplers, _SAMPLERS[searcher.name])
     if searcher.name == "grid":
@@ -396,6 +413,22 @@ def _ask_tell_grid_sampler() -> Any:
             return None
 
     return GridSampler
+
+
+def make_searcher(searcher: SearcherConfig) -> Searcher:
+    """A new instance of the custom searcher class ``searcher.name`` names (``module:Class`` or
+    ``file.py:Class``), built with ``searcher.options``. Raises ``ImportError`` when it cannot
+    be imported or is not a :class:`hfsweep.Searcher` subclass."""
+    from ._entry import load_object
+    from .searchers import Searcher
+
+    cls = load_object(searcher.name, "searcher")
+    if not (isinstance(cls, type) and issubclass(cls, Searcher)):
+        raise ImportError(
+            f"searcher {searcher.name!r} is {cls!r}, not a subclass of hfsweep.Searcher"
+        )
+    instance: Searcher = cls(**searcher.options)
+    return instance
 
 
 # ---------------------------------------------------------------------------- parsing
@@ -711,6 +744,8 @@ class _Parser:
             if raw.get("options") is not None:
                 options = self.mapping(raw["options"], "searcher.options", "{constant_liar: true}")
             raw = raw["name"]
+        if isinstance(raw, str) and ":" in raw:
+            return self.custom_searcher(raw, seed, options, path)
         name = self.choice(raw, SEARCHER_NAMES, path)
         import optuna
 
@@ -767,6 +802,26 @@ class _Parser:
             where = "searcher.options" if options else path
             raise self.error(
                 where, f"{cls.__name__} rejects the options {dict(options)!r}: {exc}"
+            ) from None
+        return searcher
+
+    def custom_searcher(
+        self, ref: str, seed: int, options: Mapping[str, Any], path: str
+    ) -> SearcherConfig:
+        """A :class:`hfsweep.Searcher` subclass named ``module:Class`` or ``file.py:Class``,
+        checked by building it with ``options``."""
+        where, _, attr = ref.rpartition(":")
+        if where.endswith(".py"):
+            ref = f"{self.relative(where)}:{attr}"
+        searcher = SearcherConfig(name=ref, seed=seed, options=dict(options))
+        try:
+            make_searcher(searcher)
+        except ImportError as exc:
+            raise self.error(path, str(exc)) from None
+        except (TypeError, ValueError) as exc:
+            raise self.error(
+                "searcher.options" if options else path,
+                f"searcher {ref!r} cannot be built with options {dict(options)!r}: {exc}",
             ) from None
         return searcher
 

@@ -150,6 +150,8 @@ class ArrayTrainer:
         self.keep_states = keep_states
         self._data: tuple[Iterable[Any], Iterable[Any]] | None = None
         self._data_key: str | None = None
+        #: traced forwards by compatibility key, shared by the arrays this trainer builds
+        self._trace_cache: dict[str, dict[Any, Any]] = {}
 
     # ------------------------------------------------------------------ public
     def run(
@@ -417,6 +419,7 @@ class _Run:
                 model.load_state_dict(s.saved["model"])
             models.append(model)
         array = fuse(models, trace=self.t.trace).to(self.t.device)
+        array._share_traces(self.t._trace_cache.setdefault(self.key or "", {}))
         configs = [(s or filler).config for s in state.slots]
         for i, c in enumerate(configs):
             if c["dropout"] is not None:

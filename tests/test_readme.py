@@ -45,3 +45,24 @@ def test_search_space_and_scheduler_example_runs(tmp_path, monkeypatch) -> None:
     states = [t.state.name for t in study.trials]
     assert len(states) == 16 and set(states) <= {"COMPLETE", "PRUNED"}
     assert "PRUNED" in states and study.best_value > 0.5
+
+
+def test_sweep_from_python_example_runs(tmp_path, monkeypatch) -> None:
+    section = "## Sweeps: `hfsweep run`"
+    text = README.read_text().split(section, 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert len(blocks) == 1
+    script = tmp_path / "sweep_api.py"
+    script.write_text(blocks[0])
+    monkeypatch.chdir(tmp_path)
+    result = runpy.run_path(str(script))["result"]
+    assert sum(result.counts.values()) == 8 and result.counts["RUNNING"] == 0
+    assert (tmp_path / "runs" / "python_sweep" / "trials.csv").exists()
+
+
+def test_main_job_is_hfsweep_run_on_an_example() -> None:
+    setup = README.read_text().split("## Set up", 1)[1].split("\n## ", 1)[0]
+    commands = re.findall(r"```bash\n(.*?)```", setup, re.S)
+    assert len(commands) == 2
+    assert commands[0].strip().endswith("hfsweep run examples/digits_quick.yaml")
+    assert (README.parent / "examples" / "digits_quick.yaml").exists()

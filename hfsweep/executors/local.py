@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -32,6 +33,8 @@ class LocalExecutor:
         self.device = torch.device(device)
         self.dtype = dtype
         self.eval_every = eval_every
+        #: traced forwards shared by every array of this sweep (see ArrayTrainer)
+        self._trace_cache: dict[str, dict[Any, Any]] = {}
 
     def run_array(
         self,
@@ -52,4 +55,5 @@ class LocalExecutor:
             checkpoint_dir=checkpoint_dir,
             keep_states=False,
         )
+        trainer._trace_cache = self._trace_cache
         trainer.run(members, report=report, refill=refill, on_finish=on_finish, resume=resume)

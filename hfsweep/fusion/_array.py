@@ -69,6 +69,17 @@ class _Trace:
 
 
 _EAGER = object()  # cache value: this signature runs eagerly
+
+
+def _self_contained(entry: Any) -> bool:
+    """A traced graph that reads no tensor constants: a function of its inputs alone."""
+    if not isinstance(entry, _Trace):
+        return False
+    graph = getattr(entry.graph, "__self__", None)
+    nodes = getattr(getattr(graph, "graph", None), "nodes", None)
+    return nodes is not None and all(n.op != "get_attr" for n in nodes)
+
+
 _TENSOR = object()  # marks where a tensor goes in a recorded output structure
 
 
@@ -123,6 +134,7 @@ class FusedArray(nn.Module):
         self._first_places = [s.places[0] for s in slots]
         self._trace_enabled = trace
         self._traces: dict[Any, Any] = {}
+        self._shared_traces: dict[Any, Any] | None = None
         self._template_modules = list(template.modules())
         self._template_dicts = [m.__dict__ for m in self._template_modules]
         self._dropouts = [
@@ -316,7 +328,16 @@ class FusedArray(nn.Module):
         """Pickles and deep copies leave the traces behind: they are caches, rebuilt on demand."""
         state = self.__dict__.copy()
         state["_traces"] = {}
+        state["_shared_traces"] = None
         return state
+
+    def _share_traces(self, cache: dict[Any, Any]) -> None:
+        """Look traces up in, and add them to, ``cache`` too: a cache shared by arrays of one
+        architecture (the trainer's arrays of one compatibility key), so an array rebuilt at
+        another size or after a refill does not trace again. Only graphs that depend on
+        nothing but their inputs (no tensor constants) are shared; keys include the stacked
+        state's shapes, dtypes and devices."""
+        self._shared_traces = cache
 
     def _apply(self, fn: Any, recurse: bool = True) -> FusedArray:
         self._traces.clear()
@@ -416,15 +437,20 @@ class FusedArray(nn.Module):
                 spec,
                 tuple(None if isinstance(x, Tensor) else x for x in leaves),
                 tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in tensors),
-                tuple(t.requires_grad for t in state),
+                tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in state),
+                type(self.module),
             )
             entry = self._traces.get(key)
+            if entry is None and self._shared_traces is not None:
+                entry = self._shared_traces.get(key)
         except TypeError:  # an unhashable non-tensor argument: run eagerly
             return None
         if entry is None:
             entry = self._trace(self._vmapped(leaves, spec, tensor_at, shared), state, tensors)
             if self._trace_enabled:
                 self._traces[key] = entry
+                if self._shared_traces is not None and _self_contained(entry):
+                    self._shared_traces[key] = entry
         return None if entry is _EAGER else entry
 
     def _trace(

@@ -369,3 +369,30 @@ def test_deepcopy_gives_an_independent_working_array() -> None:
         for p in twin.parameters():
             p.zero_()
     assert not torch.equal(twin(x), array(x))
+
+
+def test_arrays_of_one_architecture_share_traces() -> None:
+    """A trace cache shared by arrays of one architecture (as the trainer shares it) is used
+    by an array of the same size instead of tracing again, and gives the same outputs."""
+
+    def make(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Dropout(0.2), nn.Linear(5, 3))
+
+    cache: dict = {}
+    x = torch.randn(7, 6)
+    first = hs.fuse([make(i) for i in range(3)])
+    first._share_traces(cache)
+    first(x)
+    assert len(cache) == 1
+    second = hs.fuse([make(i + 10) for i in range(3)])
+    second._share_traces(cache)
+    alone = hs.fuse([make(i + 10) for i in range(3)])  # its own traces only
+    out = second(x)
+    assert len(cache) == 1 and not second._traces  # found in the shared cache
+    torch.testing.assert_close(out, alone(x), rtol=0, atol=0)
+    hs.fuse([make(0) for _ in range(2)])._share_traces(cache)  # another size: another entry
+    smaller = hs.fuse([make(0) for _ in range(2)])
+    smaller._share_traces(cache)
+    smaller(x)
+    assert len(cache) == 2

@@ -181,7 +181,8 @@ def test_the_digits_asha_example_is_the_one_the_issue_asks_for() -> None:
     assert (sweep.searcher.name, sweep.scheduler.name) == ("tpe", "asha")
     assert sweep.searcher.options == {"constant_liar": True}
     assert sweep.metric == "val_accuracy" and sweep.fusion.size == "auto"
-    assert {"hidden", "dropout", "lr", "momentum"} <= set(sweep.space.names)
+    assert {"dropout", "lr", "momentum", "weight_decay"} <= set(sweep.space.names)
+    assert sweep.config == {"hidden": 64}  # one compatibility key: every trial can share an array
 
 
 def test_to_dict_is_json_and_parses_back_to_an_equal_config(tmp_path: Path) -> None:

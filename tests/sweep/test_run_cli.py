@@ -1,0 +1,95 @@
+"""`hfsweep run` and `hfsweep report` from the command line, on a shipped example."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+
+from hfsweep.cli import main
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+@pytest.mark.slow
+def test_run_an_example_end_to_end_then_report(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "quick"
+    assert main(["run", str(EXAMPLES / "digits_quick.yaml"), "--output", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "Sweep finished" in out and "Best val_accuracy" in out
+    with (run / "trials.csv").open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 16 and {r["state"] for r in rows} <= {"COMPLETE", "PRUNED"}
+    assert "COMPLETE" in {r["state"] for r in rows}
+
+    # the same command again is refused: the directory holds a sweep
+    assert main(["run", str(EXAMPLES / "digits_quick.yaml"), "--output", str(run)]) == 2
+    assert "--resume" in capsys.readouterr().err
+    # resuming a finished sweep changes nothing
+    assert (
+        main(
+            [
+                "run",
+                str(EXAMPLES / "digits_quick.yaml"),
+                "--output",
+                str(run),
+                "--resume",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
+    with (run / "trials.csv").open(newline="") as f:
+        assert [r["value"] for r in csv.DictReader(f)] == [r["value"] for r in rows]
+
+    capsys.readouterr()
+    assert main(["report", str(run)]) == 0
+    paths = [Path(line) for line in capsys.readouterr().out.split()]
+    assert {p.name for p in paths} >= {"history.png", "curves.png"}
+    assert all(p.exists() and p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
+
+
+def test_custom_searcher_example_from_a_sweep_file(tmp_path: Path) -> None:
+    """examples/custom_searcher.py through the sweep file's `searcher: {name: file.py:Class}`,
+    on the fast toy task."""
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(
+        f"""
+task: "{Path(__file__).resolve().parent / "_toy.py"}:TASK"
+search_space:
+  lr: {{type: float, low: 1.0e-3, high: 0.5, log: true}}
+  momentum: {{type: float, low: 0.0, high: 0.9}}
+searcher: {{name: "{EXAMPLES / "custom_searcher.py"}:LocalSearch", options: {{explore: 3}}}}
+budget: {{trials: 6, epochs: 2}}
+metric: val_accuracy
+mode: max
+fusion: {{size: 2, device: cpu}}
+output: run
+"""
+    )
+    assert main(["run", str(sweep), "--quiet"]) == 0
+    with (tmp_path / "run" / "trials.csv").open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 6 and {r["state"] for r in rows} == {"COMPLETE"}
+
+
+def test_run_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "task: digits_mlp\nsearch_space: sgd_momentum\nbudget: {trials: 0, epochs: 1}\nmetric: val_accuracy\nmode: max\n"
+    )
+    assert main(["run", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "budget.trials" in err and not (tmp_path / "runs").exists()
+    ray = tmp_path / "ray.yaml"
+    ray.write_text(
+        "task: digits_mlp\nsearch_space: sgd_momentum\nbudget: {trials: 1, epochs: 1}\n"
+        "metric: val_accuracy\nmode: max\nbackend: ray\n"
+    )
+    assert main(["run", str(ray)]) == 2
+    assert "backend 'ray' is not available yet" in capsys.readouterr().err
+    assert main(["report", str(tmp_path / "nothing")]) == 2
+    assert "nothing" in capsys.readouterr().err
