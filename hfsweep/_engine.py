@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ._io import atomic_save
 from ._progress import Progress
 from ._rundir import RunDir, member_id, trial_number
 from .config import SweepConfig, load_sweep, make_sampler, make_searcher, parse_sweep
@@ -42,7 +43,7 @@ from .schedulers import Decision, OptunaPruner, Report, make_scheduler
 from .search_spaces import FixedParam
 from .searchers import Searcher
 from .searchers._source import CustomSource, OptunaSource, TrialSource
-from .trainer import Evaluation, Member, MemberResult, _atomic_save
+from .trainer import Evaluation, Member, MemberResult
 
 if TYPE_CHECKING:
     import optuna
@@ -341,12 +342,13 @@ class _Engine:
             trial = optuna.Trial(self.study, t._trial_id)
             try:
                 sampled = self.sc.space.sample(trial)  # the recorded params (or new draws)
-                config = self.sc.trial_config(sampled)
-                key = self.task.compatibility_key(config)
-            except (ValueError, TypeError) as exc:  # a bad config fails its trial alone
+            except (ValueError, TypeError) as exc:
                 self._fail_unstarted(trial, exc)
                 continue
-            self._track(trial, sampled)
+            keyed = self._admit(trial, sampled)
+            if keyed is None:
+                continue
+            key, config = keyed
             if t.intermediate_values:
                 self.reported[t.number] = max(t.intermediate_values)
             array = t.user_attrs.get("array")
@@ -399,17 +401,28 @@ class _Engine:
         out = []
         for trial, sampled in self.source.ask(1):
             self.asked += 1
-            try:
-                config = self.sc.trial_config(sampled)
-                key = self.task.compatibility_key(config)
-            except (ValueError, TypeError) as exc:  # a bad config fails its trial alone
-                self._fail_unstarted(trial, exc)
+            keyed = self._admit(trial, sampled)
+            if keyed is None:
                 continue
-            self._track(trial, sampled)
+            key, config = keyed
             pending = Pending(trial.number, config)
             self._pool(key, pending)
             out.append((key, pending))
         return out
+
+    def _admit(
+        self, trial: optuna.Trial, sampled: dict[str, Any]
+    ) -> tuple[str, dict[str, Any]] | None:
+        """``(compatibility key, config)`` of a running trial, which is tracked from now on;
+        ``None`` after failing it, if the task rejects its config (the others go on)."""
+        try:
+            config = self.sc.trial_config(sampled)
+            key = self.task.compatibility_key(config)
+        except (ValueError, TypeError) as exc:
+            self._fail_unstarted(trial, exc)
+            return None
+        self._track(trial, sampled)
+        return key, config
 
     def _track(self, trial: optuna.Trial, sampled: dict[str, Any]) -> None:
         self.live[trial.number] = trial
@@ -603,7 +616,7 @@ class _Engine:
         ranked = sorted([*self.best, (value, number)], key=lambda b: (-sign * b[0], b[1]))
         keep, drop = ranked[:_KEEP_BEST], ranked[_KEEP_BEST:]
         if (value, number) in keep:
-            _atomic_save(dict(model), self.dir.checkpoint(number))
+            atomic_save(dict(model), self.dir.checkpoint(number))
         for _, n in drop:
             if n != number:
                 self.dir.checkpoint(n).unlink(missing_ok=True)

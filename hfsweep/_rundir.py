@@ -24,15 +24,16 @@ import json
 import math
 import os
 import shutil
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ._io import atomic_write_text
+
 if TYPE_CHECKING:
     import optuna
 
-__all__ = ["STATE_VERSION", "RunDir", "atomic_write_text", "member_id", "trial_number"]
+__all__ = ["STATE_VERSION", "RunDir", "member_id", "trial_number"]
 
 STATE_VERSION = 1
 _ID_PREFIX = "trial-"
@@ -46,21 +47,6 @@ def member_id(number: int) -> str:
 def trial_number(member: str) -> int:
     """Inverse of :func:`member_id`."""
     return int(member[len(_ID_PREFIX) :])
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same folder."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 class RunDir:

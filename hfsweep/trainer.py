@@ -15,7 +15,6 @@ import json
 import logging
 import math
 import os
-import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from urllib.parse import quote
 import torch
 from torch import Tensor, nn
 
+from ._io import atomic_save, atomic_write_text
 from ._task import (
     Task,
     TaskError,
@@ -279,7 +279,7 @@ class _Run:
         self.pending.clear()
         d = self.t.checkpoint_dir
         if d is not None:
-            _atomic_write_text(d / "delivered.json", json.dumps(sorted(self.delivered)))
+            atomic_write_text(d / "delivered.json", json.dumps(sorted(self.delivered)))
 
     @contextmanager
     def _user_rng_scope(self) -> Iterator[None]:
@@ -681,7 +681,7 @@ class _Run:
             "finished": sorted(self.results),
             "arrays": arrays,
         }
-        _atomic_save(payload, path)
+        atomic_save(payload, path)
 
     def _settings(self) -> dict[str, Any]:
         """What must not change between a run and its resume."""
@@ -831,7 +831,7 @@ def _slot_from_dict(d: dict[str, Any] | None) -> _SlotState | None:
 def _write_member(directory: Path, result: MemberResult, state: dict[str, Any]) -> None:
     folder = directory / "members"
     folder.mkdir(parents=True, exist_ok=True)
-    _atomic_save(
+    atomic_save(
         {
             "config": result.config,
             "status": result.status,
@@ -859,20 +859,6 @@ def _safe(member_id: str) -> str:
     return quote(member_id, safe="-_.") or "%"
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _rng_state() -> dict[str, Any]:
     state: dict[str, Any] = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -884,22 +870,6 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["cpu"])
     if "cuda" in state:
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _atomic_save(obj: Any, path: Path) -> None:
-    """``torch.save`` to a temporary file in the same folder, flushed, then renamed over
-    ``path``: a crash leaves the old file or the new one, never half of one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _epoch_seed(data_seed: int, epoch: int) -> int:
