@@ -27,7 +27,7 @@ import time
 import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,7 +43,7 @@ from .schedulers import Decision, OptunaPruner, Report, make_scheduler
 from .search_spaces import FixedParam
 from .searchers import Searcher
 from .searchers._source import CustomSource, OptunaSource, TrialSource
-from .trainer import Evaluation, Member, MemberResult
+from .trainer import ArrayTrainer, Evaluation, Member, MemberResult
 
 if TYPE_CHECKING:
     import optuna
@@ -213,7 +213,6 @@ class _Engine:
         self.live: dict[int, optuna.Trial] = {}  # running trials
         self.sampled: dict[int, dict[str, Any]] = {}
         self.reported: dict[int, int] = {}  # last Optuna step reported per running trial
-        self.resumed: dict[int, list[Member]] = {}  # unfinished arrays' members on resume
         self._last_step: dict[str, int] = {}  # per member, for the throughput shown
         self.asked = 0
         self.elapsed_before = 0.0
@@ -243,7 +242,7 @@ class _Engine:
             )
             try:
                 for array in [a for a in self.arrays if not a.done]:
-                    self._run_array(array, self.resumed.pop(array.index, []), resume=True)
+                    self._run_array(array, [], resume=True)
                 while True:
                     self._fill()
                     key = self.pools.pick(self.sizes)
@@ -253,6 +252,7 @@ class _Engine:
             finally:
                 self._save_state()
                 self.dir.write_trials(self.study.get_trials(deepcopy=False))
+                self.dir.write_best(self._best_record(self._best_trial()))
                 self.progress.close()
             result = self._result()
             _log.info("%s", result.summary())
@@ -303,7 +303,7 @@ class _Engine:
             else optuna.pruners.NopPruner()
         )
         try:
-            return optuna.create_study(
+            study = optuna.create_study(
                 storage=storage,
                 study_name=self.sc.study_name,
                 sampler=make_sampler(self.sc.searcher, self.sc.space),
@@ -316,6 +316,13 @@ class _Engine:
                 f"storage {self.sc.storage} already has a study named {self.sc.study_name!r}; "
                 "resume it with --resume, or set another study_name"
             ) from None
+        asked = len(study.get_trials(deepcopy=False))
+        if asked:
+            # the sampler's seed restarted with this process: offset it by the trials it
+            # already drew, else it would draw those trials' params again
+            seed = self.sc.searcher.seed + asked
+            study.sampler = make_sampler(replace(self.sc.searcher, seed=seed), self.sc.space)
+        return study
 
     def _restore(self, saved: dict[str, Any] | None) -> None:
         """Rebuild the engine's state from ``state.json`` and the study."""
@@ -332,16 +339,32 @@ class _Engine:
             self.elapsed_before = float(saved["elapsed_s"])
         trials = self.study.get_trials(deepcopy=False)
         self.asked = len(trials)
-        unfinished = {a.index for a in self.arrays if not a.done}
+        for a in self.arrays:
+            if a.done:
+                self.dir.remove_array(a.index)  # a crash may have come before its removal
+        # members each unfinished array's checkpoint holds; the others go back to a pool
+        known = {
+            a.index: ArrayTrainer.checkpointed_members(self.dir.array(a.index))
+            for a in self.arrays
+            if not a.done
+        }
         for t in sorted(trials, key=lambda t: t.number):
             if t.state != TrialState.RUNNING:
                 if t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL):
                     self.progress.states[t.state.name] += 1
-                    self.source.tell(t.number, t.params, _TOLD[t.state.name], t.value)
+                    try:
+                        told = self._params(t)
+                    except ValueError:  # failed before all its params were recorded
+                        told = dict(t.params)
+                    self.source.tell(t.number, told, _TOLD[t.state.name], t.value)
                 continue
             trial = optuna.Trial(self.study, t._trial_id)
             try:
-                sampled = self.sc.space.sample(trial)  # the recorded params (or new draws)
+                # the recorded params; a custom searcher's trial must have all of them, an
+                # Optuna trial interrupted while it was being sampled draws the rest
+                sampled = self.sc.space.sample(
+                    optuna.trial.FixedTrial(t.params) if self.custom is not None else trial
+                )
             except (ValueError, TypeError) as exc:
                 self._fail_unstarted(trial, exc)
                 continue
@@ -352,9 +375,7 @@ class _Engine:
             if t.intermediate_values:
                 self.reported[t.number] = max(t.intermediate_values)
             array = t.user_attrs.get("array")
-            if array in unfinished:
-                self.resumed.setdefault(array, []).append(Member(member_id(t.number), config))
-            else:
+            if not isinstance(array, int) or member_id(t.number) not in known.get(array, ()):
                 self._pool(key, Pending(t.number, config))
         best = self._best_trial()
         if best is not None and best.value is not None:
@@ -364,7 +385,7 @@ class _Engine:
                 "resuming: %d trials in the study, %d running, %d arrays unfinished",
                 len(trials),
                 len(self.live),
-                len(unfinished),
+                len(known),
             )
 
     def _save_state(self) -> None:
@@ -393,7 +414,9 @@ class _Engine:
     def _fill(self) -> None:
         """Ask trials until some pool holds a full array, or no more may be asked."""
         while self.pools.full(self.sizes) is None and self._can_ask():
-            if not self._ask():
+            before = self.asked
+            self._ask()
+            if self.asked == before:  # the searcher has nothing more
                 break
 
     def _ask(self) -> list[tuple[str, Pending]]:
@@ -613,7 +636,8 @@ class _Engine:
     def _keep_checkpoint(self, number: int, value: float, model: Mapping[str, Any]) -> None:
         """Keep trial ``number``'s weights if it is among the best completed trials."""
         sign = 1.0 if self.sc.mode == "max" else -1.0
-        ranked = sorted([*self.best, (value, number)], key=lambda b: (-sign * b[0], b[1]))
+        others = [b for b in self.best if b[1] != number]  # on_finish may come twice
+        ranked = sorted([*others, (value, number)], key=lambda b: (-sign * b[0], b[1]))
         keep, drop = ranked[:_KEEP_BEST], ranked[_KEEP_BEST:]
         if (value, number) in keep:
             atomic_save(dict(model), self.dir.checkpoint(number))

@@ -174,6 +174,17 @@ class ArrayTrainer:
         run = _Run(self, report, refill, on_finish)
         return run.execute(members, resume)
 
+    @staticmethod
+    def checkpointed_members(checkpoint_dir: str | os.PathLike[str]) -> set[str]:
+        """The ids of every member the checkpoint in ``checkpoint_dir`` holds (training or
+        finished): what ``run(..., resume=True)`` continues without being given them. Empty
+        when there is no checkpoint."""
+        path = Path(checkpoint_dir) / "array.pt"
+        if not path.exists():
+            return set()
+        payload = torch.load(path, map_location="cpu", weights_only=False)
+        return set(payload.get("order", []))
+
     def steps_per_epoch(self, config: Mapping[str, Any]) -> int:
         """Optimizer steps in one pass over the training data of ``config``."""
         train, _ = self._dataset(config)

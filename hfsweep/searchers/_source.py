@@ -88,6 +88,7 @@ class CustomSource(TrialSource):
                     f"{type(self.searcher).__name__}.ask() gave {config!r} for trial {number}; "
                     "a config is a dict of param values"
                 )
+            self.space.sample(_Given(None, config, self.space, number))  # check it all first
             trial = self.study.ask()
             if trial.number != number:
                 raise SearcherError(
@@ -95,7 +96,7 @@ class CustomSource(TrialSource):
                     "another process is adding trials to the same study; a custom searcher "
                     "needs the study to itself"
                 )
-            out.append((trial, self.space.sample(_Given(trial, config, self.space))))
+            out.append((trial, self.space.sample(_Given(trial, config, self.space, number))))
         return out
 
     def report(self, number: int, step: int, value: float) -> None:
@@ -109,14 +110,21 @@ class _Given:
     """A trial for ``SearchSpace.sample`` that answers each suggestion with the searcher's
     value, after checking it against the param's distribution, and records it in the study."""
 
-    def __init__(self, trial: optuna.Trial, config: Mapping[str, Any], space: SearchSpace) -> None:
-        self.trial = trial
+    def __init__(
+        self,
+        trial: optuna.Trial | None,
+        config: Mapping[str, Any],
+        space: SearchSpace,
+        number: int,
+    ) -> None:
+        self.trial = trial  # None: check the values only
+        self.number = number
         self.config = config
         self.space = space
         unknown = sorted(set(config) - set(space.names))
         if unknown:
             raise SearcherError(
-                f"the searcher's config for trial {trial.number} has key(s) "
+                f"the searcher's config for trial {number} has key(s) "
                 f"{', '.join(map(repr, unknown))} that are not in the search space; params: "
                 f"{', '.join(space.names)}"
             )
@@ -124,7 +132,7 @@ class _Given:
     def _given(self, name: str) -> Any:
         if name not in self.config:
             raise SearcherError(
-                f"the searcher's config for trial {self.trial.number} has no value for param "
+                f"the searcher's config for trial {self.number} has no value for param "
                 f"{name!r}; it gave {dict(self.config)!r}"
             )
         value = self.config[name]
@@ -138,11 +146,11 @@ class _Given:
             inside = False
         if not inside:
             raise SearcherError(
-                f"the searcher's config for trial {self.trial.number}: {name}={value!r} is "
+                f"the searcher's config for trial {self.number}: {name}={value!r} is "
                 f"outside the search space ({self.space.path}.{name}: {dist})"
             )
-        storage = self.trial.storage
-        storage.set_trial_param(self.trial._trial_id, name, internal, dist)
+        if self.trial is not None:
+            self.trial.storage.set_trial_param(self.trial._trial_id, name, internal, dist)
         return dist.to_external_repr(internal)
 
     def suggest_float(self, name: str, *args: Any, **kwargs: Any) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import csv
 import json
 import math
@@ -272,6 +273,48 @@ def test_a_crash_between_saving_and_telling_tells_once(
     result = hs.sweep(config, resume=True, progress=False)
     trials = result.study.get_trials()
     assert len(trials) == 4 and all(t.state == TrialState.COMPLETE for t in trials)
+    # the trial told twice over the crash is kept once among the best three checkpoints
+    ranked = sorted(trials, key=lambda t: (-t.value, t.number))
+    kept = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert kept == sorted(f"trial-{t.number}.pt" for t in ranked[:3])
+    best = json.loads((tmp_path / "run" / "best.json").read_text())
+    assert best["number"] == ranked[0].number
+
+
+def test_resume_with_more_trials_draws_new_configs(tmp_path: Path) -> None:
+    """The sampler is reseeded past the trials it drew, not restarted from the same seed."""
+    hs.sweep(sweep_config(tmp_path / "run", budget={"trials": 3, "epochs": 1}), progress=False)
+    more = hs.sweep(
+        sweep_config(tmp_path / "run", budget={"trials": 6, "epochs": 1}),
+        resume=True,
+        progress=False,
+    )
+    params = [tuple(sorted(t.params.items())) for t in more.study.get_trials()]
+    assert len(params) == 6 and len(set(params)) == 6
+
+
+def test_a_config_the_task_rejects_fails_alone(tmp_path: Path) -> None:
+    import dataclasses
+
+    task = copy.copy(TASK)
+    real_key = TASK.compatibility_key
+
+    def rejecting(config: Any) -> str:
+        if config["lr"] > 0.05:
+            raise ValueError(f"lr={config['lr']} is too large for this test task")
+        return real_key(config)
+
+    object.__setattr__(task, "compatibility_key", rejecting)  # Task is frozen
+    sc = dataclasses.replace(parse_sweep(sweep_config(tmp_path / "run")), task=task)
+    result = hs.sweep(sc, progress=False)
+    trials = result.study.get_trials()
+    assert len(trials) == 8 and all(t.state in FINAL for t in trials)
+    for t in trials:
+        if t.params["lr"] > 0.05:
+            assert t.state == TrialState.FAIL and "too large" in t.user_attrs["error"]
+        else:
+            assert t.state == TrialState.COMPLETE
+    assert {t.state for t in trials} == {TrialState.FAIL, TrialState.COMPLETE}
 
 
 class _ListSearcher(hs.Searcher):
