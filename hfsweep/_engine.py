@@ -271,14 +271,14 @@ class _Engine:
         if has_study and self.dir.config.exists():
             before = json.loads(self.dir.config.read_text(encoding="utf-8"))
             now = json.loads(json.dumps(self.sc.to_dict()))
+            flat_b, flat_n = _flatten(before), _flatten(now)
             changed = [
                 path
-                for path in sorted(set(_flatten(before)) | set(_flatten(now)))
-                if _flatten(before).get(path) != _flatten(now).get(path)
+                for path in sorted(flat_b.keys() | flat_n.keys())
+                if flat_b.get(path) != flat_n.get(path)
                 and not path.startswith(_MAY_CHANGE_ON_RESUME)
             ]
             if changed:
-                flat_b, flat_n = _flatten(before), _flatten(now)
                 raise SweepError(
                     f"cannot resume {self.dir.path}: the sweep config changed since it started: "
                     + "; ".join(f"{p}: {flat_b.get(p)!r} -> {flat_n.get(p)!r}" for p in changed[:5])
@@ -504,9 +504,7 @@ class _Engine:
         folder = self.dir.array(array.index)
         if members or (folder / "array.pt").exists():
             shared = self._describe(json.loads(array.key))
-            self.progress.array_started(
-                f"array {array.index}: {len(members)} x {shared}", len(members)
-            )
+            self.progress.array_started(f"array {array.index}: {len(members)} x {shared}")
             _log.info(
                 "array %d (%s): %s %d trials: %s",
                 array.index,
@@ -635,9 +633,8 @@ class _Engine:
 
     def _keep_checkpoint(self, number: int, value: float, model: Mapping[str, Any]) -> None:
         """Keep trial ``number``'s weights if it is among the best completed trials."""
-        sign = 1.0 if self.sc.mode == "max" else -1.0
         others = [b for b in self.best if b[1] != number]  # on_finish may come twice
-        ranked = sorted([*others, (value, number)], key=lambda b: (-sign * b[0], b[1]))
+        ranked = sorted([*others, (value, number)], key=lambda b: self._rank(*b))
         keep, drop = ranked[:_KEEP_BEST], ranked[_KEEP_BEST:]
         if (value, number) in keep:
             atomic_save(dict(model), self.dir.checkpoint(number))
@@ -647,14 +644,21 @@ class _Engine:
         self.best = keep
 
     # ------------------------------------------------------------------ results
-    def _best_trial(self) -> optuna.trial.FrozenTrial | None:
+    def _rank(self, value: float | None, number: int) -> tuple[float, int]:
+        """Sort key of a completed trial: best value first, then lower trial number."""
+        sign = 1.0 if self.sc.mode == "max" else -1.0
+        return (-sign * float(value or 0.0), number)
+
+    def _ranked(self) -> list[optuna.trial.FrozenTrial]:
+        """The completed trials, best first."""
         from optuna.trial import TrialState
 
         done = self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-        if not done:
-            return None
-        sign = 1.0 if self.sc.mode == "max" else -1.0
-        return min(done, key=lambda t: (-sign * float(t.value or 0.0), t.number))
+        return sorted(done, key=lambda t: self._rank(t.value, t.number))
+
+    def _best_trial(self) -> optuna.trial.FrozenTrial | None:
+        ranked = self._ranked()
+        return ranked[0] if ranked else None
 
     def _best_record(self, best: optuna.trial.FrozenTrial | None) -> dict[str, Any] | None:
         if best is None:
@@ -685,12 +689,8 @@ class _Engine:
         for t in trials:
             if t.state.name in counts:
                 counts[t.state.name] += 1
-        best = self._best_trial()
-        sign = 1.0 if self.sc.mode == "max" else -1.0
-        top = sorted(
-            (t for t in trials if t.state == TrialState.COMPLETE),
-            key=lambda t: (-sign * float(t.value or 0.0), t.number),
-        )
+        top = self._ranked()
+        best = top[0] if top else None
         record = self._best_record(best)
         ckpt = self.dir.checkpoint(best.number) if best is not None else None
         return SweepResult(

@@ -35,7 +35,6 @@ class Progress:
         self.interval = interval if self.tty else log_interval
         self.start = time.perf_counter()
         self.states = {"COMPLETE": 0, "PRUNED": 0, "FAIL": 0}
-        self.running = 0
         self.array: str = ""
         self.member_steps = 0
         self.best: tuple[float, int] | None = None
@@ -66,8 +65,9 @@ class Progress:
         self.member_steps += member_steps
         self.update()
 
-    def array_started(self, description: str, running: int) -> None:
-        self.array, self.running = description, running
+    def array_started(self, description: str) -> None:
+        """An array started (or resumed): ``description`` names it in the status line."""
+        self.array = description
         self.update(force=True)
 
     def line(self) -> str:
