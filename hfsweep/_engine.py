@@ -23,9 +23,11 @@ import json
 import logging
 import math
 import os
+import threading
 import time
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -37,7 +39,7 @@ from ._io import atomic_save
 from ._progress import Progress
 from ._rundir import RunDir, member_id, trial_number
 from .config import SweepConfig, load_sweep, make_sampler, make_searcher, parse_sweep
-from .executors import LocalExecutor
+from .executors import ExecutorError, LocalExecutor, Stopped
 from .packing import Pending, Pools
 from .schedulers import Decision, OptunaPruner, Report, make_scheduler
 from .search_spaces import FixedParam
@@ -48,12 +50,14 @@ from .trainer import ArrayTrainer, Evaluation, Member, MemberResult
 if TYPE_CHECKING:
     import optuna
 
+    from .executors._ray import RayExecutor
+
 __all__ = ["SweepError", "SweepResult", "sweep"]
 
 _log = logging.getLogger("hfsweep.sweep")
 
 #: settings a resumed sweep may change: they do not touch anything already trained
-_MAY_CHANGE_ON_RESUME = ("budget.trials", "budget.time_limit", "output")
+_MAY_CHANGE_ON_RESUME = ("budget.trials", "budget.time_limit", "output", "backend", "ray.")
 #: most trials one refill asks the searcher for while looking for one of the array's key
 _REFILL_ASKS = 3
 #: completed trials whose model state_dict is kept in checkpoints/
@@ -171,11 +175,6 @@ class _Engine:
     def __init__(
         self, sc: SweepConfig, *, resume: bool, progress: bool, searcher: Searcher | None
     ) -> None:
-        if sc.backend != "local":
-            raise SweepError(
-                f"backend {sc.backend!r} is not available yet: the Ray backend is planned; "
-                "use backend: local"
-            )
         self.sc = sc
         self.task = sc.task
         self.resume = resume
@@ -191,21 +190,13 @@ class _Engine:
             max_resource=budget.max_resource,
             **sc.scheduler.options,
         )
-        device = sc.fusion.device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise SweepError(f"fusion.device is {device!r} but torch sees no CUDA device")
-        self.executor = LocalExecutor(
-            self.task,
-            device=self.device,
-            dtype=_DTYPES[sc.fusion.dtype],
-            eval_every=sc.fusion.eval_every,
-        )
+        self.executor: LocalExecutor | RayExecutor | None = None
+        #: guards the engine's state: arrays training at once call the hooks from their threads
+        self._lock = threading.RLock()
         self.progress = Progress(self.total, sc.metric, enabled=progress)
         self.pools = Pools()
         self.sizes: dict[str, int] = {}
+        self._unsized: dict[str, Mapping[str, Any]] = {}  # keys met in a refill, sized later
         self.arrays: list[_Array] = []
         self.decisions: dict[str, bool] = {}
         self.ended: set[str] = set()
@@ -221,7 +212,7 @@ class _Engine:
     # ------------------------------------------------------------------ the run
     def run(self) -> SweepResult:
         saved = self._prepare_dir()
-        with self._logging(), _quiet_optuna():
+        with self._logging(), _quiet_optuna(), self._executor():
             self.study = self._open_study()
             self.source: TrialSource = (
                 OptunaSource(self.study, self.sc.space)
@@ -241,14 +232,9 @@ class _Engine:
                 self.dir.path,
             )
             try:
-                for array in [a for a in self.arrays if not a.done]:
-                    self._run_array(array, [], resume=True)
-                while True:
-                    self._fill()
-                    key = self.pools.pick(self.sizes)
-                    if key is None:
-                        break
-                    self._start_array(key)
+                self._train_arrays()
+            except ExecutorError as exc:
+                raise SweepError(f"the {self.sc.backend} backend cannot go on: {exc}") from exc
             finally:
                 self._save_state()
                 self.dir.write_trials(self.study.get_trials(deepcopy=False))
@@ -259,6 +245,40 @@ class _Engine:
         return result
 
     # ------------------------------------------------------------------ set-up and resume
+    @contextmanager
+    def _executor(self) -> Iterator[None]:
+        """The executor for the config's backend while the sweep runs, closed after."""
+        sc = self.sc
+        dtype = _DTYPES[sc.fusion.dtype]
+        if sc.backend == "ray":
+            from .executors._ray import RayExecutor
+
+            try:
+                self.executor = RayExecutor(
+                    self.task,
+                    device=sc.fusion.device,
+                    dtype=dtype,
+                    eval_every=sc.fusion.eval_every,
+                    settings=sc.ray,
+                )
+            except ExecutorError as exc:
+                raise SweepError(f"backend ray: {exc}") from exc
+            self.where = f"Ray ({self.executor.slots} arrays at once)"
+        else:
+            device = sc.fusion.device
+            if device == "auto":
+                device = "cuda" if torch.cuda.is_available() else "cpu"
+            if device.startswith("cuda") and not torch.cuda.is_available():
+                raise SweepError(f"fusion.device is {device!r} but torch sees no CUDA device")
+            self.executor = LocalExecutor(
+                self.task, device=device, dtype=dtype, eval_every=sc.fusion.eval_every
+            )
+            self.where = str(self.executor.device)
+        try:
+            yield
+        finally:
+            self.executor.close()
+
     def _prepare_dir(self) -> dict[str, Any] | None:
         state = self.dir.read_state()
         has_study = state is not None or (self.sc.storage is None and self.dir.journal.exists())
@@ -311,6 +331,11 @@ class _Engine:
                 direction="maximize" if self.sc.mode == "max" else "minimize",
                 load_if_exists=self.resume,
             )
+        except ImportError as exc:  # the storage URL's database driver
+            raise SweepError(
+                f"storage {self.sc.storage}: {exc}; install the database driver it names "
+                "(for postgresql://, pip install psycopg2-binary)"
+            ) from exc
         except optuna.exceptions.DuplicatedStudyError:
             raise SweepError(
                 f"storage {self.sc.storage} already has a study named {self.sc.study_name!r}; "
@@ -376,7 +401,7 @@ class _Engine:
                 self.reported[t.number] = max(t.intermediate_values)
             array = t.user_attrs.get("array")
             if not isinstance(array, int) or member_id(t.number) not in known.get(array, ()):
-                self._pool(key, Pending(t.number, config))
+                self._pool(key, Pending(t.number, config), size_now=True)
         best = self._best_trial()
         if best is not None and best.value is not None:
             self.progress.set_best(best.value, best.number)
@@ -413,13 +438,15 @@ class _Engine:
 
     def _fill(self) -> None:
         """Ask trials until some pool holds a full array, or no more may be asked."""
+        for key, config in list(self._unsized.items()):
+            self._size(key, config)
         while self.pools.full(self.sizes) is None and self._can_ask():
             before = self.asked
-            self._ask()
+            self._ask(size_now=True)
             if self.asked == before:  # the searcher has nothing more
                 break
 
-    def _ask(self) -> list[tuple[str, Pending]]:
+    def _ask(self, *, size_now: bool) -> list[tuple[str, Pending]]:
         """Ask one trial and pool it; returns ``[(key, pending)]`` (empty if none came)."""
         out = []
         for trial, sampled in self.source.ask(1):
@@ -429,7 +456,7 @@ class _Engine:
                 continue
             key, config = keyed
             pending = Pending(trial.number, config)
-            self._pool(key, pending)
+            self._pool(key, pending, size_now=size_now)
             out.append((key, pending))
         return out
 
@@ -453,31 +480,30 @@ class _Engine:
         if isinstance(self.scheduler, OptunaPruner) and member_id(trial.number) not in self.ended:
             self.scheduler.attach(member_id(trial.number), trial)
 
-    def _pool(self, key: str, pending: Pending) -> None:
+    def _pool(self, key: str, pending: Pending, *, size_now: bool) -> None:
+        """Pool a trial. A key seen for the first time gets its array size now, or, when an
+        array asked for it (``size_now=False``: the profiler may need a worker that array's
+        own may be waiting for), when the engine next starts an array."""
         if key not in self.sizes:
-            self.sizes[key] = self._array_size(pending.config)
-            self._save_state()
+            if size_now:
+                self._size(key, pending.config)
+            else:
+                self._unsized.setdefault(key, pending.config)
         self.pools.add(key, pending)
 
-    def _array_size(self, config: Mapping[str, Any]) -> int:
+    def _size(self, key: str, config: Mapping[str, Any]) -> None:
+        """Set the array size of ``key``: ``fusion.size``, or the profiler's choice."""
+        self._unsized.pop(key, None)
+        if key in self.sizes:
+            return
         size = self.sc.fusion.size
         if size == "auto":
-            from ._sizing import profile_task
-            from .profiler import ProfileCache
-
-            self._note(f"profiling array sizes for {self._describe(config)} on {self.device}")
-            profile = profile_task(
-                self.task,
-                config,
-                device=self.device,
-                dtype=self.executor.dtype,
-                cache=ProfileCache(),
-            )
-            _log.info(
-                "array size %d for %s: %s", profile.chosen, self._describe(config), profile.reason
-            )
-            size = profile.chosen
-        return max(1, min(int(size), self.total))
+            assert self.executor is not None
+            self._note(f"profiling array sizes for {self._describe(config)} on {self.where}")
+            size, reason = self.executor.array_size(config)
+            _log.info("array size %d for %s: %s", size, self._describe(config), reason)
+        self.sizes[key] = max(1, min(int(size), self.total))
+        self._save_state()
 
     def _fail_unstarted(self, trial: optuna.Trial, exc: Exception) -> None:
         from optuna.trial import TrialState
@@ -490,40 +516,94 @@ class _Engine:
         self.progress.finished("FAIL")
 
     # ------------------------------------------------------------------ arrays
-    def _start_array(self, key: str) -> None:
-        taken = self.pools.take(key, self.sizes[key])
-        array = _Array(index=len(self.arrays), key=key, size=self.sizes[key])
-        for p in taken:
-            self.live[p.number].set_user_attr("array", array.index)
-        self.arrays.append(array)
-        self._save_state()
-        members = [Member(member_id(p.number), p.config) for p in taken]
-        self._run_array(array, members, resume=False)
+    def _train_arrays(self) -> None:
+        """Finish the arrays a crash interrupted, then train new arrays until no trial is left:
+        one after another, or up to the executor's ``slots`` at once, each in a thread."""
+        assert self.executor is not None
+        waiting = [a for a in self.arrays if not a.done]
+        if self.executor.slots == 1:
+            for array in waiting:
+                self._run_array(array, [], resume=True)
+            while (started := self._next_array()) is not None:
+                self._run_array(*started, resume=False)
+            return
+        running: set[Future[None]] = set()
+        with ThreadPoolExecutor(self.executor.slots, thread_name_prefix="hfsweep-array") as pool:
+            try:
+                while True:
+                    while len(running) < self.executor.slots:
+                        if waiting:
+                            running.add(pool.submit(self._run_array, waiting.pop(0), [], True))
+                        elif (started := self._next_array()) is not None:
+                            running.add(pool.submit(self._run_array, *started, False))
+                        else:
+                            break
+                    if not running:
+                        return
+                    done, running = wait(running, timeout=0.5, return_when=FIRST_COMPLETED)
+                    for future in done:
+                        future.result()
+            except BaseException:
+                # stop the other arrays where they are: their checkpoints are kept for resume
+                self.executor.close()
+                wait(running)
+                raise
 
-    def _run_array(self, array: _Array, members: list[Member], *, resume: bool) -> None:
+    def _next_array(self) -> tuple[_Array, list[Member]] | None:
+        """Take a pool's trials as a new array (asking for trials as needed); ``None`` when
+        no trial is waiting and none may be asked."""
+        with self._lock:
+            self._fill()
+            key = self.pools.pick(self.sizes)
+            if key is None:
+                return None
+            taken = self.pools.take(key, self.sizes[key])
+            array = _Array(index=len(self.arrays), key=key, size=self.sizes[key])
+            for p in taken:
+                self.live[p.number].set_user_attr("array", array.index)
+            self.arrays.append(array)
+            self._save_state()
+            return array, [Member(member_id(p.number), p.config) for p in taken]
+
+    def _run_array(self, array: _Array, members: list[Member], resume: bool) -> None:
+        assert self.executor is not None
         folder = self.dir.array(array.index)
         if members or (folder / "array.pt").exists():
-            shared = self._describe(json.loads(array.key))
-            self.progress.array_started(f"array {array.index}: {len(members)} x {shared}")
-            _log.info(
-                "array %d (%s): %s %d trials: %s",
-                array.index,
-                shared,
-                "resuming with" if resume else "training",
-                len(members),
-                ", ".join(m.id for m in members),
-            )
-            self.executor.run_array(
-                folder,
-                members,
-                report=lambda evaluations: self._report(evaluations),
-                refill=lambda: self._refill(array),
-                on_finish=self._on_finish,
-                resume=resume,
-            )
-        array.done = True
-        self._save_state()
-        self.dir.remove_array(array.index)
+            with self._lock:
+                shared = self._describe(json.loads(array.key))
+                self.progress.array_started(f"array {array.index}: {len(members)} x {shared}")
+                _log.info(
+                    "array %d (%s): %s %d trials: %s",
+                    array.index,
+                    shared,
+                    "resuming with" if resume else "training",
+                    len(members),
+                    ", ".join(m.id for m in members),
+                )
+            try:
+                self.executor.run_array(
+                    folder,
+                    members,
+                    report=self._locked(self._report),
+                    refill=self._locked(lambda: self._refill(array)),
+                    on_finish=self._locked(self._on_finish),
+                    resume=resume,
+                )
+            except Stopped:
+                return
+        with self._lock:
+            array.done = True
+            self._save_state()
+            self.dir.remove_array(array.index)
+
+    def _locked(self, hook: Callable[..., Any]) -> Callable[..., Any]:
+        """``hook`` run under the engine's lock (arrays in threads call hooks concurrently)."""
+
+        def call(*args: Any) -> Any:
+            with self._lock:
+                return hook(*args)
+
+        return call
 
     def _refill(self, array: _Array) -> Member | None:
         """A trial of the array's key for a freed slot: a waiting one, else a new one."""
@@ -531,7 +611,7 @@ class _Engine:
         asks = 0
         while not taken and asks < _REFILL_ASKS and self._can_ask():
             asks += 1
-            if any(key == array.key for key, _ in self._ask()):
+            if any(key == array.key for key, _ in self._ask(size_now=False)):
                 taken = self.pools.take(array.key, 1)
         if not taken:
             return None

@@ -38,7 +38,14 @@ A sweep file is one YAML mapping. Every key, with its default::
       device: auto              # auto (cuda if available, else cpu), cpu, cuda or cuda:N
       dtype: float32            # float32, float64 or bfloat16
       eval_every: null          # evaluate every this many steps (int >= 1); null: every epoch
-    backend: local              # local (in-process) or ray
+    backend: local              # local (in-process) or ray (arrays on a Ray cluster)
+    ray:                        # only with backend: ray
+      address: null             # null: start a local Ray for the run; "auto", "host:6379" or
+                                #   "ray://host:10001" to use a running cluster
+      cpus_per_array: 1         # CPUs each array's actor reserves (a number > 0)
+      gpus_per_array: auto      # auto (1 when fusion.device is cuda or auto, else 0) or a number
+      max_concurrent: null      # arrays training at once; null: as many as the cluster fits
+      max_failures: 3           # restarts of an array from its checkpoint after its worker died
     storage: null               # null: an Optuna journal file in the run directory; or an Optuna
                                 #   RDB URL (sqlite:///study.db, postgresql://user@host/db, ...)
     output: runs/<file stem>    # the run directory, relative to the sweep file's folder
@@ -93,6 +100,7 @@ __all__ = [
     "Budget",
     "ConfigError",
     "FusionConfig",
+    "RayConfig",
     "SchedulerConfig",
     "SearcherConfig",
     "SweepConfig",
@@ -153,6 +161,7 @@ _TOP_KEYS = (
     "mode",
     "fusion",
     "backend",
+    "ray",
     "storage",
     "output",
     "study_name",
@@ -161,6 +170,7 @@ _TOP_KEYS = (
 _REQUIRED = ("task", "search_space", "budget", "metric", "mode")
 _BUDGET = ("trials", "epochs", "steps", "time_limit")
 _FUSION = ("size", "device", "dtype", "eval_every")
+_RAY = ("address", "cpus_per_array", "gpus_per_array", "max_concurrent", "max_failures")
 _SEARCHER = ("name", "seed", "options")
 _SCHEDULER = ("name", "options")
 
@@ -266,6 +276,28 @@ class FusionConfig:
 
 
 @dataclass(frozen=True)
+class RayConfig:
+    """Where ``backend: ray`` trains arrays: the cluster's ``address`` (``None``: a local Ray
+    started for the run), the resources each array's actor reserves (``gpus_per_array`` ``None``
+    means one GPU when the device may be CUDA), at most ``max_concurrent`` arrays at once
+    (``None``: as many as the cluster's resources fit) and ``max_failures`` restarts of an array
+    from its checkpoint when its worker dies."""
+
+    address: str | None = None
+    cpus_per_array: float = 1.0
+    gpus_per_array: float | None = None
+    max_concurrent: int | None = None
+    max_failures: int = 3
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``ray:`` mapping (``gpus_per_array`` ``None`` written as ``"auto"``)."""
+        out = dataclasses.asdict(self)
+        if self.gpus_per_array is None:
+            out["gpus_per_array"] = "auto"
+        return out
+
+
+@dataclass(frozen=True)
 class SweepConfig:
     """A validated sweep: what :func:`load_sweep` and :func:`parse_sweep` return.
 
@@ -291,6 +323,7 @@ class SweepConfig:
     study_name: str
     seed: int
     source: Path | None = None
+    ray: RayConfig = field(default_factory=RayConfig)
 
     def trial_config(self, sampled: Mapping[str, Any]) -> dict[str, Any]:
         """A trial's task config: the fixed ``config``, the ``sampled`` values and the budget."""
@@ -311,6 +344,7 @@ class SweepConfig:
             "mode": self.mode,
             "fusion": self.fusion.to_dict(),
             "backend": self.backend,
+            **({"ray": self.ray.to_dict()} if self.backend == "ray" else {}),
             "storage": self.storage,
             "output": str(self.output),
             "study_name": self.study_name,
@@ -546,6 +580,7 @@ class _Parser:
         backend = self.choice(top.get("backend", "local"), BACKENDS, "backend")
         if backend == "ray" and importlib.util.find_spec("ray") is None:
             raise self.error("backend", "backend 'ray' needs Ray: pip install 'ray[tune]'")
+        ray = self.ray(top.get("ray"), backend)
         storage = self.storage(top.get("storage"))
         stem = self.source.stem if self.source is not None else "sweep"
         study_name = top.get("study_name")
@@ -569,6 +604,7 @@ class _Parser:
             study_name=study_name,
             seed=seed,
             source=self.source,
+            ray=ray,
         )
 
     # ---------------------------------------------------------------- sections
@@ -891,6 +927,45 @@ class _Parser:
         if every is not None:
             every = self.integer(every, "fusion.eval_every", 1)
         return FusionConfig(size=size, device=device, dtype=dtype, eval_every=every)
+
+    def ray(self, raw: object, backend: str) -> RayConfig:
+        if raw is None:
+            return RayConfig()
+        r = self.mapping(raw, "ray", "{address: auto, cpus_per_array: 1}")
+        if backend != "ray" and r:
+            raise self.error(
+                "ray", "ray settings only apply with backend: ray; set backend: ray or remove them"
+            )
+        self.keys(r, _RAY, "ray")
+        address = r.get("address")
+        if address is not None:
+            address = self.string(
+                address, "ray.address", 'null, "auto", "host:6379" or "ray://host:10001"'
+            )
+        cpus = r.get("cpus_per_array", 1.0)
+        if not _is_number(cpus) or not cpus > 0:
+            raise self.error(
+                "ray.cpus_per_array", f"{cpus!r} is not a number > 0 (CPUs per array's actor)"
+            )
+        gpus = r.get("gpus_per_array", "auto")
+        if gpus == "auto":
+            gpus = None
+        elif not _is_number(gpus) or gpus < 0:
+            raise self.error(
+                "ray.gpus_per_array",
+                f"{gpus!r} is not 'auto' or a number >= 0 (GPUs per array's actor)",
+            )
+        most = r.get("max_concurrent")
+        if most is not None:
+            most = self.integer(most, "ray.max_concurrent", 1)
+        failures = self.integer(r.get("max_failures", 3), "ray.max_failures", 0)
+        return RayConfig(
+            address=address,
+            cpus_per_array=float(cpus),
+            gpus_per_array=None if gpus is None else float(gpus),
+            max_concurrent=most,
+            max_failures=failures,
+        )
 
     def storage(self, raw: object) -> str | None:
         if raw is None:

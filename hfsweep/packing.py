@@ -57,22 +57,28 @@ class Pools:
             yield from pool
 
     def full(self, capacity: Mapping[str, int]) -> str | None:
-        """The first key whose pool holds at least its array size ``capacity[key]``."""
+        """The first key whose pool holds at least its array size ``capacity[key]`` (keys
+        without a size yet are skipped)."""
         for key, pool in self._pools.items():
-            if pool and len(pool) >= capacity[key]:
+            if pool and key in capacity and len(pool) >= capacity[key]:
                 return key
         return None
 
     def pick(self, capacity: Mapping[str, int]) -> str | None:
         """The key to start an array for: a full pool if there is one, else the fullest
-        (relative to its array size); ``None`` when every pool is empty."""
+        (relative to its array size); ``None`` when every pool of a sized key is empty."""
         full = self.full(capacity)
         if full is not None:
             return full
         best: str | None = None
         for key, pool in self._pools.items():
-            if pool and (
-                best is None or len(pool) / capacity[key] > len(self._pools[best]) / capacity[best]
+            if (
+                pool
+                and key in capacity
+                and (
+                    best is None
+                    or len(pool) / capacity[key] > len(self._pools[best]) / capacity[best]
+                )
             ):
                 best = key
         return best

@@ -1,6 +1,7 @@
 """Executors: where the engine's arrays train. ``local`` (in this process, on one device) is
-the default; the Ray backend (arrays spread over a cluster) is not built yet."""
+the default; ``ray`` trains arrays in Ray actors across a cluster (Ray is imported only then)."""
 
+from ._errors import ExecutorError, Stopped
 from .local import LocalExecutor
 
-__all__ = ["LocalExecutor"]
+__all__ = ["ExecutorError", "LocalExecutor", "Stopped"]

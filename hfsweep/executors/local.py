@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -35,6 +35,23 @@ class LocalExecutor:
         self.eval_every = eval_every
         #: traced forwards shared by every array of this sweep (see ArrayTrainer)
         self._trace_cache: dict[str, dict[Any, Any]] = {}
+
+    #: arrays this executor trains at once
+    slots = 1
+
+    def array_size(self, config: Mapping[str, Any]) -> tuple[int, str]:
+        """The profiler's array size for ``config`` on this device, and why (profiles are
+        cached by architecture, optimizer, input, dtype and hardware)."""
+        from .._sizing import profile_task
+        from ..profiler import ProfileCache
+
+        profile = profile_task(
+            self.task, config, device=self.device, dtype=self.dtype, cache=ProfileCache()
+        )
+        return profile.chosen, profile.reason
+
+    def close(self) -> None:
+        """Nothing to release: the arrays trained in this process."""
 
     def run_array(
         self,

@@ -375,3 +375,16 @@ def test_min_mode_keeps_the_lowest_values(tmp_path: Path) -> None:
     values = [t.value for t in result.study.get_trials()]
     assert result.best_value == min(values)
     assert all(math.isfinite(v) for v in values)
+
+
+def test_a_storage_without_its_database_driver_is_a_clear_error(tmp_path: Path) -> None:
+    pytest.importorskip("sqlalchemy")
+    try:
+        import psycopg2  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("psycopg2 is installed")
+    config = sweep_config(tmp_path / "run", storage="postgresql://user@127.0.0.1:1/optuna")
+    with pytest.raises(hs.SweepError, match=r"pip install psycopg2-binary"):
+        hs.sweep(config, progress=False)

@@ -87,9 +87,10 @@ def test_run_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     ray = tmp_path / "ray.yaml"
     ray.write_text(
         "task: digits_mlp\nsearch_space: sgd_momentum\nbudget: {trials: 1, epochs: 1}\n"
-        "metric: val_accuracy\nmode: max\nbackend: ray\n"
+        "metric: val_accuracy\nmode: max\nbackend: ray\nray: {cpus_per_array: 0}\n"
     )
     assert main(["run", str(ray)]) == 2
-    assert "backend 'ray' is not available yet" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "ray.cpus_per_array" in err and "0" in err and not (tmp_path / "runs").exists()
     assert main(["report", str(tmp_path / "nothing")]) == 2
     assert "nothing" in capsys.readouterr().err

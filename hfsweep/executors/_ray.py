@@ -1,0 +1,306 @@
+"""The Ray executor: the engine's arrays train in Ray actors across a cluster.
+
+The driver (the process running ``hfsweep run``) keeps the searcher, the scheduler, the packer
+and the study; each array trains in an actor that reserves ``ray.cpus_per_array`` CPUs and
+``ray.gpus_per_array`` GPUs, and the arrays' hook calls come back to the driver (see
+:mod:`hfsweep.executors._worker`). Actors are pooled and reused, so a worker's traced forwards
+serve the next array it trains. When an actor's process dies (a lost node, an out-of-memory
+kill), its array restarts from its last checkpoint on a new actor: the trainer's checkpoints
+are written to the run directory, which every node must see (one machine, or a shared file
+system on a cluster).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .._task import Task
+from ..trainer import ArrayTrainer, Member, MemberResult, RefillHook, ReportHook
+from ._errors import ExecutorError, Stopped
+from ._worker import ArrayWorker
+
+if TYPE_CHECKING:
+    from ..config import RayConfig
+
+__all__ = ["RayExecutor"]
+
+_log = logging.getLogger("hfsweep.ray")
+#: seconds to wait for a cluster given by address to hold one array (its workers may be joining)
+_JOIN_WAIT_S = 60.0
+
+
+class RayExecutor:
+    """Trains arrays of ``task`` in Ray actors; ``slots`` arrays train at once.
+
+    Connects to the Ray cluster at ``settings.address``, or uses the Ray this process already
+    initialised, or starts a local one for the run (shut down by :meth:`close`).
+    """
+
+    def __init__(
+        self,
+        task: Task,
+        *,
+        device: str,
+        dtype: torch.dtype,
+        eval_every: int | None,
+        settings: RayConfig,
+    ) -> None:
+        import ray
+
+        self.task = task
+        self.device = device
+        self.dtype = dtype
+        self.eval_every = eval_every
+        self.settings = settings
+        self._owns_ray = not ray.is_initialized()
+        if self._owns_ray:
+            # a Ray started for this run serves this machine only
+            local: dict[str, Any] = (
+                {"_node_ip_address": "127.0.0.1"} if settings.address is None else {}
+            )
+            ray.init(
+                address=settings.address,
+                include_dashboard=False,
+                logging_level=logging.WARNING,
+                log_to_driver=False,
+                **local,
+            )
+        _pickle_task_by_value(task)
+        want_gpu = settings.gpus_per_array
+        if want_gpu is None:
+            gpus = float(ray.cluster_resources().get("GPU", 0.0))
+            want_gpu = 1.0 if device.startswith("cuda") or (device == "auto" and gpus) else 0.0
+        if device.startswith("cuda") and not want_gpu:
+            raise ExecutorError(
+                f"fusion.device is {device!r} but ray.gpus_per_array is 0: give each array a GPU"
+            )
+        self.cpus_per_array = settings.cpus_per_array
+        self.gpus_per_array = want_gpu
+        # a cluster's workers may still be joining: wait a while for room for one array
+        deadline = time.monotonic() + (_JOIN_WAIT_S if settings.address is not None else 0.0)
+        while True:
+            fit, cpus, gpus = self._fit()
+            if fit >= 1 or time.monotonic() >= deadline:
+                break
+            time.sleep(1.0)
+        if fit < 1:
+            raise ExecutorError(
+                f"the Ray cluster ({cpus:g} CPUs, {gpus:g} GPUs) cannot hold one array's actor "
+                f"({self.cpus_per_array:g} CPUs, {want_gpu:g} GPUs); lower ray.cpus_per_array "
+                "or ray.gpus_per_array, or add nodes"
+            )
+        #: arrays training at once
+        self.slots = min(fit, settings.max_concurrent or fit)
+        self._idle: list[Any] = []
+        self._made = 0
+        self._busy: set[Any] = set()
+        self._closed = False
+        self._cond = threading.Condition()
+        _log.info(
+            "Ray backend: %d arrays at once, each %g CPUs and %g GPUs (cluster: %g CPUs, %g GPUs)",
+            self.slots,
+            self.cpus_per_array,
+            want_gpu,
+            cpus,
+            gpus,
+        )
+
+    def _fit(self) -> tuple[int, float, float]:
+        """How many arrays the cluster's resources hold at once, and its CPUs and GPUs."""
+        import ray
+
+        resources = ray.cluster_resources()
+        cpus = float(resources.get("CPU", 0.0))
+        gpus = float(resources.get("GPU", 0.0))
+        fits = [cpus / self.cpus_per_array]
+        if self.gpus_per_array:
+            fits.append(gpus / self.gpus_per_array)
+        return math.floor(min(fits) + 1e-9), cpus, gpus
+
+    # ------------------------------------------------------------------ actors
+    def _acquire(self) -> Any:
+        import ray
+
+        with self._cond:
+            while not self._idle and self._made >= self.slots and not self._closed:
+                self._cond.wait()
+            if self._closed:
+                raise Stopped
+            if self._idle:
+                actor = self._idle.pop()
+            else:
+                self._made += 1
+                remote = ray.remote(
+                    num_cpus=self.cpus_per_array, num_gpus=self.gpus_per_array, max_restarts=0
+                )(ArrayWorker)
+                actor = remote.remote(
+                    self.task,
+                    device=self.device,
+                    dtype=self.dtype,
+                    eval_every=self.eval_every,
+                    threads=max(1, int(self.cpus_per_array)),
+                )
+            self._busy.add(actor)
+            return actor
+
+    def _release(self, actor: Any, *, dead: bool = False) -> None:
+        import ray
+
+        with self._cond:
+            self._busy.discard(actor)
+            if dead:
+                self._made -= 1
+                ray.kill(actor, no_restart=True)
+            elif not self._closed:
+                self._idle.append(actor)
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Stop every actor (arrays still training raise :class:`Stopped` in their threads)
+        and shut down the Ray this executor started."""
+        import ray
+
+        with self._cond:
+            self._closed = True
+            actors = [*self._idle, *self._busy]
+            self._idle.clear()
+            self._cond.notify_all()
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
+        if self._owns_ray and ray.is_initialized():
+            ray.shutdown()
+
+    # ------------------------------------------------------------------ work
+    def array_size(self, config: Mapping[str, Any]) -> tuple[int, str]:
+        """The profiler's array size for ``config``, measured on a worker's device."""
+        import ray
+
+        actor = self._acquire()
+        try:
+            size, reason = ray.get(actor.array_size.remote(dict(config)))
+        except BaseException:
+            self._release(actor, dead=True)
+            raise
+        self._release(actor)
+        return int(size), str(reason)
+
+    def run_array(
+        self,
+        checkpoint_dir: str | os.PathLike[str],
+        members: Sequence[Member],
+        *,
+        report: ReportHook,
+        refill: RefillHook,
+        on_finish: Callable[[MemberResult], None],
+        resume: bool,
+    ) -> None:
+        """Train ``members`` (and the trials ``refill`` adds) in an actor until every one has
+        ended; the hooks run in this thread. A dead actor's array restarts from its checkpoint
+        on a new actor, at most ``ray.max_failures`` times."""
+        from ray.exceptions import RayActorError
+
+        folder = str(checkpoint_dir)
+        #: members this array trains that have not ended: given, or added by refill
+        active = {m.id: m for m in members}
+        failures = 0
+        start: list[Member] = list(members)
+        while True:
+            actor = self._acquire()
+            try:
+                self._drive(actor, folder, start, resume, active, report, refill, on_finish)
+            except RayActorError as exc:
+                self._release(actor, dead=True)
+                if self._closed:
+                    raise Stopped from None
+                if getattr(exc, "actor_init_failed", False):
+                    raise ExecutorError(
+                        "a Ray worker could not start (is hfsweep, and the module defining the "
+                        f"task, importable on every node?): {exc}"
+                    ) from exc
+                failures += 1
+                if failures > self.settings.max_failures:
+                    raise ExecutorError(
+                        f"the worker training array folder {folder} died {failures} times "
+                        f"(ray.max_failures is {self.settings.max_failures}); last error: {exc}"
+                    ) from exc
+                known = ArrayTrainer.checkpointed_members(folder)
+                start = [m for m in active.values() if m.id not in known]
+                resume = True
+                _log.warning(
+                    "the worker training %s died (%s); restarting it from its checkpoint "
+                    "(%d of %d restarts)",
+                    folder,
+                    str(exc).strip().splitlines()[-1][:300]
+                    if str(exc).strip()
+                    else type(exc).__name__,
+                    failures,
+                    self.settings.max_failures,
+                )
+                continue
+            except BaseException:
+                self._release(actor, dead=True)
+                raise
+            self._release(actor)
+            return
+
+    def _drive(
+        self,
+        actor: Any,
+        folder: str,
+        members: list[Member],
+        resume: bool,
+        active: dict[str, Member],
+        report: ReportHook,
+        refill: RefillHook,
+        on_finish: Callable[[MemberResult], None],
+    ) -> None:
+        """Answer ``actor``'s hook events until its array is done."""
+        import ray
+
+        kind, payload = ray.get(actor.start.remote(folder, members, resume))
+        while kind != "done":
+            answer: Any = None
+            if kind == "report":
+                answer = report(payload)
+            elif kind == "refill":
+                answer = refill()
+                if answer is not None:
+                    active[answer.id] = answer
+            elif kind == "finish":
+                on_finish(payload)
+                active.pop(payload.id, None)
+            elif kind == "error":
+                exc, text = payload
+                _log.error("the Ray worker training %s failed:\n%s", folder, text)
+                if isinstance(exc, BaseException):
+                    raise exc
+                raise ExecutorError(f"the Ray worker training {folder} failed:\n{text}")
+            else:
+                raise ExecutorError(f"unknown event {kind!r} from the Ray worker")
+            kind, payload = ray.get(actor.reply.remote(answer))
+
+
+def _pickle_task_by_value(task: Task) -> None:
+    """Send a task defined in a file loaded by path (``path/to/task.py:TASK``) to the workers
+    by value: they cannot import the driver's module of that generated name."""
+    import dataclasses
+
+    from ray import cloudpickle
+
+    values = [getattr(task, f.name) for f in dataclasses.fields(task)]
+    for field_value in list(values):
+        if isinstance(field_value, Mapping):  # metrics given as {name: function}
+            values.extend(field_value.values())
+    for value in values:
+        module = sys.modules.get(getattr(value, "__module__", None) or "")
+        if module is not None and module.__name__.startswith("_hfsweep_entry_"):
+            cloudpickle.register_pickle_by_value(module)

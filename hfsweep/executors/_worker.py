@@ -1,0 +1,102 @@
+"""What runs inside a Ray actor of the Ray backend: a local executor whose hooks become events.
+
+The engine's hooks (report, refill, on_finish) are synchronous calls into the driver, which
+holds the searcher, the scheduler and the study. In an actor, the array trains in a thread of
+its own; each hook call puts an event in a queue and waits for the driver's answer, which the
+driver sends with the next :meth:`ArrayWorker.reply`. So the driver sees the same sequence of
+hook calls as with the local backend, and the engine's crash safety holds unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import threading
+import traceback
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from .._task import Task
+from ..trainer import Member
+from .local import LocalExecutor
+
+__all__ = ["ArrayWorker", "Event"]
+
+#: ``(kind, payload)``: ``("report", [Evaluation])``, ``("refill", None)``,
+#: ``("finish", MemberResult)``, ``("done", None)`` or ``("error", (exception, traceback))``
+Event = tuple[str, Any]
+
+
+class ArrayWorker:
+    """Trains one array at a time on this actor's device (see the module docstring).
+
+    ``device`` ``"auto"`` means CUDA when the actor sees a GPU, else the CPU; ``threads`` caps
+    torch's intra-op threads at the CPUs the actor reserved, so arrays sharing a machine do not
+    oversubscribe it. A worker keeps its traced forwards across the arrays it trains.
+    """
+
+    def __init__(
+        self,
+        task: Task,
+        *,
+        device: str,
+        dtype: torch.dtype,
+        eval_every: int | None,
+        threads: int,
+    ) -> None:
+        torch.set_num_threads(max(1, threads))
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise RuntimeError(
+                f"fusion.device is {device!r} but the Ray worker on {socket.gethostname()} sees "
+                "no CUDA device; give the arrays GPUs (ray.gpus_per_array) or use device: cpu"
+            )
+        self.local = LocalExecutor(task, device=device, dtype=dtype, eval_every=eval_every)
+        self._events: queue.Queue[Event] = queue.Queue()
+        self._answers: queue.Queue[Any] = queue.Queue()
+
+    def where(self) -> str:
+        """This worker's host, process and device, for the driver's log."""
+        return f"{socket.gethostname()} pid {os.getpid()} {self.local.device}"
+
+    def array_size(self, config: Mapping[str, Any]) -> tuple[int, str]:
+        """The profiler's array size for ``config`` on this worker's device, and why."""
+        return self.local.array_size(config)
+
+    def start(self, folder: str, members: Sequence[Member], resume: bool) -> Event:
+        """Start training an array in a thread; returns its first event."""
+        self._events = queue.Queue()
+        self._answers = queue.Queue()
+        thread = threading.Thread(
+            target=self._train, args=(folder, list(members), resume), daemon=True
+        )
+        thread.start()
+        return self._events.get()
+
+    def reply(self, answer: Any) -> Event:
+        """Answer the last event; returns the next one."""
+        self._answers.put(answer)
+        return self._events.get()
+
+    def _hook(self, kind: str, payload: Any) -> Any:
+        self._events.put((kind, payload))
+        return self._answers.get()
+
+    def _train(self, folder: str, members: list[Member], resume: bool) -> None:
+        try:
+            self.local.run_array(
+                folder,
+                members,
+                report=lambda evaluations: self._hook("report", evaluations),
+                refill=lambda: self._hook("refill", None),
+                on_finish=lambda result: self._hook("finish", result),
+                resume=resume,
+            )
+        except BaseException as exc:  # handed to the driver, which raises it
+            self._events.put(("error", (exc, traceback.format_exc())))
+        else:
+            self._events.put(("done", None))

@@ -1,0 +1,193 @@
+"""`backend: ray`: arrays trained in Ray actors on a local Ray (2 CPUs, loopback, no dashboard).
+
+The driver keeps the searcher, scheduler and study, so with one array at a time the Ray backend
+must reproduce the local backend value for value; with two at once every budgeted trial must
+still end once; and a worker that dies must be replaced, its array continuing from its
+checkpoint exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+
+import hfsweep as hs
+
+from . import _crashy
+from ._toy import sweep_config
+
+ray = pytest.importorskip("ray")
+
+pytestmark = pytest.mark.slow
+
+_FLAG = "HFSWEEP_TEST_CRASH_FLAG"
+_ASHA = {"name": "asha", "options": {"grace_period": 1, "reduction_factor": 2}}
+
+
+@pytest.fixture(scope="module")
+def local_ray(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    # the workers inherit the environment Ray starts with: the crash flag's path is set first
+    flag = tmp_path_factory.mktemp("crash") / "die-once"
+    os.environ[_FLAG] = str(flag)
+    # pytest imports this folder's modules as the package ``sweep`` from tests/
+    path = os.environ.get("PYTHONPATH")
+    tests = str(Path(__file__).resolve().parents[1])
+    os.environ["PYTHONPATH"] = tests + (os.pathsep + path if path else "")
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        logging_level=logging.WARNING,
+        log_to_driver=False,
+    )
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        os.environ.pop(_FLAG, None)
+        if path is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = path
+
+
+@pytest.fixture
+def told(monkeypatch: pytest.MonkeyPatch) -> Counter[int]:
+    """How many times each trial of the sweep's study was told."""
+    counts: Counter[int] = Counter()
+    real_tell = optuna.Study.tell
+
+    def counting_tell(self: optuna.Study, trial: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.study_name == "sweep":
+            counts[trial if isinstance(trial, int) else trial.number] += 1
+        return real_tell(self, trial, *args, **kwargs)
+
+    monkeypatch.setattr(optuna.Study, "tell", counting_tell)
+    return counts
+
+
+def _same_trials(got: hs.SweepResult, want: hs.SweepResult) -> None:
+    a = {t.number: t for t in got.study.get_trials()}
+    b = {t.number: t for t in want.study.get_trials()}
+    assert sorted(a) == sorted(b)
+    for n, t in b.items():
+        assert a[n].state == t.state, n
+        assert a[n].params == t.params, n
+        assert a[n].intermediate_values == pytest.approx(t.intermediate_values), n
+        assert a[n].value == pytest.approx(t.value), n
+
+
+def test_one_array_at_a_time_reproduces_the_local_backend(
+    local_ray: None, tmp_path: Path, told: Counter[int]
+) -> None:
+    kw: dict[str, Any] = {"scheduler": _ASHA, "budget": {"trials": 12, "epochs": 3}}
+    local = hs.sweep(sweep_config(tmp_path / "local", **kw), progress=False)
+    told.clear()
+    on_ray = hs.sweep(
+        sweep_config(tmp_path / "ray", backend="ray", ray={"max_concurrent": 1}, **kw),
+        progress=False,
+    )
+    _same_trials(on_ray, local)
+    assert told == Counter(range(12))
+    assert on_ray.best_trial is not None and on_ray.best_checkpoint is not None
+    for name in ("trials.csv", "best.json", "sweep.json", "state.json", "optuna.journal"):
+        assert (on_ray.run_dir / name).is_file(), name
+    assert sorted(p.name for p in (on_ray.run_dir / "histories").iterdir()) == sorted(
+        p.name for p in (local.run_dir / "histories").iterdir()
+    )
+    assert not list((on_ray.run_dir / "arrays").glob("*"))  # finished arrays are cleaned up
+    assert "Ray backend: 1 arrays at once" in (on_ray.run_dir / "sweep.log").read_text()
+
+
+def test_two_arrays_at_once_end_every_budgeted_trial_once(
+    local_ray: None, tmp_path: Path, told: Counter[int]
+) -> None:
+    result = hs.sweep(
+        sweep_config(
+            tmp_path / "run",
+            backend="ray",
+            scheduler=_ASHA,
+            budget={"trials": 16, "epochs": 3},
+        ),
+        progress=False,
+    )
+    trials = result.study.get_trials()
+    assert [t.number for t in trials] == list(range(16))
+    assert all(t.state.is_finished() for t in trials)
+    assert told == Counter(range(16))
+    assert result.counts["COMPLETE"] >= 1 and result.counts["PRUNED"] >= 1
+    arrays = {t.user_attrs["array"] for t in trials}
+    assert len(arrays) >= 2
+    log = (result.run_dir / "sweep.log").read_text()
+    assert "Ray backend: 2 arrays at once" in log
+    # both arrays were training at the same time: the second started before the first ended
+    assert log.index("array 1 (") < log.rindex("trial ")
+
+
+def test_a_dead_worker_is_replaced_and_its_array_resumes_exactly(
+    local_ray: None, tmp_path: Path, told: Counter[int]
+) -> None:
+    kw: dict[str, Any] = {
+        "task": _crashy.TASK,
+        "scheduler": "fifo",
+        "budget": {"trials": 8, "epochs": 3},
+    }
+    reference = hs.sweep(sweep_config(tmp_path / "local", **kw), progress=False)
+    told.clear()
+    flag = Path(os.environ[_FLAG])
+    flag.write_text("")
+    result = hs.sweep(
+        sweep_config(tmp_path / "ray", backend="ray", ray={"max_concurrent": 1}, **kw),
+        progress=False,
+    )
+    assert not flag.exists()  # a worker drew the batch and died
+    log = (result.run_dir / "sweep.log").read_text()
+    assert "died" in log and "restarting it from its checkpoint (1 of 3 restarts)" in log
+    _same_trials(result, reference)
+    assert told == Counter(range(8))
+
+
+def test_a_worker_that_keeps_dying_ends_the_sweep_with_a_clear_error(
+    local_ray: None, tmp_path: Path
+) -> None:
+    flag = Path(os.environ[_FLAG])
+    flag.write_text("")
+    with pytest.raises(hs.SweepError, match=r"died 1 times \(ray.max_failures is 0\)"):
+        hs.sweep(
+            sweep_config(
+                tmp_path / "run",
+                task=_crashy.TASK,
+                backend="ray",
+                ray={"max_failures": 0},
+                budget={"trials": 4, "epochs": 3},
+            ),
+            progress=False,
+        )
+    # the trials are still running in the study: the sweep resumes from the checkpoints
+    resumed = hs.sweep(
+        sweep_config(
+            tmp_path / "run",
+            task=_crashy.TASK,
+            backend="ray",
+            ray={"max_failures": 0},
+            budget={"trials": 4, "epochs": 3},
+        ),
+        resume=True,
+        progress=False,
+    )
+    assert resumed.counts == {"COMPLETE": 4, "PRUNED": 0, "FAIL": 0, "RUNNING": 0}
+
+
+def test_a_cluster_too_small_for_one_array_is_refused(local_ray: None, tmp_path: Path) -> None:
+    with pytest.raises(hs.SweepError, match=r"cannot hold one array's actor \(4 CPUs"):
+        hs.sweep(
+            sweep_config(tmp_path / "run", backend="ray", ray={"cpus_per_array": 4}),
+            progress=False,
+        )
