@@ -26,7 +26,7 @@ pytestmark = [
 ]
 
 
-def _write_sweep(folder: Path) -> Path:
+def _write_sweep(folder: Path, backend: str = "local") -> Path:
     sweep = folder / "sweep.yaml"
     sweep.write_text(
         f"""
@@ -40,6 +40,7 @@ budget: {{trials: {TRIALS}, epochs: 4}}
 metric: val_accuracy
 mode: max
 fusion: {{size: 4, device: cpu}}
+backend: {backend}
 output: run
 """
     )
@@ -98,8 +99,13 @@ def _check_final_study(run: Path) -> None:
     assert told == Counter({str(n): 1 for n in range(TRIALS)})
 
 
-def test_sigkill_then_resume_finishes_the_sweep(tmp_path: Path) -> None:
-    sweep = _write_sweep(tmp_path)
+@pytest.mark.parametrize("backend", ["local", "ray"])
+def test_sigkill_then_resume_finishes_the_sweep(tmp_path: Path, backend: str) -> None:
+    """With ``backend: ray`` the killed driver takes the Ray it started down with it, and the
+    resumed run continues two arrays at once from their checkpoints."""
+    if backend == "ray":
+        pytest.importorskip("ray")
+    sweep = _write_sweep(tmp_path, backend)
     run = tmp_path / "run"
     proc = _start(sweep)
     _interrupt_after(proc, run, 3, signal.SIGKILL)
