@@ -12,6 +12,7 @@ system on a cluster).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -74,6 +75,8 @@ class RayExecutor:
                 log_to_driver=False,
                 **local,
             )
+        #: (pid, start time) of the processes of a Ray this executor started
+        self._started: set[tuple[int, float]] = self._ray_processes() if self._owns_ray else set()
         _pickle_task_by_value(task)
         want_gpu = settings.gpus_per_array
         if want_gpu is None:
@@ -175,9 +178,33 @@ class RayExecutor:
             self._idle.clear()
             self._cond.notify_all()
         for actor in actors:
-            ray.kill(actor, no_restart=True)
+            with contextlib.suppress(Exception):  # the cluster may be gone (Ctrl-C reaches it)
+                ray.kill(actor, no_restart=True)
         if self._owns_ray and ray.is_initialized():
+            self._started |= self._ray_processes()
             ray.shutdown()
+            _reap(self._started)
+
+    @staticmethod
+    def _ray_processes() -> set[tuple[int, float]]:
+        """The processes of the Ray this process started: its descendants whose command line
+        names Ray's session (GCS, raylet...), and theirs (agents and workers, which retitle
+        themselves)."""
+        import psutil  # ships with Ray
+        import ray
+
+        node = getattr(getattr(ray._private.worker, "global_worker", None), "node", None)
+        session = getattr(node, "session_name", None)
+        if not session:
+            return set()
+        found: set[tuple[int, float]] = set()
+        for child in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                if session in " ".join(child.cmdline()):
+                    for p in [child, *child.children(recursive=True)]:
+                        with contextlib.suppress(psutil.Error):
+                            found.add((p.pid, p.create_time()))
+        return found
 
     # ------------------------------------------------------------------ work
     def array_size(self, config: Mapping[str, Any]) -> tuple[int, str]:
@@ -304,3 +331,18 @@ def _pickle_task_by_value(task: Task) -> None:
         module = sys.modules.get(getattr(value, "__module__", None) or "")
         if module is not None and module.__name__.startswith("_hfsweep_entry_"):
             cloudpickle.register_pickle_by_value(module)
+
+
+def _reap(processes: set[tuple[int, float]]) -> None:
+    """Kill what is left of a Ray this executor started, after ``ray.shutdown()``. A Ctrl-C at a
+    terminal reaches Ray's processes too, and the raylet's agents outlive it (a known Ray
+    behaviour); a process is only killed if its id and start time are the ones recorded."""
+    import psutil
+
+    for pid, started in processes:
+        try:
+            process = psutil.Process(pid)
+            if process.create_time() == started:
+                process.kill()
+        except psutil.Error:
+            pass
