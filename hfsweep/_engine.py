@@ -263,7 +263,7 @@ class _Engine:
                 )
             except ExecutorError as exc:
                 raise SweepError(f"backend ray: {exc}") from exc
-            self.where = f"Ray ({self.executor.slots} arrays at once)"
+            self.where = f"a Ray worker (up to {self.executor.slots} array(s) at once)"
         else:
             device = sc.fusion.device
             if device == "auto":

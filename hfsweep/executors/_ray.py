@@ -104,12 +104,14 @@ class RayExecutor:
         #: arrays training at once
         self.slots = min(fit, settings.max_concurrent or fit)
         self._idle: list[Any] = []
+        self._remote: Any = None  # ArrayWorker as a Ray actor class, made once
         self._made = 0
         self._busy: set[Any] = set()
         self._closed = False
         self._cond = threading.Condition()
         _log.info(
-            "Ray backend: %d arrays at once, each %g CPUs and %g GPUs (cluster: %g CPUs, %g GPUs)",
+            "Ray backend: up to %d array(s) at once, each %g CPUs and %g GPUs (cluster: %g CPUs, "
+            "%g GPUs)",
             self.slots,
             self.cpus_per_array,
             want_gpu,
@@ -142,10 +144,11 @@ class RayExecutor:
                 actor = self._idle.pop()
             else:
                 self._made += 1
-                remote = ray.remote(
-                    num_cpus=self.cpus_per_array, num_gpus=self.gpus_per_array, max_restarts=0
-                )(ArrayWorker)
-                actor = remote.remote(
+                if self._remote is None:
+                    self._remote = ray.remote(
+                        num_cpus=self.cpus_per_array, num_gpus=self.gpus_per_array, max_restarts=0
+                    )(ArrayWorker)
+                actor = self._remote.remote(
                     self.task,
                     device=self.device,
                     dtype=self.dtype,

@@ -103,7 +103,7 @@ def test_one_array_at_a_time_reproduces_the_local_backend(
         p.name for p in (local.run_dir / "histories").iterdir()
     )
     assert not list((on_ray.run_dir / "arrays").glob("*"))  # finished arrays are cleaned up
-    assert "Ray backend: 1 arrays at once" in (on_ray.run_dir / "sweep.log").read_text()
+    assert "Ray backend: up to 1 array(s) at once" in (on_ray.run_dir / "sweep.log").read_text()
 
 
 def test_two_arrays_at_once_end_every_budgeted_trial_once(
@@ -126,7 +126,7 @@ def test_two_arrays_at_once_end_every_budgeted_trial_once(
     arrays = {t.user_attrs["array"] for t in trials}
     assert len(arrays) >= 2
     log = (result.run_dir / "sweep.log").read_text()
-    assert "Ray backend: 2 arrays at once" in log
+    assert "Ray backend: up to 2 array(s) at once" in log
     # both arrays were training at the same time: the second started before the first ended
     assert log.index("array 1 (") < log.rindex("trial ")
 
