@@ -66,3 +66,15 @@ def test_main_job_is_hfsweep_run_on_an_example() -> None:
     assert len(commands) == 2
     assert commands[0].strip().endswith("hfsweep run examples/digits_quick.yaml")
     assert (README.parent / "examples" / "digits_quick.yaml").exists()
+
+
+def test_sweep_yaml_reference_matches_the_schema_docstring() -> None:
+    """The README's sweep.yaml reference is the config module's own, so it cannot drift."""
+    import hfsweep.config
+
+    block = hfsweep.config.__doc__.split("Every key, with its default::\n\n", 1)[1]
+    schema = [line[4:] for line in block.split("\n\n", 1)[0].splitlines()]
+    text = README.read_text().split("The sweep.yaml reference", 1)[1]
+    shown = re.search(r"```yaml\n(.*?)```", text, re.S)
+    assert shown is not None
+    assert shown.group(1).rstrip("\n").splitlines() == schema
