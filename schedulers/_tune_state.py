@@ -1,0 +1,590 @@
+"""The driver-side state of a fused Tune sweep: members, arrays, pools, decisions, and who was told.
+
+One :class:`SweepState` sits behind both Tune wrappers (the searcher and the scheduler). It asks
+the inner searcher for member configs, packs members that share the task's compatibility key into
+arrays (one Tune trial each), turns every array report into per-member decisions (through a
+:class:`~._tune_joint.Decider`), tells the inner searcher each member's results and its end
+exactly once, and hands freed slots new members of the same key.
+
+Tune checkpoints only the searcher, so this state is saved through the searcher wrapper
+(:meth:`state_dict`) and is the source of truth after ``Tuner.restore``. A trainable that resumes
+from a checkpoint replays the evaluations since that checkpoint; they get the decisions logged the
+first time (``decisions``) and are never told again. A report reaches this state through whichever
+wrapper Tune calls first, and processing it twice changes nothing.
+
+Member states: ``WAITING`` (asked, waiting in its key's pool), ``RUNNING`` (in an array),
+``COMPLETE``, ``PRUNED``, ``FAIL`` (told to the inner searcher; final).
+
+This module imports neither Ray nor Optuna.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from hfsweep._task import Task
+
+from ._tune_joint import Decider, MemberController, MemberTrial, NoDecider
+
+__all__ = [
+    "FINAL_STATES",
+    "FINISHED",
+    "META",
+    "STATE_FORMAT",
+    "ArrayRecord",
+    "MemberRecord",
+    "SweepState",
+]
+
+_log = logging.getLogger("hfsweep.tune")
+
+#: the key of a Tune trial's config and results that holds hfsweep's part
+META = "hfsweep"
+#: Tune's ``Searcher.FINISHED``
+FINISHED = "FINISHED"
+#: marks a saved state (and its format) in Tune's searcher checkpoint
+STATE_FORMAT = "hfsweep.tune/1"
+#: states a member is told in; told members never change again
+FINAL_STATES = ("COMPLETE", "PRUNED", "FAIL")
+#: most configs one refill asks the inner searcher for while looking for one of the array's key
+_REFILL_ASKS = 3
+_TRAINER_STATES = {"completed": "COMPLETE", "stopped": "PRUNED", "failed": "FAIL"}
+
+
+@dataclass
+class MemberRecord:
+    """One member: its config, compatibility key, array, state and evaluations."""
+
+    id: str
+    config: dict[str, Any]
+    key: str
+    array: str | None = None
+    state: str = "WAITING"
+    #: one row per evaluation: training_iteration, step, epoch and the task's metrics
+    history: list[dict[str, Any]] = field(default_factory=list)
+    value: float | None = None
+    error: str | None = None
+
+    @property
+    def told(self) -> bool:
+        """Whether the inner searcher was told how the member ended."""
+        return self.state in FINAL_STATES
+
+
+@dataclass
+class ArrayRecord:
+    """One array (one Tune trial): its members, those it got through refill, and its end."""
+
+    id: str
+    key: str
+    size: int
+    members: list[str]
+    given: list[str] = field(default_factory=list)
+    returned: list[str] = field(default_factory=list)
+    done: bool = False
+    last_token: str | None = None
+    #: how many times the array's trainable resumed from a Tune checkpoint (retry, restore)
+    resumes: int = 0
+    #: evaluations it reported again after a retry or restore (answered from the decision log)
+    replayed: int = 0
+
+    def all_members(self) -> list[str]:
+        """Every member that trains (or trained) in this array, in the order they joined."""
+        back = set(self.returned)
+        return [m for m in (*self.members, *self.given) if m not in back]
+
+
+class SweepState:
+    """Everything the driver knows about one fused sweep (see the module docstring).
+
+    ``task`` checks configs and computes compatibility keys; ``members`` is the budget (how many
+    member configs are asked from the inner searcher in all); ``array_size`` is the array size
+    for every key, or a callable ``config -> size`` asked once per key (the profiler);
+    ``refill`` gives freed slots new members of the same key.
+    """
+
+    def __init__(
+        self,
+        task: Task,
+        *,
+        members: int,
+        array_size: int | Callable[[Mapping[str, Any]], int],
+        refill: bool = True,
+        uid: str,
+    ) -> None:
+        self.task = task
+        self.budget = members
+        self.array_size = array_size
+        self.refill = refill
+        self.uid = uid
+        self.metric: str | None = None
+        self.mode: str | None = None
+        #: the inner Tune searcher (``suggest``, ``on_trial_result``, ``on_trial_complete``)
+        self.searcher: Any = None
+        self.decider: Decider = NoDecider()
+        self.has_scheduler = False
+        #: param_space values that are not sampled, and the names of the sampled ones
+        self.constants: dict[str, Any] = {}
+        self.sampled: list[str] = []
+        #: ``post(token, message)``: hands the answer to a report to its trainable (the hub)
+        self.post: Callable[[str, dict[str, Any]], None] | None = None
+        self._trials: dict[str, MemberTrial] = {}
+        self._reset()
+
+    def _reset(self) -> None:
+        self.members: dict[str, MemberRecord] = {}
+        self.arrays: dict[str, ArrayRecord] = {}
+        self.pools: dict[str, list[str]] = {}
+        self.sizes: dict[str, int] = {}
+        self.decisions: dict[str, bool] = {}
+        self.counters: dict[str, int] = {}
+        self.asked = 0
+        self.inner_finished = False
+        self.finished = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        # the live link to the hub never travels with a pickled sweep
+        state = self.__dict__.copy()
+        state.update(post=None, _trials={})
+        return state
+
+    @property
+    def hub_name(self) -> str:
+        """The name of the Ray actor that carries answers to this sweep's trainables."""
+        return f"hfsweep-tune-{self.uid}"
+
+    def configure(self, metric: str | None, mode: str | None) -> None:
+        """Set the metric and mode (from Tune's config, else the inner searcher's)."""
+        if metric:
+            self.metric = metric
+        if mode:
+            if mode not in ("min", "max"):
+                raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
+            self.mode = mode
+
+    # ------------------------------------------------------------------ asking and packing
+    def suggest(self, trial_id: str) -> dict[str, Any] | str | None:
+        """The config of a new array trial ``trial_id``, ``None`` (nothing to start now) or
+        :data:`FINISHED` (the budget is spent and every member is told)."""
+        if self.finished:
+            return FINISHED
+        self._require_metric()
+        key = self._full_pool()
+        while key is None and self._can_ask():
+            if not self._ask(trial_id):
+                break
+            key = self._full_pool()
+        if key is None and (not self._can_ask() or not self._live_arrays()):
+            # an array smaller than its size: when nothing more can come, or when nothing runs
+            # (the inner searcher waits for results that only a running array can give)
+            key = self._fullest_pool()
+        if key is None:
+            if not self._can_ask() and not self._live_arrays():
+                self.finished = True
+                _log.info("all %d members asked and told: the search is finished", self.asked)
+                return FINISHED
+            return None
+        pool = self.pools[key]
+        taken, self.pools[key] = pool[: self.sizes[key]], pool[self.sizes[key] :]
+        array = ArrayRecord(id=trial_id, key=key, size=self.sizes[key], members=taken)
+        self.arrays[trial_id] = array
+        for mid in taken:
+            rec = self.members[mid]
+            rec.array, rec.state = trial_id, "RUNNING"
+        _log.info("array %s: %d members (%s)", trial_id, len(taken), ", ".join(taken))
+        return self._array_config(array)
+
+    def _array_config(self, array: ArrayRecord) -> dict[str, Any]:
+        """A Tune trial config: each sampled key as the list of its members' values (what the
+        result table shows) and the members themselves under :data:`META`."""
+        configs = [self.members[m].config for m in array.members]
+        config: dict[str, Any] = {k: [c.get(k) for c in configs] for k in self.sampled}
+        config[META] = {
+            "hub": self.hub_name,
+            "metric": self.metric,
+            "mode": self.mode,
+            "members": [{"id": m, "config": self.members[m].config} for m in array.members],
+        }
+        return config
+
+    def _can_ask(self) -> bool:
+        return self.asked < self.budget and not self.inner_finished
+
+    def _new_id(self, prefix: str) -> str:
+        n = self.counters.get(prefix, 0)
+        while f"{prefix}-{n}" in self.members:
+            n += 1
+        self.counters[prefix] = n + 1
+        return f"{prefix}-{n}"
+
+    def _ask(self, prefix: str) -> bool:
+        """Ask the inner searcher for one member config and pool it. ``False`` when it has
+        none now (``None``) or none ever again (``FINISHED``)."""
+        member_id = self._new_id(prefix)
+        suggestion = self.searcher.suggest(member_id)
+        if suggestion is None:
+            return False
+        if isinstance(suggestion, str) and suggestion == FINISHED:
+            self.inner_finished = True
+            _log.info("the inner searcher is finished after %d members", self.asked)
+            return False
+        self.asked += 1
+        config = {**self.constants, **dict(suggestion)}
+        rec = MemberRecord(id=member_id, config=config, key="")
+        self.members[member_id] = rec
+        try:
+            rec.key = self.task.compatibility_key(config)
+        except (ValueError, TypeError) as exc:
+            _log.warning("member %s failed before training: %s", member_id, exc)
+            self._end(rec, "FAIL", None, error=f"{type(exc).__name__}: {exc}")
+            return True
+        if rec.key not in self.sizes:
+            self.sizes[rec.key] = self._size(config)
+        self.pools.setdefault(rec.key, []).append(member_id)
+        return True
+
+    def _size(self, config: Mapping[str, Any]) -> int:
+        size = self.array_size(config) if callable(self.array_size) else self.array_size
+        return max(1, min(int(size), self.budget))
+
+    def _full_pool(self) -> str | None:
+        for key, pool in self.pools.items():
+            if pool and len(pool) >= self.sizes[key]:
+                return key
+        return None
+
+    def _fullest_pool(self) -> str | None:
+        best: str | None = None
+        for key, pool in self.pools.items():
+            if pool and (
+                best is None
+                or len(pool) / self.sizes[key] > len(self.pools[best]) / self.sizes[best]
+            ):
+                best = key
+        return best
+
+    def _live_arrays(self) -> list[ArrayRecord]:
+        return [a for a in self.arrays.values() if not a.done]
+
+    def _require_metric(self) -> str:
+        if self.metric is None or self.mode is None:
+            raise ValueError(
+                f"the fused sweep has metric={self.metric!r}, mode={self.mode!r}: set both in "
+                "tune.TuneConfig(metric=..., mode=...) (or on the inner searcher)"
+            )
+        return self.metric
+
+    # ------------------------------------------------------------------ array reports
+    def on_result(self, trial_id: str, result: Mapping[str, Any]) -> bool:
+        """Process one report of array ``trial_id`` (decide, tell, refill, answer the
+        trainable) unless it was processed already; returns whether the array has a member
+        left to train."""
+        array = self.arrays.get(trial_id)
+        payload = _payload(result)
+        if array is None:
+            # e.g. Tuner.restore(restart_errored=True) restarts an errored array under a new
+            # trial id: its members were told already, so it is stopped untrained
+            _log.warning(
+                "Tune trial %s reported, but this fused sweep never packed it (a restarted "
+                "trial?); it is stopped and nothing is told",
+                trial_id,
+            )
+            if payload is not None and self.post is not None:
+                go = {str(e["member"]): False for e in payload.get("evaluations", [])}
+                self.post(str(payload["token"]), {"go": go, "given": []})
+            return False
+        if payload is None or payload.get("token") == array.last_token:
+            return self._alive(array)
+        self._process(array, payload)
+        array.last_token = str(payload["token"])
+        return self._alive(array)
+
+    def _check(self, array: ArrayRecord, payload: Mapping[str, Any]) -> None:
+        """Refuse a report naming members not in ``array`` or lacking the metric, before
+        anything is recorded."""
+        for ev in payload.get("evaluations", []):
+            rec = self._member(array, ev["member"])
+            metric = self._require_metric()
+            if metric not in ev["metrics"]:
+                raise ValueError(
+                    f"the fused sweep's metric {metric!r} is not among the metrics member "
+                    f"{rec.id} reports: {sorted(ev['metrics'])}; set tune.TuneConfig(metric=...) "
+                    "to one of them"
+                )
+        for mid in [e["member"] for e in payload.get("ended", [])] + list(
+            payload.get("unused", [])
+        ):
+            self._member(array, mid)
+
+    def _process(self, array: ArrayRecord, payload: Mapping[str, Any]) -> None:
+        self._check(array, payload)
+        if payload.get("resumed"):
+            array.resumes += 1
+        go: dict[str, bool] = {}
+        fresh: list[tuple[MemberRecord, dict[str, Any], bool]] = []
+        elapsed = float(payload.get("elapsed", 0.0))
+        for ev in payload.get("evaluations", []):
+            rec = self.members[ev["member"]]
+            logged = self.decisions.get(f"{rec.id}@{ev['step']}")
+            if logged is not None:
+                go[rec.id] = logged  # a replay after a resume: the decision already taken
+                array.replayed += 1
+                continue
+            if rec.told:
+                go[rec.id] = False
+                continue
+            metrics = dict(ev["metrics"])
+            row = {
+                "training_iteration": len(rec.history) + 1,
+                "step": int(ev["step"]),
+                "epoch": float(ev["epoch"]),
+                **metrics,
+            }
+            rec.history.append(row)
+            result = {
+                **row,
+                "time_total_s": elapsed,
+                "trial_id": rec.id,
+                "done": bool(ev["final"]),
+                "hfsweep_array": array.id,
+            }
+            fresh.append((rec, result, bool(ev["final"])))
+
+        diverged = [f for f in fresh if not _finite(f[1].get("train_loss"), f[1].get("val_loss"))]
+        judged = [f for f in fresh if f not in diverged]
+        metric = self._require_metric() if fresh else ""
+        decided = self.decider.decide(
+            self._controller(), [(self._trial(rec), result) for rec, result, _ in judged], metric
+        )
+        for rec, result, final in judged:
+            if _finite(result[metric]):
+                self.searcher.on_trial_result(rec.id, dict(result))
+            keep = final or decided.get(rec.id, True)
+            self.decisions[f"{rec.id}@{result['step']}"] = keep
+            go[rec.id] = keep
+        for rec, result, _ in diverged:
+            self.decisions[f"{rec.id}@{result['step']}"] = False
+            go[rec.id] = False
+            self._end(rec, "FAIL", None, error="non-finite loss")
+        for rec, result, final in judged:
+            if final:
+                self._end(rec, "COMPLETE", result)
+            elif not go[rec.id]:
+                self._end(rec, "COMPLETE" if self.decider.at_budget(result) else "PRUNED", result)
+
+        for end in payload.get("ended", []):  # ends the trainer saw (e.g. non-finite gradients)
+            rec = self._member(array, end["member"])
+            if not rec.told:
+                state = _TRAINER_STATES.get(str(end["status"]), "FAIL")
+                last = self._last_result(rec, array)
+                if state != "FAIL" and (last is None or not _finite(last.get(str(self.metric)))):
+                    state = "FAIL"
+                self._end(rec, state, last if state != "FAIL" else None, error=end.get("error"))
+        for mid in payload.get("unused", []):  # refill members the array never started
+            self._return(array, self._member(array, mid))
+
+        if payload.get("final"):
+            return
+        consumed = int(payload.get("consumed", 0))
+        if self.refill and consumed == len(array.given) and not payload.get("queued"):
+            self._give(array)
+        if self.post is not None:
+            given = [{"id": m, "config": self.members[m].config} for m in array.given[consumed:]]
+            self.post(str(payload["token"]), {"go": go, "given": given})
+
+    def _member(self, array: ArrayRecord, member_id: str) -> MemberRecord:
+        rec = self.members.get(member_id)
+        if rec is None or rec.array != array.id:
+            raise RuntimeError(
+                f"array {array.id} reported member {member_id!r}, which this fused sweep did not "
+                f"put in it (members: {array.all_members()})"
+            )
+        return rec
+
+    def _controller(self) -> MemberController:
+        """The controller a Tune scheduler sees: the running members are its live trials."""
+        return MemberController(
+            [self._trial(r) for r in self.members.values() if r.state == "RUNNING"]
+        )
+
+    def _trial(self, rec: MemberRecord) -> MemberTrial:
+        trial = self._trials.get(rec.id)
+        if trial is None:
+            trial = self._trials[rec.id] = MemberTrial(rec.id, rec.config)
+        return trial
+
+    def _last_result(self, rec: MemberRecord, array: ArrayRecord) -> dict[str, Any] | None:
+        if not rec.history:
+            return None
+        return {**rec.history[-1], "trial_id": rec.id, "hfsweep_array": array.id}
+
+    def _alive(self, array: ArrayRecord) -> bool:
+        return not array.done and any(not self.members[m].told for m in array.all_members())
+
+    # ------------------------------------------------------------------ telling
+    def _end(
+        self,
+        rec: MemberRecord,
+        state: str,
+        result: Mapping[str, Any] | None,
+        *,
+        error: str | None = None,
+    ) -> None:
+        """Record how ``rec`` ended and tell the scheduler and the inner searcher, once.
+
+        ``COMPLETE``: ``on_trial_complete(id, result)``; a non-finite metric makes it ``FAIL``.
+        ``PRUNED``: ``on_trial_complete(id, result without the metric)``, which OptunaSearch
+        records as pruned (its intermediate values stay). ``FAIL``: ``on_trial_complete(id,
+        None, error=True)``.
+        """
+        assert not rec.told, rec.id
+        metric = self._require_metric()
+        value = rec.history[-1].get(metric) if rec.history else None
+        if state == "COMPLETE" and not _finite(value):
+            state, error = "FAIL", error or f"{metric} is {value!r}"
+        rec.state, rec.error = state, error
+        rec.value = float(value) if isinstance(value, int | float) and _finite(value) else None
+        self.decider.end(
+            self._controller(), self._trial(rec), state, dict(result) if result else None
+        )
+        if state == "COMPLETE":
+            assert result is not None
+            self.searcher.on_trial_complete(rec.id, dict(result))
+        elif state == "PRUNED":
+            told = {k: v for k, v in (result or {}).items() if k != metric}
+            told.update(hfsweep_state="PRUNED", hfsweep_last_value=rec.value)
+            self.searcher.on_trial_complete(rec.id, told)
+        else:
+            self.searcher.on_trial_complete(rec.id, None, error=True)
+        _log.info("member %s %s (%s=%s)", rec.id, state, self.metric, rec.value)
+
+    # ------------------------------------------------------------------ refill
+    def _give(self, array: ArrayRecord) -> None:
+        """New members of ``array``'s key for its free slots: from the pool, else asked."""
+        alive = sum(not self.members[m].told for m in array.all_members())
+        asks = 0
+        for _ in range(array.size - alive):
+            pool = self.pools.get(array.key, [])
+            while not pool and asks < _REFILL_ASKS and self._can_ask():
+                asks += 1
+                if not self._ask(array.id):
+                    break
+                pool = self.pools.get(array.key, [])
+            if not pool:
+                return
+            mid = pool.pop(0)
+            rec = self.members[mid]
+            rec.array, rec.state = array.id, "RUNNING"
+            array.given.append(mid)
+            _log.info("member %s joins array %s", mid, array.id)
+
+    def _return(self, array: ArrayRecord, rec: MemberRecord) -> None:
+        """``rec`` never started in ``array``: it waits for another array of its key."""
+        if rec.told or rec.history:
+            return
+        rec.array, rec.state = None, "WAITING"
+        array.returned.append(rec.id)
+        self.pools.setdefault(rec.key, []).insert(0, rec.id)
+
+    # ------------------------------------------------------------------ end of an array
+    def on_complete(
+        self, trial_id: str, result: Mapping[str, Any] | None, error: bool = False
+    ) -> None:
+        """Tune ended array trial ``trial_id`` for good (``error``: it failed past its
+        retries). Its last report is processed if no wrapper saw it; members still untold
+        end now: ``FAIL`` after an error, ``PRUNED`` if they were evaluated (the array was
+        stopped, e.g. by a Tune stopper), and members that never trained go back to a pool."""
+        array = self.arrays.get(trial_id)
+        if array is None or array.done:
+            return
+        if result and not error:
+            payload = _payload(result)
+            if payload is not None and payload.get("token") != array.last_token:
+                self._process(array, {**payload, "final": True})
+                array.last_token = str(payload["token"])
+        for mid in array.all_members():
+            rec = self.members[mid]
+            if rec.told:
+                continue
+            if error:
+                self._end(rec, "FAIL", None, error=f"array trial {trial_id} failed")
+            elif rec.history:
+                self._end(rec, "PRUNED", self._last_result(rec, array))
+            else:
+                self._return(array, rec)
+        array.done = True
+
+    # ------------------------------------------------------------------ persistence
+    def state_dict(self) -> dict[str, Any]:
+        """Everything this state knows (plain data, plus the inner scheduler object), for
+        Tune's searcher checkpoint."""
+        return {
+            "format": STATE_FORMAT,
+            "uid": self.uid,
+            "task": self.task.name,
+            "metric": self.metric,
+            "mode": self.mode,
+            "budget": self.budget,
+            "asked": self.asked,
+            "inner_finished": self.inner_finished,
+            "finished": self.finished,
+            "members": {m: asdict(r) for m, r in self.members.items()},
+            "arrays": {a: asdict(r) for a, r in self.arrays.items()},
+            "pools": {k: list(v) for k, v in self.pools.items()},
+            "sizes": dict(self.sizes),
+            "decisions": dict(self.decisions),
+            "counters": dict(self.counters),
+            "decider": self.decider,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output (after ``Tuner.restore``)."""
+        if state.get("format") != STATE_FORMAT:
+            raise ValueError(
+                f"saved fused-sweep state has format {state.get('format')!r}, this hfsweep reads "
+                f"{STATE_FORMAT!r}"
+            )
+        self._reset()
+        self.uid = str(state["uid"])
+        self.configure(state.get("metric"), state.get("mode"))
+        self.budget = int(state["budget"])
+        self.asked = int(state["asked"])
+        self.inner_finished = bool(state["inner_finished"])
+        self.finished = bool(state["finished"])
+        self.members = {m: MemberRecord(**r) for m, r in state["members"].items()}
+        self.arrays = {a: ArrayRecord(**r) for a, r in state["arrays"].items()}
+        self.pools = {k: list(v) for k, v in state["pools"].items()}
+        self.sizes = {k: int(v) for k, v in state["sizes"].items()}
+        self.decisions = {k: bool(v) for k, v in state["decisions"].items()}
+        self.counters = {k: int(v) for k, v in state["counters"].items()}
+        self.decider = state["decider"]
+        self._trials = {}
+
+    # ------------------------------------------------------------------ summaries
+    def counts(self) -> dict[str, int]:
+        """Members by state."""
+        out = {s: 0 for s in ("WAITING", "RUNNING", *FINAL_STATES)}
+        for rec in self.members.values():
+            out[rec.state] = out.get(rec.state, 0) + 1
+        return out
+
+
+def _payload(result: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """hfsweep's part of an array's Tune result (a JSON string under :data:`META`)."""
+    if not result or META not in result:
+        return None
+    raw = result[META]
+    data = json.loads(raw) if isinstance(raw, str) else raw
+    return dict(data) if isinstance(data, Mapping) else None
+
+
+def _finite(*values: Any) -> bool:
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+            return False
+    return True

@@ -1,0 +1,234 @@
+"""The array trainable: one Tune trial trains one fused array with :class:`hfsweep.ArrayTrainer`.
+
+Its config holds the array's members (under ``config["hfsweep"]``). After each evaluation the
+trainer's report hook sends every evaluated member's metrics with ``tune.report`` (one JSON
+string under ``"hfsweep"``, next to the array's best current value under the sweep's metric)
+and a Tune checkpoint of the trainer's checkpoint directory; it then takes the driver's answer
+from the hub: which members go on, and new members for freed slots. Members that joined through
+refill and wait for a slot are saved with the checkpoint, so a restored array gets exactly what
+the original had.
+
+The checkpoint sent with a report is the trainer's state as of its previous save (the trainer
+saves after a report's decisions are applied), so a restored array replays the evaluations of its
+last report; the driver answers those from its decision log.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hfsweep._task import Task
+from hfsweep.trainer import ArrayTrainer, Evaluation, Member, MemberResult
+
+from ._tune_hub import await_answer, connect
+from ._tune_state import META
+
+__all__ = ["DTYPES", "TrainSpec", "make_trainable"]
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+#: the file in the trainer's checkpoint directory that holds the channel's own state
+_CHANNEL_FILE = "hfsweep_channel.json"
+#: the name Tune shows for (and ``Tuner.restore`` checks of) the array trainable
+TRAINABLE_NAME = "hfsweep_array"
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """How a worker trains an array: the task (an :class:`hfsweep.Task`, or a name that
+    ``hfsweep`` resolves: a ready task, ``module:attribute``, ``/abs/path.py:attribute``),
+    device (``"auto"``: CUDA when the worker sees a GPU), dtype name, evaluation period."""
+
+    task: Task | str
+    device: str = "auto"
+    dtype: str = "float32"
+    eval_every: int | None = None
+    trace: bool = True
+
+    def load_task(self) -> Task:
+        """The task object (loaded in the worker when given by name)."""
+        if isinstance(self.task, Task):
+            return self.task
+        from hfsweep._entry import load_task
+
+        return load_task(self.task)
+
+    def torch_device(self) -> torch.device:
+        """The device this worker trains on."""
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+
+def make_trainable(spec: TrainSpec) -> Callable[[dict[str, Any]], None]:
+    """A Tune function trainable that trains the array in its config as ``spec`` says."""
+
+    def hfsweep_array(config: dict[str, Any]) -> None:
+        train_array(config, spec)
+
+    hfsweep_array.__name__ = hfsweep_array.__qualname__ = TRAINABLE_NAME
+    return hfsweep_array
+
+
+def train_array(config: Mapping[str, Any], spec: TrainSpec) -> None:
+    """Train the array ``config[META]`` describes, resuming from Tune's checkpoint if any."""
+    from ray import tune
+
+    meta = config.get(META)
+    if not isinstance(meta, Mapping) or "members" not in meta:
+        raise ValueError(
+            f"the hfsweep array trainable got a config without {META!r} members (keys: "
+            f"{sorted(config)}); it trains the trials a Fusion's searcher suggests "
+            "(tune.TuneConfig(search_alg=fusion.searcher(...)))"
+        )
+    task = spec.load_task()
+    work = Path(tempfile.mkdtemp(prefix="hfsweep-array-"))
+    try:
+        checkpoint = tune.get_checkpoint()
+        resume = False
+        if checkpoint is not None:
+            checkpoint.to_directory(str(work))
+            resume = (work / "array.pt").exists()
+        channel = _Channel(connect(str(meta["hub"])), meta, work, resumed=resume)
+        trainer = ArrayTrainer(
+            task,
+            device=spec.torch_device(),
+            dtype=DTYPES[spec.dtype],
+            eval_every=spec.eval_every,
+            checkpoint_dir=work,
+            trace=spec.trace,
+            keep_states=False,
+        )
+        members = [Member(str(m["id"]), dict(m["config"])) for m in meta["members"]]
+        trainer.run(
+            members,
+            report=channel.report,
+            refill=channel.refill,
+            on_finish=channel.on_finish,
+            resume=resume,
+        )
+        channel.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+class _Channel:
+    """The trainable's side of the conversation with the driver, for one array."""
+
+    def __init__(self, hub: Any, meta: Mapping[str, Any], work: Path, *, resumed: bool) -> None:
+        self.hub = hub
+        self.resumed = resumed  # said in the first report only
+        self.work = work
+        self.metric = str(meta["metric"])
+        self.sign = 1.0 if meta["mode"] == "max" else -1.0
+        saved = work / _CHANNEL_FILE
+        state = json.loads(saved.read_text()) if saved.exists() else {}
+        #: how many refill members the driver has handed this array, and those not yet started
+        self.consumed = int(state.get("consumed", 0))
+        self.queue: list[dict[str, Any]] = list(state.get("queue", []))
+        self.ended: list[dict[str, Any]] = []
+        self.latest: dict[str, float] = {}
+        self.start = time.monotonic()
+
+    # ------------------------------------------------------------------ trainer hooks
+    def report(self, evaluations: list[Evaluation]) -> dict[str, bool]:
+        """Send this evaluation's members to the driver; return its decisions."""
+        token = uuid.uuid4().hex
+        for e in evaluations:
+            value = e.metrics.get(self.metric)
+            if isinstance(value, int | float) and math.isfinite(value):
+                self.latest[e.member] = float(value)
+        payload = {
+            "token": token,
+            "elapsed": time.monotonic() - self.start,
+            "evaluations": [
+                {
+                    "member": e.member,
+                    "step": e.step,
+                    "epoch": e.epoch,
+                    "metrics": e.metrics,
+                    "final": e.final,
+                }
+                for e in evaluations
+            ],
+            "ended": self.ended,
+            "consumed": self.consumed,
+            "queued": len(self.queue),
+            "resumed": self.resumed,
+        }
+        self.resumed = False
+        self._send(payload, checkpoint=True)
+        self.ended = []
+        answer = await_answer(self.hub, token)
+        given = list(answer.get("given", []))
+        self.queue.extend(given)
+        self.consumed += len(given)
+        return {str(k): bool(v) for k, v in answer["go"].items()}
+
+    def refill(self) -> Member | None:
+        """A member the driver handed this array for a freed slot, or ``None``."""
+        if not self.queue:
+            return None
+        m = self.queue.pop(0)
+        return Member(str(m["id"]), dict(m["config"]))
+
+    def on_finish(self, result: MemberResult) -> None:
+        """Note how a member ended; it goes with the next report."""
+        self.ended.append(
+            {
+                "member": result.id,
+                "status": result.status,
+                "steps": result.steps,
+                "error": result.error,
+            }
+        )
+
+    def close(self) -> None:
+        """The array is done: tell the driver about ends not yet reported and hand back
+        members that never got a slot."""
+        if not self.ended and not self.queue:
+            return
+        payload = {
+            "token": uuid.uuid4().hex,
+            "elapsed": time.monotonic() - self.start,
+            "evaluations": [],
+            "ended": self.ended,
+            "unused": [m["id"] for m in self.queue],
+            "consumed": self.consumed,
+            "queued": len(self.queue),
+            "final": True,
+        }
+        self._send(payload, checkpoint=False)
+
+    # ------------------------------------------------------------------ helpers
+    def _send(self, payload: dict[str, Any], *, checkpoint: bool) -> None:
+        from ray import tune
+
+        ckpt = None
+        if checkpoint and (self.work / "array.pt").exists():
+            # the channel's state as of the trainer's last save, saved with it
+            state = {"consumed": self.consumed, "queue": self.queue}
+            tmp = self.work / f".{_CHANNEL_FILE}.tmp"
+            tmp.write_text(json.dumps(state))
+            os.replace(tmp, self.work / _CHANNEL_FILE)
+            ckpt = tune.Checkpoint.from_directory(str(self.work))
+        metrics = {self.metric: self._best(), META: json.dumps(payload)}
+        tune.report(metrics, checkpoint=ckpt)
+
+    def _best(self) -> float:
+        """The array's best current member value (the Tune trial's metric)."""
+        values: Sequence[float] = list(self.latest.values())
+        if not values:
+            return math.nan
+        return max(values, key=lambda v: self.sign * v)

@@ -1,0 +1,256 @@
+"""The two objects Tune sees: a ``Searcher`` that packs members into arrays, and a
+``TrialScheduler`` that applies an inner scheduler to each member.
+
+Both share one :class:`~._tune_state.SweepState`. Tune checkpoints only its searcher, so
+:class:`FusedSearcher` saves that state (``get_state``) and restores it in place
+(``set_state``); :class:`FusedScheduler` reads the inner scheduler from it, so after
+``Tuner.restore`` both see the restored state. The inner searcher is the wrapper's ``searcher``
+attribute, which is how Tune finds, saves and restores it (as for ``ConcurrencyLimiter``).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+from ray.tune.schedulers import (
+    AsyncHyperBandScheduler,
+    FIFOScheduler,
+    MedianStoppingRule,
+)
+from ray.tune.schedulers import TrialScheduler as TuneTrialScheduler
+from ray.tune.search import Searcher
+from ray.tune.search.sample import Domain
+
+from ._base import TrialScheduler
+from ._tune_hub import HubLink
+from ._tune_joint import NativeDecider, TuneDecider
+from ._tune_state import FINISHED, META, SweepState
+
+__all__ = ["SUPPORTED_SCHEDULERS", "FusedScheduler", "FusedSearcher"]
+
+_log = logging.getLogger("hfsweep.tune")
+
+#: Tune schedulers that can decide per member (they only continue or stop trials)
+SUPPORTED_SCHEDULERS = (
+    "FIFOScheduler",
+    "AsyncHyperBandScheduler (ASHAScheduler)",
+    "MedianStoppingRule",
+    "any hfsweep.schedulers.TrialScheduler",
+)
+
+
+class FusedSearcher(Searcher):
+    """Packs member configs asked from ``searcher`` into arrays, one Tune trial per array.
+
+    Built by :meth:`hfsweep.schedulers.tune.Fusion.searcher`. Every member's intermediate results
+    and its end reach ``searcher`` under the member's own id (``<array trial id>-<n>``): a
+    completed member with its last result, a pruned one with its result minus the metric (which
+    OptunaSearch records as PRUNED), a failed one (non-finite loss, or a config the task rejects)
+    with ``error=True``. The wrapper owns the budget (``Fusion(members=...)``) and ends the
+    search when it is spent and every member is told, so Tune's ``num_samples`` must be ``-1``.
+    """
+
+    def __init__(self, searcher: Searcher, state: SweepState) -> None:
+        if not isinstance(searcher, Searcher):
+            raise TypeError(
+                f"fusion.searcher(...) wraps a ray.tune.search.Searcher (OptunaSearch, "
+                f"HyperOptSearch, ...), got {type(searcher).__name__}"
+            )
+        super().__init__(metric=searcher.metric, mode=searcher.mode)
+        self.searcher = searcher
+        self._state = state
+        state.searcher = searcher
+        state.configure(searcher.metric, searcher.mode)
+        self._hub: HubLink | None = None
+        self._warned = False
+
+    # ------------------------------------------------------------------ configuration
+    def set_search_properties(
+        self, metric: str | None, mode: str | None, config: dict[str, Any], **spec: Any
+    ) -> bool:
+        samples = spec.get("num_samples")
+        if samples is not None and samples != -1 and samples < sys.maxsize:
+            raise ValueError(
+                f"tune.TuneConfig(num_samples={samples}) would cap the number of arrays; the "
+                f"fused searcher owns the budget (Fusion(members={self._state.budget})): set "
+                "num_samples=-1"
+            )
+        self._state.constants, self._state.sampled = _split_space(config, self._state)
+        accepted = self.searcher.set_search_properties(metric, mode, config, **spec)
+        self._state.configure(metric or self.searcher.metric, mode or self.searcher.mode)
+        self._metric, self._mode = self._state.metric, self._state.mode
+        return bool(accepted)
+
+    # ------------------------------------------------------------------ Tune's calls
+    def suggest(self, trial_id: str) -> dict[Any, Any] | None:
+        self._connect()
+        config = self._state.suggest(trial_id)
+        if isinstance(config, str):  # Tune's Searcher.FINISHED is a string, too
+            return Searcher.FINISHED if config == FINISHED else None  # type: ignore[return-value]
+        return config
+
+    def on_trial_result(self, trial_id: str, result: dict[str, Any]) -> None:
+        if not self._state.has_scheduler and not self._warned:
+            self._warned = True
+            _log.warning(
+                "the fused sweep has no FusedScheduler: members train to their budget. Pass "
+                "scheduler=fusion.scheduler(ASHAScheduler(...)) to stop members early"
+            )
+        self._connect()
+        self._state.on_result(trial_id, result)
+
+    def on_trial_complete(
+        self, trial_id: str, result: dict[str, Any] | None = None, error: bool = False
+    ) -> None:
+        self._state.on_complete(trial_id, result, error)
+
+    def set_max_concurrency(self, max_concurrent: int) -> bool:
+        return False  # a ConcurrencyLimiter around this searcher limits arrays
+
+    # ------------------------------------------------------------------ checkpoints
+    def get_state(self) -> dict[str, Any]:
+        return self._state.state_dict()
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self._state.load_state_dict(state)
+        self._hub = None  # a restored run recreates the hub under the saved name
+
+    def save(self, checkpoint_path: str) -> None:
+        raise NotImplementedError(
+            "a FusedSearcher is saved by Tune with its experiment (Tuner.restore); its state "
+            "is get_state()"
+        )
+
+    def _connect(self) -> None:
+        if self._hub is None:
+            self._hub = HubLink(self._state.hub_name)
+            self._state.post = self._hub.post
+
+    @property
+    def state(self) -> SweepState:
+        """The sweep's state: members, arrays, pools."""
+        return self._state
+
+
+class FusedScheduler(FIFOScheduler):
+    """Applies ``scheduler`` to each member of every array report, jointly, and stops an array's
+    Tune trial once no member of it is left to train.
+
+    Built by :meth:`hfsweep.schedulers.tune.Fusion.scheduler`. ``scheduler`` is one of Tune's
+    ``FIFOScheduler``, ``AsyncHyperBandScheduler`` (``ASHAScheduler``) or ``MedianStoppingRule``, or
+    an hfsweep :class:`~hfsweep.schedulers.TrialScheduler`; schedulers that pause trials or
+    change them (``HyperBandScheduler``, ``PopulationBasedTraining``) cannot run per member and
+    are refused. A member's result has ``training_iteration`` (its evaluations so far, one per
+    epoch by default), ``epoch``, ``step``, ``time_total_s`` and the task's metrics, so
+    ``ASHAScheduler(time_attr="training_iteration", max_t=epochs)`` counts epochs.
+    """
+
+    _supports_buffered_results = False
+
+    def __init__(self, scheduler: Any, searcher: FusedSearcher) -> None:
+        super().__init__()
+        state = searcher.state
+        if isinstance(scheduler, TrialScheduler):
+            if state.mode is not None and scheduler.mode != state.mode:
+                raise ValueError(
+                    f"the hfsweep scheduler has mode={scheduler.mode!r} but the sweep has "
+                    f"mode={state.mode!r}"
+                )
+            state.decider = NativeDecider(scheduler)
+        else:
+            _check_supported(scheduler)
+            state.decider = TuneDecider(scheduler)
+        state.has_scheduler = True
+        self._searcher = searcher
+        self._state = state
+
+    @property
+    def inner(self) -> Any:
+        """The scheduler applied to members (the restored one after ``Tuner.restore``)."""
+        return self._state.decider.scheduler
+
+    @property
+    def metric(self) -> str | None:
+        inner = self.inner
+        if isinstance(inner, TuneTrialScheduler):
+            return str(inner.metric) if inner.metric is not None else None
+        return self._state.metric
+
+    def set_search_properties(self, metric: str | None, mode: str | None, **spec: Any) -> bool:
+        inner = self.inner
+        if isinstance(inner, TuneTrialScheduler):
+            return bool(inner.set_search_properties(metric, mode, **spec))
+        if mode is not None and inner.mode != mode:
+            raise ValueError(
+                f"tune.TuneConfig(mode={mode!r}) but the hfsweep scheduler has mode={inner.mode!r}"
+            )
+        return True
+
+    def on_trial_add(self, tune_controller: Any, trial: Any) -> None:
+        self._searcher._connect()
+
+    def on_trial_result(self, tune_controller: Any, trial: Any, result: dict[str, Any]) -> str:
+        self._searcher._connect()
+        alive = self._state.on_result(trial.trial_id, result)
+        return str(TuneTrialScheduler.CONTINUE if alive else TuneTrialScheduler.STOP)
+
+    def on_trial_complete(self, tune_controller: Any, trial: Any, result: dict[str, Any]) -> None:
+        return None  # members are told by the searcher's on_trial_complete
+
+    def on_trial_error(self, tune_controller: Any, trial: Any) -> None:
+        return None  # a retry replays from the checkpoint; a final failure reaches the searcher
+
+    def on_trial_remove(self, tune_controller: Any, trial: Any) -> None:
+        return None
+
+    def debug_string(self) -> str:
+        counts = self._state.counts()
+        told = ", ".join(f"{n} {s.lower()}" for s, n in counts.items() if n)
+        return f"Using FusedScheduler({self._state.decider.describe()}): members {told or 'none'}"
+
+    def save(self, checkpoint_path: str) -> None:
+        return None  # the state is saved with the searcher
+
+    def restore(self, checkpoint_path: str) -> None:
+        return None
+
+
+def _check_supported(scheduler: Any) -> None:
+    ok = isinstance(scheduler, AsyncHyperBandScheduler | MedianStoppingRule) or (
+        type(scheduler) is FIFOScheduler
+    )
+    if not ok:
+        raise TypeError(
+            f"fusion.scheduler() cannot apply {type(scheduler).__name__} to each member of an "
+            "array: it pauses or changes trials, which a member of a fused array cannot do. "
+            f"Supported: {', '.join(SUPPORTED_SCHEDULERS)}; for Hyperband use "
+            "ASHAScheduler(brackets=...) or hfsweep.schedulers.HyperbandScheduler"
+        )
+
+
+def _split_space(space: Mapping[str, Any], state: SweepState) -> tuple[dict[str, Any], list[str]]:
+    """``(constant values, sampled keys)`` of a flat param_space, checked against the task."""
+    if META in space:
+        raise ValueError(f"param_space key {META!r} is reserved for hfsweep's array description")
+    known = set(state.task.known_keys)
+    constants: dict[str, Any] = {}
+    sampled: list[str] = []
+    for key, value in space.items():
+        if isinstance(value, Mapping) and not isinstance(value, Domain):
+            raise ValueError(
+                f"param_space[{key!r}] is a nested mapping; a fused sweep's param_space is flat, "
+                f"one entry per config key of task {state.task.name!r}"
+            )
+        if key not in known:
+            raise ValueError(
+                f"param_space key {key!r} is not a config key of task {state.task.name!r}; its "
+                f"keys are {sorted(known)}"
+            )
+        if isinstance(value, Domain):
+            sampled.append(key)
+        else:
+            constants[key] = value
+    return constants, sampled

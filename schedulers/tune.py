@@ -1,0 +1,234 @@
+"""The Ray Tune plugin: keep your ``tune.Tuner``, searcher and scheduler; get fused arrays.
+
+Importing this module imports Ray (``import hfsweep`` does not). A :class:`Fusion` describes the
+sweep once (the task, how many members in all, the array size) and hands Tune three things::
+
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler
+    from ray.tune.search.optuna import OptunaSearch
+    from hfsweep.schedulers.tune import Fusion, best_member, member_results
+
+    fusion = Fusion("digits_mlp", members=64, array_size=16)
+    tuner = tune.Tuner(
+        fusion.trainable,                                          # trains one array per trial
+        param_space={"lr": tune.loguniform(1e-3, 0.5), "momentum": tune.uniform(0, 0.99)},
+        tune_config=tune.TuneConfig(
+            metric="val_accuracy", mode="max", num_samples=-1,    # the Fusion owns the budget
+            search_alg=fusion.searcher(OptunaSearch()),
+            scheduler=fusion.scheduler(ASHAScheduler(max_t=10, grace_period=1)),
+        ),
+    )
+    results = tuner.fit()                   # one row per array
+    print(member_results(results))          # one row per member
+    print(best_member(results).config)
+
+**Packing.** The searcher asks the inner searcher for member configs (under member ids
+``<array trial id>-<n>``) and packs members whose configs share the task's compatibility key
+(``hs.Task.compatibility_key``: everything that shapes the model or the data) into one array:
+one Tune trial. A member whose key differs from the array being packed is **held** in its key's
+pool and starts in a later array of its key (or joins a running one); its id keeps the prefix of
+the array that asked for it, its ``array`` column says where it trained. When the budget is spent,
+the remaining pools start as smaller arrays.
+
+**Per member.** After each evaluation the array trainable reports every evaluated member; the
+scheduler wrapper runs the inner scheduler on each of them, decided jointly for the array (each
+member is judged after all its array-mates' values at that step are recorded), and stops the
+Tune trial once no member is left. Each member's results reach the inner searcher under its own
+id: ``on_trial_result`` per evaluation, then ``on_trial_complete`` once: with its last result if
+it completed, without the metric if it was pruned (OptunaSearch records PRUNED), with
+``error=True`` if it failed (non-finite loss or gradients, or a config the task rejects); the
+others in its array go on unaffected. With ``refill`` (the default), a freed slot gets a new
+member of the same key at once.
+
+**Restore and retries.** Tune saves the searcher with the experiment, and with it every
+member's state and the log of decisions taken. Each array report carries a Tune checkpoint of
+the array trainer, so ``FailureConfig(max_failures=...)`` retries an array from its last report
+and ``Tuner.restore(path, fusion.trainable)`` continues an interrupted experiment: replayed
+evaluations get the decisions already taken, and no member is told twice. "Told once" is
+counted by the inner searcher that the restored experiment runs with: after Ctrl+C Tune saves
+the searcher last, so nothing is lost; after a hard kill of the driver, members told since
+Tune's last periodic save are told again to the restored searcher, which had not heard of them.
+
+**Know this.**
+
+- Only schedulers that continue or stop trials run per member: ``FIFOScheduler``,
+  ``ASHAScheduler`` (``AsyncHyperBandScheduler``), ``MedianStoppingRule`` and hfsweep's
+  schedulers (:class:`~hfsweep.schedulers.TrialScheduler`). ``PAUSE`` counts as go on. A
+  member that ASHA stops at ``max_t`` is told as completed. Use the task's ``epochs`` as
+  ``max_t``.
+- Members of one array are asked together: with TPE, ``OptunaSearch(sampler=TPESampler(
+  constant_liar=True))`` keeps them apart.
+- Every report carries a checkpoint of the whole array; keep disk use bounded with
+  ``tune.RunConfig(checkpoint_config=tune.CheckpointConfig(num_to_keep=2))``.
+- A member that joins an array through refill trains on the same data as the others but sees
+  the epochs' shuffles in another order (see the README's note on refill).
+- ``Tuner.restore(..., restart_errored=True)`` does not retrain an errored array: its members
+  were told as failed; a restarted array is stopped at its first report.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from hfsweep._task import Task
+
+from ._tune_results import (
+    TunedMember,
+    best_member,
+    member_history,
+    member_results,
+    sweep_state,
+    tuned_members,
+)
+from ._tune_state import SweepState
+from ._tune_trainable import DTYPES, TRAINABLE_NAME, TrainSpec, make_trainable
+from ._tune_wrappers import SUPPORTED_SCHEDULERS, FusedScheduler, FusedSearcher
+
+__all__ = [
+    "SUPPORTED_SCHEDULERS",
+    "TRAINABLE_NAME",
+    "FusedScheduler",
+    "FusedSearcher",
+    "Fusion",
+    "TunedMember",
+    "best_member",
+    "member_history",
+    "member_results",
+    "sweep_state",
+    "tuned_members",
+]
+
+_log = logging.getLogger("hfsweep.tune")
+
+
+class Fusion:
+    """One fused Tune sweep: the task, the member budget and the array size.
+
+    Args:
+        task: an :class:`hfsweep.Task`, or its name: a ready task (``"digits_mlp"``),
+            ``"module:attribute"`` or ``"path/to/file.py:attribute"`` (loaded by each worker).
+        members: how many member configs to ask the inner searcher for in all (the budget that
+            ``num_samples`` is in plain Tune; set ``num_samples=-1``).
+        array_size: members per array, or ``"auto"``: the profiler's choice per compatibility
+            key (``hs.profile_task``), measured on this (the driver's) machine with ``device``
+            and cached; give a number when the workers' device differs from the driver's.
+        device: where arrays train: ``"auto"`` (CUDA when the worker sees a GPU; give the
+            trainable a GPU with ``tune.with_resources(fusion.trainable, {"gpu": 1})``),
+            ``"cpu"``, ``"cuda"``.
+        dtype: ``"float32"``, ``"float64"`` or ``"bfloat16"``.
+        eval_every: evaluate every this many of a member's steps (default: once per epoch).
+        refill: give a freed slot a new member of the same key at once (default); without,
+            an array shrinks as its members end.
+    """
+
+    def __init__(
+        self,
+        task: Task | str,
+        *,
+        members: int,
+        array_size: int | str = "auto",
+        device: str = "auto",
+        dtype: str = "float32",
+        eval_every: int | None = None,
+        refill: bool = True,
+    ) -> None:
+        if isinstance(members, bool) or not isinstance(members, int) or members < 1:
+            raise ValueError(f"Fusion(members={members!r}): give the budget as an integer >= 1")
+        if array_size != "auto" and (
+            isinstance(array_size, bool) or not isinstance(array_size, int) or array_size < 1
+        ):
+            raise ValueError(
+                f"Fusion(array_size={array_size!r}): give an integer >= 1 or 'auto' (the "
+                "profiler's choice)"
+            )
+        if dtype not in DTYPES:
+            raise ValueError(f"Fusion(dtype={dtype!r}): choose one of {sorted(DTYPES)}")
+        if device not in ("auto", "cpu") and not device.startswith("cuda"):
+            raise ValueError(f"Fusion(device={device!r}): choose 'auto', 'cpu' or 'cuda[:N]'")
+        if eval_every is not None and (
+            isinstance(eval_every, bool) or not isinstance(eval_every, int) or eval_every < 1
+        ):
+            raise ValueError(f"Fusion(eval_every={eval_every!r}): give an integer >= 1 (steps)")
+        loaded, ref = _task(task)
+        self.task = loaded
+        self._spec = TrainSpec(
+            task=ref, device=device, dtype=dtype, eval_every=eval_every, trace=True
+        )
+        size: int | Callable[[Mapping[str, Any]], int]
+        size = self._profiled_size if array_size == "auto" else int(array_size)
+        self._state = SweepState(
+            loaded, members=members, array_size=size, refill=refill, uid=uuid.uuid4().hex[:12]
+        )
+        self._searcher: FusedSearcher | None = None
+        self._scheduler: FusedScheduler | None = None
+
+    @property
+    def trainable(self) -> Callable[[dict[str, Any]], None]:
+        """The Tune function trainable that trains one array per trial (its name is
+        ``"hfsweep_array"``; pass it again to ``Tuner.restore``)."""
+        return make_trainable(self._spec)
+
+    def searcher(self, searcher: Any) -> FusedSearcher:
+        """Wrap a Tune searcher (``OptunaSearch``, ``HyperOptSearch``, ...): the fused searcher
+        to pass as ``TuneConfig(search_alg=...)``. One per Fusion."""
+        if self._searcher is not None:
+            raise RuntimeError(
+                "this Fusion already has a searcher; a Fusion runs one sweep, make another "
+                "for another Tuner"
+            )
+        self._searcher = FusedSearcher(searcher, self._state)
+        return self._searcher
+
+    def scheduler(self, scheduler: Any = None) -> FusedScheduler:
+        """Wrap a Tune scheduler (``ASHAScheduler``, ``MedianStoppingRule``, ``FIFOScheduler``;
+        default FIFO, no early stopping) or an hfsweep ``TrialScheduler``: the fused scheduler
+        to pass as ``TuneConfig(scheduler=...)``. Call :meth:`searcher` first."""
+        if self._searcher is None:
+            raise RuntimeError(
+                "call fusion.searcher(...) before fusion.scheduler(...): the scheduler applies "
+                "to the members the searcher packs"
+            )
+        if self._scheduler is not None:
+            raise RuntimeError("this Fusion already has a scheduler; a Fusion runs one sweep")
+        if scheduler is None:
+            from ray.tune.schedulers import FIFOScheduler
+
+            scheduler = FIFOScheduler()
+        self._scheduler = FusedScheduler(scheduler, self._searcher)
+        return self._scheduler
+
+    @property
+    def state(self) -> SweepState:
+        """The sweep's live state in this process (members, arrays, pools)."""
+        return self._state
+
+    def _profiled_size(self, config: Mapping[str, Any]) -> int:
+        from hfsweep._sizing import profile_task
+        from hfsweep.profiler import ProfileCache
+
+        device = self._spec.torch_device()
+        profile = profile_task(
+            self.task, config, device=device, dtype=DTYPES[self._spec.dtype], cache=ProfileCache()
+        )
+        _log.info("array size %d on %s: %s", profile.chosen, device, profile.reason)
+        return int(profile.chosen)
+
+
+def _task(task: Task | str) -> tuple[Task, Task | str]:
+    """``(the task, what workers load)``: a file path in a name is made absolute."""
+    if isinstance(task, Task):
+        return task, task
+    if not isinstance(task, str):
+        raise TypeError(
+            f"Fusion(task=...) takes an hfsweep.Task or a task name, got {type(task).__name__}"
+        )
+    from hfsweep._entry import load_task
+
+    where, sep, attr = task.rpartition(":")
+    if sep and where.endswith(".py"):
+        task = f"{Path(where).resolve()}:{attr}"
+    return load_task(task), task

@@ -1,0 +1,375 @@
+"""The fused Tune sweep's driver-side logic, without a Ray cluster: packing by compatibility key,
+the member budget, joint per-member decisions, telling each member once, replays after a resume,
+refill, and the wrappers' checks of what users pass."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import sys
+from collections import Counter
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+
+pytest.importorskip("ray.tune")
+
+from _tune_toy import TASK
+from hfsweep.schedulers import ASHAScheduler as HfASHA
+from hfsweep.schedulers._tune_joint import MemberController, MemberTrial, TuneDecider
+from hfsweep.schedulers._tune_state import FINISHED, SweepState
+from hfsweep.schedulers.tune import Fusion
+from ray import tune
+from ray.tune.schedulers import ASHAScheduler, HyperBandScheduler
+from ray.tune.search import Searcher
+
+
+class ListSearcher(Searcher):
+    """Hands out the configs it was given, in order; records every call."""
+
+    def __init__(self, configs: list[dict[str, Any]]) -> None:
+        super().__init__(metric="val_accuracy", mode="max")
+        self.configs = list(configs)
+        self.asked: list[str] = []
+        self.results: list[tuple[str, int]] = []
+        self.told: Counter[str] = Counter()
+        self.outcome: dict[str, str] = {}
+
+    def suggest(self, trial_id: str) -> dict[str, Any] | None:
+        if not self.configs:
+            return None
+        self.asked.append(trial_id)
+        return self.configs.pop(0)
+
+    def on_trial_result(self, trial_id: str, result: dict[str, Any]) -> None:
+        self.results.append((trial_id, result["training_iteration"]))
+
+    def on_trial_complete(
+        self, trial_id: str, result: dict[str, Any] | None = None, error: bool = False
+    ) -> None:
+        self.told[trial_id] += 1
+        if error:
+            self.outcome[trial_id] = "FAIL"
+        elif result is None or self.metric not in result:
+            self.outcome[trial_id] = "PRUNED"
+        else:
+            self.outcome[trial_id] = "COMPLETE"
+
+
+def _state(
+    configs: list[dict[str, Any]], *, members: int, size: int, refill: bool = True
+) -> tuple[SweepState, ListSearcher, dict[str, dict[str, Any]]]:
+    """A sweep state over ``configs`` with a recording searcher; the answers it posts."""
+    state = SweepState(TASK, members=members, array_size=size, refill=refill, uid="test")
+    searcher = ListSearcher(configs)
+    state.searcher = searcher
+    state.configure("val_accuracy", "max")
+    posted: dict[str, dict[str, Any]] = {}
+    state.post = lambda token, message: posted.__setitem__(token, message)
+    return state, searcher, posted
+
+
+def _report(
+    token: str,
+    evals: list[tuple[str, int, float]],
+    *,
+    final: bool = False,
+    ended: list[dict[str, Any]] | None = None,
+    consumed: int = 0,
+    queued: int = 0,
+    loss: float = 0.5,
+) -> dict[str, Any]:
+    """An array report: ``(member, epoch, val_accuracy)`` per evaluated member (5 steps/epoch)."""
+    payload = {
+        "token": token,
+        "evaluations": [
+            {
+                "member": m,
+                "step": 5 * epoch,
+                "epoch": float(epoch),
+                "metrics": {"train_loss": loss, "val_loss": loss, "val_accuracy": value},
+                "final": final,
+            }
+            for m, epoch, value in evals
+        ],
+        "ended": ended or [],
+        "consumed": consumed,
+        "queued": queued,
+    }
+    return {"val_accuracy": 0.0, "hfsweep": json.dumps(payload)}
+
+
+def test_members_of_one_key_share_an_array_and_others_wait_for_their_own() -> None:
+    configs = [{"lr": 0.1, "hidden": h} for h in (8, 16, 8, 16, 8)]
+    state, searcher, _ = _state(configs, members=5, size=2, refill=False)
+    first = state.suggest("A")
+    assert isinstance(first, dict)
+    ids = [m["id"] for m in first["hfsweep"]["members"]]
+    assert ids == ["A-0", "A-2"]  # A-1 (hidden=16) is held for an array of its own key
+    second = state.suggest("B")
+    assert isinstance(second, dict)
+    assert [m["id"] for m in second["hfsweep"]["members"]] == ["A-1", "B-0"]
+    assert {state.members[m].config["hidden"] for m in ("A-1", "B-0")} == {16}
+    third = state.suggest("C")  # the budget is spent: the last member starts a smaller array
+    assert isinstance(third, dict)
+    assert [m["id"] for m in third["hfsweep"]["members"]] == ["C-0"]
+    assert state.suggest("D") is None  # arrays still run: not finished yet
+    for array in ("A", "B", "C"):
+        state.on_complete(array, None, error=True)
+    assert state.suggest("E") == FINISHED
+    assert len(searcher.asked) == 5
+    assert all(n == 1 for n in searcher.told.values()) and len(searcher.told) == 5
+
+
+def test_a_config_the_task_rejects_is_told_failed_at_once_and_counts_against_the_budget() -> None:
+    configs = [{"lr": -1.0}, {"lr": 0.1}, {"lr": 0.2}]
+    state, searcher, _ = _state(configs, members=3, size=2)
+    config = state.suggest("A")
+    assert isinstance(config, dict)
+    assert [m["id"] for m in config["hfsweep"]["members"]] == ["A-1", "A-2"]
+    assert searcher.outcome == {"A-0": "FAIL"}
+    assert "lr" in (state.members["A-0"].error or "")
+
+
+def test_each_member_is_told_once_and_replays_get_the_decisions_already_taken() -> None:
+    configs = [{"lr": 0.01 * (i + 1)} for i in range(3)]
+    state, searcher, posted = _state(configs, members=3, size=3, refill=False)
+    state.decider = TuneDecider(
+        ASHAScheduler(
+            metric="val_accuracy", mode="max", max_t=4, grace_period=1, reduction_factor=3
+        )
+    )
+    state.suggest("A")
+    r1 = _report("t1", [("A-0", 1, 0.9), ("A-1", 1, 0.2), ("A-2", 1, 0.5)])
+    assert state.on_result("A", r1) is True
+    assert posted["t1"]["go"] == {"A-0": True, "A-1": False, "A-2": False}
+    assert searcher.outcome == {"A-1": "PRUNED", "A-2": "PRUNED"}
+    # the same report again (the scheduler wrapper, then the searcher wrapper): no effect
+    assert state.on_result("A", r1) is True
+    # the trainable resumed from a checkpoint and replays the evaluation with a new token
+    replay = _report("t2", [("A-0", 1, 0.9), ("A-1", 1, 0.2), ("A-2", 1, 0.5)])
+    state.on_result("A", {**replay, "hfsweep": replay["hfsweep"]})
+    assert posted["t2"]["go"] == posted["t1"]["go"]
+    final = _report("t3", [("A-0", 4, 0.95)], final=True)
+    assert state.on_result("A", final) is False  # no member left: Tune stops the trial
+    assert searcher.outcome["A-0"] == "COMPLETE"
+    assert all(n == 1 for n in searcher.told.values())
+    assert searcher.results.count(("A-0", 1)) == 1
+    state.on_complete("A", final)
+    assert all(n == 1 for n in searcher.told.values())
+
+
+def test_tune_schedulers_decide_jointly_whatever_the_order() -> None:
+    def decide(order: list[str]) -> dict[str, bool]:
+        decider = TuneDecider(
+            ASHAScheduler(metric="v", mode="max", max_t=9, grace_period=1, reduction_factor=3)
+        )
+        values = {"a": 0.1, "b": 0.9, "c": 0.5, "d": 0.7}
+        reports = [(MemberTrial(m, {}), {"v": values[m], "training_iteration": 1}) for m in order]
+        return decider.decide(MemberController(t for t, _ in reports), reports, "v")
+
+    forward = decide(["a", "b", "c", "d"])
+    assert forward == decide(["d", "c", "b", "a"])
+    # each member is judged after all its array-mates were recorded, by Tune's own rule (at or
+    # above the 2/3 percentile of the others' values); first come, first served would have let
+    # "a" go on, as the first to reach the rung
+    assert forward == {"a": False, "b": True, "c": False, "d": True}
+
+
+def test_nonfinite_members_fail_and_the_others_go_on() -> None:
+    state, searcher, posted = _state([{"lr": 0.1}, {"lr": 1e9}], members=2, size=2)
+    state.suggest("A")
+    payload = json.loads(_report("t1", [("A-0", 1, 0.8)])["hfsweep"])
+    payload["evaluations"].append(
+        {
+            "member": "A-1",
+            "step": 5,
+            "epoch": 1.0,
+            "metrics": {"train_loss": math.inf, "val_loss": math.nan, "val_accuracy": 0.1},
+            "final": False,
+        }
+    )
+    assert state.on_result("A", {"hfsweep": json.dumps(payload)}) is True
+    assert posted["t1"]["go"] == {"A-0": True, "A-1": False}
+    assert searcher.outcome == {"A-1": "FAIL"}
+    # a member whose gradients went non-finite between evaluations: the trainer's word
+    state2, searcher2, _ = _state([{"lr": 0.1}, {"lr": 0.2}], members=2, size=2)
+    state2.suggest("B")
+    ended = [{"member": "B-1", "status": "failed", "steps": 3, "error": "non-finite gradients"}]
+    state2.on_result("B", _report("t1", [("B-0", 1, 0.8)], ended=ended))
+    assert searcher2.outcome == {"B-1": "FAIL"}
+    assert state2.members["B-1"].error == "non-finite gradients"
+
+
+def test_freed_slots_get_members_of_the_arrays_key_once_the_trainable_took_the_last_ones() -> None:
+    configs = [{"lr": 0.1, "hidden": h} for h in (8, 8, 16, 8, 8)]
+    state, _, posted = _state(configs, members=5, size=2)
+    state.decider = TuneDecider(
+        ASHAScheduler(
+            metric="val_accuracy", mode="max", max_t=4, grace_period=1, reduction_factor=2
+        )
+    )
+    state.suggest("A")  # A-0, A-1
+    state.on_result("A", _report("t1", [("A-0", 1, 0.9), ("A-1", 1, 0.1)]))
+    given = posted["t1"]["given"]
+    # A-1 was pruned; the held hidden=16 member is not compatible, so a new one is asked
+    assert [g["id"] for g in given] == ["A-3"]
+    assert state.members["A-2"].state == "WAITING"
+    # the trainable has not taken A-3 yet (consumed 0): the same member is sent again, no other
+    state.on_result("A", _report("t2", [("A-0", 2, 0.9)], consumed=0))
+    assert [g["id"] for g in posted["t2"]["given"]] == ["A-3"]
+    state.on_result("A", _report("t3", [("A-0", 3, 0.9), ("A-3", 1, 0.8)], consumed=1))
+    assert posted["t3"]["given"] == []
+    assert state.arrays["A"].all_members() == ["A-0", "A-1", "A-3"]
+
+
+def test_an_array_that_fails_for_good_fails_its_untold_members_and_a_stopped_one_prunes_them() -> (
+    None
+):
+    state, searcher, _ = _state([{"lr": 0.1}, {"lr": 0.2}, {"lr": 0.3}], members=3, size=3)
+    state.suggest("A")
+    state.on_result("A", _report("t1", [("A-0", 1, 0.5), ("A-1", 1, 0.6), ("A-2", 1, 0.7)]))
+    state.on_complete("A", None, error=True)
+    assert searcher.outcome == {"A-0": "FAIL", "A-1": "FAIL", "A-2": "FAIL"}
+    # an array stopped by Tune itself (a stopper) after its members were evaluated
+    state2, searcher2, _ = _state([{"lr": 0.1}, {"lr": 0.2}], members=2, size=2)
+    state2.suggest("B")
+    last = _report("t1", [("B-0", 1, 0.5), ("B-1", 1, 0.6)])
+    state2.on_complete("B", last)  # the stopping report reaches only on_trial_complete
+    assert searcher2.outcome == {"B-0": "PRUNED", "B-1": "PRUNED"}
+    assert searcher2.results == [("B-0", 1), ("B-1", 1)]
+
+
+def test_the_state_survives_a_save_and_restore() -> None:
+    state, _, posted = _state([{"lr": 0.1}, {"lr": 0.2}], members=2, size=2)
+    state.decider = TuneDecider(
+        ASHAScheduler(
+            metric="val_accuracy", mode="max", max_t=4, grace_period=1, reduction_factor=2
+        )
+    )
+    state.suggest("A")
+    state.on_result("A", _report("t1", [("A-0", 1, 0.9), ("A-1", 1, 0.1)]))
+    saved = copy.deepcopy(state.state_dict())
+    restored, searcher2, posted2 = _state([], members=2, size=2)
+    restored.load_state_dict(saved)
+    restored.on_result("A", _report("t9", [("A-0", 1, 0.9), ("A-1", 1, 0.1)]))  # a replay
+    assert posted2["t9"]["go"] == posted["t1"]["go"]
+    assert not searcher2.told  # told before the save, never again
+    assert restored.counts()["PRUNED"] == 1
+
+
+def test_hfsweep_schedulers_decide_jointly_too() -> None:
+    state, _, posted = _state([{"lr": 0.1}, {"lr": 0.2}, {"lr": 0.3}], members=3, size=3)
+    from hfsweep.schedulers._tune_joint import NativeDecider
+
+    state.decider = NativeDecider(
+        HfASHA(mode="max", max_resource=4, grace_period=1, reduction_factor=3)
+    )
+    state.suggest("A")
+    state.on_result("A", _report("t1", [("A-0", 1, 0.5), ("A-1", 1, 0.9), ("A-2", 1, 0.7)]))
+    assert posted["t1"]["go"] == {"A-0": False, "A-1": True, "A-2": False}
+
+
+def test_users_get_errors_that_name_the_value_and_what_would_be_valid() -> None:
+    with pytest.raises(ValueError, match="members=0"):
+        Fusion(TASK, members=0)
+    with pytest.raises(ValueError, match="array_size='big'"):
+        Fusion(TASK, members=4, array_size="big")
+    fusion = Fusion(TASK, members=4, array_size=2)
+    with pytest.raises(RuntimeError, match=r"fusion\.searcher"):
+        fusion.scheduler()
+    searcher = fusion.searcher(ListSearcher([]))
+    with pytest.raises(TypeError, match=r"HyperBandScheduler.*ASHAScheduler"):
+        fusion.scheduler(HyperBandScheduler())
+    with pytest.raises(ValueError, match=r"num_samples=10.*num_samples=-1"):
+        searcher.set_search_properties("val_accuracy", "max", {"lr": 0.1}, num_samples=10)
+    with pytest.raises(ValueError, match="'width' is not a config key of task 'tune_toy'"):
+        searcher.set_search_properties(
+            "val_accuracy", "max", {"width": tune.uniform(0, 1)}, num_samples=sys.maxsize
+        )
+
+
+def test_member_configs_take_the_constants_of_the_param_space() -> None:
+    fusion = Fusion(TASK, members=2, array_size=2)
+    inner = ListSearcher([{"lr": 0.1}, {"lr": 0.2}])
+    searcher = fusion.searcher(inner)
+    space: Mapping[str, Any] = {"lr": tune.uniform(0.01, 0.5), "hidden": 16}
+    searcher.set_search_properties("val_accuracy", "max", dict(space), num_samples=sys.maxsize)
+    fusion.state.post = lambda token, message: None
+    searcher._hub = object()  # no Ray here: the hub is not needed to pack
+    config = searcher.suggest("A")
+    assert config["lr"] == [0.1, 0.2]
+    assert [m["config"] for m in config["hfsweep"]["members"]] == [
+        {"hidden": 16, "lr": 0.1},
+        {"hidden": 16, "lr": 0.2},
+    ]
+
+
+def test_the_array_size_callable_is_asked_once_per_key() -> None:
+    asked: list[int] = []
+
+    def size(config: Mapping[str, Any]) -> int:
+        asked.append(config["hidden"])
+        return 2
+
+    state = SweepState(TASK, members=4, array_size=size, uid="test")
+    state.searcher = ListSearcher([{"lr": 0.1, "hidden": h} for h in (8, 8, 16, 16)])
+    state.configure("val_accuracy", "max")
+    assert isinstance(state.suggest("A"), dict)
+    assert isinstance(state.suggest("B"), dict)
+    assert asked == [8, 16]
+
+
+def test_a_trial_the_sweep_never_packed_is_stopped_and_nothing_is_told() -> None:
+    state, searcher, posted = _state([{"lr": 0.1}], members=1, size=1)
+    state.suggest("A")
+    # Tuner.restore(restart_errored=True) would restart an errored array under a new id
+    assert state.on_result("Z", _report("t1", [("A-0", 1, 0.5)])) is False
+    assert posted["t1"] == {"go": {"A-0": False}, "given": []}
+    assert not searcher.told
+
+
+def test_a_report_without_the_sweeps_metric_is_refused_before_anything_is_recorded() -> None:
+    state, searcher, _ = _state([{"lr": 0.1}], members=1, size=1)
+    state.configure("val_f1", "max")
+    state.suggest("A")
+    with pytest.raises(ValueError, match=r"'val_f1' is not among .*'val_accuracy'"):
+        state.on_result("A", _report("t1", [("A-0", 1, 0.5)]))
+    assert state.members["A-0"].history == [] and not searcher.results
+
+
+def test_the_median_stopping_rule_runs_per_member_whatever_the_order() -> None:
+    from ray.tune.schedulers import MedianStoppingRule
+
+    values = {
+        "a": [0.2, 0.3, 0.3],
+        "b": [0.8, 0.9, 0.9],
+        "c": [0.6, 0.7, 0.7],
+        "d": [0.5, 0.4, 0.1],
+    }
+
+    def run(order: list[str]) -> list[dict[str, bool]]:
+        rule = MedianStoppingRule(
+            time_attr="training_iteration",
+            metric="v",
+            mode="max",
+            grace_period=2,
+            min_samples_required=2,
+        )
+        decider = TuneDecider(rule)
+        live, out = list(order), []
+        for i in range(3):
+            reports = [
+                (MemberTrial(m, {}), {"v": values[m][i], "training_iteration": i + 1}) for m in live
+            ]
+            answer = decider.decide(MemberController(t for t, _ in reports), reports, "v")
+            out.append(answer)
+            live = [m for m in live if answer[m]]  # a stopped member never reports again
+        return out
+
+    forward = run(["a", "b", "c", "d"])
+    assert forward == run(["d", "b", "a", "c"])
+    assert all(forward[0].values())  # within the grace period
+    assert forward[1] == {"a": False, "b": True, "c": True, "d": False}
