@@ -588,6 +588,7 @@ class _Engine:
                     refill=self._locked(lambda: self._refill(array)),
                     on_finish=self._locked(self._on_finish),
                     resume=resume,
+                    requeue=self._locked(lambda member: self._requeue(array, member)),
                 )
             except Stopped:
                 return
@@ -604,6 +605,12 @@ class _Engine:
                 return hook(*args)
 
         return call
+
+    def _requeue(self, array: _Array, member: Member) -> None:
+        """A trial the executor hands back (its array restarted without it): it waits in its
+        key's pool again, for a refill or a later array."""
+        _log.info("trial %s goes back to the pool of array %d's key", member.id, array.index)
+        self.pools.add(array.key, Pending(trial_number(member.id), dict(member.config)))
 
     def _refill(self, array: _Array) -> Member | None:
         """A trial of the array's key for a freed slot: a waiting one, else a new one."""
@@ -649,11 +656,13 @@ class _Engine:
             go = decided[r.trial] is Decision.CONTINUE
             answer[e.member] = go
             self.decisions[f"{e.member}@{e.step}"] = go
-            number = trial_number(e.member)
-            self.source.report(number, round(r.resource), r.value)
             steps += e.step - int(self._last_step.get(e.member, 0))
             self._last_step[e.member] = e.step
+        # every decision is saved before the searcher hears of any, so an error or a kill in
+        # a custom searcher's report() cannot leave the scheduler ahead of the decision log
         self._save_state()
+        for _, r in todo:
+            self.source.report(trial_number(r.trial), round(r.resource), r.value)
         self.progress.stepped(steps)
         return answer
 

@@ -43,7 +43,8 @@ A sweep file is one YAML mapping. Every key, with its default::
       address: null             # null: start a local Ray for the run; "auto", "host:6379" or
                                 #   "ray://host:10001" to use a running cluster
       cpus_per_array: 1         # CPUs each array's actor reserves (a number > 0)
-      gpus_per_array: auto      # auto (1 when fusion.device is cuda or auto, else 0) or a number
+      gpus_per_array: auto      # auto: 1 when fusion.device is cuda, or auto on a cluster with
+                                #   GPUs; else 0. Or a number >= 0
       max_concurrent: null      # arrays training at once; null: as many as the cluster fits
       max_failures: 3           # restarts of an array from its checkpoint after its worker died
     storage: null               # null: an Optuna journal file in the run directory; or an Optuna

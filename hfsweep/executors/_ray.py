@@ -37,6 +37,8 @@ __all__ = ["RayExecutor"]
 _log = logging.getLogger("hfsweep.ray")
 #: seconds to wait for a cluster given by address to hold one array (its workers may be joining)
 _JOIN_WAIT_S = 60.0
+#: seconds to wait for Ray to place a new array's actor before counting on one array fewer
+_PLACE_WAIT_S = 120.0
 
 
 class RayExecutor:
@@ -77,6 +79,16 @@ class RayExecutor:
             )
         #: (pid, start time) of the processes of a Ray this executor started
         self._started: set[tuple[int, float]] = self._ray_processes() if self._owns_ray else set()
+        try:
+            self._setup(task, device, settings)
+        except BaseException:
+            self._shutdown()
+            raise
+
+    def _setup(self, task: Task, device: str, settings: RayConfig) -> None:
+        """Check the cluster can hold an array and size the pool of actors."""
+        import ray
+
         _pickle_task_by_value(task)
         want_gpu = settings.gpus_per_array
         if want_gpu is None:
@@ -105,6 +117,7 @@ class RayExecutor:
         self.slots = min(fit, settings.max_concurrent or fit)
         self._idle: list[Any] = []
         self._remote: Any = None  # ArrayWorker as a Ray actor class, made once
+        self._groups: dict[Any, Any] = {}  # actor -> the placement group reserved for it
         self._made = 0
         self._busy: set[Any] = set()
         self._closed = False
@@ -133,39 +146,130 @@ class RayExecutor:
 
     # ------------------------------------------------------------------ actors
     def _acquire(self) -> Any:
-        import ray
+        """An idle actor, or a new one in resources reserved for it. When Ray cannot reserve
+        an array's resources within ``_PLACE_WAIT_S`` (other work holds them, or no node is big
+        enough though the cluster's total suggested so), one array fewer trains at once."""
+        from ray.exceptions import RayActorError
 
-        with self._cond:
-            while not self._idle and self._made >= self.slots and not self._closed:
-                self._cond.wait()
-            if self._closed:
-                raise Stopped
-            if self._idle:
-                actor = self._idle.pop()
-            else:
+        while True:
+            with self._cond:
+                while not self._idle and self._made >= self.slots and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    raise Stopped
+                if self._idle:
+                    actor = self._idle.pop()
+                    self._busy.add(actor)
+                    return actor
                 self._made += 1
-                if self._remote is None:
-                    self._remote = ray.remote(
-                        num_cpus=self.cpus_per_array, num_gpus=self.gpus_per_array, max_restarts=0
-                    )(ArrayWorker)
-                actor = self._remote.remote(
-                    self.task,
-                    device=self.device,
-                    dtype=self.dtype,
-                    eval_every=self.eval_every,
-                    threads=max(1, int(self.cpus_per_array)),
-                )
-            self._busy.add(actor)
+            group = self._reserve()
+            if group is None:
+                self._unplaced()
+                continue
+            actor = self._new_actor(group)
+            try:
+                where = self._ray_get(actor.where.remote())
+            except RayActorError as exc:
+                self._forget(actor)
+                raise ExecutorError(
+                    "a Ray worker could not start (is hfsweep, and the module defining the "
+                    f"task, importable on every node?): {exc}"
+                ) from exc
+            with self._cond:
+                if self._closed:
+                    self._forget(actor)
+                    raise Stopped
+                self._busy.add(actor)
+            _log.info("Ray worker ready: %s", where)
             return actor
 
-    def _release(self, actor: Any, *, dead: bool = False) -> None:
+    def _reserve(self) -> Any:
+        """A placement group holding one array's resources, or ``None`` if Ray could not
+        reserve them within ``_PLACE_WAIT_S`` (reserving does not wait for a process to
+        start, so a slow start is not mistaken for a full cluster)."""
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        bundle = {"CPU": self.cpus_per_array}
+        if self.gpus_per_array:
+            bundle["GPU"] = self.gpus_per_array
+        group = placement_group([bundle])
+        if group.wait(timeout_seconds=_PLACE_WAIT_S):
+            return group
+        remove_placement_group(group)
+        return None
+
+    def _new_actor(self, group: Any) -> Any:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if self._remote is None:
+            self._remote = ray.remote(
+                num_cpus=self.cpus_per_array, num_gpus=self.gpus_per_array, max_restarts=0
+            )(ArrayWorker)
+        strategy = PlacementGroupSchedulingStrategy(placement_group=group)
+        actor = self._remote.options(scheduling_strategy=strategy).remote(
+            self.task,
+            device=self.device,
+            dtype=self.dtype,
+            eval_every=self.eval_every,
+            threads=max(1, int(self.cpus_per_array)),
+        )
+        self._groups[actor] = group
+        return actor
+
+    @staticmethod
+    def _ray_get(ref: Any, timeout: float | None = None) -> Any:
         import ray
 
+        return ray.get(ref, timeout=timeout)
+
+    def _kill(self, actor: Any) -> None:
+        """Kill ``actor`` and free the resources reserved for it."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        with contextlib.suppress(Exception):  # the cluster may be gone (Ctrl-C reaches it)
+            ray.kill(actor, no_restart=True)
+        group = self._groups.pop(actor, None)
+        if group is not None:
+            with contextlib.suppress(Exception):
+                remove_placement_group(group)
+
+    def _forget(self, actor: Any) -> None:
+        """Kill an actor that never joined the pool."""
+        self._kill(actor)
+        with self._cond:
+            self._made -= 1
+            self._cond.notify_all()
+
+    def _unplaced(self) -> None:
+        """Ray could not reserve a new actor's resources: go on with one array fewer at
+        once, or give up when not even one array can train."""
+        with self._cond:
+            self._made -= 1
+            if self._made == 0:
+                self._cond.notify_all()
+                raise ExecutorError(
+                    f"Ray could not place an array's actor ({self.cpus_per_array:g} CPUs, "
+                    f"{self.gpus_per_array:g} GPUs) within {_PLACE_WAIT_S:g} s: other work holds "
+                    "the cluster's resources, or no single node has that much; lower "
+                    "ray.cpus_per_array or ray.gpus_per_array, or free or add nodes"
+                )
+            self.slots = max(1, min(self.slots - 1, self._made))
+            _log.warning(
+                "Ray could not place another array's actor within %g s; going on with up to "
+                "%d array(s) at once",
+                _PLACE_WAIT_S,
+                self.slots,
+            )
+            self._cond.notify_all()
+
+    def _release(self, actor: Any, *, dead: bool = False) -> None:
         with self._cond:
             self._busy.discard(actor)
             if dead:
                 self._made -= 1
-                ray.kill(actor, no_restart=True)
+                self._kill(actor)
             elif not self._closed:
                 self._idle.append(actor)
             self._cond.notify_all()
@@ -173,16 +277,19 @@ class RayExecutor:
     def close(self) -> None:
         """Stop every actor (arrays still training raise :class:`Stopped` in their threads)
         and shut down the Ray this executor started."""
-        import ray
-
         with self._cond:
             self._closed = True
             actors = [*self._idle, *self._busy]
             self._idle.clear()
             self._cond.notify_all()
         for actor in actors:
-            with contextlib.suppress(Exception):  # the cluster may be gone (Ctrl-C reaches it)
-                ray.kill(actor, no_restart=True)
+            self._kill(actor)
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        """Shut down the Ray this executor started, and what is left of its processes."""
+        import ray
+
         if self._owns_ray and ray.is_initialized():
             self._started |= self._ray_processes()
             ray.shutdown()
@@ -212,16 +319,22 @@ class RayExecutor:
     # ------------------------------------------------------------------ work
     def array_size(self, config: Mapping[str, Any]) -> tuple[int, str]:
         """The profiler's array size for ``config``, measured on a worker's device."""
-        import ray
+        from ray.exceptions import RayActorError
 
-        actor = self._acquire()
-        try:
-            size, reason = ray.get(actor.array_size.remote(dict(config)))
-        except BaseException:
-            self._release(actor, dead=True)
-            raise
-        self._release(actor)
-        return int(size), str(reason)
+        failures = 0
+        while True:
+            actor = self._acquire()
+            try:
+                size, reason = self._ray_get(actor.array_size.remote(dict(config)))
+            except RayActorError as exc:
+                self._release(actor, dead=True)
+                failures = self._died(exc, failures, "profiling array sizes")
+                continue
+            except BaseException:
+                self._release(actor, dead=True)
+                raise
+            self._release(actor)
+            return int(size), str(reason)
 
     def run_array(
         self,
@@ -232,10 +345,12 @@ class RayExecutor:
         refill: RefillHook,
         on_finish: Callable[[MemberResult], None],
         resume: bool,
+        requeue: Callable[[Member], None] | None = None,
     ) -> None:
         """Train ``members`` (and the trials ``refill`` adds) in an actor until every one has
         ended; the hooks run in this thread. A dead actor's array restarts from its checkpoint
-        on a new actor, at most ``ray.max_failures`` times."""
+        on a new actor, at most ``ray.max_failures`` times; trials that joined after that
+        checkpoint go back to the engine through ``requeue`` (the array keeps its size)."""
         from ray.exceptions import RayActorError
 
         folder = str(checkpoint_dir)
@@ -249,38 +364,63 @@ class RayExecutor:
                 self._drive(actor, folder, start, resume, active, report, refill, on_finish)
             except RayActorError as exc:
                 self._release(actor, dead=True)
-                if self._closed:
-                    raise Stopped from None
-                if getattr(exc, "actor_init_failed", False):
-                    raise ExecutorError(
-                        "a Ray worker could not start (is hfsweep, and the module defining the "
-                        f"task, importable on every node?): {exc}"
-                    ) from exc
-                failures += 1
-                if failures > self.settings.max_failures:
-                    raise ExecutorError(
-                        f"the worker training array folder {folder} died {failures} times "
-                        f"(ray.max_failures is {self.settings.max_failures}); last error: {exc}"
-                    ) from exc
-                known = ArrayTrainer.checkpointed_members(folder)
-                start = [m for m in active.values() if m.id not in known]
+                failures = self._died(exc, failures, f"training {folder}")
+                start = self._restart_members(folder, start, active, requeue)
                 resume = True
-                _log.warning(
-                    "the worker training %s died (%s); restarting it from its checkpoint "
-                    "(%d of %d restarts)",
-                    folder,
-                    str(exc).strip().splitlines()[-1][:300]
-                    if str(exc).strip()
-                    else type(exc).__name__,
-                    failures,
-                    self.settings.max_failures,
-                )
                 continue
             except BaseException:
                 self._release(actor, dead=True)
                 raise
             self._release(actor)
             return
+
+    def _died(self, exc: BaseException, failures: int, doing: str) -> int:
+        """A worker died while ``doing``: the new failure count, or an error when the sweep is
+        stopping, the worker could not start, or ``ray.max_failures`` is spent."""
+        if self._closed:
+            raise Stopped from None
+        if getattr(exc, "actor_init_failed", False):
+            raise ExecutorError(
+                "a Ray worker could not start (is hfsweep, and the module defining the task, "
+                f"importable on every node?): {exc}"
+            ) from exc
+        failures += 1
+        if failures > self.settings.max_failures:
+            raise ExecutorError(
+                f"the worker {doing} died {failures} times (ray.max_failures is "
+                f"{self.settings.max_failures}); last error: {exc}"
+            ) from exc
+        text = str(exc).strip()
+        _log.warning(
+            "the worker %s died (%s); restarting it (%d of %d restarts)",
+            doing,
+            text.splitlines()[-1][:300] if text else type(exc).__name__,
+            failures,
+            self.settings.max_failures,
+        )
+        return failures
+
+    @staticmethod
+    def _restart_members(
+        folder: str,
+        start: list[Member],
+        active: dict[str, Member],
+        requeue: Callable[[Member], None] | None,
+    ) -> list[Member]:
+        """The members to restart an array with after its worker died: none beyond its
+        checkpoint (or, before the first checkpoint, the ones it started with). Trials that
+        joined later started from scratch anyway; they go back to the engine's pool, so the
+        restarted array keeps its size."""
+        known = ArrayTrainer.checkpointed_members(folder)
+        keep = [] if known else [m for m in start if m.id in active]
+        kept = {m.id for m in keep} | known
+        for m in [m for m in active.values() if m.id not in kept]:
+            if requeue is None:
+                keep.append(m)
+                continue
+            del active[m.id]
+            requeue(m)
+        return keep
 
     def _drive(
         self,

@@ -62,8 +62,10 @@ class LocalExecutor:
         refill: RefillHook,
         on_finish: Callable[[MemberResult], None],
         resume: bool,
+        requeue: Callable[[Member], None] | None = None,
     ) -> None:
-        """Train ``members`` (and the trials ``refill`` adds) until every one has ended."""
+        """Train ``members`` (and the trials ``refill`` adds) until every one has ended.
+        (``requeue`` is for executors that may hand trials back; this one never does.)"""
         trainer = ArrayTrainer(
             self.task,
             device=self.device,

@@ -101,8 +101,8 @@ def _check_final_study(run: Path) -> None:
 
 @pytest.mark.parametrize("backend", ["local", "ray"])
 def test_sigkill_then_resume_finishes_the_sweep(tmp_path: Path, backend: str) -> None:
-    """With ``backend: ray`` the killed driver takes the Ray it started down with it, and the
-    resumed run continues two arrays at once from their checkpoints."""
+    """With ``backend: ray`` the resumed run starts a new local Ray and continues two arrays at
+    once from their checkpoints."""
     if backend == "ray":
         pytest.importorskip("ray")
     sweep = _write_sweep(tmp_path, backend)

@@ -31,6 +31,35 @@ _FLAG = "HFSWEEP_TEST_CRASH_FLAG"
 _ASHA = {"name": "asha", "options": {"grace_period": 1, "reduction_factor": 2}}
 
 
+def test_a_ray_started_for_a_refused_sweep_is_shut_down(tmp_path: Path) -> None:
+    """Runs first in this module, before the module's own Ray: the executor starts a local Ray,
+    finds the cluster cannot hold one array, and leaves no Ray behind."""
+    if ray.is_initialized():
+        pytest.skip("a Ray is already running in this process")
+    with pytest.raises(hs.SweepError, match=r"cannot hold one array's actor \(64 CPUs"):
+        hs.sweep(
+            sweep_config(tmp_path / "run", backend="ray", ray={"cpus_per_array": 64}),
+            progress=False,
+        )
+    assert not ray.is_initialized()
+
+
+def test_a_restarted_array_hands_back_trials_its_checkpoint_does_not_hold(
+    tmp_path: Path,
+) -> None:
+    from hfsweep.executors._ray import RayExecutor
+    from hfsweep.trainer import Member
+
+    a, b, c = (Member(f"trial-{i}", {}) for i in range(3))
+    active = {m.id: m for m in (a, b, c)}
+    handed_back: list[str] = []
+    # no checkpoint yet: restart with the members it started with; c joined later
+    start = RayExecutor._restart_members(
+        str(tmp_path / "none"), [a, b], active, lambda m: handed_back.append(m.id)
+    )
+    assert start == [a, b] and handed_back == ["trial-2"] and set(active) == {a.id, b.id}
+
+
 @pytest.fixture(scope="module")
 def local_ray(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     # the workers inherit the environment Ray starts with: the crash flag's path is set first
@@ -149,7 +178,7 @@ def test_a_dead_worker_is_replaced_and_its_array_resumes_exactly(
     )
     assert not flag.exists()  # a worker drew the batch and died
     log = (result.run_dir / "sweep.log").read_text()
-    assert "died" in log and "restarting it from its checkpoint (1 of 3 restarts)" in log
+    assert "died" in log and "restarting it (1 of 3 restarts)" in log
     _same_trials(result, reference)
     assert told == Counter(range(8))
 
@@ -189,5 +218,59 @@ def test_a_cluster_too_small_for_one_array_is_refused(local_ray: None, tmp_path:
     with pytest.raises(hs.SweepError, match=r"cannot hold one array's actor \(4 CPUs"):
         hs.sweep(
             sweep_config(tmp_path / "run", backend="ray", ray={"cpus_per_array": 4}),
+            progress=False,
+        )
+
+
+def test_an_actor_ray_cannot_place_lowers_the_arrays_at_once(
+    local_ray: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ray's total says two arrays fit, but other work holds one of the two CPUs."""
+    from hfsweep.executors import _ray as ray_executor
+
+    monkeypatch.setattr(ray_executor, "_PLACE_WAIT_S", 3.0)
+
+    @ray.remote(num_cpus=1)
+    class _Other:
+        def ready(self) -> bool:
+            return True
+
+    other = _Other.remote()  # type: ignore[attr-defined]
+    try:
+        ray.get(other.ready.remote())
+        result = hs.sweep(
+            sweep_config(tmp_path / "run", backend="ray", budget={"trials": 8, "epochs": 2}),
+            progress=False,
+        )
+    finally:
+        ray.kill(other)
+    assert result.counts == {"COMPLETE": 8, "PRUNED": 0, "FAIL": 0, "RUNNING": 0}
+    assert "going on with up to 1 array(s) at once" in (result.run_dir / "sweep.log").read_text()
+
+
+def test_a_task_the_workers_cannot_import_is_a_clear_error(
+    local_ray: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Profiling (fusion.size auto) is the first call to a worker: its failure is explained."""
+    folder = tmp_path / "driver_only"
+    folder.mkdir()
+    (folder / "driver_only_task.py").write_text(
+        "import hfsweep as hs\n"
+        "from sweep._toy import TASK as TOY\n"
+        "def model(config):\n"
+        "    return TOY.model(config)\n"
+        "TASK = hs.Task(name='local', model=model, data=TOY.data, defaults=dict(TOY.defaults))\n"
+    )
+    monkeypatch.syspath_prepend(str(folder))  # the driver's path only, not the workers'
+    import driver_only_task  # type: ignore[import-not-found]
+
+    with pytest.raises(hs.SweepError, match="importable on every node"):
+        hs.sweep(
+            sweep_config(
+                tmp_path / "run",
+                task=driver_only_task.TASK,
+                backend="ray",
+                fusion={"size": "auto", "device": "cpu"},
+            ),
             progress=False,
         )
