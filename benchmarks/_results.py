@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import sys
+from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,15 @@ def machine(device: torch.device) -> str:
     return f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
 
 
+def markdown_table(columns: Sequence[str], cells: Sequence[Sequence[str]]) -> list[str]:
+    """The lines of a Markdown table: the first column left-aligned, the others right-aligned."""
+    return [
+        "| " + " | ".join(columns) + " |",
+        "|" + "|".join("---" if i == 0 else "---:" for i in range(len(columns))) + "|",
+        *("| " + " | ".join(c) + " |" for c in cells),
+    ]
+
+
 def write_results(
     stem: Path,
     script: str,
@@ -43,8 +53,10 @@ def write_results(
     columns: list[str],
     cells: list[list[str]],
     rows: list[dict[str, Any]],
+    after: Sequence[str] = (),
 ) -> None:
-    """Write ``stem``.json (metadata and raw rows) and ``stem``.md (the table) and say where."""
+    """Write ``stem``.json (metadata and raw rows) and ``stem``.md (the table, then the lines of
+    ``after``: a second table, say) and say where."""
     command = f"python benchmarks/{script} " + " ".join(argv if argv is not None else sys.argv[1:])
     meta = {
         "machine": machine(device),
@@ -63,9 +75,8 @@ def write_results(
         f"- command: `{meta['command']}`",
         *notes,
         "",
-        "| " + " | ".join(columns) + " |",
-        "|" + "|".join("---" if i == 0 else "---:" for i in range(len(columns))) + "|",
-        *("| " + " | ".join(c) + " |" for c in cells),
+        *markdown_table(columns, cells),
+        *after,
     ]
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print(f"wrote {stem.with_suffix('.md')}")

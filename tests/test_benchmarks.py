@@ -1,0 +1,62 @@
+"""The benchmark scripts run: a smoke run of each at its smallest scale.
+
+These check that every way a script compares produces a finite, positive number and that the
+results files appear; they never assert a timing (timings live in ``benchmarks/results/``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _positive(value: object) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+@pytest.mark.slow
+def test_fusion_throughput_quick_runs(tmp_path, monkeypatch):
+    """``fusion_throughput.py --quick`` on the tiny MLP, CPU, B = 1 and 2: every way (the
+    concurrent processes included) and every memory figure is measured, tables and plots written."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the spawned processes inherit it
+    script = importlib.import_module("fusion_throughput")
+    stem = tmp_path / "fusion_throughput_test"
+    argv = ["--quick", "--device", "cpu", "--models", "tiny_mlp", "--sizes", "1", "2"]
+    assert script.main([*argv, "--out", str(stem)]) == 0
+
+    data = json.loads(stem.with_suffix(".json").read_text())
+    assert data["meta"]["command"].endswith(f"--out {stem}")
+    rows = data["rows"]
+    assert [(r["model"], r["B"], r["batch"]) for r in rows] == [
+        ("tiny_mlp", 1, 64),
+        ("tiny_mlp", 2, 64),
+    ]
+    for row in rows:
+        assert "notes" not in row, row["notes"]
+        for arm in ("serial", "concurrent", "fused", "ideal", "hand"):
+            assert _positive(row[arm]), (row["B"], arm, row[arm])
+        for other in ("serial", "concurrent", "ideal", "hand"):
+            ratios = row[f"fused/{other} rounds"]
+            assert len(ratios) == 1 and all(_positive(r) for r in ratios)
+        assert row["threads per process"] >= 1 and _positive(row["window_s"])
+        fused, processes = row["memory"]["fused"], row["memory"]["processes"]
+        assert len(processes) == row["B"]
+        for measured in (fused, *processes):
+            assert _positive(measured["tensor_peak"]) and _positive(measured["rss_peak"])
+            assert _positive(measured["step_s"])
+        # one process holds the B members' tensors: at least as many bytes as one model's
+        assert fused["tensor_peak"] >= min(p["tensor_peak"] for p in processes)
+
+    md = stem.with_suffix(".md").read_text()
+    assert "| tiny_mlp | 2 |" in md and "fused / concurrent" in md and "Peak memory" in md
+    if importlib.util.find_spec("matplotlib") is not None:
+        for kind in ("throughput", "memory"):
+            png = stem.with_name(f"{stem.name}_{kind}.png")
+            assert png.read_bytes().startswith(b"\x89PNG")
