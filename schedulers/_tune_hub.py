@@ -5,7 +5,10 @@ report (which members go on, which new members join) has to come back another wa
 Ray actor per sweep holds answers by report token: the driver posts the answer while it processes
 the report (before Tune lets the trainable continue), the trainable takes it right after
 ``tune.report`` returns. The driver creates the actor (an actor created by a trainable would die
-with it) and recreates it under the same name after ``Tuner.restore``.
+with it) and recreates it under the same name after ``Tuner.restore``. The driver ends it once
+the search is finished and Tune has ended every array trial it started, so a finished sweep
+leaves no process behind; an interrupted one keeps its hub until the restored experiment
+finishes or Ray shuts down (``Tuner.restore`` in the same Ray session reuses it by name).
 """
 
 from __future__ import annotations
@@ -62,6 +65,13 @@ class HubLink:
         import ray
 
         ray.get(self._handle.post.remote(token, message))
+
+    def close(self) -> None:
+        """End the hub actor (its process goes with it). Called once the experiment needs no
+        answers: a trainable still waiting on it would fail, so only when no array runs."""
+        import ray
+
+        ray.kill(self._handle, no_restart=True)
 
 
 def connect(name: str) -> Any:

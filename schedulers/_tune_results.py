@@ -1,7 +1,9 @@
 """Member-level results of a fused Tune sweep: Tune's ``ResultGrid`` has one row per array.
 
-The member table is read from the state the fused searcher saves with the experiment (the file
-Tune restores from), or from a live :class:`~hfsweep.schedulers.tune.Fusion` in this process.
+The member table is read from the state the fused searcher saves with the experiment (the newest
+file, the one Tune restores from), or from a live :class:`~hfsweep.schedulers.tune.Fusion` in
+this process. After ``Tuner.restore`` pass the ``ResultGrid`` or the experiment directory: they
+hold the restored run's state in any process.
 """
 
 from __future__ import annotations
@@ -67,6 +69,8 @@ def sweep_state(source: Any) -> dict[str, Any]:
             f"{folder}: member_results() reads a local experiment directory; download the "
             "experiment from its storage first"
         )
+    # the newest, as Tune picks it on restore: by name (the session's timestamp); not by
+    # modification time, which syncing the experiment directory rewrites
     files = sorted(glob.glob(os.path.join(folder, _STATE_GLOB)))
     if not files:
         raise FileNotFoundError(

@@ -39,6 +39,7 @@ __all__ = [
     "ArrayRecord",
     "MemberRecord",
     "SweepState",
+    "restored_state",
 ]
 
 _log = logging.getLogger("hfsweep.tune")
@@ -65,7 +66,8 @@ class MemberRecord:
     key: str
     array: str | None = None
     state: str = "WAITING"
-    #: one row per evaluation: training_iteration, step, epoch and the task's metrics
+    #: one row per evaluation: training_iteration, step, epoch, the task's metrics and
+    #: time_total_s (the member's own training time since it joined its array)
     history: list[dict[str, Any]] = field(default_factory=list)
     value: float | None = None
     error: str | None = None
@@ -97,6 +99,17 @@ class ArrayRecord:
         """Every member that trains (or trained) in this array, in the order they joined."""
         back = set(self.returned)
         return [m for m in (*self.members, *self.given) if m not in back]
+
+
+#: the newest state of each sweep (by uid) restored in this process: ``Tuner.restore``
+#: unpickles a new searcher, so the state a :class:`Fusion` made is left behind; ``Fusion.state``
+#: follows the restored one through this (strong references: one state per restored sweep)
+_RESTORED: dict[str, SweepState] = {}
+
+
+def restored_state(uid: str) -> SweepState | None:
+    """The newest state of sweep ``uid`` that ``Tuner.restore`` loaded in this process."""
+    return _RESTORED.get(uid)
 
 
 class SweepState:
@@ -294,15 +307,34 @@ class SweepState:
                 "trial?); it is stopped and nothing is told",
                 trial_id,
             )
-            if payload is not None and self.post is not None:
-                go = {str(e["member"]): False for e in payload.get("evaluations", [])}
-                self.post(str(payload["token"]), {"go": go, "given": []})
+            self._stop_all(payload)
+            return False
+        if array.done:
+            # Tuner.restore(resume_errored=True) resumes an array that failed for good under
+            # its own id: its members were told (FAIL) when it failed, so whatever it reports
+            # (replays included) is answered "stop", no member joins it and nothing is told
+            if payload is not None and payload.get("token") != array.last_token:
+                _log.warning(
+                    "array %s reported after it had ended (Tuner.restore(resume_errored=True)?); "
+                    "its members were told already, it is stopped",
+                    trial_id,
+                )
+                array.last_token = str(payload["token"])
+                self._stop_all(payload)
             return False
         if payload is None or payload.get("token") == array.last_token:
             return self._alive(array)
         self._process(array, payload)
         array.last_token = str(payload["token"])
         return self._alive(array)
+
+    def _stop_all(self, payload: Mapping[str, Any] | None) -> None:
+        """Answer a report of an array this sweep no longer trains: every evaluated member
+        stops, nobody joins. A final report (the trainable's last word) waits for no answer."""
+        if payload is None or payload.get("final") or self.post is None:
+            return
+        go = {str(e["member"]): False for e in payload.get("evaluations", [])}
+        self.post(str(payload["token"]), {"go": go, "given": []})
 
     def _check(self, array: ArrayRecord, payload: Mapping[str, Any]) -> None:
         """Refuse a report naming members not in ``array`` or lacking the metric, before
@@ -339,16 +371,22 @@ class SweepState:
                 go[rec.id] = False
                 continue
             metrics = dict(ev["metrics"])
+            # the member's own training time since it joined its array (kept through the
+            # array's checkpoints), never the array's: a member that joined late gets its
+            # grace period, and a resumed array does not restart its members' clocks
+            own = float(ev.get("time", elapsed))
+            before = float(rec.history[-1].get("time_total_s", 0.0)) if rec.history else 0.0
             row = {
                 "training_iteration": len(rec.history) + 1,
                 "step": int(ev["step"]),
                 "epoch": float(ev["epoch"]),
                 **metrics,
+                "time_total_s": own,
             }
             rec.history.append(row)
             result = {
                 **row,
-                "time_total_s": elapsed,
+                "time_this_iter_s": max(own - before, 0.0),
                 "trial_id": rec.id,
                 "done": bool(ev["final"]),
                 "hfsweep_array": array.id,
@@ -465,7 +503,10 @@ class SweepState:
 
     # ------------------------------------------------------------------ refill
     def _give(self, array: ArrayRecord) -> None:
-        """New members of ``array``'s key for its free slots: from the pool, else asked."""
+        """New members of ``array``'s key for its free slots: from the pool, else asked.
+        An array that ended gets none: nothing would train or tell them."""
+        if array.done:
+            return
         alive = sum(not self.members[m].told for m in array.all_members())
         asks = 0
         for _ in range(array.size - alive):
@@ -564,6 +605,7 @@ class SweepState:
         self.counters = {k: int(v) for k, v in state["counters"].items()}
         self.decider = state["decider"]
         self._trials = {}
+        _RESTORED[self.uid] = self
 
     # ------------------------------------------------------------------ summaries
     def counts(self) -> dict[str, int]:

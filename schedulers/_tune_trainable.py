@@ -6,7 +6,9 @@ string under ``"hfsweep"``, next to the array's best current value under the swe
 and a Tune checkpoint of the trainer's checkpoint directory; it then takes the driver's answer
 from the hub: which members go on, and new members for freed slots. Members that joined through
 refill and wait for a slot are saved with the checkpoint, so a restored array gets exactly what
-the original had.
+the original had. Each evaluation carries the member's own training time since it joined the
+array (the driver's per-member ``time_total_s``), saved with the checkpoint too, so a member that
+joins late is not older than it is, and a retry or restore does not restart members' clocks.
 
 The checkpoint sent with a report is the trainer's state as of its previous save (the trainer
 saves after a report's decisions are applied), so a restored array replays the evaluations of its
@@ -124,9 +126,24 @@ def train_array(config: Mapping[str, Any], spec: TrainSpec) -> None:
 
 
 class _Channel:
-    """The trainable's side of the conversation with the driver, for one array."""
+    """The trainable's side of the conversation with the driver, for one array.
 
-    def __init__(self, hub: Any, meta: Mapping[str, Any], work: Path, *, resumed: bool) -> None:
+    It keeps the array's training clock (seconds of this array's training, summed over the
+    runs of its trainable: a retry or restore goes on from the time saved with the checkpoint)
+    and the clock reading at which each member joined, so every evaluation carries the
+    member's own training time (``time``): what the driver reports as the member's
+    ``time_total_s``. ``clock`` is the time source (``time.monotonic``; tests pass a fake).
+    """
+
+    def __init__(
+        self,
+        hub: Any,
+        meta: Mapping[str, Any],
+        work: Path,
+        *,
+        resumed: bool,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.hub = hub
         self.resumed = resumed  # said in the first report only
         self.work = work
@@ -139,7 +156,28 @@ class _Channel:
         self.queue: list[dict[str, Any]] = list(state.get("queue", []))
         self.ended: list[dict[str, Any]] = []
         self.latest: dict[str, float] = {}
-        self.start = time.monotonic()
+        self._clock = clock
+        self.start = clock()
+        #: the array's training time when this run of the trainable started (0, or the time
+        #: saved with the checkpoint it resumes from)
+        self.offset = float(state.get("clock", 0.0))
+        #: the array clock when each member joined (the array's first members at 0)
+        self.joined: dict[str, float] = {
+            str(k): float(v) for k, v in state.get("joined", {}).items()
+        }
+        for m in meta["members"]:
+            self.joined.setdefault(str(m["id"]), 0.0)
+        #: the array clock when the trainer last saved its checkpoint (right after a report
+        #: and its refills), saved with that checkpoint
+        self.mark = self.offset
+
+    def now(self) -> float:
+        """The array's training time, in seconds (kept through retries and restores)."""
+        return self.offset + self._clock() - self.start
+
+    def member_time(self, member: str) -> float:
+        """``member``'s own training time: the array's time since the member joined."""
+        return max(self.now() - self.joined.setdefault(member, 0.0), 0.0)
 
     # ------------------------------------------------------------------ trainer hooks
     def report(self, evaluations: list[Evaluation]) -> dict[str, bool]:
@@ -151,7 +189,7 @@ class _Channel:
                 self.latest[e.member] = float(value)
         payload = {
             "token": token,
-            "elapsed": time.monotonic() - self.start,
+            "elapsed": self.now(),
             "evaluations": [
                 {
                     "member": e.member,
@@ -159,6 +197,7 @@ class _Channel:
                     "epoch": e.epoch,
                     "metrics": e.metrics,
                     "final": e.final,
+                    "time": self.member_time(e.member),
                 }
                 for e in evaluations
             ],
@@ -174,13 +213,17 @@ class _Channel:
         given = list(answer.get("given", []))
         self.queue.extend(given)
         self.consumed += len(given)
+        self.mark = self.now()  # the trainer saves next (after its refills)
         return {str(k): bool(v) for k, v in answer["go"].items()}
 
     def refill(self) -> Member | None:
-        """A member the driver handed this array for a freed slot, or ``None``."""
+        """A member the driver handed this array for a freed slot, or ``None``. Its clock
+        starts now."""
         if not self.queue:
             return None
         m = self.queue.pop(0)
+        self.mark = self.now()
+        self.joined[str(m["id"])] = self.mark
         return Member(str(m["id"]), dict(m["config"]))
 
     def on_finish(self, result: MemberResult) -> None:
@@ -201,7 +244,7 @@ class _Channel:
             return
         payload = {
             "token": uuid.uuid4().hex,
-            "elapsed": time.monotonic() - self.start,
+            "elapsed": self.now(),
             "evaluations": [],
             "ended": self.ended,
             "unused": [m["id"] for m in self.queue],
@@ -218,7 +261,12 @@ class _Channel:
         ckpt = None
         if checkpoint and (self.work / "array.pt").exists():
             # the channel's state as of the trainer's last save, saved with it
-            state = {"consumed": self.consumed, "queue": self.queue}
+            state = {
+                "consumed": self.consumed,
+                "queue": self.queue,
+                "clock": self.mark,
+                "joined": self.joined,
+            }
             tmp = self.work / f".{_CHANNEL_FILE}.tmp"
             tmp.write_text(json.dumps(state))
             os.replace(tmp, self.work / _CHANNEL_FILE)

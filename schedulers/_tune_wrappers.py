@@ -65,6 +65,8 @@ class FusedSearcher(Searcher):
         state.searcher = searcher
         state.configure(searcher.metric, searcher.mode)
         self._hub: HubLink | None = None
+        #: the array trials Tune has started and not yet ended (the hub must outlive them)
+        self._active: set[str] = set()
         self._warned = False
 
     # ------------------------------------------------------------------ configuration
@@ -89,7 +91,12 @@ class FusedSearcher(Searcher):
         self._connect()
         config = self._state.suggest(trial_id)
         if isinstance(config, str):  # Tune's Searcher.FINISHED is a string, too
-            return Searcher.FINISHED if config == FINISHED else None  # type: ignore[return-value]
+            if config == FINISHED:
+                self._release()
+                return Searcher.FINISHED  # type: ignore[return-value]
+            return None
+        if config is not None:
+            self._active.add(trial_id)
         return config
 
     def on_trial_result(self, trial_id: str, result: dict[str, Any]) -> None:
@@ -99,6 +106,7 @@ class FusedSearcher(Searcher):
                 "the fused sweep has no FusedScheduler: members train to their budget. Pass "
                 "scheduler=fusion.scheduler(ASHAScheduler(...)) to stop members early"
             )
+        self._active.add(trial_id)
         self._connect()
         self._state.on_result(trial_id, result)
 
@@ -106,6 +114,9 @@ class FusedSearcher(Searcher):
         self, trial_id: str, result: dict[str, Any] | None = None, error: bool = False
     ) -> None:
         self._state.on_complete(trial_id, result, error)
+        self._active.discard(trial_id)
+        if self._state.finished:
+            self._release()
 
     def set_max_concurrency(self, max_concurrent: int) -> bool:
         return False  # a ConcurrencyLimiter around this searcher limits arrays
@@ -129,9 +140,30 @@ class FusedSearcher(Searcher):
             self._hub = HubLink(self._state.hub_name)
             self._state.post = self._hub.post
 
+    def _track(self, trial_id: str) -> None:
+        """Tune started (or restored) array trial ``trial_id``: it may need the hub."""
+        self._active.add(trial_id)
+        self._connect()
+
+    def _release(self) -> None:
+        """End the hub once the search is finished and no array trial Tune started is left
+        (``Tuner.restore(resume_errored=True)`` can resume an array after the search
+        finished; it ends the hub when that array ends). A later report recreates it."""
+        if self._hub is None or self._active or not self._state.finished:
+            return
+        hub, self._hub = self._hub, None
+        self._state.post = None
+        try:
+            hub.close()
+        except Exception as exc:  # Ray already shut down: the actor went with it
+            _log.debug("ending the hub %s: %s", hub.name, exc)
+        else:
+            _log.info("the search is finished: hub %s ended", hub.name)
+
     @property
     def state(self) -> SweepState:
-        """The sweep's state: members, arrays, pools."""
+        """The sweep's state: members, arrays, pools. After ``Tuner.restore`` the restored
+        searcher (a new object) holds the current state; see ``Fusion.state``."""
         return self._state
 
 
@@ -144,8 +176,10 @@ class FusedScheduler(FIFOScheduler):
     an hfsweep :class:`~hfsweep.schedulers.TrialScheduler`; schedulers that pause trials or
     change them (``HyperBandScheduler``, ``PopulationBasedTraining``) cannot run per member and
     are refused. A member's result has ``training_iteration`` (its evaluations so far, one per
-    epoch by default), ``epoch``, ``step``, ``time_total_s`` and the task's metrics, so
-    ``ASHAScheduler(time_attr="training_iteration", max_t=epochs)`` counts epochs.
+    epoch by default), ``epoch``, ``step``, ``time_total_s`` and ``time_this_iter_s`` (its own
+    training time since it joined its array, and since its previous evaluation) and the task's
+    metrics, so ``ASHAScheduler(time_attr="training_iteration", max_t=epochs)`` counts epochs
+    and a time-based rule gives a member that joined late its full grace period.
     """
 
     _supports_buffered_results = False
@@ -190,7 +224,10 @@ class FusedScheduler(FIFOScheduler):
         return True
 
     def on_trial_add(self, tune_controller: Any, trial: Any) -> None:
-        self._searcher._connect()
+        # Tuner.restore adds every trial of the experiment, ended ones too: only those that
+        # will run need the hub
+        if getattr(trial, "status", None) not in ("TERMINATED", "ERROR"):
+            self._searcher._track(trial.trial_id)
 
     def on_trial_result(self, tune_controller: Any, trial: Any, result: dict[str, Any]) -> str:
         self._searcher._connect()

@@ -49,6 +49,33 @@ counted by the inner searcher that the restored experiment runs with: after Ctrl
 the searcher last, so nothing is lost; after a hard kill of the driver, members told since
 Tune's last periodic save are told again to the restored searcher, which had not heard of them.
 
+**After a restore.** ``Tuner.restore`` unpickles a new searcher from the experiment, so the
+objects of the first run (``fusion.searcher(...)``'s return value and its ``.state``) keep the
+state from before the interruption. Read the member results from the restored experiment::
+
+    results = tune.Tuner.restore(path, trainable=fusion.trainable).fit()
+    member_results(results)        # or member_results(path), best_member(results), ...
+
+``member_results``, ``member_history``, ``best_member``, ``tuned_members`` and ``sweep_state``
+take the ``ResultGrid`` (of the first or the restored ``fit``), an ``ExperimentAnalysis`` or
+the experiment directory, and read the newest state Tune saved there: use them after a restore,
+in any process. ``fusion.state`` (and ``member_results(fusion)``) follow the restored state only
+in the process that ran ``Tuner.restore(...).fit()``; a new ``Fusion`` made in another process
+knows nothing of the experiment.
+
+**Times.** Each member's result carries its own clock: ``time_total_s`` is its training time
+since it joined its array (kept through retries and restores), ``time_this_iter_s`` the time
+since its previous evaluation, ``training_iteration`` its evaluations so far. So
+``MedianStoppingRule``'s grace period and ASHA's rungs count from a member's start, also for a
+member that joins a running array by refill. The array's members train together, so their
+time is wall time of the array, not a per-member share of it (and after an out-of-memory split
+on a GPU, whose halves train one after the other, a member's clock also runs while its half
+waits).
+
+**Ray processes.** Answers reach the trainables through one small Ray actor per sweep (the
+hub). It ends when the search is finished and every array trial has ended; an interrupted
+experiment keeps it until its restored run finishes or Ray shuts down.
+
 **Know this.**
 
 - Only schedulers that continue or stop trials run per member: ``FIFOScheduler``,
@@ -62,8 +89,9 @@ Tune's last periodic save are told again to the restored searcher, which had not
   ``tune.RunConfig(checkpoint_config=tune.CheckpointConfig(num_to_keep=2))``.
 - A member that joins an array through refill trains on the same data as the others but sees
   the epochs' shuffles in another order (see the README's note on refill).
-- ``Tuner.restore(..., restart_errored=True)`` does not retrain an errored array: its members
-  were told as failed; a restarted array is stopped at its first report.
+- ``Tuner.restore(..., restart_errored=True)`` or ``resume_errored=True`` does not retrain an
+  errored array: its members were told as failed when it failed; the restarted or resumed
+  array is stopped at its first report, and no new member joins it.
 """
 
 from __future__ import annotations
@@ -84,7 +112,7 @@ from ._tune_results import (
     sweep_state,
     tuned_members,
 )
-from ._tune_state import SweepState
+from ._tune_state import SweepState, restored_state
 from ._tune_trainable import DTYPES, TRAINABLE_NAME, TrainSpec, make_trainable
 from ._tune_wrappers import SUPPORTED_SCHEDULERS, FusedScheduler, FusedSearcher
 
@@ -203,8 +231,14 @@ class Fusion:
 
     @property
     def state(self) -> SweepState:
-        """The sweep's live state in this process (members, arrays, pools)."""
-        return self._state
+        """The sweep's live state in this process (members, arrays, pools).
+
+        ``Tuner.restore`` runs a new searcher unpickled from the experiment; once it has
+        loaded its state in this process, this is that (restored) state, not the one this
+        Fusion's first ``fit`` left behind. In another process, read the experiment instead:
+        ``member_results(results)`` or ``member_results(experiment_path)``.
+        """
+        return restored_state(self._state.uid) or self._state
 
     def _profiled_size(self, config: Mapping[str, Any]) -> int:
         from hfsweep._sizing import profile_task

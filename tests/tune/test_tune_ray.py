@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import pickle
 import signal
+import time
 from collections import Counter
 from collections.abc import Iterator
 from glob import glob
@@ -151,6 +152,20 @@ def _final_study(experiment: str) -> tuple[optuna.Study, dict[str, Any]]:
     return saved["_ot_study"], saved["_ot_trials"]
 
 
+def _hub_alive(name: str, wait_s: float = 10.0) -> bool:
+    """Whether the named hub actor is still there (a killed actor's name goes within
+    ``wait_s``)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            ray.get_actor(name)
+        except ValueError:
+            return False
+        if time.monotonic() > deadline:
+            return True
+        time.sleep(0.1)
+
+
 def _assert_told_once(label: str, experiment: str, n: int) -> None:
     table = member_results(experiment)
     assert len(table) == n
@@ -269,6 +284,27 @@ def test_an_interrupted_experiment_restored_tells_every_member_exactly_once(
     _assert_told_once("restore", path, 16)
     arrays = sweep_state(path)["arrays"].values()
     assert sum(a["replayed"] for a in arrays) >= 1  # resumed arrays replayed their last report
+    # the restored run's searcher is a new object; the Fusion follows its state in this process
+    columns = ["member", "array", "state", "evaluations", "value"]
+    assert member_results(fusion)[columns].equals(member_results(results)[columns])
+    assert fusion.state.counts()["RUNNING"] == fusion.state.counts()["WAITING"] == 0
+    assert best_member(fusion) == best_member(results) == best_member(first)
+    assert not _hub_alive(fusion.state.hub_name)  # ended with the restored experiment
+
+
+def test_the_hub_actor_ends_with_the_experiment(sweep: dict[str, Any]) -> None:
+    assert not _hub_alive(sweep["fusion"].state.hub_name)
+
+
+def test_each_members_clock_is_its_own_and_goes_on_through_the_retry(
+    sweep: dict[str, Any],
+) -> None:
+    state = sweep["fusion"].state
+    resumed = [a for a in state.arrays.values() if a.resumes]
+    assert resumed  # the crashed array's members' clocks went on from its checkpoint
+    for rec in state.members.values():
+        clock = [h["time_total_s"] for h in rec.history]
+        assert all(t >= 0 for t in clock) and clock == sorted(clock), (rec.id, clock)
 
 
 def test_a_crashed_array_is_retried_from_its_checkpoint_and_no_member_is_told_twice(

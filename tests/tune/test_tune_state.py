@@ -34,6 +34,8 @@ class ListSearcher(Searcher):
         self.configs = list(configs)
         self.asked: list[str] = []
         self.results: list[tuple[str, int]] = []
+        #: each member's last result, as on_trial_result got it
+        self.last: dict[str, dict[str, Any]] = {}
         self.told: Counter[str] = Counter()
         self.outcome: dict[str, str] = {}
 
@@ -45,6 +47,7 @@ class ListSearcher(Searcher):
 
     def on_trial_result(self, trial_id: str, result: dict[str, Any]) -> None:
         self.results.append((trial_id, result["training_iteration"]))
+        self.last[trial_id] = dict(result)
 
     def on_trial_complete(
         self, trial_id: str, result: dict[str, Any] | None = None, error: bool = False
@@ -80,9 +83,13 @@ def _report(
     consumed: int = 0,
     queued: int = 0,
     loss: float = 0.5,
+    elapsed: float | None = None,
+    times: Mapping[str, float] | None = None,
+    resumed: bool = False,
 ) -> dict[str, Any]:
-    """An array report: ``(member, epoch, val_accuracy)`` per evaluated member (5 steps/epoch)."""
-    payload = {
+    """An array report: ``(member, epoch, val_accuracy)`` per evaluated member (5 steps/epoch);
+    ``elapsed`` is the array's clock, ``times`` each member's own training time."""
+    payload: dict[str, Any] = {
         "token": token,
         "evaluations": [
             {
@@ -91,13 +98,17 @@ def _report(
                 "epoch": float(epoch),
                 "metrics": {"train_loss": loss, "val_loss": loss, "val_accuracy": value},
                 "final": final,
+                **({"time": times[m]} if times is not None else {}),
             }
             for m, epoch, value in evals
         ],
         "ended": ended or [],
         "consumed": consumed,
         "queued": queued,
+        "resumed": resumed,
     }
+    if elapsed is not None:
+        payload["elapsed"] = elapsed
     return {"val_accuracy": 0.0, "hfsweep": json.dumps(payload)}
 
 
@@ -373,3 +384,76 @@ def test_the_median_stopping_rule_runs_per_member_whatever_the_order() -> None:
     assert forward == run(["d", "b", "a", "c"])
     assert all(forward[0].values())  # within the grace period
     assert forward[1] == {"a": False, "b": True, "c": True, "d": False}
+
+
+def test_an_array_resumed_after_it_failed_for_good_is_stopped_and_no_member_joins_it() -> None:
+    # Tuner.restore(resume_errored=True) resumes an array that failed past its retries under
+    # its own trial id, after its members were told FAIL; it replays its last report
+    state, searcher, posted = _state([{"lr": 0.01 * (i + 1)} for i in range(6)], members=6, size=3)
+    state.suggest("A")
+    r1 = _report("t1", [("A-0", 1, 0.5), ("A-1", 1, 0.6), ("A-2", 1, 0.7)])
+    state.on_result("A", r1)
+    assert posted["t1"] == {"go": {"A-0": True, "A-1": True, "A-2": True}, "given": []}
+    state.on_complete("A", None, error=True)  # failed for good: its members are told FAIL
+    assert searcher.outcome == {"A-0": "FAIL", "A-1": "FAIL", "A-2": "FAIL"}
+    replay = _report("t2", [("A-0", 1, 0.5), ("A-1", 1, 0.6), ("A-2", 1, 0.7)], resumed=True)
+    assert state.on_result("A", replay) is False  # Tune stops the trial
+    assert posted["t2"] == {"go": {"A-0": False, "A-1": False, "A-2": False}, "given": []}
+    assert state.counts()["RUNNING"] == 0 and state.arrays["A"].given == []
+    # its last word (the stopped members, a final report) and its end change nothing
+    ended = [{"member": m, "status": "stopped", "steps": 5, "error": None} for m in ("A-0",)]
+    last = json.loads(_report("t3", [], ended=ended)["hfsweep"])
+    state.on_result("A", {"hfsweep": json.dumps({**last, "final": True})})
+    assert "t3" not in posted
+    state.on_complete("A", replay)
+    assert all(n == 1 for n in searcher.told.values())
+    # the three members the budget has left are not lost: they start in a new array
+    config = state.suggest("B")
+    assert isinstance(config, dict)
+    assert [m["id"] for m in config["hfsweep"]["members"]] == ["B-0", "B-1", "B-2"]
+    for trial_id, token in (("B", "t4"),):
+        state.on_result(
+            trial_id, _report(token, [(m, 4, 0.9) for m in ("B-0", "B-1", "B-2")], final=True)
+        )
+    state.on_complete("B", None)
+    assert state.suggest("C") == FINISHED
+    assert sorted(searcher.told) == [f"{a}-{i}" for a in "AB" for i in range(3)]
+    assert set(searcher.told.values()) == {1}
+
+
+def test_a_member_that_joins_by_refill_gets_its_own_clock_and_grace_period() -> None:
+    from ray.tune.schedulers import MedianStoppingRule
+
+    state, searcher, posted = _state([{"lr": 0.01 * (i + 1)} for i in range(8)], members=8, size=6)
+    # at its defaults: time_attr="time_total_s", grace_period=60 s, min_samples_required=3
+    state.decider = TuneDecider(MedianStoppingRule(metric="val_accuracy", mode="max"))
+    state.suggest("A")
+    first = [f"A-{i}" for i in range(6)]
+    values = [0.9, 0.85, 0.8, 0.75, 0.2, 0.1]
+    state.on_result(
+        "A",
+        _report(
+            "t1",
+            [(m, 1, v) for m, v in zip(first, values, strict=True)],
+            elapsed=70.0,
+            times=dict.fromkeys(first, 70.0),
+        ),
+    )
+    stopped = [m for m, go in posted["t1"]["go"].items() if not go]
+    assert stopped and "A-0" not in stopped
+    given = [g["id"] for g in posted["t1"]["given"]]
+    assert given and given[0] == "A-6"
+    # at the array's 100 s the refilled member has trained 30 s: within its grace period,
+    # whatever its value against array-mates that have trained 100 s
+    alive = [m for m in first if m not in stopped]
+    evals = [(m, 2, 0.9) for m in alive] + [("A-6", 1, 0.5)]
+    times = {**dict.fromkeys(alive, 100.0), "A-6": 30.0}
+    state.on_result("A", _report("t2", evals, elapsed=100.0, times=times, consumed=len(given)))
+    assert posted["t2"]["go"]["A-6"] is True
+    assert searcher.last["A-6"]["time_total_s"] == 30.0
+    assert searcher.last["A-6"]["time_this_iter_s"] == 30.0
+    assert searcher.last["A-6"]["training_iteration"] == 1
+    assert searcher.last["A-0"]["time_total_s"] == 100.0
+    assert searcher.last["A-0"]["time_this_iter_s"] == 30.0
+    assert searcher.last["A-0"]["training_iteration"] == 2
+    assert [h["time_total_s"] for h in state.members["A-0"].history] == [70.0, 100.0]
