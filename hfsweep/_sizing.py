@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -39,7 +41,7 @@ from .profiler import (
 )
 from .trainer import backward, update
 
-__all__ = ["measure_step", "profile_task"]
+__all__ = ["measure_step", "profile_task", "settled", "time_steps"]
 
 _log = logging.getLogger("hfsweep.profiler")
 
@@ -82,6 +84,63 @@ class _LiveTensorBytes(TorchDispatchMode):
         return out
 
 
+#: settled timings may end a measurement once this share of ``min_seconds`` has passed
+_SETTLE_SHARE = 0.2
+#: timings have settled when the median step time is known to within this fraction...
+_SETTLE_ERROR = 0.02
+#: ... from at least this many timed samples
+_SETTLE_SAMPLES = 5
+#: on CUDA, the steps of one timed block take about this long (a synchronize ends each block)
+_BLOCK_SECONDS = 0.01
+
+
+def settled(samples: Sequence[float]) -> bool:
+    """Whether the median of per-step times is known to within ``_SETTLE_ERROR`` of itself:
+    its standard error, estimated robustly from the interquartile range (``1.2533 * sigma /
+    sqrt(n)`` with ``sigma = IQR / 1.349``, so interruptions by other processes do not
+    inflate it), is that small. Steady steps settle after a few samples, scattered ones
+    (a busy machine) need many more."""
+    n = len(samples)
+    if n < _SETTLE_SAMPLES:
+        return False
+    q1, median, q3 = statistics.quantiles(samples, n=4, method="inclusive")
+    error = 1.2533 * (q3 - q1) / 1.349 / math.sqrt(n)
+    return error <= _SETTLE_ERROR * median
+
+
+def time_steps(
+    step: Callable[[], None],
+    sync: Callable[[], None],
+    *,
+    min_seconds: float,
+    min_steps: int,
+    block: int = 1,
+    clock: Callable[[], float] = time.perf_counter,
+) -> list[float]:
+    """Seconds per step of consecutive blocks of ``block`` steps (each ended by ``sync``).
+
+    Times at least ``min_steps`` steps, then stops once ``min_seconds`` have passed, or earlier,
+    after ``_SETTLE_SHARE`` of them, when the times have :func:`settled`: a quiet device needs
+    a fraction of the time; a noisy one (other processes, clock changes) gets all of it.
+    """
+    samples: list[float] = []
+    steps = 0
+    start = clock()
+    while True:
+        began = clock()
+        for _ in range(block):
+            step()
+        sync()
+        now = clock()
+        samples.append((now - began) / block)
+        steps += block
+        elapsed = now - start
+        if steps >= min_steps and (
+            elapsed >= min_seconds or (elapsed >= _SETTLE_SHARE * min_seconds and settled(samples))
+        ):
+            return samples
+
+
 def measure_step(
     task: Task,
     config: Mapping[str, Any],
@@ -97,8 +156,9 @@ def measure_step(
     """Time the training step of an array of ``size`` members of ``config`` on ``batch``.
 
     Members get seeds 0..size-1; ``warmup`` steps run first (tracing, optimizer state), then
-    steps are timed until ``min_seconds`` and ``min_steps`` are both reached; then one more
-    step measures peak memory.
+    steps are timed (:func:`time_steps`: ``min_seconds`` at most unless the times settle
+    sooner, and at least ``min_steps``); the step time is the median, which other processes'
+    interruptions do not move. Then one more step measures peak memory.
     """
     resolved = task.resolve(config)
     configs = [{**resolved, "seed": i} for i in range(size)]
@@ -114,33 +174,32 @@ def measure_step(
     sync: Callable[[], None] = (
         (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     )
+
+    def step() -> None:
+        backward(task, array, x, y, smoothing, None)
+        update(opt, sched)
+
+    warm_s = 0.0
     for _ in range(warmup):
-        backward(task, array, x, y, smoothing, None)
-        update(opt, sched)
-    sync()
-    steps, start = 0, time.perf_counter()
-    while True:
-        backward(task, array, x, y, smoothing, None)
-        update(opt, sched)
-        steps += 1
-        if steps >= min_steps:
-            sync()
-            elapsed = time.perf_counter() - start
-            if elapsed >= min_seconds:
-                break
+        began = time.perf_counter()
+        step()
+        sync()
+        warm_s = time.perf_counter() - began
+    # on a GPU, steps are timed in blocks: a synchronize after every step would leave the
+    # device idle while the next one is launched
+    block = max(1, round(_BLOCK_SECONDS / max(warm_s, 1e-9))) if device.type == "cuda" else 1
+    samples = time_steps(step, sync, min_seconds=min_seconds, min_steps=min_steps, block=block)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-        backward(task, array, x, y, smoothing, None)
-        update(opt, sched)
+        step()
         sync()
         peak = int(torch.cuda.max_memory_allocated(device))
     else:
         existing = [dict(array.state_dict(keep_vars=True)), opt.state, x, y]
         with _LiveTensorBytes(existing) as tracker:
-            backward(task, array, x, y, smoothing, None)
-            update(opt, sched)
+            step()
         peak = tracker.peak
-    step_s = elapsed / steps
+    step_s = statistics.median(samples)
     return Measurement(size=size, samples_per_s=size * n / step_s, peak_bytes=peak, step_s=step_s)
 
 
@@ -164,8 +223,10 @@ def profile_task(
     With a ``cache``, a profile stored under the same key (architecture signature, optimizer,
     input shape, batch size, dtype, device) that measured every size in ``sizes`` is reused
     without measuring unless ``refresh``: B is chosen again from its measurements with this
-    call's ``knee`` and budget. A new profile is stored. ``sizes=None`` doubles from 1 up to ``max_size`` while throughput grows and the
-    memory model says the next size fits ``budget_fraction`` of the device's memory.
+    call's ``knee`` and budget. A new profile is stored. ``sizes=None`` doubles from 1 up to
+    ``max_size`` while throughput grows and the memory model says the next size fits
+    ``budget_fraction`` of the device's memory. Each size is timed for ``min_seconds``, or a
+    fifth of that when its step times settle sooner (:func:`time_steps`).
     """
     device = torch.device(device)
     resolved = task.resolve(config or {})

@@ -126,9 +126,11 @@ def _fmt_rate(x: float) -> str:
 class Measurement:
     """One measured array size: what a few training steps of an array of ``size`` members cost.
 
-    ``samples_per_s`` counts *member*-samples, ``size * batch_size * steps / seconds``: the rate at
-    which the sweep as a whole consumes training samples, comparable across sizes. ``peak_bytes``
-    is the peak memory of one training step at this size (0 where the device cannot report it).
+    ``samples_per_s`` counts *member*-samples, ``size * batch_size / step_s`` (``step_s`` the
+    measured seconds per step; :func:`hfsweep.profile_task` takes the median of the timed
+    steps): the rate at which the sweep as a whole consumes training samples, comparable across
+    sizes. ``peak_bytes`` is the peak memory of one training step at this size (0 where the
+    device cannot report it).
     """
 
     size: int

@@ -11,10 +11,12 @@ member's progress.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
 import os
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -43,6 +45,12 @@ __all__ = ["ArrayTrainer", "Evaluation", "Member", "MemberResult"]
 
 _log = logging.getLogger("hfsweep.trainer")
 _CHECKPOINT_VERSION = 1
+#: an array traces a call signature at its 16th call. A trace pays for itself after 30-100
+#: calls of a small model (measured on CPU, digits MLP, B = 4..64: a trace takes 40-160 ms, an
+#: eager call 1-4 ms longer than a replay), so signatures an array calls a few times (an
+#: epoch's shorter last batch, evaluation) stay eager, while the every-step signature loses
+#: only its first 15 replays
+_TRACE_AFTER_CALLS = 16
 
 
 @dataclass(frozen=True)
@@ -242,6 +250,8 @@ class _Run:
         self.pending: list[str] = []  # finished, on_finish not yet called
         self.delivered: set[str] = set()
         self.user_rng: dict[str, Any] = {}
+        #: measured seconds per training step by array size (this run's key), for compaction
+        self.step_seconds: dict[int, float] = {}
 
     # ------------------------------------------------------------------ entry
     def execute(self, members: Sequence[Member], resume: bool) -> list[MemberResult]:
@@ -336,7 +346,10 @@ class _Run:
         ref = live[0].config
         spe = self.t.steps_per_epoch(ref)
         eval_every = self.t.eval_every or spe
+        started = time.perf_counter()
         array, opt, sched = self._build(state)
+        build_s = time.perf_counter() - started
+        timer = _StepTimer(self.t.device, array)
         smoothing = torch.tensor(
             [s.config["label_smoothing"] if s else 0.0 for s in state.slots],
             dtype=self.t.dtype,
@@ -396,7 +409,9 @@ class _Run:
                 if slot is not None:
                     self._finish(state, i, array, opt, sched, "failed", "non-finite gradients")
                     due = [j for j in due if j != i]
+            timer.step()
             if due or failed:
+                self.step_seconds[len(state.slots)] = timer.pause()
                 if due:
                     self._evaluate(state, due, array, opt, sched, loss_sum, spe)
                 if self.refill is not None and len(self.queue) == 1:
@@ -406,31 +421,65 @@ class _Run:
                 busy = sum(s is not None for s in state.slots)
                 if 0 < busy <= len(state.slots) // 2:
                     # most slots are idle and nobody is waiting for them: go on with a smaller
-                    # array instead of computing the idle members at every step
-                    compact: list[_SlotState | None] = [
-                        s for s in self._snapshot(state, array, opt, sched, loss_sum) if s
-                    ]
-                    _log.info(
-                        "%d of %d slots left busy: compacting the array", busy, len(state.slots)
-                    )
-                    return [_ArrayState(compact, state.epoch, state.batch)]
+                    # array if the steps it saves outweigh rebuilding it
+                    size = self._compact_size(state, array, busy, build_s)
+                    if size is not None:
+                        return [self._compacted(state, array, opt, sched, loss_sum, size)]
                 self._save_checkpoint((array, opt, sched, loss_sum, state))
                 self._deliver()
+                timer.resume()
         return None
+
+    def _compact_size(
+        self, state: _ArrayState, array: FusedArray, busy: int, build_s: float
+    ) -> int | None:
+        """The size to rebuild the array at with ``busy`` members, or ``None`` to keep it.
+
+        The rebuild costs what this array's build took plus the traces the new size lacks in
+        the shared cache (both measured); it saves, at each step still to come (at most the
+        largest budget left among the busy members), the difference in step time.
+        """
+        size = len(state.slots)
+        remaining = max(s.budget - s.steps for s in state.slots if s is not None)
+        return _choose_compaction(
+            size,
+            busy,
+            remaining,
+            self.step_seconds,
+            lambda b: build_s + array._retrace_seconds(b),
+        )
+
+    def _compacted(
+        self,
+        state: _ArrayState,
+        array: FusedArray,
+        opt: FusedOptimizer,
+        sched: FusedLRScheduler | None,
+        loss_sum: Tensor,
+        size: int,
+    ) -> _ArrayState:
+        """The busy members' current states in an array of ``size`` slots (idle ones last)."""
+        busy = [s for s in self._snapshot(state, array, opt, sched, loss_sum) if s is not None]
+        _log.info(
+            "%d of %d slots left busy: going on as an array of %d",
+            len(busy),
+            len(state.slots),
+            size,
+        )
+        idle: list[_SlotState | None] = [None] * (size - len(busy))
+        return _ArrayState([*busy, *idle], state.epoch, state.batch)
 
     def _build(
         self, state: _ArrayState
     ) -> tuple[FusedArray, FusedOptimizer, FusedLRScheduler | None]:
         live = [s for s in state.slots if s is not None]
         filler = live[0]
-        models: list[nn.Module] = []
-        for s in state.slots:
-            model = self.task.build_model((s or filler).config).to(self.t.dtype)
+        array = fuse(self._models(state, filler), trace=self.t.trace).to(self.t.device)
+        for i, s in enumerate(state.slots):
             if s is not None and s.saved is not None:
-                model.load_state_dict(s.saved["model"])
-            models.append(model)
-        array = fuse(models, trace=self.t.trace).to(self.t.device)
+                array.load_member_state_dict(i, s.saved["model"])
         array._share_traces(self.t._trace_cache.setdefault(self.key or "", {}))
+        array._defer_tracing(_TRACE_AFTER_CALLS)
         configs = [(s or filler).config for s in state.slots]
         for i, c in enumerate(configs):
             if c["dropout"] is not None:
@@ -453,6 +502,28 @@ class _Run:
             s.saved = None
         array.train()
         return array, opt, sched
+
+    def _models(self, state: _ArrayState, filler: _SlotState) -> list[nn.Module]:
+        """One model per slot to fuse. A new member's is built from its config (its seeded
+        initialisation). Slots whose weights come from a saved state (loaded into the array
+        afterwards) and idle slots (``filler``'s config) get copies of one model per
+        ``dropout`` value, the one setting besides weights that differs between members'
+        models (``None`` keeps the model's own ``p``): a rebuilt array does not initialise
+        models it overwrites (a copy costs a fraction of an initialisation)."""
+        shared: dict[Any, nn.Module] = {}
+        models: list[nn.Module] = []
+        for s in state.slots:
+            config = (s or filler).config
+            if s is not None and s.saved is None:
+                models.append(self.task.build_model(config).to(self.t.dtype))
+                continue
+            model = shared.get(config["dropout"])
+            if model is None:
+                model = shared[config["dropout"]] = self.task.build_model(config).to(self.t.dtype)
+                models.append(model)
+            else:
+                models.append(copy.deepcopy(model))
+        return models
 
     def _clip_values(self, state: _ArrayState) -> Tensor | None:
         values = [s.config["grad_clip"] if s else None for s in state.slots]
@@ -766,6 +837,76 @@ def backward(
     return losses
 
 
+def _choose_compaction(
+    size: int,
+    busy: int,
+    remaining: int,
+    step_seconds: Mapping[int, float],
+    rebuild_seconds: Callable[[int], float],
+) -> int | None:
+    """The size an array of ``size`` slots with ``busy`` members should be rebuilt at, or
+    ``None`` when no rebuild pays.
+
+    Candidates are ``busy`` and the power of two above it (a size whose traces earlier arrays
+    may have left in the shared cache, its spare slots open to refills). A candidate ``b``
+    gains ``remaining * (step(size) - step(b)) - rebuild_seconds(b)``; the largest positive
+    gain wins. ``step_seconds`` holds the measured seconds per step by size (``size`` must be
+    in it); an unmeasured size is charged ``b / size`` of the current step, a lower bound for
+    the step of a smaller array (its fixed costs do not shrink), so the saving is never
+    underestimated and compaction stays the choice wherever step time scales with the size.
+    """
+    current = step_seconds[size]
+    best, best_gain = None, 0.0
+    for b in sorted({busy, _next_power_of_two(busy)}):
+        if b >= size:
+            continue
+        step = step_seconds.get(b, current * b / size)
+        gain = remaining * (current - step) - rebuild_seconds(b)
+        if gain > best_gain:
+            best, best_gain = b, gain
+    return best
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+class _StepTimer:
+    """Seconds per training step of one array, over the stretches of steps between
+    evaluations, with the time spent tracing left out. On CUDA the clock stops after a
+    synchronize, so queued kernels count in the steps that launched them."""
+
+    def __init__(self, device: torch.device, array: FusedArray) -> None:
+        self._device = device
+        self._array = array
+        self._seconds = 0.0
+        self._steps = 0
+        self._stretch = 0
+        self._start = 0.0
+        self._traced = 0.0
+        self.resume()
+
+    def resume(self) -> None:
+        """Start a stretch of training steps."""
+        self._start = time.perf_counter()
+        self._traced = self._array._tracing_seconds
+        self._stretch = 0
+
+    def step(self) -> None:
+        """One training step of the stretch is done."""
+        self._stretch += 1
+
+    def pause(self) -> float:
+        """End the stretch; the mean seconds per step over every stretch so far."""
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+        traced = self._array._tracing_seconds - self._traced
+        self._seconds += max(time.perf_counter() - self._start - traced, 0.0)
+        self._steps += self._stretch
+        self._stretch = 0
+        return self._seconds / max(self._steps, 1)
+
+
 def update(opt: FusedOptimizer, sched: FusedLRScheduler | None) -> None:
     """The optimizer and schedule step that ends a training step."""
     opt.step()
@@ -787,7 +928,7 @@ def _set_member_dropout(array: FusedArray, i: int, p: float) -> None:
 def _member_state(
     array: FusedArray, opt: FusedOptimizer, sched: FusedLRScheduler | None, i: int
 ) -> dict[str, Any]:
-    model = {k: v.detach().cpu() for k, v in array.member(i).state_dict().items()}
+    model = dict(array.member_state_dict(i, device="cpu"))
     optimizer = _to_cpu(opt.member_state_dict(i))
     scheduler = sched.member_state_dict(i) if sched is not None else None
     return {

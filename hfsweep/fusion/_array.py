@@ -20,7 +20,9 @@ import copy
 import functools
 import logging
 import operator
+import time
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -33,7 +35,7 @@ from torch.func import vmap
 from torch.overrides import TorchFunctionMode
 
 from .._errors import FusionError
-from ._check import check_compatible, describe_path
+from ._check import check_compatible, describe_path, per_member_attributes
 from ._graph import simplify
 from ._plan import dropout_feature_dims, unsupported_reason
 
@@ -66,6 +68,7 @@ class _Outputs:
 class _Trace:
     graph: Callable[..., Any]
     outputs: _Outputs
+    seconds: float = 0.0  #: how long tracing took (what a new array size would pay again)
 
 
 _EAGER = object()  # cache value: this signature runs eagerly
@@ -136,12 +139,22 @@ class FusedArray(nn.Module):
         self._traces: dict[Any, Any] = {}
         self._shared_traces: dict[Any, Any] | None = None
         self._template_modules = list(template.modules())
-        self._template_dicts = [m.__dict__ for m in self._template_modules]
+        # a per-member setting's template value (member 0's dropout p) is not what the fused
+        # layer computes with, so it stays out of the trace key: arrays whose first members
+        # differ in it share traces
+        self._template_dicts = [
+            (m.__dict__, per_member_attributes(m)) for m in self._template_modules
+        ]
+        self._state_plan: Any = False  # see _member_state_plan; False: not made yet
         self._dropouts = [
             (path, m) for path, m in template.named_modules() if hasattr(m, "member_p")
         ]
         self._last_call_traced = False
         self._grad_watch: _GradModeWatch | None = None  # set while tracing
+        #: seconds this array has spent tracing (callers that time steps leave them out)
+        self._tracing_seconds = 0.0
+        self._trace_after = 1  # a signature is traced at this call of it (_defer_tracing)
+        self._untraced_calls: dict[Any, int] = {}
 
     # ------------------------------------------------------------------ public API
     @property
@@ -216,6 +229,87 @@ class FusedArray(nn.Module):
             cast(nn.Dropout, model.get_submodule(path)).p = float(m.get_buffer("member_p")[i])
         model.train(self.training)
         return model
+
+    def member_state_dict(
+        self, i: int, *, device: str | torch.device | None = None
+    ) -> dict[str, Any]:
+        """``member(i).state_dict()`` read straight from the stacked tensors, without building
+        the module (a deep copy of the model tree, which costs far more than the copy of the
+        tensors for small models; checkpoints take one per member at every evaluation).
+
+        Same keys in the same order, copied values (on ``device``, default the array's), tied
+        entries sharing one tensor, and torch's ``_metadata`` (module versions), so it loads into
+        a fresh model of the user's class. A model whose ``state_dict`` holds more than its
+        parameters and persistent buffers (``get_extra_state``, hooks that change values) is
+        read through :meth:`member`.
+        """
+        i = self._index(i)
+        plan = self._member_state_plan()
+        if plan is None:
+            out = self.member(i).state_dict()
+            if device is None:
+                return out
+            moved = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in out.items()}
+            return _with_metadata(moved, out)
+        keys, metadata = plan
+        state = self._state()
+        copies: dict[int, Tensor] = {}
+        values = OrderedDict()
+        with torch.no_grad():
+            for key, j in keys:
+                value = copies.get(j)
+                if value is None:
+                    row = state[j][i].detach()
+                    value = copies[j] = row.clone() if device is None else row.to(device, copy=True)
+                values[key] = value
+        values._metadata = copy.deepcopy(metadata)  # type: ignore[attr-defined]
+        return values
+
+    def load_member_state_dict(self, i: int, state_dict: Mapping[str, Any]) -> None:
+        """Write a ``state_dict`` of one model of the array's architecture into slot ``i``:
+        what :meth:`member_state_dict` returned, or the user's model's ``state_dict()``.
+
+        The inverse of :meth:`member_state_dict`, without building a module: the keys must be
+        exactly the model's, each value shaped like one member's tensor (values are cast to
+        the array's dtype and device). Dropout probabilities and streams are left as they are.
+        """
+        i = self._index(i)
+        plan = self._member_state_plan()
+        if plan is None:
+            model = self.member(i)  # member i's dropout p
+            model.load_state_dict(state_dict)
+            streams = self.rng_state(i)
+            self.load_member(i, model)
+            self.set_rng_state(i, streams)
+            return
+        keys, _ = plan
+        names = [k for k, _ in keys]
+        if set(state_dict) != set(names):
+            missing = [k for k in names if k not in state_dict]
+            unexpected = [k for k in state_dict if k not in set(names)]
+            raise KeyError(
+                f"state dict does not match the array's model: missing {missing}, unexpected "
+                f"{unexpected}"
+            )
+        state = self._state()
+        with torch.no_grad():
+            for key, j in keys:
+                value = state_dict[key]
+                target = state[j][i]
+                if not isinstance(value, Tensor) or value.shape != target.shape:
+                    shape = tuple(value.shape) if isinstance(value, Tensor) else type(value)
+                    raise ValueError(
+                        f"state dict entry {key!r} has shape {shape}, one member's "
+                        f"{key!r} has shape {tuple(target.shape)}"
+                    )
+                target.copy_(value)
+
+    def _member_state_plan(self) -> tuple[list[tuple[str, int]], Any] | None:
+        """``(state_dict key, stacked tensor index)`` pairs and the metadata of a member's
+        ``state_dict``, made once from the prototype; ``None`` when it is not a plain read."""
+        if self._state_plan is False:
+            self._state_plan = _plan_state_dict(self._prototype, self._slots)
+        return cast(tuple[list[tuple[str, int]], Any] | None, self._state_plan)
 
     def load_member(self, i: int, module: nn.Module) -> None:
         """Write ``module``'s parameters, buffers and dropout probabilities into slot ``i``.
@@ -329,7 +423,16 @@ class FusedArray(nn.Module):
         state = self.__dict__.copy()
         state["_traces"] = {}
         state["_shared_traces"] = None
+        state["_untraced_calls"] = {}
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A copy's modules have new ``__dict__`` objects: the trace key must read those (else
+        the copy's ``eval()`` would go unseen and replay its training-mode trace)."""
+        super().__setstate__(state)
+        self._template_dicts = [
+            (m.__dict__, per_member_attributes(m)) for m in self._template_modules
+        ]
 
     def _share_traces(self, cache: dict[Any, Any]) -> None:
         """Look traces up in, and add them to, ``cache`` too: a cache shared by arrays of one
@@ -338,6 +441,26 @@ class FusedArray(nn.Module):
         nothing but their inputs (no tensor constants) are shared; keys include the stacked
         state's shapes, dtypes and devices."""
         self._shared_traces = cache
+
+    def _defer_tracing(self, calls: int) -> None:
+        """Run a new call signature eagerly until its ``calls``-th call, then trace it. A trace
+        costs as much as tens of eager calls of a small model, so signatures an array calls
+        only a few times (an epoch's shorter last batch, evaluation) are better left eager.
+        The array's first signature (its training step) is traced at once, and a trace found
+        in the shared cache is used at once. Eager and traced calls run the same batched ops."""
+        self._trace_after = max(1, int(calls))
+
+    def _retrace_seconds(self, size: int) -> float:
+        """Seconds an array of this architecture with ``size`` members would spend tracing the
+        call signatures this array has used so far (training and evaluation batches): the
+        measured time of each of this array's traces whose counterpart at ``size`` is not in
+        the shared cache. What rebuilding at another size costs beyond building it."""
+        shared = self._shared_traces or {}
+        total = 0.0
+        for key, entry in self._traces.items():
+            if isinstance(entry, _Trace) and (size, *key[1:]) not in shared:
+                total += entry.seconds
+        return total
 
     def _apply(self, fn: Any, recurse: bool = True) -> FusedArray:
         self._traces.clear()
@@ -406,12 +529,13 @@ class FusedArray(nn.Module):
         """Every plain Python setting of the template's modules (train/eval mode included).
 
         Part of every call's trace key (about 6 us for a small MLP): names and values, objects by
-        identity.
+        identity. Attributes that are per-member data in the array (dropout ``p``, read from
+        ``member_p``) are left out.
         """
         out: list[Any] = []
-        for d in self._template_dicts:
+        for d, per_member in self._template_dicts:
             for k, v in d.items():
-                if k[0] != "_":
+                if k[0] != "_" and k not in per_member:
                     out.append(k)
                     out.append(v if type(v) in _PLAIN else id(v))
         return tuple(out)
@@ -428,7 +552,10 @@ class FusedArray(nn.Module):
         if not self._trace_enabled:
             return None
         try:
+            # the size first, then the state without its member dimension: the same key with
+            # another size is the same call in an array of that size (see _retrace_seconds)
             key = (
+                self._size,
                 self._attributes(),
                 torch.is_grad_enabled(),
                 torch.is_inference_mode_enabled(),
@@ -437,16 +564,25 @@ class FusedArray(nn.Module):
                 spec,
                 tuple(None if isinstance(x, Tensor) else x for x in leaves),
                 tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in tensors),
-                tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in state),
+                tuple((t.shape[1:], t.dtype, t.device, t.requires_grad) for t in state),
                 type(self.module),
             )
             entry = self._traces.get(key)
             if entry is None and self._shared_traces is not None:
                 entry = self._shared_traces.get(key)
+                if entry is not None:
+                    self._traces[key] = entry  # the signatures this array uses
         except TypeError:  # an unhashable non-tensor argument: run eagerly
             return None
         if entry is None:
+            calls = self._untraced_calls.get(key, 0) + 1
+            if calls < self._trace_after and self._traces:
+                self._untraced_calls[key] = calls
+                return None  # not called often enough yet to pay for a trace: eager
+            self._untraced_calls.pop(key, None)
+            start = time.perf_counter()
             entry = self._trace(self._vmapped(leaves, spec, tensor_at, shared), state, tensors)
+            self._tracing_seconds += time.perf_counter() - start
             if self._trace_enabled:
                 self._traces[key] = entry
                 if self._shared_traces is not None and _self_contained(entry):
@@ -462,6 +598,7 @@ class FusedArray(nn.Module):
         from torch.fx.experimental.proxy_tensor import make_fx
 
         rec = _Outputs()
+        start = time.perf_counter()
         before = self._attributes()
         saved = [(m, dict(m.__dict__)) for m in self._template_modules]
         watch = self._grad_watch = _GradModeWatch()
@@ -493,7 +630,7 @@ class FusedArray(nn.Module):
             _log.debug("forward switches grad mode; running eagerly")
             return _EAGER
         # the generated forward itself: GraphModule.__call__ adds Module-call machinery per call
-        return _Trace(graph=graph.forward, outputs=rec)
+        return _Trace(graph=graph.forward, outputs=rec, seconds=time.perf_counter() - start)
 
     @contextmanager
     def _locate_errors(self) -> Iterator[None]:
@@ -589,6 +726,39 @@ def _owners(model: nn.Module) -> dict[str, list[tuple[nn.Module, str]]]:
                 full = f"{path}.{name}" if path else name
                 key = first.setdefault(id(t), full)
                 out.setdefault(key, []).append((module, name))
+    return out
+
+
+def _plan_state_dict(
+    prototype: nn.Module, slots: list[_Slot]
+) -> tuple[list[tuple[str, int]], Any] | None:
+    """Which stacked tensor each entry of a member's ``state_dict`` is, from the prototype's
+    ``state_dict`` on the meta device; ``None`` if some entry is not one of them (extra state,
+    a hook that makes new values) or the prototype's ``state_dict`` fails on meta tensors."""
+    owners = _owners(prototype)
+    index: dict[int, int] = {}
+    for position, slot in enumerate(slots):
+        if slot.setting:
+            continue
+        for module, name in owners.get(slot.name, []):
+            index[id(getattr(module, name))] = position
+    try:
+        entries = prototype.state_dict(keep_vars=True)
+    except Exception:  # a state_dict hook that cannot run on meta tensors
+        return None
+    keys: list[tuple[str, int]] = []
+    for key, value in entries.items():
+        j: int | None = index.get(id(value)) if isinstance(value, Tensor) else None
+        if j is None:
+            return None
+        keys.append((key, j))
+    return keys, getattr(entries, "_metadata", None)
+
+
+def _with_metadata(values: dict[str, Any], like: Any) -> dict[str, Any]:
+    """``values`` as an ordered state dict carrying ``like``'s ``_metadata``."""
+    out = OrderedDict(values)
+    out._metadata = getattr(like, "_metadata", None)  # type: ignore[attr-defined]
     return out
 
 

@@ -32,10 +32,12 @@ def describe_path(path: str) -> str:
 
 
 def per_member_attributes(module: nn.Module) -> frozenset[str]:
-    """Attributes of ``module`` that may differ between members (they become per-member data)."""
+    """Attributes of ``module`` that may differ between members (they become per-member data):
+    a dropout layer's ``p``, in the user's model and in an array's fused layer alike."""
+    from ..nn import FusedDropoutMixin
     from ._plan import dropout_feature_dims
 
-    if dropout_feature_dims(module) is not None:
+    if dropout_feature_dims(module) is not None or isinstance(module, FusedDropoutMixin):
         return frozenset({"p"})
     return frozenset()
 

@@ -9,7 +9,7 @@ with ``torch.where``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -95,6 +95,32 @@ class SGD(FusedOptimizer):
                 buf.mul_(hp["momentum"]).add_(g)
             g = torch.addcmul(g, buf, hp["momentum"]) if group["nesterov"] else buf
         p.addcmul_(g, hp["neg_lr"])
+
+    def _update_group(
+        self,
+        params: list[Tensor],
+        states: list[dict[str, Any]],
+        hps: list[dict[str, Tensor]],
+        group: dict[str, Any],
+        flags: dict[str, bool],
+    ) -> None:
+        """:meth:`_update` on all parameters at once with ``torch._foreach_*`` operations (the
+        same op per tensor, hyperparameters broadcast per tensor). The per-member first-step
+        rule needs each parameter's step counts, so it keeps the per-parameter path."""
+        if flags["any_momentum"] and flags["first_step_rule"]:
+            super()._update_group(params, states, hps, group, flags)
+            return
+        grads = [cast(Tensor, p.grad) for p in params]
+        g = torch._foreach_neg(grads) if group["maximize"] else grads
+        if flags["any_weight_decay"]:
+            g = torch._foreach_addcmul(g, params, [hp["weight_decay"] for hp in hps])
+        if flags["any_momentum"]:
+            momentum = [hp["momentum"] for hp in hps]
+            bufs = [state["momentum_buffer"] for state in states]
+            torch._foreach_mul_(bufs, momentum)
+            torch._foreach_add_(bufs, g)
+            g = torch._foreach_addcmul(g, bufs, momentum) if group["nesterov"] else bufs
+        torch._foreach_addcmul_(params, g, [hp["neg_lr"] for hp in hps])
 
     def _has_state(self, st: dict[str, Any], i: int, group: dict[str, Any]) -> bool:
         return float(st["step"][i]) > 0 and float(group["momentum"][i]) != 0

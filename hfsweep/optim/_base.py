@@ -57,6 +57,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         #: members deactivated because their loss or gradients were not finite, in order
         self.nonfinite_members: list[int] = []
         self._schedulers: list[Any] = []  # hs.optim.lr_scheduler objects attached to this
+        #: per param group: (the hyperparameters' identity and version, their [B, 1, ...] views)
+        self._view_cache: dict[int, tuple[tuple[Any, ...], dict[Any, dict[str, Tensor]]]] = {}
         self._refresh()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -141,33 +143,77 @@ class FusedOptimizer(torch.optim.Optimizer):
             idle = left_out.nonzero().flatten()
             inactive = idle if idle.numel() else None
         for index, group in enumerate(self.param_groups):
-            flags = self._flags[index]
-            # hyperparameters as [B, 1, ...] in each parameter's dtype, made once per shape
-            views: dict[tuple[int, torch.dtype], dict[str, Tensor]] = {}
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-                state = self.state[p]
-                if not state:
-                    self._init_state(p, state, group)
-                key = (p.dim(), p.dtype)
-                if key not in views:
-                    shape = (self.size, *([1] * (p.dim() - 1)))
-                    views[key] = {n: group[n].to(p.dtype).view(shape) for n in self.numeric}
-                    views[key]["neg_lr"] = -views[key]["lr"]
-                # The update runs in place for all members; inactive members get their slices
-                # back afterwards (their gradients may even be non-finite).
-                saved = None
-                if inactive is not None:
-                    saved = [(t, t[inactive].clone()) for t in (p, *_tensors(state))]
-                self._update(p, p.grad, state, views[key], group, flags)
-                state["step"].add_(1)
-                if saved is not None:
-                    for t, values in saved:
-                        t[inactive] = values
+            params, states, hps = self._group_work(index, group)
+            if not params:
+                continue
+            # The update runs in place for all members; inactive members get their slices
+            # back afterwards (their gradients may even be non-finite).
+            saved = _inactive_rows(params, states, inactive)
+            self._update_group(params, states, hps, group, self._flags[index])
+            torch._foreach_add_([state["step"] for state in states], 1)
+            for t, rows, values in saved:
+                t.index_copy_(0, rows, values)
         return loss
+
+    def _group_work(
+        self, index: int, group: dict[str, Any]
+    ) -> tuple[list[Tensor], list[dict[str, Any]], list[dict[str, Tensor]]]:
+        """The group's parameters that have gradients, their (initialised) states and their
+        hyperparameter views."""
+        views = self._member_views(index, group)
+        params: list[Tensor] = []
+        states: list[dict[str, Any]] = []
+        hps: list[dict[str, Tensor]] = []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+            state = self.state[p]
+            if not state:
+                self._init_state(p, state, group)
+            key = (p.dim(), p.dtype)
+            hp = views.get(key)
+            if hp is None:
+                hp = views[key] = self._views_for(group, p)
+            params.append(p)
+            states.append(state)
+            hps.append(hp)
+        return params, states, hps
+
+    def _update_group(
+        self,
+        params: list[Tensor],
+        states: list[dict[str, Any]],
+        hps: list[dict[str, Tensor]],
+        group: dict[str, Any],
+        flags: dict[str, bool],
+    ) -> None:
+        """Update every parameter of a group (see :meth:`_update`); subclasses may do it with
+        multi-tensor operations, which run the same kernel on each tensor with less overhead."""
+        for p, state, hp in zip(params, states, hps, strict=True):
+            self._update(p, cast(Tensor, p.grad), state, hp, group, flags)
+
+    def _member_views(
+        self, index: int, group: dict[str, Any]
+    ) -> dict[tuple[int, torch.dtype], dict[str, Tensor]]:
+        """The group's hyperparameters as ``[B, 1, ...]`` tensors by (dims, dtype), kept across
+        steps while the ``[B]`` values are unchanged (same tensors, same in-place version: a
+        schedule that writes new learning rates invalidates them)."""
+        stamp = tuple((group[n], group[n]._version) for n in self.numeric)
+        cached = self._view_cache.get(index)
+        if cached is not None and _same_stamp(cached[0], stamp):
+            return cached[1]
+        views: dict[tuple[int, torch.dtype], dict[str, Tensor]] = {}
+        self._view_cache[index] = (stamp, views)
+        return views
+
+    def _views_for(self, group: dict[str, Any], p: Tensor) -> dict[str, Tensor]:
+        """``group``'s hyperparameters shaped and typed to broadcast against ``p``."""
+        shape = (self.size, *([1] * (p.dim() - 1)))
+        hp = {n: group[n].to(p.dtype).view(shape) for n in self.numeric}
+        hp["neg_lr"] = -hp["lr"]
+        return hp
 
     def _follow_device(self) -> None:
         """Keep the per-member tensors where the parameters are (``array.to(...)`` after the
@@ -392,6 +438,27 @@ def _fmt(value: Any) -> str:
             return f"{vals[0]:g}"
         return "[" + ", ".join(f"{v:g}" for v in vals) + "]"
     return repr(value)
+
+
+def _inactive_rows(
+    params: list[Tensor], states: list[dict[str, Any]], inactive: Tensor | None
+) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """``(tensor, rows, their values)`` of the inactive members in every parameter and state
+    tensor, to write back after an update of all members; empty when all are active."""
+    if inactive is None:
+        return []
+    return [
+        (t, inactive, t.index_select(0, inactive))
+        for p, state in zip(params, states, strict=True)
+        for t in (p, *_tensors(state))
+    ]
+
+
+def _same_stamp(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    """Whether two ``(tensor, version)`` stamps name the same tensors at the same versions."""
+    return len(a) == len(b) and all(
+        x is y and vx == vy for (x, vx), (y, vy) in zip(a, b, strict=True)
+    )
 
 
 def _tensors(state: dict[str, Any]) -> list[Tensor]:

@@ -80,6 +80,114 @@ def test_member_state_dict_has_exactly_the_models_keys() -> None:
     assert array.member(0).state_dict().keys() == LeNet().state_dict().keys()
 
 
+class _TiedBatchNormNet(nn.Module):
+    """Tied input and output weights, BatchNorm, a non-persistent buffer and dropout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(7, 5)
+        self.bn = nn.BatchNorm1d(5)
+        self.drop = nn.Dropout(0.3)
+        self.out = nn.Linear(5, 7)
+        self.out.weight = self.emb.weight
+        self.register_buffer("scratch", torch.ones(2), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.out(self.drop(self.bn(self.emb(tokens))))
+
+
+class _ExtraStateNet(nn.Module):
+    """Extra state in its state dict: member state dicts go through member(i)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+        self.drop = nn.Dropout(0.2)
+        self.calls = 0
+
+    def get_extra_state(self) -> dict:
+        return {"calls": self.calls}
+
+    def set_extra_state(self, state: dict) -> None:
+        self.calls = state["calls"]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.lin(x))
+
+
+@pytest.mark.parametrize(
+    "make", [_TiedBatchNormNet, _ExtraStateNet, LeNet], ids=["tied-bn", "extra-state", "lenet"]
+)
+def test_member_state_dict_equals_the_members_state_dict(make) -> None:
+    """The state dict read from the stacked tensors is member(i).state_dict(): keys, order,
+    values, tying and metadata; it loads into a fresh model and is a copy."""
+    torch.manual_seed(0)
+    array = hs.fuse([make() for _ in range(3)])
+    x = torch.randint(0, 7, (6,)) if make is _TiedBatchNormNet else torch.randn(6, 3)
+    if make is LeNet:
+        x = torch.randn(6, 1, 8, 8)
+    array(x).sum().backward()  # BatchNorm statistics and dropout counters move
+    for i in range(3):
+        expected = array.member(i).state_dict()
+        got = array.member_state_dict(i)
+        assert list(got) == list(expected)
+        for k, want in expected.items():
+            if isinstance(want, torch.Tensor):
+                assert torch.equal(got[k], want) and got[k].dtype == want.dtype, k
+            else:
+                assert got[k] == want, k  # extra state
+        assert got._metadata == expected._metadata
+        make().load_state_dict(got)
+    tied = array.member_state_dict(1)
+    if make is _TiedBatchNormNet:
+        assert tied["emb.weight"] is tied["out.weight"]
+    before = {k: v.clone() for k, v in tied.items() if isinstance(v, torch.Tensor)}
+    with torch.no_grad():
+        for p in array.parameters():
+            p.add_(1.0)
+    assert all(torch.equal(tied[k], before[k]) for k in before)  # copies, not views
+
+
+def _input_of(make) -> torch.Tensor:
+    return torch.randn(4, 1, 8, 8) if make is LeNet else torch.randn(4, 3)
+
+
+@pytest.mark.parametrize(
+    "make", [_TiedBatchNormNet, _ExtraStateNet, LeNet], ids=["tied-bn", "extra-state", "lenet"]
+)
+def test_load_member_state_dict_writes_one_slot(make) -> None:
+    """Loading a model's state dict into slot 1 makes member(1) that model (tied weights and
+    buffers included) and leaves the other slots and the dropout settings alone."""
+    torch.manual_seed(0)
+    array = hs.fuse([make() for _ in range(3)])
+    donor = make()
+    if make is LeNet:
+        donor(torch.randn(4, 1, 8, 8))  # BatchNorm statistics away from their defaults
+    array(torch.randint(0, 7, (4,)) if make is _TiedBatchNormNet else _input_of(make))
+    others = [array.member_state_dict(i) for i in (0, 2)]
+    settings = {k: v.clone() for k, v in array.state_dict().items() if "member_" in k}
+    array.load_member_state_dict(1, donor.state_dict())
+    got = array.member(1).state_dict()
+    for k, want in donor.state_dict().items():
+        if isinstance(want, torch.Tensor):
+            assert torch.equal(got[k], want), k
+    for i, before in zip((0, 2), others, strict=True):
+        after = array.member_state_dict(i)
+        assert all(
+            torch.equal(after[k], v) for k, v in before.items() if isinstance(v, torch.Tensor)
+        )
+    assert all(torch.equal(array.state_dict()[k], v) for k, v in settings.items())
+
+
+def test_load_member_state_dict_rejects_other_keys_and_shapes() -> None:
+    array = hs.fuse(mlp_models(2))
+    good = MLP(d_in=6, hidden=8, d_out=3).state_dict()
+    with pytest.raises(KeyError, match="missing"):
+        array.load_member_state_dict(0, {k: v for k, v in good.items() if k != "head.bias"})
+    with pytest.raises(ValueError, match="shape"):
+        array.load_member_state_dict(0, {**good, "head.bias": torch.zeros(4)})
+
+
 def test_member_keeps_train_mode_and_requires_grad() -> None:
     models = mlp_models()
     for m in models:
@@ -389,10 +497,112 @@ def test_arrays_of_one_architecture_share_traces() -> None:
     second._share_traces(cache)
     alone = hs.fuse([make(i + 10) for i in range(3)])  # its own traces only
     out = second(x)
-    assert len(cache) == 1 and not second._traces  # found in the shared cache
+    assert len(cache) == 1  # found in the shared cache, not traced again
+    assert list(second._traces.values()) == list(cache.values())
     torch.testing.assert_close(out, alone(x), rtol=0, atol=0)
     hs.fuse([make(0) for _ in range(2)])._share_traces(cache)  # another size: another entry
     smaller = hs.fuse([make(0) for _ in range(2)])
     smaller._share_traces(cache)
     smaller(x)
     assert len(cache) == 2
+
+
+def test_arrays_whose_first_members_differ_in_dropout_share_traces() -> None:
+    """Dropout p is per-member data of the array (member_p), so it is not part of the trace
+    key: an array whose first member has another p replays the cached trace and matches an
+    array that traced for itself, in training mode (masks) and in eval mode."""
+
+    def make(seed: int, p: float) -> nn.Module:
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Dropout(p), nn.Linear(5, 3))
+
+    cache: dict = {}
+    x = torch.randn(7, 6)
+    first = hs.fuse([make(i, 0.1 * (i + 1)) for i in range(3)])
+    first._share_traces(cache)
+    first(x)
+    first.eval()
+    first(x)
+    assert len(cache) == 2
+    models = [make(i + 10, 0.4 - 0.1 * i) for i in range(3)]
+    second = hs.fuse(models)
+    second._share_traces(cache)
+    alone = hs.fuse(models)
+    for i in range(3):
+        alone.set_rng_state(i, second.rng_state(i))  # the same dropout streams
+    for mode in ("train", "eval"):
+        getattr(second, mode)()
+        getattr(alone, mode)()
+        torch.testing.assert_close(second(x), alone(x), rtol=0, atol=0)
+    assert len(cache) == 2
+
+
+def test_retrace_seconds_counts_the_signatures_missing_at_another_size() -> None:
+    """What another size would trace again: every signature this array used, until an array
+    of that size has traced them into the shared cache."""
+    cache: dict = {}
+    x = torch.randn(5, 6)
+    array = hs.fuse(mlp_models(3, dropout=0.2))
+    array._share_traces(cache)
+    array(x)
+    array.eval()
+    array(x[:2])
+    own = array._retrace_seconds(3)
+    assert own == 0.0  # its own signatures are in the shared cache
+    missing = array._retrace_seconds(2)
+    assert missing > 0.0 and missing == sum(t.seconds for t in array._traces.values())
+    smaller = hs.fuse(mlp_models(2, dropout=0.2))
+    smaller._share_traces(cache)
+    smaller.eval()
+    smaller(x[:2])  # one of the two signatures
+    assert 0.0 < array._retrace_seconds(2) < missing
+    smaller.train()
+    smaller(x)
+    assert array._retrace_seconds(2) == 0.0
+
+
+def test_deepcopy_follows_the_copys_own_mode() -> None:
+    """A copy's eval() is seen by its trace key (the copy reads its own modules' settings)."""
+    torch.manual_seed(0)
+    array = hs.fuse(mlp_models(dropout=0.5))
+    twin = copy.deepcopy(array)
+    x = torch.randn(4, 6)
+    twin(x)  # a training-mode trace
+    twin.eval()
+    array.eval()
+    torch.testing.assert_close(twin(x), array(x), rtol=0, atol=0)
+
+
+def test_deferred_tracing_runs_eagerly_until_the_kth_call_with_the_same_results() -> None:
+    """With _defer_tracing(3) the first signature is traced at once; a later one runs eagerly
+    twice and is traced at its third call; outputs and gradients equal those of an array that
+    traced every signature at its first call. A trace another array left in the shared cache
+    is used at once."""
+    torch.manual_seed(0)
+    models = mlp_models(3, dropout=0.3)
+    cache: dict = {}
+    deferred, eager_first = hs.fuse(models), hs.fuse(models)
+    reference = hs.fuse(models)
+    for i in range(3):
+        deferred.set_rng_state(i, reference.rng_state(i))
+    deferred._share_traces(cache)
+    deferred._defer_tracing(3)
+    first = torch.randn(2, 6)
+    deferred(first)  # the first signature: traced at once
+    reference(first)
+    assert deferred._last_call_traced
+    x = torch.randn(5, 6)
+    traced = []
+    for _ in range(4):
+        out, want = deferred(x), reference(x)
+        traced.append(deferred._last_call_traced)
+        out.square().sum().backward()
+        want.square().sum().backward()
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
+        for p, q in zip(deferred.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+    assert traced == [False, False, True, True]
+    eager_first._share_traces(cache)
+    eager_first._defer_tracing(3)
+    eager_first(x)
+    assert eager_first._last_call_traced  # found in the shared cache

@@ -31,6 +31,16 @@ CASES: dict[str, tuple[type, type, list[dict[str, Any]], dict[str, Any]]] = {
         ],
         {},
     ),
+    "SGD-momentum-weight-decay": (  # no dampening: the multi-tensor path
+        hs.optim.SGD,
+        torch.optim.SGD,
+        [
+            {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01},
+            {"lr": 0.05},
+            {"lr": 0.02, "momentum": 0.5, "weight_decay": 0.1},
+        ],
+        {},
+    ),
     "SGD-nesterov-maximize": (
         hs.optim.SGD,
         torch.optim.SGD,
@@ -215,7 +225,9 @@ def test_matches_torch_per_member_float32(name: str) -> None:
     assert_members_match(array, opt, refs, ref_opts, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["SGD", "Adam", "RMSprop-centered", "Adagrad"])
+@pytest.mark.parametrize(
+    "name", ["SGD", "SGD-momentum-weight-decay", "Adam", "RMSprop-centered", "Adagrad"]
+)
 def test_inactive_member_is_frozen_and_others_unaffected(name: str) -> None:
     array, opt, refs, ref_opts = build(name)
     train(array, opt, refs, ref_opts, steps=5)
@@ -270,6 +282,36 @@ def test_member_state_round_trips_through_torch(name: str) -> None:
     ref_opts[1].load_state_dict(copy.deepcopy(ref_opts[0].state_dict()))
     train(array, opt, refs, ref_opts, steps=15, seed=5)
     assert_members_match(array, opt, refs, ref_opts)
+
+
+@pytest.mark.parametrize("name", ["SGD", "SGD-momentum-weight-decay", "Adam"])
+def test_hyperparameters_changed_between_steps_take_effect(name: str) -> None:
+    """The step keeps its [B, 1, ...] hyperparameter views across steps; values changed in
+    place (set_hyperparameters, a schedule) or replaced (load_state_dict) are used at once."""
+    for dtype in (torch.float64, torch.float32):
+        array, opt, refs, ref_opts = build(name, dtype=dtype)
+        train(array, opt, refs, ref_opts, steps=3, dtype=dtype, same_grads=True)
+        opt.set_hyperparameters(1, lr=0.003, weight_decay=0.02)
+        for g in ref_opts[1].param_groups:
+            g.update(lr=0.003, weight_decay=0.02)
+        train(array, opt, refs, ref_opts, steps=3, dtype=dtype, seed=2, same_grads=True)
+        opt.param_groups[0]["lr"][2] = 0.001  # in place, as the schedulers write
+        for g in ref_opts[2].param_groups:
+            g["lr"] = 0.001
+        train(array, opt, refs, ref_opts, steps=3, dtype=dtype, seed=3, same_grads=True)
+        saved = opt.state_dict()
+        saved["param_groups"][0]["lr"] = saved["param_groups"][0]["lr"].clone()
+        saved["param_groups"][0]["lr"][0] = 0.004
+        opt.load_state_dict(saved)  # new tensors
+        for g in ref_opts[0].param_groups:
+            g["lr"] = 0.004
+        train(array, opt, refs, ref_opts, steps=3, dtype=dtype, seed=4, same_grads=True)
+        tol = (
+            {"rtol": 1e-7, "atol": 1e-10}
+            if dtype == torch.float64
+            else {"rtol": 1e-4, "atol": 1e-5}
+        )
+        assert_members_match(array, opt, refs, ref_opts, **tol)
 
 
 def test_update_is_batched_not_a_loop_over_members() -> None:

@@ -159,3 +159,67 @@ def test_cli_profile_takes_a_sweep_file(tmp_path, capsys) -> None:
     bad.write_text("task: digits_mlp\n")
     assert main(["profile", str(bad)]) == 2
     assert "search_space" in capsys.readouterr().err
+
+
+class _FakeClock:
+    """A clock that advances by the given step durations as steps run (no real timing)."""
+
+    def __init__(self, durations: list[float]) -> None:
+        self.now = 0.0
+        self.durations = iter(durations)
+
+    def __call__(self) -> float:
+        return self.now
+
+    def step(self) -> None:
+        self.now += next(self.durations)
+
+
+def test_time_steps_stops_early_once_the_times_settle() -> None:
+    """Steady steps of 10 ms: settled after a fifth of min_seconds (0.2 s of 1 s), not 1 s."""
+    from hfsweep._sizing import time_steps
+
+    clock = _FakeClock([0.01] * 1000)
+    samples = time_steps(clock.step, lambda: None, min_seconds=1.0, min_steps=3, clock=clock)
+    assert len(samples) == 20 and clock.now == pytest.approx(0.2)
+    assert all(s == pytest.approx(0.01) for s in samples)
+
+
+def test_time_steps_uses_all_of_min_seconds_while_the_times_scatter() -> None:
+    """Interrupted steps (every other one 3x longer) never settle: timed for min_seconds."""
+    from hfsweep._sizing import time_steps
+
+    clock = _FakeClock([0.01, 0.03] * 1000)
+    samples = time_steps(clock.step, lambda: None, min_seconds=1.0, min_steps=3, clock=clock)
+    assert clock.now == pytest.approx(1.0) and len(samples) == 50
+
+
+def test_time_steps_times_blocks_and_honours_min_steps() -> None:
+    from hfsweep._sizing import time_steps
+
+    clock = _FakeClock([0.01] * 1000)
+    syncs: list[float] = []
+    samples = time_steps(
+        clock.step,
+        lambda: syncs.append(clock.now),
+        min_seconds=0.0,
+        min_steps=9,
+        block=4,
+        clock=clock,
+    )
+    assert len(samples) == 3 and len(syncs) == 3  # 12 steps: blocks of 4, one sync each
+    assert samples == [pytest.approx(0.01)] * 3
+
+
+def test_settled_needs_a_precise_median() -> None:
+    """The median's standard error (from the interquartile range) must be within 2% of it:
+    few samples suffice when they agree, scattered ones need many."""
+    from hfsweep._sizing import settled
+
+    assert not settled([1.0] * 4)
+    assert settled([1.0] * 5)
+    assert settled([1.0, 1.01, 0.99, 1.02, 0.98, 5.0])  # one interruption: the median holds
+    scattered = [1.0, 1.2, 0.8, 1.3, 0.7, 1.0]
+    assert not settled(scattered)
+    assert not settled(scattered * 50)  # 300 samples: the median is known to 2.2%
+    assert settled(scattered * 100)  # 600: to 1.5%

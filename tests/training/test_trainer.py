@@ -241,7 +241,8 @@ def test_bad_arguments() -> None:
         _trainer(task).run([])
 
 
-def test_array_compacts_when_most_slots_are_idle(monkeypatch) -> None:
+def _record_sizes(monkeypatch) -> list[int]:
+    """The size of every array the trainer builds, in order."""
     import hfsweep.trainer as trainer_module
 
     sizes: list[int] = []
@@ -252,11 +253,167 @@ def test_array_compacts_when_most_slots_are_idle(monkeypatch) -> None:
         return fuse(models, **kw)
 
     monkeypatch.setattr(trainer_module, "fuse", recording_fuse)
+    return sizes
+
+
+def test_compaction_is_weighed_with_measured_costs(monkeypatch) -> None:
+    """Once at most half the slots are busy, the trainer asks the cost model with what it
+    measured (seconds per step at this size, the rebuild: the build and the traces the new
+    size lacks) and keeps the array when the model says a rebuild does not pay."""
+    import hfsweep.trainer as trainer_module
+
+    sizes = _record_sizes(monkeypatch)
+    asked: list[tuple[int, int, int, dict[int, float], float, float]] = []
+
+    def keep(size, busy, remaining, step_seconds, rebuild_seconds):
+        asked.append(
+            (size, busy, remaining, dict(step_seconds), rebuild_seconds(busy), rebuild_seconds(8))
+        )
+        return None
+
+    monkeypatch.setattr(trainer_module, "_choose_compaction", keep)
     task = make_task()
     # budgets 2, 3, 4, 2, 3, 4, 2, 3 epochs: 5 members left after epoch 2, 2 after epoch 3
     results = _trainer(task).run(_members(CONFIGS))
-    assert sizes == [8, 2]
+    assert sizes == [8]
     assert [r.steps for r in results] == [5 * (2 + i % 3) for i in range(8)]
+    size, busy, remaining, steps, rebuild_small, rebuild_same = asked[0]
+    assert (size, busy, remaining) == (8, 2, 5)  # the 4-epoch members have one epoch left
+    assert steps[8] > 0
+    # a size never traced pays for its traces; this size's traces are in the cache
+    assert rebuild_small > rebuild_same > 0
+
+
+def _reference_alone(task: hs.Task, configs: list[dict[str, Any]]) -> list[hs.MemberResult]:
+    return [_trainer(task).run([hs.Member(f"t{i}", c)])[0] for i, c in enumerate(configs)]
+
+
+@pytest.mark.parametrize("bn", [False, True], ids=["mlp", "batchnorm"])
+def test_members_of_a_compacted_array_train_as_alone(monkeypatch, bn: bool) -> None:
+    """Compacting to exactly the busy members or to a power of two with spare slots keeps
+    every member equal to the same trial trained alone."""
+    import hfsweep.trainer as trainer_module
+
+    sizes = _record_sizes(monkeypatch)
+    # 3 of 8 busy after epoch 2 with these budgets: a bucket of 4 (one spare slot), then
+    # 1 of 4 busy: exactly 1
+    configs = [{**c, "epochs": {2: 3, 5: 3, 7: 4}.get(i, 2)} for i, c in enumerate(CONFIGS)]
+    monkeypatch.setattr(
+        trainer_module,
+        "_choose_compaction",
+        lambda size, busy, *_: trainer_module._next_power_of_two(busy) if size > 4 else busy,
+    )
+    task = make_task(bn)
+    fused = _trainer(task).run(_members(configs))
+    assert sizes == [8, 4, 1]
+    for got, alone in zip(fused, _reference_alone(task, configs), strict=True):
+        _assert_same(got, alone)
+
+
+def test_compaction_keeps_each_members_own_dropout(monkeypatch) -> None:
+    """Members whose config leaves dropout to the model (None: the model's own p, here 0.25)
+    and members with their own p keep them in a compacted array: the rebuilt array shares one
+    model per dropout setting between slots whose weights it loads."""
+    from _tasks import Net, data
+
+    import hfsweep.trainer as trainer_module
+
+    sizes = _record_sizes(monkeypatch)
+    monkeypatch.setattr(trainer_module, "_choose_compaction", lambda size, busy, *_: busy)
+
+    class OwnDropout(Net):
+        def __init__(self, hidden: int, p: float | None) -> None:
+            super().__init__(hidden, bn=False)
+            self.net[2] = torch.nn.Dropout(0.25 if p is None else p)
+
+    task = hs.Task(
+        name="own-dropout",
+        model=lambda c: OwnDropout(c["hidden"], c["dropout"]),
+        data=data,
+        defaults={"hidden": 16, "batch_size": 32, "epochs": 3},
+    )
+    configs = [
+        {"seed": 0, "dropout": 0.4, "epochs": 1},
+        {"seed": 1, "dropout": None, "epochs": 3},
+        {"seed": 2, "dropout": 0.1, "epochs": 3},
+        {"seed": 3, "dropout": None, "epochs": 1},
+        {"seed": 4, "dropout": 0.4, "epochs": 1},
+    ]
+    fused = _trainer(task).run(_members(configs))
+    assert sizes == [5, 2]
+    for got, alone in zip(fused, _reference_alone(task, configs), strict=True):
+        _assert_same(got, alone)
+
+
+def test_spare_slots_of_a_compacted_array_take_refills(monkeypatch, tmp_path) -> None:
+    """A compacted array keeps a spare slot (4 slots, 1 busy, rebuilt at 2): a trial refilled
+    into it trains exactly as in the array that was not compacted, the first members as alone,
+    and a resume from the compacted array's checkpoint equals the uninterrupted run."""
+    import hfsweep.trainer as trainer_module
+
+    sizes = _record_sizes(monkeypatch)
+    task = make_task()
+    configs = [{"seed": i, "lr": 0.05 + 0.01 * i, "epochs": 1 + 2 * (i == 0)} for i in range(4)]
+    late = hs.Member("late", {"seed": 9, "lr": 0.07, "epochs": 1})
+
+    def run(directory, compact_to, crash_at=None, resume=False):
+        monkeypatch.setattr(trainer_module, "_choose_compaction", lambda size, busy, *_: compact_to)
+        queue = [] if resume else [late]
+        evaluations = []
+
+        def report(evals: list[hs.Evaluation]) -> None:
+            evaluations.append(max(e.epoch for e in evals))
+            if len(evaluations) == crash_at:
+                raise _Crash
+
+        def refill() -> hs.Member | None:
+            # the new trial comes once t0 has trained two epochs (t1-t3 ended after one)
+            return queue.pop(0) if queue and evaluations[-1] >= 2 else None
+
+        return _trainer(task, checkpoint_dir=directory).run(
+            _members(configs), report=report, refill=refill, resume=resume
+        )
+
+    kept = run(tmp_path / "kept", compact_to=None)
+    assert sizes == [4]
+    sizes.clear()
+    compacted = run(tmp_path / "compacted", compact_to=2)
+    assert sizes == [4, 2]
+    assert {r.id: r.steps for r in compacted} == {"t0": 15, "t1": 5, "t2": 5, "t3": 5, "late": 5}
+    for got, want in zip(compacted, kept, strict=True):
+        _assert_same(got, want)
+    for got, alone in zip(compacted, _reference_alone(task, configs), strict=False):
+        _assert_same(got, alone)
+
+    # the third evaluation (t0's last, late's first) crashes; the checkpoint before it holds
+    # the compacted array with late in its spare slot
+    with pytest.raises(_Crash):
+        run(tmp_path / "crash", compact_to=2, crash_at=3)
+    assert hs.ArrayTrainer.checkpointed_members(tmp_path / "crash") >= {"t0", "late"}
+    resumed = run(tmp_path / "crash", compact_to=2, resume=True)
+    for got, want in zip(resumed, compacted, strict=True):
+        _assert_same(got, want)
+
+
+def test_choose_compaction_weighs_saved_steps_against_the_rebuild() -> None:
+    from hfsweep.trainer import _choose_compaction
+
+    def rebuild(cost_by_size: dict[int, float]):
+        return lambda b: cost_by_size[b]
+
+    # a step of 8 costs 8 ms; 2 busy: an array of 2 costs at least 2 ms (unmeasured)
+    steps = {8: 0.008}
+    assert _choose_compaction(8, 2, 1000, steps, rebuild({2: 0.5})) == 2  # saves up to 6 s
+    assert _choose_compaction(8, 2, 10, steps, rebuild({2: 0.5})) is None  # saves 60 ms
+    # measured: small arrays cost nearly as much as large ones (overhead-bound)
+    flat = {8: 0.008, 2: 0.0079, 4: 0.0079}
+    assert _choose_compaction(8, 2, 1000, flat, rebuild({2: 0.5})) is None
+    # 3 busy: 4 (traced before, cheap to rebuild) beats 3 (would trace again)
+    assert _choose_compaction(8, 3, 1000, steps, rebuild({3: 2.0, 4: 0.01})) == 4
+    assert _choose_compaction(8, 3, 1000, steps, rebuild({3: 0.01, 4: 0.01})) == 3
+    # never a size that is not smaller
+    assert _choose_compaction(4, 3, 10**6, {4: 1.0}, rebuild({3: 0.0, 4: 0.0})) == 3
+    assert _choose_compaction(2, 1, 10**6, {2: 1.0}, rebuild({1: 0.0})) == 1
 
 
 def test_on_finish_once_per_member_and_no_refill_lost_across_a_crash(tmp_path) -> None:
