@@ -188,29 +188,17 @@ def test_a_worker_that_keeps_dying_ends_the_sweep_with_a_clear_error(
 ) -> None:
     flag = Path(os.environ[_FLAG])
     flag.write_text("")
-    with pytest.raises(hs.SweepError, match=r"died 1 times \(ray.max_failures is 0\)"):
-        hs.sweep(
-            sweep_config(
-                tmp_path / "run",
-                task=_crashy.TASK,
-                backend="ray",
-                ray={"max_failures": 0},
-                budget={"trials": 4, "epochs": 3},
-            ),
-            progress=False,
-        )
-    # the trials are still running in the study: the sweep resumes from the checkpoints
-    resumed = hs.sweep(
-        sweep_config(
-            tmp_path / "run",
-            task=_crashy.TASK,
-            backend="ray",
-            ray={"max_failures": 0},
-            budget={"trials": 4, "epochs": 3},
-        ),
-        resume=True,
-        progress=False,
+    config = sweep_config(
+        tmp_path / "run",
+        task=_crashy.TASK,
+        backend="ray",
+        ray={"max_failures": 0},
+        budget={"trials": 4, "epochs": 3},
     )
+    with pytest.raises(hs.SweepError, match=r"died 1 times \(ray.max_failures is 0\)"):
+        hs.sweep(config, progress=False)
+    # the trials are still running in the study: the sweep resumes from the checkpoints
+    resumed = hs.sweep(config, resume=True, progress=False)
     assert resumed.counts == {"COMPLETE": 4, "PRUNED": 0, "FAIL": 0, "RUNNING": 0}
 
 
