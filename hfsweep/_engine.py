@@ -62,6 +62,10 @@ _MAY_CHANGE_ON_RESUME = ("budget.trials", "budget.time_limit", "output", "backen
 _REFILL_ASKS = 3
 #: completed trials whose model state_dict is kept in checkpoints/
 _KEEP_BEST = 3
+#: seconds between rewrites of trials.csv and best.json while a sweep runs (each rewrite reads
+#: the whole study, so rewriting after every trial would cost O(trials^2) over a sweep); the
+#: journal and state.json are written at every trial end, and both files again at the end
+_PUBLISH_EVERY_S = 5.0
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 _STATE = {"completed": "COMPLETE", "stopped": "PRUNED", "failed": "FAIL"}
 #: Optuna state name -> what a custom searcher's tell() gets
@@ -208,6 +212,7 @@ class _Engine:
         self.asked = 0
         self.elapsed_before = 0.0
         self.start = time.perf_counter()
+        self._published = -math.inf  # perf_counter() of the last trials.csv/best.json write
 
     # ------------------------------------------------------------------ the run
     def run(self) -> SweepResult:
@@ -237,8 +242,7 @@ class _Engine:
                 raise SweepError(f"the {self.sc.backend} backend cannot go on: {exc}") from exc
             finally:
                 self._save_state()
-                self.dir.write_trials(self.study.get_trials(deepcopy=False))
-                self.dir.write_best(self._best_record(self._best_trial()))
+                self._publish(force=True)
                 self.progress.close()
             result = self._result()
             _log.info("%s", result.summary())
@@ -706,11 +710,9 @@ class _Engine:
         del self.live[number]
         self.reported.pop(number, None)
         self.progress.finished(state)
-        best = self._best_trial()
-        if best is not None and best.value is not None:
-            self.progress.set_best(best.value, best.number)
-        self.dir.write_trials(self.study.get_trials(deepcopy=False))
-        self.dir.write_best(self._best_record(best))
+        if state == "COMPLETE" and value is not None and self._improves(value, number):
+            self.progress.set_best(value, number)
+        self._publish()
         _log.info(
             "trial %d %s after %d steps: %s=%s",
             number,
@@ -719,6 +721,16 @@ class _Engine:
             self.sc.metric,
             value,
         )
+
+    def _publish(self, force: bool = False) -> None:
+        """Rewrite trials.csv and best.json from the study, at most every
+        ``_PUBLISH_EVERY_S`` seconds unless ``force``."""
+        now = time.perf_counter()
+        if not force and now - self._published < _PUBLISH_EVERY_S:
+            return
+        self._published = now
+        self.dir.write_trials(self.study.get_trials(deepcopy=False))
+        self.dir.write_best(self._best_record(self._best_trial()))
 
     def _keep_checkpoint(self, number: int, value: float, model: Mapping[str, Any]) -> None:
         """Keep trial ``number``'s weights if it is among the best completed trials."""
@@ -737,6 +749,11 @@ class _Engine:
         """Sort key of a completed trial: best value first, then lower trial number."""
         sign = 1.0 if self.sc.mode == "max" else -1.0
         return (-sign * float(value or 0.0), number)
+
+    def _improves(self, value: float, number: int) -> bool:
+        """Whether completed trial ``number`` ranks before the best shown so far."""
+        shown = self.progress.best
+        return shown is None or self._rank(value, number) < self._rank(*shown)
 
     def _ranked(self) -> list[optuna.trial.FrozenTrial]:
         """The completed trials, best first."""

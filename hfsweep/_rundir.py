@@ -5,7 +5,8 @@ Layout (``RunDir`` names every path)::
     sweep.json             the resolved sweep config (SweepConfig.to_dict())
     optuna.journal         the Optuna study, unless the sweep names another storage
     state.json             the engine's own state: scheduler, decisions, arrays, sizes
-    trials.csv             one row per trial (Optuna's trials_dataframe() columns + array)
+    trials.csv             one row per trial (Optuna's trials_dataframe() columns + array),
+                           rewritten at most every few seconds and at the end
     histories/trial-N.csv  each finished trial's evaluations
     checkpoints/trial-N.pt the best completed trials' model state_dicts
     best.json              the best trial: number, value, params and full config

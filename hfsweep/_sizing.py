@@ -152,18 +152,22 @@ def measure_step(
     min_seconds: float = 0.5,
     min_steps: int = 3,
     warmup: int = 2,
+    traces: dict[Any, Any] | None = None,
 ) -> Measurement:
     """Time the training step of an array of ``size`` members of ``config`` on ``batch``.
 
     Members get seeds 0..size-1; ``warmup`` steps run first (tracing, optimizer state), then
     steps are timed (:func:`time_steps`: ``min_seconds`` at most unless the times settle
     sooner, and at least ``min_steps``); the step time is the median, which other processes'
-    interruptions do not move. Then one more step measures peak memory.
+    interruptions do not move. Then one more step measures peak memory. ``traces``: a trace
+    cache the array shares (see :func:`profile_task`).
     """
     resolved = task.resolve(config)
     configs = [{**resolved, "seed": i} for i in range(size)]
     models = [task.build_model(c).to(dtype) for c in configs]
     array = fuse(models).to(device)
+    if traces is not None:
+        array._share_traces(traces)
     del models
     array.train()
     opt = make_optimizer(array, configs)
@@ -217,6 +221,7 @@ def profile_task(
     refresh: bool = False,
     min_seconds: float = 0.5,
     on_measure: Callable[[Measurement], None] | None = None,
+    traces: dict[Any, Any] | None = None,
 ) -> Profile:
     """Measure ``task`` with ``config`` at several array sizes on ``device`` and choose B.
 
@@ -227,6 +232,11 @@ def profile_task(
     ``max_size`` while throughput grows and the memory model says the next size fits
     ``budget_fraction`` of the device's memory. Each size is timed for ``min_seconds``, or a
     fifth of that when its step times settle sooner (:func:`time_steps`).
+
+    ``traces``: the trace cache the trainer's arrays of this compatibility key share
+    (``ArrayTrainer._trace_cache[key]``). The arrays measured here trace their training step
+    at every size they try into it, so the sweep's first array, and arrays compacted to a
+    measured size, replay those traces instead of tracing again.
     """
     device = torch.device(device)
     resolved = task.resolve(config or {})
@@ -261,6 +271,7 @@ def profile_task(
             dtype=dtype,
             batch=(x, y),
             min_seconds=min_seconds,
+            traces=traces,
         )
 
     measurements, memory = profile_sizes(

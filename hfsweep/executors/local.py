@@ -41,12 +41,19 @@ class LocalExecutor:
 
     def array_size(self, config: Mapping[str, Any]) -> tuple[int, str]:
         """The profiler's array size for ``config`` on this device, and why (profiles are
-        cached by architecture, optimizer, input, dtype and hardware)."""
+        cached by architecture, optimizer, input, dtype and hardware). The profile's arrays
+        trace into this sweep's trace cache, so the arrays trained next replay those traces."""
         from .._sizing import profile_task
         from ..profiler import ProfileCache
 
+        traces = self._trace_cache.setdefault(self.task.compatibility_key(config), {})
         profile = profile_task(
-            self.task, config, device=self.device, dtype=self.dtype, cache=ProfileCache()
+            self.task,
+            config,
+            device=self.device,
+            dtype=self.dtype,
+            cache=ProfileCache(),
+            traces=traces,
         )
         return profile.chosen, profile.reason
 

@@ -223,3 +223,27 @@ def test_settled_needs_a_precise_median() -> None:
     assert not settled(scattered)
     assert not settled(scattered * 50)  # 300 samples: the median is known to 2.2%
     assert settled(scattered * 100)  # 600: to 1.5%
+
+
+def test_profile_traces_go_to_the_trainers_cache_and_are_replayed() -> None:
+    """With the trainer's trace cache, the profile leaves one training-step trace per measured
+    size in it, and the trainer's array of the chosen size replays it (trains without tracing
+    its training step), with the same results as a trainer that traced for itself."""
+    task = tasks.digits_mlp
+    config = {"hidden": 16, "epochs": 1, "max_steps": 3}
+    key = task.compatibility_key(config)
+    traces: dict = {}
+    profile = profile_task(task, config, sizes=[1, 2], min_seconds=0.0, traces=traces)
+    assert sorted(k[0] for k in traces) == [1, 2]
+    members = [hs.Member(f"m{i}", {**config, "seed": i, "lr": 0.01 * (i + 1)}) for i in range(2)]
+    shared = hs.ArrayTrainer(task)
+    shared._trace_cache = {key: traces}
+    before = dict(traces)
+    with_profile = shared.run(members)
+    # the training step replayed the profile's trace: no new entry, none replaced
+    assert traces.keys() == before.keys()
+    assert all(traces[k] is v for k, v in before.items())
+    alone = hs.ArrayTrainer(task).run(members)
+    for a, b in zip(with_profile, alone, strict=True):
+        assert a.history == b.history
+    assert profile.measurements
