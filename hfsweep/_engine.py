@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._io import atomic_save
+from ._io import atomic_save, grouped_sync
 from ._progress import Progress
 from ._rundir import RunDir, member_id, trial_number
 from .config import SweepConfig, load_sweep, make_sampler, make_searcher, parse_sweep
@@ -217,7 +217,7 @@ class _Engine:
     # ------------------------------------------------------------------ the run
     def run(self) -> SweepResult:
         saved = self._prepare_dir()
-        with self._logging(), _quiet_optuna(), self._executor():
+        with grouped_sync(), self._logging(), _quiet_optuna(), self._executor():
             self.study = self._open_study()
             self.source: TrialSource = (
                 OptunaSource(self.study, self.sc.space)
@@ -318,9 +318,9 @@ class _Engine:
 
         storage: Any = self.sc.storage
         if storage is None:
-            from optuna.storages.journal import JournalFileBackend
+            from ._journal import journal_storage
 
-            storage = optuna.storages.JournalStorage(JournalFileBackend(str(self.dir.journal)))
+            storage = journal_storage(self.dir.journal)
         pruner = (
             self.scheduler.pruner
             if isinstance(self.scheduler, OptunaPruner)

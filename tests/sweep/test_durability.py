@@ -1,0 +1,152 @@
+"""Grouped flushes to disk (``hfsweep._io``) and the sweep's journal backend."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.storages.journal import JournalFileBackend
+
+from hfsweep._io import atomic_write_text, grouped_sync
+from hfsweep._journal import GroupedJournalFileBackend, journal_storage
+
+
+@pytest.fixture
+def fsyncs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The paths ``os.fsync`` flushed, in order (the real fsync still runs)."""
+    seen: list[str] = []
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        seen.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    return seen
+
+
+def test_outside_a_group_every_write_is_flushed_before_it_returns(
+    tmp_path: Path, fsyncs: list[str]
+) -> None:
+    target = tmp_path / "state.json"
+    for i in range(3):
+        atomic_write_text(target, str(i))
+        assert len(fsyncs) == i + 1
+    assert target.read_text() == "2"
+
+
+def test_in_a_group_each_file_is_flushed_once_when_the_group_ends(
+    tmp_path: Path, fsyncs: list[str]
+) -> None:
+    a, b = tmp_path / "a.json", tmp_path / "sub" / "b.json"
+    with grouped_sync(interval=60):
+        for i in range(5):
+            atomic_write_text(a, str(i))
+            atomic_write_text(b, str(i))
+        assert fsyncs == []  # the data is already readable: it reached the OS
+        assert a.read_text() == b.read_text() == "4"
+        with grouped_sync(interval=60):  # an inner block joins the outer group
+            atomic_write_text(a, "5")
+        assert fsyncs == []
+    assert sorted(fsyncs) == sorted([str(a), str(b), str(tmp_path), str(b.parent)])
+
+
+def test_in_a_group_a_write_is_flushed_within_the_interval(
+    tmp_path: Path, fsyncs: list[str]
+) -> None:
+    target = tmp_path / "state.json"
+    with grouped_sync(interval=0.05):
+        atomic_write_text(target, "x")
+        deadline = time.monotonic() + 10
+        while str(target) not in fsyncs and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert str(target) in fsyncs
+        flushed = len(fsyncs)
+    assert len(fsyncs) == flushed  # nothing was left to flush at the end
+
+
+def test_a_file_removed_before_its_flush_is_skipped(tmp_path: Path, fsyncs: list[str]) -> None:
+    gone, kept = tmp_path / "gone.pt", tmp_path / "kept.pt"
+    with grouped_sync(interval=60):
+        atomic_write_text(gone, "x")
+        atomic_write_text(kept, "y")
+        gone.unlink()
+    assert str(kept) in fsyncs and str(gone) not in fsyncs
+
+
+def _tell_some(storage: optuna.storages.BaseStorage) -> None:
+    study = optuna.create_study(
+        study_name="s", storage=storage, sampler=optuna.samplers.RandomSampler(seed=0)
+    )
+    for i in range(3):
+        trial = study.ask()
+        x = trial.suggest_float("x", 0, 1)
+        trial.report(x, 0)
+        trial.set_user_attr("i", i)
+        study.tell(trial, x)
+
+
+def test_the_grouped_journal_is_optunas_journal(tmp_path: Path, fsyncs: list[str]) -> None:
+    """Same bytes as Optuna's JournalFileBackend for the same operations, readable by it; each
+    append flushed at once outside a group, once at the end of one inside."""
+    ours, theirs = tmp_path / "ours.journal", tmp_path / "theirs.journal"
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    _tell_some(journal_storage(ours))
+    appends = len(fsyncs)
+    assert appends >= 3 * 4 and set(fsyncs) == {str(ours)}
+    fsyncs.clear()
+    _tell_some(optuna.storages.JournalStorage(JournalFileBackend(str(theirs))))
+
+    def normalized(path: Path) -> list[dict]:
+        out = []
+        for line in path.read_text().splitlines():
+            log = json.loads(line)
+            log.pop("worker_id", None)
+            for key in ("datetime_start", "datetime_complete"):
+                log.pop(key, None)
+            out.append(log)
+        return out
+
+    assert normalized(ours) == normalized(theirs)
+    loaded = optuna.load_study(
+        study_name="s", storage=optuna.storages.JournalStorage(JournalFileBackend(str(ours)))
+    )
+    assert [t.user_attrs["i"] for t in loaded.trials] == [0, 1, 2]
+
+    fsyncs.clear()
+    grouped = tmp_path / "grouped.journal"
+    with grouped_sync(interval=60):
+        _tell_some(optuna.storages.JournalStorage(GroupedJournalFileBackend(grouped)))
+        assert fsyncs == []
+    assert sorted(fsyncs) == sorted([str(grouped), str(tmp_path)])
+
+
+def test_a_sweep_groups_its_flushes_and_leaves_every_file_flushed(
+    tmp_path: Path, fsyncs: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each file of the run directory is flushed at most once per interval while the sweep runs,
+    and every file it wrote is flushed by the time ``hs.sweep`` returns."""
+    import hfsweep as hs
+
+    from ._toy import sweep_config
+
+    interval = 0.2
+    real = grouped_sync
+    monkeypatch.setattr(
+        "hfsweep._engine.grouped_sync", lambda interval=interval: real(interval=interval)
+    )
+    run = tmp_path / "run"
+    start = time.monotonic()
+    result = hs.sweep(sweep_config(run), progress=False)
+    elapsed = time.monotonic() - start
+    assert result.counts["COMPLETE"] == 8
+    journal = str(run / "optuna.journal")
+    lines = len((run / "optuna.journal").read_text().splitlines())
+    assert 0 < fsyncs.count(journal) <= 2 + elapsed / interval
+    assert lines > 8  # appended once per operation
+    for name in ("state.json", "trials.csv", "best.json", "histories/trial-7.csv"):
+        assert str(run / name) in fsyncs
