@@ -123,9 +123,12 @@ class FusedSearcher(Searcher):
 
     # ------------------------------------------------------------------ checkpoints
     def get_state(self) -> dict[str, Any]:
+        """The plugin's whole state (budget, members, arrays, pools, inner scheduler), which
+        Tune saves with the experiment: the source of truth on restore."""
         return self._state.state_dict()
 
     def set_state(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`get_state` returned (``Tuner.restore``)."""
         self._state.load_state_dict(state)
         self._hub = None  # a restored run recreates the hub under the saved name
 
@@ -208,6 +211,7 @@ class FusedScheduler(FIFOScheduler):
 
     @property
     def metric(self) -> str | None:
+        """The metric the inner scheduler decides on."""
         inner = self.inner
         if isinstance(inner, TuneTrialScheduler):
             return str(inner.metric) if inner.metric is not None else None

@@ -116,6 +116,7 @@ class GradScaler:
         self._growth_tracker[i] = 0
 
     def state_dict(self) -> dict[str, Any]:
+        """The per-member scales, growth trackers and growth settings, for a checkpoint."""
         return {
             "scale": self._scale.clone(),
             "growth_tracker": self._growth_tracker.clone(),
@@ -125,6 +126,7 @@ class GradScaler:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
         self._scale = state["scale"].clone()
         self._growth_tracker = state["growth_tracker"].clone()
         self.growth_factor = state["growth_factor"]
