@@ -2,7 +2,7 @@
 
     python benchmarks/sweep_vs_optuna.py [--sweep examples/digits_asha.yaml] [--trials N]
         [--epochs N] [--only plain,hfsweep-sh,hfsweep-asha,hfsweep-asha-cold] [--rounds R]
-        [--out STEM]
+        [--same-seed] [--out STEM]
 
 Every arm runs the same sweep: the sweep file's task, search space, sampler (built by
 ``hfsweep.config.make_sampler``, same seed and options), metric, seed and budget.
@@ -22,7 +22,9 @@ the imports. ``hfsweep-sh`` and ``hfsweep-asha`` find their array sizes in a pro
 filled before timing (as an earlier sweep or ``hfsweep profile`` leaves it on a machine);
 ``hfsweep-asha-cold`` starts from an empty cache in every run (a first sweep on a machine).
 Rounds interleave the arms; the median round is reported with the range of the per-round
-speed-up. Writes ``results/sweep_vs_optuna_<device>.{md,json}``, or ``STEM.{md,json}`` with
+speed-up. Round r runs every arm with the sweep's seed + r (the sampler's seed and the members'
+seeds), so the best values compare several searches, not one; ``--same-seed`` repeats the
+sweep's seed in every round. Writes ``results/sweep_vs_optuna_<device>.{md,json}``, or ``STEM.{md,json}`` with
 ``--out``.
 """
 
@@ -348,6 +350,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--epochs", type=int, help="override budget.epochs")
     parser.add_argument("--only", default=",".join(ARMS), help=f"arms among {', '.join(ARMS)}")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every arm")
+    parser.add_argument(
+        "--same-seed", action="store_true", help="every round with the sweep's seed (default +r)"
+    )
     parser.add_argument("--out", help="results stem (default results/sweep_vs_optuna_<device>)")
     args = parser.parse_args(argv)
     arms = [a.strip() for a in args.only.split(",") if a.strip()]
@@ -387,16 +392,22 @@ def main(argv: list[str] | None = None) -> None:
         prefill_profiles(sweep, cache)
 
     runs: dict[str, list[dict[str, Any]]] = {a: [] for a in arms}
-    for r in range(args.rounds):
+    seeds = [sweep.seed + (0 if args.same_seed else r) for r in range(args.rounds)]
+    for r, seed in enumerate(seeds):
+        seeded = {**mapping, "seed": seed}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            round_sweep = parse_sweep(seeded, source=path)
         for arm in arms:
-            tag = f"{arm} r{r + 1}"
+            tag = f"{arm} r{r + 1} seed {seed}"
             if arm == "plain":
-                row = run_plain(sweep, device, tag)
+                row = run_plain(round_sweep, device, tag)
             else:
                 warm = cache if arm != "hfsweep-asha-cold" else None
-                row = run_hfsweep(pruned if arm == "hfsweep-sh" else mapping, tag, warm)
+                config = {**pruned, "seed": seed} if arm == "hfsweep-sh" else seeded
+                row = run_hfsweep(config, tag, warm)
             log(f"[{tag}] wall {row['wall_s']:.1f} s, best {sweep.metric} {row['best_value']}")
-            runs[arm].append({"arm": arm, "round": r + 1, **row})
+            runs[arm].append({"arm": arm, "round": r + 1, "seed": seed, **row})
 
     cells: list[list[str]] = []
     for arm in arms:
@@ -420,6 +431,7 @@ def main(argv: list[str] | None = None) -> None:
                 _spread(walls, ".1f"),
                 speed,
                 _spread(values, ".4f") if values else "-",
+                format(statistics.mean(values), ".4f") if values else "-",
                 _distinct(counts),
                 _distinct(arrays) if arrays else "-",
             ]
@@ -433,9 +445,7 @@ def main(argv: list[str] | None = None) -> None:
             )
 
     b = sweep.budget
-    searcher = (
-        f"{sweep.searcher.name} (seed {sweep.searcher.seed}, options {sweep.searcher.options})"
-    )
+    searcher = f"{sweep.searcher.name} (options {sweep.searcher.options})"
     sh = ", ".join(f"{k}={v}" for k, v in PRUNER_OPTIONS.items())
     notes = [
         f"- One sweep, every arm: `{args.sweep}`, task {sweep.task.name}, its search space "
@@ -457,6 +467,9 @@ def main(argv: list[str] | None = None) -> None:
         "run (a first sweep on a machine). "
         f"Median of {args.rounds} interleaved round(s) [min-max]; speed-up = plain Optuna's "
         "wall-clock / the arm's, per round. Trials: complete/pruned/failed.",
+        f"- Sweep seeds by round: {', '.join(map(str, seeds))} (the sampler's seed, unless the "
+        "sweep file sets `searcher.seed`, and the members' seeds); every arm runs each round's "
+        "seed. Best value: median [min-max] over rounds, and the mean.",
         "- Best values need not agree: the pruner sees trials one by one in the plain arm and an "
         "array's members together in hfsweep, so the searcher learns from different histories; "
         "dropout masks come from torch's global generator in the plain arm and from each "
@@ -475,6 +488,7 @@ def main(argv: list[str] | None = None) -> None:
             "wall-clock s",
             "speed-up vs plain Optuna",
             f"best {sweep.metric}",
+            f"mean best {sweep.metric}",
             "trials complete/pruned/failed",
             "arrays",
         ],

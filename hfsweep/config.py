@@ -35,6 +35,8 @@ A sweep file is one YAML mapping. Every key, with its default::
     mode: max                   # required; max or min
     fusion:
       size: auto                # array size B: auto (chosen by the profiler) or an int >= 1
+                                #   (auto: at most half the trials unless the searcher
+                                #   is random, grid or qmc, so the searcher learns)
       device: auto              # auto (cuda if available, else cpu), cpu, cuda or cuda:N
       dtype: float32            # float32, float64 or bfloat16
       eval_every: null          # evaluate every this many steps (int >= 1); null: every epoch

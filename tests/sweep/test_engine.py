@@ -388,3 +388,27 @@ def test_a_storage_without_its_database_driver_is_a_clear_error(tmp_path: Path) 
     config = sweep_config(tmp_path / "run", storage="postgresql://user@127.0.0.1:1/optuna")
     with pytest.raises(hs.SweepError, match=r"pip install psycopg2-binary"):
         hs.sweep(config, progress=False)
+
+
+@pytest.mark.parametrize(("searcher", "size"), [("tpe", 4), ("random", 7), ("qmc", 7)])
+def test_auto_size_leaves_a_learning_searcher_half_the_trials_to_draw(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, searcher: str, size: int
+) -> None:
+    """The profiler says 64 (stubbed); a sweep of 7 trials gets arrays of at most 4 with TPE,
+    so 3 trials are drawn after the first results, and all 7 with a searcher that does not
+    learn."""
+    from hfsweep.executors import LocalExecutor
+
+    monkeypatch.setattr(LocalExecutor, "array_size", lambda self, config: (64, "stub"))
+    config = sweep_config(
+        tmp_path / "run",
+        searcher={"name": searcher},
+        budget={"trials": 7, "epochs": 2},
+        fusion={"size": "auto", "device": "cpu"},
+    )
+    result = hs.sweep(config, progress=False)
+    assert result.counts["COMPLETE"] == 7
+    state = json.loads((tmp_path / "run" / "state.json").read_text())
+    assert list(state["sizes"].values()) == [size]
+    log = (tmp_path / "run" / "sweep.log").read_text()
+    assert ("at most half the 7 trials (4)" in log) == (searcher == "tpe")
