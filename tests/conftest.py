@@ -1,5 +1,26 @@
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 import torch
+
+#: the tests that start a local Ray (nodeid prefixes): under xdist (``-n``) they run on one
+#: worker, one after another, and first (see :func:`pytest_xdist_make_scheduler`). Two Rays of
+#: 2 CPUs at once would starve each other on a 2-core machine, a module's Ray (and its Tune
+#: experiment) would start again on each worker its tests were spread over, and run last they
+#: would leave one worker busy while the other idles.
+RAY_TESTS = (
+    "tests/sweep/test_ray_backend.py::",
+    "tests/tune/test_tune_ray.py::",
+    # `hfsweep run` with backend: ray in subprocesses, each with a local Ray of its own
+    "tests/sweep/test_kill_resume.py::test_sigkill_then_resume_finishes_the_sweep[ray]",
+)
+
+_TESTS = Path(__file__).resolve().parent
 
 
 @pytest.fixture(autouse=True)
@@ -17,3 +38,110 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: no error without xdist (-p no:xdist)
+def pytest_xdist_make_scheduler(config, log):
+    """``-n`` (``--dist load``): each test is a unit of its own, handed out in collection order
+    to whichever worker runs low, except :data:`RAY_TESTS`: one unit, handed out first."""
+    if config.getoption("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class RayTogether(LoadScopeScheduling):
+        # the largest unit is handed out first (xdist's --loadscope-reorder, the default)
+        def _split_scope(self, nodeid: str) -> str:
+            return "ray" if nodeid.startswith(RAY_TESTS) else nodeid
+
+    return RayTogether(config, log)
+
+
+class SharedRay:
+    """One local Ray for the tests of this process that use one in-process (the ``shared_ray``
+    fixture): 2 CPUs, loopback, no dashboard. Started when the first such test needs it, shut
+    down as soon as the next test does not (see :func:`pytest_runtest_teardown`), so a test that
+    must start a Ray of its own finds none, and no idle Ray runs beside the other tests.
+
+    Ray's workers inherit the environment Ray starts with, so everything they need is set here,
+    before ``ray.init``, and put back at shutdown: ``tests/`` on ``PYTHONPATH`` (workers import
+    ``sweep._toy`` and ``sweep._crashy``), and the files the crash-once tasks look for:
+    ``HFSWEEP_TEST_CRASH_FLAG`` (tests/sweep/_crashy.py) and ``HFSWEEP_TUNE_TEST_CRASH_DIR``
+    (tests/tune/_tune_toy.py).
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._saved: dict[str, str | None] | None = None
+
+    def start(self) -> None:
+        import ray
+
+        if self._saved is not None and ray.is_initialized():
+            return
+        assert not ray.is_initialized(), "a Ray this fixture did not start is running"
+        crash_dir = self.root / "tune-crash"
+        crash_dir.mkdir(exist_ok=True)
+        path = os.environ.get("PYTHONPATH")
+        env = {
+            "PYTHONPATH": str(_TESTS) + (os.pathsep + path if path else ""),
+            "HFSWEEP_TEST_CRASH_FLAG": str(self.root / "die-once"),
+            "HFSWEEP_TUNE_TEST_CRASH_DIR": str(crash_dir),
+            "RAY_DEDUP_LOGS": "0",
+        }
+        self._saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            ray.init(
+                num_cpus=2,
+                include_dashboard=False,
+                _node_ip_address="127.0.0.1",
+                logging_level=logging.WARNING,
+                log_to_driver=False,
+                configure_logging=False,
+            )
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        import ray
+
+        if self._saved is None:
+            return
+        try:
+            ray.shutdown()
+        finally:
+            for k, v in self._saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+            self._saved = None
+
+
+_shared_ray: SharedRay | None = None
+
+
+@pytest.fixture(scope="session")
+def shared_ray(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedRay]:
+    """This process's :class:`SharedRay`; a fixture that needs Ray up calls its ``start()``."""
+    global _shared_ray
+    pytest.importorskip("ray")
+    _shared_ray = SharedRay(tmp_path_factory.mktemp("shared_ray"))
+    try:
+        yield _shared_ray
+    finally:
+        _shared_ray.stop()
+        _shared_ray = None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    try:
+        return (yield)
+    finally:
+        # the test's fixtures (and its module's, if it was the module's last) are torn down
+        if _shared_ray is not None and (
+            nextitem is None or "shared_ray" not in getattr(nextitem, "fixturenames", ())
+        ):
+            _shared_ray.stop()

@@ -8,10 +8,8 @@ checkpoint exactly.
 
 from __future__ import annotations
 
-import logging
 import os
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,15 +23,16 @@ from ._toy import sweep_config
 
 ray = pytest.importorskip("ray")
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow  # one worker runs this module under xdist: tests/conftest.py
 
 _FLAG = "HFSWEEP_TEST_CRASH_FLAG"
 _ASHA = {"name": "asha", "options": {"grace_period": 1, "reduction_factor": 2}}
 
 
 def test_a_ray_started_for_a_refused_sweep_is_shut_down(tmp_path: Path) -> None:
-    """Runs first in this module, before the module's own Ray: the executor starts a local Ray,
-    finds the cluster cannot hold one array, and leaves no Ray behind."""
+    """Runs with no Ray up (the shared one is shut down before a test that does not use it):
+    the executor starts a local Ray, finds the cluster cannot hold one array, and leaves no Ray
+    behind."""
     if ray.is_initialized():
         pytest.skip("a Ray is already running in this process")
     with pytest.raises(hs.SweepError, match=r"cannot hold one array's actor \(64 CPUs"):
@@ -60,31 +59,12 @@ def test_a_restarted_array_hands_back_trials_its_checkpoint_does_not_hold(
     assert start == [a, b] and handed_back == ["trial-2"] and set(active) == {a.id, b.id}
 
 
-@pytest.fixture(scope="module")
-def local_ray(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    # the workers inherit the environment Ray starts with: the crash flag's path is set first
-    flag = tmp_path_factory.mktemp("crash") / "die-once"
-    os.environ[_FLAG] = str(flag)
-    # pytest imports this folder's modules as the package ``sweep`` from tests/
-    path = os.environ.get("PYTHONPATH")
-    tests = str(Path(__file__).resolve().parents[1])
-    os.environ["PYTHONPATH"] = tests + (os.pathsep + path if path else "")
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        logging_level=logging.WARNING,
-        log_to_driver=False,
-    )
-    try:
-        yield
-    finally:
-        ray.shutdown()
-        os.environ.pop(_FLAG, None)
-        if path is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = path
+@pytest.fixture
+def local_ray(shared_ray: Any) -> None:
+    """This process's shared local Ray (tests/conftest.py: 2 CPUs, loopback, no dashboard),
+    started with the crash flag's path (``HFSWEEP_TEST_CRASH_FLAG``) and tests/ on the workers'
+    ``PYTHONPATH``: pytest imports this folder's modules as the package ``sweep``."""
+    shared_ray.start()
 
 
 @pytest.fixture
