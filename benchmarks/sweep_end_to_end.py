@@ -2,7 +2,8 @@
 resources, hfsweep (local backend, with ASHA and with Optuna's pruner) and hfsweep's Tune plugin.
 
     python benchmarks/sweep_end_to_end.py [--sweep examples/digits_asha.yaml] [--rounds R]
-        [--array-size B] [--cpu-per-trial 0.25] [--only ARMS] [--device cpu] [--out STEM]
+        [--array-size B] [--cpu-per-trial 0.25] [--only ARMS] [--device cpu] [--num-cpus N]
+        [--out STEM]
         [--quick]
 
 Every arm runs the sweep file's task, search space, sampler (``make_sampler``: TPE with the
@@ -77,6 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--cpu-per-trial", type=float, default=0.25)
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--num-cpus", type=int, help="CPUs Ray may use (default: all)")
     parser.add_argument("--only", default=",".join(ARMS), help=f"arms among {', '.join(ARMS)}")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every arm")
     parser.add_argument("--out", help="results stem (default results/sweep_end_to_end_<device>)")
@@ -102,8 +104,14 @@ def main(argv: list[str] | None = None) -> None:
         svo.prefill_profiles(sweep, cache)
     tuned = any(a.startswith("tune") for a in arms)
     if tuned:
-        cloudpickle.register_pickle_by_value(svo)
-        ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+        for module in (svo, tvf):  # the trainables and their helpers, for the workers
+            cloudpickle.register_pickle_by_value(module)
+        ray.init(
+            num_cpus=args.num_cpus,
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+        )
     runs: dict[str, list[dict[str, Any]]] = {a: [] for a in arms}
     seeds = [sweep.seed + r for r in range(args.rounds)]
     pruned = {

@@ -10,6 +10,7 @@ import importlib
 import importlib.util
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -60,3 +61,27 @@ def test_fusion_throughput_quick_runs(tmp_path, monkeypatch):
         for kind in ("throughput", "memory"):
             png = stem.with_name(f"{stem.name}_{kind}.png")
             assert png.read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.slow
+def test_sweep_end_to_end_quick_runs(tmp_path, monkeypatch):
+    """``sweep_end_to_end.py --quick`` (8 trials of 2 epochs): every arm, plain Optuna, both Ray
+    Tune arms and both hfsweep arms, finishes all 8 trials with a finite best value, and the
+    table and JSON are written. (Runs with the Ray tests: it starts a local Ray of its own.)"""
+    pytest.importorskip("ray")
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    # Ray's workers import the benchmark modules as `python benchmarks/...` lets them
+    path = os.environ.get("PYTHONPATH")
+    monkeypatch.setenv("PYTHONPATH", str(BENCHMARKS) + (os.pathsep + path if path else ""))
+    script = importlib.import_module("sweep_end_to_end")
+    stem = tmp_path / "sweep_end_to_end_test"
+    script.main(["--quick", "--num-cpus", "2", "--out", str(stem)])
+
+    rows = json.loads(stem.with_suffix(".json").read_text())["rows"]
+    assert [r["arm"] for r in rows] == list(script.ARMS)
+    for row in rows:
+        assert _positive(row["wall_s"]), row
+        assert sum(row["counts"].get(s, 0) for s in ("COMPLETE", "PRUNED", "FAIL")) == 8, row
+        assert row["counts"].get("FAIL", 0) == 0 and _positive(row["best_value"]), row
+    md = stem.with_suffix(".md").read_text()
+    assert all(label in md for label in script.LABELS.values())
