@@ -5,7 +5,11 @@ Sweep files in the tests name it as ``<this file>:TASK``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import os
+import re
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,6 +44,39 @@ TASK = hs.Task(
     data=_data,
     defaults={"hidden": 8, "batch_size": 32, "epochs": 3},
 )
+
+
+class _HeldBatches(TensorBatches):
+    """Training batches that stop coming, until the process is interrupted, once the sweep log
+    named by ``HFSWEEP_TEST_HOLD_LOG`` shows ``HOLD_AFTER`` tells: a sweep that cannot finish
+    before a test's signal reaches it, however slowly the test polls."""
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        log = os.environ.get("HFSWEEP_TEST_HOLD_LOG", "")
+        for batch in super().__iter__():
+            while log and _tells(log) >= HOLD_AFTER:
+                time.sleep(0.01)
+            yield batch
+
+
+#: tells after which HELD_TASK's training stops until the process is interrupted
+HOLD_AFTER = 2
+
+
+def _tells(log: str) -> int:
+    try:
+        text = Path(log).read_text()
+    except FileNotFoundError:
+        return 0
+    return len(re.findall(r"hfsweep\.sweep: trial \d+ (?:complete|pruned|fail)", text))
+
+
+def _held_data(config: Mapping[str, Any]) -> tuple[TensorBatches, TensorBatches]:
+    train, val = _data(config)
+    return _HeldBatches(train.x, train.y, train.batch_size, shuffle=True), val
+
+
+HELD_TASK = hs.Task(name="toy", model=_model, data=_held_data, defaults=dict(TASK.defaults))
 
 
 def sweep_config(output: Any, **overrides: Any) -> dict[str, Any]:

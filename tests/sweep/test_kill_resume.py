@@ -16,6 +16,8 @@ import pytest
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
+from ._toy import HOLD_AFTER
+
 TOY = Path(__file__).resolve().parent / "_toy.py"
 TRIALS = 24
 
@@ -121,15 +123,20 @@ def test_sigkill_then_resume_finishes_the_sweep(tmp_path: Path, backend: str) ->
     _check_final_study(run)
 
 
-def test_ctrl_c_stops_cleanly_and_resumes(tmp_path: Path) -> None:
+def test_ctrl_c_stops_cleanly_and_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The interrupted run trains HELD_TASK, which stops drawing batches after two tells, so the
+    sweep is still running when Ctrl-C reaches it however late the test sends it."""
     sweep = _write_sweep(tmp_path)
+    sweep.write_text(sweep.read_text().replace(":TASK", ":HELD_TASK"))
     run = tmp_path / "run"
+    monkeypatch.setenv("HFSWEEP_TEST_HOLD_LOG", str(run / "sweep.log"))
     proc = _start(sweep)
-    _interrupt_after(proc, run, 2, signal.SIGINT)
+    _interrupt_after(proc, run, HOLD_AFTER, signal.SIGINT)
+    monkeypatch.delenv("HFSWEEP_TEST_HOLD_LOG")
     _out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130
     assert "interrupted" in err and "--resume" in err and "Traceback" not in err
-    resumed = _start(sweep, "--resume")
+    resumed = _start(sweep, "--resume")  # the hold is off: HFSWEEP_TEST_HOLD_LOG is unset
     _out, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err
     _check_final_study(run)
