@@ -61,13 +61,6 @@ LABELS = {
 }
 
 
-def _spread(values: list[float], fmt: str) -> str:
-    median = statistics.median(values)
-    if len(values) == 1 or min(values) == max(values):
-        return format(median, fmt)
-    return f"{format(median, fmt)} [{format(min(values), fmt)}-{format(max(values), fmt)}]"
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sweep", default="examples/digits_asha.yaml")
@@ -153,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
         walls = [x["wall_s"] for x in rs]
         if "optuna" in runs and arm != "optuna":
             ratios = [p["wall_s"] / x["wall_s"] for p, x in zip(runs["optuna"], rs, strict=True)]
-            speed = _spread(ratios, ".2f") + "x"
+            speed = svo._spread(ratios, ".2f") + "x"
         else:
             speed = "1.00x" if arm == "optuna" else "-"
         values = [x["best_value"] for x in rs if x["best_value"] is not None]
@@ -166,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
         cells.append(
             [
                 LABELS[arm],
-                _spread(walls, ".1f"),
+                svo._spread(walls, ".1f"),
                 speed,
                 " ".join(format(v, ".4f") for v in values) if values else "-",
                 format(statistics.mean(values), ".4f") if values else "-",
