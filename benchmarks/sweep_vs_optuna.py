@@ -2,7 +2,7 @@
 
     python benchmarks/sweep_vs_optuna.py [--sweep examples/digits_asha.yaml] [--trials N]
         [--epochs N] [--only plain,hfsweep-sh,hfsweep-asha,hfsweep-asha-cold] [--rounds R]
-        [--same-seed] [--out STEM]
+        [--fusion-size B] [--same-seed] [--out STEM]
 
 Every arm runs the same sweep: the sweep file's task, search space, sampler (built by
 ``hfsweep.config.make_sampler``, same seed and options), metric, seed and budget.
@@ -351,6 +351,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--only", default=",".join(ARMS), help=f"arms among {', '.join(ARMS)}")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every arm")
     parser.add_argument(
+        "--fusion-size",
+        type=int,
+        help="a fixed array size for the hfsweep arms (default: the file's)",
+    )
+    parser.add_argument(
         "--same-seed", action="store_true", help="every round with the sweep's seed (default +r)"
     )
     parser.add_argument("--out", help="results stem (default results/sweep_vs_optuna_<device>)")
@@ -371,6 +376,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.epochs is not None:
         budget["epochs"] = args.epochs
     mapping["budget"] = budget
+    if args.fusion_size is not None:
+        mapping["fusion"] = {**mapping.get("fusion", {}), "size": args.fusion_size}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         sweep = parse_sweep(mapping, source=path)
@@ -475,6 +482,11 @@ def main(argv: list[str] | None = None) -> None:
         "dropout masks come from torch's global generator in the plain arm and from each "
         "member's own stream in hfsweep.",
     ]
+    if args.fusion_size is not None:
+        notes.append(
+            f"- `--fusion-size {args.fusion_size}`: the hfsweep arms train arrays of "
+            f"{args.fusion_size} (`fusion.size`), not the profiler's size."
+        )
     stem = Path(args.out) if args.out else RESULTS / f"sweep_vs_optuna_{device.type}"
     write_results(
         stem,
