@@ -66,7 +66,14 @@ def _start(sweep: Path, *extra: str) -> subprocess.Popen[str]:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=_default_sigint,
     )
+
+
+def _default_sigint() -> None:
+    """In the child: Ctrl-C as at a terminal. A test process that ignores SIGINT (as after a
+    local Ray ran in it) would pass the ignore on, and Python then installs no handler."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _interrupt_after(proc: subprocess.Popen[str], run: Path, told: int, sig: int) -> None:
