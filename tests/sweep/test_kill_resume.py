@@ -16,7 +16,7 @@ import pytest
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
-from ._toy import HOLD_AFTER
+from ._toy import HOLD_AFTER, _tells
 
 TOY = Path(__file__).resolve().parent / "_toy.py"
 TRIALS = 24
@@ -50,11 +50,7 @@ output: run
 
 def _finished(run: Path) -> int:
     """Trials the sweep's log shows as told (a line per tell, flushed as it is written)."""
-    try:
-        text = (run / "sweep.log").read_text()
-    except FileNotFoundError:
-        return 0
-    return len(re.findall(r"hfsweep\.sweep: trial \d+ (?:complete|pruned|fail)", text))
+    return _tells(str(run / "sweep.log"))
 
 
 def _start(sweep: Path, *extra: str) -> subprocess.Popen[str]:
