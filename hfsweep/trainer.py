@@ -33,6 +33,7 @@ from ._task import (
     TaskError,
     fork_rng,
     make_optimizer,
+    manual_seed,
     make_schedule,
     optimizer_values,
     schedule_args,
@@ -542,7 +543,7 @@ class _Run:
         own = getattr(train, "generator", None)  # a DataLoader's own generator, if it has one
         while True:
             seed = _epoch_seed(int(config["data_seed"]), epoch)
-            torch.manual_seed(seed)
+            manual_seed(seed)
             if isinstance(own, torch.Generator):
                 own.manual_seed(seed)
             index = 0

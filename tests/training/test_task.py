@@ -220,3 +220,27 @@ def test_data_check_ignores_membership_tests() -> None:
 
     task = hs.Task(model=base.model, data=data, defaults=base.defaults)
     task.build_data(task.resolve({}))
+
+
+def test_manual_seed_draws_what_torch_manual_seed_draws() -> None:
+    from hfsweep._task import manual_seed
+
+    torch.manual_seed(123)
+    expected = (torch.rand(5), torch.randn(3, 4), torch.randint(0, 100, (7,)))
+    torch.manual_seed(999)
+    manual_seed(123)
+    got = (torch.rand(5), torch.randn(3, 4), torch.randint(0, 100, (7,)))
+    for a, b in zip(expected, got, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_build_model_is_seeded_like_torch_manual_seed() -> None:
+    task = tasks.get("digits_mlp")
+    config = task.resolve({"seed": 5})
+    torch.manual_seed(5)
+    reference = task.model(config)
+    built = task.build_model(config)
+    for (name, a), (_, b) in zip(
+        reference.state_dict().items(), built.state_dict().items(), strict=True
+    ):
+        assert torch.equal(a, b), name
