@@ -25,7 +25,14 @@ from typing import IO, Any
 
 import torch
 
-__all__ = ["atomic_save", "atomic_write_text", "grouped_sync", "written"]
+__all__ = [
+    "append_lines",
+    "atomic_save",
+    "atomic_write_text",
+    "grouped_sync",
+    "read_lines",
+    "written",
+]
 
 
 class _Flusher:
@@ -137,3 +144,36 @@ def atomic_write_text(path: Path, text: str) -> None:
 def atomic_save(obj: Any, path: Path) -> None:
     """``torch.save(obj)`` to ``path`` atomically."""
     _atomic(path, "wb", lambda f: torch.save(obj, f))
+
+
+def append_lines(path: Path, lines: list[str]) -> None:
+    """Append ``lines`` (each without its newline) to the UTF-8 file ``path``.
+
+    A crash can cut the last line of an append short; the next append first ends such a line,
+    so that the cut line stays on its own and :func:`read_lines` skips it.
+    """
+    if not lines:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = "".join(f"{line}\n" for line in lines).encode("utf-8")
+    with open(path, "a+b") as f:
+        end = f.seek(0, os.SEEK_END)
+        if end > 0:
+            f.seek(end - 1)
+            if f.read(1) != b"\n":
+                data = b"\n" + data
+        f.write(data)
+        f.flush()
+        written(path, f.fileno())
+
+
+def read_lines(path: Path) -> list[str]:
+    """The lines of ``path`` without their newlines, none when the file does not exist. A last
+    line cut short by a crash is left out; one that :func:`append_lines` ended later is not, so
+    readers skip lines they cannot parse."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return []
+    lines = data.split(b"\n")
+    return [line.decode("utf-8", errors="replace") for line in lines[:-1]]

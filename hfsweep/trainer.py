@@ -11,11 +11,13 @@ member's progress.
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 import logging
 import math
 import os
+import pickle
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -27,14 +29,14 @@ from urllib.parse import quote
 import torch
 from torch import Tensor, nn
 
-from ._io import atomic_save, atomic_write_text
+from ._io import append_lines, atomic_save, read_lines
 from ._task import (
     Task,
     TaskError,
     fork_rng,
     make_optimizer,
-    manual_seed,
     make_schedule,
+    manual_seed,
     optimizer_values,
     schedule_args,
 )
@@ -45,7 +47,7 @@ from .optim.lr_scheduler import FusedLRScheduler
 __all__ = ["ArrayTrainer", "Evaluation", "Member", "MemberResult"]
 
 _log = logging.getLogger("hfsweep.trainer")
-_CHECKPOINT_VERSION = 1
+_CHECKPOINT_VERSION = 2
 #: an array traces a call signature at its 16th call. A trace pays for itself after 30-100
 #: calls of a small model (measured on CPU, digits MLP, B = 4..64: a trace takes 40-160 ms, an
 #: eager call 1-4 ms longer than a replay), so signatures an array calls a few times (an
@@ -130,10 +132,12 @@ class ArrayTrainer:
     ``eval_every`` is the evaluation period in a member's own optimizer steps (default: one
     epoch); a member is also evaluated when it reaches its budget (``max_steps``, else
     ``epochs`` epochs). With ``checkpoint_dir`` the trainer writes ``array.pt`` (every slot's
-    model, optimizer, schedule, dropout stream, history and the data position) at each
-    evaluation and whenever a member ends or joins, ``members/<id>.pt`` when a member ends, and
-    ``delivered.json`` (the members ``on_finish`` was called for);
-    ``run(..., resume=True)`` continues from ``array.pt``. ``float64`` is for exactness tests;
+    model, optimizer, schedule, dropout stream, history and the data position, and the members
+    that ended but whose ``on_finish`` has not been called yet) at each evaluation and whenever
+    a member ends or joins, and appends to ``delivered.log`` each member ``on_finish`` was
+    called for (its result without the state); with ``keep_states`` also ``members/<id>.pt``
+    (a member's final state) when a member ends. ``run(..., resume=True)`` continues from
+    ``array.pt``. ``float64`` is for exactness tests;
     models are built on the CPU from their seed, then moved to ``device``.
     """
 
@@ -298,10 +302,13 @@ class _Run:
                 if not self.t.keep_states:
                     result.state = None
                 self.delivered.add(member_id)
-        self.pending.clear()
         d = self.t.checkpoint_dir
         if d is not None:
-            atomic_write_text(d / "delivered.json", json.dumps(sorted(self.delivered)))
+            append_lines(
+                d / _DELIVERED,
+                [_encode_record(_result_record(self.results[i])) for i in self.pending],
+            )
+        self.pending.clear()
 
     @contextmanager
     def _user_rng_scope(self) -> Iterator[None]:
@@ -645,7 +652,8 @@ class _Run:
             error=error,
         )
         self.results[s.member.id] = result
-        if self.t.checkpoint_dir is not None:
+        if self.t.checkpoint_dir is not None and self.t.keep_states:
+            # the checkpoint holds the state only until on_finish has been called
             _write_member(self.t.checkpoint_dir, result, member_state)
         opt.set_active(i, False)
         state.slots[i] = None
@@ -761,7 +769,11 @@ class _Run:
             "settings": self._settings(),
             "key": self.key,
             "order": list(self.order),
-            "finished": sorted(self.results),
+            # ended, on_finish not called yet: a resume calls it, with the state
+            "undelivered": {
+                i: {**_result_record(self.results[i]), "state": self.results[i].state}
+                for i in self.pending
+            },
             "arrays": arrays,
         }
         atomic_save(payload, path)
@@ -791,14 +803,18 @@ class _Run:
                 )
         self.key = payload["key"]
         self.order = list(payload["order"])
-        assert self.t.checkpoint_dir is not None
-        told = self.t.checkpoint_dir / "delivered.json"
-        self.delivered = set(json.loads(told.read_text())) if told.exists() else set()
-        for member_id in payload["finished"]:
-            # a member not yet delivered needs its state for on_finish
-            keep = self.t.keep_states or member_id not in self.delivered
-            self.results[member_id] = _read_member(self.t.checkpoint_dir, member_id, keep)
-        self.pending = [i for i in payload["finished"] if i not in self.delivered]
+        d = self.t.checkpoint_dir
+        assert d is not None
+        for record in _read_delivered(d / _DELIVERED):
+            member_id = record["id"]
+            state = _read_member_state(d, member_id) if self.t.keep_states else None
+            self.results[member_id] = _result_from_record(record, state)
+            self.delivered.add(member_id)
+        self.pending = []
+        for member_id, record in payload["undelivered"].items():
+            if member_id not in self.delivered:
+                self.results[member_id] = _result_from_record(record, record["state"])
+                self.pending.append(member_id)
         self.queue = [
             _ArrayState([_slot_from_dict(d) for d in a["slots"]], a["epoch"], a["batch"])
             for a in payload["arrays"]
@@ -981,29 +997,65 @@ def _slot_from_dict(d: dict[str, Any] | None) -> _SlotState | None:
     )
 
 
-def _write_member(directory: Path, result: MemberResult, state: dict[str, Any]) -> None:
-    folder = directory / "members"
-    folder.mkdir(parents=True, exist_ok=True)
-    atomic_save(
-        {
-            "config": result.config,
-            "status": result.status,
-            "steps": result.steps,
-            "history": result.history,
-            "error": result.error,
-            **state,
-        },
-        folder / f"{_safe(result.id)}.pt",
-    )
+#: one line per member whose on_finish was called: its result without the state
+_DELIVERED = "delivered.log"
 
 
-def _read_member(directory: Path, member_id: str, keep_state: bool) -> MemberResult:
-    d = torch.load(
-        directory / "members" / f"{_safe(member_id)}.pt", map_location="cpu", weights_only=False
-    )
-    state = {k: d[k] for k in ("model", "optimizer", "scheduler", "rng")} if keep_state else None
+def _result_record(result: MemberResult) -> dict[str, Any]:
+    """``result`` without its state."""
+    return {
+        "id": result.id,
+        "config": result.config,
+        "status": result.status,
+        "steps": result.steps,
+        "history": result.history,
+        "error": result.error,
+    }
+
+
+def _result_from_record(record: Mapping[str, Any], state: dict[str, Any] | None) -> MemberResult:
     return MemberResult(
-        member_id, d["config"], d["status"], d["steps"], d["history"], state, d["error"]
+        record["id"],
+        record["config"],
+        record["status"],
+        record["steps"],
+        record["history"],
+        state,
+        record["error"],
+    )
+
+
+def _encode_record(record: dict[str, Any]) -> str:
+    """One line: the record pickled (configs may hold any Python value), in base64."""
+    return base64.b64encode(pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL)).decode()
+
+
+def _read_delivered(path: Path) -> list[dict[str, Any]]:
+    """The records of the delivered log; a line a crash cut short is skipped (its member was
+    not recorded as delivered, so it is delivered again)."""
+    records = []
+    for line in read_lines(path):
+        try:
+            record = pickle.loads(base64.b64decode(line, validate=True))
+        except Exception:  # a cut line fails in one of several ways
+            continue
+        if isinstance(record, dict) and "id" in record:
+            records.append(record)
+    return records
+
+
+def _write_member(directory: Path, result: MemberResult, state: dict[str, Any]) -> None:
+    """The final state of a member that ended, for a resume to give back (``keep_states``)."""
+    atomic_save(dict(state), directory / "members" / f"{_safe(result.id)}.pt")
+
+
+def _read_member_state(directory: Path, member_id: str) -> dict[str, Any]:
+    return dict(
+        torch.load(
+            directory / "members" / f"{_safe(member_id)}.pt",
+            map_location="cpu",
+            weights_only=False,
+        )
     )
 
 

@@ -11,7 +11,7 @@ import optuna
 import pytest
 from optuna.storages.journal import JournalFileBackend
 
-from hfsweep._io import atomic_write_text, grouped_sync
+from hfsweep._io import append_lines, atomic_write_text, grouped_sync, read_lines
 from hfsweep._journal import GroupedJournalFileBackend, journal_storage
 
 
@@ -53,6 +53,29 @@ def test_in_a_group_each_file_is_flushed_once_when_the_group_ends(
             atomic_write_text(a, "5")
         assert fsyncs == []
     assert sorted(fsyncs) == sorted([str(a), str(b), str(tmp_path), str(b.parent)])
+
+
+def test_appended_lines_are_flushed_like_atomic_writes(tmp_path: Path, fsyncs: list[str]) -> None:
+    log = tmp_path / "sub" / "delivered.log"
+    append_lines(log, ["a", "b"])
+    assert fsyncs == [str(log)]
+    with grouped_sync(interval=60):
+        append_lines(log, ["c"])
+        append_lines(log, [])
+        assert len(fsyncs) == 1
+    assert sorted(fsyncs[1:]) == sorted([str(log.parent), str(log)])
+    assert read_lines(log) == ["a", "b", "c"]
+
+
+def test_a_line_cut_short_stays_on_its_own(tmp_path: Path) -> None:
+    log = tmp_path / "delivered.log"
+    assert read_lines(log) == []
+    append_lines(log, ["first"])
+    with open(log, "ab") as f:
+        f.write(b"half a li")  # a crash in the middle of an append
+    assert read_lines(log) == ["first"]
+    append_lines(log, ["second", "third"])
+    assert read_lines(log) == ["first", "half a li", "second", "third"]
 
 
 def test_in_a_group_a_write_is_flushed_within_the_interval(

@@ -513,3 +513,85 @@ def test_resume_refuses_other_settings(tmp_path) -> None:
         ValueError, match=r"dtype='torch\.float64', this trainer has dtype='torch\.float32'"
     ):
         hs.ArrayTrainer(task, checkpoint_dir=tmp_path).run(_members([{}]), resume=True)
+
+
+def test_without_keep_states_a_resume_delivers_undelivered_members_with_their_state(
+    tmp_path,
+) -> None:
+    """The engine's way (keep_states=False): no member files; a member that ended before a
+    crash in its on_finish gets on_finish again on resume, with its state from the
+    checkpoint, and the results equal an uninterrupted run's."""
+    task = make_task(bn=True)
+    configs = CONFIGS[:4]  # t0 and t3 end after 2 epochs, t1 after 3, t2 after 4
+    full = _trainer(task).run(_members(configs))
+
+    def crash_at_t1(result: hs.MemberResult) -> None:
+        if result.id == "t1":
+            raise _Crash
+
+    with pytest.raises(_Crash):
+        _trainer(task, checkpoint_dir=tmp_path, keep_states=False).run(
+            _members(configs), on_finish=crash_at_t1
+        )
+    assert not (tmp_path / "members").exists()
+    states: dict[str, Any] = {}
+    resumed = _trainer(task, checkpoint_dir=tmp_path, keep_states=False).run(
+        _members(configs), resume=True, on_finish=lambda r: states.setdefault(r.id, r.state)
+    )
+    assert sorted(states) == ["t1", "t2"]  # t0 and t3 were delivered before the crash
+    full_by_id = {r.id: r for r in full}
+    for member_id, state in states.items():
+        assert state is not None
+        _assert_same(
+            hs.MemberResult(
+                member_id,
+                {},
+                "completed",
+                full_by_id[member_id].steps,
+                full_by_id[member_id].history,
+                state,
+            ),
+            full_by_id[member_id],
+        )
+    assert [r.id for r in resumed] == [r.id for r in full]
+    for a, b in zip(resumed, full, strict=True):
+        assert (a.status, a.steps, a.history, a.state) == (b.status, b.steps, b.history, None)
+
+
+def test_a_delivery_record_cut_short_by_a_crash_means_delivering_again(
+    monkeypatch, tmp_path
+) -> None:
+    import hfsweep.trainer as trainer_module
+
+    task = make_task()
+    configs = [{"seed": 0, "epochs": 1}, {"seed": 1, "epochs": 2}, {"seed": 2, "epochs": 3}]
+    full = _trainer(task).run(_members(configs))
+    append = trainer_module.append_lines
+    appends = {"n": 0}
+
+    def torn_second_append(path, lines):
+        appends["n"] += 1
+        if appends["n"] == 2:  # t1's record: half of it reaches the file, then the crash
+            with open(path, "ab") as f:
+                f.write(lines[0][: len(lines[0]) // 2].encode())
+            raise _Crash
+        append(path, lines)
+
+    monkeypatch.setattr(trainer_module, "append_lines", torn_second_append)
+    told: list[str] = []
+    with pytest.raises(_Crash):
+        _trainer(task, checkpoint_dir=tmp_path).run(
+            _members(configs), on_finish=lambda r: told.append(r.id)
+        )
+    monkeypatch.setattr(trainer_module, "append_lines", append)
+    resumed = _trainer(task, checkpoint_dir=tmp_path).run(
+        _members(configs), resume=True, on_finish=lambda r: told.append(r.id)
+    )
+    assert told == ["t0", "t1", "t1", "t2"]  # at least once: t1's record was cut
+    for a, b in zip(resumed, full, strict=True):
+        _assert_same(a, b)
+    # the cut line stays on its own: a third run reads every complete record
+    again = _trainer(task, checkpoint_dir=tmp_path).run(_members(configs), resume=True)
+    assert [r.id for r in again] == ["t0", "t1", "t2"]
+    for a, b in zip(again, full, strict=True):
+        _assert_same(a, b)
