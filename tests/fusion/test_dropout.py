@@ -223,6 +223,35 @@ def test_traced_and_eager_draw_the_same_masks() -> None:
     assert traced._last_call_traced and not eager._last_call_traced
 
 
+def test_one_op_draws_every_members_mask_as_each_member_alone() -> None:
+    """The batching rule: one call of the op on every member's keys gives each member what the
+    op gives it alone, and what the stream definition says (keep where the hash's top 24 bits,
+    read as a uniform, are >= p; kept elements scaled by 1 / (1 - p))."""
+    op = torch.ops.hfsweep.dropout_multiplier
+    seeds = torch.tensor([0, 7, 2**40 + 3, 5])
+    calls = torch.tensor([0, 5, 2**33, 1])
+    p = torch.tensor([0.0, 0.3, 1.0, 0.5], dtype=torch.float64)
+    batched = op(seeds, calls, p, 3, 1000, torch.float64)
+    vmapped = torch.func.vmap(lambda s, c, q: op(s, c, q, 3, 1000, torch.float64))(seeds, calls, p)
+    assert torch.equal(vmapped, batched)
+    for i in range(4):
+        uniform = (dropout_mask_hash(seeds[i], calls[i], 3, 1000) >> 8).double() / 2**24
+        scale = 0.0 if p[i] == 1 else 1 / (1 - p[i].item())
+        expected = (uniform >= p[i]).double() * scale
+        assert torch.equal(op(seeds[i], calls[i], p[i], 3, 1000, torch.float64), expected)
+        assert torch.equal(batched[i], expected)
+
+
+def test_a_traced_forward_records_the_mask_as_one_op() -> None:
+    """Under vmap each integer op of the hash would be recorded, and traced, one by one."""
+    array = hs.fuse([TwoDrops(0.5) for _ in range(3)])
+    array(torch.randn(4, 6, 6))
+    (entry,) = array._traces.values()
+    targets = [n.target for n in entry.graph.__self__.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.hfsweep.dropout_multiplier.default) == 2  # one per layer
+    assert not [t for t in targets if "bitwise" in str(t) or "shift" in str(t)]
+
+
 def test_default_seeds_come_from_torchs_generator() -> None:
     torch.manual_seed(5)
     a = hs.fuse([MLP(dropout=0.5) for _ in range(4)])
