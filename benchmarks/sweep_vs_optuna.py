@@ -10,8 +10,9 @@ Every arm runs the same sweep: the sweep file's task, search space, sampler (bui
 - ``plain``: what users do today. ``optuna.create_study(sampler=..., pruner=
   SuccessiveHalvingPruner(min_resource=1, reduction_factor=3))`` and ``study.optimize(objective,
   n_trials=N)``: each trial samples its config from the sweep's own search space, builds the
-  task's model and data, and trains that one model with ``torch.optim``, reporting the metric
-  after every epoch and raising ``optuna.TrialPruned`` when the pruner says so.
+  task's model, and trains that one model with ``torch.optim``, reporting the metric after every
+  epoch and raising ``optuna.TrialPruned`` when the pruner says so. The data is loaded by the
+  first trial and kept for the others (as hfsweep keeps it for an array's members).
 - ``hfsweep-sh``: ``hs.sweep`` of the same sweep with the very same pruner
   (``scheduler: optuna:successive_halving``), trials trained as fused arrays.
 - ``hfsweep-asha``: ``hs.sweep`` of the sweep file unchanged (its own scheduler, ASHA).
@@ -145,12 +146,15 @@ def train_plain(
     metric: str,
     device: torch.device,
     dtype: torch.dtype,
+    data_cache: dict[str, Any] | None = None,
 ) -> float:
     """Train one trial's model alone, as a user writes it by hand, and return its final metric.
 
     The setup mirrors hfsweep's trainer for one member: the model is the task's, initialised
     from ``config["seed"]`` (``task.build_model`` seeds torch and leaves the global generator as
-    it was); the data is the task's (same batch size), and each epoch seeds torch's generator
+    it was); the data is the task's (same batch size), built once per sweep and shared
+    config (``data_cache``, by compatibility key) as a careful user keeps a loaded dataset
+    between trials, and each epoch seeds torch's generator
     with the trainer's per-epoch seed, so the batches come in the trainer's order. Loss with the
     config's label smoothing, ``torch.optim`` with the config's hyperparameters, the config's
     schedule stepped per optimizer step, optional gradient-norm clipping. After every epoch the
@@ -160,7 +164,12 @@ def train_plain(
     NaN, which Optuna records as FAIL (as hfsweep does).
     """
     model = task.build_model(config).to(device=device, dtype=dtype)
-    train, val = task.build_data(config)
+    if data_cache is None:
+        data_cache = {}
+    key = task.compatibility_key(config)
+    if key not in data_cache:
+        data_cache[key] = task.build_data(config)
+    train, val = data_cache[key]
 
     def to(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = (t.to(device) for t in batch)
@@ -201,11 +210,12 @@ def run_plain(sweep: SweepConfig, device: torch.device, tag: str) -> dict[str, A
     :func:`train_plain`."""
     dtype = getattr(torch, sweep.fusion.dtype)
     start = time.perf_counter()
+    data_cache: dict[str, Any] = {}  # loaded inside the timed sweep, once per shared config
 
     def objective(trial: optuna.Trial) -> float:
         sampled = sweep.space.sample(trial)
         config = sweep.task.resolve(sweep.trial_config(sampled))
-        return train_plain(sweep.task, config, trial, sweep.metric, device, dtype)
+        return train_plain(sweep.task, config, trial, sweep.metric, device, dtype, data_cache)
 
     def progress(study: optuna.Study, t: optuna.trial.FrozenTrial) -> None:
         epochs = t.last_step or 0
@@ -459,7 +469,8 @@ def main(argv: list[str] | None = None) -> None:
         f"({', '.join(sweep.space.names)}), sampler {searcher}, {b.trials} trials of {b.epochs} "
         f"epochs, metric {sweep.metric} ({sweep.mode}), on {device} in {sweep.fusion.dtype}.",
         "- plain Optuna: `study.optimize(objective, n_trials)` with an in-memory study and "
-        f"`SuccessiveHalvingPruner({sh})`; each trial builds the task's model and data and "
+        f"`SuccessiveHalvingPruner({sh})`; each trial builds the task's model (the data is "
+        "loaded once, inside the timed sweep, and kept between trials) and "
         "trains that one model with `torch.optim` (the config's optimizer, schedule, label "
         "smoothing and seed, the trainer's batch order), reporting the metric every epoch.",
         f"- hfsweep, Optuna SuccessiveHalving: `hs.sweep` with scheduler "

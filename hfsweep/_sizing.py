@@ -17,7 +17,7 @@ import logging
 import math
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -222,6 +222,7 @@ def profile_task(
     min_seconds: float = 0.5,
     on_measure: Callable[[Measurement], None] | None = None,
     traces: dict[Any, Any] | None = None,
+    data: tuple[Iterable[Any], Iterable[Any]] | None = None,
 ) -> Profile:
     """Measure ``task`` with ``config`` at several array sizes on ``device`` and choose B.
 
@@ -237,12 +238,15 @@ def profile_task(
     (``ArrayTrainer._trace_cache[key]``). The arrays measured here trace their training step
     at every size they try into it, so the sweep's first array, and arrays compacted to a
     measured size, replay those traces instead of tracing again.
+
+    ``data``: ``task.build_data(config)`` when the caller has it already (a sweep's arrays
+    share it with the profiler); built here otherwise.
     """
     device = torch.device(device)
     resolved = task.resolve(config or {})
     with fork_rng():
         model = task.build_model(resolved).to(dtype)
-        train, _ = task.build_data(resolved)
+        train, _ = data if data is not None else task.build_data(resolved)
         first = next(iter(train))
     x, y = (t.to(device) for t in first)
     if x.is_floating_point():

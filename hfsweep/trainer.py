@@ -126,6 +126,25 @@ class _ArrayState:
     batch: int = 0
 
 
+class _DataCache:
+    """``task.build_data(config)`` of the last compatibility key asked for, kept for the next
+    asks of that key: the arrays of a sweep and its profiler share the loaded data. One entry,
+    so a sweep over several shared configs (batch sizes, say) holds one dataset at a time."""
+
+    def __init__(self) -> None:
+        self._key: tuple[str, str] | None = None
+        self._data: tuple[Iterable[Any], Iterable[Any]] | None = None
+
+    def get(self, task: Task, config: Mapping[str, Any]) -> tuple[Iterable[Any], Iterable[Any]]:
+        """``(train, val)`` of ``config`` (complete, as ``task.resolve`` returns it)."""
+        key = (task.name, task.compatibility_key(config))
+        if self._data is None or key != self._key:
+            self._data = None  # the old data can go before the new is built
+            self._data = task.build_data(config)
+            self._key = key
+        return self._data
+
+
 class ArrayTrainer:
     """Trains arrays of members of one task and compatibility key.
 
@@ -161,8 +180,9 @@ class ArrayTrainer:
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.trace = trace
         self.keep_states = keep_states
-        self._data: tuple[Iterable[Any], Iterable[Any]] | None = None
-        self._data_key: str | None = None
+        #: the data of the last compatibility key trained (an executor shares one between
+        #: its arrays and the profiler, so that a sweep loads it once)
+        self._data_cache = _DataCache()
         #: traced forwards by compatibility key, shared by the arrays this trainer builds
         self._trace_cache: dict[str, dict[Any, Any]] = {}
 
@@ -216,11 +236,7 @@ class ArrayTrainer:
 
     # ------------------------------------------------------------------ helpers for _Run
     def _dataset(self, config: Mapping[str, Any]) -> tuple[Iterable[Any], Iterable[Any]]:
-        key = self.task.compatibility_key(config)
-        if self._data is None or key != self._data_key:
-            self._data = self.task.build_data(config)
-            self._data_key = key
-        return self._data
+        return self._data_cache.get(self.task, config)
 
     def _to_device(self, batch: Any) -> Any:
         if isinstance(batch, Tensor):

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from .._task import Task
-from ..trainer import ArrayTrainer, Member, MemberResult, RefillHook, ReportHook
+from ..trainer import ArrayTrainer, Member, MemberResult, RefillHook, ReportHook, _DataCache
 
 __all__ = ["LocalExecutor"]
 
@@ -35,6 +35,8 @@ class LocalExecutor:
         self.eval_every = eval_every
         #: traced forwards shared by every array of this sweep (see ArrayTrainer)
         self._trace_cache: dict[str, dict[Any, Any]] = {}
+        #: the loaded data, shared by the profiler and every array of this sweep
+        self._data_cache = _DataCache()
 
     #: arrays this executor trains at once
     slots = 1
@@ -54,6 +56,7 @@ class LocalExecutor:
             dtype=self.dtype,
             cache=ProfileCache(),
             traces=traces,
+            data=self._data_cache.get(self.task, self.task.resolve(config)),
         )
         return profile.chosen, profile.reason
 
@@ -82,4 +85,5 @@ class LocalExecutor:
             keep_states=False,
         )
         trainer._trace_cache = self._trace_cache
+        trainer._data_cache = self._data_cache
         trainer.run(members, report=report, refill=refill, on_finish=on_finish, resume=resume)

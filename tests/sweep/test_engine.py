@@ -412,3 +412,38 @@ def test_auto_size_leaves_a_learning_searcher_half_the_trials_to_draw(
     assert list(state["sizes"].values()) == [size]
     log = (tmp_path / "run" / "sweep.log").read_text()
     assert ("at most half the 7 trials (4)" in log) == (searcher == "tpe")
+
+
+def test_the_profiler_and_the_arrays_share_the_loaded_data(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The profiler's lookup and the arrays of one compatibility key load the data once."""
+    from types import SimpleNamespace
+
+    from hfsweep import _sizing
+
+    from . import _toy
+
+    loads: list[int] = []
+
+    def data(config: Any) -> Any:
+        loads.append(config["data_seed"])
+        return _toy._data(config)
+
+    given: list[Any] = []
+
+    def profile(task: hs.Task, config: Any, **kwargs: Any) -> Any:
+        given.append(kwargs["data"])
+        return SimpleNamespace(chosen=2, reason="stub")
+
+    monkeypatch.setattr(_sizing, "profile_task", profile)
+    task = hs.Task(name="toy", model=_toy._model, data=data, defaults=dict(TASK.defaults))
+    config = sweep_config(
+        tmp_path / "run",
+        task=task,
+        budget={"trials": 6, "epochs": 1},
+        fusion={"size": "auto", "device": "cpu"},
+    )
+    result = hs.sweep(config, progress=False)
+    assert result.counts["COMPLETE"] == 6
+    assert len(loads) == 1 and len(given) == 1 and given[0] is not None
