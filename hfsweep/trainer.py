@@ -82,7 +82,8 @@ class MemberResult:
     ``status`` is ``"completed"`` (budget reached), ``"stopped"`` (the report hook stopped it) or
     ``"failed"`` (its loss or gradients went non-finite). ``state`` holds ``model`` (a
     ``state_dict`` that loads into the task's model class), ``optimizer`` and ``scheduler``
-    (``state_dict``\\ s in torch's formats). ``on_finish`` always gets it; with
+    (``state_dict``\\ s in torch's formats). ``on_finish`` gets it (with
+    ``ArrayTrainer(final_states=...)`` only for the members it names); with
     ``ArrayTrainer(keep_states=False)`` it is dropped after that, so a long run does not hold
     every finished member's weights in memory.
     """
@@ -156,8 +157,12 @@ class ArrayTrainer:
     a member ends or joins, and appends to ``delivered.log`` each member ``on_finish`` was
     called for (its result without the state); with ``keep_states`` also ``members/<id>.pt``
     (a member's final state) when a member ends. ``run(..., resume=True)`` continues from
-    ``array.pt``. ``float64`` is for exactness tests;
-    models are built on the CPU from their seed, then moved to ``device``.
+    ``array.pt``. ``final_states`` says which ended members' results carry their state:
+    ``"all"``, ``"completed"`` (a sweep keeps the weights of its best completed trials only;
+    saving every pruned member's cost a sweep of small models a noticeable share of its time)
+    or ``"none"``.
+    ``float64`` is for exactness tests; models are built on the CPU from their seed, then moved
+    to ``device``.
     """
 
     def __init__(
@@ -170,9 +175,15 @@ class ArrayTrainer:
         checkpoint_dir: str | os.PathLike[str] | None = None,
         trace: bool = True,
         keep_states: bool = True,
+        final_states: str = "all",
     ) -> None:
         if eval_every is not None and (not isinstance(eval_every, int) or eval_every < 1):
             raise ValueError(f"eval_every must be an integer >= 1 (steps), got {eval_every!r}")
+        if final_states not in _FINAL_STATES:
+            raise ValueError(
+                f"final_states must be one of {', '.join(map(repr, _FINAL_STATES))}, got "
+                f"{final_states!r}"
+            )
         self.task = task
         self.device = torch.device(device)
         self.dtype = dtype
@@ -180,6 +191,7 @@ class ArrayTrainer:
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.trace = trace
         self.keep_states = keep_states
+        self.final_states = final_states
         #: the data of the last compatibility key trained (an executor shares one between
         #: its arrays and the profiler, so that a sweep loads it once)
         self._data_cache = _DataCache()
@@ -657,7 +669,10 @@ class _Run:
     ) -> None:
         s = state.slots[i]
         assert s is not None
-        member_state = _member_state(array, opt, sched, i)
+        wanted = self.t.final_states == "all" or (
+            self.t.final_states == "completed" and status == "completed"
+        )
+        member_state = _member_state(array, opt, sched, i) if wanted else None
         result = MemberResult(
             id=s.member.id,
             config=dict(s.config),
@@ -668,7 +683,7 @@ class _Run:
             error=error,
         )
         self.results[s.member.id] = result
-        if self.t.checkpoint_dir is not None and self.t.keep_states:
+        if self.t.checkpoint_dir is not None and self.t.keep_states and member_state is not None:
             # the checkpoint holds the state only until on_finish has been called
             _write_member(self.t.checkpoint_dir, result, member_state)
         opt.set_active(i, False)
@@ -1013,6 +1028,8 @@ def _slot_from_dict(d: dict[str, Any] | None) -> _SlotState | None:
     )
 
 
+#: ``ArrayTrainer(final_states=)``: whose final state a result carries
+_FINAL_STATES = ("all", "completed", "none")
 #: one line per member whose on_finish was called: its result without the state
 _DELIVERED = "delivered.log"
 
@@ -1065,14 +1082,12 @@ def _write_member(directory: Path, result: MemberResult, state: dict[str, Any]) 
     atomic_save(dict(state), directory / "members" / f"{_safe(result.id)}.pt")
 
 
-def _read_member_state(directory: Path, member_id: str) -> dict[str, Any]:
-    return dict(
-        torch.load(
-            directory / "members" / f"{_safe(member_id)}.pt",
-            map_location="cpu",
-            weights_only=False,
-        )
-    )
+def _read_member_state(directory: Path, member_id: str) -> dict[str, Any] | None:
+    """The saved final state of a member, ``None`` if it ended without one (``final_states``)."""
+    path = directory / "members" / f"{_safe(member_id)}.pt"
+    if not path.exists():
+        return None
+    return dict(torch.load(path, map_location="cpu", weights_only=False))
 
 
 def _safe(member_id: str) -> str:

@@ -111,6 +111,7 @@ def train_array(config: Mapping[str, Any], spec: TrainSpec) -> None:
             checkpoint_dir=work,
             trace=spec.trace,
             keep_states=False,
+            final_states="none",  # members' weights are not reported to Tune
         )
         members = [Member(str(m["id"]), dict(m["config"])) for m in meta["members"]]
         trainer.run(

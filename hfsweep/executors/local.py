@@ -83,6 +83,7 @@ class LocalExecutor:
             eval_every=self.eval_every,
             checkpoint_dir=checkpoint_dir,
             keep_states=False,
+            final_states="completed",  # the engine keeps the best completed trials' weights
         )
         trainer._trace_cache = self._trace_cache
         trainer._data_cache = self._data_cache

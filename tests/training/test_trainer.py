@@ -595,3 +595,48 @@ def test_a_delivery_record_cut_short_by_a_crash_means_delivering_again(
     assert [r.id for r in again] == ["t0", "t1", "t2"]
     for a, b in zip(again, full, strict=True):
         _assert_same(a, b)
+
+
+@pytest.mark.parametrize("final_states", ["all", "completed", "none"])
+def test_final_states_says_which_results_carry_their_state(tmp_path, final_states) -> None:
+    """Stopped (t1) and failed (t2) members carry their state only with "all"; a resume of the
+    finished run gives the same results; the trained members are the same either way."""
+    task = make_task()
+    configs = [
+        {"seed": 0, "epochs": 2},
+        {"seed": 1, "epochs": 2},
+        {"seed": 2, "lr": 1e300, "epochs": 2},
+    ]  # float32: t2 overflows
+
+    def stop_t1(evals: list[hs.Evaluation]) -> dict[str, bool]:
+        return {e.member: e.member != "t1" for e in evals}
+
+    told: dict[str, bool] = {}
+    trainer = hs.ArrayTrainer(task, checkpoint_dir=tmp_path, final_states=final_states)
+    results = trainer.run(
+        _members(configs),
+        report=stop_t1,
+        on_finish=lambda r: told.__setitem__(r.id, r.state is not None),
+    )
+    assert {r.id: r.status for r in results} == {"t0": "completed", "t1": "stopped", "t2": "failed"}
+    expected = {
+        "all": {"t0": True, "t1": True, "t2": True},
+        "completed": {"t0": True, "t1": False, "t2": False},
+        "none": {"t0": False, "t1": False, "t2": False},
+    }[final_states]
+    assert told == expected
+    assert {r.id: r.state is not None for r in results} == expected
+    again = hs.ArrayTrainer(task, checkpoint_dir=tmp_path, final_states=final_states).run(
+        _members(configs), resume=True
+    )
+    assert {r.id: r.state is not None for r in again} == expected
+    reference = hs.ArrayTrainer(task).run(_members(configs), report=stop_t1)
+    _assert_same(results[0] if final_states != "none" else reference[0], reference[0])
+    assert [(r.status, r.steps, r.history) for r in again] == [
+        (r.status, r.steps, r.history) for r in reference
+    ]
+
+
+def test_final_states_must_be_known() -> None:
+    with pytest.raises(ValueError, match="final_states must be one of 'all', 'completed', 'none'"):
+        hs.ArrayTrainer(make_task(), final_states="best")
