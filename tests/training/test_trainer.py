@@ -630,11 +630,13 @@ def test_final_states_says_which_results_carry_their_state(tmp_path, final_state
         _members(configs), resume=True
     )
     assert {r.id: r.state is not None for r in again} == expected
+    # float32 (t2 must overflow): MKL's rounding can differ between runs, so approximately
     reference = hs.ArrayTrainer(task).run(_members(configs), report=stop_t1)
-    _assert_same(results[0] if final_states != "none" else reference[0], reference[0])
-    assert [(r.status, r.steps, r.history) for r in again] == [
-        (r.status, r.steps, r.history) for r in reference
-    ]
+    for got in (results, again):
+        for a, b in zip(got, reference, strict=True):
+            assert (a.status, a.steps, len(a.history)) == (b.status, b.steps, len(b.history))
+            for ra, rb in zip(a.history, b.history, strict=True):
+                assert ra == pytest.approx(rb, rel=1e-5, nan_ok=True)
 
 
 def test_final_states_must_be_known() -> None:
