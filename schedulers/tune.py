@@ -97,6 +97,7 @@ experiment keeps it until its restored run finishes or Ray shuts down.
 from __future__ import annotations
 
 import logging
+import math
 import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -143,7 +144,10 @@ class Fusion:
             ``num_samples`` is in plain Tune; set ``num_samples=-1``).
         array_size: members per array, or ``"auto"``: the profiler's choice per compatibility
             key (``hs.profile_task``), measured on this (the driver's) machine with ``device``
-            and cached; give a number when the workers' device differs from the driver's.
+            and cached; give a number when the workers' device differs from the driver's. As
+            in ``hfsweep run``, ``"auto"`` is at most half of ``members`` (rounded up) unless
+            the inner searcher draws without learning (``OptunaSearch`` with a random, grid or
+            QMC sampler), so that half of the members are drawn knowing earlier results.
         device: where arrays train: ``"auto"`` (CUDA when the worker sees a GPU; give the
             trainable a GPU with ``tune.with_resources(fusion.trainable, {"gpu": 1})``),
             ``"cpu"``, ``"cuda"``.
@@ -248,8 +252,37 @@ class Fusion:
         profile = profile_task(
             self.task, config, device=device, dtype=DTYPES[self._spec.dtype], cache=ProfileCache()
         )
-        _log.info("array size %d on %s: %s", profile.chosen, device, profile.reason)
-        return int(profile.chosen)
+        size, reason = int(profile.chosen), profile.reason
+        cap = self._learning_cap()
+        if size > cap:
+            size = cap
+            reason += (
+                f"; at most half the {self._state.budget} members ({cap}) so that the searcher "
+                "draws the later members knowing the first results"
+            )
+        _log.info("array size %d on %s: %s", size, device, reason)
+        return size
+
+    def _learning_cap(self) -> int:
+        """The largest ``"auto"`` array size: half the members (rounded up), or all of them
+        when the inner searcher does not learn from results."""
+        members = self._state.budget
+        inner: Any = self._searcher.searcher if self._searcher is not None else None
+        while hasattr(inner, "searcher") and not hasattr(inner, "_sampler"):
+            inner = inner.searcher  # ConcurrencyLimiter and other wrappers
+        if _draws_blind(inner):
+            return members
+        return max(1, math.ceil(members / 2))
+
+
+def _draws_blind(searcher: Any) -> bool:
+    """Whether ``searcher`` draws configs without learning from results: ``OptunaSearch``
+    with Optuna's random, grid or QMC sampler."""
+    import optuna
+
+    sampler = getattr(searcher, "_sampler", None)
+    blind = (optuna.samplers.RandomSampler, optuna.samplers.GridSampler, optuna.samplers.QMCSampler)
+    return type(searcher).__name__ == "OptunaSearch" and isinstance(sampler, blind)
 
 
 def _task(task: Task | str) -> tuple[Task, Task | str]:

@@ -457,3 +457,43 @@ def test_a_member_that_joins_by_refill_gets_its_own_clock_and_grace_period() -> 
     assert searcher.last["A-0"]["time_this_iter_s"] == 30.0
     assert searcher.last["A-0"]["training_iteration"] == 2
     assert [h["time_total_s"] for h in state.members["A-0"].history] == [70.0, 100.0]
+
+
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
+@pytest.mark.parametrize(
+    ("sampler", "size"),
+    [("tpe", 8), ("random", 15), ("qmc", 15), ("wrapped-tpe", 8)],
+)
+def test_auto_array_size_leaves_a_learning_searcher_half_the_members(
+    monkeypatch: pytest.MonkeyPatch, sampler: str, size: int
+) -> None:
+    """The profiler says 64 (stubbed); 15 members give arrays of at most 8 when the inner
+    searcher learns (TPE, also behind a ConcurrencyLimiter), all 15 when it draws blind."""
+    import optuna
+    from ray.tune.search import ConcurrencyLimiter
+    from ray.tune.search.optuna import OptunaSearch
+
+    from hfsweep import _sizing
+
+    monkeypatch.setattr(
+        _sizing,
+        "profile_task",
+        lambda *a, **k: type("P", (), {"chosen": 64, "reason": "stub"})(),
+    )
+    samplers = {
+        "tpe": optuna.samplers.TPESampler(seed=0),
+        "random": optuna.samplers.RandomSampler(seed=0),
+        "qmc": optuna.samplers.QMCSampler(seed=0),
+        "wrapped-tpe": optuna.samplers.TPESampler(seed=0),
+    }
+    inner: Any = OptunaSearch(
+        space={"lr": optuna.distributions.FloatDistribution(1e-3, 0.5, log=True)},
+        metric="val_accuracy",
+        mode="max",
+        sampler=samplers[sampler],
+    )
+    if sampler == "wrapped-tpe":
+        inner = ConcurrencyLimiter(inner, max_concurrent=4)
+    fusion = Fusion(TASK, members=15, array_size="auto")
+    fusion.searcher(inner)
+    assert fusion._profiled_size(TASK.resolve({})) == size
