@@ -242,6 +242,26 @@ def test_one_op_draws_every_members_mask_as_each_member_alone() -> None:
         assert torch.equal(batched[i], expected)
 
 
+@pytest.mark.parametrize(
+    ("rows", "numel"),
+    [(3, 1000), (100, 5000), (2, 300_000), (1, 0)],
+    ids=["one-block", "row-blocks", "column-blocks", "empty"],
+)
+def test_blocked_masks_equal_the_hash(rows: int, numel: int) -> None:
+    """On the CPU the op hashes block by block (rows grouped, long rows split); every element
+    is what :func:`dropout_mask_hash` gives it."""
+    gen = torch.Generator().manual_seed(rows)
+    seeds = torch.randint(0, 2**62, (rows,), generator=gen)
+    calls = torch.randint(0, 2**40, (rows,), generator=gen)
+    p = torch.rand(rows, generator=gen, dtype=torch.float64)
+    out = torch.ops.hfsweep.dropout_multiplier(seeds, calls, p, 5, numel, torch.float64)
+    assert out.shape == (rows, numel)
+    for i in range(rows):
+        uniform = (dropout_mask_hash(seeds[i], calls[i], 5, numel) >> 8).double() / 2**24
+        expected = (uniform >= p[i]).double() / (1 - p[i].item())
+        assert torch.equal(out[i], expected), i
+
+
 def test_a_traced_forward_records_the_mask_as_one_op() -> None:
     """Under vmap each integer op of the hash would be recorded, and traced, one by one."""
     array = hs.fuse([TwoDrops(0.5) for _ in range(3)])
