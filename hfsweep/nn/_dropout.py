@@ -57,14 +57,11 @@ def _fold(h: Tensor, multiplier: int) -> Tensor:
     value a few times more often than independent draws would; with 24-bit uniforms, which
     independent draws tie far more often, that cannot be seen in a mask.
     """
-    h.mul_(multiplier)
-    h.bitwise_xor_(h >> 32)
-    return h.bitwise_and_(_MASK32)
+    return _fold_into(h, multiplier, torch.empty_like(h))
 
 
 def _fold_into(h: Tensor, multiplier: int, spare: Tensor) -> Tensor:
-    """:func:`_fold` with the shifted copy written to ``spare`` (same shape) instead of a new
-    tensor."""
+    """:func:`_fold` with the product's high half written to ``spare`` (same shape)."""
     h.mul_(multiplier)
     torch.bitwise_right_shift(h, 32, out=spare)
     h.bitwise_xor_(spare)
