@@ -26,6 +26,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ._malloc import retain_freed_memory
 from ._task import Task, fork_rng, make_optimizer, make_schedule
 from .fusion import fuse
 from .profiler import (
@@ -162,6 +163,8 @@ def measure_step(
     interruptions do not move. Then one more step measures peak memory. ``traces``: a trace
     cache the array shares (see :func:`profile_task`).
     """
+    if device.type == "cpu":
+        retain_freed_memory()  # time the step as the trainer will run it
     resolved = task.resolve(config)
     configs = [{**resolved, "seed": i} for i in range(size)]
     models = [task.build_model(c).to(dtype) for c in configs]

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from ._io import append_lines, atomic_save, read_lines
+from ._malloc import retain_freed_memory
 from ._task import (
     Task,
     TaskError,
@@ -212,10 +213,13 @@ class ArrayTrainer:
         return one result per member, including members that joined through ``refill``.
 
         ``report`` is called after every evaluation with the members evaluated at that step
-        and may stop any of them; ``on_finish`` is called as each member finishes. With
+        and may stop any of them; ``on_finish`` is called as each member finishes. On the CPU
+        it first keeps this process's freed memory for reuse (see ``hfsweep._malloc``). With
         ``resume=True`` and a checkpoint in ``checkpoint_dir``, ``members`` is only used for
         members the checkpoint does not know yet; finished members are not trained again.
         """
+        if self.device.type == "cpu":
+            retain_freed_memory()
         run = _Run(self, report, refill, on_finish)
         return run.execute(members, resume)
 
