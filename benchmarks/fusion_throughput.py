@@ -29,6 +29,10 @@ bytes followed op by op (the profiler's tracker); each process also reports its 
 (``getrusage``), its private memory before it holds a model (what the framework alone costs each
 process) and, on a GPU, the device memory it uses outside the allocator (its CUDA context).
 
+On a CPU this process and every spawned one set the allocator as hfsweep's trainer does
+(``hfsweep._malloc``: glibc keeps freed memory for the next step), so all ways run with the
+same allocator; ``HFSWEEP_MALLOC=system`` runs them all on glibc's defaults.
+
 Writes ``<stem>.md``/``.json`` and the plots ``<stem>_throughput.png`` and ``<stem>_memory.png``
 (default stem ``benchmarks/results/fusion_throughput_<device>``). Usage::
 
@@ -65,6 +69,7 @@ from _results import RESULTS, machine, markdown_table, write_results
 from torch import Tensor, nn
 
 import hfsweep as hs
+from hfsweep._malloc import retain_freed_memory
 from hfsweep._sizing import _LiveTensorBytes
 from hfsweep.tasks._models import BasicBlock
 
@@ -387,6 +392,8 @@ def _worker(conn: Connection, job: Job) -> None:
     try:
         torch.set_num_threads(job.threads)
         device = torch.device(job.device)
+        if device.type == "cpu":
+            retain_freed_memory()  # as in the parent, for every way alike
         if device.type == "cuda":
             if device.index is not None:
                 torch.cuda.set_device(device)
@@ -834,6 +841,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="results file stem")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    if device.type == "cpu":
+        retain_freed_memory()
     models = args.models or [m for m in MODELS if device.type == "cuda" or m != "resnet18"]
     sizes = args.sizes or ([1, 2] if args.quick else [1, 2, 4, 8, 16, 32])
     rounds = args.rounds or (1 if args.quick else 5)

@@ -54,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import RESULTS, write_results
 
 from hfsweep import Task
+from hfsweep._malloc import retain_freed_memory
 from hfsweep._task import OPTIMIZERS
 from hfsweep.config import SweepConfig, make_sampler, parse_sweep
 from hfsweep.trainer import _epoch_seed
@@ -315,7 +316,11 @@ def run_hfsweep(
 # ---------------------------------------------------------------------- the benchmark
 def warm_up(sweep: SweepConfig, device: torch.device) -> None:
     """Pay the imports done lazily on first use before any arm is timed: the task's data
-    (scikit-learn for the digits), torch.optim's first step (torch._dynamo), Optuna's sampler."""
+    (scikit-learn for the digits), torch.optim's first step (torch._dynamo), Optuna's sampler.
+    And set the process's allocator as hfsweep's trainer sets it on the CPU
+    (``hfsweep._malloc``), so that every arm runs with the same one (``HFSWEEP_MALLOC=system``
+    leaves it alone for all of them)."""
+    retain_freed_memory()
     config = sweep.task.resolve(sweep.trial_config(sweep.space.fixed))
     model = sweep.task.build_model(config).to(
         device=device, dtype=getattr(torch, sweep.fusion.dtype)
