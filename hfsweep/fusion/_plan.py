@@ -9,6 +9,7 @@ from ..nn import (
     FusedDropoutMixin,
     FusedEmbeddingMixin,
     FusedLinearMixin,
+    FusedMultiheadAttentionMixin,
     FusedRNNMixin,
     FusedRReLUMixin,
 )
@@ -48,6 +49,7 @@ _FUSED: dict[type[nn.Module], type[nn.Module]] = {
     nn.Linear: _fused(FusedLinearMixin, nn.Linear),
     nn.Embedding: _fused(FusedEmbeddingMixin, nn.Embedding),
     nn.RReLU: _fused(FusedRReLUMixin, nn.RReLU),
+    nn.MultiheadAttention: _fused(FusedMultiheadAttentionMixin, nn.MultiheadAttention),
     **{cls: _fused(FusedBatchNormMixin, cls) for cls in _BATCHNORMS},
     **{cls: _fused(FusedDropoutMixin, cls) for cls in _DROPOUTS},
     **{cls: _fused(FusedRNNMixin, cls) for cls in _RNNS},
@@ -58,10 +60,11 @@ def fused_class(module: nn.Module, size: int) -> type[nn.Module] | None:
     """The class to give ``module`` in an array of ``size`` members, or ``None`` to keep its own.
 
     Only exact torch classes are swapped: a user subclass may override ``forward``. An array of
-    one member runs without ``vmap``, where torch's own Linear is the fast one.
+    one member runs without ``vmap``, where torch's own Linear and MultiheadAttention are the
+    fast ones.
     """
     cls = type(module)
-    if cls is nn.Linear and size == 1:
+    if cls in (nn.Linear, nn.MultiheadAttention) and size == 1:
         return None
     return _FUSED.get(cls)
 

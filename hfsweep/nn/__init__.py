@@ -1,13 +1,15 @@
 """Fused layers for the places where ``torch.func.vmap`` alone is slow, inexact or impossible.
 
 ``hs.fuse`` swaps these in automatically (in its private copy of the model, never in the user's
-modules): Linear gets a one-kernel batching rule, BatchNorm per-member running statistics (also with
+modules): Linear gets a one-kernel batching rule, MultiheadAttention one batched product per
+projection, BatchNorm per-member running statistics (also with
 ``momentum=None``), Dropout a per-member probability, LSTM/GRU/RNN a step-by-step recurrence
 that ``vmap`` can batch, Embedding a ``padding_idx`` that holds per member, and RReLU (which ``vmap`` does not support) its own random slopes. Each is a mixin placed in front of the torch class, so parameter names,
 ``isinstance`` checks and state dicts stay those of the torch module.
 """
 
 from ._activation import FusedRReLUMixin
+from ._attention import FusedMultiheadAttentionMixin
 from ._batchnorm import FusedBatchNormMixin
 from ._dropout import FusedDropoutMixin
 from ._embedding import FusedEmbeddingMixin
@@ -19,6 +21,7 @@ __all__ = [
     "FusedDropoutMixin",
     "FusedEmbeddingMixin",
     "FusedLinearMixin",
+    "FusedMultiheadAttentionMixin",
     "FusedRNNMixin",
     "FusedRReLUMixin",
     "fused_linear",

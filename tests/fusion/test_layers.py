@@ -72,6 +72,57 @@ class CrossAttention(nn.Module):
         return out
 
 
+class MaskedAttention(nn.Module):
+    """Self-attention with a padding mask and a causal mask, through each of torch's paths:
+    SDPA with the causal hint, SDPA with the merged masks, and the explicit weights."""
+
+    def __init__(self, **options: object) -> None:
+        super().__init__()
+        self.mha = nn.MultiheadAttention(8, 2, batch_first=True, **options)  # type: ignore[arg-type]
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        n, t, _ = x.shape
+        causal = nn.Transformer.generate_square_subsequent_mask(t, dtype=x.dtype)
+        padding = torch.zeros(n, t, dtype=torch.bool)
+        padding[0, -2:] = True  # the first sequence's last two keys are padding
+        a, _ = self.mha(x, x, x, attn_mask=causal, need_weights=False, is_causal=True)
+        bool_causal = torch.ones(t, t, dtype=torch.bool).triu(1)
+        b, _ = self.mha(
+            x, x, x, key_padding_mask=padding, attn_mask=bool_causal, need_weights=False
+        )
+        c, w = self.mha(x, x, x, key_padding_mask=padding, average_attn_weights=False)
+        d, _ = self.mha(x, x, x, attn_mask=bool_causal, need_weights=False)
+        return a, b, c, w, d
+
+
+class DistinctInputsAttention(nn.Module):
+    """Packed projection weights applied to three different tensors (and to key = value)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mha = nn.MultiheadAttention(8, 2, bias=False)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        a, w = self.mha(q, k, v)
+        b, _ = self.mha(q, k, k, need_weights=False)
+        return a, w, b
+
+
+class UnbatchedAttention(nn.Module):
+    def __init__(self, **options: object) -> None:
+        super().__init__()
+        self.mha = nn.MultiheadAttention(8, 2, **options)  # type: ignore[arg-type]
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        padding = torch.zeros(x.shape[0], dtype=torch.bool)
+        padding[-1] = True
+        a, w = self.mha(x, x, x, key_padding_mask=padding)
+        b, _ = self.mha(x, x, x, need_weights=False)
+        return a, w, b
+
+
 class Decoder(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -141,6 +192,21 @@ LAYERS: dict[str, tuple[Callable[[], nn.Module], Callable[[torch.Generator], tup
             torch.randn(5, 2, 6, generator=g),
             torch.randn(5, 2, 5, generator=g),
         ),
+    ),
+    "MultiheadAttention-masks": (MaskedAttention, randn(3, 5, 8)),
+    "MultiheadAttention-distinct-inputs": (
+        DistinctInputsAttention,
+        lambda g: (
+            torch.randn(4, 2, 8, generator=g),
+            torch.randn(5, 2, 8, generator=g),
+            torch.randn(5, 2, 8, generator=g),
+        ),
+    ),
+    "MultiheadAttention-unbatched": (UnbatchedAttention, randn(5, 8)),
+    # torch's own forward, kept for these options
+    "MultiheadAttention-bias_kv-zero_attn": (
+        lambda: UnbatchedAttention(add_bias_kv=True, add_zero_attn=True),
+        randn(5, 8),
     ),
     "TransformerEncoderLayer": (
         lambda: nn.TransformerEncoderLayer(8, 2, 16, batch_first=True),
@@ -251,6 +317,8 @@ def test_layer_matches_independent_modules(name: str, size: int) -> None:
         "Embedding-padding_idx",
         "Embedding-scale_grad_by_freq",
         "MultiheadAttention",
+        "MultiheadAttention-masks",
+        "MultiheadAttention-distinct-inputs",
         "GRU",
     ],
 )
@@ -259,7 +327,9 @@ def test_layer_matches_with_one_input_per_member(name: str) -> None:
     assert_fusion_matches(make_model, make_input, size=3, steps=2, shared=False)
 
 
-@pytest.mark.parametrize("name", ["BatchNorm2d-momentum-None", "LSTM", "MultiheadAttention"])
+@pytest.mark.parametrize(
+    "name", ["BatchNorm2d-momentum-None", "LSTM", "MultiheadAttention", "MultiheadAttention-masks"]
+)
 def test_layer_matches_without_tracing(name: str) -> None:
     make_model, make_input = LAYERS[name]
     assert_fusion_matches(make_model, make_input, size=3, steps=2, trace=False)
