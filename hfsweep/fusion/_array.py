@@ -37,7 +37,7 @@ from torch.overrides import TorchFunctionMode
 from .._errors import FusionError
 from ._check import check_compatible, describe_path, per_member_attributes
 from ._graph import simplify
-from ._plan import dropout_feature_dims, unsupported_reason
+from ._plan import dropout_feature_dims, stream_attribute, unsupported_reason
 
 __all__ = ["FusedArray"]
 
@@ -146,9 +146,14 @@ class FusedArray(nn.Module):
             (m.__dict__, per_member_attributes(m)) for m in self._template_modules
         ]
         self._state_plan: Any = False  # see _member_state_plan; False: not made yet
-        self._dropouts = [
-            (path, m) for path, m in template.named_modules() if hasattr(m, "member_p")
+        #: every layer with per-member dropout streams, and the attribute it reads p from
+        self._streams = [
+            (path, m, _STREAM_ATTRIBUTE[_is_attention(m)])
+            for path, m in template.named_modules()
+            if hasattr(m, "member_p")
         ]
+        #: the dropout layers among them (``dropout=``, :attr:`dropout` and set_dropout)
+        self._dropouts = [(path, m) for path, m, attr in self._streams if attr == "p"]
         self._last_call_traced = False
         self._grad_watch: _GradModeWatch | None = None  # set while tracing
         #: seconds this array has spent tracing (callers that time steps leave them out)
@@ -225,8 +230,8 @@ class FusedArray(nn.Module):
                     value = nn.Parameter(value, requires_grad=stacked.requires_grad)
                 for module, name in owners[slot.name]:
                     setattr(module, name, value)  # one object in every tied place
-        for path, m in self._dropouts:
-            cast(nn.Dropout, model.get_submodule(path)).p = float(m.get_buffer("member_p")[i])
+        for path, m, attr in self._streams:
+            setattr(model.get_submodule(path), attr, float(m.get_buffer("member_p")[i]))
         model.train(self.training)
         return model
 
@@ -328,10 +333,11 @@ class FusedArray(nn.Module):
                     continue
                 owner, name = places[slot.name][0]
                 stacked[i].copy_(owner[name])
-            for path, m in self._dropouts:
-                p = float(module.get_submodule(path).p)  # type: ignore[arg-type]
-                m.member_p[i] = p
+            for path, m, attr in self._streams:
+                m.member_p[i] = float(getattr(module.get_submodule(path), attr))
                 m.get_buffer("member_calls")[i] = 0
+                if attr == "dropout":
+                    _update_attention_masks(m)
 
     def set_dropout(self, p: Sequence[float] | Mapping[str, Sequence[float]]) -> None:
         """Set per-member dropout probabilities: one list of B values for every dropout layer,
@@ -356,7 +362,7 @@ class FusedArray(nn.Module):
         """
         i = self._index(i)
         value = _check_stream_value("seed", seed)
-        for _, m in self._dropouts:
+        for _, m, _ in self._streams:
             _write_stream(m, i, value, 0)
 
     def rng_state(self, i: int) -> dict[str, list[int]]:
@@ -369,7 +375,7 @@ class FusedArray(nn.Module):
         i = self._index(i)
         return {
             path: [int(m.get_buffer("member_seed")[i]), int(m.get_buffer("member_calls")[i])]
-            for path, m in self._dropouts
+            for path, m, _ in self._streams
         }
 
     def set_rng_state(self, i: int, state: Mapping[str, Sequence[int]]) -> None:
@@ -384,16 +390,16 @@ class FusedArray(nn.Module):
                 "rng state must be a dict {layer path: [seed, calls]}, got "
                 f"{type(state).__name__}"
             )
-        known = [path for path, _ in self._dropouts]
+        known = [path for path, _, _ in self._streams]
         if set(state) != set(known):
             missing = [path for path in known if path not in state]
             unknown = [path for path in state if path not in known]
             raise ValueError(
-                f"rng state must name exactly the array's dropout layers {known}; "
+                f"rng state must name exactly the array's dropout streams {known}; "
                 f"missing {missing}, unknown {unknown}"
             )
         values: list[tuple[nn.Module, int, int]] = []
-        for path, m in self._dropouts:
+        for path, m, _ in self._streams:
             entry = state[path]
             if isinstance(entry, str | bytes) or not isinstance(entry, Sequence) or len(entry) != 2:
                 raise ValueError(f"rng state for {path!r} must be [seed, calls], got {entry!r}")
@@ -519,8 +525,8 @@ class FusedArray(nn.Module):
 
     def _rebuild(self, out: Sequence[Tensor], rec: _Outputs) -> Any:
         assert rec.leaves is not None
-        if len(rec.leaves) == 1 and rec.leaves[0] is _TENSOR:
-            return out[0]  # one tensor out: nothing to rebuild
+        if rec.spec.is_leaf() and rec.leaves[0] is _TENSOR:
+            return out[0]  # a bare tensor out: nothing to rebuild
         it = iter(out)
         leaves = [next(it) if x is _TENSOR else x for x in rec.leaves]
         return pytree.tree_unflatten(leaves, rec.spec)
@@ -773,6 +779,23 @@ def _places(model: nn.Module) -> dict[str, list[tuple[dict[str, Any], str]]]:
 _STREAM_LIMIT = 1 << 63  # seeds and call counts are non-negative int64
 
 
+#: the attribute a stream layer's probability comes from, by whether it is attention
+_STREAM_ATTRIBUTE = {False: "p", True: "dropout"}
+
+
+def _is_attention(module: nn.Module) -> bool:
+    from ..nn import FusedMultiheadAttentionMixin
+
+    return isinstance(module, FusedMultiheadAttentionMixin)
+
+
+def _update_attention_masks(attention: nn.Module) -> None:
+    """Whether a fused attention layer draws masks: only while some member's ``p`` is above 0,
+    so arrays without attention dropout skip the masks (a plain attribute: part of the trace
+    key, so a change is traced anew)."""
+    attention.__dict__["hfsweep_masks"] = bool((attention.get_buffer("member_p") > 0).any())
+
+
 def _check_stream_value(what: str, value: Any) -> int:
     """``value`` as a dropout-stream int in ``[0, 2**63)``, or an error naming it.
 
@@ -859,16 +882,19 @@ def build_array(
     prototype = meta_copy()
     template = meta_copy()
     dropout_paths: list[str] = []
+    stream_attributes: list[str] = []
     for path, module in template.named_modules():
         dims = dropout_feature_dims(module)
+        attr = stream_attribute(module)
         cls = fused_class(module, size)
         if cls is not None:
             module.__class__ = cls
-        if dims is not None:
-            module._hfsweep_feature_dims = dims
-            # the layer's own stream within a member: its index among the dropout layers
+        if attr is not None:
+            module._hfsweep_feature_dims = dims or 0
+            # the layer's own stream within a member: its index among the stream layers
             module._hfsweep_salt = len(dropout_paths)
             dropout_paths.append(path)
+            stream_attributes.append(attr)
 
     member_places = [_places(m) for m in models]
     template_places = _places(template)
@@ -891,9 +917,9 @@ def build_array(
     # same torch.manual_seed gives the same streams on every device); drawn only when needed,
     # so arrays without dropout leave the generator alone.
     seeds = torch.randint(0, _STREAM_LIMIT - 1, (size,)) if dropout_paths else None
-    for path in dropout_paths:
+    for path, attr in zip(dropout_paths, stream_attributes, strict=True):
         module = template.get_submodule(path)
-        ps = [float(m.get_submodule(path).p) for m in models]  # type: ignore[arg-type]
+        ps = [float(getattr(m.get_submodule(path), attr)) for m in models]
         assert seeds is not None
         settings = {
             "member_p": torch.tensor(ps, dtype=torch.float32, device=device),
@@ -903,6 +929,8 @@ def build_array(
         for name, value in settings.items():
             module.register_buffer(name, value)
             slots.append(_Slot(f"{path}.{name}", False, [(module._buffers, name)], setting=True))
+        if attr == "dropout":
+            _update_attention_masks(module)
     array = FusedArray(template, prototype, size, slots, trace)
     if dropout is not None:
         array.set_dropout(dropout)

@@ -33,12 +33,18 @@ def describe_path(path: str) -> str:
 
 def per_member_attributes(module: nn.Module) -> frozenset[str]:
     """Attributes of ``module`` that may differ between members (they become per-member data):
-    a dropout layer's ``p``, in the user's model and in an array's fused layer alike."""
-    from ..nn import FusedDropoutMixin
-    from ._plan import dropout_feature_dims
+    a dropout layer's ``p`` and a ``MultiheadAttention``'s ``dropout``, in the user's model and
+    in an array's fused layer alike."""
+    from ..nn import FusedDropoutMixin, FusedMultiheadAttentionMixin
+    from ._plan import stream_attribute
 
-    if dropout_feature_dims(module) is not None or isinstance(module, FusedDropoutMixin):
+    attr = stream_attribute(module)
+    if attr is not None:
+        return frozenset({attr})
+    if isinstance(module, FusedDropoutMixin):
         return frozenset({"p"})
+    if isinstance(module, FusedMultiheadAttentionMixin):
+        return frozenset({"dropout"})
     return frozenset()
 
 

@@ -15,7 +15,7 @@ from ..nn import (
 )
 from ..nn._dropout import feature_dims
 
-__all__ = ["dropout_feature_dims", "fused_class", "unsupported_reason"]
+__all__ = ["dropout_feature_dims", "fused_class", "stream_attribute", "unsupported_reason"]
 
 _DROPOUTS: dict[type[nn.Module], int] = {
     nn.Dropout: feature_dims["Dropout"],
@@ -30,6 +30,19 @@ _RNNS = (nn.LSTM, nn.GRU, nn.RNN)
 def dropout_feature_dims(module: nn.Module) -> int | None:
     """Trailing dims sharing one mask for a per-member-``p`` dropout layer, else ``None``."""
     return _DROPOUTS.get(type(module))
+
+
+def stream_attribute(module: nn.Module) -> str | None:
+    """The attribute holding ``module``'s dropout probability when the array gives it per-member
+    dropout streams: ``p`` of a dropout layer, ``dropout`` (the attention weights') of a
+    ``MultiheadAttention``; ``None`` for other modules (and for subclasses, which keep their own
+    forward)."""
+    cls = type(module)
+    if cls in _DROPOUTS:
+        return "p"
+    if cls is nn.MultiheadAttention:
+        return "dropout"
+    return None
 
 
 def _fused(mixin: type[nn.Module], base: type[nn.Module]) -> type[nn.Module]:
@@ -60,11 +73,12 @@ def fused_class(module: nn.Module, size: int) -> type[nn.Module] | None:
     """The class to give ``module`` in an array of ``size`` members, or ``None`` to keep its own.
 
     Only exact torch classes are swapped: a user subclass may override ``forward``. An array of
-    one member runs without ``vmap``, where torch's own Linear and MultiheadAttention are the
-    fast ones.
+    one member runs without ``vmap``, where torch's own Linear is the fast one
+    (MultiheadAttention stays fused there: its attention dropout must come from the member's
+    stream, as in larger arrays).
     """
     cls = type(module)
-    if cls in (nn.Linear, nn.MultiheadAttention) and size == 1:
+    if cls is nn.Linear and size == 1:
         return None
     return _FUSED.get(cls)
 

@@ -1,12 +1,18 @@
-"""``nn.MultiheadAttention`` with its projections through :func:`fused_linear`.
+"""``nn.MultiheadAttention`` with its projections through :func:`fused_linear` and its attention
+dropout from each member's own stream.
 
 torch's ``multi_head_attention_forward`` projects a ``[T, N, E]`` input with ``F.linear``. Under
 ``vmap`` that input is ``[B, T, N, E]`` against ``[B, 3E, E]`` weights, which ``vmap`` batches as
 a matmul broadcast over ``B x T``: ``B * T`` small products, and a weight gradient built as a
 ``[B, T, 3E, E]`` tensor before it is summed. Here each projection is one batched product over
-``[B, T * N, E]``. The rest (masks, scaled dot-product attention, the averaged weights) follows
-torch's function step by step, so results agree with ``nn.MultiheadAttention`` to rounding.
-Layers with ``add_bias_kv`` or ``add_zero_attn`` keep torch's own forward.
+``[B, T * N, E]``. The rest (``add_bias_kv``, ``add_zero_attn``, masks, scaled dot-product
+attention, the averaged weights) follows torch's function step by step, so results agree with
+``nn.MultiheadAttention`` to rounding.
+
+The attention weights' dropout (``dropout=``, a float in torch's layer) is per member here, like
+a fused ``nn.Dropout``'s ``p``: the array keeps it in ``member_p`` with the member's stream
+(``member_seed``, ``member_calls``), so members may differ in it and each draws the masks it
+draws alone. While no member's is above 0 (``hfsweep_masks`` false) no mask is drawn at all.
 """
 
 from __future__ import annotations
@@ -17,13 +23,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ._dropout import stream_multiplier
 from ._linear import fused_linear
 
 __all__ = ["FusedMultiheadAttentionMixin"]
 
 
 class FusedMultiheadAttentionMixin(nn.Module):
-    """Forward of ``nn.MultiheadAttention`` with one batched product per projection."""
+    """Forward of ``nn.MultiheadAttention`` with one batched product per projection and
+    per-member attention dropout (see the module docstring)."""
 
     embed_dim: int
     num_heads: int
@@ -39,6 +47,8 @@ class FusedMultiheadAttentionMixin(nn.Module):
     bias_v: Tensor | None
     add_zero_attn: bool
     out_proj: nn.Linear
+    #: whether some member's attention dropout is above 0 (set by the array)
+    hfsweep_masks: bool = False
 
     def forward(
         self,
@@ -51,17 +61,6 @@ class FusedMultiheadAttentionMixin(nn.Module):
         average_attn_weights: bool = True,
         is_causal: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
-        if self.bias_k is not None or self.bias_v is not None or self.add_zero_attn:
-            return super().forward(
-                query,
-                key,
-                value,
-                key_padding_mask=key_padding_mask,
-                need_weights=need_weights,
-                attn_mask=attn_mask,
-                average_attn_weights=average_attn_weights,
-                is_causal=is_causal,
-            )
         is_batched = query.dim() == 3
         key_padding_mask = F._canonical_mask(
             mask=key_padding_mask,
@@ -107,8 +106,8 @@ class FusedMultiheadAttentionMixin(nn.Module):
         average_attn_weights: bool,
         is_causal: bool,
     ) -> tuple[Tensor, Tensor | None]:
-        """``F.multi_head_attention_forward`` for sequence-first inputs, without the options
-        that keep torch's forward (``bias_k``/``bias_v``, ``add_zero_attn``, static keys)."""
+        """``F.multi_head_attention_forward`` for sequence-first inputs (without its
+        ``static_k``/``static_v``, which the module never passes)."""
         heads = self.num_heads
         is_batched = F._mha_shape_check(  # type: ignore[attr-defined]
             query, key, value, key_padding_mask, attn_mask, heads
@@ -131,7 +130,11 @@ class FusedMultiheadAttentionMixin(nn.Module):
                 "Need attn_mask if specifying the is_causal hint. You may use the Transformer "
                 "module method `generate_square_subsequent_mask` to create this mask."
             )
-        if is_causal and key_padding_mask is None and not need_weights:
+        masks = self.training and self.hfsweep_masks
+        # The attention weights are formed explicitly when they are returned, and in training
+        # always, so that a member computes the same way whether or not others drop out.
+        explicit = need_weights or self.training
+        if is_causal and key_padding_mask is None and not explicit:
             attn_mask = None  # SDPA applies the causal mask itself
         else:
             attn_mask = F._canonical_mask(
@@ -166,9 +169,22 @@ class FusedMultiheadAttentionMixin(nn.Module):
                     )
             else:
                 raise RuntimeError(f"attn_mask's dimension {attn_mask.dim()} is not supported")
+        if self.bias_k is not None and self.bias_v is not None:
+            k = torch.cat([k, self.bias_k.repeat(1, bsz, 1)])
+            v = torch.cat([v, self.bias_v.repeat(1, bsz, 1)])
+            attn_mask = F.pad(attn_mask, (0, 1)) if attn_mask is not None else None
+            if key_padding_mask is not None:
+                key_padding_mask = F.pad(key_padding_mask, (0, 1))
         q = q.reshape(tgt_len, bsz * heads, head_dim).transpose(0, 1)
-        k = k.reshape(src_len, bsz * heads, head_dim).transpose(0, 1)
-        v = v.reshape(src_len, bsz * heads, head_dim).transpose(0, 1)
+        k = k.reshape(k.shape[0], bsz * heads, head_dim).transpose(0, 1)
+        v = v.reshape(v.shape[0], bsz * heads, head_dim).transpose(0, 1)
+        if self.add_zero_attn:
+            zeros = k.new_zeros(bsz * heads, 1, head_dim)
+            k, v = torch.cat([k, zeros], dim=1), torch.cat([v, zeros], dim=1)
+            attn_mask = F.pad(attn_mask, (0, 1)) if attn_mask is not None else None
+            if key_padding_mask is not None:
+                key_padding_mask = F.pad(key_padding_mask, (0, 1))
+        src_len = k.size(1)
         if key_padding_mask is not None:
             key_padding_mask = (
                 key_padding_mask.view(bsz, 1, 1, src_len)
@@ -176,19 +192,20 @@ class FusedMultiheadAttentionMixin(nn.Module):
                 .reshape(bsz * heads, 1, src_len)
             )
             attn_mask = key_padding_mask if attn_mask is None else attn_mask + key_padding_mask
-        dropout_p = self.dropout if self.training else 0.0
         weight, bias = self.out_proj.weight, self.out_proj.bias
-        if need_weights:
+        if explicit:
             q_scaled = q * math.sqrt(1.0 / float(head_dim))
             if attn_mask is not None:
                 scores = torch.baddbmm(attn_mask, q_scaled, k.transpose(-2, -1))
             else:
                 scores = torch.bmm(q_scaled, k.transpose(-2, -1))
             scores = F.softmax(scores, dim=-1)
-            if dropout_p > 0.0:
-                scores = F.dropout(scores, p=dropout_p)
+            if masks:
+                scores = scores * stream_multiplier(self, tuple(scores.shape), scores.dtype)
             out = torch.bmm(scores, v).transpose(0, 1).reshape(tgt_len * bsz, embed_dim)
             out = fused_linear(out, weight, bias).view(tgt_len, bsz, -1)
+            if not need_weights:
+                return (out if is_batched else out.squeeze(1)), None
             weights = scores.view(bsz, heads, tgt_len, src_len)
             if average_attn_weights:
                 weights = weights.mean(dim=1)
@@ -203,7 +220,7 @@ class FusedMultiheadAttentionMixin(nn.Module):
         q = q.view(bsz, heads, tgt_len, head_dim)
         k = k.view(bsz, heads, src_len, head_dim)
         v = v.view(bsz, heads, src_len, head_dim)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask, 0.0, is_causal)
         out = out.permute(2, 0, 1, 3).reshape(bsz * tgt_len, embed_dim)
         out = fused_linear(out, weight, bias).view(tgt_len, bsz, -1)
         return (out if is_batched else out.squeeze(1)), None

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from .._errors import FusionError
 
-__all__ = ["FusedDropoutMixin", "dropout_mask_hash", "feature_dims"]
+__all__ = ["FusedDropoutMixin", "dropout_mask_hash", "feature_dims", "stream_multiplier"]
 
 #: how many trailing dimensions share one mask value, by dropout class name
 feature_dims: dict[str, int] = {"Dropout": 0, "Dropout1d": 1, "Dropout2d": 2, "Dropout3d": 3}
@@ -236,6 +236,25 @@ def _multiplier_vmap(
 _multiplier_op.register_vmap(_multiplier_vmap)
 
 
+def stream_multiplier(module: nn.Module, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    """The next mask of ``module``'s per-member stream, scaled (``0`` or ``1 / (1 - p)`` per
+    element), in ``shape``; advances the member's call count. ``module`` holds the stream
+    (``member_p``, ``member_seed``, ``member_calls`` and ``_hfsweep_salt``): a fused dropout
+    layer, or a fused ``MultiheadAttention`` for its attention weights."""
+    numel = math.prod(shape)
+    _check_numel(numel)
+    multiplier = _multiplier_op(
+        module.get_buffer("member_seed"),
+        module.get_buffer("member_calls"),
+        module.get_buffer("member_p"),
+        int(getattr(module, "_hfsweep_salt", 0)),
+        numel,
+        dtype,
+    )
+    module.get_buffer("member_calls").add_(1)
+    return multiplier.view(shape)
+
+
 class FusedDropoutMixin(nn.Module):
     """Forward of ``nn.Dropout``/``Dropout1d/2d/3d`` with the probability read from ``member_p``
     and the mask from the member's own stream (``member_seed``, ``member_calls``).
@@ -255,15 +274,4 @@ class FusedDropoutMixin(nn.Module):
             return input
         k = self._hfsweep_feature_dims
         shape = input.shape if k == 0 else (*input.shape[: input.dim() - k], *([1] * k))
-        numel = math.prod(shape)
-        _check_numel(numel)
-        multiplier = _multiplier_op(
-            self.member_seed,
-            self.member_calls,
-            self.member_p,
-            self._hfsweep_salt,
-            numel,
-            input.dtype,
-        )
-        self.member_calls.add_(1)
-        return input * multiplier.view(shape)
+        return input * stream_multiplier(self, tuple(shape), input.dtype)

@@ -118,8 +118,8 @@ class TokenTransformer(nn.Module):
         layer = nn.TransformerEncoderLayer(
             d_model, heads, 4 * d_model, dropout, batch_first=True, norm_first=True
         )
-        # attention-weight dropout is a float inside MultiheadAttention, not an nn.Dropout, so it
-        # could not differ per member; the residual and feed-forward dropouts carry the config's p
+        # the config's dropout is the residual and feed-forward dropouts' p; the attention
+        # weights are not dropped (a fused array could give them a p per member too)
         layer.self_attn.dropout = 0.0
         self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(d_model)

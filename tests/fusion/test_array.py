@@ -304,6 +304,32 @@ def test_tensor_keyword_arguments_and_non_tensor_outputs() -> None:
         torch.testing.assert_close(out[i], r(x, mask=mask)[0])
 
 
+@pytest.mark.parametrize("trace", [True, False], ids=["traced", "eager"])
+@pytest.mark.parametrize(
+    "wrap",
+    [lambda t: (t,), lambda t: [t], lambda t: {"logits": t}],
+    ids=["tuple", "list", "dict"],
+)
+def test_one_tensor_in_a_container_comes_back_in_it(wrap, trace) -> None:
+    """Only a bare tensor comes back bare: a model's ``(out,)`` is not unwrapped."""
+
+    class Wrapped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(3, 2)
+
+        def forward(self, x):
+            return wrap(self.fc(x))
+
+    array = hs.fuse([Wrapped() for _ in range(2)], trace=trace)
+    x = torch.randn(4, 3)
+    for _ in range(2):  # the first call traces, the second replays
+        out = array(x)
+        assert type(out) is type(wrap(x))
+        (value,) = out.values() if isinstance(out, dict) else out
+        assert value.shape == (2, 4, 2)
+
+
 def test_lstm_initial_state_as_a_nested_argument() -> None:
     models = [nn.LSTM(3, 4) for _ in range(2)]
     refs = [copy.deepcopy(m) for m in models]
