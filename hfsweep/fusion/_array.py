@@ -112,8 +112,9 @@ class FusedArray(nn.Module):
     :meth:`member` and :meth:`load_member` slice. ``array.module`` itself is storage, not a model:
     call the array, not the module.
 
-    Dropout layers draw each member's masks from that member's own deterministic stream
-    (:meth:`manual_seed`, :meth:`rng_state`, :meth:`set_rng_state`).
+    Dropout layers, and ``MultiheadAttention`` for its attention weights, draw each member's
+    masks from that member's own deterministic stream (:meth:`manual_seed`, :meth:`rng_state`,
+    :meth:`set_rng_state`).
     """
 
     _prototype: nn.Module
@@ -368,9 +369,10 @@ class FusedArray(nn.Module):
     def rng_state(self, i: int) -> dict[str, list[int]]:
         """Member ``i``'s dropout streams: ``{layer path: [seed, calls]}`` in plain ints.
 
-        ``calls`` counts the training-mode forwards member ``i`` has run through that layer. The
-        dict is JSON-serialisable; :meth:`set_rng_state` resumes the masks exactly where they
-        were. An array without dropout layers returns ``{}``.
+        ``calls`` counts the training-mode forwards member ``i`` has run through that layer
+        (for a ``MultiheadAttention``, those that drew a mask for it: none while its attention
+        dropout is 0, in any array). The dict is JSON-serialisable; :meth:`set_rng_state` resumes
+        the masks exactly where they were. An array without dropout layers returns ``{}``.
         """
         i = self._index(i)
         return {

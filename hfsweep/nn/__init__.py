@@ -2,7 +2,7 @@
 
 ``hs.fuse`` swaps these in automatically (in its private copy of the model, never in the user's
 modules): Linear gets a one-kernel batching rule, MultiheadAttention one batched product per
-projection, BatchNorm per-member running statistics (also with
+projection and per-member attention dropout, BatchNorm per-member running statistics (also with
 ``momentum=None``), Dropout a per-member probability, LSTM/GRU/RNN a step-by-step recurrence
 that ``vmap`` can batch, Embedding a ``padding_idx`` that holds per member, and RReLU (which ``vmap`` does not support) its own random slopes. Each is a mixin placed in front of the torch class, so parameter names,
 ``isinstance`` checks and state dicts stay those of the torch module.

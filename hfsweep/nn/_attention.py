@@ -201,7 +201,11 @@ class FusedMultiheadAttentionMixin(nn.Module):
                 scores = torch.bmm(q_scaled, k.transpose(-2, -1))
             scores = F.softmax(scores, dim=-1)
             if masks:
-                scores = scores * stream_multiplier(self, tuple(scores.shape), scores.dtype)
+                # a member with p = 0 counts no call, as it would alone (where no mask is drawn)
+                multiplier = stream_multiplier(
+                    self, tuple(scores.shape), scores.dtype, only_if_dropping=True
+                )
+                scores = scores * multiplier
             out = torch.bmm(scores, v).transpose(0, 1).reshape(tgt_len * bsz, embed_dim)
             out = fused_linear(out, weight, bias).view(tgt_len, bsz, -1)
             if not need_weights:

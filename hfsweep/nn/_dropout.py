@@ -236,11 +236,14 @@ def _multiplier_vmap(
 _multiplier_op.register_vmap(_multiplier_vmap)
 
 
-def stream_multiplier(module: nn.Module, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+def stream_multiplier(
+    module: nn.Module, shape: tuple[int, ...], dtype: torch.dtype, *, only_if_dropping: bool = False
+) -> Tensor:
     """The next mask of ``module``'s per-member stream, scaled (``0`` or ``1 / (1 - p)`` per
-    element), in ``shape``; advances the member's call count. ``module`` holds the stream
-    (``member_p``, ``member_seed``, ``member_calls`` and ``_hfsweep_salt``): a fused dropout
-    layer, or a fused ``MultiheadAttention`` for its attention weights."""
+    element), in ``shape``; advances the member's call count (with ``only_if_dropping``, only
+    for members whose ``p`` is above 0). ``module`` holds the stream (``member_p``,
+    ``member_seed``, ``member_calls`` and ``_hfsweep_salt``): a fused dropout layer, or a fused
+    ``MultiheadAttention`` for its attention weights."""
     numel = math.prod(shape)
     _check_numel(numel)
     multiplier = _multiplier_op(
@@ -251,7 +254,8 @@ def stream_multiplier(module: nn.Module, shape: tuple[int, ...], dtype: torch.dt
         numel,
         dtype,
     )
-    module.get_buffer("member_calls").add_(1)
+    p = module.get_buffer("member_p")
+    module.get_buffer("member_calls").add_((p > 0).to(torch.int64) if only_if_dropping else 1)
     return multiplier.view(shape)
 
 

@@ -63,7 +63,7 @@ def test_members_may_differ_in_attention_dropout() -> None:
 
 @pytest.mark.parametrize("need_weights", [False, True], ids=["sdpa-call", "weights"])
 @pytest.mark.parametrize("trace", [True, False], ids=["traced", "eager"])
-@pytest.mark.parametrize("slot", [0, 2])
+@pytest.mark.parametrize("slot", [0, 1, 2])
 def test_member_draws_the_masks_it_draws_alone(need_weights: bool, trace: bool, slot: int) -> None:
     ps = [0.2, 0.0, 0.5, 0.4]
     models = [Attend(p, need_weights).double() for p in ps]
@@ -77,7 +77,8 @@ def test_member_draws_the_masks_it_draws_alone(need_weights: bool, trace: bool, 
     for step, ((out, grad), (out1, grad1)) in enumerate(zip(fused, single, strict=True)):
         torch.testing.assert_close(out, out1, rtol=1e-10, atol=1e-12, msg=f"step {step}")
         torch.testing.assert_close(grad, grad1, rtol=1e-10, atol=1e-12, msg=f"step {step}")
-    assert array.rng_state(slot) == alone.rng_state(0) == {"mha": [50 + slot, 3]}
+    calls = 0 if ps[slot] == 0 else 3  # a member that drops nothing draws no mask alone
+    assert array.rng_state(slot) == alone.rng_state(0) == {"mha": [50 + slot, calls]}
 
 
 def test_returned_weights_are_dropped_at_each_members_rate() -> None:
@@ -103,7 +104,8 @@ def test_no_masks_while_every_probability_is_zero() -> None:
     assert _multiplier_ops(array) == 0 and array.rng_state(0)["mha"][1] == 0
     array = hs.fuse([Attend(p) for p in (0.0, 0.1, 0.0)])
     array(torch.randn(2, 4, 8))
-    assert _multiplier_ops(array) == 1 and array.rng_state(0)["mha"][1] == 1
+    assert _multiplier_ops(array) == 1
+    assert [array.rng_state(i)["mha"][1] for i in range(3)] == [0, 1, 0]
 
 
 def test_a_refill_with_attention_dropout_starts_the_masks() -> None:
