@@ -36,6 +36,29 @@ def data(config: Mapping[str, Any]) -> tuple[TensorBatches, TensorBatches]:
     )
 
 
+class Attention(nn.Module):
+    """A Transformer encoder layer whose every dropout, the attention weights' included, is the
+    config's ``dropout`` (what ``TransformerEncoderLayer(dropout=p)`` builds)."""
+
+    def __init__(self, dropout: float) -> None:
+        super().__init__()
+        self.embed = nn.Linear(3, 8)
+        self.layer = nn.TransformerEncoderLayer(8, 2, 16, dropout, batch_first=True)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layer(self.embed(x.view(-1, 4, 3))).mean(1))
+
+
+def make_attention_task() -> hs.Task:
+    return hs.Task(
+        name="toy_attention",
+        model=lambda c: Attention(float(c["dropout"] or 0.0)),
+        data=data,
+        defaults={"batch_size": 32, "epochs": 2},
+    )
+
+
 def make_task(bn: bool = False) -> hs.Task:
     return hs.Task(
         name="toy",

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from _tasks import make_task
+from _tasks import make_attention_task, make_task
 
 import hfsweep as hs
 from hfsweep.fusion import FusedArray
@@ -65,6 +65,22 @@ def test_array_members_train_as_alone(bn: bool) -> None:
     for i, config in enumerate(CONFIGS):
         alone = _trainer(task).run([hs.Member(f"t{i}", config)])[0]
         _assert_same(fused[i], alone)
+
+
+def test_transformer_members_with_swept_dropout_train_as_alone() -> None:
+    """Every dropout of a TransformerEncoderLayer, the attention weights' included, differs per
+    member and is drawn from the member's own stream: each trial's history, weights and streams
+    are those of the same trial alone (once, differing attention dropout refused to fuse)."""
+    task = make_attention_task()
+    configs = [{"seed": i, "lr": 0.05, "dropout": p} for i, p in enumerate((0.0, 0.2, 0.5))]
+    fused = _trainer(task).run(_members(configs))
+    assert [r.status for r in fused] == ["completed"] * 3
+    for i, config in enumerate(configs):
+        alone = _trainer(task).run([hs.Member(f"t{i}", config)])[0]
+        _assert_same(fused[i], alone)
+    # masks were drawn for the attention weights of the members that drop, and only for them
+    calls = [r.state["rng"]["layer.self_attn"][1] for r in fused]
+    assert calls[0] == 0 and calls[1] == calls[2] == fused[1].steps
 
 
 def test_adamw_step_schedule_members_train_as_alone() -> None:
