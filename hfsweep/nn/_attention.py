@@ -106,8 +106,9 @@ class FusedMultiheadAttentionMixin(nn.Module):
         average_attn_weights: bool,
         is_causal: bool,
     ) -> tuple[Tensor, Tensor | None]:
-        """``F.multi_head_attention_forward`` for sequence-first inputs (without its
-        ``static_k``/``static_v``, which the module never passes)."""
+        """``F.multi_head_attention_forward`` for sequence-first inputs whose masks
+        :meth:`forward` has made canonical (float), without its ``static_k``/``static_v``
+        (which the module never passes)."""
         heads = self.num_heads
         is_batched = F._mha_shape_check(  # type: ignore[attr-defined]
             query, key, value, key_padding_mask, attn_mask, heads
@@ -118,13 +119,6 @@ class FusedMultiheadAttentionMixin(nn.Module):
                 key_padding_mask = key_padding_mask.unsqueeze(0)
         tgt_len, bsz, embed_dim = query.shape
         src_len = key.shape[0]
-        key_padding_mask = F._canonical_mask(
-            mask=key_padding_mask,
-            mask_name="key_padding_mask",
-            other_type=F._none_or_dtype(attn_mask),
-            other_name="attn_mask",
-            target_type=query.dtype,
-        )
         if is_causal and attn_mask is None:
             raise RuntimeError(
                 "Need attn_mask if specifying the is_causal hint. You may use the Transformer "
@@ -136,17 +130,8 @@ class FusedMultiheadAttentionMixin(nn.Module):
         explicit = need_weights or self.training
         if is_causal and key_padding_mask is None and not explicit:
             attn_mask = None  # SDPA applies the causal mask itself
-        else:
-            attn_mask = F._canonical_mask(
-                mask=attn_mask,
-                mask_name="attn_mask",
-                other_type=None,
-                other_name="",
-                target_type=query.dtype,
-                check_other=False,
-            )
-            if key_padding_mask is not None:
-                is_causal = False  # the merged mask is not causal any more
+        elif key_padding_mask is not None:
+            is_causal = False  # the merged mask is not causal any more
         if embed_dim != self.embed_dim:
             raise AssertionError(
                 f"was expecting embedding dimension of {self.embed_dim}, but got {embed_dim}"

@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from _streams import train_member
 from torch import nn
 
 import hfsweep as hs
@@ -33,23 +34,6 @@ def _multiplier_ops(array: hs.FusedArray) -> int:
     )
 
 
-def _train(
-    array: hs.FusedArray, i: int, inputs: list[torch.Tensor]
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Member i's first output and parameter gradients over a few SGD steps of the array."""
-    opt = torch.optim.SGD(array.parameters(), lr=0.1)
-    seen = []
-    for x in inputs:
-        opt.zero_grad()
-        out = array(x)[0]
-        weights = torch.linspace(-1, 1, out[0].numel(), dtype=out.dtype).view(out[0].shape)
-        (out * weights).sum().backward()
-        grad = torch.cat([p.grad[i].flatten() for p in array.parameters()])
-        seen.append((out[i].detach().clone(), grad.clone()))
-        opt.step()
-    return seen
-
-
 def test_members_may_differ_in_attention_dropout() -> None:
     """Before, differing MultiheadAttention(dropout=) values refused to fuse."""
     ps = [0.0, 0.3, 0.6]
@@ -73,7 +57,7 @@ def test_member_draws_the_masks_it_draws_alone(need_weights: bool, trace: bool, 
         array.manual_seed(i, 50 + i)
     alone.manual_seed(0, 50 + slot)
     inputs = [torch.randn(3, 5, 8, dtype=torch.float64) for _ in range(3)]
-    fused, single = _train(array, slot, inputs), _train(alone, 0, inputs)
+    fused, single = train_member(array, slot, inputs), train_member(alone, 0, inputs)
     for step, ((out, grad), (out1, grad1)) in enumerate(zip(fused, single, strict=True)):
         torch.testing.assert_close(out, out1, rtol=1e-10, atol=1e-12, msg=f"step {step}")
         torch.testing.assert_close(grad, grad1, rtol=1e-10, atol=1e-12, msg=f"step {step}")

@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from _streams import train_member
 from torch import nn
 
 import hfsweep as hs
@@ -138,23 +139,6 @@ class TwoDrops(nn.Module):
         return self.b(self.a(x) * self.scale)
 
 
-def _train(
-    array: hs.FusedArray, i: int, inputs: list[torch.Tensor]
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Member i's outputs and parameter gradients over a few SGD steps of the whole array."""
-    opt = torch.optim.SGD(array.parameters(), lr=0.1)
-    seen = []
-    for x in inputs:
-        opt.zero_grad()
-        out = array(x)
-        weights = torch.linspace(-1, 1, out[0].numel(), dtype=out.dtype).view(out[0].shape)
-        (out * weights).sum().backward()
-        grad = torch.cat([p.grad[i].flatten() for p in array.parameters()])
-        seen.append((out[i].detach().clone(), grad.clone()))
-        opt.step()
-    return seen
-
-
 @pytest.mark.parametrize("trace", [True, False], ids=["traced", "eager"])
 @pytest.mark.parametrize("kind", [nn.Dropout, nn.Dropout2d])
 @pytest.mark.parametrize("slot", [0, 3])
@@ -167,7 +151,7 @@ def test_member_of_an_array_of_five_matches_an_array_of_one(trace, kind, slot) -
         array.manual_seed(i, 1000 + i)
     alone.manual_seed(0, 1000 + slot)
     inputs = [torch.randn(4, 3, 6, 6) for _ in range(4)]
-    fused, single = _train(array, slot, inputs), _train(alone, 0, inputs)
+    fused, single = train_member(array, slot, inputs), train_member(alone, 0, inputs)
     for step, ((out, grad), (out1, grad1)) in enumerate(zip(fused, single, strict=True)):
         assert torch.equal(out, out1), f"step {step}"
         assert torch.equal(grad, grad1), f"step {step}"
@@ -204,7 +188,7 @@ def test_mlp_member_trains_like_the_same_trial_alone() -> None:
     alone.manual_seed(0, 42)
     inputs = [torch.randn(5, 6, dtype=torch.float64) for _ in range(4)]
     for (out, grad), (out1, grad1) in zip(
-        _train(array, 2, inputs), _train(alone, 0, inputs), strict=True
+        train_member(array, 2, inputs), train_member(alone, 0, inputs), strict=True
     ):
         torch.testing.assert_close(out, out1, rtol=1e-7, atol=1e-12)
         torch.testing.assert_close(grad, grad1, rtol=1e-7, atol=1e-12)
