@@ -335,10 +335,21 @@ class FusedArray(nn.Module):
                 owner, name = places[slot.name][0]
                 stacked[i].copy_(owner[name])
             for path, m, attr in self._streams:
-                m.member_p[i] = float(getattr(module.get_submodule(path), attr))
+                m.member_p[i] = _stream_probability(module.get_submodule(path), attr, path)
                 m.get_buffer("member_calls")[i] = 0
                 if attr == "dropout":
                     _update_attention_masks(m)
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """``nn.Module.load_state_dict``, then each attention layer's ``hfsweep_masks`` from
+        the probabilities it loaded."""
+        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        for _, m, attr in self._streams:
+            if attr == "dropout":
+                _update_attention_masks(m)
+        return result
 
     def set_dropout(self, p: Sequence[float] | Mapping[str, Sequence[float]]) -> None:
         """Set per-member dropout probabilities: one list of B values for every dropout layer,
@@ -393,15 +404,20 @@ class FusedArray(nn.Module):
                 f"{type(state).__name__}"
             )
         known = [path for path, _, _ in self._streams]
-        if set(state) != set(known):
-            missing = [path for path in known if path not in state]
-            unknown = [path for path in state if path not in known]
+        # attention layers' streams are newer than dropout layers': a state saved without
+        # them leaves them as they are
+        needed = [path for path, _, attr in self._streams if attr == "p"]
+        missing = [path for path in needed if path not in state]
+        unknown = [path for path in state if path not in known]
+        if missing or unknown:
             raise ValueError(
                 f"rng state must name exactly the array's dropout streams {known}; "
                 f"missing {missing}, unknown {unknown}"
             )
         values: list[tuple[nn.Module, int, int]] = []
         for path, m, _ in self._streams:
+            if path not in state:
+                continue
             entry = state[path]
             if isinstance(entry, str | bytes) or not isinstance(entry, Sequence) or len(entry) != 2:
                 raise ValueError(f"rng state for {path!r} must be [seed, calls], got {entry!r}")
@@ -791,6 +807,22 @@ def _is_attention(module: nn.Module) -> bool:
     return isinstance(module, FusedMultiheadAttentionMixin)
 
 
+#: attention layers' stream salts start here (dropout layers' are their index, from 0)
+_ATTENTION_SALTS = 1 << 20
+
+
+def _stream_probability(module: nn.Module, attr: str, path: str) -> float:
+    """A stream layer's probability, checked: torch's dropout layers refuse one outside
+    [0, 1] when built, but ``MultiheadAttention`` keeps any float."""
+    p = float(getattr(module, attr))
+    if not 0.0 <= p <= 1.0:
+        raise FusionError(
+            f"{describe_path(path)} ({type(module).__name__}): {attr}={p} is not a probability "
+            "in [0, 1]"
+        )
+    return p
+
+
 def _update_attention_masks(attention: nn.Module) -> None:
     """Whether a fused attention layer draws masks: only while some member's ``p`` is above 0,
     so arrays without attention dropout skip the masks (a plain attribute: part of the trace
@@ -893,8 +925,11 @@ def build_array(
             module.__class__ = cls
         if attr is not None:
             module._hfsweep_feature_dims = dims or 0
-            # the layer's own stream within a member: its index among the stream layers
-            module._hfsweep_salt = len(dropout_paths)
+            # the layer's own stream within a member: its index among the dropout layers, or
+            # among the attention layers in a range of their own (so adding attention streams
+            # left the dropout layers' masks as they were)
+            same = [a for a in stream_attributes if a == attr]
+            module._hfsweep_salt = len(same) + (_ATTENTION_SALTS if attr == "dropout" else 0)
             dropout_paths.append(path)
             stream_attributes.append(attr)
 
@@ -917,11 +952,24 @@ def build_array(
     device = slots[0].places[0][0][slots[0].places[0][1]].device if slots else torch.device("cpu")
     # One default dropout seed per member from torch's global generator (on the CPU, so the
     # same torch.manual_seed gives the same streams on every device); drawn only when needed,
-    # so arrays without dropout leave the generator alone.
-    seeds = torch.randint(0, _STREAM_LIMIT - 1, (size,)) if dropout_paths else None
+    # so arrays without dropout (attention layers whose dropout is 0 included) leave the
+    # generator alone.
+    probabilities = {
+        path: [_stream_probability(m.get_submodule(path), attr, path) for m in models]
+        for path, attr in zip(dropout_paths, stream_attributes, strict=True)
+    }
+    draws = any(
+        attr == "p" or any(p > 0 for p in probabilities[path])
+        for path, attr in zip(dropout_paths, stream_attributes, strict=True)
+    )
+    seeds = (
+        torch.randint(0, _STREAM_LIMIT - 1, (size,))
+        if draws
+        else torch.zeros(size, dtype=torch.int64)
+    )
     for path, attr in zip(dropout_paths, stream_attributes, strict=True):
         module = template.get_submodule(path)
-        ps = [float(getattr(m.get_submodule(path), attr)) for m in models]
+        ps = probabilities[path]
         assert seeds is not None
         settings = {
             "member_p": torch.tensor(ps, dtype=torch.float32, device=device),

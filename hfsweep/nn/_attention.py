@@ -171,6 +171,11 @@ class FusedMultiheadAttentionMixin(nn.Module):
                 key_padding_mask = F.pad(key_padding_mask, (0, 1))
         src_len = k.size(1)
         if key_padding_mask is not None:
+            if key_padding_mask.shape != (bsz, src_len):
+                raise AssertionError(
+                    f"Expected key_padding_mask of shape {(bsz, src_len)} (batch, source "
+                    f"length), got {tuple(key_padding_mask.shape)}"
+                )
             key_padding_mask = (
                 key_padding_mask.view(bsz, 1, 1, src_len)
                 .expand(-1, heads, -1, -1)
@@ -184,7 +189,13 @@ class FusedMultiheadAttentionMixin(nn.Module):
                 scores = torch.baddbmm(attn_mask, q_scaled, k.transpose(-2, -1))
             else:
                 scores = torch.bmm(q_scaled, k.transpose(-2, -1))
-            scores = F.softmax(scores, dim=-1)
+            if need_weights:
+                scores = F.softmax(scores, dim=-1)  # as torch: NaN where every key is masked
+            else:
+                # as SDPA: a query whose every key is masked attends to nothing (zeros)
+                # (filled before the softmax too, so no NaN reaches the backward)
+                empty = (scores == float("-inf")).all(dim=-1, keepdim=True)
+                scores = F.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
             if masks:
                 # a member with p = 0 counts no call, as it would alone (where no mask is drawn)
                 multiplier = stream_multiplier(

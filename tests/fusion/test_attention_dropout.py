@@ -124,3 +124,74 @@ def test_transformer_layers_with_attention_dropout_train_per_member() -> None:
     for _ in range(2):
         torch.testing.assert_close(array(x)[1], alone(x)[0], rtol=1e-10, atol=1e-12)
     assert array.rng_state(1) == alone.rng_state(0)
+
+
+def test_attention_streams_leave_the_dropout_layers_masks_and_torchs_generator_alone() -> None:
+    """Dropout layers keep their salts (their index among dropout layers) whatever attention
+    layers come before them; a model whose attention never drops draws no seeds."""
+    array = hs.fuse([nn.TransformerEncoderLayer(8, 2, 16, dropout=0.1) for _ in range(2)])
+    salts = {path: m._hfsweep_salt for path, m, _ in array._streams}
+    assert salts["dropout"] == 0 and salts["dropout1"] == 1 and salts["dropout2"] == 2
+    assert salts["self_attn"] >= 2**20
+    models = [Attend(0.0) for _ in range(2)]
+    torch.manual_seed(3)
+    hs.fuse(models)
+    after_fuse = torch.rand(3)
+    torch.manual_seed(3)
+    assert torch.equal(torch.rand(3), after_fuse)
+
+
+def test_rng_state_saved_without_attention_streams_still_loads() -> None:
+    array = hs.fuse([Attend(0.2) for _ in range(2)])
+    array.manual_seed(1, 11)
+    array.set_rng_state(0, {})  # what an array saved before attention had streams holds
+    assert array.rng_state(0)["mha"][1] == 0
+    with pytest.raises(ValueError, match="unknown"):
+        array.set_rng_state(0, {"nope": [1, 2]})
+
+
+def test_loading_a_state_dict_turns_masks_on_and_off() -> None:
+    dropping = hs.fuse([Attend(0.5) for _ in range(2)])
+    quiet = hs.fuse([Attend(0.0) for _ in range(2)])
+    quiet.load_state_dict(dropping.state_dict())
+    assert quiet.module.mha.hfsweep_masks and quiet.member(0).mha.dropout == 0.5
+    quiet.load_state_dict(hs.fuse([Attend(0.0) for _ in range(2)]).state_dict())
+    assert not quiet.module.mha.hfsweep_masks
+
+
+@pytest.mark.parametrize("p", [-0.1, 1.5])
+def test_attention_dropout_must_be_a_probability(p: float) -> None:
+    with pytest.raises(hs.FusionError, match=r"dropout=.* is not a probability"):
+        hs.fuse([Attend(0.1), Attend(p)])
+    array = hs.fuse([Attend(0.1) for _ in range(2)])
+    with pytest.raises(hs.FusionError, match="not a probability"):
+        array.load_member(0, Attend(p))
+
+
+def test_a_key_padding_mask_of_the_wrong_shape_is_refused_as_torch_does() -> None:
+    model = nn.MultiheadAttention(4, 2)
+    array = hs.fuse([copy.deepcopy(model) for _ in range(2)])
+    x = torch.randn(3, 2, 4)  # (L, N, E): batch 2, length 3
+    wrong = torch.zeros(3, 2, dtype=torch.bool)  # (S, N) instead of (N, S)
+    with pytest.raises(AssertionError):
+        model(x, x, x, key_padding_mask=wrong)
+    with pytest.raises(AssertionError, match="key_padding_mask"):
+        array(x, x, x, key_padding_mask=wrong)
+
+
+def test_a_sequence_whose_every_key_is_padding_trains_as_in_torch() -> None:
+    """torch's training forward (SDPA) gives such queries zeros, then the output projection's
+    bias; the fused layer forms the weights itself in training and must not give NaN."""
+    models = [nn.MultiheadAttention(8, 2, batch_first=True).double() for _ in range(2)]
+    refs = [copy.deepcopy(m) for m in models]
+    array = hs.fuse(models)
+    x = torch.randn(3, 5, 8, dtype=torch.float64)
+    padding = torch.zeros(3, 5, dtype=torch.bool)
+    padding[1] = True
+    out, _ = array(x, x, x, key_padding_mask=padding, need_weights=False)
+    out.sum().backward()
+    for i, ref in enumerate(refs):
+        expected, _ = ref(x, x, x, key_padding_mask=padding, need_weights=False)
+        expected.sum().backward()
+        torch.testing.assert_close(out[i], expected)
+        torch.testing.assert_close(array.module.in_proj_weight.grad[i], ref.in_proj_weight.grad)
