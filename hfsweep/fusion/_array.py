@@ -928,8 +928,8 @@ def build_array(
             # the layer's own stream within a member: its index among the dropout layers, or
             # among the attention layers in a range of their own (so adding attention streams
             # left the dropout layers' masks as they were)
-            same = [a for a in stream_attributes if a == attr]
-            module._hfsweep_salt = len(same) + (_ATTENTION_SALTS if attr == "dropout" else 0)
+            offset = _ATTENTION_SALTS if attr == "dropout" else 0
+            module._hfsweep_salt = stream_attributes.count(attr) + offset
             dropout_paths.append(path)
             stream_attributes.append(attr)
 
@@ -970,7 +970,6 @@ def build_array(
     for path, attr in zip(dropout_paths, stream_attributes, strict=True):
         module = template.get_submodule(path)
         ps = probabilities[path]
-        assert seeds is not None
         settings = {
             "member_p": torch.tensor(ps, dtype=torch.float32, device=device),
             "member_seed": seeds.to(device, copy=True),  # one tensor per layer, never shared
