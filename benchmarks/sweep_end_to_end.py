@@ -48,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sweep_vs_optuna as svo
 import tune_vs_fractional as tvf
 from _results import RESULTS, write_results
+from _sweep_args import add_sweep_options, parse_sweep_options
 
 from hfsweep.config import parse_sweep
 
@@ -63,29 +64,11 @@ LABELS = {
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sweep", default="examples/digits_asha.yaml")
-    parser.add_argument("--trials", type=int, help="override budget.trials")
-    parser.add_argument("--epochs", type=int, help="override budget.epochs")
+    add_sweep_options(parser, ARMS, "sweep_end_to_end")
     parser.add_argument(
         "--array-size", type=int, default=16, help="members per array of the Tune plugin"
     )
-    parser.add_argument("--cpu-per-trial", type=float, default=0.25)
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--num-cpus", type=int, help="CPUs Ray may use (default: all)")
-    parser.add_argument("--only", default=",".join(ARMS), help=f"arms among {', '.join(ARMS)}")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every arm")
-    parser.add_argument("--out", help="results stem (default results/sweep_end_to_end_<device>)")
-    parser.add_argument("--quick", action="store_true", help="8 trials of 2 epochs, 1 round")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.trials, args.epochs, args.rounds = args.trials or 8, args.epochs or 2, 1
-    arms = [a.strip() for a in args.only.split(",") if a.strip()]
-    if not arms or any(a not in ARMS for a in arms):
-        parser.error(f"--only {args.only!r}: arms are {', '.join(ARMS)}")
-    if args.rounds < 1 or not 0 < args.cpu_per_trial <= 1:
-        parser.error("give --rounds >= 1 and 0 < --cpu-per-trial <= 1")
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    args, arms = parse_sweep_options(parser, argv, ARMS)
 
     path = Path(args.sweep)
     sweep, mapping = tvf.load(path, args.trials, args.epochs)
