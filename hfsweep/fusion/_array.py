@@ -149,7 +149,7 @@ class FusedArray(nn.Module):
         self._state_plan: Any = False  # see _member_state_plan; False: not made yet
         #: every layer with per-member dropout streams, and the attribute it reads p from
         self._streams = [
-            (path, m, _STREAM_ATTRIBUTE[_is_attention(m)])
+            (path, m, "dropout" if _is_attention(m) else "p")
             for path, m in template.named_modules()
             if hasattr(m, "member_p")
         ]
@@ -795,10 +795,6 @@ def _places(model: nn.Module) -> dict[str, list[tuple[dict[str, Any], str]]]:
 
 
 _STREAM_LIMIT = 1 << 63  # seeds and call counts are non-negative int64
-
-
-#: the attribute a stream layer's probability comes from, by whether it is attention
-_STREAM_ATTRIBUTE = {False: "p", True: "dropout"}
 
 
 def _is_attention(module: nn.Module) -> bool:

@@ -82,10 +82,16 @@ def _member_keys(seed: Tensor, calls: Tensor, salt: int) -> tuple[Tensor, Tensor
     goes on from it with the count's high half (zero for the first ``2**32`` calls), so every
     (seed, calls, salt) gets its own pair of keys. Few ops: this runs once per layer and call.
     """
-    k = _fold((seed & _MASK32) ^ _layer_word(salt), _ROUND_1)
-    k = _fold(k ^ (seed >> 32), _ROUND_2)
-    k1 = _fold(k ^ (calls & _MASK32), _ROUND_3)
-    k2 = _fold(k1 ^ (calls >> 32), _ROUND_1)
+    return _derive_keys(seed, calls, salt, _fold)
+
+
+def _derive_keys(seed: Any, calls: Any, salt: int, fold: Any) -> tuple[Any, Any]:
+    """:func:`_member_keys`' arithmetic on torch tensors or NumPy arrays, with ``fold`` the
+    mixing round for that kind (:func:`_fold` or :func:`_fold_np`)."""
+    k = fold((seed & _MASK32) ^ _layer_word(salt), _ROUND_1)
+    k = fold(k ^ (seed >> 32), _ROUND_2)
+    k1 = fold(k ^ (calls & _MASK32), _ROUND_3)
+    k2 = fold(k1 ^ (calls >> 32), _ROUND_1)
     return k1, k2
 
 
@@ -159,10 +165,7 @@ def _cpu_keys(seed: Tensor, calls: Tensor, p: Tensor, salt: int) -> tuple[Tensor
     """
     s = seed.reshape(-1).numpy().astype(np.int64)
     c = calls.reshape(-1).numpy().astype(np.int64)
-    k = _fold_np((s & _MASK32) ^ _layer_word(salt), _ROUND_1)
-    k = _fold_np(k ^ (s >> 32), _ROUND_2)
-    k1 = _fold_np(k ^ (c & _MASK32), _ROUND_3)
-    k2 = _fold_np(k1 ^ (c >> 32), _ROUND_1)
+    k1, k2 = _derive_keys(s, c, salt, _fold_np)
     ticks = np.ceil(p.reshape(-1).to(torch.float64).numpy() * (1 << _UNIFORM_BITS))
     threshold = ticks.astype(np.int64) << (32 - _UNIFORM_BITS)
     return tuple(torch.from_numpy(a.reshape(-1, 1)) for a in (k1, k2, threshold))  # type: ignore[return-value]
