@@ -3,10 +3,10 @@
 A fused array's tensors are B times a model's, so on the CPU they cross glibc's thresholds for
 serving an allocation from fresh ``mmap`` pages and for handing freed memory back to the system.
 Every training step then allocates its activations in pages the kernel must map and zero again,
-a page fault per 4 KiB. Measured on the project's 2-core CPU: one dropout mask of a 32-member
-digits MLP took 2.7 ms with glibc's defaults and 1.4 ms with the thresholds raised; the small
-CNN of ``benchmarks/fusion_throughput.py`` at B=8 trained at 5.6-6.0k member-samples/s against
-4.3k (two runs each, and serial gained as much). The digits MLP sweep and the Transformer
+a page fault per 4 KiB. Measured on the project's 2-core CPU with
+``fusion_throughput.py --models small_cnn transformer --sizes 8 --rounds 2 --max-processes 0``,
+with and without ``HFSWEEP_MALLOC=system``: the small CNN at B=8 trained at 5.6-6.0k
+member-samples/s against 4.3k (two runs each, and serial gained as much). The digits MLP sweep and the Transformer
 showed no difference beyond this machine's noise.
 
 :func:`retain_freed_memory` raises both thresholds once per process, so memory freed in one
