@@ -13,8 +13,10 @@ them exactly.
 The hash works on 32-bit values held in ``int64`` tensors. Each mixing round multiplies a value
 below ``2**32`` by an odd constant below ``2**31`` (the product stays below ``2**63``, so no signed
 overflow, which C++ leaves undefined) and folds the high half of the product into the low half.
-Per element that is a dozen or so in-place integer ops, no dearer than ``torch.rand`` on CPU;
-the keys add about two dozen ops on one number per member, per layer and call.
+Per element that is a dozen or so in-place integer ops; the keys add about two dozen ops on one
+number per member, per layer and call. On the CPU the keys, and the whole hash of a small mask,
+are computed with NumPy, whose ops on a few thousand elements cost a fraction of a torch op's
+dispatch; large masks are hashed by torch in cache-sized blocks (its threads help there).
 
 The mask and scale come from one custom op (``hfsweep::dropout_multiplier``) whose batching rule
 computes every member's at once. Under ``vmap`` each of the fifty-odd small ops would otherwise
@@ -145,7 +147,7 @@ def _multiplier_op(
     """``[*K, numel]`` in ``dtype``: per element 0 (dropped) or ``1 / (1 - p)`` (kept), for
     keys and probabilities of shape ``[*K]`` (0-dim for one member)."""
     if seed.device.type == "cpu":
-        return _multiplier_blocked(seed, calls, p, salt, numel, dtype)
+        return _multiplier_cpu(seed, calls, p, salt, numel, dtype)
     keep = dropout_mask_hash(seed, calls, salt, numel) >= _keep_threshold(p).unsqueeze(-1)
     return keep * _scale(p, dtype).unsqueeze(-1)
 
@@ -156,20 +158,51 @@ def _fold_np(h: np.ndarray, multiplier: int) -> np.ndarray:
     return (h ^ (h >> 32)) & _MASK32
 
 
-def _cpu_keys(seed: Tensor, calls: Tensor, p: Tensor, salt: int) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`_member_keys` and :func:`_keep_threshold` for CPU tensors, as ``[K, 1]`` columns.
+def _fold_np_into(h: np.ndarray, multiplier: int, spare: np.ndarray) -> None:
+    """:func:`_fold_into` on NumPy ``int64`` arrays, in place."""
+    np.multiply(h, multiplier, out=h)
+    np.right_shift(h, 32, out=spare)
+    np.bitwise_xor(h, spare, out=h)
+    np.bitwise_and(h, _MASK32, out=h)
 
-    The same integer arithmetic in NumPy: a few dozen ops on one number per member, where each
-    torch op would cost its dispatch (about 0.4 ms per layer and call for a 32-member array,
-    a quarter of a small MLP's mask).
+
+#: NumPy types of the dtypes whose scale NumPy computes as torch would (one correctly rounded
+#: operation after another); others (``bfloat16``) take :func:`_scale`
+_NUMPY_FLOATS: dict[torch.dtype, type[np.floating[Any]]] = {
+    torch.float16: np.float16,
+    torch.float32: np.float32,
+    torch.float64: np.float64,
+}
+
+
+def _cpu_columns(
+    seed: Tensor, calls: Tensor, p: Tensor, salt: int, dtype: torch.dtype
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, Tensor]:
+    """:func:`_member_keys`, :func:`_keep_threshold` and :func:`_scale` for CPU tensors of one
+    shape, as ``[K, 1]`` columns (keys and threshold in NumPy, the scale in ``dtype``).
+
+    The same arithmetic in NumPy: a few dozen ops on one number per member, where each torch op
+    would cost its dispatch (about 0.1 ms per layer and call for a small MLP's mask).
     """
     s = seed.reshape(-1).numpy().astype(np.int64)
     c = calls.reshape(-1).numpy().astype(np.int64)
     k1, k2 = _derive_keys(s, c, salt, _fold_np)
-    ticks = np.ceil(p.reshape(-1).to(torch.float64).numpy() * (1 << _UNIFORM_BITS))
-    threshold = ticks.astype(np.int64) << (32 - _UNIFORM_BITS)
-    return tuple(torch.from_numpy(a.reshape(-1, 1)) for a in (k1, k2, threshold))  # type: ignore[return-value]
+    p64 = p.reshape(-1, 1).to(torch.float64).numpy()
+    threshold = np.ceil(p64 * (1 << _UNIFORM_BITS)).astype(np.int64) << (32 - _UNIFORM_BITS)
+    np_float = _NUMPY_FLOATS.get(dtype)
+    if np_float is None:
+        scale = _scale(p.reshape(-1, 1), dtype)
+    else:
+        q = p.reshape(-1, 1).to(dtype).numpy()
+        with np.errstate(divide="ignore"):
+            scale = torch.from_numpy(np.where(q < 1, np_float(1) / (np_float(1) - q), np_float(0)))
+    return k1.reshape(-1, 1), k2.reshape(-1, 1), threshold, scale
 
+
+#: masks of at most this many elements in all are hashed in NumPy, larger ones by torch in
+#: blocks (measured on the 2-core CPU: 3 x 4096 elements in 0.16 ms against 0.56 ms, 32 x 4096
+#: in 0.78 ms against 1.0 ms; at 8 x 65536 torch's threads are ahead)
+_NUMPY_ELEMENTS = 1 << 16
 
 #: elements per block of :func:`_multiplier_blocked`: 2 MiB of ``int64``, which stays in cache
 #: through the hash's dozen passes (measured on the 2-core CPU: 8 masks of 1M elements in 61 ms
@@ -177,26 +210,48 @@ def _cpu_keys(seed: Tensor, calls: Tensor, p: Tensor, salt: int) -> tuple[Tensor
 _BLOCK = 1 << 18
 
 
-def _multiplier_blocked(
+def _multiplier_cpu(
     seed: Tensor, calls: Tensor, p: Tensor, salt: int, numel: int, dtype: torch.dtype
 ) -> Tensor:
-    """The op's result computed block by block, each block through every pass of the hash
-    before the next, in two reused buffers: the same values as :func:`dropout_mask_hash`
-    (checked in the tests), without a dozen trips through memory for a large mask."""
-    keys = torch.broadcast_shapes(seed.shape, calls.shape, p.shape)
-    k1, k2, threshold = _cpu_keys(seed.expand(keys), calls.expand(keys), p.expand(keys), salt)
-    scale = _scale(p.expand(keys).reshape(-1, 1), dtype)
+    """The op's result on the CPU: the same values as :func:`dropout_mask_hash` (checked in the
+    tests), hashed in NumPy for a small mask, else by :func:`_multiplier_blocked`."""
+    if seed.shape == calls.shape == p.shape:
+        keys = seed.shape
+    else:
+        keys = torch.broadcast_shapes(seed.shape, calls.shape, p.shape)
+        seed, calls, p = seed.expand(keys), calls.expand(keys), p.expand(keys)
+    k1, k2, threshold, scale = _cpu_columns(seed, calls, p, salt, dtype)
     rows = k1.shape[0]
-    out = torch.empty(rows, numel, dtype=dtype, device=seed.device)
+    if rows * numel > _NUMPY_ELEMENTS:
+        k1_t, k2_t, threshold_t = (torch.from_numpy(a) for a in (k1, k2, threshold))
+        return _multiplier_blocked(k1_t, k2_t, threshold_t, scale, numel, dtype).view(*keys, numel)
+    h = np.bitwise_xor(np.arange(numel, dtype=np.int64), k1)
+    spare = np.empty_like(h)
+    _fold_np_into(h, _ROUND_2, spare)
+    np.bitwise_xor(h, k2, out=h)
+    _fold_np_into(h, _ROUND_3, spare)
+    _fold_np_into(h, _ROUND_1, spare)
+    keep = torch.from_numpy(np.greater_equal(h, threshold))
+    return torch.mul(keep, scale).view(*keys, numel)
+
+
+def _multiplier_blocked(
+    k1: Tensor, k2: Tensor, threshold: Tensor, scale: Tensor, numel: int, dtype: torch.dtype
+) -> Tensor:
+    """``[K, numel]`` multipliers from ``[K, 1]`` key, threshold and scale columns, hashed
+    block by block, each block through every pass of the hash before the next, in two reused
+    buffers: without a dozen trips through memory for a large mask."""
+    rows = k1.shape[0]
+    out = torch.empty(rows, numel, dtype=dtype)
     if out.numel() == 0:
-        return out.view(*keys, numel)
+        return out
     cols = min(numel, _BLOCK)
     step = max(1, _BLOCK // cols)  # rows per block
-    h = torch.empty(min(rows, step), cols, dtype=torch.int64, device=seed.device)
+    h = torch.empty(min(rows, step), cols, dtype=torch.int64)
     spare = torch.empty_like(h)
     for c0 in range(0, numel, cols):
         c1 = min(numel, c0 + cols)
-        index = torch.arange(c0, c1, dtype=torch.int64, device=seed.device)
+        index = torch.arange(c0, c1, dtype=torch.int64)
         for r0 in range(0, rows, step):
             r1 = min(rows, r0 + step)
             x, y = h[: r1 - r0, : c1 - c0], spare[: r1 - r0, : c1 - c0]
@@ -206,7 +261,7 @@ def _multiplier_blocked(
             _fold_into(x, _ROUND_3, y)
             _fold_into(x, _ROUND_1, y)
             torch.mul(x >= threshold[r0:r1], scale[r0:r1], out=out[r0:r1, c0:c1])
-    return out.view(*keys, numel)
+    return out
 
 
 @_multiplier_op.register_fake

@@ -14,7 +14,7 @@ from _streams import train_member
 from torch import nn
 
 import hfsweep as hs
-from hfsweep.nn._dropout import dropout_mask_hash
+from hfsweep.nn._dropout import _NUMPY_ELEMENTS, _keep_threshold, _scale, dropout_mask_hash
 from hfsweep.testing import MLP, LeNet
 
 
@@ -244,6 +244,29 @@ def test_blocked_masks_equal_the_hash(rows: int, numel: int) -> None:
         uniform = (dropout_mask_hash(seeds[i], calls[i], 5, numel) >> 8).double() / 2**24
         expected = (uniform >= p[i]).double() / (1 - p[i].item())
         assert torch.equal(out[i], expected), i
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("numel", [700, _NUMPY_ELEMENTS], ids=["numpy", "torch-blocks"])
+def test_cpu_multipliers_equal_the_definition_in_every_dtype(
+    dtype: torch.dtype, numel: int
+) -> None:
+    """The CPU op (small masks hashed in NumPy, larger ones by torch in blocks) gives exactly
+    the multipliers of the op's definition in torch ops, the one the GPU runs: keep where the
+    hash reaches the threshold, times ``1 / (1 - p)`` rounded in ``dtype``. The probabilities
+    include 0 and 1 and values whose scale rounds differently in each dtype."""
+    p = torch.tensor([0.0, 1.0, 1 / 3, 0.1, 0.5, 0.9, 0.77, 2**-24], dtype=torch.float32)
+    seeds = torch.arange(len(p)) * 7919 + 3
+    calls = torch.arange(len(p)) * 2**31
+    out = torch.ops.hfsweep.dropout_multiplier(seeds, calls, p, 11, numel, dtype)
+    keep = dropout_mask_hash(seeds, calls, 11, numel) >= _keep_threshold(p).unsqueeze(-1)
+    expected = keep * _scale(p, dtype).unsqueeze(-1)
+    assert out.dtype == dtype and torch.equal(out, expected)
+    # keys of different shapes broadcast: one seed and call count for every probability
+    one = torch.ops.hfsweep.dropout_multiplier(seeds[2], calls[2], p, 11, 50, dtype)
+    for i in range(len(p)):
+        alone = torch.ops.hfsweep.dropout_multiplier(seeds[2], calls[2], p[i], 11, 50, dtype)
+        assert torch.equal(one[i], alone)
 
 
 def test_a_traced_forward_records_the_mask_as_one_op() -> None:
