@@ -134,9 +134,16 @@ class FusedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._follow_device()
-        inactive = self._inactive
-        if skip is not None or self.isolate_nonfinite:
-            left_out = ~self.active if skip is None else ~self.active | skip.to(self.active.device)
+        if skip is None:
+            if self.isolate_nonfinite:
+                bad = self._nonfinite_grads()
+                if self._inactive is not None:
+                    bad &= self.active
+                if bool(bad.any()):
+                    self._isolate(bad, "gradient")
+            inactive = self._inactive
+        else:
+            left_out = ~self.active | skip.to(self.active.device)
             if self.isolate_nonfinite:
                 self._isolate(self._nonfinite_grads() & ~left_out, "gradient")
                 left_out = left_out | ~self.active
@@ -235,16 +242,16 @@ class FusedOptimizer(torch.optim.Optimizer):
         """``[B]``: which members have an inf or NaN gradient. One reduction per parameter: inf
         and NaN survive a sum (accumulated in at least float32, so half-precision gradients cannot
         overflow it); a finite sum that overflowed would need gradients near 1e38."""
-        total: Tensor | None = None
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    g = p.grad
-                    s = g.flatten(1).sum(1, dtype=torch.promote_types(g.dtype, torch.float32))
-                    total = s if total is None else total + s
-        if total is None:
+        sums = [
+            g.flatten(1).sum(1, dtype=torch.promote_types(g.dtype, torch.float32))
+            for group in self.param_groups
+            for p in group["params"]
+            if (g := p.grad) is not None
+        ]
+        if not sums:
             return torch.zeros(self.size, dtype=torch.bool, device=self.active.device)
-        return ~torch.isfinite(total)
+        total = sums[0] if len(sums) == 1 else torch.stack(sums).sum(0)
+        return total.isfinite().logical_not_()
 
     def _isolate(self, bad: Tensor, what: str) -> list[int]:
         members = bad.nonzero().flatten().tolist()

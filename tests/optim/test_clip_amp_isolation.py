@@ -158,6 +158,19 @@ def test_nonfinite_gradients_are_isolated_at_step() -> None:
         assert torch.equal(p[2], q[2])  # untouched
         assert not torch.equal(p[0], q[0])  # the others stepped
     assert opt.member_state_dict(2)["state"] == {}  # it never took a step
+    # next step: member 2 stays out (its gradients are still NaN) and is not counted again;
+    # member 0 goes non-finite now and leaves too; member 1 steps on
+    opt.zero_grad()
+    hs.member_losses(array(x), y).sum().backward()
+    array.module.head.weight.grad[2, 0, 0] = float("nan")
+    array.module.head.bias.grad[0, 1] = float("-inf")
+    before = [p.detach().clone() for p in array.parameters()]
+    opt.step()
+    assert opt.nonfinite_members == [2, 0]
+    assert opt.active.tolist() == [False, True, False]
+    for p, q in zip(before, array.parameters(), strict=True):
+        assert torch.equal(p[0], q[0]) and torch.equal(p[2], q[2])
+        assert not torch.equal(p[1], q[1])
 
 
 def test_isolation_can_be_turned_off() -> None:
