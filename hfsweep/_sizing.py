@@ -175,7 +175,11 @@ def measure_step(
     array.train()
     opt = make_optimizer(array, configs)
     sched = make_schedule(opt, configs, [10**9] * size, 1)
-    smoothing = torch.tensor([c["label_smoothing"] for c in configs], dtype=dtype, device=device)
+    smoothing = (
+        torch.tensor([c["label_smoothing"] for c in configs], dtype=dtype, device=device)
+        if any(c["label_smoothing"] for c in configs)
+        else None
+    )
     x, y = batch
     n = int(y.shape[0]) if isinstance(y, Tensor) and y.dim() else 1
     sync: Callable[[], None] = (

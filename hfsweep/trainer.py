@@ -396,6 +396,7 @@ class _Run:
             device=self.t.device,
         )
         clip = self._clip_values(state)
+        smoothes = _any_smoothing(state)
         loss_sum = torch.tensor(
             [s.loss_sum if s else 0.0 for s in state.slots],
             dtype=torch.float64,
@@ -415,7 +416,7 @@ class _Run:
                 torch._foreach_copy_(backup, buffers)
             out_of_memory = False
             try:
-                losses = backward(self.task, array, x, y, smoothing, clip)
+                losses = backward(self.task, array, x, y, smoothing if smoothes else None, clip)
             except torch.OutOfMemoryError:
                 if sum(s is not None for s in state.slots) == 1:
                     raise
@@ -458,6 +459,7 @@ class _Run:
                     # (arrays waiting after an out-of-memory split go first)
                     self._refill(state, array, opt, sched, smoothing, loss_sum)
                     clip = self._clip_values(state)
+                    smoothes = _any_smoothing(state)
                 busy = sum(s is not None for s in state.slots)
                 if 0 < busy <= len(state.slots) // 2:
                     # most slots are idle and nobody is waiting for them: go on with a smaller
@@ -876,11 +878,19 @@ class _Run:
 
 
 # ---------------------------------------------------------------------- helpers
+def _any_smoothing(state: _ArrayState) -> bool:
+    """Whether a member of ``state`` trains with label smoothing. Without any, the loss is
+    computed without the smoothing term: the same values (its weight is 0 for every member)
+    and fewer ops, and a term that would be ``0 * inf`` cannot turn a finite loss into NaN."""
+    return any(s is not None and s.config["label_smoothing"] for s in state.slots)
+
+
 def backward(
-    task: Task, array: FusedArray, x: Any, y: Any, smoothing: Tensor, clip: Tensor | None
+    task: Task, array: FusedArray, x: Any, y: Any, smoothing: Tensor | None, clip: Tensor | None
 ) -> Tensor:
     """Forward and backward of every member on the shared batch ``(x, y)``, then per-member
-    clipping; returns the ``[B]`` losses. Nothing is changed yet, so after an out-of-memory
+    clipping; returns the ``[B]`` losses (``smoothing``: the ``[B]`` label smoothing, or
+    ``None`` for none). Nothing is changed yet, so after an out-of-memory
     error here the step can be retried by smaller arrays."""
     losses = task.member_loss(array(x), y, smoothing)
     losses.sum().backward()

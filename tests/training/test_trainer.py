@@ -202,6 +202,32 @@ def test_report_stops_members_and_refill_fills_their_slots() -> None:
         assert [h["epoch"] for h in r.history] == [1.0 * (k + 1) for k in range(len(r.history))]
 
 
+def test_a_refill_that_brings_label_smoothing_turns_it_on_for_that_member() -> None:
+    """Without label smoothing in any slot the loss leaves the smoothing term out; a refill
+    that brings smoothing into such an array turns it on. The joining member trains exactly
+    as when the array's other members smooth too (its own labels are smoothed either way), and
+    a member without smoothing trains as alone."""
+    task = make_task()
+    joining = {"seed": 7, "epochs": 2, "label_smoothing": 0.3}
+
+    def run(smoothing: float) -> dict[str, hs.MemberResult]:
+        first = [
+            {"seed": 0, "epochs": 3, "label_smoothing": smoothing},
+            {"seed": 1, "epochs": 1, "label_smoothing": smoothing},
+        ]
+        queue = [hs.Member("joining", joining)]
+        results = _trainer(task).run(
+            _members(first), refill=lambda: queue.pop(0) if queue else None
+        )
+        return {r.id: r for r in results}
+
+    without, with_ = run(0.0), run(0.1)
+    assert without["joining"].steps == 10
+    _assert_same(without["joining"], with_["joining"], rtol=0)
+    alone = _trainer(task).run([hs.Member("t0", {"seed": 0, "epochs": 3})])[0]
+    _assert_same(without["t0"], alone, rtol=0)
+
+
 def test_refill_rejects_an_incompatible_member() -> None:
     task = make_task()
     with pytest.raises(hs.TaskError, match="hidden=32"):
