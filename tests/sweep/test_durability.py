@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -90,6 +91,38 @@ def test_in_a_group_a_write_is_flushed_within_the_interval(
         assert str(target) in fsyncs
         flushed = len(fsyncs)
     assert len(fsyncs) == flushed  # nothing was left to flush at the end
+
+
+def test_writes_do_not_wait_for_a_flush_in_progress_and_the_group_end_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While the timer thread flushes, writes go on; the end of the group waits until the
+    files that flush took up are on disk."""
+    started, release = threading.Event(), threading.Event()
+    synced: list[str] = []
+    real = os.fsync
+
+    def slow_fsync(fd: int) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            started.set()
+            assert release.wait(5)
+        real(fd)
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+
+    monkeypatch.setattr(os, "fsync", slow_fsync)
+    first, second = tmp_path / "first.json", tmp_path / "second.json"
+    ended = threading.Event()
+
+    def group() -> None:
+        with grouped_sync(interval=0.01):
+            atomic_write_text(first, "1")
+            assert started.wait(10)  # the timer's flush of first.json is stuck
+            atomic_write_text(second, "2")  # returns though
+            threading.Timer(0.2, release.set).start()
+        ended.set()
+
+    group()
+    assert ended.is_set() and str(first) in synced and str(second) in synced
 
 
 def test_a_file_removed_before_its_flush_is_skipped(tmp_path: Path, fsyncs: list[str]) -> None:
