@@ -462,7 +462,9 @@ def _cross_entropy(logits: Tensor, labels: Tensor, smoothing: Tensor | None) -> 
         return nll
     uniform = -logp.mean(-1).mean(1)
     e = smoothing.to(nll.dtype)
-    return (1 - e) * nll + e * uniform
+    # a member without smoothing gets its nll exactly, even where a log-probability is -inf
+    # (0 * inf would be NaN): its loss does not depend on whether others in the array smooth
+    return torch.where(e > 0, (1 - e) * nll + e * uniform, nll)
 
 
 def _accuracy(logits: Tensor, labels: Tensor) -> Tensor:

@@ -220,6 +220,8 @@ def _multiplier_cpu(
     else:
         keys = torch.broadcast_shapes(seed.shape, calls.shape, p.shape)
         seed, calls, p = seed.expand(keys), calls.expand(keys), p.expand(keys)
+    if seed.numel() == 0 or numel == 0:
+        return torch.empty(*keys, numel, dtype=dtype)
     k1, k2, threshold, scale = _cpu_columns(seed, calls, p, salt, dtype)
     rows = k1.shape[0]
     if rows * numel > _NUMPY_ELEMENTS:

@@ -49,6 +49,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.size = size
         super().__init__(groups, defaults)
         device = self.param_groups[0]["params"][0].device
+        #: ``[B]`` bool, which members step; read it, change it with :meth:`set_active` (the
+        #: step keeps the idle members' indices from the last change)
         self.active = torch.ones(size, dtype=torch.bool, device=device)
         self._flags: list[dict[str, bool]] = []
         self._inactive: Tensor | None = None

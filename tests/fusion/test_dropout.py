@@ -255,18 +255,23 @@ def test_cpu_multipliers_equal_the_definition_in_every_dtype(
     the multipliers of the op's definition in torch ops, the one the GPU runs: keep where the
     hash reaches the threshold, times ``1 / (1 - p)`` rounded in ``dtype``. The probabilities
     include 0 and 1 and values whose scale rounds differently in each dtype."""
-    p = torch.tensor([0.0, 1.0, 1 / 3, 0.1, 0.5, 0.9, 0.77, 2**-24], dtype=torch.float32)
-    seeds = torch.arange(len(p)) * 7919 + 3
-    calls = torch.arange(len(p)) * 2**31
-    out = torch.ops.hfsweep.dropout_multiplier(seeds, calls, p, 11, numel, dtype)
-    keep = dropout_mask_hash(seeds, calls, 11, numel) >= _keep_threshold(p).unsqueeze(-1)
-    expected = keep * _scale(p, dtype).unsqueeze(-1)
-    assert out.dtype == dtype and torch.equal(out, expected)
-    # keys of different shapes broadcast: one seed and call count for every probability
-    one = torch.ops.hfsweep.dropout_multiplier(seeds[2], calls[2], p, 11, 50, dtype)
-    for i in range(len(p)):
-        alone = torch.ops.hfsweep.dropout_multiplier(seeds[2], calls[2], p[i], 11, 50, dtype)
-        assert torch.equal(one[i], alone)
+    op = torch.ops.hfsweep.dropout_multiplier
+    values = [0.0, 1.0, 1 / 3, 0.1, 0.5, 0.9, 0.77, 2**-24]
+    seeds = torch.arange(len(values)) * 7919 + 3
+    calls = torch.arange(len(values)) * 2**31
+    for p_dtype in (torch.float32, torch.float64):
+        p = torch.tensor(values, dtype=p_dtype)
+        out = op(seeds, calls, p, 11, numel, dtype)
+        keep = dropout_mask_hash(seeds, calls, 11, numel) >= _keep_threshold(p).unsqueeze(-1)
+        expected = keep * _scale(p, dtype).unsqueeze(-1)
+        assert out.dtype == dtype and torch.equal(out, expected)
+        # keys of different shapes broadcast: one seed and call count for every probability
+        one = op(seeds[2], calls[2], p, 11, numel, dtype)
+        keep = dropout_mask_hash(seeds[2], calls[2], 11, numel) >= _keep_threshold(p).unsqueeze(-1)
+        assert torch.equal(one, keep * _scale(p, dtype).unsqueeze(-1))
+    # no members, or no elements: empty, and no work for the other dimension
+    assert op(seeds[:0], calls[:0], p[:0], 11, 2**31, dtype).shape == (0, 2**31)
+    assert op(seeds, calls, p, 11, 0, dtype).shape == (len(values), 0)
 
 
 def test_a_traced_forward_records_the_mask_as_one_op() -> None:

@@ -103,7 +103,7 @@ def test_writes_do_not_wait_for_a_flush_in_progress_and_the_group_end_does(
     real = os.fsync
 
     def slow_fsync(fd: int) -> None:
-        if threading.current_thread() is not threading.main_thread():
+        if isinstance(threading.current_thread(), threading.Timer):  # the timed flush
             started.set()
             assert release.wait(5)
         real(fd)
@@ -111,17 +111,22 @@ def test_writes_do_not_wait_for_a_flush_in_progress_and_the_group_end_does(
 
     monkeypatch.setattr(os, "fsync", slow_fsync)
     first, second = tmp_path / "first.json", tmp_path / "second.json"
-    ended = threading.Event()
+    wrote, ended = threading.Event(), threading.Event()
 
     def group() -> None:
         with grouped_sync(interval=0.01):
             atomic_write_text(first, "1")
             assert started.wait(10)  # the timer's flush of first.json is stuck
             atomic_write_text(second, "2")  # returns though
-            threading.Timer(0.2, release.set).start()
+            wrote.set()
         ended.set()
 
-    group()
+    worker = threading.Thread(target=group)
+    worker.start()
+    assert wrote.wait(10)
+    assert not ended.wait(0.3)  # the group's end waits for the stuck flush
+    release.set()
+    worker.join(10)
     assert ended.is_set() and str(first) in synced and str(second) in synced
 
 

@@ -3,6 +3,8 @@ against torch's, and the ready tasks in hfsweep.tasks."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -105,6 +107,13 @@ def test_cross_entropy_with_per_member_label_smoothing_matches_torch() -> None:
     torch.testing.assert_close(got, want)
     acc = task.member_metrics(out, y)["val_accuracy"]
     torch.testing.assert_close(acc, (out.argmax(-1) == y).double().mean(1))
+    # a -inf logit of a wrong class: finite without smoothing (as torch), whatever the others
+    # in the array use, and the same as with no smoothing vector at all
+    out[0, 0, (int(y[0]) + 1) % 4] = -math.inf
+    got = task.member_loss(out, y, smooth)
+    assert torch.isfinite(got[0])
+    torch.testing.assert_close(got[0], F.cross_entropy(out[0], y))
+    assert torch.equal(got[0], task.member_loss(out, y, None)[0])
 
 
 def test_cross_entropy_layouts_match_torch() -> None:
