@@ -139,8 +139,8 @@ class TransformerClassifier(nn.Module):
     embeddings, two post-norm ``nn.TransformerEncoderLayer`` (d_model 128, 4 heads, feed-forward
     512, dropout 0.1), mean pooling over positions and a linear head; ``[N, 64]`` token ids.
 
-    Attention-weight dropout is 0: it is a float inside ``MultiheadAttention``, not an
-    ``nn.Dropout`` a fused array could give each member (as in the ready ``token_transformer``).
+    Attention-weight dropout is 0, as in the runs whose results are committed; a fused array
+    could give each member its own (``hfsweep.nn.FusedMultiheadAttentionMixin``).
     """
 
     vocab, length = 1000, 64

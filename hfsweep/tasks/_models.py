@@ -104,7 +104,9 @@ class ResNet(nn.Module):
 
 class TokenTransformer(nn.Module):
     """A causal Transformer language model: token and position embeddings, pre-norm encoder
-    layers with a causal mask, a linear head over the vocabulary; ``[N, T] -> [N, T, vocab]``."""
+    layers with a causal mask, a linear head over the vocabulary; ``[N, T] -> [N, T, vocab]``.
+    ``dropout`` is every dropout of the encoder layers, the attention weights' included, as in
+    ``nn.TransformerEncoderLayer``; a fused array gives each member its own."""
 
     mask: Tensor
 
@@ -118,9 +120,6 @@ class TokenTransformer(nn.Module):
         layer = nn.TransformerEncoderLayer(
             d_model, heads, 4 * d_model, dropout, batch_first=True, norm_first=True
         )
-        # the config's dropout is the residual and feed-forward dropouts' p; the attention
-        # weights are not dropped (a fused array could give them a p per member too)
-        layer.self_attn.dropout = 0.0
         self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab)

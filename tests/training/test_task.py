@@ -151,6 +151,27 @@ def test_ready_tasks_fuse_and_train(name: str) -> None:
         model.load_state_dict(r.state["model"])
 
 
+def test_token_transformer_drops_each_members_attention_weights_as_alone() -> None:
+    """The ready Transformer's dropout covers the attention weights too, per member: a member
+    with dropout draws attention masks (its stream's count moves) and trains as it does alone;
+    a member without dropout draws none."""
+    task = tasks.token_transformer
+    members = [
+        hs.Member("a", {"seed": 1, "max_steps": 3, "dropout": 0.3}),
+        hs.Member("b", {"seed": 2, "max_steps": 3}),
+    ]
+    fused = hs.ArrayTrainer(task, dtype=torch.float64).run(members)
+    alone = hs.ArrayTrainer(task, dtype=torch.float64).run(members[:1])[0]
+    attention = "encoder.layers.0.self_attn"
+    assert fused[0].state["rng"][attention] == [1, 3]
+    assert fused[1].state["rng"][attention] == [2, 0]
+    assert fused[0].state["rng"] == alone.state["rng"]
+    for got, want in zip(fused[0].history, alone.history, strict=True):
+        assert got == pytest.approx(want, rel=1e-9)
+    for k, v in fused[0].state["model"].items():
+        torch.testing.assert_close(v, alone.state["model"][k], rtol=1e-9, atol=1e-12)
+
+
 def test_unknown_ready_task() -> None:
     with pytest.raises(hs.TaskError, match="no ready task 'mnist'; ready tasks are"):
         tasks.get("mnist")
