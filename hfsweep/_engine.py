@@ -37,7 +37,7 @@ import torch
 
 from ._io import atomic_save, grouped_sync
 from ._progress import Progress
-from ._rundir import RunDir, member_id, trial_number
+from ._rundir import RunDir, RunDirBusy, member_id, trial_number
 from .config import SweepConfig, load_sweep, make_sampler, make_searcher, parse_sweep
 from .executors import ExecutorError, LocalExecutor, Stopped
 from .packing import Pending, Pools
@@ -218,6 +218,13 @@ class _Engine:
 
     # ------------------------------------------------------------------ the run
     def run(self) -> SweepResult:
+        try:
+            with self.dir.exclusive():
+                return self._run()
+        except RunDirBusy as exc:
+            raise SweepError(str(exc)) from None
+
+    def _run(self) -> SweepResult:
         saved = self._prepare_dir()
         with grouped_sync(), self._logging(), _quiet_optuna(), self._executor():
             self.study = self._open_study()

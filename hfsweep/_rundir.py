@@ -12,6 +12,7 @@ Layout (``RunDir`` names every path)::
     best.json              the best trial: number, value, params and full config
     sweep.log              the log
     arrays/K/              array K's trainer checkpoint while it trains (removed when done)
+    .lock                  held by the process running the sweep (its pid inside)
 
 Every file is written to a temporary file and renamed over the old one, so a crash leaves the
 old version or the new one, never half of one.
@@ -25,7 +26,8 @@ import json
 import math
 import os
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +36,12 @@ from ._io import atomic_write_text
 if TYPE_CHECKING:
     import optuna
 
-__all__ = ["STATE_VERSION", "RunDir", "member_id", "trial_number"]
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not on Windows
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = ["STATE_VERSION", "RunDir", "RunDirBusy", "member_id", "trial_number"]
 
 STATE_VERSION = 1
 _ID_PREFIX = "trial-"
@@ -50,11 +57,46 @@ def trial_number(member: str) -> int:
     return int(member[len(_ID_PREFIX) :])
 
 
+class RunDirBusy(Exception):
+    """Another sweep holds the run directory."""
+
+
 class RunDir:
     """The files of one sweep's run directory."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Hold the run directory for this sweep, creating it if needed.
+
+        Two sweeps on one directory would train the same trials and tell them twice, and
+        overwrite each other's state. A second holder (another process, or another sweep in
+        this one) gets :class:`RunDirBusy`, naming the holder's pid, before either has read or
+        written anything. The lock is an ``flock`` on ``.lock``: the kernel drops it when the
+        holder ends, however it ends (SIGKILL included), so a crashed sweep never leaves the
+        directory locked. Where ``fcntl`` is missing (Windows), nothing is locked.
+        """
+        if fcntl is None:  # pragma: no cover - not on Windows
+            yield
+            return
+        self.path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 32).decode("ascii", "replace").strip() or "unknown"
+                raise RunDirBusy(
+                    f"{self.path} is in use by another sweep (process {holder}); wait for it to "
+                    "end, or set `output` to another directory"
+                ) from None
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
 
     # ---------------------------------------------------------------- paths
     @property

@@ -6,6 +6,7 @@ import copy
 import csv
 import json
 import math
+import os
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from optuna.trial import TrialState
 
 import hfsweep as hs
 from hfsweep import _engine
+from hfsweep._rundir import RunDir
 from hfsweep.config import parse_sweep
 from hfsweep.searchers._source import SearcherError
 
@@ -198,6 +200,20 @@ def test_existing_run_directory_needs_resume(tmp_path: Path) -> None:
     trials = more.study.get_trials()
     assert [t.number for t in trials] == list(range(5))
     assert all(t.state == TrialState.COMPLETE for t in trials)
+
+
+def test_a_run_directory_in_use_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    config = sweep_config(run, budget={"trials": 2, "epochs": 1})
+    with RunDir(run).exclusive():
+        for resume in (False, True):
+            with pytest.raises(
+                hs.SweepError, match=rf"in use by another sweep \(process {os.getpid()}\)"
+            ):
+                hs.sweep(config, resume=resume, progress=False)
+        assert [p.name for p in run.iterdir()] == [".lock"]
+    result = hs.sweep(config, progress=False)  # free again
+    assert _states(result) == Counter({"COMPLETE": 2})
 
 
 class _Interrupt(Exception):

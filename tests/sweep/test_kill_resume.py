@@ -73,6 +73,11 @@ def _default_sigint() -> None:
 
 
 def _interrupt_after(proc: subprocess.Popen[str], run: Path, told: int, sig: int) -> None:
+    _wait_for_tells(proc, run, told)
+    proc.send_signal(sig)
+
+
+def _wait_for_tells(proc: subprocess.Popen[str], run: Path, told: int) -> None:
     deadline = time.monotonic() + 240
     while _finished(run) < told:
         if proc.poll() is not None:
@@ -84,7 +89,6 @@ def _interrupt_after(proc: subprocess.Popen[str], run: Path, told: int, sig: int
             proc.kill()
             pytest.fail("the sweep told no trial within 240 s")
         time.sleep(0.02)
-    proc.send_signal(sig)
 
 
 def _check_final_study(run: Path) -> None:
@@ -134,8 +138,16 @@ def test_ctrl_c_stops_cleanly_and_resumes(tmp_path: Path, monkeypatch: pytest.Mo
     run = tmp_path / "run"
     monkeypatch.setenv("HFSWEEP_TEST_HOLD_LOG", str(run / "sweep.log"))
     proc = _start(sweep)
-    _interrupt_after(proc, run, HOLD_AFTER, signal.SIGINT)
+    _wait_for_tells(proc, run, HOLD_AFTER)
     monkeypatch.delenv("HFSWEEP_TEST_HOLD_LOG")
+    # a second run on the directory while the first is in it is refused before it touches it
+    before = (run / "state.json").read_bytes()
+    second = _start(sweep, "--resume")
+    _out, err = second.communicate(timeout=300)
+    assert second.returncode == 2
+    assert f"is in use by another sweep (process {proc.pid})" in err, err
+    assert (run / "state.json").read_bytes() == before
+    proc.send_signal(signal.SIGINT)
     _out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130
     assert "interrupted" in err and "--resume" in err and "Traceback" not in err
