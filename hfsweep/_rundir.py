@@ -26,6 +26,7 @@ import json
 import math
 import os
 import shutil
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -92,6 +93,12 @@ class RunDir:
                     f"{self.path} is in use by another sweep (process {holder}); wait for it to "
                     "end, or set `output` to another directory"
                 ) from None
+            except OSError as exc:  # a file system without locks (some network mounts)
+                warnings.warn(
+                    f"cannot lock the run directory {self.path} ({exc}): a second sweep started "
+                    "on it while this one runs would not be refused",
+                    stacklevel=3,
+                )
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
             yield

@@ -216,6 +216,22 @@ def test_a_run_directory_in_use_is_refused_before_anything_is_written(tmp_path: 
     assert _states(result) == Counter({"COMPLETE": 2})
 
 
+def test_a_file_system_without_locks_only_warns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import fcntl
+
+    def no_locks(fd: int, op: int) -> None:
+        raise OSError(37, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with pytest.warns(UserWarning, match="cannot lock the run directory"):
+        result = hs.sweep(
+            sweep_config(tmp_path / "run", budget={"trials": 2, "epochs": 1}), progress=False
+        )
+    assert _states(result) == Counter({"COMPLETE": 2})
+
+
 class _Interrupt(Exception):
     pass
 
