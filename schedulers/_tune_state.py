@@ -71,6 +71,10 @@ class MemberRecord:
     history: list[dict[str, Any]] = field(default_factory=list)
     value: float | None = None
     error: str | None = None
+    #: added to the clock its array reports for it: after a retry or restore, the array's
+    #: clock goes on from its checkpoint's, not from the member's last evaluation (see
+    #: :meth:`SweepState.on_result`)
+    clock_shift: float = 0.0
 
     @property
     def told(self) -> bool:
@@ -363,9 +367,16 @@ class SweepState:
         for ev in payload.get("evaluations", []):
             rec = self.members[ev["member"]]
             logged = self.decisions.get(f"{rec.id}@{ev['step']}")
+            reported = float(ev.get("time", elapsed))
             if logged is not None:
                 go[rec.id] = logged  # a replay after a resume: the decision already taken
                 array.replayed += 1
+                # the resumed array's clock went on from its checkpoint's time, which may be
+                # behind the time this evaluation had: shift the member's later evaluations so
+                # that its clock goes on from the evaluation's recorded time, never back
+                first = next((h for h in rec.history if h["step"] == int(ev["step"])), None)
+                if first is not None:
+                    rec.clock_shift = float(first["time_total_s"]) - reported
                 continue
             if rec.told:
                 go[rec.id] = False
@@ -374,7 +385,7 @@ class SweepState:
             # the member's own training time since it joined its array (kept through the
             # array's checkpoints), never the array's: a member that joined late gets its
             # grace period, and a resumed array does not restart its members' clocks
-            own = float(ev.get("time", elapsed))
+            own = reported + rec.clock_shift
             before = float(rec.history[-1].get("time_total_s", 0.0)) if rec.history else 0.0
             row = {
                 "training_iteration": len(rec.history) + 1,

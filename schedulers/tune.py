@@ -64,7 +64,9 @@ in the process that ran ``Tuner.restore(...).fit()``; a new ``Fusion`` made in a
 knows nothing of the experiment.
 
 **Times.** Each member's result carries its own clock: ``time_total_s`` is its training time
-since it joined its array (kept through retries and restores), ``time_this_iter_s`` the time
+since it joined its array (kept through retries and restores: a resumed array redoes the work
+since its checkpoint, and its members' clocks go on from the evaluation it replays, so they never
+go back), ``time_this_iter_s`` the time
 since its previous evaluation, ``training_iteration`` its evaluations so far. So
 ``MedianStoppingRule``'s grace period and ASHA's rungs count from a member's start, also for a
 member that joins a running array by refill. The array's members train together, so their

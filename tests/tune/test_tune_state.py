@@ -172,6 +172,30 @@ def test_each_member_is_told_once_and_replays_get_the_decisions_already_taken() 
     assert all(n == 1 for n in searcher.told.values())
 
 
+def test_a_members_clock_goes_on_from_its_last_evaluation_after_a_resume() -> None:
+    """A resumed array's clock goes on from its checkpoint's time, behind the evaluation it
+    replays when the work since the checkpoint is redone faster (or ahead, slower): the member's
+    later times go on from the replayed evaluation's recorded time, and survive a restore."""
+    state, searcher, _posted = _state([{"lr": 0.01}], members=1, size=1, refill=False)
+    state.suggest("A")
+    state.on_result("A", _report("t1", [("A-0", 1, 0.5)], times={"A-0": 10.0}))
+    state.on_result("A", _report("t2", [("A-0", 2, 0.6)], times={"A-0": 20.0}))
+    # crash; the checkpoint of epoch 1 (clock 10.0) is restored and epoch 2 is redone in 4 s
+    state.on_result("A", _report("t3", [("A-0", 2, 0.6)], times={"A-0": 14.0}, resumed=True))
+    state.on_result("A", _report("t4", [("A-0", 3, 0.7)], times={"A-0": 19.0}))
+    assert [h["time_total_s"] for h in state.members["A-0"].history] == [10.0, 20.0, 25.0]
+    assert searcher.last["A-0"]["time_this_iter_s"] == 5.0
+    # a second crash back to epoch 1, the redo slower this time (12 s): still from 20.0 on
+    # (the state saved and restored in between, as Tune restores an experiment)
+    restored, searcher2, _ = _state([], members=1, size=1, refill=False)
+    restored.load_state_dict(copy.deepcopy(state.state_dict()))
+    restored.on_result("A", _report("t5", [("A-0", 2, 0.6)], times={"A-0": 22.0}, resumed=True))
+    restored.on_result("A", _report("t6", [("A-0", 3, 0.7)], times={"A-0": 23.0}))  # replayed
+    restored.on_result("A", _report("t7", [("A-0", 4, 0.8)], times={"A-0": 30.0}))
+    assert [h["time_total_s"] for h in restored.members["A-0"].history] == [10.0, 20.0, 25.0, 32.0]
+    assert searcher2.last["A-0"]["time_this_iter_s"] == 7.0
+
+
 def test_tune_schedulers_decide_jointly_whatever_the_order() -> None:
     def decide(order: list[str]) -> dict[str, bool]:
         decider = TuneDecider(
