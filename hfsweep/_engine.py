@@ -154,7 +154,8 @@ def sweep(
     config's Optuna sampler with a search algorithm of your own.
 
     Raises :class:`~hfsweep.config.ConfigError` for an invalid config and :class:`SweepError`
-    when the sweep cannot start (an existing run directory, a changed config on resume).
+    when the sweep cannot start (an existing run directory, a changed config on resume, a run
+    directory another sweep is running in).
     """
     if isinstance(config, SweepConfig):
         sc = config
