@@ -85,3 +85,31 @@ def test_sweep_end_to_end_quick_runs(tmp_path, monkeypatch):
         assert row["counts"].get("FAIL", 0) == 0 and _positive(row["best_value"]), row
     md = stem.with_suffix(".md").read_text()
     assert all(label in md for label in script.LABELS.values())
+
+
+@pytest.mark.slow
+def test_sweep_phases_accounts_for_the_whole_wall_clock(tmp_path, monkeypatch):
+    """``sweep_phases.py`` on the 16-trial quick example, one round: every phase it times was
+    called (its wrappers reached the functions the sweep runs), the phases' self times are
+    non-negative and add up, with the rest, to the wall-clock; the wrappers are removed after."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    monkeypatch.setenv("HFSWEEP_CACHE_DIR", str(tmp_path / "cache"))
+    script = importlib.import_module("sweep_phases")
+    from hfsweep import trainer
+
+    backward = trainer.backward
+    stem = tmp_path / "sweep_phases_test"
+    examples = BENCHMARKS.parent / "examples"
+    script.main(
+        ["--sweep", str(examples / "digits_quick.yaml"), "--rounds", "1", "--out", str(stem)]
+    )
+
+    (row,) = json.loads(stem.with_suffix(".json").read_text())["rows"]
+    timed = {phase for _, _, phase in script.PHASES}
+    assert set(row["calls"]) == timed
+    assert all(row["calls"][p] > 0 for p in row["calls"])
+    assert all(s >= 0 for p, s in row["phases_s"].items() if p != script.REST)
+    assert math.isclose(sum(row["phases_s"].values()), row["wall_s"], rel_tol=1e-9)
+    assert row["counts"]["COMPLETE"] + row["counts"]["PRUNED"] == 16
+    assert trainer.backward is backward  # the wrappers are gone
+    assert "| wall-clock |" in stem.with_suffix(".md").read_text()

@@ -1,0 +1,198 @@
+"""Where a sweep's wall-clock goes: the time of each phase of ``hs.sweep``, by self time.
+
+    python benchmarks/sweep_phases.py [--sweep examples/digits_asha.yaml] [--scheduler sh]
+        [--rounds R] [--out STEM]
+
+Runs the sweep file as ``sweep_vs_optuna.py``'s ``hfsweep-sh`` arm does (``--scheduler sh``, the
+default: Optuna's SuccessiveHalving pruner; ``--scheduler file``: the file's own scheduler),
+with the profile cache filled before timing, ``R`` times (round r with the sweep's seed + r),
+and times the engine's and trainer's phases with ``time.perf_counter`` around their functions.
+Each phase counts its self time (nested timed phases are left to themselves), so the phases and
+"the rest" add up to the wall-clock. The wrappers cost a few microseconds per call, which the
+rest absorbs. This is a diagnostic: it times hfsweep's internal functions, whose names may
+change with the code.
+
+Writes ``results/sweep_phases_<device>.{md,json}``, or ``STEM.{md,json}`` with ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import optuna
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _results import RESULTS, write_results
+from sweep_vs_optuna import PRUNER_OPTIONS, _device, log, prefill_profiles, run_hfsweep, warm_up
+
+from hfsweep import _engine, trainer
+from hfsweep.config import parse_sweep
+from hfsweep.fusion import FusedArray
+from hfsweep.searchers import _source
+
+#: (owner, function name, phase): what is timed, in the order the table lists the phases
+PHASES: list[tuple[Any, str, str]] = [
+    (trainer, "backward", "training: forward and backward"),
+    (trainer, "update", "training: optimizer step"),
+    (FusedArray, "_trace", "tracing array forwards"),
+    (trainer._Run, "_evaluate", "evaluation"),
+    (trainer._Run, "_save_checkpoint", "trainer checkpoints"),
+    (trainer._Run, "_build", "building arrays"),
+    (trainer._Run, "_compacted", "building arrays"),
+    (_source.OptunaSource, "ask", "searcher: asking for trials"),
+    (_source.CustomSource, "ask", "searcher: asking for trials"),
+    (_engine._Engine, "_report", "scheduler decisions"),
+    (_engine._Engine, "_on_finish", "ending trials (study, histories)"),
+    (_engine._Engine, "_save_state", "state.json"),
+]
+REST = "the rest (data batches, refills, the trainer's loop, the study's set-up)"
+
+
+class PhaseClock:
+    """Self time per phase: a timed call's elapsed time minus that of the timed calls inside it."""
+
+    def __init__(self) -> None:
+        self.seconds: Counter[str] = Counter()
+        self.calls: Counter[str] = Counter()
+        self._stack: list[float] = []  # per open timed call: time spent in timed calls inside
+
+    def wrap(self, fn: Callable[..., Any], phase: str) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            self._stack.append(0.0)
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                elapsed = time.perf_counter() - start
+                inner = self._stack.pop()
+                self.seconds[phase] += elapsed - inner
+                self.calls[phase] += 1
+                if self._stack:
+                    self._stack[-1] += elapsed
+
+        return timed
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        """Every function of :data:`PHASES` timed while the block runs."""
+        saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in PHASES]
+        try:
+            for owner, name, phase in PHASES:
+                setattr(owner, name, self.wrap(getattr(owner, name), phase))
+            yield
+        finally:
+            for owner, name, original in saved:
+                setattr(owner, name, original)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sweep", default="examples/digits_asha.yaml")
+    parser.add_argument(
+        "--scheduler",
+        choices=("sh", "file"),
+        default="sh",
+        help="sh: Optuna's SuccessiveHalving pruner (as sweep_vs_optuna's hfsweep-sh arm); "
+        "file: the sweep file's scheduler",
+    )
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", help="results stem (default results/sweep_phases_<device>)")
+    args = parser.parse_args(argv)
+    if args.rounds < 1:
+        sys.exit(f"--rounds must be at least 1, got {args.rounds}")
+    path = Path(args.sweep)
+    mapping = yaml.safe_load(path.read_text())
+    if args.scheduler == "sh":
+        mapping["scheduler"] = {"name": "optuna:successive_halving", "options": PRUNER_OPTIONS}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        sweep = parse_sweep(mapping, source=path)
+    device = _device(sweep)
+    warm_up(sweep, device)
+    cache = Path(tempfile.mkdtemp(prefix="sweep_phases_profiles_"))
+    prefill_profiles(sweep, cache)
+
+    rows: list[dict[str, Any]] = []
+    for r in range(args.rounds):
+        seed = sweep.seed + r
+        clock = PhaseClock()
+        with clock.installed():
+            run = run_hfsweep({**mapping, "seed": seed}, f"round {r + 1} seed {seed}", cache)
+        phases = dict(clock.seconds)
+        phases[REST] = run["wall_s"] - sum(phases.values())
+        rows.append(
+            {
+                "round": r + 1,
+                "seed": seed,
+                "wall_s": run["wall_s"],
+                "phases_s": phases,
+                "calls": dict(clock.calls),
+                "counts": run["counts"],
+            }
+        )
+        log(f"[round {r + 1}] wall {run['wall_s']:.2f} s")
+
+    names = list(dict.fromkeys([p for _, _, p in PHASES] + [REST]))
+    cells = []
+    for name in names:
+        seconds = [row["phases_s"].get(name, 0.0) for row in rows]
+        shares = [row["phases_s"].get(name, 0.0) / row["wall_s"] for row in rows]
+        calls = [row["calls"].get(name, 0) for row in rows]
+        cells.append(
+            [
+                name,
+                f"{statistics.median(seconds):.3f}",
+                f"{100 * statistics.median(shares):.0f}%",
+                str(int(statistics.median(calls))) if name != REST else "-",
+            ]
+        )
+    walls = [row["wall_s"] for row in rows]
+    cells.append(["wall-clock", f"{statistics.median(walls):.3f}", "100%", "-"])
+    scheduler = (
+        f"Optuna SuccessiveHalving ({', '.join(f'{k}={v}' for k, v in PRUNER_OPTIONS.items())})"
+        if args.scheduler == "sh"
+        else f"{sweep.scheduler.name} {sweep.scheduler.options}"
+    )
+    notes = [
+        f"- `hs.sweep` of `{args.sweep}` (task {sweep.task.name}, {sweep.budget.trials} trials, "
+        f"sampler {sweep.searcher.name}) with scheduler {scheduler}, the profile cache filled "
+        f"before timing, on {device}; round r uses the sweep's seed + r.",
+        "- Self time per phase (`time.perf_counter` around the engine's and trainer's functions; "
+        "a phase's time leaves out the timed phases inside it), median over "
+        f"{args.rounds} round(s); the share is the median of the per-round shares, so the "
+        "shares need not add up to exactly 100%. Calls: median per sweep.",
+        "- Training: `trainer.backward` (forward, losses, backward, clipping) and "
+        "`trainer.update` (optimizer and schedule steps). Evaluation includes the validation "
+        "forwards and metrics, not the scheduler's decisions or tracing. Asking for trials "
+        "includes the sampler (TPE) and the study's storage; ending trials includes telling "
+        "the study and the searcher, the histories and the best trials' checkpoints.",
+    ]
+    stem = Path(args.out) if args.out else RESULTS / f"sweep_phases_{device.type}"
+    write_results(
+        stem,
+        "sweep_phases.py",
+        argv,
+        device,
+        f"Where a {sweep.budget.trials}-trial sweep's time goes",
+        notes,
+        ["phase", "seconds", "share of the wall-clock", "calls"],
+        cells,
+        rows,
+    )
+
+
+if __name__ == "__main__":
+    main()
