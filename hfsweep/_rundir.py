@@ -26,6 +26,7 @@ import json
 import math
 import os
 import shutil
+import socket
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
 
 try:
     import fcntl
-except ImportError:  # pragma: no cover - not on Windows
+except ImportError:  # pragma: no cover - only where fcntl is missing (Windows)
     fcntl = None  # type: ignore[assignment]
 
 __all__ = ["STATE_VERSION", "RunDir", "RunDirBusy", "member_id", "trial_number"]
@@ -62,6 +63,14 @@ class RunDirBusy(Exception):
     """Another sweep holds the run directory."""
 
 
+def _unlocked(path: Path, why: str) -> None:
+    warnings.warn(
+        f"cannot lock the run directory {path} ({why}): a second sweep started on it while "
+        "this one runs would not be refused",
+        stacklevel=6,  # the caller of hs.sweep (through exclusive, contextlib and the engine)
+    )
+
+
 class RunDir:
     """The files of one sweep's run directory."""
 
@@ -74,36 +83,41 @@ class RunDir:
 
         Two sweeps on one directory would train the same trials and tell them twice, and
         overwrite each other's state. A second holder (another process, or another sweep in
-        this one) gets :class:`RunDirBusy`, naming the holder's pid, before either has read or
-        written anything. The lock is an ``flock`` on ``.lock``: the kernel drops it when the
-        holder ends, however it ends (SIGKILL included), so a crashed sweep never leaves the
-        directory locked. Where ``fcntl`` is missing (Windows), nothing is locked.
+        this one) gets :class:`RunDirBusy`, naming the holder's host and pid, before either has
+        read or written anything. The lock is an ``flock`` on ``.lock``: the kernel drops it
+        when the holder ends, however it ends (SIGKILL included), and when the processes it
+        forked without exec (data-loader workers) have ended too. Where the lock cannot be
+        taken for another reason (a file system without ``flock``, a ``.lock`` this user
+        cannot open, Windows, which has no ``fcntl``), a warning says so and nothing is locked.
         """
-        if fcntl is None:  # pragma: no cover - not on Windows
+        if fcntl is None:  # pragma: no cover - only where fcntl is missing (Windows)
+            _unlocked(self.path, "this platform has no fcntl.flock")
             yield
             return
         self.path.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(self.path / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            _unlocked(self.path, str(exc))
+            yield
+            return
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = os.read(fd, 32).decode("ascii", "replace").strip() or "unknown"
+                holder = os.read(fd, 300).decode("utf-8", "replace").strip() or "unknown"
                 raise RunDirBusy(
-                    f"{self.path} is in use by another sweep (process {holder}); wait for it to "
-                    "end, or set `output` to another directory"
+                    f"{self.path} is in use by another sweep (process {holder}, or a process it "
+                    "started that is still running); wait for it to end, or set `output` to "
+                    "another directory"
                 ) from None
             except OSError as exc:  # a file system without locks (some network mounts)
-                warnings.warn(
-                    f"cannot lock the run directory {self.path} ({exc}): a second sweep started "
-                    "on it while this one runs would not be refused",
-                    stacklevel=3,
-                )
+                _unlocked(self.path, str(exc))
             os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
+            os.pwrite(fd, f"{socket.gethostname()}:{os.getpid()}\n".encode(), 0)
             yield
         finally:
-            os.close(fd)  # releases the lock
+            os.close(fd)  # releases the lock (once forked children have closed theirs)
 
     # ---------------------------------------------------------------- paths
     @property

@@ -208,7 +208,7 @@ def test_a_run_directory_in_use_is_refused_before_anything_is_written(tmp_path: 
     with RunDir(run).exclusive():
         for resume in (False, True):
             with pytest.raises(
-                hs.SweepError, match=rf"in use by another sweep \(process {os.getpid()}\)"
+                hs.SweepError, match=rf"in use by another sweep \(process [^:]+:{os.getpid()},"
             ):
                 hs.sweep(config, resume=resume, progress=False)
         assert [p.name for p in run.iterdir()] == [".lock"]
@@ -224,10 +224,19 @@ def test_a_file_system_without_locks_only_warns(
     def no_locks(fd: int, op: int) -> None:
         raise OSError(37, "No locks available")
 
-    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with monkeypatch.context() as patch:
+        patch.setattr(fcntl, "flock", no_locks)
+        with pytest.warns(UserWarning, match="cannot lock the run directory") as seen:
+            result = hs.sweep(
+                sweep_config(tmp_path / "run", budget={"trials": 2, "epochs": 1}), progress=False
+            )
+    assert _states(result) == Counter({"COMPLETE": 2})
+    assert seen[0].filename == __file__  # the warning points at the caller of hs.sweep
+    # a .lock that cannot be opened (here a folder) warns the same way
+    (tmp_path / "other" / ".lock").mkdir(parents=True)
     with pytest.warns(UserWarning, match="cannot lock the run directory"):
         result = hs.sweep(
-            sweep_config(tmp_path / "run", budget={"trials": 2, "epochs": 1}), progress=False
+            sweep_config(tmp_path / "other", budget={"trials": 2, "epochs": 1}), progress=False
         )
     assert _states(result) == Counter({"COMPLETE": 2})
 

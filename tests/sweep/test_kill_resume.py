@@ -145,7 +145,7 @@ def test_ctrl_c_stops_cleanly_and_resumes(tmp_path: Path, monkeypatch: pytest.Mo
     second = _start(sweep, "--resume")
     _out, err = second.communicate(timeout=300)
     assert second.returncode == 2
-    assert f"is in use by another sweep (process {proc.pid})" in err, err
+    assert re.search(rf"is in use by another sweep \(process [^:]+:{proc.pid},", err), err
     assert (run / "state.json").read_bytes() == before
     proc.send_signal(signal.SIGINT)
     _out, err = proc.communicate(timeout=60)
