@@ -385,8 +385,10 @@ class SweepState:
             # the member's own training time since it joined its array (kept through the
             # array's checkpoints), never the array's: a member that joined late gets its
             # grace period, and a resumed array does not restart its members' clocks
-            own = reported + rec.clock_shift
             before = float(rec.history[-1].get("time_total_s", 0.0)) if rec.history else 0.0
+            # never back, also where no replay set the shift (a member the replayed report did
+            # not evaluate, or a restore whose decision log is older than the array's checkpoint)
+            own = max(reported + rec.clock_shift, before)
             row = {
                 "training_iteration": len(rec.history) + 1,
                 "step": int(ev["step"]),

@@ -194,6 +194,11 @@ def test_a_members_clock_goes_on_from_its_last_evaluation_after_a_resume() -> No
     restored.on_result("A", _report("t7", [("A-0", 4, 0.8)], times={"A-0": 30.0}))
     assert [h["time_total_s"] for h in restored.members["A-0"].history] == [10.0, 20.0, 25.0, 32.0]
     assert searcher2.last["A-0"]["time_this_iter_s"] == 7.0
+    # a resumed array whose replay the log does not know (a restore from a state older than
+    # the array's checkpoint): its evaluation is new to the driver, and the clock still
+    # does not go back
+    restored.on_result("A", _report("t8", [("A-0", 6, 0.8)], times={"A-0": 26.0}, resumed=True))
+    assert restored.members["A-0"].history[-1]["time_total_s"] == 32.0
 
 
 def test_tune_schedulers_decide_jointly_whatever_the_order() -> None:
