@@ -10,7 +10,8 @@ and times the engine's and trainer's phases with ``time.perf_counter`` around th
 Each phase counts its self time (nested timed phases are left to themselves), so the phases and
 "the rest" add up to the wall-clock. The wrappers cost a few microseconds per call, which the
 rest absorbs. This is a diagnostic: it times hfsweep's internal functions, whose names may
-change with the code.
+change with the code. Only ``backend: local`` (the trainer runs in this process); a key the
+profile cache does not hold is profiled inside the sweep, and that time counts in the rest.
 
 Writes ``results/sweep_phases_<device>.{md,json}``, or ``STEM.{md,json}`` with ``--out``.
 """
@@ -23,6 +24,7 @@ import functools
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from collections import Counter
@@ -66,22 +68,23 @@ class PhaseClock:
     def __init__(self) -> None:
         self.seconds: Counter[str] = Counter()
         self.calls: Counter[str] = Counter()
-        self._stack: list[float] = []  # per open timed call: time spent in timed calls inside
+        self._local = threading.local()  # per thread: the open timed calls' inner time
 
     def wrap(self, fn: Callable[..., Any], phase: str) -> Callable[..., Any]:
         @functools.wraps(fn)
         def timed(*args: Any, **kwargs: Any) -> Any:
-            self._stack.append(0.0)
+            stack: list[float] = self._local.__dict__.setdefault("stack", [])
+            stack.append(0.0)
             start = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
                 elapsed = time.perf_counter() - start
-                inner = self._stack.pop()
+                inner = stack.pop()
                 self.seconds[phase] += elapsed - inner
                 self.calls[phase] += 1
-                if self._stack:
-                    self._stack[-1] += elapsed
+                if stack:
+                    stack[-1] += elapsed
 
         return timed
 
@@ -96,6 +99,24 @@ class PhaseClock:
         finally:
             for owner, name, original in saved:
                 setattr(owner, name, original)
+
+
+def _round(mapping: dict[str, Any], seed: int, r: int, cache: Path) -> dict[str, Any]:
+    """One timed sweep with seed ``seed``: its wall-clock and each phase's self time."""
+    clock = PhaseClock()
+    with clock.installed():
+        run = run_hfsweep({**mapping, "seed": seed}, f"round {r + 1} seed {seed}", cache)
+    phases = dict(clock.seconds)
+    phases[REST] = run["wall_s"] - sum(phases.values())
+    log(f"[round {r + 1}] wall {run['wall_s']:.2f} s")
+    return {
+        "round": r + 1,
+        "seed": seed,
+        "wall_s": run["wall_s"],
+        "phases_s": phases,
+        "calls": dict(clock.calls),
+        "counts": run["counts"],
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -120,30 +141,16 @@ def main(argv: list[str] | None = None) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         sweep = parse_sweep(mapping, source=path)
+    if sweep.backend != "local":
+        sys.exit(f"{path}: the phases are timed in this process; use backend: local")
     device = _device(sweep)
     warm_up(sweep, device)
-    cache = Path(tempfile.mkdtemp(prefix="sweep_phases_profiles_"))
-    prefill_profiles(sweep, cache)
-
     rows: list[dict[str, Any]] = []
-    for r in range(args.rounds):
-        seed = sweep.seed + r
-        clock = PhaseClock()
-        with clock.installed():
-            run = run_hfsweep({**mapping, "seed": seed}, f"round {r + 1} seed {seed}", cache)
-        phases = dict(clock.seconds)
-        phases[REST] = run["wall_s"] - sum(phases.values())
-        rows.append(
-            {
-                "round": r + 1,
-                "seed": seed,
-                "wall_s": run["wall_s"],
-                "phases_s": phases,
-                "calls": dict(clock.calls),
-                "counts": run["counts"],
-            }
-        )
-        log(f"[round {r + 1}] wall {run['wall_s']:.2f} s")
+    with tempfile.TemporaryDirectory(prefix="sweep_phases_profiles_") as folder:
+        cache = Path(folder)
+        prefill_profiles(sweep, cache)
+        for r in range(args.rounds):
+            rows.append(_round(mapping, sweep.seed + r, r, cache))
 
     names = list(dict.fromkeys([p for _, _, p in PHASES] + [REST]))
     cells = []
