@@ -40,7 +40,7 @@ from .profiler import (
     profile_sizes,
     signature,
 )
-from .trainer import backward, update
+from .trainer import any_smoothing, backward, update
 
 __all__ = ["measure_step", "profile_task", "settled", "time_steps"]
 
@@ -177,7 +177,7 @@ def measure_step(
     sched = make_schedule(opt, configs, [10**9] * size, 1)
     smoothing = (
         torch.tensor([c["label_smoothing"] for c in configs], dtype=dtype, device=device)
-        if any(c["label_smoothing"] for c in configs)
+        if any_smoothing(configs)
         else None
     )
     x, y = batch

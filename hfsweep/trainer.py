@@ -396,7 +396,7 @@ class _Run:
             device=self.t.device,
         )
         clip = self._clip_values(state)
-        smoothes = _any_smoothing(state)
+        smoothes = any_smoothing(s.config for s in state.slots if s is not None)
         loss_sum = torch.tensor(
             [s.loss_sum if s else 0.0 for s in state.slots],
             dtype=torch.float64,
@@ -459,7 +459,7 @@ class _Run:
                     # (arrays waiting after an out-of-memory split go first)
                     self._refill(state, array, opt, sched, smoothing, loss_sum)
                     clip = self._clip_values(state)
-                    smoothes = _any_smoothing(state)
+                    smoothes = any_smoothing(s.config for s in state.slots if s is not None)
                 busy = sum(s is not None for s in state.slots)
                 if 0 < busy <= len(state.slots) // 2:
                     # most slots are idle and nobody is waiting for them: go on with a smaller
@@ -878,11 +878,11 @@ class _Run:
 
 
 # ---------------------------------------------------------------------- helpers
-def _any_smoothing(state: _ArrayState) -> bool:
-    """Whether a member of ``state`` trains with label smoothing. Without any, the loss is
-    computed without the smoothing term: the same values (its weight is 0 for every member)
-    and fewer ops, and a term that would be ``0 * inf`` cannot turn a finite loss into NaN."""
-    return any(s is not None and s.config["label_smoothing"] for s in state.slots)
+def any_smoothing(configs: Iterable[Mapping[str, Any]]) -> bool:
+    """Whether a member with one of ``configs`` trains with label smoothing. Without any, the
+    loss is computed without the smoothing term: the same values (its weight is 0 for every
+    member) and fewer ops."""
+    return any(c["label_smoothing"] for c in configs)
 
 
 def backward(
