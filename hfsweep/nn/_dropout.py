@@ -10,13 +10,16 @@ forwards it has run through the layer (``member_calls``); the mask is a counter-
 and of 8, in any slot, traced or eager, on CPU or CUDA, and a checkpoint of seed and count resumes
 them exactly.
 
-The hash works on 32-bit values held in ``int64`` tensors. Each mixing round multiplies a value
-below ``2**32`` by an odd constant below ``2**31`` (the product stays below ``2**63``, so no signed
-overflow, which C++ leaves undefined) and folds the high half of the product into the low half.
-Per element that is a dozen or so in-place integer ops; the keys add about two dozen ops on one
-number per member, per layer and call. On the CPU the keys, and the whole hash of a small mask,
-are computed with NumPy, whose ops on a few thousand elements cost a fraction of a torch op's
-dispatch; large masks are hashed by torch in cache-sized blocks (its threads help there).
+The hash works on 32-bit values held in ``int64`` tensors. The per-member keys come from mixing
+rounds that multiply a value below ``2**32`` by an odd constant below ``2**31`` (the product stays
+below ``2**63``, so no signed overflow, which C++ leaves undefined) and fold the product's high half
+into its low half: a few dozen ops on one number per member, per layer and call. Each element is
+then hashed by a two-round xorshift-multiply permutation of 32-bit words (the shape and constants
+of the well-known ``[16 21f0aaad 15 735a2d97 15]`` hash from Chris Wellons' hash-prospector, with
+the second key xored in between the rounds): ten passes, each exact in 32-bit unsigned arithmetic,
+so on the CPU NumPy runs them on ``uint32`` arrays, half the memory of ``int64``, and gets the
+same values as the torch definition, which masks each product to 32 bits. Large masks are hashed
+in cache-sized blocks.
 
 The mask and scale come from one custom op (``hfsweep::dropout_multiplier``) whose batching rule
 computes every member's at once. Under ``vmap`` each of the fifty-odd small ops would otherwise
@@ -27,6 +30,7 @@ small MLP the dropout layer took about 85% of the time to trace the whole forwar
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -46,29 +50,23 @@ _ROUND_1 = 0x7FEB352D
 _ROUND_2 = 0x5851F42D
 _ROUND_3 = 0x2545F491
 _GOLDEN = 0x9E3779B9  # spreads consecutive layer indices over 32 bits
+# The element hash's multipliers: odd and below 2**31, like the rounds' above.
+_ELEMENT_1 = 0x21F0AAAD
+_ELEMENT_2 = 0x735A2D97
 _UNIFORM_BITS = 24  # resolution of the uniform number compared with p
 _MAX_ELEMENTS = 1 << 32  # element indices must fit the hash's 32-bit words
 
 
 def _fold(h: Tensor, multiplier: int) -> Tensor:
-    """One mixing round, in place: ``(h * m) mod 2**32`` xor the product's high half.
+    """One mixing round of the key derivation: ``(h * m) mod 2**32`` xor the product's high half.
 
     ``h`` holds values in ``[0, 2**32)``; the result does too. The product's low half spreads low
     input bits upwards, the high half brings every input bit back down. One round alone mixes
-    poorly (inputs that differ in low bits stay related); the hash always runs two or more
-    rounds after anything that varies. A round is not one-to-one, so two elements share a 32-bit
-    value a few times more often than independent draws would; with 24-bit uniforms, which
-    independent draws tie far more often, that cannot be seen in a mask.
+    poorly (inputs that differ in low bits stay related); the derivation always runs two or more
+    rounds after anything that varies.
     """
-    return _fold_into(h, multiplier, torch.empty_like(h))
-
-
-def _fold_into(h: Tensor, multiplier: int, spare: Tensor) -> Tensor:
-    """:func:`_fold` with the product's high half written to ``spare`` (same shape)."""
-    h.mul_(multiplier)
-    torch.bitwise_right_shift(h, 32, out=spare)
-    h.bitwise_xor_(spare)
-    return h.bitwise_and_(_MASK32)
+    h = h * multiplier
+    return (h ^ (h >> 32)) & _MASK32
 
 
 def _layer_word(salt: int) -> int:
@@ -110,17 +108,45 @@ def dropout_mask_hash(seed: Tensor, calls: Tensor, salt: int, numel: int) -> Ten
     ``[numel]`` for 0-dim ``seed`` and ``calls``, ``[*K, numel]`` for keys of shape ``[*K]``.
 
     The value of element j depends only on (seed, calls, salt, j): elementwise over an ``arange``,
-    so it is the same whatever else is batched alongside (``vmap`` over members, or none).
-    Each key is followed by at least two mixing rounds, and the second key, injected between
-    rounds, keeps the masks of two calls from being permutations of each other.
+    so it is the same whatever else is batched alongside (``vmap`` over members, or none). For
+    fixed keys the element hash is a permutation of 32-bit words, so no two elements of one
+    mask share a value; the second key, xored in between its two rounds, keeps the masks of two
+    calls from being permutations of each other.
     """
     _check_numel(numel)
     k1, k2 = _member_keys(seed, calls, salt)
     h = torch.arange(numel, dtype=torch.int64, device=seed.device) ^ k1.unsqueeze(-1)
-    _fold(h, _ROUND_2)
-    h.bitwise_xor_(k2.unsqueeze(-1))
-    _fold(h, _ROUND_3)
-    return _fold(h, _ROUND_1)
+    return _hash_elements(h, k2.unsqueeze(-1), torch.empty_like(h))
+
+
+def _hash_elements(h: Tensor, k2: Tensor, spare: Tensor) -> Tensor:
+    """The element hash, in place on ``h`` (32-bit values in ``int64``, the index xor the first
+    key), with ``k2`` the second key (broadcast against ``h``) and ``spare`` a buffer of
+    ``h``'s shape. Each product is below ``2**63`` and is masked to its low 32 bits."""
+    torch.bitwise_right_shift(h, 16, out=spare)
+    h.bitwise_xor_(spare).mul_(_ELEMENT_1).bitwise_and_(_MASK32)
+    h.bitwise_xor_(k2)
+    torch.bitwise_right_shift(h, 15, out=spare)
+    h.bitwise_xor_(spare).mul_(_ELEMENT_2).bitwise_and_(_MASK32)
+    torch.bitwise_right_shift(h, 15, out=spare)
+    return h.bitwise_xor_(spare)
+
+
+def _hash_elements_np(h: np.ndarray, k2: np.ndarray, spare: np.ndarray) -> None:
+    """:func:`_hash_elements` on NumPy ``uint32`` arrays, in place: the products wrap modulo
+    ``2**32``, which is the masking above."""
+    np.right_shift(h, 16, out=spare)
+    np.bitwise_xor(h, spare, out=h)
+    np.multiply(h, _U32_ELEMENT_1, out=h)
+    np.bitwise_xor(h, k2, out=h)
+    np.right_shift(h, 15, out=spare)
+    np.bitwise_xor(h, spare, out=h)
+    np.multiply(h, _U32_ELEMENT_2, out=h)
+    np.right_shift(h, 15, out=spare)
+    np.bitwise_xor(h, spare, out=h)
+
+
+_U32_ELEMENT_1, _U32_ELEMENT_2 = np.uint32(_ELEMENT_1), np.uint32(_ELEMENT_2)
 
 
 def _keep_threshold(p: Tensor) -> Tensor:
@@ -158,14 +184,6 @@ def _fold_np(h: np.ndarray, multiplier: int) -> np.ndarray:
     return (h ^ (h >> 32)) & _MASK32
 
 
-def _fold_np_into(h: np.ndarray, multiplier: int, spare: np.ndarray) -> None:
-    """:func:`_fold_into` on NumPy ``int64`` arrays, in place."""
-    np.multiply(h, multiplier, out=h)
-    np.right_shift(h, 32, out=spare)
-    np.bitwise_xor(h, spare, out=h)
-    np.bitwise_and(h, _MASK32, out=h)
-
-
 #: NumPy types of the dtypes whose scale NumPy computes as torch would (one correctly rounded
 #: operation after another); others (``bfloat16``) take :func:`_scale`
 _NUMPY_FLOATS: dict[torch.dtype, type[np.floating[Any]]] = {
@@ -179,16 +197,20 @@ def _cpu_columns(
     seed: Tensor, calls: Tensor, p: Tensor, salt: int, dtype: torch.dtype
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, Tensor]:
     """:func:`_member_keys`, :func:`_keep_threshold` and :func:`_scale` for CPU tensors of one
-    shape, as ``[K, 1]`` columns (keys and threshold in NumPy, the scale in ``dtype``).
+    shape, as ``[K, 1]`` columns (keys and threshold in NumPy ``uint32``, the scale in
+    ``dtype``).
 
     The same arithmetic in NumPy: a few dozen ops on one number per member, where each torch op
-    would cost its dispatch (about 0.1 ms per layer and call for a small MLP's mask).
+    would cost its dispatch (about 0.1 ms per layer and call for a small MLP's mask). The
+    threshold of ``p = 1``, ``2**32``, does not fit 32 bits and becomes ``2**32 - 1``: the one
+    hash that then passes is multiplied by that member's scale, 0, as every other.
     """
     s = seed.reshape(-1).numpy().astype(np.int64)
     c = calls.reshape(-1).numpy().astype(np.int64)
     k1, k2 = _derive_keys(s, c, salt, _fold_np)
     p64 = p.reshape(-1, 1).to(torch.float64).numpy()
     threshold = np.ceil(p64 * (1 << _UNIFORM_BITS)).astype(np.int64) << (32 - _UNIFORM_BITS)
+    threshold = np.minimum(threshold, _MASK32).astype(np.uint32)
     np_float = _NUMPY_FLOATS.get(dtype)
     if np_float is None:
         scale = _scale(p.reshape(-1, 1), dtype)
@@ -196,17 +218,16 @@ def _cpu_columns(
         q = p.reshape(-1, 1).to(dtype).numpy()
         with np.errstate(divide="ignore"):
             scale = torch.from_numpy(np.where(q < 1, np_float(1) / (np_float(1) - q), np_float(0)))
-    return k1.reshape(-1, 1), k2.reshape(-1, 1), threshold, scale
+    return (
+        k1.reshape(-1, 1).astype(np.uint32),
+        k2.reshape(-1, 1).astype(np.uint32),
+        threshold,
+        scale,
+    )
 
 
-#: masks of at most this many elements in all are hashed in NumPy, larger ones by torch in
-#: blocks (measured on the 2-core CPU: 3 x 4096 elements in 0.16 ms against 0.56 ms, 32 x 4096
-#: in 0.78 ms against 1.0 ms; at 8 x 65536 torch's threads are ahead)
-_NUMPY_ELEMENTS = 1 << 16
-
-#: elements per block of :func:`_multiplier_blocked`: 2 MiB of ``int64``, which stays in cache
-#: through the hash's dozen passes (measured on the 2-core CPU: 8 masks of 1M elements in 61 ms
-#: by blocks of 2**18, 253 ms whole, 80 ms for ``torch.bernoulli_`` of the same size)
+#: elements per block of the CPU hash: 1 MiB of ``uint32``, which stays in cache through the
+#: hash's passes
 _BLOCK = 1 << 18
 
 
@@ -214,56 +235,55 @@ def _multiplier_cpu(
     seed: Tensor, calls: Tensor, p: Tensor, salt: int, numel: int, dtype: torch.dtype
 ) -> Tensor:
     """The op's result on the CPU: the same values as :func:`dropout_mask_hash` (checked in the
-    tests), hashed in NumPy for a small mask, else by :func:`_multiplier_blocked`."""
+    tests), hashed in NumPy ``uint32``. On the 2-core CPU that is 2.7-3x faster than torch's
+    ``int64`` ops with both threads, at every size from 3 x 4096 to 32 x 2**20 elements
+    (``benchmarks/dropout_masks.py``)."""
     if seed.shape == calls.shape == p.shape:
         keys = seed.shape
     else:
         keys = torch.broadcast_shapes(seed.shape, calls.shape, p.shape)
         seed, calls, p = seed.expand(keys), calls.expand(keys), p.expand(keys)
-    if seed.numel() == 0 or numel == 0:
-        return torch.empty(*keys, numel, dtype=dtype)
-    k1, k2, threshold, scale = _cpu_columns(seed, calls, p, salt, dtype)
-    rows = k1.shape[0]
-    if rows * numel > _NUMPY_ELEMENTS:
-        k1_t, k2_t, threshold_t = (torch.from_numpy(a) for a in (k1, k2, threshold))
-        return _multiplier_blocked(k1_t, k2_t, threshold_t, scale, numel, dtype).view(*keys, numel)
-    h = np.bitwise_xor(np.arange(numel, dtype=np.int64), k1)
-    spare = np.empty_like(h)
-    _fold_np_into(h, _ROUND_2, spare)
-    np.bitwise_xor(h, k2, out=h)
-    _fold_np_into(h, _ROUND_3, spare)
-    _fold_np_into(h, _ROUND_1, spare)
-    keep = torch.from_numpy(np.greater_equal(h, threshold))
-    return torch.mul(keep, scale).view(*keys, numel)
-
-
-def _multiplier_blocked(
-    k1: Tensor, k2: Tensor, threshold: Tensor, scale: Tensor, numel: int, dtype: torch.dtype
-) -> Tensor:
-    """``[K, numel]`` multipliers from ``[K, 1]`` key, threshold and scale columns, hashed
-    block by block, each block through every pass of the hash before the next, in two reused
-    buffers: without a dozen trips through memory for a large mask."""
-    rows = k1.shape[0]
-    out = torch.empty(rows, numel, dtype=dtype)
+    out = torch.empty(math.prod(keys), numel, dtype=dtype)
     if out.numel() == 0:
-        return out
+        return out.view(*keys, numel)
+    k1, k2, threshold, scale = _cpu_columns(seed, calls, p, salt, dtype)
+    _fill_numpy(k1, k2, threshold, scale, out)
+    return out.view(*keys, numel)
+
+
+def _blocks(rows: int, numel: int) -> Iterator[tuple[int, int, int, int]]:
+    """``(r0, r1, c0, c1)`` of the ``_BLOCK``-element blocks of a ``[rows, numel]`` mask: whole
+    rows grouped while a row fits a block, else each row in pieces."""
     cols = min(numel, _BLOCK)
-    step = max(1, _BLOCK // cols)  # rows per block
-    h = torch.empty(min(rows, step), cols, dtype=torch.int64)
-    spare = torch.empty_like(h)
+    step = max(1, _BLOCK // cols)
     for c0 in range(0, numel, cols):
-        c1 = min(numel, c0 + cols)
-        index = torch.arange(c0, c1, dtype=torch.int64)
         for r0 in range(0, rows, step):
-            r1 = min(rows, r0 + step)
-            x, y = h[: r1 - r0, : c1 - c0], spare[: r1 - r0, : c1 - c0]
-            torch.bitwise_xor(index, k1[r0:r1], out=x)
-            _fold_into(x, _ROUND_2, y)
-            x.bitwise_xor_(k2[r0:r1])
-            _fold_into(x, _ROUND_3, y)
-            _fold_into(x, _ROUND_1, y)
-            torch.mul(x >= threshold[r0:r1], scale[r0:r1], out=out[r0:r1, c0:c1])
-    return out
+            yield r0, min(rows, r0 + step), c0, min(numel, c0 + cols)
+
+
+def _fill_numpy(
+    k1: np.ndarray, k2: np.ndarray, threshold: np.ndarray, scale: Tensor, out: Tensor
+) -> None:
+    """``out[K, numel]`` = the multipliers, from ``uint32`` ``[K, 1]`` key and threshold
+    columns and the ``[K, 1]`` scale, block by block in reused NumPy buffers."""
+    rows, numel = out.shape
+    np_out = out.numpy() if out.dtype in _NUMPY_FLOATS else None
+    np_scale = scale.numpy() if np_out is not None else None
+    shape = (min(rows, max(1, _BLOCK // min(numel, _BLOCK))), min(numel, _BLOCK))
+    h, spare, keep = np.empty(shape, np.uint32), np.empty(shape, np.uint32), np.empty(shape, bool)
+    for r0, r1, c0, c1 in _blocks(rows, numel):
+        x, y, kept = (
+            h[: r1 - r0, : c1 - c0],
+            spare[: r1 - r0, : c1 - c0],
+            keep[: r1 - r0, : c1 - c0],
+        )
+        np.bitwise_xor(np.arange(c0, c1, dtype=np.uint32), k1[r0:r1], out=x)
+        _hash_elements_np(x, k2[r0:r1], y)
+        np.greater_equal(x, threshold[r0:r1], out=kept)
+        if np_out is not None and np_scale is not None:
+            np.multiply(kept, np_scale[r0:r1], out=np_out[r0:r1, c0:c1])
+        else:
+            torch.mul(torch.from_numpy(kept), scale[r0:r1], out=out[r0:r1, c0:c1])
 
 
 @_multiplier_op.register_fake

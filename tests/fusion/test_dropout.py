@@ -14,7 +14,7 @@ from _streams import train_member
 from torch import nn
 
 import hfsweep as hs
-from hfsweep.nn._dropout import _NUMPY_ELEMENTS, _keep_threshold, _scale, dropout_mask_hash
+from hfsweep.nn._dropout import _BLOCK, _keep_threshold, _scale, dropout_mask_hash
 from hfsweep.testing import MLP, LeNet
 
 
@@ -247,14 +247,15 @@ def test_blocked_masks_equal_the_hash(rows: int, numel: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
-@pytest.mark.parametrize("numel", [700, _NUMPY_ELEMENTS], ids=["numpy", "torch-blocks"])
+@pytest.mark.parametrize("numel", [700, _BLOCK // 3], ids=["one-block", "row-blocks"])
 def test_cpu_multipliers_equal_the_definition_in_every_dtype(
     dtype: torch.dtype, numel: int
 ) -> None:
-    """The CPU op (small masks hashed in NumPy, larger ones by torch in blocks) gives exactly
-    the multipliers of the op's definition in torch ops, the one the GPU runs: keep where the
-    hash reaches the threshold, times ``1 / (1 - p)`` rounded in ``dtype``. The probabilities
-    include 0 and 1 and values whose scale rounds differently in each dtype."""
+    """The CPU op (the hash in NumPy ``uint32``, block by block) gives exactly the multipliers
+    of the op's definition in torch's ``int64`` ops, the one the GPU runs: keep where the hash
+    reaches the threshold, times ``1 / (1 - p)`` rounded in ``dtype``. The probabilities include
+    0 and 1 (whose threshold, ``2**32``, NumPy holds as ``2**32 - 1``) and values whose scale
+    rounds differently in each dtype."""
     op = torch.ops.hfsweep.dropout_multiplier
     values = [0.0, 1.0, 1 / 3, 0.1, 0.5, 0.9, 0.77, 2**-24]
     seeds = torch.arange(len(values)) * 7919 + 3
