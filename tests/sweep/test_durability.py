@@ -186,6 +186,49 @@ def test_the_grouped_journal_is_optunas_journal(tmp_path: Path, fsyncs: list[str
     assert sorted(fsyncs) == sorted([str(grouped), str(tmp_path)])
 
 
+def test_the_journal_is_not_reopened_until_it_grows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A storage query re-reads the journal only when the file has grown since the last read
+    reached its end; what another writer appends (a second backend, as another process would),
+    a whole line or the rest of a torn one, is seen at the next query."""
+    path = tmp_path / "study.journal"
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    storage = journal_storage(path)
+    study = optuna.create_study(study_name="s", storage=storage)
+    study.tell(study.ask(), 1.0)
+    opened: list[str] = []
+    real_open = open
+
+    def counting_open(file, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if os.fspath(file) == str(path):
+            opened.append(args[0] if args else kwargs.get("mode", "r"))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", counting_open)
+    for _ in range(5):
+        assert len(study.trials) == 1
+        storage.get_all_trials(study._study_id)
+    assert opened == []
+
+    other = optuna.load_study(
+        study_name="s", storage=optuna.storages.JournalStorage(JournalFileBackend(str(path)))
+    )
+    other.tell(other.ask(), 2.0)
+    assert [t.value for t in study.trials] == [1.0, 2.0]
+    assert "rb" in opened
+
+    # a torn append: the first half of a line, then the rest
+    line = json.dumps({"op_code": 2, "worker_id": "w", "study_id": 0, "user_attr": {"k": "v"}})
+    with real_open(path, "ab") as f:
+        f.write(line[:10].encode())
+    assert study.user_attrs == {}
+    assert study.user_attrs == {}
+    with real_open(path, "ab") as f:
+        f.write(line[10:].encode() + b"\n")
+    assert study.user_attrs == {"k": "v"}
+
+
 def test_a_sweep_groups_its_flushes_and_leaves_every_file_flushed(
     tmp_path: Path, fsyncs: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
