@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from ._io import append_lines, atomic_save, read_lines
+from ._packed import pack, unpack
 from ._malloc import retain_freed_memory
 from ._task import (
     Task,
@@ -48,7 +49,7 @@ from .optim.lr_scheduler import FusedLRScheduler
 __all__ = ["ArrayTrainer", "Evaluation", "Member", "MemberResult"]
 
 _log = logging.getLogger("hfsweep.trainer")
-_CHECKPOINT_VERSION = 2
+_CHECKPOINT_VERSION = 3
 #: an array traces a call signature at its 16th call. A trace pays for itself after 30-100
 #: calls of a small model (measured on CPU, digits MLP, B = 4..64: a trace takes 40-160 ms, an
 #: eager call 1-4 ms longer than a replay), so signatures an array calls a few times (an
@@ -231,7 +232,7 @@ class ArrayTrainer:
         path = Path(checkpoint_dir) / "array.pt"
         if not path.exists():
             return set()
-        payload = torch.load(path, map_location="cpu", weights_only=False)
+        payload = unpack(torch.load(path, map_location="cpu", weights_only=False))
         return set(payload.get("order", []))
 
     def steps_per_epoch(self, config: Mapping[str, Any]) -> int:
@@ -813,7 +814,7 @@ class _Run:
             },
             "arrays": arrays,
         }
-        atomic_save(payload, path)
+        atomic_save(pack(payload), path)
 
     def _settings(self) -> dict[str, Any]:
         """What must not change between a run and its resume."""
@@ -824,7 +825,7 @@ class _Run:
         }
 
     def _load_checkpoint(self, path: Path, members: Sequence[Member]) -> None:
-        payload = torch.load(path, map_location="cpu", weights_only=False)
+        payload = unpack(torch.load(path, map_location="cpu", weights_only=False))
         if payload.get("version") != _CHECKPOINT_VERSION:
             raise ValueError(
                 f"{path}: checkpoint version {payload.get('version')!r} is not "

@@ -1,0 +1,83 @@
+"""Many small tensors saved as a few: the trainer's checkpoints.
+
+``torch.save`` writes each tensor's storage as a record of its own, and its pickler calls a
+Python hook for every object. A checkpoint of a 32-member array of a small MLP holds about 200
+tensors (every member's weights, optimizer state and schedule) among 3,000 other objects
+(histories, configs): it took 13-16 ms to save on the 2-core CPU, about 9 of them in records.
+:func:`pack` pickles the structure at C speed, copying its dense tensors into one flat buffer per
+dtype and device on the way; :func:`unpack` rebuilds it with a copy of each tensor, of its shape
+and dtype. Plain tensors come back (a ``Parameter`` as a tensor without grad), and tensors that
+shared storage come back separate.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["pack", "unpack"]
+
+#: the key that marks a packed structure
+_MARK = "hfsweep_packed"
+_DENSE = (Tensor, torch.nn.Parameter)
+
+
+class _Packer(pickle.Pickler):
+    """Pickles a structure, sending each dense tensor to a buffer of its dtype and device."""
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.keys: list[tuple[torch.dtype, torch.device]] = []
+        self.parts: list[list[Tensor]] = []
+        self.sizes: list[int] = []
+
+    def persistent_id(self, obj: Any) -> Any:
+        if type(obj) not in _DENSE or obj.layout != torch.strided or obj.is_quantized:
+            return None
+        key = (obj.dtype, obj.device)
+        try:
+            index = self.keys.index(key)
+        except ValueError:
+            index = len(self.keys)
+            self.keys.append(key)
+            self.parts.append([])
+            self.sizes.append(0)
+        offset = self.sizes[index]
+        self.parts[index].append(obj.detach().reshape(-1))
+        self.sizes[index] += obj.numel()
+        return (index, offset, tuple(obj.shape))
+
+
+class _Unpacker(pickle.Unpickler):
+    def __init__(self, data: bytes, buffers: list[Tensor]) -> None:
+        super().__init__(io.BytesIO(data))
+        self.buffers = buffers
+
+    def persistent_load(self, pid: Any) -> Tensor:
+        index, offset, shape = pid
+        numel = 1
+        for d in shape:
+            numel *= d
+        return self.buffers[index][offset : offset + numel].view(shape).clone()
+
+
+def pack(obj: Any) -> dict[str, Any]:
+    """``obj`` as a small dict for ``torch.save``: its pickle without the dense tensors, and
+    one flat buffer per (dtype, device) holding them."""
+    out = io.BytesIO()
+    packer = _Packer(out)
+    packer.dump(obj)
+    buffers = [torch.cat(part) for part in packer.parts]
+    return {_MARK: 1, "tree": out.getvalue(), "buffers": buffers}
+
+
+def unpack(payload: Any) -> Any:
+    """The structure :func:`pack` packed; anything else as it is, so files written without
+    packing still load."""
+    if not (isinstance(payload, dict) and payload.get(_MARK) == 1):
+        return payload
+    return _Unpacker(payload["tree"], payload["buffers"]).load()
