@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Generator
 from typing import Any
 
 import optuna
@@ -32,7 +32,7 @@ class GroupedJournalFileBackend(JournalFileBackend):
         #: (file size, number of the next log) after the last read that reached the end
         self._read_to: tuple[int, int] | None = None
 
-    def read_logs(self, log_number_from: int) -> Iterator[dict[str, Any]]:
+    def read_logs(self, log_number_from: int) -> Generator[dict[str, Any], None, None]:
         """The logs from ``log_number_from`` on, as Optuna's backend reads them. The journal is
         only ever appended to, so a file of the size it had when a read from here reached its
         end holds nothing new."""

@@ -30,8 +30,8 @@ import torch
 from torch import Tensor, nn
 
 from ._io import append_lines, atomic_save, read_lines
-from ._packed import pack, unpack
 from ._malloc import retain_freed_memory
+from ._packed import pack, unpack
 from ._task import (
     Task,
     TaskError,
