@@ -50,6 +50,7 @@ from .trainer import ArrayTrainer, Evaluation, Member, MemberResult
 if TYPE_CHECKING:
     import optuna
 
+    from ._journal import GroupedJournalFileBackend
     from .executors._ray import RayExecutor
 
 __all__ = ["SweepError", "SweepResult", "sweep"]
@@ -216,11 +217,16 @@ class _Engine:
         self.elapsed_before = 0.0
         self.start = time.perf_counter()
         self._published = -math.inf  # perf_counter() of the last trials.csv/best.json write
+        #: the default journal's backend (None with a storage URL), and whether the run
+        #: directory is locked to this sweep
+        self._journal: GroupedJournalFileBackend | None = None
+        self._dir_locked = False
 
     # ------------------------------------------------------------------ the run
     def run(self) -> SweepResult:
         try:
-            with self.dir.exclusive():
+            with self.dir.exclusive() as locked:
+                self._dir_locked = locked
                 return self._run()
         except RunDirBusy as exc:
             raise SweepError(str(exc)) from None
@@ -328,9 +334,12 @@ class _Engine:
 
         storage: Any = self.sc.storage
         if storage is None:
-            from ._journal import journal_storage
+            from ._journal import GroupedJournalFileBackend
 
-            storage = journal_storage(self.dir.journal)
+            self._journal = GroupedJournalFileBackend(self.dir.journal)
+            if self._dir_locked:  # no other sweep can be writing it
+                self._journal.clear_stale_lock()
+            storage = optuna.storages.JournalStorage(self._journal)
         pruner = (
             self.scheduler.pruner
             if isinstance(self.scheduler, OptunaPruner)
@@ -585,7 +594,7 @@ class _Engine:
     def _next_array(self) -> tuple[_Array, list[Member]] | None:
         """Take a pool's trials as a new array (asking for trials as needed); ``None`` when
         no trial is waiting and none may be asked."""
-        with self._lock:
+        with self._holding():
             self._fill()
             key = self.pools.pick(self.sizes)
             if key is None:
@@ -634,10 +643,23 @@ class _Engine:
         """``hook`` run under the engine's lock (arrays in threads call hooks concurrently)."""
 
         def call(*args: Any) -> Any:
-            with self._lock:
+            with self._holding():
                 return hook(*args)
 
         return call
+
+    @contextmanager
+    def _holding(self) -> Iterator[None]:
+        """The engine's lock, then the journal's lock for every append until the block ends
+        (see :class:`~hfsweep._journal.GroupedJournalFileBackend`): always in this order, and
+        every write to the study under the engine's lock, so a hold never waits for a
+        thread that waits for it."""
+        with self._lock:
+            if self._journal is None:
+                yield
+            else:
+                with self._journal.held():
+                    yield
 
     def _requeue(self, array: _Array, member: Member) -> None:
         """A trial the executor hands back (its array restarted without it): it waits in its

@@ -78,8 +78,9 @@ class RunDir:
         self.path = Path(path)
 
     @contextmanager
-    def exclusive(self) -> Iterator[None]:
-        """Hold the run directory for this sweep, creating it if needed.
+    def exclusive(self) -> Iterator[bool]:
+        """Hold the run directory for this sweep, creating it if needed; yields whether it is
+        locked.
 
         Two sweeps on one directory would train the same trials and tell them twice, and
         overwrite each other's state. A second holder (another process, or another sweep in
@@ -92,15 +93,16 @@ class RunDir:
         """
         if fcntl is None:  # pragma: no cover - only where fcntl is missing (Windows)
             _unlocked(self.path, "this platform has no fcntl.flock")
-            yield
+            yield False
             return
         self.path.mkdir(parents=True, exist_ok=True)
         try:
             fd = os.open(self.path / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
             _unlocked(self.path, str(exc))
-            yield
+            yield False
             return
+        locked = True
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -113,9 +115,10 @@ class RunDir:
                 ) from None
             except OSError as exc:  # a file system without locks (some network mounts)
                 _unlocked(self.path, str(exc))
+                locked = False
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{socket.gethostname()}:{os.getpid()}\n".encode(), 0)
-            yield
+            yield locked
         finally:
             os.close(fd)  # releases the lock (once forked children have closed theirs)
 

@@ -229,6 +229,62 @@ def test_the_journal_is_not_reopened_until_it_grows(
     assert study.user_attrs == {"k": "v"}
 
 
+def test_a_hold_takes_the_journal_lock_once_and_other_writers_wait_for_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Inside ``held()`` every append of the process goes in under one acquisition of Optuna's
+    lock; another writer (a backend of its own, as another process has) waits for the hold to
+    end, then appends after it; the lines stay whole and in order."""
+    from optuna.storages.journal import JournalFileSymlinkLock
+
+    path = tmp_path / "study.journal"
+    ours = GroupedJournalFileBackend(path)
+    theirs = JournalFileBackend(str(path))
+    acquired: list[str] = []
+    real_acquire = JournalFileSymlinkLock.acquire
+
+    def counting(self: JournalFileSymlinkLock) -> bool:
+        acquired.append(threading.current_thread().name)
+        return real_acquire(self)
+
+    monkeypatch.setattr(JournalFileSymlinkLock, "acquire", counting)
+    ours.append_logs([{"n": 0}])
+    assert len(acquired) == 1
+    other = threading.Thread(target=lambda: theirs.append_logs([{"n": "theirs"}]), name="other")
+    with ours.held():
+        with ours.held():  # nested: the same hold
+            ours.append_logs([{"n": 1}])
+        other.start()
+        time.sleep(0.1)
+        assert other.is_alive()  # waiting for the lock
+        for n in (2, 3):
+            ours.append_logs([{"n": n}])
+    other.join(timeout=10)
+    assert not other.is_alive()
+    assert acquired.count("MainThread") == 2  # the first append, then the hold
+    assert not os.path.lexists(f"{path}.lock")
+    lines = [json.loads(line)["n"] for line in path.read_text().splitlines()]
+    assert lines == [0, 1, 2, 3, "theirs"]
+
+
+def test_a_stale_journal_lock_is_cleared_and_a_live_one_waited_for(tmp_path: Path) -> None:
+    """A lock left by a killed holder is removed after the wait; one its holder releases
+    within the wait is not touched."""
+    path = tmp_path / "study.journal"
+    backend = GroupedJournalFileBackend(path)
+    lock = f"{path}.lock"
+    assert backend.clear_stale_lock(wait_s=0.05) is False  # no lock: nothing to do
+    os.symlink(path, lock)  # as a SIGKILL inside a hold leaves it
+    start = time.monotonic()
+    assert backend.clear_stale_lock(wait_s=0.2) is True
+    assert time.monotonic() - start >= 0.2 and not os.path.lexists(lock)
+    os.symlink(path, lock)
+    threading.Timer(0.05, os.unlink, args=(lock,)).start()  # a writer that finishes
+    assert backend.clear_stale_lock(wait_s=2.0) is False
+    backend.append_logs([{"n": 1}])
+    assert path.read_text() == '{"n":1}\n'
+
+
 def test_a_sweep_groups_its_flushes_and_leaves_every_file_flushed(
     tmp_path: Path, fsyncs: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -7,6 +7,7 @@ import csv
 import json
 import math
 import os
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -214,6 +215,26 @@ def test_a_run_directory_in_use_is_refused_before_anything_is_written(tmp_path: 
         assert [p.name for p in run.iterdir()] == [".lock"]
     result = hs.sweep(config, progress=False)  # free again
     assert _states(result) == Counter({"COMPLETE": 2})
+
+
+def test_a_journal_lock_left_by_a_killed_sweep_does_not_stall_the_resume(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A sweep killed while it held the journal's lock leaves ``optuna.journal.lock``; Optuna
+    would wait 30 s before breaking it. The run directory is locked to the resuming sweep, so
+    the lock is known stale and removed at once (after a short wait)."""
+    run = tmp_path / "run"
+    config = sweep_config(run, budget={"trials": 2, "epochs": 1})
+    hs.sweep(config, progress=False)
+    (run / "optuna.journal.lock").symlink_to(run / "optuna.journal")
+    more = sweep_config(run, budget={"trials": 3, "epochs": 1})
+    start = time.monotonic()
+    with caplog.at_level("WARNING", logger="hfsweep.sweep"):
+        result = hs.sweep(more, resume=True, progress=False)
+    assert time.monotonic() - start < 20
+    assert _states(result) == Counter({"COMPLETE": 3})
+    assert any("journal lock a killed sweep had left" in r.getMessage() for r in caplog.records)
+    assert not (run / "optuna.journal.lock").is_symlink()
 
 
 def test_a_file_system_without_locks_only_warns(
