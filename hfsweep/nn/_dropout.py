@@ -205,8 +205,8 @@ def _cpu_columns(
     threshold of ``p = 1``, ``2**32``, does not fit 32 bits and becomes ``2**32 - 1``: the one
     hash that then passes is multiplied by that member's scale, 0, as every other.
     """
-    s = seed.reshape(-1).numpy().astype(np.int64)
-    c = calls.reshape(-1).numpy().astype(np.int64)
+    s = seed.reshape(-1).numpy().astype(np.int64, copy=False)
+    c = calls.reshape(-1).numpy().astype(np.int64, copy=False)
     k1, k2 = _derive_keys(s, c, salt, _fold_np)
     p64 = p.reshape(-1, 1).to(torch.float64).numpy()
     threshold = np.ceil(p64 * (1 << _UNIFORM_BITS)).astype(np.int64) << (32 - _UNIFORM_BITS)
@@ -216,8 +216,8 @@ def _cpu_columns(
         scale = _scale(p.reshape(-1, 1), dtype)
     else:
         q = p.reshape(-1, 1).to(dtype).numpy()
-        with np.errstate(divide="ignore"):
-            scale = torch.from_numpy(np.where(q < 1, np_float(1) / (np_float(1) - q), np_float(0)))
+        out = np.zeros_like(q)
+        scale = torch.from_numpy(np.divide(np_float(1), np_float(1) - q, out=out, where=q < 1))
     return (
         k1.reshape(-1, 1).astype(np.uint32),
         k2.reshape(-1, 1).astype(np.uint32),
