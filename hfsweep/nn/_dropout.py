@@ -201,16 +201,18 @@ def _cpu_columns(
     ``dtype``).
 
     The same arithmetic in NumPy: a few dozen ops on one number per member, where each torch op
-    would cost its dispatch (about 0.1 ms per layer and call for a small MLP's mask). The
-    threshold of ``p = 1``, ``2**32``, does not fit 32 bits and becomes ``2**32 - 1``: the one
-    hash that then passes is multiplied by that member's scale, 0, as every other.
+    would cost its dispatch (about 0.1 ms per layer and call for a small MLP's mask). A
+    threshold above ``2**32 - 1`` (``p`` within ``2**-24`` of 1, or 1), which keeps nothing,
+    does not fit 32 bits: it becomes ``2**32 - 1`` and that member's scale 0, so the one hash
+    that passes it is dropped too. A threshold below 0 (a negative ``p``) keeps everything, as
+    0 does.
     """
     s = seed.reshape(-1).numpy().astype(np.int64, copy=False)
     c = calls.reshape(-1).numpy().astype(np.int64, copy=False)
     k1, k2 = _derive_keys(s, c, salt, _fold_np)
     p64 = p.reshape(-1, 1).to(torch.float64).numpy()
-    threshold = np.ceil(p64 * (1 << _UNIFORM_BITS)).astype(np.int64) << (32 - _UNIFORM_BITS)
-    threshold = np.minimum(threshold, _MASK32).astype(np.uint32)
+    wide = np.ceil(p64 * (1 << _UNIFORM_BITS)).astype(np.int64) << (32 - _UNIFORM_BITS)
+    threshold = np.clip(wide, 0, _MASK32).astype(np.uint32)
     np_float = _NUMPY_FLOATS.get(dtype)
     if np_float is None:
         scale = _scale(p.reshape(-1, 1), dtype)
@@ -218,6 +220,9 @@ def _cpu_columns(
         q = p.reshape(-1, 1).to(dtype).numpy()
         out = np.zeros_like(q)
         scale = torch.from_numpy(np.divide(np_float(1), np_float(1) - q, out=out, where=q < 1))
+    keeps_none = wide > _MASK32
+    if keeps_none.any():
+        scale = scale.masked_fill(torch.from_numpy(keeps_none), 0)
     return (
         k1.reshape(-1, 1).astype(np.uint32),
         k2.reshape(-1, 1).astype(np.uint32),
@@ -235,9 +240,10 @@ def _multiplier_cpu(
     seed: Tensor, calls: Tensor, p: Tensor, salt: int, numel: int, dtype: torch.dtype
 ) -> Tensor:
     """The op's result on the CPU: the same values as :func:`dropout_mask_hash` (checked in the
-    tests), hashed in NumPy ``uint32``. On the 2-core CPU that is 2.7-3x faster than torch's
-    ``int64`` ops with both threads, at every size from 3 x 4096 to 32 x 2**20 elements
-    (``benchmarks/dropout_masks.py``)."""
+    tests), hashed in NumPy ``uint32``. On the 2-core CPU, NumPy's single thread hashed every
+    size from 3 x 4096 to 32 x 2**20 elements 2.7-3x faster than the same hash in torch's
+    ``int64`` ops, block by block, with both threads; ``benchmarks/dropout_masks.py`` compares
+    the op with its definition and with ``torch.bernoulli``."""
     if seed.shape == calls.shape == p.shape:
         keys = seed.shape
     else:

@@ -14,7 +14,13 @@ from _streams import train_member
 from torch import nn
 
 import hfsweep as hs
-from hfsweep.nn._dropout import _BLOCK, _keep_threshold, _scale, dropout_mask_hash
+from hfsweep.nn._dropout import (
+    _BLOCK,
+    _cpu_columns,
+    _keep_threshold,
+    _scale,
+    dropout_mask_hash,
+)
 from hfsweep.testing import MLP, LeNet
 
 
@@ -255,9 +261,10 @@ def test_cpu_multipliers_equal_the_definition_in_every_dtype(
     of the op's definition in torch's ``int64`` ops, the one the GPU runs: keep where the hash
     reaches the threshold, times ``1 / (1 - p)`` rounded in ``dtype``. The probabilities include
     0 and 1 (whose threshold, ``2**32``, NumPy holds as ``2**32 - 1``) and values whose scale
-    rounds differently in each dtype."""
+    rounds differently in each dtype; one within ``2**-26`` of 1, whose threshold is above 32 bits
+    while its scale is not 0, and a negative one, whose threshold is below 0."""
     op = torch.ops.hfsweep.dropout_multiplier
-    values = [0.0, 1.0, 1 / 3, 0.1, 0.5, 0.9, 0.77, 2**-24]
+    values = [0.0, 1.0, 1 / 3, 0.1, 0.5, 0.9, 0.77, 2**-24, 1 - 2**-26, -0.25]
     seeds = torch.arange(len(values)) * 7919 + 3
     calls = torch.arange(len(values)) * 2**31
     for p_dtype in (torch.float32, torch.float64):
@@ -270,6 +277,14 @@ def test_cpu_multipliers_equal_the_definition_in_every_dtype(
         one = op(seeds[2], calls[2], p, 11, numel, dtype)
         keep = dropout_mask_hash(seeds[2], calls[2], 11, numel) >= _keep_threshold(p).unsqueeze(-1)
         assert torch.equal(one, keep * _scale(p, dtype).unsqueeze(-1))
+    # the columns behind it: p = 1 - 2**-26 (float64) needs the threshold 2**32, which keeps
+    # nothing; NumPy holds 2**32 - 1 and zeroes that member's scale, so the one hash that
+    # would pass is dropped as well. A negative p keeps everything.
+    p = torch.tensor(values, dtype=torch.float64)
+    _, _, threshold, scale = _cpu_columns(seeds, calls, p, 11, dtype)
+    assert threshold[8, 0] == 2**32 - 1 and scale[8, 0] == 0 and 1 / (1 - p[8]) > 1e7
+    assert threshold[1, 0] == 2**32 - 1 and scale[1, 0] == 0
+    assert threshold[9, 0] == 0 and scale[9, 0] == _scale(p[9:], dtype)[0]
     # no members, or no elements: empty, and no work for the other dimension
     assert op(seeds[:0], calls[:0], p[:0], 11, 2**31, dtype).shape == (0, 2**31)
     assert op(seeds, calls, p, 11, 0, dtype).shape == (len(values), 0)
