@@ -472,9 +472,12 @@ class _Engine:
     def _ask(self, *, size_now: bool) -> list[tuple[str, Pending]]:
         """Ask one trial and pool it; returns ``[(key, pending)]`` (empty if none came)."""
         out = []
-        for trial, sampled in self.source.ask(1):
-            self.asked += 1
-            keyed = self._admit(trial, sampled)
+        admitted = []
+        with self._journal_held():  # sizing a new key (profiling) comes after, outside it
+            for trial, sampled in self.source.ask(1):
+                self.asked += 1
+                admitted.append((trial, self._admit(trial, sampled)))
+        for trial, keyed in admitted:
             if keyed is None:
                 continue
             key, config = keyed
@@ -594,15 +597,16 @@ class _Engine:
     def _next_array(self) -> tuple[_Array, list[Member]] | None:
         """Take a pool's trials as a new array (asking for trials as needed); ``None`` when
         no trial is waiting and none may be asked."""
-        with self._holding():
+        with self._lock:
             self._fill()
             key = self.pools.pick(self.sizes)
             if key is None:
                 return None
             taken = self.pools.take(key, self.sizes[key])
             array = _Array(index=len(self.arrays), key=key, size=self.sizes[key])
-            for p in taken:
-                self.live[p.number].set_user_attr("array", array.index)
+            with self._journal_held():
+                for p in taken:
+                    self.live[p.number].set_user_attr("array", array.index)
             self.arrays.append(array)
             self._save_state()
             return array, [Member(member_id(p.number), p.config) for p in taken]
@@ -650,16 +654,23 @@ class _Engine:
 
     @contextmanager
     def _holding(self) -> Iterator[None]:
-        """The engine's lock, then the journal's lock for every append until the block ends
-        (see :class:`~hfsweep._journal.GroupedJournalFileBackend`): always in this order, and
-        every write to the study under the engine's lock, so a hold never waits for a
-        thread that waits for it."""
-        with self._lock:
-            if self._journal is None:
+        """The engine's lock, then :meth:`_journal_held` (a hook: its study writes take the
+        journal's lock once)."""
+        with self._lock, self._journal_held():
+            yield
+
+    @contextmanager
+    def _journal_held(self) -> Iterator[None]:
+        """The journal's lock for every append until the block ends (see
+        :class:`~hfsweep._journal.GroupedJournalFileBackend`), taken under the engine's lock,
+        which every write to the study takes: so a hold never waits for a thread that waits
+        for it. Not around work that can take long (profiling a new key's array sizes): other
+        processes wait for the hold to end."""
+        if self._journal is None:
+            yield
+        else:
+            with self._lock, self._journal.held():
                 yield
-            else:
-                with self._journal.held():
-                    yield
 
     def _requeue(self, array: _Array, member: Member) -> None:
         """A trial the executor hands back (its array restarted without it): it waits in its

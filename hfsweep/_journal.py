@@ -17,7 +17,7 @@ from optuna.storages.journal import JournalFileBackend, JournalFileSymlinkLock
 
 from ._io import written
 
-__all__ = ["GroupedJournalFileBackend", "journal_backend", "journal_storage"]
+__all__ = ["GroupedJournalFileBackend", "journal_storage"]
 
 _log = logging.getLogger("hfsweep.sweep")
 
@@ -76,16 +76,26 @@ class GroupedJournalFileBackend(JournalFileBackend):
             # the appends made under it are whole lines, each written by one call
             _log.warning("the lock on %s was broken by another process during a hold", self._path)
 
-    def clear_stale_lock(self, wait_s: float = 1.0) -> bool:
-        """Remove the file's lock if it stays for ``wait_s`` seconds: a writer holds it for a
-        moment, so a lock that stays is one a killed process left (a sweep killed while it held
-        the lock). Only for a journal no other sweep can be writing (the run directory's, under
-        its lock); other Optuna processes break such a lock only after 30 s. Returns whether
-        one was removed."""
+    def clear_stale_lock(self, wait_s: float = 2.0, give_up_s: float = 30.0) -> bool:
+        """Remove the file's lock if the same lock stays for ``wait_s`` seconds: a writer holds
+        it for a moment, so a lock that stays is one a killed process left (a sweep killed
+        while it held the lock). A lock replaced meanwhile (another inode or change time) is
+        a live writer's: the wait starts again, until ``give_up_s``. Only for a journal no
+        other sweep can be writing (the run directory's, under its lock); other Optuna
+        processes break such a lock after 30 s. Returns whether one was removed."""
         lock = self._path + ".lock"
-        deadline = time.monotonic() + wait_s
-        while os.path.lexists(lock):
-            if time.monotonic() >= deadline:
+        start = time.monotonic()
+        seen: tuple[int, int] | None = None
+        since = start
+        while time.monotonic() - start < give_up_s:
+            try:
+                st = os.lstat(lock)
+            except FileNotFoundError:
+                return False
+            now = time.monotonic()
+            if (st.st_ino, st.st_ctime_ns) != seen:
+                seen, since = (st.st_ino, st.st_ctime_ns), now
+            elif now - since >= wait_s:
                 try:
                     os.unlink(lock)
                 except FileNotFoundError:
@@ -111,15 +121,15 @@ class GroupedJournalFileBackend(JournalFileBackend):
     def append_logs(self, logs: list[dict[str, Any]]) -> None:
         """Append ``logs``, one JSON object per line, under the journal's file lock."""
         data = "".join(json.dumps(log, separators=(",", ":")) + "\n" for log in logs).encode()
-        with self._mutex:
+        with self._mutex:  # a hold cannot begin or end between the check and the write
             if self._holds:
                 self._write(data)
                 return
-        self._append_lock.acquire()
-        try:
-            self._write(data)
-        finally:
-            self._append_lock.release()
+            self._append_lock.acquire()
+            try:
+                self._write(data)
+            finally:
+                self._append_lock.release()
 
     def _write(self, data: bytes) -> None:
         with open(self._path, "ab") as f:
@@ -131,9 +141,3 @@ class GroupedJournalFileBackend(JournalFileBackend):
 def journal_storage(path: str | os.PathLike[str]) -> optuna.storages.JournalStorage:
     """An Optuna ``JournalStorage`` on the journal file ``path``."""
     return optuna.storages.JournalStorage(GroupedJournalFileBackend(path))
-
-
-def journal_backend(storage: Any) -> GroupedJournalFileBackend | None:
-    """The :class:`GroupedJournalFileBackend` under ``storage``, if it has one."""
-    backend = getattr(storage, "_backend", None)
-    return backend if isinstance(backend, GroupedJournalFileBackend) else None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -281,6 +282,35 @@ def test_a_stale_journal_lock_is_cleared_and_a_live_one_waited_for(tmp_path: Pat
     os.symlink(path, lock)
     threading.Timer(0.05, os.unlink, args=(lock,)).start()  # a writer that finishes
     assert backend.clear_stale_lock(wait_s=2.0) is False
+    # a lock replaced during the wait is another writer's: the wait starts again
+    os.symlink(path, lock)
+
+    def replace() -> None:
+        os.unlink(lock)
+        os.symlink(path, lock)
+
+    threading.Timer(0.15, replace).start()
+    start = time.monotonic()
+    assert backend.clear_stale_lock(wait_s=0.3) is True
+    assert time.monotonic() - start >= 0.45
+    # a writer that keeps taking the lock anew is never broken: the wait gives up
+    stop = threading.Event()
+
+    def busy() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(lock)
+            os.symlink(path, lock)
+            time.sleep(0.02)
+
+    writer = threading.Thread(target=busy)
+    writer.start()
+    try:
+        assert backend.clear_stale_lock(wait_s=0.1, give_up_s=0.5) is False
+    finally:
+        stop.set()
+        writer.join()
+        os.unlink(lock)
     backend.append_logs([{"n": 1}])
     assert path.read_text() == '{"n":1}\n'
 
