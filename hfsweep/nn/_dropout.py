@@ -184,6 +184,9 @@ def _fold_np(h: np.ndarray, multiplier: int) -> np.ndarray:
     return (h ^ (h >> 32)) & _MASK32
 
 
+#: at most this many members derive their keys with Python ints (see :func:`_cpu_columns`)
+_PYTHON_KEYS = 4
+
 #: NumPy types of the dtypes whose scale NumPy computes as torch would (one correctly rounded
 #: operation after another); others (``bfloat16``) take :func:`_scale`
 _NUMPY_FLOATS: dict[torch.dtype, type[np.floating[Any]]] = {
@@ -207,17 +210,31 @@ def _cpu_columns(
     that passes it is dropped too. A threshold below 0 (a negative ``p``) keeps everything, as
     0 does.
     """
-    s = seed.reshape(-1).numpy().astype(np.int64, copy=False)
-    c = calls.reshape(-1).numpy().astype(np.int64, copy=False)
-    k1, k2 = _derive_keys(s, c, salt, _fold_np)
-    p64 = p.reshape(-1, 1).to(torch.float64).numpy()
+    if seed.numel() <= _PYTHON_KEYS:
+        # a few members (an array of one, a small last rung): Python ints, exact as int64
+        # here (every product stays below 2**63), beat two dozen NumPy calls
+        pairs = [
+            _derive_keys(a, b, salt, _fold_np)
+            for a, b in zip(seed.reshape(-1).tolist(), calls.reshape(-1).tolist(), strict=True)
+        ]
+        k1 = np.array([a for a, _ in pairs], dtype=np.int64)
+        k2 = np.array([b for _, b in pairs], dtype=np.int64)
+    else:
+        s = seed.reshape(-1).numpy().astype(np.int64, copy=False)
+        c = calls.reshape(-1).numpy().astype(np.int64, copy=False)
+        k1, k2 = _derive_keys(s, c, salt, _fold_np)
+    column = p.reshape(-1, 1)
+    p_float = _NUMPY_FLOATS.get(column.dtype)
+    p_np = column.numpy() if p_float is not None else None
+    p64 = p_np.astype(np.float64) if p_np is not None else column.to(torch.float64).numpy()
     wide = np.ceil(p64 * (1 << _UNIFORM_BITS)).astype(np.int64) << (32 - _UNIFORM_BITS)
-    threshold = np.clip(wide, 0, _MASK32).astype(np.uint32)
+    threshold = np.minimum(np.maximum(wide, 0), _MASK32).astype(np.uint32)
     np_float = _NUMPY_FLOATS.get(dtype)
     if np_float is None:
-        scale = _scale(p.reshape(-1, 1), dtype)
+        scale = _scale(column, dtype)
     else:
-        q = p.reshape(-1, 1).to(dtype).numpy()
+        # numpy and torch both round a float conversion to nearest even: the same q
+        q = p_np.astype(np_float, copy=False) if p_np is not None else column.to(dtype).numpy()
         out = np.zeros_like(q)
         scale = torch.from_numpy(np.divide(np_float(1), np_float(1) - q, out=out, where=q < 1))
     keeps_none = wide > _MASK32
