@@ -37,9 +37,11 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import RESULTS, write_results
+from optuna.storages.journal import JournalFileSymlinkLock
 from sweep_vs_optuna import PRUNER_OPTIONS, _device, log, prefill_profiles, run_hfsweep, warm_up
 
 from hfsweep import _engine, trainer
+from hfsweep._journal import GroupedJournalFileBackend
 from hfsweep.config import parse_sweep
 from hfsweep.fusion import FusedArray
 from hfsweep.searchers import _source
@@ -61,6 +63,12 @@ PHASES: list[tuple[Any, str, str]] = [
 ]
 REST = "the rest (data batches, refills, the trainer's loop, the study's set-up)"
 
+#: (owner, function name, what): calls counted per sweep, not timed
+COUNTED: list[tuple[Any, str, str]] = [
+    (GroupedJournalFileBackend, "append_logs", "journal appends"),
+    (JournalFileSymlinkLock, "acquire", "acquisitions of the journal's lock"),
+]
+
 
 class PhaseClock:
     """Self time per phase: a timed call's elapsed time minus that of the timed calls inside it."""
@@ -68,6 +76,7 @@ class PhaseClock:
     def __init__(self) -> None:
         self.seconds: Counter[str] = Counter()
         self.calls: Counter[str] = Counter()
+        self.events: Counter[str] = Counter()
         self._local = threading.local()  # per thread: the open timed calls' inner time
 
     def wrap(self, fn: Callable[..., Any], phase: str) -> Callable[..., Any]:
@@ -88,13 +97,24 @@ class PhaseClock:
 
         return timed
 
+    def count(self, fn: Callable[..., Any], what: str) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.events[what] += 1
+            return fn(*args, **kwargs)
+
+        return counted
+
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
-        """Every function of :data:`PHASES` timed while the block runs."""
-        saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in PHASES]
+        """Every function of :data:`PHASES` timed, and of :data:`COUNTED` counted, while the
+        block runs."""
+        saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in PHASES + COUNTED]
         try:
             for owner, name, phase in PHASES:
                 setattr(owner, name, self.wrap(getattr(owner, name), phase))
+            for owner, name, what in COUNTED:
+                setattr(owner, name, self.count(getattr(owner, name), what))
             yield
         finally:
             for owner, name, original in saved:
@@ -115,6 +135,7 @@ def _round(mapping: dict[str, Any], seed: int, r: int, cache: Path) -> dict[str,
         "wall_s": run["wall_s"],
         "phases_s": phases,
         "calls": dict(clock.calls),
+        "events": dict(clock.events),
         "counts": run["counts"],
     }
 
@@ -186,6 +207,12 @@ def main(argv: list[str] | None = None) -> None:
         "forwards and metrics, not the scheduler's decisions or tracing. Asking for trials "
         "includes the sampler (TPE) and the study's storage; ending trials includes telling "
         "the study and the searcher, the histories and the best trials' checkpoints.",
+        "- Per sweep (median): "
+        + ", ".join(
+            f"{int(statistics.median(row['events'].get(what, 0) for row in rows))} {what}"
+            for _, _, what in COUNTED
+        )
+        + ".",
     ]
     stem = Path(args.out) if args.out else RESULTS / f"sweep_phases_{device.type}"
     write_results(

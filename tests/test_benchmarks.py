@@ -113,3 +113,7 @@ def test_sweep_phases_accounts_for_the_whole_wall_clock(tmp_path, monkeypatch):
     assert row["counts"]["COMPLETE"] + row["counts"]["PRUNED"] == 16
     assert trainer.backward is backward  # the wrappers are gone
     assert "| wall-clock |" in stem.with_suffix(".md").read_text()
+    # journal appends are counted, and the engine's holds take the lock for many at once
+    events = row["events"]
+    assert events["journal appends"] > 16 * 4
+    assert 0 < events["acquisitions of the journal's lock"] < events["journal appends"] / 2
