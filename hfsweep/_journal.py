@@ -30,12 +30,12 @@ class GroupedJournalFileBackend(JournalFileBackend):
 
     Optuna's storage reads the file for new operations before every query; here a read that
     starts where the last one ended, while the file has not grown since, returns nothing
-    without opening the file (a sweep makes about three such reads per append).
+    without opening the file (a sweep makes several such reads per append).
 
-    Each append takes Optuna's lock on the file (a symlink made and renamed away: about 0.1 ms
-    apiece here, a tenth of a small sweep). Inside :meth:`held` the lock is taken once, and
-    every append of this process goes in under it: the engine holds it around each of its
-    hooks (asking for trials, reporting, ending them), which make a dozen appends or so. Other
+    Each append takes Optuna's lock on the file (a symlink made, renamed and removed: three
+    metadata operations, slow while flushes to disk run). Inside :meth:`held` the lock is taken
+    once, and every append of this process goes in under it: the engine holds it around each of
+    its hooks (asking for trials, reporting, ending them), which make several appends each. Other
     processes wait for the hold to end, as for an append. A hold must not wait for another
     thread that writes to the study: the engine holds it only under its own lock, which every
     one of its writes takes.

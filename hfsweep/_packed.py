@@ -3,8 +3,7 @@
 ``torch.save`` writes each tensor's storage as a record of its own, and its pickler calls a
 Python hook for every object. A checkpoint of a 32-member array of a small MLP holds about 200
 tensors (every member's weights, optimizer state and schedule) among 3,000 other objects
-(histories, configs): it took 11-16 ms to save on the 2-core CPU, 12 ms for its tensors alone;
-packed, 3.3 ms.
+(histories, configs); ``benchmarks/sweep_phases.py`` times the trainer's checkpoints.
 :func:`pack` pickles the structure at C speed, copying its dense tensors into one flat buffer per
 dtype on the way, in CPU memory (a checkpoint of a GPU array needs no second copy on the GPU);
 :func:`unpack` rebuilds it with a copy of each tensor, of its shape and dtype, on the CPU, where
