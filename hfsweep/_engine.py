@@ -647,30 +647,24 @@ class _Engine:
         """``hook`` run under the engine's lock (arrays in threads call hooks concurrently)."""
 
         def call(*args: Any) -> Any:
-            with self._holding():
+            with self._journal_held():  # the engine's lock, and one journal lock for the hook
                 return hook(*args)
 
         return call
 
     @contextmanager
-    def _holding(self) -> Iterator[None]:
-        """The engine's lock, then :meth:`_journal_held` (a hook: its study writes take the
-        journal's lock once)."""
-        with self._lock, self._journal_held():
-            yield
-
-    @contextmanager
     def _journal_held(self) -> Iterator[None]:
-        """The journal's lock for every append until the block ends (see
-        :class:`~hfsweep._journal.GroupedJournalFileBackend`), taken under the engine's lock,
-        which every write to the study takes: so a hold never waits for a thread that waits
-        for it. Not around work that can take long (profiling a new key's array sizes): other
-        processes wait for the hold to end."""
-        if self._journal is None:
-            yield
-        else:
-            with self._lock, self._journal.held():
+        """The engine's lock, then the journal's lock for every append until the block ends
+        (see :class:`~hfsweep._journal.GroupedJournalFileBackend`). Every write to the study
+        takes the engine's lock, so a hold never waits for a thread that waits for it. Not
+        around work that can take long (profiling a new key's array sizes): other processes
+        wait for the hold to end."""
+        with self._lock:
+            if self._journal is None:
                 yield
+            else:
+                with self._journal.held():
+                    yield
 
     def _requeue(self, array: _Array, member: Member) -> None:
         """A trial the executor hands back (its array restarted without it): it waits in its

@@ -36,9 +36,9 @@ class GroupedJournalFileBackend(JournalFileBackend):
     metadata operations, slow while flushes to disk run). Inside :meth:`held` the lock is taken
     once, and every append of this process goes in under it: the engine holds it around each of
     its hooks (asking for trials, reporting, ending them), which make several appends each. Other
-    processes wait for the hold to end, as for an append. A hold must not wait for another
-    thread that writes to the study: the engine holds it only under its own lock, which every
-    one of its writes takes.
+    processes wait for the hold to end, as for an append. Another thread's append during a hold
+    goes in under it, and a mutex keeps a hold from beginning or ending between an append's
+    check and its write; the engine takes its holds under its own lock besides.
     """
 
     def __init__(self, file_path: str | os.PathLike[str]) -> None:
