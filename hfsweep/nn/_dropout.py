@@ -224,8 +224,7 @@ def _cpu_columns(
         c = calls.reshape(-1).numpy().astype(np.int64, copy=False)
         k1, k2 = _derive_keys(s, c, salt, _fold_np)
     column = p.reshape(-1, 1)
-    p_float = _NUMPY_FLOATS.get(column.dtype)
-    p_np = column.numpy() if p_float is not None else None
+    p_np = column.numpy() if column.dtype in _NUMPY_FLOATS else None
     p64 = p_np.astype(np.float64) if p_np is not None else column.to(torch.float64).numpy()
     wide = np.ceil(p64 * (1 << _UNIFORM_BITS)).astype(np.int64) << (32 - _UNIFORM_BITS)
     threshold = np.minimum(np.maximum(wide, 0), _MASK32).astype(np.uint32)
@@ -257,10 +256,8 @@ def _multiplier_cpu(
     seed: Tensor, calls: Tensor, p: Tensor, salt: int, numel: int, dtype: torch.dtype
 ) -> Tensor:
     """The op's result on the CPU: the same values as :func:`dropout_mask_hash` (checked in the
-    tests), hashed in NumPy ``uint32``. On the 2-core CPU, NumPy's single thread hashed every
-    size from 3 x 4096 to 32 x 2**20 elements 2.7-3x faster than the same hash in torch's
-    ``int64`` ops, block by block, with both threads; ``benchmarks/dropout_masks.py`` compares
-    the op with its definition and with ``torch.bernoulli``."""
+    tests), hashed in NumPy ``uint32``. ``benchmarks/dropout_masks.py`` compares the op with
+    the same hash in torch's ``int64`` ops (its definition) and with ``torch.bernoulli``."""
     if seed.shape == calls.shape == p.shape:
         keys = seed.shape
     else:
@@ -274,11 +271,16 @@ def _multiplier_cpu(
     return out.view(*keys, numel)
 
 
-def _blocks(rows: int, numel: int) -> Iterator[tuple[int, int, int, int]]:
-    """``(r0, r1, c0, c1)`` of the ``_BLOCK``-element blocks of a ``[rows, numel]`` mask: whole
-    rows grouped while a row fits a block, else each row in pieces."""
+def _block_shape(rows: int, numel: int) -> tuple[int, int]:
+    """``(rows, columns)`` of the largest block of a ``[rows, numel]`` mask: whole rows grouped
+    while a row fits ``_BLOCK`` elements, else one row in pieces."""
     cols = min(numel, _BLOCK)
-    step = max(1, _BLOCK // cols)
+    return min(rows, max(1, _BLOCK // cols)), cols
+
+
+def _blocks(rows: int, numel: int) -> Iterator[tuple[int, int, int, int]]:
+    """``(r0, r1, c0, c1)`` of the blocks of a ``[rows, numel]`` mask (:func:`_block_shape`)."""
+    step, cols = _block_shape(rows, numel)
     for c0 in range(0, numel, cols):
         for r0 in range(0, rows, step):
             yield r0, min(rows, r0 + step), c0, min(numel, c0 + cols)
@@ -292,7 +294,7 @@ def _fill_numpy(
     rows, numel = out.shape
     np_out = out.numpy() if out.dtype in _NUMPY_FLOATS else None
     np_scale = scale.numpy() if np_out is not None else None
-    shape = (min(rows, max(1, _BLOCK // min(numel, _BLOCK))), min(numel, _BLOCK))
+    shape = _block_shape(rows, numel)
     h, spare, keep = np.empty(shape, np.uint32), np.empty(shape, np.uint32), np.empty(shape, bool)
     for r0, r1, c0, c1 in _blocks(rows, numel):
         x, y, kept = (
