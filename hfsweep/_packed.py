@@ -15,6 +15,7 @@ tensors that shared storage come back separate.
 from __future__ import annotations
 
 import io
+import math
 import pickle
 from typing import Any
 
@@ -33,19 +34,15 @@ class _Packer(pickle.Pickler):
 
     def __init__(self, file: io.BytesIO) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.keys: list[torch.dtype] = []
+        self.index: dict[torch.dtype, int] = {}  # the buffer of each dtype
         self.parts: list[list[Tensor]] = []
         self.sizes: list[int] = []
 
     def persistent_id(self, obj: Any) -> Any:
         if type(obj) not in _DENSE or obj.layout != torch.strided or obj.is_quantized:
             return None
-        key = obj.dtype
-        try:
-            index = self.keys.index(key)
-        except ValueError:
-            index = len(self.keys)
-            self.keys.append(key)
+        index = self.index.setdefault(obj.dtype, len(self.parts))
+        if index == len(self.parts):
             self.parts.append([])
             self.sizes.append(0)
         offset = self.sizes[index]
@@ -61,10 +58,7 @@ class _Unpacker(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> Tensor:
         index, offset, shape = pid
-        numel = 1
-        for d in shape:
-            numel *= d
-        return self.buffers[index][offset : offset + numel].view(shape).clone()
+        return self.buffers[index][offset : offset + math.prod(shape)].view(shape).clone()
 
 
 def pack(obj: Any) -> dict[str, Any]:
