@@ -219,7 +219,7 @@ class _AdamBase(FusedOptimizer):
 
     def _group_flags(self, group: dict[str, Any]) -> dict[str, bool]:
         flags = super()._group_flags(group)
-        flags["shared_beta2"] = bool((group["beta2"] == group["beta2"][0]).all())
+        flags["shared_beta2"] = len(set(self._host(group, "beta2"))) == 1
         return flags
 
     def _torch_kwargs(self, group: dict[str, Any], i: int) -> dict[str, Any]:

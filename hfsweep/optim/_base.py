@@ -54,6 +54,13 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.active = torch.ones(size, dtype=torch.bool, device=device)
         self._flags: list[dict[str, bool]] = []
         self._inactive: Tensor | None = None
+        #: host copies of ``active`` and of the numeric hyperparameters (``{name: [group]
+        #: [member]}``), and a count of the host-side changes: all renewed by :meth:`_refresh`,
+        #: so that LR schedulers step without reading the device (they take the host copies
+        #: again only when the count has moved)
+        self._active_host: list[bool] = [True] * size
+        self._host_values: dict[str, list[list[float]]] = {}
+        self._generation = 0
         #: check gradients for inf/NaN at every step and deactivate the members that have them
         self.isolate_nonfinite = True
         #: members deactivated because their loss or gradients were not finite, in order
@@ -274,14 +281,29 @@ class FusedOptimizer(torch.optim.Optimizer):
         return self._isolate(bad, "loss")
 
     def _refresh(self) -> None:
-        """Recompute host-side facts about the hyperparameters (no device syncs while stepping)."""
+        """Recompute host-side facts about the hyperparameters and the active members after a
+        change made from the host (the steps themselves then read nothing back from the device)."""
+        self._host_values = {
+            name: [g[name].tolist() for g in self.param_groups] for name in self.numeric
+        }
         self._flags = [self._group_flags(g) for g in self.param_groups]
-        idle = (~self.active).nonzero().flatten()
-        self._inactive = idle if idle.numel() else None
+        active = self.active.tolist()
+        self._active_host = active
+        idle = [i for i, a in enumerate(active) if not a]
+        self._inactive = (
+            torch.tensor(idle, dtype=torch.long, device=self.active.device) if idle else None
+        )
+        self._generation += 1
 
     def _group_flags(self, group: dict[str, Any]) -> dict[str, bool]:
-        """Which optional parts of the update any member of ``group`` needs."""
-        return {f"any_{n}": bool((group[n] != 0).any()) for n in self.numeric}
+        """Which optional parts of the update any member of ``group`` needs (from the host
+        copies :meth:`_refresh` has just taken)."""
+        return {f"any_{n}": any(v != 0 for v in self._host(group, n)) for n in self.numeric}
+
+    def _host(self, group: dict[str, Any], name: str) -> list[float]:
+        """The host copy of ``group``'s ``[B]`` values of ``name``, as of the last refresh."""
+        index = next(k for k, g in enumerate(self.param_groups) if g is group)
+        return self._host_values[name][index]
 
     # ------------------------------------------------------------------ members
     def set_active(self, i: int, active: bool) -> None:

@@ -7,6 +7,11 @@ member i's schedule from its new base learning rate (every scheduler attached to
 follows). Learning rates are computed per member in Python floats from closed forms, the same
 double-precision arithmetic torch uses, and written into the optimizer's ``[B]`` ``lr`` tensors.
 
+A step reads nothing back from the device: the scheduler keeps a host copy of the values it writes
+(re-read only after the optimizer's hyperparameters or active members were changed from the host,
+as at a slot refill) and writes each ``[B]`` tensor with one copy, so stepping a schedule never
+waits for the accelerator.
+
 ``member_state_dict(i)`` gives member i's progress in the format of the torch scheduler's
 ``state_dict`` (it loads into that scheduler, which then continues with the same learning rates);
 ``load_member_state_dict(i, sd)`` reads one back.
@@ -59,6 +64,8 @@ class FusedLRScheduler:
 
     args: ClassVar[tuple[str, ...]] = ()
     torch_class: ClassVar[type]
+    #: the optimizer's ``[B]`` values this scheduler writes (one host copy per param group each)
+    writes: tuple[str, ...] = ("lr",)
 
     def __init__(self, optimizer: FusedOptimizer, **values: Any) -> None:
         if not isinstance(optimizer, FusedOptimizer):
@@ -76,6 +83,8 @@ class FusedLRScheduler:
             g["initial_lr"].tolist() for g in optimizer.param_groups
         ]
         self.last_epoch: list[int] = [0] * self.size
+        self._values: dict[str, list[list[float]]] = {}
+        self._generation = -1
         self._validate()
         optimizer._schedulers.append(self)
         for i in range(self.size):
@@ -95,7 +104,7 @@ class FusedLRScheduler:
     # ------------------------------------------------------------------ public
     def step(self) -> None:
         """Advance every active member's schedule by one epoch (or step)."""
-        active = self.optimizer.active.tolist()
+        active = self.optimizer._active_host
         members = [i for i in range(self.size) if active[i]]
         for i in members:
             self.last_epoch[i] += 1
@@ -132,7 +141,7 @@ class FusedLRScheduler:
             last_epoch=t,
             _step_count=t + 1,
             base_lrs=[lrs[i] for lrs in self.base_lrs],
-            _last_lr=[float(g["lr"][i]) for g in self.optimizer.param_groups],
+            _last_lr=[lrs[i] for lrs in self._host_values()["lr"]],
         )
         state.update(self._export_extra(i))
         return state
@@ -152,16 +161,35 @@ class FusedLRScheduler:
     # ------------------------------------------------------------------ helpers
     def _apply_members(self, members: Iterable[int]) -> None:
         """Write the scheduled values of ``members``, then let the optimizer catch up once."""
+        self._host_values()
         for i in members:
             self._apply(i)
+        self._write()
         self._after_apply()
+
+    def _host_values(self) -> dict[str, list[list[float]]]:
+        """The host copy of the values this scheduler writes (``{name: [group][member]}``),
+        taken again from the optimizer's host copy when that changed since."""
+        opt = self.optimizer
+        if self._generation != opt._generation:
+            self._values = {name: [list(v) for v in opt._host_values[name]] for name in self.writes}
+            self._generation = opt._generation
+        return self._values
+
+    def _write(self) -> None:
+        """Copy the host values into the optimizer's ``[B]`` tensors, one copy per tensor."""
+        for name, groups in self._values.items():
+            for group, values in zip(self.optimizer.param_groups, groups, strict=True):
+                target = group[name]
+                source = torch.tensor(values, dtype=target.dtype)
+                target.copy_(source, non_blocking=target.device.type != "cpu")
 
     def _after_apply(self) -> None:
         """Called once after a batch of :meth:`_apply` calls."""
 
     def _apply(self, i: int) -> None:
-        for gi, group in enumerate(self.optimizer.param_groups):
-            group["lr"][i] = self._lr(i, self.base_lrs[gi][i], self.last_epoch[i])
+        for gi, lrs in enumerate(self._values["lr"]):
+            lrs[i] = self._lr(i, self.base_lrs[gi][i], self.last_epoch[i])
 
     def _torch_scheduler(self, i: int) -> Any:
         groups = [{"params": [nn.Parameter(torch.zeros(1))], "lr": lrs[i]} for lrs in self.base_lrs]
@@ -392,6 +420,8 @@ class OneCycleLR(FusedLRScheduler):
         self._momentum_key = (
             "momentum" if "momentum" in names else "beta1" if "beta1" in names else None
         )
+        if cycle_momentum and self._momentum_key is not None:
+            self.writes = ("lr", self._momentum_key)
         if cycle_momentum and self._momentum_key is None:
             raise ValueError(
                 f"cycle_momentum=True needs an optimizer with momentum or betas, not "
@@ -463,12 +493,15 @@ class OneCycleLR(FusedLRScheduler):
                 "min": self.max_momentum[i],
             }
             value = self._value(i, self.last_epoch[i], moms)
-            for group in self.optimizer.param_groups:
-                group[self._momentum_key][i] = value
+            for values in self._values[self._momentum_key]:
+                values[i] = value
 
     def _after_apply(self) -> None:
-        if self.cycle_momentum:
-            self.optimizer._refresh()  # momentum changed: the optimizer's flags may too
+        key = self._momentum_key
+        if self.cycle_momentum and key is not None:
+            # momentum changed: the optimizer's flag for it may too (from the host values)
+            for flags, values in zip(self.optimizer._flags, self._values[key], strict=True):
+                flags[f"any_{key}"] = any(v != 0 for v in values)
 
     def _torch_args(self, i: int) -> dict[str, Any]:
         out = super()._torch_args(i)
@@ -613,7 +646,9 @@ class ReduceLROnPlateau(FusedLRScheduler):
         """Record each member's metric (``[B]``) and reduce the learning rate of members whose
         metric has not improved for more than ``patience`` epochs."""
         values = _per_member("metrics", metrics, self.size)
-        active = self.optimizer.active.tolist()
+        active = self.optimizer._active_host
+        lrs = self._host_values()["lr"]
+        changed = False
         for i in range(self.size):
             if not active[i]:
                 continue
@@ -628,18 +663,22 @@ class ReduceLROnPlateau(FusedLRScheduler):
                 self.cooldown_counter[i] -= 1
                 self.num_bad_epochs[i] = 0
             if self.num_bad_epochs[i] > self.patience[i]:
-                for group in self.optimizer.param_groups:
-                    old = float(group["lr"][i])
+                for group_lrs in lrs:
+                    old = group_lrs[i]
                     new = max(old * self.factor[i], self.min_lr[i])
                     if old - new > self.eps[i]:
-                        group["lr"][i] = new
+                        group_lrs[i] = new
+                        changed = True
                 self.cooldown_counter[i] = self.cooldown[i]
                 self.num_bad_epochs[i] = 0
+        if changed:
+            self._write()
 
     def reset_member(self, i: int, **values: Any) -> None:
         super().reset_member(i, **values)
-        for group in self.optimizer.param_groups:
-            group["lr"][i] = group["initial_lr"][i]
+        for group, lrs in zip(self.optimizer.param_groups, self._host_values()["lr"], strict=True):
+            lrs[i] = float(group["initial_lr"][i])
+        self._write()
 
     def member_state_dict(self, i: int) -> dict[str, Any]:
         sched = self._torch_scheduler(i)
@@ -649,7 +688,7 @@ class ReduceLROnPlateau(FusedLRScheduler):
             best=self.best[i],
             num_bad_epochs=self.num_bad_epochs[i],
             cooldown_counter=self.cooldown_counter[i],
-            _last_lr=[float(g["lr"][i]) for g in self.optimizer.param_groups],
+            _last_lr=[lrs[i] for lrs in self._host_values()["lr"]],
         )
         return state
 
@@ -661,8 +700,9 @@ class ReduceLROnPlateau(FusedLRScheduler):
         self.best[i] = float(state["best"])
         self.num_bad_epochs[i] = int(state["num_bad_epochs"])
         self.cooldown_counter[i] = int(state["cooldown_counter"])
-        for group, lr in zip(self.optimizer.param_groups, state["_last_lr"], strict=True):
-            group["lr"][i] = lr
+        for lrs, lr in zip(self._host_values()["lr"], state["_last_lr"], strict=True):
+            lrs[i] = float(lr)
+        self._write()
 
     def _torch_args(self, i: int) -> dict[str, Any]:
         out = super()._torch_args(i)
