@@ -20,6 +20,8 @@ RAY_TESTS = (
     "tests/sweep/test_kill_resume.py::test_sigkill_then_resume_finishes_the_sweep[ray]",
     # a benchmark's smoke run with its own local Ray (ray.init in the script)
     "tests/test_benchmarks.py::test_sweep_end_to_end_quick_runs",
+    # the README's Tune quick start, on the shared Ray
+    "tests/test_docs.py::test_python_block_with_ray_runs",
 )
 
 _TESTS = Path(__file__).resolve().parent
