@@ -96,9 +96,7 @@ def test_every_check_names_a_block() -> None:
     assert set(CHECKS) <= present, sorted(set(CHECKS) - present)
 
 
-@pytest.mark.parametrize(
-    "block", [b for b in PYTHON if (b[0], b[1]) not in RAY_BLOCKS], ids=_id
-)
+@pytest.mark.parametrize("block", [b for b in PYTHON if (b[0], b[1]) not in RAY_BLOCKS], ids=_id)
 def test_python_block_runs(block, tmp_path, monkeypatch) -> None:
     page, index, code = block
     scope = _run(code, tmp_path, monkeypatch)
