@@ -86,6 +86,9 @@ def main() -> None:
     print(
         "config:", {k: round(v, 6) if isinstance(v, float) else v for k, v in best.config.items()}
     )
+    model = best.load_model(fusion.task)  # hfsweep: its final weights in the task's model
+    count = sum(p.numel() for p in model.parameters())
+    print(f"its weights: {count} parameters, from {best.checkpoint.path}")
     print(f"experiment: {os.path.abspath(results.experiment_path)}")
     ray.shutdown()
 

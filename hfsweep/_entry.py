@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import os
@@ -47,7 +48,7 @@ def load_object(spec: str, what: str) -> Any:
         if not path.is_file():
             raise ImportError(f"{what} {spec!r}: file {where!r} does not exist")
         _on_path(str(path.resolve().parent))  # the file may import its neighbours
-        name = f"_hfsweep_entry_{abs(hash(path.resolve()))}"
+        name = _module_name(path)
         if name in sys.modules:
             module = sys.modules[name]
         else:
@@ -70,6 +71,15 @@ def load_object(spec: str, what: str) -> Any:
     if not hasattr(module, attr):
         raise ImportError(f"{what} {spec!r}: {where!r} has no attribute {attr!r}")
     return getattr(module, attr)
+
+
+def _module_name(path: Path) -> str:
+    """The module name a task file is imported under: the same in every process for the same
+    file (a digest of its resolved path, not ``hash()``, which changes with
+    ``PYTHONHASHSEED``), because pickles of its objects (Tune's saved searcher, Ray's shipped
+    trainables) name their module and are read in other processes."""
+    digest = hashlib.sha256(os.fsencode(path.resolve())).hexdigest()[:16]
+    return f"_hfsweep_entry_{digest}"
 
 
 def _on_path(folder: str) -> None:

@@ -4,6 +4,10 @@ The member table is read from the state the fused searcher saves with the experi
 file, the one Tune restores from), or from a live :class:`~hfsweep.schedulers.tune.Fusion` in
 this process. After ``Tuner.restore`` pass the ``ResultGrid`` or the experiment directory: they
 hold the restored run's state in any process.
+
+A completed member's weights are in its array's newest Tune checkpoint (``weights/<member
+id>.pt``, see ``_tune_trainable``); :func:`best_member` and :func:`tuned_members` give each
+member that Tune ``Checkpoint`` and :meth:`TunedMember.state_dict` reads it.
 """
 
 from __future__ import annotations
@@ -14,12 +18,17 @@ import os
 import pickle
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ._tune_state import STATE_FORMAT
+from ._tune_state import STATE_FORMAT, WEIGHTS_DIR, weights_file
 
 if TYPE_CHECKING:
     import pandas
+    import torch
+    from torch import Tensor
+
+    from hfsweep._task import Task
 
 __all__ = [
     "TunedMember",
@@ -39,7 +48,14 @@ _COLUMNS = ["member", "array", "state", "value", "evaluations", "epoch", "step",
 class TunedMember:
     """One member of a fused Tune sweep: id, array (its Tune trial id), state (``COMPLETE``,
     ``PRUNED``, ``FAIL``, or ``RUNNING``/``WAITING`` in an unfinished sweep), its final metric
-    ``value``, the ``config`` it was trained with and its evaluations (``history``)."""
+    ``value``, the ``config`` it was trained with and its evaluations (``history``).
+
+    ``checkpoint`` is the Tune ``Checkpoint`` of its array that holds its final weights
+    (``weights/<id>.pt`` in it), or ``None``: the member did not complete (pruned and failed
+    members' weights are not kept), or it was read from a live ``Fusion``, which knows no Tune
+    results (pass the ``ResultGrid`` or the experiment directory). Load the weights with
+    :meth:`state_dict`. Two members are equal when everything but ``checkpoint`` is.
+    """
 
     id: str
     array: str | None
@@ -48,6 +64,35 @@ class TunedMember:
     config: dict[str, Any]
     history: list[dict[str, Any]] = field(default_factory=list)
     error: str | None = None
+    checkpoint: Any = field(default=None, compare=False, repr=False)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """The member's final weights, a ``state_dict`` of the task's model (on the CPU, in
+        the sweep's dtype) that loads into a model of the task for the member's config
+        (:meth:`load_model`). Read with ``torch.load(..., weights_only=True)``."""
+        import torch
+
+        if self.checkpoint is None:
+            why = (
+                "only completed members' weights are kept"
+                if self.state != "COMPLETE"
+                else "it was read without Tune's results (from a Fusion?): pass the ResultGrid "
+                "or the experiment directory to best_member() / tuned_members()"
+            )
+            raise ValueError(f"member {self.id} ({self.state}) has no saved weights: {why}")
+        with self.checkpoint.as_directory() as folder:
+            path = Path(folder) / WEIGHTS_DIR / weights_file(self.id)
+            return dict(torch.load(path, map_location="cpu", weights_only=True))
+
+    def load_model(self, task: Task | str) -> torch.nn.Module:
+        """A fresh model of ``task`` (the sweep's task, or its name) for this member's config,
+        with the member's final weights loaded (:meth:`state_dict`)."""
+        from hfsweep._entry import load_task
+
+        loaded = load_task(task) if isinstance(task, str) else task
+        model = loaded.build_model(loaded.resolve(self.config))
+        model.load_state_dict(self.state_dict())
+        return model
 
 
 def sweep_state(source: Any) -> dict[str, Any]:
@@ -89,20 +134,59 @@ def sweep_state(source: Any) -> dict[str, Any]:
 
 
 def tuned_members(source: Any) -> list[TunedMember]:
-    """Every member of the sweep, in the order they were asked."""
+    """Every member of the sweep, in the order they were asked, each completed one with the
+    Tune checkpoint that holds its weights (``None`` for a live ``Fusion`` source)."""
+    return _members(source, checkpoints=True)
+
+
+def _members(source: Any, *, checkpoints: bool) -> list[TunedMember]:
     state = sweep_state(source)
-    return [
-        TunedMember(
-            id=str(r["id"]),
-            array=r["array"],
-            state=str(r["state"]),
-            value=r["value"],
-            config=dict(r["config"]),
-            history=[dict(h) for h in r["history"]],
-            error=r["error"],
+    arrays = _array_checkpoints(source) if checkpoints else {}
+    out = []
+    for r in state["members"].values():
+        member_id, ckpt = str(r["id"]), arrays.get(str(r["array"]))
+        if ckpt is not None and not _holds(ckpt, member_id):
+            ckpt = None
+        out.append(
+            TunedMember(
+                id=member_id,
+                array=r["array"],
+                state=str(r["state"]),
+                value=r["value"],
+                config=dict(r["config"]),
+                history=[dict(h) for h in r["history"]],
+                error=r["error"],
+                checkpoint=ckpt,
+            )
         )
-        for r in state["members"].values()
-    ]
+    return out
+
+
+def _array_checkpoints(source: Any) -> dict[str, Any]:
+    """The newest Tune checkpoint of each array trial, by trial id: from a ``ResultGrid``'s
+    results, an ``ExperimentAnalysis``'s trials, or the experiment directory (read with
+    ``ExperimentAnalysis``). Empty for a live ``Fusion`` or ``FusedSearcher``."""
+    live = getattr(source, "state", None)
+    if live is not None and hasattr(live, "state_dict"):
+        return {}
+    from ray.tune import ExperimentAnalysis, ResultGrid
+
+    if isinstance(source, ResultGrid):
+        found = {}
+        for i in range(len(source)):
+            result = source[i]
+            trial_id = (result.metrics or {}).get("trial_id")
+            if trial_id is not None and result.checkpoint is not None:
+                found[str(trial_id)] = result.checkpoint
+        return found
+    if not isinstance(source, ExperimentAnalysis):
+        source = ExperimentAnalysis(os.fspath(source))
+    return {t.trial_id: t.checkpoint for t in source.trials if t.checkpoint is not None}
+
+
+def _holds(checkpoint: Any, member_id: str) -> bool:
+    """Whether a (local) Tune checkpoint holds ``member_id``'s weights."""
+    return os.path.isfile(os.path.join(checkpoint.path, WEIGHTS_DIR, weights_file(member_id)))
 
 
 def member_results(source: Any) -> pandas.DataFrame:
@@ -113,7 +197,7 @@ def member_results(source: Any) -> pandas.DataFrame:
     import pandas as pd
 
     rows = []
-    for m in tuned_members(source):
+    for m in _members(source, checkpoints=False):
         last = m.history[-1] if m.history else {}
         row: dict[str, Any] = {
             "member": m.id,
@@ -138,7 +222,7 @@ def member_history(source: Any) -> pandas.DataFrame:
 
     rows = [
         {"member": m.id, "array": m.array, "state": m.state, **h}
-        for m in tuned_members(source)
+        for m in _members(source, checkpoints=False)
         for h in m.history
     ]
     return pd.DataFrame(rows)
@@ -146,7 +230,13 @@ def member_history(source: Any) -> pandas.DataFrame:
 
 def best_member(source: Any, *, metric: str | None = None, mode: str | None = None) -> TunedMember:
     """The best completed member by its final value of ``metric`` (default: the sweep's
-    metric and mode). Raises ``ValueError`` when no member completed."""
+    metric and mode), with the Tune checkpoint that holds its weights::
+
+        best = best_member(results)
+        model = best.load_model(task)        # a fresh model of the task with its weights
+        weights = best.state_dict()          # or just the weights
+
+    Raises ``ValueError`` when no member completed."""
     state = sweep_state(source)
     metric = metric or state["metric"]
     mode = mode or state["mode"]
@@ -155,7 +245,8 @@ def best_member(source: Any, *, metric: str | None = None, mode: str | None = No
     sign = 1.0 if mode == "max" else -1.0
     best: TunedMember | None = None
     best_score = -math.inf
-    for m in tuned_members(source):
+    members = tuned_members(source)
+    for m in members:
         if m.state != "COMPLETE" or not m.history:
             continue
         value = m.history[-1].get(metric)
@@ -165,7 +256,7 @@ def best_member(source: Any, *, metric: str | None = None, mode: str | None = No
             best, best_score = m, sign * value
     if best is None:
         counts: dict[str, int] = {}
-        for m in tuned_members(source):
+        for m in members:
             counts[m.state] = counts.get(m.state, 0) + 1
         raise ValueError(
             f"no member completed with a finite {metric!r}; members by state: {counts}"

@@ -26,6 +26,7 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
+from urllib.parse import quote
 
 from hfsweep._task import Task
 
@@ -36,10 +37,12 @@ __all__ = [
     "FINISHED",
     "META",
     "STATE_FORMAT",
+    "WEIGHTS_DIR",
     "ArrayRecord",
     "MemberRecord",
     "SweepState",
     "restored_state",
+    "weights_file",
 ]
 
 _log = logging.getLogger("hfsweep.tune")
@@ -50,6 +53,9 @@ META = "hfsweep"
 FINISHED = "FINISHED"
 #: marks a saved state (and its format) in Tune's searcher checkpoint
 STATE_FORMAT = "hfsweep.tune/1"
+#: the folder of an array trial's Tune checkpoint that holds its completed members' weights:
+#: one ``state_dict`` per member, saved with ``torch.save``, named by :func:`weights_file`
+WEIGHTS_DIR = "weights"
 #: states a member is told in; told members never change again
 FINAL_STATES = ("COMPLETE", "PRUNED", "FAIL")
 #: most configs one refill asks the inner searcher for while looking for one of the array's key
@@ -109,6 +115,12 @@ class ArrayRecord:
 #: unpickles a new searcher, so the state a :class:`Fusion` made is left behind; ``Fusion.state``
 #: follows the restored one through this (strong references: one state per restored sweep)
 _RESTORED: dict[str, SweepState] = {}
+
+
+def weights_file(member_id: str) -> str:
+    """The file name of ``member_id``'s weights in :data:`WEIGHTS_DIR` (percent-encoded, one
+    to one; Tune's member ids ``<trial id>-<n>`` stay as they are)."""
+    return (quote(member_id, safe="-_.") or "%") + ".pt"
 
 
 def restored_state(uid: str) -> SweepState | None:
@@ -332,6 +344,21 @@ class SweepState:
         array.last_token = str(payload["token"])
         return self._alive(array)
 
+    def ends_by_itself(self, trial_id: str, result: Mapping[str, Any]) -> bool:
+        """Whether array ``trial_id``'s trainable ends on its own after ``result``, so Tune
+        must not stop it: a regular report of an array this sweep trains, whose answer ended
+        its last members. The trainable then sends its last report, whose checkpoint holds the
+        weights of the members that completed at this one (stopping the trial would lose
+        them)."""
+        array = self.arrays.get(trial_id)
+        payload = _payload(result)
+        return (
+            array is not None
+            and not array.done
+            and payload is not None
+            and not payload.get("final")
+        )
+
     def _stop_all(self, payload: Mapping[str, Any] | None) -> None:
         """Answer a report of an array this sweep no longer trains: every evaluated member
         stops, nobody joins. A final report (the trainable's last word) waits for no answer."""
@@ -446,7 +473,10 @@ class SweepState:
             self._give(array)
         if self.post is not None:
             given = [{"id": m, "config": self.members[m].config} for m in array.given[consumed:]]
-            self.post(str(payload["token"]), {"go": go, "given": given})
+            # members stopped now but told COMPLETE (the scheduler's budget, e.g. ASHA's max_t):
+            # the trainable keeps their weights as it keeps those of members it completed
+            complete = [m for m, g in go.items() if not g and self.members[m].state == "COMPLETE"]
+            self.post(str(payload["token"]), {"go": go, "given": given, "complete": complete})
 
     def _member(self, array: ArrayRecord, member_id: str) -> MemberRecord:
         rec = self.members.get(member_id)

@@ -13,6 +13,13 @@ joins late is not older than it is, and a retry or restore does not restart memb
 The checkpoint sent with a report is the trainer's state as of its previous save (the trainer
 saves after a report's decisions are applied), so a restored array replays the evaluations of its
 last report; the driver answers those from its decision log.
+
+The same checkpoint carries the weights of each member that ended complete (trained to its
+budget, or stopped where the driver counts it complete, e.g. at ASHA's ``max_t``): the model's
+``state_dict`` of each, saved with ``torch.save`` to ``weights/<member id>.pt`` as it ends, so
+every later checkpoint of the array (and the last one, sent with the array's final word) holds
+them, readable with ``torch.load(..., weights_only=True)``. Pruned and failed members' weights are
+not kept.
 """
 
 from __future__ import annotations
@@ -31,11 +38,12 @@ from typing import Any
 
 import torch
 
+from hfsweep._io import atomic_save
 from hfsweep._task import Task
 from hfsweep.trainer import ArrayTrainer, Evaluation, Member, MemberResult
 
 from ._tune_hub import await_answer, connect
-from ._tune_state import META
+from ._tune_state import META, WEIGHTS_DIR, weights_file
 
 __all__ = ["DTYPES", "TrainSpec", "make_trainable"]
 
@@ -111,7 +119,9 @@ def train_array(config: Mapping[str, Any], spec: TrainSpec) -> None:
             checkpoint_dir=work,
             trace=spec.trace,
             keep_states=False,
-            final_states="none",  # members' weights are not reported to Tune
+            # a stopped member may be one the driver counts complete (at the scheduler's
+            # budget): the channel keeps the weights of those and of the completed ones
+            final_states="all",
         )
         members = [Member(str(m["id"]), dict(m["config"])) for m in meta["members"]]
         trainer.run(
@@ -156,6 +166,8 @@ class _Channel:
         self.consumed = int(state.get("consumed", 0))
         self.queue: list[dict[str, Any]] = list(state.get("queue", []))
         self.ended: list[dict[str, Any]] = []
+        #: members the driver stopped and counts complete: their weights are kept
+        self.complete: set[str] = {str(m) for m in state.get("complete", [])}
         self.latest: dict[str, float] = {}
         self._clock = clock
         self.start = clock()
@@ -214,6 +226,7 @@ class _Channel:
         given = list(answer.get("given", []))
         self.queue.extend(given)
         self.consumed += len(given)
+        self.complete.update(str(m) for m in answer.get("complete", []))
         self.mark = self.now()  # the trainer saves next (after its refills)
         return {str(k): bool(v) for k, v in answer["go"].items()}
 
@@ -228,7 +241,14 @@ class _Channel:
         return Member(str(m["id"]), dict(m["config"]))
 
     def on_finish(self, result: MemberResult) -> None:
-        """Note how a member ended; it goes with the next report."""
+        """Note how a member ended; it goes with the next report. A complete member's weights
+        go to :data:`WEIGHTS_DIR`, so the next checkpoint carries them (the trainer calls
+        this at least once per member: a repeat after a resume writes the same file again)."""
+        kept = result.status == "completed" or (
+            result.status == "stopped" and result.id in self.complete
+        )
+        if kept and result.state is not None:
+            atomic_save(result.state["model"], self.work / WEIGHTS_DIR / weights_file(result.id))
         self.ended.append(
             {
                 "member": result.id,
@@ -240,7 +260,8 @@ class _Channel:
 
     def close(self) -> None:
         """The array is done: tell the driver about ends not yet reported and hand back
-        members that never got a slot."""
+        members that never got a slot. The report carries the last checkpoint: it holds the
+        weights of the members that ended since the previous one."""
         if not self.ended and not self.queue:
             return
         payload = {
@@ -253,7 +274,8 @@ class _Channel:
             "queued": len(self.queue),
             "final": True,
         }
-        self._send(payload, checkpoint=False)
+        self.queue = []  # handed back: the checkpoint must not start them again
+        self._send(payload, checkpoint=True)
 
     # ------------------------------------------------------------------ helpers
     def _send(self, payload: dict[str, Any], *, checkpoint: bool) -> None:
@@ -267,6 +289,7 @@ class _Channel:
                 "queue": self.queue,
                 "clock": self.mark,
                 "joined": self.joined,
+                "complete": sorted(self.complete),
             }
             tmp = self.work / f".{_CHANNEL_FILE}.tmp"
             tmp.write_text(json.dumps(state))

@@ -171,8 +171,10 @@ class FusedSearcher(Searcher):
 
 
 class FusedScheduler(FIFOScheduler):
-    """Applies ``scheduler`` to each member of every array report, jointly, and stops an array's
-    Tune trial once no member of it is left to train.
+    """Applies ``scheduler`` to each member of every array report, jointly. An array's Tune
+    trial ends once no member of it is left to train: its trainable ends by itself after a last
+    report (whose checkpoint holds the weights of the members that completed last); an array
+    this sweep no longer trains (a restarted errored trial) is stopped.
 
     Built by :meth:`hfsweep.schedulers.tune.Fusion.scheduler`. ``scheduler`` is one of Tune's
     ``FIFOScheduler``, ``AsyncHyperBandScheduler`` (``ASHAScheduler``) or ``MedianStoppingRule``, or
@@ -236,7 +238,11 @@ class FusedScheduler(FIFOScheduler):
     def on_trial_result(self, tune_controller: Any, trial: Any, result: dict[str, Any]) -> str:
         self._searcher._connect()
         alive = self._state.on_result(trial.trial_id, result)
-        return str(TuneTrialScheduler.CONTINUE if alive else TuneTrialScheduler.STOP)
+        # an array whose last members ended at this report is left to end by itself: its
+        # last report carries the checkpoint with their weights
+        if alive or self._state.ends_by_itself(trial.trial_id, result):
+            return str(TuneTrialScheduler.CONTINUE)
+        return str(TuneTrialScheduler.STOP)
 
     def on_trial_complete(self, tune_controller: Any, trial: Any, result: dict[str, Any]) -> None:
         return None  # members are told by the searcher's on_trial_complete

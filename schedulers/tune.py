@@ -20,7 +20,9 @@ sweep once (the task, how many members in all, the array size) and hands Tune th
     )
     results = tuner.fit()                   # one row per array
     print(member_results(results))          # one row per member
-    print(best_member(results).config)
+    best = best_member(results)
+    print(best.config)
+    model = best.load_model(fusion.task)    # its final weights in a fresh model of the task
 
 **Packing.** The searcher asks the inner searcher for member configs (under member ids
 ``<array trial id>-<n>``) and packs members whose configs share the task's compatibility key
@@ -32,13 +34,24 @@ the remaining pools start as smaller arrays.
 
 **Per member.** After each evaluation the array trainable reports every evaluated member; the
 scheduler wrapper runs the inner scheduler on each of them, decided jointly for the array (each
-member is judged after all its array-mates' values at that step are recorded), and stops the
-Tune trial once no member is left. Each member's results reach the inner searcher under its own
+member is judged after all its array-mates' values at that step are recorded); the Tune trial
+ends once no member is left. Each member's results reach the inner searcher under its own
 id: ``on_trial_result`` per evaluation, then ``on_trial_complete`` once: with its last result if
 it completed, without the metric if it was pruned (OptunaSearch records PRUNED), with
 ``error=True`` if it failed (non-finite loss or gradients, or a config the task rejects); the
 others in its array go on unaffected. With ``refill`` (the default), a freed slot gets a new
 member of the same key at once.
+
+**Weights.** Each array trial's Tune checkpoint holds the final weights of its members that
+completed (trained to their budget, or stopped at the scheduler's budget, such as ASHA's
+``max_t``): one ``state_dict`` per member, saved with ``torch.save`` as
+``weights/<member id>.pt`` in the checkpoint directory (the sweep's dtype, on the CPU), readable
+with ``torch.load(path, weights_only=True)``. ``best_member(results)`` returns the best member
+with its array's ``checkpoint``; ``.state_dict()`` reads its weights and ``.load_model(task)``
+builds the task's model for its config with them loaded. ``results.get_best_result().checkpoint``
+is the checkpoint of the array with the best reported value; ``member_results(results)`` lists
+which members trained in which array (column ``array``). Pruned and failed members' weights are
+not kept.
 
 **Restore and retries.** Tune saves the searcher with the experiment, and with it every
 member's state and the log of decisions taken. Each array report carries a Tune checkpoint of
@@ -87,8 +100,10 @@ experiment keeps it until its restored run finishes or Ray shuts down.
   ``max_t``.
 - Members of one array are asked together: with TPE, ``OptunaSearch(sampler=TPESampler(
   constant_liar=True))`` keeps them apart.
-- Every report carries a checkpoint of the whole array; keep disk use bounded with
-  ``tune.RunConfig(checkpoint_config=tune.CheckpointConfig(num_to_keep=2))``.
+- Every report carries a checkpoint of the whole array (and the weights of its members that
+  completed so far); keep disk use bounded with
+  ``tune.RunConfig(checkpoint_config=tune.CheckpointConfig(num_to_keep=2))``: Tune always keeps
+  each trial's newest checkpoint, the one that holds the weights.
 - A member that joins an array through refill trains on the same data as the others but sees
   the epochs' shuffles in another order (see the README's note on refill).
 - ``Tuner.restore(..., restart_errored=True)`` or ``resume_errored=True`` does not retrain an

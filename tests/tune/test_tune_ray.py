@@ -28,12 +28,15 @@ pytest.importorskip("ray.tune.search.optuna")
 import _tune_toy  # noqa: E402
 import optuna  # noqa: E402
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 from hfsweep.schedulers.tune import (  # noqa: E402
     Fusion,
+    TunedMember,
     best_member,
     member_history,
     member_results,
     sweep_state,
+    tuned_members,
 )
 from ray import cloudpickle, tune  # noqa: E402
 from ray.tune.schedulers import ASHAScheduler  # noqa: E402
@@ -244,6 +247,68 @@ def test_member_tables_and_the_best_member(sweep: dict[str, Any]) -> None:
     assert best.config == sweep["fusion"].state.members[best.id].config
 
 
+def _assert_weights_give_the_recorded_metrics(member: TunedMember) -> None:
+    """``member``'s saved weights, loaded into a fresh model of the task, give the validation
+    loss and accuracy its last evaluation recorded (plain PyTorch on the toy's validation data)."""
+    model = member.load_model(_tune_toy.TASK)
+    x, y = _tune_toy._tensors(_tune_toy.TASK.resolve(member.config))
+    model.eval()
+    with torch.no_grad():
+        out = model(x[160:])
+    last = member.history[-1]
+    torch.testing.assert_close(
+        F.cross_entropy(out, y[160:]).item(), last["val_loss"], rtol=1e-5, atol=1e-6
+    )
+    accuracy = (out.argmax(1) == y[160:]).double().mean().item()
+    torch.testing.assert_close(accuracy, last["val_accuracy"], rtol=1e-7, atol=1e-12)
+
+
+def test_the_best_members_weights_load_into_the_tasks_model_and_give_its_metrics(
+    sweep: dict[str, Any],
+) -> None:
+    results = sweep["results"]
+    best = best_member(results)
+    assert best.checkpoint is not None
+    with best.checkpoint.as_directory() as folder:  # the documented layout, read by hand
+        raw = torch.load(Path(folder) / "weights" / f"{best.id}.pt", weights_only=True)
+    model = _tune_toy.TASK.build_model(_tune_toy.TASK.resolve(best.config))
+    model.load_state_dict(raw)
+    assert {k: v.dtype for k, v in raw.items()} == {
+        k: v.dtype for k, v in model.state_dict().items()
+    }
+    _assert_weights_give_the_recorded_metrics(best)
+    # the experiment directory gives the same member with the same weights
+    again = best_member(results.experiment_path)
+    assert again == best
+    for key, value in again.state_dict().items():
+        assert torch.equal(value, raw[key])
+    # the checkpoint Tune picks for the best array holds the weights of its completed members
+    array = results.get_best_result().checkpoint
+    assert array is not None
+    done = {m.id for m in tuned_members(results) if m.state == "COMPLETE"}
+    with array.as_directory() as folder:
+        held = {p.stem for p in (Path(folder) / "weights").glob("*.pt")}
+    table = member_results(results)
+    in_best = set(table[table["array"] == results.get_best_result().metrics["trial_id"]]["member"])
+    assert held == done & in_best
+
+
+def test_every_completed_member_has_its_weights_and_no_other_does(sweep: dict[str, Any]) -> None:
+    members = tuned_members(sweep["results"])
+    for m in members:
+        assert (m.checkpoint is not None) == (m.state == "COMPLETE"), (m.id, m.state)
+        if m.state == "COMPLETE":  # the crashed and retried array's members too
+            _assert_weights_give_the_recorded_metrics(m)
+        else:
+            with pytest.raises(ValueError, match="only completed members"):
+                m.state_dict()
+    # a live Fusion knows no Tune results: it says where the weights are
+    live = best_member(sweep["fusion"])
+    assert live.checkpoint is None
+    with pytest.raises(ValueError, match="pass the ResultGrid or the experiment directory"):
+        live.state_dict()
+
+
 def test_an_interrupted_experiment_restored_tells_every_member_exactly_once(
     ray_local: Path, tmp_path: Path
 ) -> None:
@@ -277,6 +342,7 @@ def test_an_interrupted_experiment_restored_tells_every_member_exactly_once(
     assert member_results(fusion)[columns].equals(member_results(results)[columns])
     assert fusion.state.counts()["RUNNING"] == fusion.state.counts()["WAITING"] == 0
     assert best_member(fusion) == best_member(results) == best_member(first)
+    _assert_weights_give_the_recorded_metrics(best_member(path))  # weights across the restore
     assert not _hub_alive(fusion.state.hub_name)  # ended with the restored experiment
 
 

@@ -422,7 +422,11 @@ def test_an_array_resumed_after_it_failed_for_good_is_stopped_and_no_member_join
     state.suggest("A")
     r1 = _report("t1", [("A-0", 1, 0.5), ("A-1", 1, 0.6), ("A-2", 1, 0.7)])
     state.on_result("A", r1)
-    assert posted["t1"] == {"go": {"A-0": True, "A-1": True, "A-2": True}, "given": []}
+    assert posted["t1"] == {
+        "go": {"A-0": True, "A-1": True, "A-2": True},
+        "given": [],
+        "complete": [],
+    }
     state.on_complete("A", None, error=True)  # failed for good: its members are told FAIL
     assert searcher.outcome == {"A-0": "FAIL", "A-1": "FAIL", "A-2": "FAIL"}
     replay = _report("t2", [("A-0", 1, 0.5), ("A-1", 1, 0.6), ("A-2", 1, 0.7)], resumed=True)
@@ -526,3 +530,28 @@ def test_auto_array_size_leaves_a_learning_searcher_half_the_members(
     fusion = Fusion(TASK, members=15, array_size="auto")
     fusion.searcher(inner)
     assert fusion._profiled_size(TASK.resolve({})) == size
+
+
+def test_members_stopped_at_the_budget_are_told_complete_and_the_array_ends_by_itself() -> None:
+    # ASHA with max_t=2 stops every member that reaches its second epoch: told COMPLETE, so the
+    # trainable keeps its weights although the trainer stopped it; a member ASHA prunes at its
+    # first rung is not named
+    state, searcher, posted = _state([{"lr": 0.01 * (i + 1)} for i in range(2)], members=2, size=2)
+    asha = ASHAScheduler(metric="val_accuracy", mode="max", max_t=2, grace_period=1)
+    state.decider = TuneDecider(asha)
+    state.has_scheduler = True
+    state.suggest("A")
+    r1 = _report("t1", [("A-0", 1, 0.9), ("A-1", 1, 0.1)])
+    assert state.on_result("A", r1)
+    assert posted["t1"] == {"go": {"A-0": True, "A-1": False}, "given": [], "complete": []}
+    r2 = _report("t2", [("A-0", 2, 0.95)])
+    assert not state.on_result("A", r2)  # no member left to train
+    assert posted["t2"] == {"go": {"A-0": False}, "given": [], "complete": ["A-0"]}
+    assert searcher.outcome == {"A-0": "COMPLETE", "A-1": "PRUNED"}
+    # Tune must let the trainable end by itself: its last report carries A-0's weights
+    assert state.ends_by_itself("A", r2)
+    ended = [{"member": "A-0", "status": "stopped", "steps": 10, "error": None}]
+    word = {"token": "t3", "evaluations": [], "ended": ended, "unused": [], "final": True}
+    last = {"val_accuracy": 0.95, "hfsweep": json.dumps(word)}  # the trainable's last word
+    assert not state.on_result("A", last) and not state.ends_by_itself("A", last)
+    assert not state.ends_by_itself("B", r2)  # a trial the sweep never packed is stopped
