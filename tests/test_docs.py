@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,6 +75,10 @@ def _tune_quick_start(scope: dict[str, Any], tmp_path: Path) -> None:
     rows = member_results(scope["results"])
     assert len(rows) == 64
     assert scope["results"].num_errors == 0
+    weights = scope["best"].state_dict()  # the best member's, loaded into the task's model
+    loaded = scope["model"].state_dict()
+    assert loaded.keys() == weights.keys()
+    assert all(torch.equal(loaded[k], weights[k]) for k in weights)
 
 
 #: (page, index of its Python block) -> a check of the block's globals after it ran
