@@ -158,10 +158,18 @@ class RunDir:
 
     # ---------------------------------------------------------------- state
     def read_state(self) -> dict[str, Any] | None:
-        """The saved engine state, or ``None`` if this directory holds no sweep yet."""
+        """The saved engine state, or ``None`` if this directory holds no ``state.json``.
+
+        Raises :class:`ValueError`, naming the file, when it cannot be read as the state this
+        hfsweep version writes (cut short, edited, or another version's)."""
         if not self.state.exists():
             return None
-        state: dict[str, Any] = json.loads(self.state.read_text(encoding="utf-8"))
+        try:
+            state = json.loads(self.state.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:  # ValueError: bad JSON or bad UTF-8
+            raise ValueError(f"{self.state} cannot be read ({exc})") from exc
+        if not isinstance(state, dict):
+            raise ValueError(f"{self.state} holds a JSON {type(state).__name__}, not an object")
         if state.get("version") != STATE_VERSION:
             raise ValueError(
                 f"{self.state}: run directory state version {state.get('version')!r} is not "
