@@ -197,6 +197,42 @@ def test_a_delivered_end_whose_record_was_torn_is_told_from_the_array_checkpoint
     assert not (run / "arrays" / "0").exists()
 
 
+def test_a_trial_whose_array_record_was_torn_trains_once_in_its_array(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The crash came after the array's first checkpoint, and the record of the array its
+    last trial joined was torn off: the resumed array trains that trial, and it is not also
+    put in a new array (which trained it a second time)."""
+    sweep, run = _write_sweep(tmp_path), tmp_path / "run"
+    real = hfsweep.trainer.atomic_save
+
+    def crash_after(obj: Any, path: Path) -> None:
+        real(obj, path)
+        if path.name == "array.pt":
+            raise RuntimeError("power loss")
+
+    monkeypatch.setattr(hfsweep.trainer, "atomic_save", crash_after)
+    with pytest.raises(RuntimeError, match="power loss"):
+        _run(sweep, run)
+    monkeypatch.setattr(hfsweep.trainer, "atomic_save", real)
+    journal = run / "optuna.journal"
+    records = _records(journal)
+    start, end, last = next(r for r in reversed(records) if r[2]["op_code"] == _USER_ATTR)
+    assert last["user_attr"] == {"array": 0} and last["trial_id"] == TRIALS - 1
+    # the records after it (the first evaluation's values) were lost too: the flushes to
+    # disk are grouped, and a power loss can lose more than the last write
+    assert {r["op_code"] for _, _, r in records[records.index((start, end, last)) + 1 :]} == {7}
+    journal.write_bytes(journal.read_bytes()[: (start + end) // 2])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert _run(sweep, run, "--resume") == 0
+    trials = _load(journal).get_trials()
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * TRIALS
+    assert len(json.loads((run / "state.json").read_text())["arrays"]) == 1
+    ends = Counter(r["trial_id"] for _, _, r in _records(journal) if r["op_code"] == _TELL)
+    assert ends == Counter(range(TRIALS))
+
+
 def test_report_reads_a_torn_journal_without_changing_it(copy: Path) -> None:
     run = copy / "run"
     journal = run / "optuna.journal"
