@@ -362,8 +362,8 @@ class _Engine:
             except ValueError as exc:  # a line in the middle that is no record
                 raise SweepError(
                     f"{self.dir.journal} cannot be read as an Optuna journal ({exc}): it is "
-                    "damaged before its last record, which a crash cannot do; restore it from "
-                    "a backup, or start the sweep again in another output directory"
+                    "damaged before its last record, which resuming cannot repair; restore it "
+                    "from a backup, or start the sweep again in another output directory"
                 ) from None
         pruner = (
             self.scheduler.pruner
@@ -695,6 +695,11 @@ class _Engine:
             except Stopped:
                 return
         with self._lock:
+            if self._journal is not None:
+                # the ends of the array's members must be on disk before its checkpoint (and
+                # the record of what it delivered) is removed: a power loss that then tore
+                # one off would have its trial trained again
+                self._journal.sync()
             array.done = True
             self._save_state()
             self.dir.remove_array(array.index)

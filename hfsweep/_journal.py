@@ -195,6 +195,15 @@ class GroupedJournalFileBackend(BaseJournalBackend):
             self._read_to = None
             return TornTail(torn.offset, torn.dropped, torn.operation, copy)
 
+    def sync(self) -> None:
+        """Flush the journal to disk now, whether or not a group of flushes is open: before
+        removing what would be the only other record of the appends made so far."""
+        fd = os.open(self._path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
     def read_logs(self, log_number_from: int) -> Generator[dict[str, Any], None, None]:
         """The logs from ``log_number_from`` on, as Optuna's backend reads them. The journal is
         only ever appended to, so a file of the size it had when a read from here reached its
@@ -330,13 +339,13 @@ class JournalPrefix(BaseJournalBackend):
     def __init__(self, file_path: str | os.PathLike[str], end: int) -> None:
         self._path = os.fspath(file_path)
         self._end = end
+        self._logs: list[dict[str, Any]] | None = None  # read once: the prefix cannot change
 
     def read_logs(self, log_number_from: int) -> Generator[dict[str, Any], None, None]:
-        with open(self._path, "rb") as f:
-            data = f.read(self._end)
-        for number, line in enumerate(data.splitlines()):
-            if number >= log_number_from:
-                yield json.loads(line)
+        if self._logs is None:
+            with open(self._path, "rb") as f:
+                self._logs = [json.loads(line) for line in f.read(self._end).splitlines()]
+        yield from self._logs[log_number_from:]
 
     def append_logs(self, logs: list[dict[str, Any]]) -> None:
         raise PermissionError(f"{self._path} is opened read-only")

@@ -233,6 +233,39 @@ def test_a_trial_whose_array_record_was_torn_trains_once_in_its_array(
     assert ends == Counter(range(TRIALS))
 
 
+def test_an_arrays_checkpoint_is_removed_only_once_the_journal_is_on_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The delivered record in an array's checkpoint is what tells a trial again after a
+    power loss tore its end off the journal; it is removed (the array done) only after the
+    journal's appends reached the disk, though the sweep groups its flushes otherwise."""
+    import os
+
+    from hfsweep._rundir import RunDir
+
+    sweep, run = _write_sweep(tmp_path), tmp_path / "run"
+    journal = run / "optuna.journal"
+    synced: list[int] = []  # the journal's size at each of its flushes to disk
+    real_fsync, real_remove = os.fsync, RunDir.remove_array
+
+    def fsync(fd: int) -> None:
+        real_fsync(fd)
+        if os.readlink(f"/proc/self/fd/{fd}") == str(journal):
+            synced.append(os.fstat(fd).st_size)
+
+    removed: list[tuple[int, int]] = []  # (journal size, size on disk) at each removal
+
+    def remove_array(self: RunDir, index: int) -> None:
+        if self.array(index).exists():
+            removed.append((journal.stat().st_size, synced[-1] if synced else 0))
+        real_remove(self, index)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(RunDir, "remove_array", remove_array)
+    assert main(["run", str(sweep), "--output", str(run), "--quiet"]) == 0
+    assert removed and all(size == on_disk for size, on_disk in removed)
+
+
 def test_report_reads_a_torn_journal_without_changing_it(copy: Path) -> None:
     run = copy / "run"
     journal = run / "optuna.journal"
