@@ -37,7 +37,7 @@ import torch
 
 from ._io import atomic_save, grouped_sync
 from ._progress import Progress
-from ._rundir import RunDir, RunDirBusy, member_id, trial_number
+from ._rundir import RunDir, RunDirBusy, StateVersionError, member_id, trial_number
 from .config import SweepConfig, load_sweep, make_sampler, make_searcher, parse_sweep
 from .executors import ExecutorError, LocalExecutor, Stopped
 from .packing import Pending, Pools
@@ -309,6 +309,8 @@ class _Engine:
     def _prepare_dir(self) -> dict[str, Any] | None:
         try:
             state = self.dir.read_state()
+        except StateVersionError as exc:
+            raise SweepError(f"cannot resume {self.dir.path}: {exc}") from None
         except ValueError as exc:
             raise SweepError(f"cannot resume {self.dir.path}: {exc}. {_STATE_LOST}") from None
         has_study = state is not None or (self.sc.storage is None and self.dir.journal.exists())

@@ -386,3 +386,13 @@ def test_a_lost_state_is_refused_naming_the_file(
     assert "another `output` directory" in err
     assert _load(run / "optuna.journal").get_trials()  # the study is still readable
     assert (run / "optuna.journal").read_bytes()[: len(journal)] == journal
+
+
+def test_a_state_of_another_version_is_refused_naming_the_version(
+    copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    state = copy / "run" / "state.json"
+    state.write_text(json.dumps({**json.loads(state.read_text()), "version": 99}))
+    assert _run(copy / "sweep.yaml", copy / "run", "--resume") == 2
+    err = capsys.readouterr().err
+    assert f"{state}: run directory state version 99" in err and "resume it with that" in err
