@@ -37,7 +37,7 @@ import torch
 
 from ._io import atomic_save, grouped_sync
 from ._progress import Progress
-from ._rundir import RunDir, RunDirBusy, member_id, trial_number
+from ._rundir import RunDir, RunDirBusy, StateVersionError, member_id, trial_number
 from .config import SweepConfig, load_sweep, make_sampler, make_searcher, parse_sweep
 from .executors import ExecutorError, LocalExecutor, Stopped
 from .packing import Pending, Pools
@@ -71,6 +71,13 @@ _KEEP_BEST = 3
 _PUBLISH_EVERY_S = 5.0
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 _STATE = {"completed": "COMPLETE", "stopped": "PRUNED", "failed": "FAIL"}
+#: what to do about a state.json that is missing or cannot be read
+_STATE_LOST = (
+    "It holds the scheduler's state and the log of its decisions, which the study cannot "
+    "rebuild: resuming without it would take other pruning decisions. Restore the file (from "
+    "a backup), or start the sweep again with another `output` directory; the trials finished "
+    "so far stay readable with `hfsweep report`"
+)
 #: Optuna state name -> what a custom searcher's tell() gets
 _TOLD = {"COMPLETE": "complete", "PRUNED": "pruned", "FAIL": "failed"}
 
@@ -300,7 +307,12 @@ class _Engine:
             self.executor.close()
 
     def _prepare_dir(self) -> dict[str, Any] | None:
-        state = self.dir.read_state()
+        try:
+            state = self.dir.read_state()
+        except StateVersionError as exc:
+            raise SweepError(f"cannot resume {self.dir.path}: {exc}") from None
+        except ValueError as exc:
+            raise SweepError(f"cannot resume {self.dir.path}: {exc}. {_STATE_LOST}") from None
         has_study = state is not None or (self.sc.storage is None and self.dir.journal.exists())
         if has_study and not self.resume:
             raise SweepError(
@@ -339,7 +351,22 @@ class _Engine:
             self._journal = GroupedJournalFileBackend(self.dir.journal)
             if self._dir_locked:  # no other sweep can be writing it
                 self._journal.clear_stale_lock()
-            storage = optuna.storages.JournalStorage(self._journal)
+            torn = self._journal.drop_torn_tail()
+            if torn is not None:
+                message = (
+                    f"{torn.describe(self.dir.journal)}. The trial it belonged to is told "
+                    "again from its array's checkpoint, or trained again"
+                )
+                _log.warning("%s", message)
+                warnings.warn(message, stacklevel=5)  # hs.sweep's caller
+            try:
+                storage = optuna.storages.JournalStorage(self._journal)
+            except ValueError as exc:  # a line in the middle that is no record
+                raise SweepError(
+                    f"{self.dir.journal} cannot be read as an Optuna journal ({exc}): it is "
+                    "damaged before its last record, which resuming cannot repair; restore it "
+                    "from a backup, or start the sweep again in another output directory"
+                ) from None
         pruner = (
             self.scheduler.pruner
             if isinstance(self.scheduler, OptunaPruner)
@@ -377,15 +404,26 @@ class _Engine:
         import optuna
         from optuna.trial import TrialState
 
-        if saved is not None:
-            self.scheduler.load_state_dict(saved["scheduler"])
-            self.decisions = {str(k): bool(v) for k, v in saved["decisions"].items()}
-            self.ended = set(saved["ended"])
-            self.arrays = [_Array(**a) for a in saved["arrays"]]
-            self.sizes = {str(k): int(v) for k, v in saved["sizes"].items()}
-            self.best = [(float(v), int(n)) for v, n in saved["best"]]
-            self.elapsed_before = float(saved["elapsed_s"])
         trials = self.study.get_trials(deepcopy=False)
+        if saved is None and trials:
+            raise SweepError(
+                f"cannot resume {self.dir.path}: its study holds {len(trials)} trial(s) but "
+                f"{self.dir.state} is missing. {_STATE_LOST}"
+            )
+        if saved is not None:
+            try:
+                self.scheduler.load_state_dict(saved["scheduler"])
+                self.decisions = {str(k): bool(v) for k, v in saved["decisions"].items()}
+                self.ended = set(saved["ended"])
+                self.arrays = [_Array(**a) for a in saved["arrays"]]
+                self.sizes = {str(k): int(v) for k, v in saved["sizes"].items()}
+                self.best = [(float(v), int(n)) for v, n in saved["best"]]
+                self.elapsed_before = float(saved["elapsed_s"])
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                raise SweepError(
+                    f"cannot resume {self.dir.path}: {self.dir.state} is not the state this "
+                    f"sweep wrote ({type(exc).__name__}: {exc}). {_STATE_LOST}"
+                ) from None
         self.asked = len(trials)
         for a in self.arrays:
             if a.done:
@@ -396,6 +434,16 @@ class _Engine:
             for a in self.arrays
             if not a.done
         }
+        held = set().union(*known.values())
+        # ends the trainer delivered (it will not deliver them again) whose record in the
+        # study was lost with a torn journal: told again below
+        delivered = {
+            member: result
+            for a in self.arrays
+            if not a.done
+            for member, result in ArrayTrainer.delivered_results(self.dir.array(a.index)).items()
+        }
+        retell: list[MemberResult] = []
         for t in sorted(trials, key=lambda t: t.number):
             if t.state != TrialState.RUNNING:
                 if t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL):
@@ -422,9 +470,19 @@ class _Engine:
             key, config = keyed
             if t.intermediate_values:
                 self.reported[t.number] = max(t.intermediate_values)
-            array = t.user_attrs.get("array")
-            if not isinstance(array, int) or member_id(t.number) not in known.get(array, ()):
+            member = member_id(t.number)
+            if member in delivered:
+                retell.append(delivered[member])
+            elif member not in held:  # no array's checkpoint holds it: it starts again
                 self._pool(key, Pending(t.number, config), size_now=True)
+        for result in retell:
+            _log.warning(
+                "trial %d: its end was lost from the study (a torn journal); told again from "
+                "its array's checkpoint",
+                trial_number(result.id),
+            )
+            with self._journal_held():
+                self._on_finish(result)
         best = self._best_trial()
         if best is not None and best.value is not None:
             self.progress.set_best(best.value, best.number)
@@ -639,6 +697,11 @@ class _Engine:
             except Stopped:
                 return
         with self._lock:
+            if self._journal is not None:
+                # the ends of the array's members must be on disk before its checkpoint (and
+                # the record of what it delivered) is removed: a power loss that then tore
+                # one off would have its trial trained again
+                self._journal.sync()
             array.done = True
             self._save_state()
             self.dir.remove_array(array.index)

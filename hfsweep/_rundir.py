@@ -43,7 +43,14 @@ try:
 except ImportError:  # pragma: no cover - only where fcntl is missing (Windows)
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["STATE_VERSION", "RunDir", "RunDirBusy", "member_id", "trial_number"]
+__all__ = [
+    "STATE_VERSION",
+    "RunDir",
+    "RunDirBusy",
+    "StateVersionError",
+    "member_id",
+    "trial_number",
+]
 
 STATE_VERSION = 1
 _ID_PREFIX = "trial-"
@@ -61,6 +68,10 @@ def trial_number(member: str) -> int:
 
 class RunDirBusy(Exception):
     """Another sweep holds the run directory."""
+
+
+class StateVersionError(ValueError):
+    """``state.json`` was written by another hfsweep version."""
 
 
 def _unlocked(path: Path, why: str) -> None:
@@ -158,14 +169,24 @@ class RunDir:
 
     # ---------------------------------------------------------------- state
     def read_state(self) -> dict[str, Any] | None:
-        """The saved engine state, or ``None`` if this directory holds no sweep yet."""
+        """The saved engine state, or ``None`` if this directory holds no ``state.json``.
+
+        Raises :class:`ValueError`, naming the file, when it cannot be read as the state this
+        hfsweep version writes (cut short or edited; :class:`StateVersionError`: another
+        version's)."""
         if not self.state.exists():
             return None
-        state: dict[str, Any] = json.loads(self.state.read_text(encoding="utf-8"))
+        try:
+            state = json.loads(self.state.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:  # ValueError: bad JSON or bad UTF-8
+            raise ValueError(f"{self.state} cannot be read ({exc})") from exc
+        if not isinstance(state, dict):
+            raise ValueError(f"{self.state} holds a JSON {type(state).__name__}, not an object")
         if state.get("version") != STATE_VERSION:
-            raise ValueError(
+            raise StateVersionError(
                 f"{self.state}: run directory state version {state.get('version')!r} is not "
-                f"{STATE_VERSION}; it was written by another hfsweep version"
+                f"{STATE_VERSION}; it was written by another hfsweep version: resume it with "
+                "that version"
             )
         return state
 

@@ -157,6 +157,8 @@ def _load_study(run: Path, sweep: _Sweep) -> optuna.Study:
     from optuna.storages import BaseStorage, JournalStorage
     from optuna.storages.journal import JournalFileBackend
 
+    from ._journal import JournalPrefix, find_torn_tail
+
     storage: str | BaseStorage
     if sweep.storage is None:
         journal = run / "optuna.journal"
@@ -169,7 +171,18 @@ def _load_study(run: Path, sweep: _Sweep) -> optuna.Study:
                 f"journal file ({_RUN_FIRST})"
             )
         try:
-            storage = JournalStorage(JournalFileBackend(str(journal)))
+            torn = find_torn_tail(journal)
+            if torn is None:
+                storage = JournalStorage(JournalFileBackend(str(journal)))
+            else:
+                # read the whole records only; the report leaves the file as it is (a sweep
+                # may be resuming from it; the run directory may be read-only)
+                warnings.warn(
+                    f"{torn.describe(journal)}; `hfsweep run SWEEP --resume` drops it from the "
+                    "file, keeping a copy",
+                    stacklevel=3,
+                )
+                storage = JournalStorage(JournalPrefix(journal, torn.offset))
         except Exception as exc:
             raise ReportError(f"{journal}: cannot be opened as an Optuna journal ({exc})") from exc
     else:

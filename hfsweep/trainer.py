@@ -235,6 +235,16 @@ class ArrayTrainer:
         payload = unpack(torch.load(path, map_location="cpu", weights_only=False))
         return set(payload.get("order", []))
 
+    @staticmethod
+    def delivered_results(checkpoint_dir: str | os.PathLike[str]) -> dict[str, MemberResult]:
+        """The results (without their states) of the members whose ``on_finish`` the trainer
+        in ``checkpoint_dir`` has called, by member id: what ``run(..., resume=True)`` does
+        not deliver again. Empty when there is no checkpoint."""
+        results = {}
+        for record in _read_delivered(Path(checkpoint_dir) / _DELIVERED):
+            results[record["id"]] = _result_from_record(record, None)
+        return results
+
     def steps_per_epoch(self, config: Mapping[str, Any]) -> int:
         """Optimizer steps in one pass over the training data of ``config``."""
         train, _ = self._dataset(config)
