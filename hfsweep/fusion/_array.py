@@ -115,7 +115,9 @@ class FusedArray(nn.Module):
 
     Dropout layers, and ``MultiheadAttention`` for its attention weights, draw each member's
     masks from that member's own deterministic stream (:meth:`manual_seed`, :meth:`rng_state`,
-    :meth:`set_rng_state`).
+    :meth:`set_rng_state`). So do the random calls forward code makes itself (``F.dropout``,
+    LSTM/GRU dropout between layers, ``F.scaled_dot_product_attention(dropout_p=...)``,
+    ``torch.rand``/``randn``); other random ops are refused, naming the op and the submodule.
     """
 
     _prototype: nn.Module
@@ -393,6 +395,11 @@ class FusedArray(nn.Module):
         (for a ``MultiheadAttention``, those that drew a mask for it: none while its attention
         dropout is 0, in any array). The dict is JSON-serialisable; :meth:`set_rng_state` resumes
         the masks exactly where they were. An array without dropout layers returns ``{}``.
+
+        ``"<functional>"`` is the stream of the random calls forward code makes itself
+        (``F.dropout``, an LSTM's dropout between layers, ``torch.rand``...), whose ``calls``
+        counts the training forwards that drew. It is listed once member ``i`` has drawn from
+        it, or when it is the array's only stream; before, the layers' streams carry its seed.
         """
         i = self._index(i)
         out = {

@@ -406,3 +406,22 @@ def test_a_pickled_array_keeps_its_streams_and_per_member_p() -> None:
     for a in (copy.deepcopy(array), copied):
         layer = a.module.get_submodule("1")
         assert layer.p.layer is layer and float(layer.p) == 0.5
+
+
+def test_members_whose_recurrent_dropout_differs_are_refused_naming_it() -> None:
+    """The probability between an RNN's layers is one float for the whole array."""
+    with pytest.raises(
+        FusionError, match=r"submodule 'rnn': attribute 'dropout' is 0.4 in member 0"
+    ):
+        hs.fuse([Recurrent(nn.LSTM, 0.4), Recurrent(nn.LSTM, 0.2)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_uniform_numbers_stay_below_one_in_every_dtype(dtype: torch.dtype) -> None:
+    from hfsweep.nn._dropout import key_uniform
+
+    seeds, calls = torch.arange(4), torch.zeros(4, dtype=torch.int64)
+    u = torch.func.vmap(lambda s, c: key_uniform(s, c, 3, (50_000,), dtype))(seeds, calls)
+    assert u.dtype == dtype and u.min() >= 0 and u.max() < 1
+    assert u.float().mean().item() == pytest.approx(0.5, abs=0.01)
+    assert torch.equal(u[2], key_uniform(seeds[2], calls[2], 3, (50_000,), dtype))
