@@ -213,6 +213,28 @@ def _gpt2(attention: str = "sdpa") -> nn.Module:
     return _LastHidden(GPT2Model(config))
 
 
+def _t5(attention: str = "sdpa") -> nn.Module:
+    from transformers import T5Config, T5EncoderModel
+
+    config = T5Config(
+        d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2, vocab_size=50,
+        attn_implementation=attention,
+    )  # fmt: skip
+    return _LastHidden(T5EncoderModel(config))
+
+
+def _llama(attention: str = "sdpa") -> nn.Module:
+    """Llama's attention dropout is a float from its config (0 by default; 0.2 here)."""
+    from transformers import LlamaConfig, LlamaModel
+
+    config = LlamaConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=50, attention_dropout=0.2,
+        attn_implementation=attention,
+    )  # fmt: skip
+    return _LastHidden(LlamaModel(config))
+
+
 class _LastHidden(nn.Module):
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
@@ -232,9 +254,9 @@ def _train(array: hs.FusedArray, ids: torch.Tensor, steps: int = 3) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
-@pytest.mark.parametrize("make", [_bert, _gpt2], ids=["bert", "gpt2"])
+@pytest.mark.parametrize("make", [_bert, _gpt2, _t5, _llama], ids=["bert", "gpt2", "t5", "llama"])
 def test_hugging_face_member_trains_as_it_does_alone(make, attention: str) -> None:
-    """Tiny BERT and GPT-2 with their default dropout, 3 SGD steps: member k's parameters are
+    """Tiny BERT, GPT-2, T5 and Llama with their default dropout, 3 SGD steps: member k's parameters are
     those of the same member alone (before: 0.06 apart after 3 steps). trace=False keeps the
     test to the dropout streams (the traced replay of tensor indexing is another change's)."""
     pytest.importorskip("transformers")
