@@ -38,6 +38,7 @@ from .._errors import FusionError
 from ._check import check_compatible, describe_path, per_member_attributes
 from ._graph import simplify
 from ._plan import dropout_feature_dims, stream_attribute, unsupported_reason
+from ._random import STREAM_KEY, FunctionalStream, StreamFloat, member_randomness
 
 __all__ = ["FusedArray"]
 
@@ -114,7 +115,9 @@ class FusedArray(nn.Module):
 
     Dropout layers, and ``MultiheadAttention`` for its attention weights, draw each member's
     masks from that member's own deterministic stream (:meth:`manual_seed`, :meth:`rng_state`,
-    :meth:`set_rng_state`).
+    :meth:`set_rng_state`). So do the random calls forward code makes itself (``F.dropout``,
+    LSTM/GRU dropout between layers, ``F.scaled_dot_product_attention(dropout_p=...)``,
+    ``torch.rand``/``randn``); other random ops are refused, naming the op and the submodule.
     """
 
     _prototype: nn.Module
@@ -126,9 +129,13 @@ class FusedArray(nn.Module):
         size: int,
         slots: list[_Slot],
         trace: bool,
+        functional: FunctionalStream | None = None,
     ) -> None:
         super().__init__()
         self.module = template
+        #: the stream of the random calls forward code makes itself (see ``_random``), when the
+        #: model may make any
+        self.functional = functional
         # The prototype is member 0's module tree on the meta device, in its original classes:
         # the factory for member(i). It is not registered, so it holds no state of the array.
         object.__setattr__(self, "_prototype", prototype)
@@ -339,6 +346,8 @@ class FusedArray(nn.Module):
                 m.get_buffer("member_calls")[i] = 0
                 if attr == "dropout":
                     _update_attention_masks(m)
+            if self.functional is not None:
+                self.functional.member_calls[i] = 0
 
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
@@ -376,6 +385,8 @@ class FusedArray(nn.Module):
         value = _check_stream_value("seed", seed)
         for _, m, _ in self._streams:
             _write_stream(m, i, value, 0)
+        if self.functional is not None:
+            _write_stream(self.functional, i, value, 0)
 
     def rng_state(self, i: int) -> dict[str, list[int]]:
         """Member ``i``'s dropout streams: ``{layer path: [seed, calls]}`` in plain ints.
@@ -384,12 +395,32 @@ class FusedArray(nn.Module):
         (for a ``MultiheadAttention``, those that drew a mask for it: none while its attention
         dropout is 0, in any array). The dict is JSON-serialisable; :meth:`set_rng_state` resumes
         the masks exactly where they were. An array without dropout layers returns ``{}``.
+
+        ``"<functional>"`` is the stream of the random calls forward code makes itself
+        (``F.dropout``, an LSTM's dropout between layers, ``torch.rand``...), whose ``calls``
+        counts the training forwards that drew. It is listed once member ``i`` has drawn from
+        it, or when it is the array's only stream; before, the layers' streams carry its seed.
         """
         i = self._index(i)
-        return {
+        out = {
             path: [int(m.get_buffer("member_seed")[i]), int(m.get_buffer("member_calls")[i])]
             for path, m, _ in self._streams
         }
+        if self._lists_functional(i):
+            assert self.functional is not None
+            out[STREAM_KEY] = [
+                int(self.functional.member_seed[i]),
+                int(self.functional.member_calls[i]),
+            ]
+        return out
+
+    def _lists_functional(self, i: int) -> bool:
+        """Whether :meth:`rng_state` lists member ``i``'s functional stream (``"<functional>"``):
+        once it has drawn, or when it is the array's only stream. Before it has drawn, the
+        layers' streams carry its seed (:meth:`manual_seed` gives every stream one seed)."""
+        if self.functional is None:
+            return False
+        return not self._streams or int(self.functional.member_calls[i]) > 0
 
     def set_rng_state(self, i: int, state: Mapping[str, Sequence[int]]) -> None:
         """Restore member ``i``'s dropout streams from :meth:`rng_state` (e.g. on resume).
@@ -404,6 +435,8 @@ class FusedArray(nn.Module):
                 f"{type(state).__name__}"
             )
         known = [path for path, _, _ in self._streams]
+        if self.functional is not None:
+            known.append(STREAM_KEY)
         # attention layers' streams are newer than dropout layers': a state saved without
         # them leaves them as they are
         needed = [path for path, _, attr in self._streams if attr == "p"]
@@ -416,14 +449,14 @@ class FusedArray(nn.Module):
             )
         values: list[tuple[nn.Module, int, int]] = []
         for path, m, _ in self._streams:
-            if path not in state:
+            if path not in state or path == STREAM_KEY:
                 continue
-            entry = state[path]
-            if isinstance(entry, str | bytes) or not isinstance(entry, Sequence) or len(entry) != 2:
-                raise ValueError(f"rng state for {path!r} must be [seed, calls], got {entry!r}")
-            seed = _check_stream_value(f"seed of {path!r}", entry[0])
-            calls = _check_stream_value(f"calls of {path!r}", entry[1])
-            values.append((m, seed, calls))
+            values.append((m, *_stream_entry(path, state[path])))
+        if self.functional is not None:
+            if STREAM_KEY in state:
+                values.append((self.functional, *_stream_entry(STREAM_KEY, state[STREAM_KEY])))
+            elif values:  # not drawn yet when saved: the layers' seed, no calls
+                values.append((self.functional, values[0][1], 0))
         for m, seed, calls in values:
             _write_stream(m, i, seed, calls)
 
@@ -506,7 +539,7 @@ class FusedArray(nn.Module):
                 for i, t in zip(tensor_at, tensors, strict=True):
                     filled[i] = t
                 args, kwargs = pytree.tree_unflatten(filled, spec)
-                with _batchable_attention():
+                with _batchable_attention(), member_randomness(self.functional, self.module):
                     if self._grad_watch is not None:
                         with self._grad_watch:
                             out = self.module(*args, **kwargs)
@@ -535,7 +568,7 @@ class FusedArray(nn.Module):
             batched = vmap(
                 lambda s, t: per_member(s, t, rec),
                 in_dims=(0, None if shared else 0),
-                randomness="different",
+                randomness="error",  # every random op is routed to the member's stream
             )
             return lambda *flat: batched(tuple(flat[:n_state]), tuple(flat[n_state:]))
 
@@ -839,6 +872,14 @@ def _check_stream_value(what: str, value: Any) -> int:
     return number
 
 
+def _stream_entry(path: str, entry: Any) -> tuple[int, int]:
+    """``(seed, calls)`` of one entry of an rng state, checked."""
+    if isinstance(entry, str | bytes) or not isinstance(entry, Sequence) or len(entry) != 2:
+        raise ValueError(f"rng state for {path!r} must be [seed, calls], got {entry!r}")
+    seed = _check_stream_value(f"seed of {path!r}", entry[0])
+    return seed, _check_stream_value(f"calls of {path!r}", entry[1])
+
+
 def _write_stream(dropout: nn.Module, i: int, seed: int, calls: int) -> None:
     """Set member ``i``'s seed and call count in one fused dropout layer."""
     with torch.no_grad():
@@ -884,6 +925,15 @@ def _assign_dropout(
             buf.copy_(torch.tensor(vals, dtype=buf.dtype))
 
 
+def _peeked_seeds(size: int) -> Tensor:
+    """Default seeds for a model whose only random draws are its forward's own calls: what
+    ``torch.randint`` would draw, read from a copy of torch's generator, which stays as it was
+    (fusing a model without dropout layers never moved it)."""
+    generator = torch.Generator()
+    generator.set_state(torch.get_rng_state())
+    return torch.randint(0, _STREAM_LIMIT - 1, (size,), generator=generator)
+
+
 def build_array(
     models: Sequence[nn.Module],
     dropout: Sequence[float] | Mapping[str, Sequence[float]] | None,
@@ -891,6 +941,7 @@ def build_array(
 ) -> FusedArray:
     """Check ``models``, stack their state and assemble the array (see :func:`hfsweep.fuse`)."""
     from ._plan import fused_class
+    from ._random import draws_functionally
 
     models = list(models)
     check_compatible(models, unsupported_reason)
@@ -958,9 +1009,12 @@ def build_array(
         attr == "p" or any(p > 0 for p in probabilities[path])
         for path, attr in zip(dropout_paths, stream_attributes, strict=True)
     )
+    functional = draws_functionally(ref)
     seeds = (
         torch.randint(0, _STREAM_LIMIT - 1, (size,))
         if draws
+        else _peeked_seeds(size)
+        if functional
         else torch.zeros(size, dtype=torch.int64)
     )
     for path, attr in zip(dropout_paths, stream_attributes, strict=True):
@@ -976,7 +1030,16 @@ def build_array(
             slots.append(_Slot(f"{path}.{name}", False, [(module._buffers, name)], setting=True))
         if attr == "dropout":
             _update_attention_masks(module)
-    array = FusedArray(template, prototype, size, slots, trace)
+        else:  # forward code reading the layer's p for a functional dropout gets its stream
+            module.__dict__["p"] = StreamFloat(ps[0], module)
+    stream = None
+    if functional:
+        stream = FunctionalStream(seeds.to(device, copy=True))
+        for name in ("member_seed", "member_calls"):
+            slots.append(
+                _Slot(f"<functional>.{name}", False, [(stream._buffers, name)], setting=True)
+            )
+    array = FusedArray(template, prototype, size, slots, trace, stream)
     if dropout is not None:
         array.set_dropout(dropout)
     return array

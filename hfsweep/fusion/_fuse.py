@@ -28,7 +28,11 @@ def fuse(
             of B values sets every dropout layer; ``{submodule path: B values}`` sets some.
             Each member's masks come from its own stream, seeded here from torch's global
             generator (one ``torch.randint`` draw per member when the model has dropout layers);
-            :meth:`FusedArray.manual_seed` sets a member's seed.
+            :meth:`FusedArray.manual_seed` sets a member's seed. Random calls in forward code
+            (``F.dropout``, LSTM/GRU dropout between layers, attention ``dropout_p``,
+            ``torch.rand``/``randn``) draw from the member's stream too; a dropout probability
+            read from a dropout layer (``self.dropout.p``) is that member's. Other random ops
+            (``torch.bernoulli``, ``Tensor.normal_``...) raise :class:`FusionError`.
         trace: replay each input signature's batched forward from a trace (fast). ``False`` runs
             ``torch.func.vmap`` eagerly on every call (use it when forward draws from Python's
             ``random`` module, which a trace would freeze).

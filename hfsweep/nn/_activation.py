@@ -11,7 +11,8 @@ __all__ = ["FusedRReLUMixin"]
 
 class FusedRReLUMixin(nn.Module):
     """Forward of ``nn.RReLU``: random negative slopes in ``[lower, upper]`` while training, drawn
-    independently per member and element; the mean slope in eval mode, as torch does."""
+    independently per member and element (``torch.rand``, which a fused array draws from each
+    member's own stream); the mean slope in eval mode, as torch does."""
 
     lower: float
     upper: float

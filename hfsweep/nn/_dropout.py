@@ -39,7 +39,14 @@ from torch import Tensor, nn
 
 from .._errors import FusionError
 
-__all__ = ["FusedDropoutMixin", "dropout_mask_hash", "feature_dims", "stream_multiplier"]
+__all__ = [
+    "FusedDropoutMixin",
+    "dropout_mask_hash",
+    "feature_dims",
+    "key_multiplier",
+    "key_uniform",
+    "stream_multiplier",
+]
 
 #: how many trailing dimensions share one mask value, by dropout class name
 feature_dims: dict[str, int] = {"Dropout": 0, "Dropout1d": 1, "Dropout2d": 2, "Dropout3d": 3}
@@ -384,3 +391,62 @@ class FusedDropoutMixin(nn.Module):
         k = self._hfsweep_feature_dims
         shape = input.shape if k == 0 else (*input.shape[: input.dim() - k], *([1] * k))
         return input * stream_multiplier(self, tuple(shape), input.dtype)
+
+
+@torch.library.custom_op("hfsweep::uniform", mutates_args=())
+def _uniform_op(seed: Tensor, calls: Tensor, salt: int, numel: int, dtype: torch.dtype) -> Tensor:
+    """``[*K, numel]`` uniform numbers in ``[0, 1)`` of ``dtype`` from the same stream as the
+    dropout masks: element j is the top 24 bits of its hash over ``2**24`` (the resolution of
+    ``torch.rand`` in float32), for keys of shape ``[*K]``. A dtype with fewer significant bits
+    (half precision) takes that many, so that no number rounds up to 1."""
+    bits = min(_UNIFORM_BITS, 1 - int(math.log2(torch.finfo(dtype).eps)))
+    uniform = (dropout_mask_hash(seed, calls, salt, numel) >> (32 - bits)).to(dtype)
+    return uniform / (1 << bits)
+
+
+@_uniform_op.register_fake
+def _uniform_fake(seed: Tensor, calls: Tensor, salt: int, numel: int, dtype: torch.dtype) -> Tensor:
+    keys = torch.broadcast_shapes(seed.shape, calls.shape)
+    return seed.new_empty((*keys, numel), dtype=dtype)
+
+
+def _uniform_vmap(
+    info: Any,
+    in_dims: tuple[int | None, ...],
+    seed: Tensor,
+    calls: Tensor,
+    salt: int,
+    numel: int,
+    dtype: torch.dtype,
+) -> tuple[Tensor, int]:
+    """Every member's numbers from one call of the op on ``[B]`` keys."""
+
+    def front(t: Tensor, dim: int | None) -> Tensor:
+        return t.expand(info.batch_size, *t.shape) if dim is None else t.movedim(dim, 0)
+
+    seed, calls = (front(t, d) for t, d in zip((seed, calls), in_dims[:2], strict=True))
+    return _uniform_op(seed, calls, salt, numel, dtype), 0
+
+
+_uniform_op.register_vmap(_uniform_vmap)
+
+
+def key_multiplier(
+    seed: Tensor, calls: Tensor, p: Tensor, salt: int, shape: tuple[int, ...], dtype: torch.dtype
+) -> Tensor:
+    """A mask of the stream keyed by (``seed``, ``calls``, ``salt``), scaled (``0`` or
+    ``1 / (1 - p)`` per element), in ``shape``: :func:`stream_multiplier` for a stream that
+    is not one layer's (the functional dropout calls of a forward)."""
+    numel = math.prod(shape)
+    _check_numel(numel)
+    return _multiplier_op(seed, calls, p, salt, numel, dtype).view(shape)
+
+
+def key_uniform(
+    seed: Tensor, calls: Tensor, salt: int, shape: tuple[int, ...], dtype: torch.dtype
+) -> Tensor:
+    """Uniform numbers in ``[0, 1)`` in ``shape`` from the stream keyed by (``seed``,
+    ``calls``, ``salt``): ``torch.rand`` drawn from a member's own stream."""
+    numel = math.prod(shape)
+    _check_numel(numel)
+    return _uniform_op(seed, calls, salt, numel, dtype).view(shape)

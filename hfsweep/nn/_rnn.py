@@ -3,6 +3,10 @@
 ``aten::lstm`` and ``aten::gru`` have no batching rule. These mixins compute the same recurrences
 as torch's CPU kernels from the module's own parameters (``weight_ih_l0``, ``weight_hh_l0_reverse``,
 ``weight_hr_l0``...), so state dicts are interchangeable with the torch modules.
+
+The dropout between layers (``num_layers > 1, dropout > 0``) is ``F.dropout``, which a fused
+array routes to each member's own seeded stream (``hfsweep.fusion._random``): a member draws the
+same masks alone and in any array.
 """
 
 from __future__ import annotations
