@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 from .._errors import FusionError
 
@@ -90,9 +91,9 @@ def _check_pair(
     for path, rm in ref_mods.items():
         om = other_mods[path]
         where = describe_path(path)
-        if type(rm) is not type(om):
+        if _module_class(rm) is not _module_class(om):
             raise FusionError(
-                f"{where} is {type(rm).__qualname__} in member 0 but {type(om).__qualname__} "
+                f"{where} is {_class_name(rm)} in member 0 but {_class_name(om)} "
                 f"in {what} {index}; all members must use the same classes."
             )
         for kind in ("parameter", "buffer"):
@@ -149,6 +150,26 @@ def _check_pair(
 
 
 _MISSING = object()
+
+
+def _module_class(module: nn.Module) -> type:
+    """A module's class; for a parametrized module (``torch.nn.utils.parametrize``), the class
+    it had before: torch gives each parametrized module a class of its own, so members whose
+    modules carry the same parametrizations have different classes. Their parametrizations are
+    submodules (``parametrizations.<tensor>.<k>``), compared like any other."""
+    cls = type(module)
+    if parametrize.is_parametrized(module) and len(cls.__bases__) == 1:
+        return cls.__bases__[0]
+    return cls
+
+
+def _class_name(module: nn.Module) -> str:
+    cls = _module_class(module)
+    if cls is type(module):
+        return cls.__qualname__
+    names = sorted(getattr(module, "parametrizations", {}))
+    return f"{cls.__qualname__} with parametrized {names}"
+
 
 #: fields of a configuration that say where it was loaded from, not what the model computes
 _PROVENANCE_FIELDS = frozenset({"_name_or_path", "name_or_path", "_commit_hash"})
@@ -256,6 +277,19 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def _legacy_reparametrization(hook: Any) -> str | None:
+    """``weight_norm`` or ``spectral_norm`` for the forward pre-hook of torch's older, hook-based
+    ``torch.nn.utils.weight_norm`` / ``spectral_norm``; ``None`` for any other hook."""
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    if isinstance(hook, WeightNorm):
+        return "weight_norm"
+    if isinstance(hook, SpectralNorm):
+        return "spectral_norm"
+    return None
+
+
 def _check_supported(model: nn.Module, unsupported: Callable[[nn.Module], str | None]) -> None:
     for path, module in model.named_modules():
         where = describe_path(path)
@@ -264,6 +298,16 @@ def _check_supported(model: nn.Module, unsupported: Callable[[nn.Module], str | 
                 raise FusionError(
                     f"parameter '{_join(path, name)}' is not initialised (a lazy module); run one "
                     "forward pass through each model before fusing."
+                )
+        for hook in getattr(module, "_forward_pre_hooks", {}).values():
+            legacy = _legacy_reparametrization(hook)
+            if legacy is not None:
+                raise FusionError(
+                    f"{where} ({type(module).__name__}) uses torch.nn.utils.{legacy} on "
+                    f"'{getattr(hook, 'name', '?')}', which recomputes it in a forward pre-hook; "
+                    "module hooks are not carried into a fused array. Use "
+                    f"torch.nn.utils.parametrizations.{legacy} instead: the same computation as "
+                    "a parametrization, which fuses."
                 )
         for hooks in _HOOK_DICTS:
             if getattr(module, hooks, None):
