@@ -108,6 +108,8 @@ _PUBLIC_NAMES = (
     "t.default",
     "tanh.default",
     "transpose.int",
+    "tril.default",
+    "triu.default",
     "unbind.int",
     "unsqueeze.default",
     "view.default",

@@ -113,6 +113,8 @@ SAMPLES: dict[str, Sample] = {
     "aten.t.default": lambda g: (_r(g, 3, 4),),
     "aten.tanh.default": lambda g: (_r(g, 3, 4),),
     "aten.transpose.int": lambda g: (_r(g, 2, 3, 4), 0, 2),
+    "aten.tril.default": lambda g: (_r(g, 2, 4, 4), -1),
+    "aten.triu.default": lambda g: (_r(g, 4, 5), 1),
     "aten.unbind.int": lambda g: (_r(g, 3, 4), 1),
     "aten.unsqueeze.default": lambda g: (_r(g, 3, 4), 1),
     "aten.view.default": lambda g: (_r(g, 3, 4), [2, 6]),
