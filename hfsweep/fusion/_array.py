@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import copy
 import functools
+import linecache
 import logging
 import operator
 import time
+import traceback
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -70,6 +72,7 @@ class _Trace:
     graph: Callable[..., Any]
     outputs: _Outputs
     seconds: float = 0.0  #: how long tracing took (what a new array size would pay again)
+    replayed: bool = False  #: a replay has run to the end (see FusedArray._replay)
 
 
 _EAGER = object()  # cache value: this signature runs eagerly
@@ -209,9 +212,10 @@ class FusedArray(nn.Module):
             raise FusionError("a fused array needs at least one tensor input or parameter")
         trace = self._lookup_trace(leaves, spec, tensor_at, tensors, shared, state)
         if trace is not None:
-            self._last_call_traced = True
-            out = trace.graph(*state, *tensors)
-            return self._rebuild(out, trace.outputs)
+            replayed = self._replay(trace, state, tensors)
+            if replayed is not None:
+                self._last_call_traced = True
+                return self._rebuild(replayed, trace.outputs)
         self._last_call_traced = False
         outputs = _Outputs()
         with self._locate_errors():
@@ -574,6 +578,58 @@ class FusedArray(nn.Module):
 
         return make
 
+    def _replay(
+        self, trace: _Trace, state: tuple[Tensor, ...], tensors: list[Tensor]
+    ) -> Sequence[Tensor] | None:
+        """Run a traced graph; ``None`` if its first replay failed and the call must run eagerly.
+
+        Tracing checks what it can, but an op of the graph may still fail when it runs for real
+        (an op the trace recorded that cannot be called as recorded). On a trace's first replay
+        such an error drops the trace with a warning naming the op, the buffers the partial
+        replay may have updated (BatchNorm statistics, dropout call counters) are put back, and
+        the call runs eagerly. A trace that has replayed once runs the same ops on tensors of the
+        same shapes, so a later error is the data's (an index out of range), which eager code
+        would raise too: it is raised, naming the op.
+        """
+        if trace.replayed:
+            try:
+                return cast(Sequence[Tensor], trace.graph(*state, *tensors))
+            except Exception as exc:
+                if hasattr(exc, "add_note"):
+                    exc.add_note(
+                        f"(raised in a fused array's traced forward, at {_graph_line(exc, trace)})"
+                    )
+                raise
+        buffers = [t for t in state if not isinstance(t, nn.Parameter)]
+        with torch.no_grad():
+            saved = [t.clone() for t in buffers]
+        try:
+            out = trace.graph(*state, *tensors)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:
+            with torch.no_grad():
+                for t, value in zip(buffers, saved, strict=True):
+                    t.copy_(value)
+            self._drop_trace(trace)
+            warnings.warn(
+                f"replaying the traced forward of a fused array failed at {_graph_line(exc, trace)} "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); this "
+                "call signature runs eagerly (slower, same results). Please report it with the "
+                "model.",
+                stacklevel=3,
+            )
+            return None
+        trace.replayed = True
+        return cast(Sequence[Tensor], out)
+
+    def _drop_trace(self, trace: _Trace) -> None:
+        """Run every signature that used ``trace`` eagerly from now on."""
+        for cache in (self._traces, self._shared_traces or {}):
+            for key, entry in list(cache.items()):
+                if entry is trace:
+                    cache[key] = _EAGER
+
     def _rebuild(self, out: Sequence[Tensor], rec: _Outputs) -> Any:
         assert rec.leaves is not None
         if rec.spec.is_leaf() and rec.leaves[0] is _TENSOR:
@@ -728,6 +784,17 @@ class FusedArray(nn.Module):
         finally:
             h1.remove()
             h2.remove()
+
+
+def _graph_line(exc: BaseException, trace: _Trace) -> str:
+    """The line of a traced graph's code that raised ``exc`` (it names the op), or a phrase."""
+    code = getattr(getattr(trace.graph, "__func__", trace.graph), "__code__", None)
+    line = ""
+    for frame, lineno in traceback.walk_tb(exc.__traceback__):
+        if frame.f_code is code:
+            line = linecache.getline(frame.f_code.co_filename, lineno)
+    line = line.split(";")[0].strip()
+    return f"`{line}`" if line else "an op of the graph"
 
 
 @contextmanager

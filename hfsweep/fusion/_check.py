@@ -8,11 +8,14 @@ difference into a :class:`~hfsweep.FusionError` naming the submodule and the att
 
 from __future__ import annotations
 
+import dataclasses
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 from .._errors import FusionError
 
@@ -83,12 +86,14 @@ def _check_pair(
             f"missing {missing or 'nothing'}, extra {extra or 'nothing'}. "
             "All members must be instances of one architecture."
         )
+    ref_paths = {id(m): p for p, m in ref_mods.items()}
+    other_paths = {id(m): p for p, m in other_mods.items()}
     for path, rm in ref_mods.items():
         om = other_mods[path]
         where = describe_path(path)
-        if type(rm) is not type(om):
+        if _module_class(rm) is not _module_class(om):
             raise FusionError(
-                f"{where} is {type(rm).__qualname__} in member 0 but {type(om).__qualname__} "
+                f"{where} is {_class_name(rm)} in member 0 but {_class_name(om)} "
                 f"in {what} {index}; all members must use the same classes."
             )
         for kind in ("parameter", "buffer"):
@@ -121,19 +126,142 @@ def _check_pair(
             if key.startswith("_") or key in free:
                 continue
             other_value = vars(om).get(key, _MISSING)
-            if not _equal(value, other_value):
-                hint = (
-                    " Register it as a buffer so that each member keeps its own value."
-                    if isinstance(value, Tensor)
-                    else " Settings that are not tensors are shared by the whole array."
-                )
-                raise FusionError(
-                    f"{where}: attribute '{key}' is {_short(value)} in member 0 but "
-                    f"{_short(other_value)} in {what} {index}.{hint}"
-                )
+            if _equal(value, other_value) or _same_method(
+                value, other_value, ref_paths, other_paths
+            ):
+                continue
+            fields = _field_differences(value, other_value)
+            if fields is not None:
+                if fields:  # a configuration object: name the field
+                    raise FusionError(
+                        f"{where}: attribute '{key}' ({type(value).__name__}) differs in "
+                        f"{_describe_fields(fields, what, index)}"
+                    )
+                continue  # equal apart from where it was loaded from
+            hint = (
+                " Register it as a buffer so that each member keeps its own value."
+                if isinstance(value, Tensor)
+                else " Settings that are not tensors are shared by the whole array."
+            )
+            raise FusionError(
+                f"{where}: attribute '{key}' is {_short(value)} in member 0 but "
+                f"{_short(other_value)} in {what} {index}.{hint}"
+            )
 
 
 _MISSING = object()
+
+
+def _module_class(module: nn.Module) -> type:
+    """A module's class; for a parametrized module (``torch.nn.utils.parametrize``), the class
+    it had before: torch gives each parametrized module a class of its own, so members whose
+    modules carry the same parametrizations have different classes. Their parametrizations are
+    submodules (``parametrizations.<tensor>.<k>``), compared like any other."""
+    cls = type(module)
+    if parametrize.is_parametrized(module) and len(cls.__bases__) == 1:
+        return cls.__bases__[0]
+    return cls
+
+
+def _class_name(module: nn.Module) -> str:
+    cls = _module_class(module)
+    if cls is type(module):
+        return cls.__qualname__
+    names = sorted(getattr(module, "parametrizations", {}))
+    return f"{cls.__qualname__} with parametrized {names}"
+
+
+#: fields of a configuration that say where it was loaded from, not what the model computes
+_PROVENANCE_FIELDS = frozenset({"_name_or_path", "name_or_path", "_commit_hash"})
+
+
+def _same_method(a: Any, b: Any, ref_paths: dict[int, str], other_paths: dict[int, str]) -> bool:
+    """Methods of one function bound to corresponding objects of the two members: the same
+    submodule path, or equal objects outside the module tree. (peft's causal-LM wrapper keeps
+    ``base_model.prepare_inputs_for_generation`` bound to each member's own base model.)"""
+    if not (isinstance(a, types.MethodType) and isinstance(b, types.MethodType)):
+        return False
+    if a.__func__ is not b.__func__:
+        return False
+    ref_path, other_path = ref_paths.get(id(a.__self__)), other_paths.get(id(b.__self__))
+    if ref_path is not None or other_path is not None:
+        return ref_path == other_path
+    return _equal(a.__self__, b.__self__)
+
+
+def _fields(value: Any) -> dict[str, Any] | None:
+    """A configuration object's fields: a Hugging Face ``PretrainedConfig``'s ``to_dict()``
+    (every field, nested configurations as dicts) or a dataclass's fields; ``None`` for other
+    values."""
+    to_dict = getattr(value, "to_dict", None)
+    if callable(to_dict) and not isinstance(value, type):
+        try:
+            fields = to_dict()
+        except Exception:
+            fields = None
+        if isinstance(fields, dict):
+            return fields
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: getattr(value, f.name, _MISSING) for f in dataclasses.fields(value)}
+    return None
+
+
+def _diff(a: dict[str, Any], b: dict[str, Any], prefix: str) -> list[tuple[str, Any, Any]]:
+    out: list[tuple[str, Any, Any]] = []
+    for key in [*a, *(k for k in b if k not in a)]:
+        if key in _PROVENANCE_FIELDS:
+            continue
+        va, vb = a.get(key, _MISSING), b.get(key, _MISSING)
+        if isinstance(va, dict) and isinstance(vb, dict):
+            out.extend(_diff(va, vb, f"{prefix}{key}."))
+        elif not _equal(va, vb):
+            out.append((f"{prefix}{key}", va, vb))
+    return out
+
+
+def _field_differences(a: Any, b: Any) -> list[tuple[str, Any, Any]] | None:
+    """``(field, value in a, value in b)`` for every field where two configuration objects of
+    one class differ (empty if they differ only in where they were loaded from); ``None`` if
+    they are not configuration objects of one class."""
+    if type(a) is not type(b):
+        return None
+    fa, fb = _fields(a), _fields(b)
+    if fa is None or fb is None:
+        return None
+    out = _diff(fa, fb, "")
+    if not out and hasattr(a, "__dict__"):  # fields that to_dict() leaves out
+        out = _diff(vars(a), vars(b), "")
+    return out
+
+
+def _is_dropout_field(name: str, value: Any) -> bool:
+    """A configuration field holding a dropout probability (``hidden_dropout_prob``,
+    ``attention_dropout``, GPT-2's ``resid_pdrop``)."""
+    leaf = name.rsplit(".", 1)[-1].lower()
+    probability = isinstance(value, float | int) and not isinstance(value, bool)
+    return probability and ("dropout" in leaf or leaf.endswith("pdrop"))
+
+
+def _describe_fields(fields: list[tuple[str, Any, Any]], what: str, index: int) -> str:
+    """The first differing field with both values and what to do, and how many others differ."""
+    name, first, other = fields[0]
+    text = f"field '{name}': {_short(first)} in member 0 but {_short(other)} in {what} {index}"
+    if len(fields) > 1:
+        rest = [f[0] for f in fields[1:]]
+        shown = ", ".join(f"'{n}'" for n in rest[:5]) + (", ..." if len(rest) > 5 else "")
+        text += f" (and {len(rest)} other field{'s' if len(rest) > 1 else ''}: {shown})"
+    if all(_is_dropout_field(n, v) and _is_dropout_field(n, w) for n, v, w in fields):
+        return (
+            f"{text}. A dropout probability may differ between members, but not through the "
+            "configuration, which the whole array shares: build every member from one "
+            "configuration and give each member's probability to hs.fuse(models, dropout=[p0, "
+            "p1, ...]) (every dropout layer) or dropout={submodule path: [p0, p1, ...]} (some "
+            "layers)."
+        )
+    return (
+        f"{text}. The configuration is shared by the whole array, so members must agree on "
+        "it; put members whose configurations differ in different arrays."
+    )
 
 
 def _join(path: str, name: str) -> str:
@@ -149,6 +277,19 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def _legacy_reparametrization(hook: Any) -> str | None:
+    """``weight_norm`` or ``spectral_norm`` for the forward pre-hook of torch's older, hook-based
+    ``torch.nn.utils.weight_norm`` / ``spectral_norm``; ``None`` for any other hook."""
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    if isinstance(hook, WeightNorm):
+        return "weight_norm"
+    if isinstance(hook, SpectralNorm):
+        return "spectral_norm"
+    return None
+
+
 def _check_supported(model: nn.Module, unsupported: Callable[[nn.Module], str | None]) -> None:
     for path, module in model.named_modules():
         where = describe_path(path)
@@ -157,6 +298,16 @@ def _check_supported(model: nn.Module, unsupported: Callable[[nn.Module], str | 
                 raise FusionError(
                     f"parameter '{_join(path, name)}' is not initialised (a lazy module); run one "
                     "forward pass through each model before fusing."
+                )
+        for hook in getattr(module, "_forward_pre_hooks", {}).values():
+            legacy = _legacy_reparametrization(hook)
+            if legacy is not None:
+                raise FusionError(
+                    f"{where} ({type(module).__name__}) uses torch.nn.utils.{legacy} on "
+                    f"'{getattr(hook, 'name', '?')}', which recomputes it in a forward pre-hook; "
+                    "module hooks are not carried into a fused array. Use "
+                    f"torch.nn.utils.parametrizations.{legacy} instead: the same computation as "
+                    "a parametrization, which fuses."
                 )
         for hooks in _HOOK_DICTS:
             if getattr(module, hooks, None):

@@ -3,19 +3,20 @@
 A trace of ``vmap`` carries bookkeeping that costs time on every replay, forward and backward:
 identity ``permute``s from moving the member dimension to where it already is, and ``detach``es
 whose results nothing reads. For small models those nodes are a large share of the step. This pass
-removes them and calls the remaining ops through torch's public functions, which dispatch faster
-than ``torch.ops.aten`` overload objects. The arithmetic is untouched.
+removes them and calls the common remaining ops through torch's C bindings, which dispatch faster
+than ``torch.ops.aten`` overload objects (:data:`PUBLIC_FUNCTIONS`). The arithmetic is untouched.
 """
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import fx
 
-__all__ = ["simplify"]
+__all__ = ["PUBLIC_FUNCTIONS", "simplify"]
 
 _aten = torch.ops.aten
 
@@ -46,21 +47,101 @@ def _removable(node: fx.Node) -> bool:
     return not schema.is_mutable and torch.Tag.nondeterministic_seeded not in target.tags
 
 
-def _public_function(target: Any) -> Callable[..., Any] | None:
-    """``torch.<name>`` or ``Tensor.<name>`` for an aten overload called positionally."""
-    if not isinstance(target, torch._ops.OpOverload):
-        return None
-    name = target.overloadpacket.__name__
-    if name.startswith("_"):
-        return None
-    fn = getattr(torch, name, None)
-    if fn is None or not callable(fn) or isinstance(fn, type):
-        fn = getattr(torch.Tensor, name, None)
-    return fn if callable(fn) else None
+# Ops a replayed graph calls through torch's C binding of the same name instead of the aten
+# overload object: the binding parses its arguments into the same native function, so for the
+# positional arguments a trace records it runs the same kernel, with less dispatch overhead. Only
+# generated C bindings qualify: Python functions of the same name on ``torch`` or ``Tensor`` are
+# other functions (``Tensor.index`` is first-class dims' indexing, not ``aten.index``;
+# ``torch.split`` and ``torch.stft`` are Python wrappers with their own argument lists). Every
+# entry is checked against its overload on random inputs in tests/fusion/test_graph.py.
+_PUBLIC_NAMES = (
+    "abs.default",
+    "add.Tensor",
+    "add_.Tensor",
+    "addmm.default",
+    "all.dim",
+    "baddbmm.default",
+    "bitwise_and.Tensor",
+    "bmm.default",
+    "cat.default",
+    "clone.default",
+    "convolution.default",
+    "cos.default",
+    "detach.default",
+    "div.Tensor",
+    "embedding.default",
+    "eq.Scalar",
+    "exp.default",
+    "expand.default",
+    "gather.default",
+    "ge.Scalar",
+    "ge.Tensor",
+    "gt.Scalar",
+    "le.Tensor",
+    "log.default",
+    "lt.Scalar",
+    "masked_fill.Scalar",
+    "maximum.default",
+    "mean.dim",
+    "minimum.default",
+    "mm.default",
+    "mul.Scalar",
+    "mul.Tensor",
+    "mul_.Tensor",
+    "native_batch_norm.default",
+    "native_layer_norm.default",
+    "neg.default",
+    "permute.default",
+    "pow.Tensor_Scalar",
+    "relu.default",
+    "rsqrt.default",
+    "rsub.Scalar",
+    "select.int",
+    "sigmoid.default",
+    "sin.default",
+    "split.Tensor",
+    "sqrt.default",
+    "squeeze.dim",
+    "stack.default",
+    "sub.Tensor",
+    "sum.dim_IntList",
+    "t.default",
+    "tanh.default",
+    "transpose.int",
+    "tril.default",
+    "triu.default",
+    "unbind.int",
+    "unsqueeze.default",
+    "view.default",
+    "where.self",
+)
 
 
-# Overloads whose public function picks the same kernel for the same positional arguments.
-_SAFE_OVERLOADS = frozenset({"default", "Tensor", "Scalar", "int", "dim", "dim_IntList", "self"})
+_BUILTINS = (types.BuiltinFunctionType, types.MethodDescriptorType)
+
+
+def _binding(name: str) -> Callable[..., Any] | None:
+    """torch's generated C binding ``name``: a function of ``torch`` or a method of tensors."""
+    for owner in (torch._C._VariableFunctions, torch._C.TensorBase):
+        fn = getattr(owner, name, None)
+        if isinstance(fn, _BUILTINS):
+            return cast(Callable[..., Any], fn)
+    return None
+
+
+def _public_table() -> dict[torch._ops.OpOverload, Callable[..., Any]]:
+    table: dict[torch._ops.OpOverload, Callable[..., Any]] = {}
+    for entry in _PUBLIC_NAMES:
+        packet, overload = entry.split(".")
+        op = getattr(getattr(_aten, packet, None), overload, None)
+        fn = _binding(packet)
+        if isinstance(op, torch._ops.OpOverload) and fn is not None:  # absent in this torch: skip
+            table[op] = fn
+    return table
+
+
+#: aten overload -> the C binding a replayed graph calls instead (positional arguments only)
+PUBLIC_FUNCTIONS = _public_table()
 
 
 def simplify(gm: fx.GraphModule) -> fx.GraphModule:
@@ -79,8 +160,8 @@ def simplify(gm: fx.GraphModule) -> fx.GraphModule:
                 changed = True
     for node in graph.nodes:
         if node.op == "call_function" and not node.kwargs:
-            fn = _public_function(node.target)
-            if fn is not None and node.target._overloadname in _SAFE_OVERLOADS:
+            fn = PUBLIC_FUNCTIONS.get(node.target)
+            if fn is not None:
                 node.target = fn
     graph.lint()
     gm.recompile()

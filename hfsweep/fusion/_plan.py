@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from torch import nn
+from torch.nn.utils.parametrizations import _SpectralNorm, _WeightNorm
 
 from ..nn import (
     FusedBatchNormMixin,
@@ -12,6 +13,8 @@ from ..nn import (
     FusedMultiheadAttentionMixin,
     FusedRNNMixin,
     FusedRReLUMixin,
+    FusedSpectralNormMixin,
+    FusedWeightNormMixin,
 )
 from ..nn._dropout import feature_dims
 
@@ -66,6 +69,8 @@ _FUSED: dict[type[nn.Module], type[nn.Module]] = {
     **{cls: _fused(FusedBatchNormMixin, cls) for cls in _BATCHNORMS},
     **{cls: _fused(FusedDropoutMixin, cls) for cls in _DROPOUTS},
     **{cls: _fused(FusedRNNMixin, cls) for cls in _RNNS},
+    _SpectralNorm: _fused(FusedSpectralNormMixin, _SpectralNorm),
+    _WeightNorm: _fused(FusedWeightNormMixin, _WeightNorm),
 }
 
 

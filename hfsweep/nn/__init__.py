@@ -4,7 +4,7 @@
 modules): Linear gets a one-kernel batching rule, MultiheadAttention one batched product per
 projection and per-member attention dropout, BatchNorm per-member running statistics (also with
 ``momentum=None``), Dropout a per-member probability, LSTM/GRU/RNN a step-by-step recurrence
-that ``vmap`` can batch, Embedding a ``padding_idx`` that holds per member, and RReLU (which ``vmap`` does not support) its own random slopes. Each is a mixin placed in front of the torch class, so parameter names,
+that ``vmap`` can batch, Embedding a ``padding_idx`` that holds per member, RReLU (which ``vmap`` does not support) its own random slopes, and the weight_norm and spectral_norm parametrizations batched ops. Each is a mixin placed in front of the torch class, so parameter names,
 ``isinstance`` checks and state dicts stay those of the torch module.
 """
 
@@ -14,6 +14,7 @@ from ._batchnorm import FusedBatchNormMixin
 from ._dropout import FusedDropoutMixin
 from ._embedding import FusedEmbeddingMixin
 from ._linear import FusedLinearMixin, fused_linear
+from ._parametrizations import FusedSpectralNormMixin, FusedWeightNormMixin
 from ._rnn import FusedRNNMixin
 
 __all__ = [
@@ -24,5 +25,7 @@ __all__ = [
     "FusedMultiheadAttentionMixin",
     "FusedRNNMixin",
     "FusedRReLUMixin",
+    "FusedSpectralNormMixin",
+    "FusedWeightNormMixin",
     "fused_linear",
 ]

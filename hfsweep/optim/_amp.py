@@ -84,7 +84,7 @@ class GradScaler:
                     continue
                 g = p.grad
                 g.mul_(inv.to(g.dtype).view(self.size, *([1] * (g.dim() - 1))))
-                found |= ~torch.isfinite(g).flatten(1).all(1)
+                found |= ~torch.isfinite(g).reshape(len(g), -1).all(1)
         self._found_inf = found
 
     def step(self, optimizer: FusedOptimizer, *args: Any, **kwargs: Any) -> Any:

@@ -252,7 +252,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         and NaN survive a sum (accumulated in at least float32, so half-precision gradients cannot
         overflow it); a finite sum that overflowed would need gradients near 1e38."""
         sums = [
-            g.flatten(1).sum(1, dtype=torch.promote_types(g.dtype, torch.float32))
+            g.reshape(len(g), -1).sum(1, dtype=torch.promote_types(g.dtype, torch.float32))
             for group in self.param_groups
             for p in group["params"]
             if (g := p.grad) is not None

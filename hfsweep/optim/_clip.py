@@ -48,7 +48,7 @@ def clip_grad_norm_(
     size = grads[0].shape[0]
     norm_type = float(norm_type)
     norms = torch.stack(
-        [torch.linalg.vector_norm(g.flatten(1), norm_type, dim=1) for g in grads]
+        [torch.linalg.vector_norm(g.reshape(len(g), -1), norm_type, dim=1) for g in grads]
     )  # [P, B]
     total = torch.linalg.vector_norm(norms, norm_type, dim=0)  # [B]
     if error_if_nonfinite and not bool(torch.isfinite(total).all()):

@@ -1,0 +1,122 @@
+"""Hugging Face text models fuse through the default (traced) path and train as they do alone.
+
+Their forwards index tensors with tensors (``padding_mask[batch_idx, kv_idx]`` in the attention
+mask, ``h[arange, pos]``), which the replay of a traced forward once called through the wrong
+function. Models are built from tiny configs (nothing is downloaded), in float64 with dropout off
+(per-member dropout is tested elsewhere).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from hfsweep.testing import assert_fusion_matches
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 40
+
+
+def _bert() -> nn.Module:
+    config = transformers.BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=24,
+        max_position_embeddings=16,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    return transformers.BertModel(config)
+
+
+def _gpt2() -> nn.Module:
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB,
+        n_embd=16,
+        n_layer=1,
+        n_head=2,
+        n_positions=16,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _t5() -> nn.Module:
+    config = transformers.T5Config(
+        vocab_size=VOCAB,
+        d_model=16,
+        d_kv=8,
+        d_ff=24,
+        num_layers=1,
+        num_heads=2,
+        dropout_rate=0.0,
+    )
+    return transformers.T5Model(config)
+
+
+def _llama() -> nn.Module:
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=16,
+        attention_dropout=0.0,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+class _FirstOutput(nn.Module):
+    """The model's first output (logits or last hidden state) for token ids and a padding mask;
+    T5 decodes the same ids."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.seq2seq = bool(getattr(model.config, "is_encoder_decoder", False))
+
+    def forward(self, ids: Tensor, mask: Tensor) -> Tensor:
+        if self.seq2seq:
+            return self.model(input_ids=ids, attention_mask=mask, decoder_input_ids=ids)[0]
+        return self.model(input_ids=ids, attention_mask=mask)[0]
+
+
+def _tokens(g: torch.Generator) -> tuple[Tensor, Tensor]:
+    ids = torch.randint(0, VOCAB, (2, 5), generator=g)
+    mask = torch.ones(2, 5, dtype=torch.long)
+    mask[1, 3:] = 0  # a padded sequence: the mask is built with tensor indexing
+    return ids, mask
+
+
+MODELS: dict[str, Callable[[], nn.Module]] = {
+    "bert": _bert,
+    "gpt2": _gpt2,
+    "t5": _t5,
+    "llama": _llama,
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_hf_model_fused_through_the_trace_matches_each_model_alone(name: str) -> None:
+    """Outputs, gradients and two SGD steps, train and eval mode, rtol 1e-7 (float64), from
+    replayed traces; then ``member(i)`` loads into a fresh model."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="replaying the traced forward")
+        array = assert_fusion_matches(
+            lambda: _FirstOutput(MODELS[name]()), _tokens, size=2, steps=2, trace=True
+        )
+    assert array._last_call_traced, "the default path should replay a trace for this model"
