@@ -63,6 +63,8 @@ _MAY_CHANGE_ON_RESUME = ("budget.trials", "budget.time_limit", "output", "backen
 _REFILL_ASKS = 3
 #: searchers whose draws do not depend on earlier results (``fusion.size: auto`` is not capped)
 _NON_LEARNING = ("random", "grid", "qmc")
+#: the clock of a sweep's elapsed time and ``budget.time_limit`` (tests replace it with a fake)
+_clock: Callable[[], float] = time.perf_counter
 #: completed trials whose model state_dict is kept in checkpoints/
 _KEEP_BEST = 3
 #: seconds between rewrites of trials.csv and best.json while a sweep runs (each rewrite reads
@@ -215,7 +217,7 @@ class _Engine:
         self._last_step: dict[str, int] = {}  # per member, for the throughput shown
         self.asked = 0
         self.elapsed_before = 0.0
-        self.start = time.perf_counter()
+        self.start = _clock()
         self._published = -math.inf  # perf_counter() of the last trials.csv/best.json write
         #: the default journal's backend (None with a storage URL), and whether the run
         #: directory is locked to this sweep
@@ -450,7 +452,7 @@ class _Engine:
         )
 
     def _elapsed(self) -> float:
-        return self.elapsed_before + time.perf_counter() - self.start
+        return self.elapsed_before + _clock() - self.start
 
     # ------------------------------------------------------------------ asking trials
     def _can_ask(self) -> bool:
@@ -865,7 +867,7 @@ class _Engine:
             best_params=dict(best.params) if best is not None else {},
             best_config=record["config"] if record is not None else {},
             counts=counts,
-            wall_s=time.perf_counter() - self.start,
+            wall_s=_clock() - self.start,
             arrays=len(self.arrays),
             best_checkpoint=ckpt if ckpt is not None and ckpt.exists() else None,
             top=top,

@@ -8,7 +8,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -20,6 +20,10 @@ from ._io import written
 __all__ = ["GroupedJournalFileBackend", "journal_storage"]
 
 _log = logging.getLogger("hfsweep.sweep")
+#: the clock and the sleep of :meth:`GroupedJournalFileBackend.clear_stale_lock`'s wait (tests
+#: replace both with a fake time)
+_clock: Callable[[], float] = time.monotonic
+_sleep: Callable[[float], None] = time.sleep
 
 
 class GroupedJournalFileBackend(JournalFileBackend):
@@ -84,15 +88,15 @@ class GroupedJournalFileBackend(JournalFileBackend):
         other sweep can be writing (the run directory's, under its lock); other Optuna
         processes break such a lock after 30 s. Returns whether one was removed."""
         lock = self._path + ".lock"
-        start = time.monotonic()
+        start = _clock()
         seen: tuple[int, int] | None = None
         since = start
-        while time.monotonic() - start < give_up_s:
+        while _clock() - start < give_up_s:
             try:
                 st = os.lstat(lock)
             except FileNotFoundError:
                 return False
-            now = time.monotonic()
+            now = _clock()
             if (st.st_ino, st.st_ctime_ns) != seen:
                 seen, since = (st.st_ino, st.st_ctime_ns), now
             elif now - since >= wait_s:
@@ -102,7 +106,7 @@ class GroupedJournalFileBackend(JournalFileBackend):
                     return False
                 _log.warning("removed %s, the journal lock a killed sweep had left", lock)
                 return True
-            time.sleep(0.01)
+            _sleep(0.01)
         return False
 
     def read_logs(self, log_number_from: int) -> Generator[dict[str, Any], None, None]:
