@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ._io import atomic_save, grouped_sync
+from ._packed import UnsafeFileError
 from ._progress import Progress
 from ._rundir import RunDir, RunDirBusy, member_id, trial_number
 from .config import SweepConfig, load_sweep, make_sampler, make_searcher, parse_sweep
@@ -230,7 +231,7 @@ class _Engine:
             with self.dir.exclusive() as locked:
                 self._dir_locked = locked
                 return self._run()
-        except RunDirBusy as exc:
+        except (RunDirBusy, UnsafeFileError) as exc:  # a file of the run dir was refused
             raise SweepError(str(exc)) from None
 
     def _run(self) -> SweepResult:

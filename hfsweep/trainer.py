@@ -31,7 +31,9 @@ from torch import Tensor, nn
 
 from ._io import append_lines, atomic_save, read_lines
 from ._malloc import retain_freed_memory
-from ._packed import pack, unpack
+from ._packed import UnsafeFileError, pack
+from ._packed import load as load_packed
+from ._packed import loads as loads_plain
 from ._task import (
     Task,
     TaskError,
@@ -232,7 +234,7 @@ class ArrayTrainer:
         path = Path(checkpoint_dir) / "array.pt"
         if not path.exists():
             return set()
-        payload = unpack(torch.load(path, map_location="cpu", weights_only=False))
+        payload = load_packed(path)
         return set(payload.get("order", []))
 
     def steps_per_epoch(self, config: Mapping[str, Any]) -> int:
@@ -825,7 +827,7 @@ class _Run:
         }
 
     def _load_checkpoint(self, path: Path, members: Sequence[Member]) -> None:
-        payload = unpack(torch.load(path, map_location="cpu", weights_only=False))
+        payload = load_packed(path)
         if payload.get("version") != _CHECKPOINT_VERSION:
             raise ValueError(
                 f"{path}: checkpoint version {payload.get('version')!r} is not "
@@ -1084,7 +1086,9 @@ def _read_delivered(path: Path) -> list[dict[str, Any]]:
     records = []
     for line in read_lines(path):
         try:
-            record = pickle.loads(base64.b64decode(line, validate=True))
+            record = loads_plain(base64.b64decode(line, validate=True), path)
+        except UnsafeFileError:
+            raise
         except Exception:  # a cut line fails in one of several ways
             continue
         if isinstance(record, dict) and "id" in record:
@@ -1102,7 +1106,7 @@ def _read_member_state(directory: Path, member_id: str) -> dict[str, Any] | None
     path = directory / "members" / f"{_safe(member_id)}.pt"
     if not path.exists():
         return None
-    return dict(torch.load(path, map_location="cpu", weights_only=False))
+    return dict(load_packed(path))
 
 
 def _safe(member_id: str) -> str:

@@ -1,8 +1,10 @@
-"""Files and folders a sweep writes get the permissions of the process's umask, as other tools'
-do: a team that shares run directories (umask 002) can read and write each other's files."""
+"""A run directory shared with a team: the files and folders a sweep writes get the permissions
+of the process's umask, as other tools' do (with umask 002 the team can read and write each
+other's files), and resuming from it never runs code planted in its files."""
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from collections.abc import Iterator
@@ -13,6 +15,7 @@ import torch
 
 import hfsweep as hs
 from hfsweep._io import append_lines, atomic_save, atomic_write_text
+from hfsweep._packed import pack
 
 from ._toy import sweep_config
 
@@ -60,7 +63,9 @@ def test_written_files_follow_the_umask(tmp_path: Path, umask: int) -> None:
 
 def test_a_sweeps_run_directory_follows_the_umask(tmp_path: Path, umask: int) -> None:
     run = tmp_path / "run"
-    config = sweep_config(run, budget={"trials": 2, "epochs": 1}, fusion={"size": 2})
+    config = sweep_config(
+        run, budget={"trials": 2, "epochs": 1}, fusion={"size": 2, "device": "cpu"}
+    )
     hs.sweep(config, progress=False)
     modes = _modes(run)
     for name in ("state.json", "trials.csv", "best.json", "optuna.journal", ".lock"):
@@ -68,3 +73,35 @@ def test_a_sweeps_run_directory_follows_the_umask(tmp_path: Path, umask: int) ->
     assert any(kind == "file" and name.endswith(".pt") for name, (kind, _) in modes.items())
     wrong = {n: oct(m) for n, (k, m) in modes.items() if m != _expected(k, umask)}
     assert wrong == {}
+
+
+class _Planted:
+    """Pickles as a call of ``exec`` that leaves ``marker`` behind when loaded with pickle."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (exec, (f"open({str(self.marker)!r}, 'w').close()",))
+
+
+def test_a_resume_refuses_a_planted_checkpoint_and_runs_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An array's checkpoint replaced by a booby-trapped file: the resume stops with a
+    SweepError naming the file (which ``hfsweep run --resume`` prints, exit 2)."""
+    run = tmp_path / "run"
+    config = sweep_config(
+        run, budget={"trials": 2, "epochs": 1}, fusion={"size": 2, "device": "cpu"}
+    )
+    hs.sweep(config, progress=False)
+    state = json.loads((run / "state.json").read_text())
+    state["arrays"][0]["done"] = False  # as if the sweep had been killed while it trained
+    (run / "state.json").write_text(json.dumps(state))
+    marker = tmp_path / "ran"
+    planted = run / "arrays" / "0" / "array.pt"
+    planted.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(pack({"version": 3, "order": ["0"], "key": _Planted(marker)}), planted)
+    with pytest.raises(hs.SweepError, match=rf"^{planted}: not loaded: it needs builtins\.exec"):
+        hs.sweep(config, resume=True, progress=False)
+    assert not marker.exists()
