@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from ._io import append_lines, atomic_save, read_lines
-from ._malloc import retain_freed_memory
+from ._malloc import retaining_freed_memory
 from ._packed import UnsafeFileError, pack
 from ._packed import load as load_packed
 from ._packed import loads as loads_plain
@@ -217,14 +217,16 @@ class ArrayTrainer:
 
         ``report`` is called after every evaluation with the members evaluated at that step
         and may stop any of them; ``on_finish`` is called as each member finishes. On the CPU
-        it first keeps this process's freed memory for reuse (see ``hfsweep._malloc``). With
+        it keeps this process's freed memory for reuse while it runs (see ``hfsweep._malloc``;
+        ``HFSWEEP_MALLOC=system`` leaves the allocator alone). With
         ``resume=True`` and a checkpoint in ``checkpoint_dir``, ``members`` is only used for
         members the checkpoint does not know yet; finished members are not trained again.
         """
-        if self.device.type == "cpu":
-            retain_freed_memory()
         run = _Run(self, report, refill, on_finish)
-        return run.execute(members, resume)
+        if self.device.type != "cpu":
+            return run.execute(members, resume)
+        with retaining_freed_memory():
+            return run.execute(members, resume)
 
     @staticmethod
     def checkpointed_members(checkpoint_dir: str | os.PathLike[str]) -> set[str]:
