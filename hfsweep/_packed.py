@@ -215,14 +215,17 @@ def load(path: str | os.PathLike[str]) -> Any:
     tensors is refused with :class:`UnsafeFileError`."""
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
+    except pickle.UnpicklingError as exc:
         try:
             unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
         except Exception:  # not a readable checkpoint at all: torch's own message says why
             unsafe = []
-        if not unsafe:
-            raise
-        raise _refusal(path, ", ".join(unsafe)) from None
+        if unsafe:
+            raise _refusal(path, ", ".join(unsafe)) from None
+        # torch's message: a preamble, its reason, then advice that does not apply here
+        parts = [p for p in str(exc).split("\n\n") if p.strip()]
+        reason = parts[1].strip() if len(parts) > 2 else str(exc)
+        raise UnsafeFileError(f"{os.fspath(path)}: not loaded: {reason}") from None
     return unpack(payload, path)
 
 
