@@ -25,6 +25,7 @@ pickle (the trainer's delivered log). :func:`load_inert` reads a pickle another 
 from __future__ import annotations
 
 import builtins
+import codecs
 import collections
 import datetime
 import decimal
@@ -112,7 +113,10 @@ def _plain_globals() -> dict[str, Any]:
         torch._utils._rebuild_sparse_tensor,
     ]
     table = {f"{f.__module__}.{f.__qualname__}": f for f in allowed}
-    table["_codecs.encode"] = __import__("_codecs").encode  # bytes in protocol 2
+    paths = (pathlib.PurePosixPath, pathlib.PureWindowsPath, pathlib.PosixPath, pathlib.WindowsPath)
+    for path in paths:  # as Python < 3.13 names them (3.13 moved them to pathlib._local)
+        table[f"pathlib.{path.__name__}"] = path
+    table["_codecs.encode"] = codecs.encode  # bytes in protocol 2
     for dtype in list(vars(torch).values()):  # vars(): no lazy imports of torch's modules
         if isinstance(dtype, torch.dtype):
             table[str(dtype)] = dtype  # a dtype pickles as "torch.float32"
@@ -128,8 +132,9 @@ def _plain_globals() -> dict[str, Any]:
             table[f"{module}.numeric._frombuffer"] = core.numeric._frombuffer
     table["numpy.dtype"] = np.dtype
     table["numpy.ndarray"] = np.ndarray
-    for name in dir(getattr(np, "dtypes", None)):  # numpy 2 pickles dtypes by their class
-        cls = getattr(np.dtypes, name)
+    dtypes = getattr(np, "dtypes", None)  # numpy >= 1.25 pickles dtypes by their class
+    for name in dir(dtypes) if dtypes is not None else ():
+        cls = getattr(dtypes, name)
         if isinstance(cls, type) and issubclass(cls, np.dtype):
             table[f"numpy.dtypes.{name}"] = cls
     return table
