@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ._io import atomic_save, grouped_sync
+from ._packed import UnsafeFileError
 from ._progress import Progress
 from ._rundir import RunDir, RunDirBusy, StateVersionError, member_id, trial_number
 from .config import SweepConfig, load_sweep, make_sampler, make_searcher, parse_sweep
@@ -63,6 +64,8 @@ _MAY_CHANGE_ON_RESUME = ("budget.trials", "budget.time_limit", "output", "backen
 _REFILL_ASKS = 3
 #: searchers whose draws do not depend on earlier results (``fusion.size: auto`` is not capped)
 _NON_LEARNING = ("random", "grid", "qmc")
+#: the clock of a sweep's elapsed time and ``budget.time_limit`` (tests replace it with a fake)
+_clock: Callable[[], float] = time.perf_counter
 #: completed trials whose model state_dict is kept in checkpoints/
 _KEEP_BEST = 3
 #: seconds between rewrites of trials.csv and best.json while a sweep runs (each rewrite reads
@@ -222,7 +225,7 @@ class _Engine:
         self._last_step: dict[str, int] = {}  # per member, for the throughput shown
         self.asked = 0
         self.elapsed_before = 0.0
-        self.start = time.perf_counter()
+        self.start = _clock()
         self._published = -math.inf  # perf_counter() of the last trials.csv/best.json write
         #: the default journal's backend (None with a storage URL), and whether the run
         #: directory is locked to this sweep
@@ -235,7 +238,7 @@ class _Engine:
             with self.dir.exclusive() as locked:
                 self._dir_locked = locked
                 return self._run()
-        except RunDirBusy as exc:
+        except (RunDirBusy, UnsafeFileError) as exc:  # a file of the run dir was refused
             raise SweepError(str(exc)) from None
 
     def _run(self) -> SweepResult:
@@ -508,7 +511,7 @@ class _Engine:
         )
 
     def _elapsed(self) -> float:
-        return self.elapsed_before + time.perf_counter() - self.start
+        return self.elapsed_before + _clock() - self.start
 
     # ------------------------------------------------------------------ asking trials
     def _can_ask(self) -> bool:
@@ -928,7 +931,7 @@ class _Engine:
             best_params=dict(best.params) if best is not None else {},
             best_config=record["config"] if record is not None else {},
             counts=counts,
-            wall_s=time.perf_counter() - self.start,
+            wall_s=_clock() - self.start,
             arrays=len(self.arrays),
             best_checkpoint=ckpt if ckpt is not None and ckpt.exists() else None,
             top=top,

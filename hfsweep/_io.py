@@ -11,12 +11,16 @@ runs inside one), flushes are grouped: each file written is flushed at most ``in
 later, once however often it was written meanwhile, and every file when the block ends. A sweep's
 bookkeeping writes a few files per trial and a journal record per operation; flushing each as it
 is written took several milliseconds apiece, a large share of a sweep of small models.
+
+Files are created with the permissions the process's umask gives (``0o666`` less the umask), as
+folders are and as other tools' files are: a team sharing run directories sets a umask of
+``002`` and every file is group-writable (``tempfile.mkstemp``'s files would be ``0600``).
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
+import secrets
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -30,6 +34,7 @@ __all__ = [
     "atomic_save",
     "atomic_write_text",
     "grouped_sync",
+    "new_temporary",
     "read_lines",
     "written",
 ]
@@ -125,9 +130,24 @@ def written(path: str | os.PathLike[str], fd: int | None = None) -> None:
         _fsync_path(os.fspath(path))
 
 
+def new_temporary(folder: Path, prefix: str, suffix: str = "") -> tuple[int, str]:
+    """``(fd, path)`` of a new empty file in ``folder`` named ``prefix``, random letters and
+    ``suffix``, open for writing: ``tempfile.mkstemp`` with the umask's permissions instead
+    of ``0600``, for a file that is renamed over its target."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    flags |= getattr(os, "O_BINARY", 0)
+    for _ in range(100):
+        path = os.path.join(folder, f"{prefix}{secrets.token_hex(4)}{suffix}")
+        try:
+            return os.open(path, flags, 0o666), path
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"{folder}: no free name for a temporary file {prefix}...{suffix}")
+
+
 def _atomic(path: Path, mode: str, write: Callable[[IO[Any]], object]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    fd, tmp = new_temporary(path.parent, f".{path.name}.")
     grouped = _flusher is not None
     try:
         opts: dict[str, Any] = {"encoding": "utf-8", "newline": ""} if "b" not in mode else {}

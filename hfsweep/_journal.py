@@ -11,7 +11,7 @@ import re
 import shutil
 import threading
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -31,6 +31,10 @@ __all__ = [
 ]
 
 _log = logging.getLogger("hfsweep.sweep")
+#: the clock and the sleep of :meth:`GroupedJournalFileBackend.clear_stale_lock`'s wait (tests
+#: replace both with a fake time)
+_clock: Callable[[], float] = time.monotonic
+_sleep: Callable[[float], None] = time.sleep
 
 #: the journal's operation codes (its file format), as a user reads them in a warning
 _OPERATIONS = {
@@ -151,15 +155,15 @@ class GroupedJournalFileBackend(BaseJournalBackend):
         other sweep can be writing (the run directory's, under its lock); other Optuna
         processes break such a lock after 30 s. Returns whether one was removed."""
         lock = self._path + ".lock"
-        start = time.monotonic()
+        start = _clock()
         seen: tuple[int, int] | None = None
         since = start
-        while time.monotonic() - start < give_up_s:
+        while _clock() - start < give_up_s:
             try:
                 st = os.lstat(lock)
             except FileNotFoundError:
                 return False
-            now = time.monotonic()
+            now = _clock()
             if (st.st_ino, st.st_ctime_ns) != seen:
                 seen, since = (st.st_ino, st.st_ctime_ns), now
             elif now - since >= wait_s:
@@ -169,7 +173,7 @@ class GroupedJournalFileBackend(BaseJournalBackend):
                     return False
                 _log.warning("removed %s, the journal lock a killed sweep had left", lock)
                 return True
-            time.sleep(0.01)
+            _sleep(0.01)
         return False
 
     def drop_torn_tail(self) -> TornTail | None:

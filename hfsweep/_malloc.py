@@ -9,13 +9,19 @@ with and without ``HFSWEEP_MALLOC=system``: the small CNN at B=8 trained at 5.6-
 member-samples/s against 4.3k (two runs each, and serial gained as much). The digits MLP sweep and the Transformer
 showed no difference beyond this machine's noise.
 
-:func:`retain_freed_memory` raises both thresholds once per process, so memory freed in one
-step serves the next, as the CUDA caching allocator does on a GPU (and as PyTorch's CPU launcher
-does with jemalloc). The cost: memory the process freed stays counted in its resident size, up
-to :data:`TRIM_THRESHOLD` beyond what it uses. ``HFSWEEP_MALLOC=system`` leaves the allocator
-alone, as do thresholds the user set (``GLIBC_TUNABLES``, ``MALLOC_MMAP_THRESHOLD_``,
-``MALLOC_TRIM_THRESHOLD_``), another allocator in ``LD_PRELOAD`` and a C library other than
-glibc.
+:func:`retaining_freed_memory` raises both thresholds for a block of code, the trainer's run
+(and the profiler's measurements), so memory freed in one step serves the next, as the CUDA
+caching allocator does on a GPU (and as PyTorch's CPU launcher does with jemalloc). The cost:
+memory the process freed stays counted in its resident size, up to :data:`TRIM_THRESHOLD` beyond
+what it uses. When the last such block ends (blocks may nest and overlap in threads), glibc's
+default thresholds (128 KiB each) are set back and the memory kept beyond use is handed back to
+the system (``malloc_trim``). glibc has no way to read its thresholds, nor to turn its adaptive
+mmap threshold back on once they were set, so after a run they are glibc's fixed defaults.
+
+``HFSWEEP_MALLOC=system`` leaves the allocator alone, as do thresholds the user set
+(``GLIBC_TUNABLES``, ``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``), another allocator
+in ``LD_PRELOAD`` and a C library other than glibc. :func:`retain_freed_memory` raises them for
+the rest of the process instead (the benchmarks run every arm with the same allocator).
 """
 
 from __future__ import annotations
@@ -25,8 +31,17 @@ import logging
 import os
 import platform
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
-__all__ = ["MMAP_THRESHOLD", "TRIM_THRESHOLD", "retain_freed_memory"]
+__all__ = [
+    "DEFAULT_THRESHOLD",
+    "MMAP_THRESHOLD",
+    "TRIM_THRESHOLD",
+    "retain_freed_memory",
+    "retaining_freed_memory",
+]
 
 _log = logging.getLogger("hfsweep")
 
@@ -35,10 +50,17 @@ _log = logging.getLogger("hfsweep")
 MMAP_THRESHOLD = 32 << 20
 #: free memory at the top of the heap is handed back to the system only beyond this
 TRIM_THRESHOLD = 1 << 30
+#: glibc's default mmap and trim thresholds, set back when the last run ends
+DEFAULT_THRESHOLD = 128 << 10
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
-_applied: bool | None = None
+_lock = threading.Lock()
+#: blocks of :func:`retaining_freed_memory` open now
+_open = 0
+#: whether the thresholds are raised now, and whether for the rest of the process
+_raised = False
+_pinned = False
 
 
 def _user_settings() -> str | None:
@@ -60,27 +82,69 @@ def _user_settings() -> str | None:
     return None
 
 
-def retain_freed_memory() -> bool:
-    """Raise glibc's mmap and trim thresholds for this process (once); ``True`` if they are set.
-
-    Called by :class:`~hfsweep.ArrayTrainer` before it trains on the CPU; any number of calls,
-    the first decides.
-    """
-    global _applied
-    if _applied is not None:
-        return _applied
-    reason = _user_settings()
-    if reason is not None:
-        _log.debug("malloc thresholds left as they are: %s", reason)
-        _applied = False
-        return False
+def _set(mmap: int, trim: int) -> bool:
+    """Set glibc's mmap and trim thresholds; whether both were accepted."""
     try:
         libc = ctypes.CDLL(None)
-        ok = bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
-            libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, mmap)) and bool(
+            libc.mallopt(_M_TRIM_THRESHOLD, trim)
         )
     except (OSError, AttributeError) as exc:  # no mallopt in this process's C library
         _log.debug("malloc thresholds left as they are: %s", exc)
-        ok = False
-    _applied = ok
-    return ok
+        return False
+
+
+def _raise() -> None:
+    """Raise the thresholds unless the user chose otherwise (with :data:`_lock` held)."""
+    global _raised
+    reason = _user_settings()
+    if reason is not None:
+        _log.debug("malloc thresholds left as they are: %s", reason)
+        return
+    _raised = _set(MMAP_THRESHOLD, TRIM_THRESHOLD)
+
+
+def _restore() -> None:
+    """glibc's default thresholds again, and the memory kept beyond use handed back."""
+    global _raised
+    _raised = False
+    if _set(DEFAULT_THRESHOLD, DEFAULT_THRESHOLD):
+        try:
+            ctypes.CDLL(None).malloc_trim(0)
+        except (OSError, AttributeError) as exc:
+            _log.debug("malloc_trim: %s", exc)
+
+
+@contextmanager
+def retaining_freed_memory() -> Iterator[bool]:
+    """Within the block, glibc keeps this process's freed memory for reuse (raised mmap and
+    trim thresholds); yields whether it does. When the last open block ends (in any thread),
+    the thresholds are set back to glibc's defaults and the memory kept is handed back, unless
+    :func:`retain_freed_memory` made them the process's. :class:`~hfsweep.ArrayTrainer` runs
+    on the CPU inside one."""
+    global _open
+    with _lock:
+        _open += 1
+        if _open == 1 and not _raised:
+            _raise()
+        raised = _raised
+    try:
+        yield raised
+    finally:
+        with _lock:
+            _open -= 1
+            if _open == 0 and _raised and not _pinned:
+                _restore()
+
+
+def retain_freed_memory() -> bool:
+    """Raise glibc's mmap and trim thresholds for the rest of the process; ``True`` if they are
+    raised. For a whole program that trains on the CPU (the benchmarks, to run every arm with
+    the same allocator); the trainer raises them only while it runs
+    (:func:`retaining_freed_memory`)."""
+    global _pinned
+    with _lock:
+        if not _raised:
+            _raise()
+        _pinned = _raised
+        return _raised

@@ -108,7 +108,7 @@ class RunDir:
             return
         self.path.mkdir(parents=True, exist_ok=True)
         try:
-            fd = os.open(self.path / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(self.path / ".lock", os.O_RDWR | os.O_CREAT, 0o666)
         except OSError as exc:
             _unlocked(self.path, str(exc))
             yield False

@@ -18,6 +18,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -26,7 +27,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._malloc import retain_freed_memory
+from ._malloc import retaining_freed_memory
 from ._task import Task, fork_rng, make_optimizer, make_schedule
 from .fusion import fuse
 from .profiler import (
@@ -163,8 +164,39 @@ def measure_step(
     interruptions do not move. Then one more step measures peak memory. ``traces``: a trace
     cache the array shares (see :func:`profile_task`).
     """
-    if device.type == "cpu":
-        retain_freed_memory()  # time the step as the trainer will run it
+    with _as_the_trainer_runs(device):
+        return _measure_step(
+            task,
+            config,
+            size,
+            device=device,
+            dtype=dtype,
+            batch=batch,
+            min_seconds=min_seconds,
+            min_steps=min_steps,
+            warmup=warmup,
+            traces=traces,
+        )
+
+
+def _as_the_trainer_runs(device: torch.device) -> AbstractContextManager[object]:
+    """On the CPU, glibc keeps freed memory for reuse, as while the trainer runs."""
+    return retaining_freed_memory() if device.type == "cpu" else nullcontext()
+
+
+def _measure_step(
+    task: Task,
+    config: Mapping[str, Any],
+    size: int,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    batch: Any,
+    min_seconds: float,
+    min_steps: int,
+    warmup: int,
+    traces: dict[Any, Any] | None,
+) -> Measurement:
     resolved = task.resolve(config)
     configs = [{**resolved, "seed": i} for i in range(size)]
     models = [task.build_model(c).to(dtype) for c in configs]
@@ -285,14 +317,15 @@ def profile_task(
             traces=traces,
         )
 
-    measurements, memory = profile_sizes(
-        measure,
-        budget_bytes=budget,
-        max_size=max_size,
-        sizes=sizes,
-        knee=knee,
-        on_measure=on_measure,
-    )
+    with _as_the_trainer_runs(device):  # one block for every size measured
+        measurements, memory = profile_sizes(
+            measure,
+            budget_bytes=budget,
+            max_size=max_size,
+            sizes=sizes,
+            knee=knee,
+            on_measure=on_measure,
+        )
     chosen, reason = choose_size(measurements, budget, knee=knee)
     profile = Profile(
         key=key,

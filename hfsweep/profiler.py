@@ -31,7 +31,6 @@ import math
 import os
 import platform
 import sys
-import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
@@ -40,6 +39,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from ._io import new_temporary
 
 __all__ = [
     "Measurement",
@@ -912,9 +913,7 @@ class ProfileCache:
                 text = json.dumps(
                     {"format": _FORMAT, "profiles": profiles}, indent=1, sort_keys=True
                 )
-                fd, tmp_name = tempfile.mkstemp(
-                    prefix=self.path.name + ".", suffix=".tmp", dir=self.path.parent
-                )
+                fd, tmp_name = new_temporary(self.path.parent, self.path.name + ".", ".tmp")
                 with os.fdopen(fd, "w", encoding="utf-8") as f:
                     f.write(text)
                     f.flush()

@@ -30,8 +30,10 @@ import torch
 from torch import Tensor, nn
 
 from ._io import append_lines, atomic_save, read_lines
-from ._malloc import retain_freed_memory
-from ._packed import pack, unpack
+from ._malloc import retaining_freed_memory
+from ._packed import UnsafeFileError, pack
+from ._packed import load as load_packed
+from ._packed import loads as loads_plain
 from ._task import (
     Task,
     TaskError,
@@ -215,14 +217,16 @@ class ArrayTrainer:
 
         ``report`` is called after every evaluation with the members evaluated at that step
         and may stop any of them; ``on_finish`` is called as each member finishes. On the CPU
-        it first keeps this process's freed memory for reuse (see ``hfsweep._malloc``). With
+        it keeps this process's freed memory for reuse while it runs (see ``hfsweep._malloc``;
+        ``HFSWEEP_MALLOC=system`` leaves the allocator alone). With
         ``resume=True`` and a checkpoint in ``checkpoint_dir``, ``members`` is only used for
         members the checkpoint does not know yet; finished members are not trained again.
         """
-        if self.device.type == "cpu":
-            retain_freed_memory()
         run = _Run(self, report, refill, on_finish)
-        return run.execute(members, resume)
+        if self.device.type != "cpu":
+            return run.execute(members, resume)
+        with retaining_freed_memory():
+            return run.execute(members, resume)
 
     @staticmethod
     def checkpointed_members(checkpoint_dir: str | os.PathLike[str]) -> set[str]:
@@ -232,7 +236,7 @@ class ArrayTrainer:
         path = Path(checkpoint_dir) / "array.pt"
         if not path.exists():
             return set()
-        payload = unpack(torch.load(path, map_location="cpu", weights_only=False))
+        payload = load_packed(path)
         return set(payload.get("order", []))
 
     @staticmethod
@@ -835,7 +839,7 @@ class _Run:
         }
 
     def _load_checkpoint(self, path: Path, members: Sequence[Member]) -> None:
-        payload = unpack(torch.load(path, map_location="cpu", weights_only=False))
+        payload = load_packed(path)
         if payload.get("version") != _CHECKPOINT_VERSION:
             raise ValueError(
                 f"{path}: checkpoint version {payload.get('version')!r} is not "
@@ -1094,7 +1098,9 @@ def _read_delivered(path: Path) -> list[dict[str, Any]]:
     records = []
     for line in read_lines(path):
         try:
-            record = pickle.loads(base64.b64decode(line, validate=True))
+            record = loads_plain(base64.b64decode(line, validate=True), path)
+        except UnsafeFileError:
+            raise
         except Exception:  # a cut line fails in one of several ways
             continue
         if isinstance(record, dict) and "id" in record:
@@ -1112,7 +1118,7 @@ def _read_member_state(directory: Path, member_id: str) -> dict[str, Any] | None
     path = directory / "members" / f"{_safe(member_id)}.pt"
     if not path.exists():
         return None
-    return dict(torch.load(path, map_location="cpu", weights_only=False))
+    return dict(load_packed(path))
 
 
 def _safe(member_id: str) -> str:

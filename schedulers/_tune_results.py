@@ -15,11 +15,12 @@ from __future__ import annotations
 import glob
 import math
 import os
-import pickle
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from hfsweep._packed import UnsafeFileError, load_inert, unloaded_in
 
 from ._tune_state import STATE_FORMAT, WEIGHTS_DIR, weights_file
 
@@ -98,7 +99,12 @@ class TunedMember:
 def sweep_state(source: Any) -> dict[str, Any]:
     """The saved state of a fused sweep: ``source`` is a ``ResultGrid``, an
     ``ExperimentAnalysis``, an experiment directory, a :class:`Fusion` or a
-    :class:`FusedSearcher`."""
+    :class:`FusedSearcher`.
+
+    From a directory only plain data is loaded, so no code in the file runs (Tune pickles the
+    searcher's state with objects of its own): the inner scheduler (``"decider"``) is ``None``
+    there, and a state whose members hold anything but plain data is refused with an error
+    naming the file."""
     live = getattr(source, "state", None)
     if live is not None and hasattr(live, "state_dict"):
         return dict(live.state_dict())
@@ -122,11 +128,21 @@ def sweep_state(source: Any) -> dict[str, Any]:
             f"{folder}: no {_STATE_GLOB} here; is it the directory of a Tune experiment "
             "(ResultGrid.experiment_path)?"
         )
-    with open(files[-1], "rb") as f:
-        saved = pickle.load(f)
+    # Tune pickles its searchers' states (with objects of its own, some by value), and
+    # unpickling may run code: only plain data is loaded here, the rest left as stand-ins
+    saved = load_inert(files[-1])
     for value in saved.values() if isinstance(saved, Mapping) else ():
         if isinstance(value, Mapping) and value.get("format") == STATE_FORMAT:
-            return dict(value)
+            state = {**value, "decider": None}  # the inner scheduler: Tune's, not loaded
+            unloaded = unloaded_in(state)
+            if unloaded is not None:
+                raise UnsafeFileError(
+                    f"{files[-1]}: not loaded: the sweep's state needs {unloaded}, which "
+                    "hfsweep does not load from a file (plain data only; anything else could "
+                    "run code from it). If you trust the file and the type is yours (a config "
+                    "value), allow it with torch.serialization.add_safe_globals([...])."
+                )
+            return state
     raise ValueError(
         f"{files[-1]}: the experiment's searcher is not a fused sweep's (no hfsweep state); "
         "was it run with search_alg=fusion.searcher(...)?"

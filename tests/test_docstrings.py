@@ -6,14 +6,17 @@ from __future__ import annotations
 import importlib
 import inspect
 import pkgutil
+import sys
 from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
 import hfsweep
 
-#: top-level packages the project installs whose modules users import
-_ROOTS = ("hfsweep", "schedulers", "search_spaces")
+#: the packages whose modules users import, under the names they are installed as (the
+#: schedulers/ and search_spaces/ folders are installed as subpackages of hfsweep; imported as
+#: top-level packages too, their classes would exist twice in this process)
+_ROOTS = ("hfsweep", "hfsweep.schedulers", "hfsweep.search_spaces")
 
 
 def _public_modules() -> Iterator[ModuleType]:
@@ -32,7 +35,7 @@ def _public_modules() -> Iterator[ModuleType]:
 
 def _own(obj: Any) -> bool:
     module = getattr(obj, "__module__", "") or ""
-    return module.split(".")[0] in _ROOTS
+    return module.split(".")[0] == "hfsweep"
 
 
 def _undocumented() -> list[str]:
@@ -83,3 +86,10 @@ def _inherits_doc(cls: type, name: str) -> bool:
 def test_every_public_name_has_a_docstring() -> None:
     assert hfsweep.__doc__
     assert _undocumented() == []
+
+
+def test_the_subpackages_are_imported_under_their_installed_names_only() -> None:
+    """Walking the packages imports every public module, and none as a top-level package."""
+    names = {module.__name__ for module in _public_modules()}
+    assert {"hfsweep.schedulers.tune", "hfsweep.search_spaces"} <= names
+    assert "schedulers" not in sys.modules and "search_spaces" not in sys.modules

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -564,6 +565,19 @@ def test_cache_round_trip(tmp_path):
     assert fresh.get("k2") == p2
     assert fresh.get("k2").chosen == 1
     assert sorted(os.listdir(tmp_path / "sub")) == ["profiles.json", "profiles.json.lock"]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002])
+def test_cache_files_follow_the_umask(tmp_path, umask):
+    """As every file hfsweep writes: a cache shared through HFSWEEP_CACHE_DIR stays shared."""
+    old = os.umask(umask)
+    try:
+        ProfileCache(tmp_path / "sub" / "profiles.json").put(make_profile("k1"))
+    finally:
+        os.umask(old)
+    for path in [tmp_path / "sub", *(tmp_path / "sub").iterdir()]:
+        expected = (0o777 if path.is_dir() else 0o666) & ~umask
+        assert stat.S_IMODE(path.stat().st_mode) == expected, (path.name, oct(path.stat().st_mode))
 
 
 def test_cache_default_path_from_environment(tmp_path, monkeypatch):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import threading
@@ -13,8 +12,11 @@ import optuna
 import pytest
 from optuna.storages.journal import JournalFileBackend
 
+from hfsweep import _journal
 from hfsweep._io import append_lines, atomic_write_text, grouped_sync, read_lines
 from hfsweep._journal import GroupedJournalFileBackend, journal_storage
+
+from ._clock import FakeTime
 
 
 @pytest.fixture
@@ -268,49 +270,49 @@ def test_a_hold_takes_the_journal_lock_once_and_other_writers_wait_for_it(
     assert lines == [0, 1, 2, 3, "theirs"]
 
 
-def test_a_stale_journal_lock_is_cleared_and_a_live_one_waited_for(tmp_path: Path) -> None:
+def test_a_stale_journal_lock_is_cleared_and_a_live_one_waited_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A lock left by a killed holder is removed after the wait; one its holder releases
-    within the wait is not touched."""
+    within the wait is not touched. Other writers act at fixed moments of a fake time."""
+    fake = FakeTime()
+    monkeypatch.setattr(_journal, "_clock", fake.now)
+    monkeypatch.setattr(_journal, "_sleep", fake.sleep)
     path = tmp_path / "study.journal"
     backend = GroupedJournalFileBackend(path)
     lock = f"{path}.lock"
+
+    def take() -> None:
+        """Another writer takes the lock anew: a new symlink renamed over the old one, as
+        Optuna's lock does (a new inode, even where the file system reuses inode numbers)."""
+        os.symlink(path, f"{lock}.new")
+        os.replace(f"{lock}.new", lock)
+
+    def waited(**kwargs: float) -> tuple[bool, float]:
+        """Whether the lock was removed, and after how long (to the poll's 10 ms)."""
+        start = fake.now()
+        return backend.clear_stale_lock(**kwargs), fake.now() - start
+
     assert backend.clear_stale_lock(wait_s=0.05) is False  # no lock: nothing to do
     os.symlink(path, lock)  # as a SIGKILL inside a hold leaves it
-    start = time.monotonic()
-    assert backend.clear_stale_lock(wait_s=0.2) is True
-    assert time.monotonic() - start >= 0.2 and not os.path.lexists(lock)
+    removed, elapsed = waited(wait_s=0.2)
+    assert removed and elapsed == pytest.approx(0.2, abs=0.011) and not os.path.lexists(lock)
     os.symlink(path, lock)
-    threading.Timer(0.05, os.unlink, args=(lock,)).start()  # a writer that finishes
-    assert backend.clear_stale_lock(wait_s=2.0) is False
+    fake.at(fake.now() + 0.05, lambda: os.unlink(lock))  # a writer that finishes
+    removed, elapsed = waited(wait_s=2.0)
+    assert not removed and elapsed == pytest.approx(0.05, abs=0.011)
     # a lock replaced during the wait is another writer's: the wait starts again
     os.symlink(path, lock)
-
-    def replace() -> None:
-        os.unlink(lock)
-        os.symlink(path, lock)
-
-    threading.Timer(0.15, replace).start()
-    start = time.monotonic()
-    assert backend.clear_stale_lock(wait_s=0.3) is True
-    assert time.monotonic() - start >= 0.45
+    fake.at(fake.now() + 0.15, take)
+    removed, elapsed = waited(wait_s=0.3)
+    assert removed and elapsed == pytest.approx(0.45, abs=0.011) and not os.path.lexists(lock)
     # a writer that keeps taking the lock anew is never broken: the wait gives up
-    stop = threading.Event()
-
-    def busy() -> None:
-        while not stop.is_set():
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(lock)
-            os.symlink(path, lock)
-            time.sleep(0.02)
-
-    writer = threading.Thread(target=busy)
-    writer.start()
-    try:
-        assert backend.clear_stale_lock(wait_s=0.1, give_up_s=0.5) is False
-    finally:
-        stop.set()
-        writer.join()
-        os.unlink(lock)
+    os.symlink(path, lock)
+    for k in range(1, 60):
+        fake.at(fake.now() + 0.02 * k, take)
+    removed, elapsed = waited(wait_s=0.1, give_up_s=0.5)
+    assert not removed and elapsed == pytest.approx(0.5, abs=0.011) and os.path.lexists(lock)
+    os.unlink(lock)
     backend.append_logs([{"n": 1}])
     assert path.read_text() == '{"n":1}\n'
 

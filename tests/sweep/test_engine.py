@@ -7,7 +7,6 @@ import csv
 import json
 import math
 import os
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -15,14 +14,16 @@ from typing import Any
 import optuna
 import pytest
 import torch
+from optuna.storages.journal import JournalFileSymlinkLock
 from optuna.trial import TrialState
 
 import hfsweep as hs
-from hfsweep import _engine
+from hfsweep import _engine, _journal
 from hfsweep._rundir import RunDir
 from hfsweep.config import parse_sweep
 from hfsweep.searchers._source import SearcherError
 
+from ._clock import FakeTime, TickingClock
 from ._toy import TASK, sweep_config
 
 FINAL = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
@@ -177,12 +178,19 @@ def test_grid_searcher_is_capped_at_the_grid(tmp_path: Path) -> None:
     assert sorted(t.params["lr"] for t in trials) == [0.01, 0.1, 0.3]
 
 
-def test_time_limit_stops_asking_and_leaves_nothing_running(tmp_path: Path) -> None:
-    config = sweep_config(tmp_path / "run", budget={"trials": 40, "epochs": 2, "time_limit": 0.5})
+def test_time_limit_stops_asking_and_leaves_nothing_running(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine asks a trial only after reading its clock (one tick each), so with the limit
+    at five ticks past the start at most five trials are asked, on any machine."""
+    clock = TickingClock(tick=0.1)
+    monkeypatch.setattr(_engine, "_clock", clock)
+    config = sweep_config(tmp_path / "run", budget={"trials": 40, "epochs": 2, "time_limit": 0.55})
     result = hs.sweep(config, progress=False)
     trials = result.study.get_trials()
-    assert 1 <= len(trials) < 40
+    assert 1 <= len(trials) <= 5
     assert all(t.state in FINAL for t in trials)
+    assert json.loads((tmp_path / "run" / "state.json").read_text())["elapsed_s"] >= 0.55
 
 
 def test_existing_run_directory_needs_resume(tmp_path: Path) -> None:
@@ -218,7 +226,7 @@ def test_a_run_directory_in_use_is_refused_before_anything_is_written(tmp_path: 
 
 
 def test_a_journal_lock_left_by_a_killed_sweep_does_not_stall_the_resume(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A sweep killed while it held the journal's lock leaves ``optuna.journal.lock``; Optuna
     would wait 30 s before breaking it. The run directory is locked to the resuming sweep, so
@@ -226,12 +234,24 @@ def test_a_journal_lock_left_by_a_killed_sweep_does_not_stall_the_resume(
     run = tmp_path / "run"
     config = sweep_config(run, budget={"trials": 2, "epochs": 1})
     hs.sweep(config, progress=False)
-    (run / "optuna.journal.lock").symlink_to(run / "optuna.journal")
+    lock = run / "optuna.journal.lock"
+    lock.symlink_to(run / "optuna.journal")
+    fake = FakeTime()  # the short wait passes without waiting
+    monkeypatch.setattr(_journal, "_clock", fake.now)
+    monkeypatch.setattr(_journal, "_sleep", fake.sleep)
+    found: list[bool] = []  # whether Optuna's lock found a lock there, which it waits 30 s for
+    acquire = JournalFileSymlinkLock.acquire
+
+    def acquiring(self: JournalFileSymlinkLock) -> bool:
+        found.append(os.path.lexists(lock))
+        return acquire(self)
+
+    monkeypatch.setattr(JournalFileSymlinkLock, "acquire", acquiring)
     more = sweep_config(run, budget={"trials": 3, "epochs": 1})
-    start = time.monotonic()
     with caplog.at_level("WARNING", logger="hfsweep.sweep"):
         result = hs.sweep(more, resume=True, progress=False)
-    assert time.monotonic() - start < 20
+    assert found and not any(found)
+    assert fake.now() >= 2.0  # the default wait
     assert _states(result) == Counter({"COMPLETE": 3})
     assert any("journal lock a killed sweep had left" in r.getMessage() for r in caplog.records)
     assert not (run / "optuna.journal.lock").is_symlink()

@@ -1,10 +1,12 @@
-"""The CPU allocator setting the trainer makes: what it sets, when it stays out of the way."""
+"""The CPU allocator setting the trainer makes: what it sets, for how long (the run), and when it
+stays out of the way."""
 
 from __future__ import annotations
 
 import platform
 import subprocess
 import sys
+import threading
 from typing import Any
 
 import pytest
@@ -17,18 +19,29 @@ _GLIBC = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
 class _FakeLibc:
     def __init__(self, result: int = 1) -> None:
         self.calls: list[tuple[int, int]] = []
+        self.trims: list[int] = []
         self.result = result
 
     def mallopt(self, param: int, value: int) -> int:
         self.calls.append((param, value))
         return self.result
 
+    def malloc_trim(self, pad: int) -> int:
+        self.trims.append(pad)
+        return 1
+
+
+RAISE = [(-3, _malloc.MMAP_THRESHOLD), (-1, _malloc.TRIM_THRESHOLD)]
+RESTORE = [(-3, _malloc.DEFAULT_THRESHOLD), (-1, _malloc.DEFAULT_THRESHOLD)]
+
 
 @pytest.fixture
 def fresh(monkeypatch: pytest.MonkeyPatch) -> _FakeLibc:
     """A process in which nothing has been decided yet, glibc's ``mallopt`` recorded."""
     libc = _FakeLibc()
-    monkeypatch.setattr(_malloc, "_applied", None)
+    monkeypatch.setattr(_malloc, "_open", 0)
+    monkeypatch.setattr(_malloc, "_raised", False)
+    monkeypatch.setattr(_malloc, "_pinned", False)
     monkeypatch.setattr(_malloc.ctypes, "CDLL", lambda name: libc)
     monkeypatch.setattr(_malloc.platform, "libc_ver", lambda: ("glibc", "2.36"))
     monkeypatch.setattr(_malloc.sys, "platform", "linux")
@@ -39,10 +52,46 @@ def fresh(monkeypatch: pytest.MonkeyPatch) -> _FakeLibc:
     return libc
 
 
-def test_sets_both_thresholds_once(fresh: _FakeLibc) -> None:
+def test_raised_for_the_block_then_set_back_and_trimmed(fresh: _FakeLibc) -> None:
+    with _malloc.retaining_freed_memory() as raised:
+        assert raised is True
+        assert fresh.calls == RAISE and fresh.trims == []
+    assert fresh.calls == RAISE + RESTORE
+    assert fresh.trims == [0]  # the memory kept beyond use goes back to the system
+    with _malloc.retaining_freed_memory():  # the next run raises them again
+        pass
+    assert fresh.calls == (RAISE + RESTORE) * 2
+
+
+def test_blocks_that_nest_or_overlap_in_threads_raise_and_restore_once(
+    fresh: _FakeLibc,
+) -> None:
+    inside, release = threading.Event(), threading.Event()
+
+    def other_run() -> None:
+        with _malloc.retaining_freed_memory():
+            inside.set()
+            release.wait(10)
+
+    with _malloc.retaining_freed_memory():
+        with _malloc.retaining_freed_memory():
+            pass
+        thread = threading.Thread(target=other_run)
+        thread.start()
+        assert inside.wait(10)
+    assert fresh.calls == RAISE  # the other thread's run still trains
+    release.set()
+    thread.join(10)
+    assert fresh.calls == RAISE + RESTORE and fresh.trims == [0]
+
+
+def test_for_the_whole_process_it_stays_raised(fresh: _FakeLibc) -> None:
+    """``retain_freed_memory`` (the benchmarks') raises them once, and no run ends that."""
     assert _malloc.retain_freed_memory() is True
+    with _malloc.retaining_freed_memory() as raised:
+        assert raised is True
     assert _malloc.retain_freed_memory() is True
-    assert fresh.calls == [(-3, _malloc.MMAP_THRESHOLD), (-1, _malloc.TRIM_THRESHOLD)]
+    assert fresh.calls == RAISE and fresh.trims == []
 
 
 @pytest.mark.parametrize(
@@ -62,25 +111,31 @@ def test_leaves_the_users_choice_alone(
     fresh: _FakeLibc, monkeypatch: pytest.MonkeyPatch, name: str, value: str
 ) -> None:
     monkeypatch.setenv(name, value)
+    with _malloc.retaining_freed_memory() as raised:
+        assert raised is False
     assert _malloc.retain_freed_memory() is False
-    assert fresh.calls == []
+    assert fresh.calls == [] and fresh.trims == []
 
 
 def test_unrelated_tunables_do_not_count(fresh: _FakeLibc, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.cpu.hwcaps=-AVX512F")
     monkeypatch.setenv("HFSWEEP_MALLOC", "")
-    assert _malloc.retain_freed_memory() is True
+    with _malloc.retaining_freed_memory() as raised:
+        assert raised is True
 
 
 def test_only_glibc(fresh: _FakeLibc, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_malloc.platform, "libc_ver", lambda: ("", ""))
-    assert _malloc.retain_freed_memory() is False
+    with _malloc.retaining_freed_memory() as raised:
+        assert raised is False
     assert fresh.calls == []
 
 
-def test_a_refused_setting_reports_false(fresh: _FakeLibc) -> None:
+def test_a_refused_setting_reports_false_and_is_not_undone(fresh: _FakeLibc) -> None:
     fresh.result = 0
-    assert _malloc.retain_freed_memory() is False
+    with _malloc.retaining_freed_memory() as raised:
+        assert raised is False
+    assert fresh.calls == [(-3, _malloc.MMAP_THRESHOLD)] and fresh.trims == []
 
 
 def test_no_mallopt_reports_false(monkeypatch: pytest.MonkeyPatch, fresh: _FakeLibc) -> None:
@@ -88,18 +143,25 @@ def test_no_mallopt_reports_false(monkeypatch: pytest.MonkeyPatch, fresh: _FakeL
         raise OSError("no C library")
 
     monkeypatch.setattr(_malloc.ctypes, "CDLL", no_libc)
-    assert _malloc.retain_freed_memory() is False
+    with _malloc.retaining_freed_memory() as raised:
+        assert raised is False
 
 
 @pytest.mark.skipif(not _GLIBC, reason="glibc only")
-def test_real_glibc_accepts_the_thresholds() -> None:
-    """In a fresh interpreter (the first call decides for the whole process)."""
-    code = "from hfsweep._malloc import retain_freed_memory as r; print(r())"
+def test_real_glibc_accepts_the_thresholds_and_their_defaults() -> None:
+    """In a fresh interpreter: raised in the block, set back and trimmed after it (each
+    ``mallopt`` accepted), and left alone with ``HFSWEEP_MALLOC=system``."""
+    code = (
+        "from hfsweep import _malloc\n"
+        "with _malloc.retaining_freed_memory() as raised:\n"
+        "    inside = _malloc._raised\n"
+        "print(raised, inside, _malloc._raised, _malloc._set(1 << 17, 1 << 17))"
+    )
     env = {"PATH": "/usr/bin:/bin"}
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env
     )
-    assert out.stdout.strip() == "True"
+    assert out.stdout.split() == ["True", "True", "False", "True"]
     out = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,
@@ -107,16 +169,17 @@ def test_real_glibc_accepts_the_thresholds() -> None:
         check=True,
         env={**env, "HFSWEEP_MALLOC": "system"},
     )
-    assert out.stdout.strip() == "False"
+    assert out.stdout.split()[:3] == ["False", "False", "False"]
 
 
-def test_the_trainer_sets_it_before_training_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_trainer_raises_them_while_it_trains_on_the_cpu(fresh: _FakeLibc) -> None:
     from hfsweep import trainer
     from hfsweep.tasks import digits_mlp
 
-    seen: list[bool] = []
-    monkeypatch.setattr(trainer, "retain_freed_memory", lambda: seen.append(True) or True)
+    seen: list[list[tuple[int, int]]] = []
     t = trainer.ArrayTrainer(digits_mlp, checkpoint_dir=None)
     members = [trainer.Member(id="a", config={"epochs": 1, "hidden": 8})]
-    results = t.run(members)
-    assert seen == [True] and results[0].status == "completed"
+    results = t.run(members, on_finish=lambda r: seen.append(list(fresh.calls)))
+    assert results[0].status == "completed"
+    assert seen == [RAISE]  # raised while the member trained
+    assert fresh.calls == RAISE + RESTORE and fresh.trims == [0]  # and not after the run

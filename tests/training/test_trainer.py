@@ -561,12 +561,12 @@ def test_resume_refuses_a_checkpoint_of_another_version(tmp_path) -> None:
     """Version 3 packs the checkpoint's tensors and draws other dropout masks: a version 2
     checkpoint (unpacked, as it was written then) is refused by name, not resumed with
     different masks."""
-    from hfsweep._packed import unpack
+    from hfsweep._packed import load
 
     task = make_task()
     _trainer(task, checkpoint_dir=tmp_path).run(_members([{"epochs": 1}]))
     path = tmp_path / "array.pt"
-    payload = unpack(torch.load(path, weights_only=False))
+    payload = load(path)
     assert payload["version"] == 3
     torch.save({**payload, "version": 2}, path)
     with pytest.raises(ValueError, match="checkpoint version 2 is not 3"):
