@@ -818,6 +818,8 @@ class _Engine:
             state, error = "FAIL", f"{self.sc.metric} is {value!r}"
         trial.set_user_attr("status", result.status)
         trial.set_user_attr("steps", result.steps)
+        if result.start_step is not None:  # where in its array's data it started (a refill's)
+            trial.set_user_attr("start_step", result.start_step)
         if error is not None:
             trial.set_user_attr("error", error)
         if state == "COMPLETE" and value is not None and result.state is not None:

@@ -99,6 +99,11 @@ class MemberResult:
     history: list[dict[str, float]]
     state: dict[str, Any] | None = None
     error: str | None = None
+    #: where in the array's training data the member's first step was: steps since epoch 0's
+    #: first batch (``epoch * steps_per_epoch + batch``; 0 for a member that started the array,
+    #: later for one that joined by refill; ``None`` in results saved before it was recorded).
+    #: With the seeds in its config it fixes the data the member saw (docs/reproducing.md)
+    start_step: int | None = 0
 
     @property
     def metrics(self) -> dict[str, float]:
@@ -122,6 +127,7 @@ class _SlotState:
     since: int = 0  # training steps since the last evaluation
     loss_sum: float = 0.0  # their summed training loss, when restored from a checkpoint
     saved: dict[str, Any] | None = None  # model/optimizer/scheduler/rng to load
+    start: int | None = 0  # MemberResult.start_step
 
 
 @dataclass
@@ -211,6 +217,7 @@ class ArrayTrainer:
         refill: RefillHook | None = None,
         on_finish: Callable[[MemberResult], None] | None = None,
         resume: bool = False,
+        start_step: int = 0,
     ) -> list[MemberResult]:
         """Train ``members`` as one array (their configs must share the compatibility key) and
         return one result per member, including members that joined through ``refill``.
@@ -221,12 +228,18 @@ class ArrayTrainer:
         ``HFSWEEP_MALLOC=system`` leaves the allocator alone). With
         ``resume=True`` and a checkpoint in ``checkpoint_dir``, ``members`` is only used for
         members the checkpoint does not know yet; finished members are not trained again.
+        ``start_step`` starts the array's data stream that many steps in (epoch
+        ``start_step // steps_per_epoch``, its batch ``start_step % steps_per_epoch``): how a
+        trial that joined an array by refill is retrained alone on the same data
+        (``MemberResult.start_step``).
         """
+        if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
+            raise ValueError(f"start_step must be an int >= 0, got {start_step!r}")
         run = _Run(self, report, refill, on_finish)
         if self.device.type != "cpu":
-            return run.execute(members, resume)
+            return run.execute(members, resume, start_step)
         with retaining_freed_memory():
-            return run.execute(members, resume)
+            return run.execute(members, resume, start_step)
 
     @staticmethod
     def checkpointed_members(checkpoint_dir: str | os.PathLike[str]) -> set[str]:
@@ -306,7 +319,9 @@ class _Run:
         self.step_seconds: dict[int, float] = {}
 
     # ------------------------------------------------------------------ entry
-    def execute(self, members: Sequence[Member], resume: bool) -> list[MemberResult]:
+    def execute(
+        self, members: Sequence[Member], resume: bool, start_step: int = 0
+    ) -> list[MemberResult]:
         ckpt = self._checkpoint_path()
         with fork_rng():
             self.user_rng = _rng_state()
@@ -319,7 +334,9 @@ class _Run:
                 dup = sorted({i for i in ids if ids.count(i) > 1})
                 if dup:
                     raise ValueError(f"member id {dup[0]!r} appears twice; ids must be unique")
-                self.queue = [_ArrayState([self._new_slot(m) for m in members])]
+                slots = [self._new_slot(m, start_step) for m in members]
+                spe = self.t.steps_per_epoch(slots[0].config)
+                self.queue = [_ArrayState(list(slots), *divmod(start_step, spe))]
             self._deliver()
             while self.queue:
                 reshaped = self._train(self.queue[0])
@@ -370,7 +387,17 @@ class _Run:
             _set_rng_state(mine)
 
     # ------------------------------------------------------------------ slots
-    def _new_slot(self, member: Member) -> _SlotState:
+    def _position(self, state: _ArrayState, member: Member | None = None) -> int:
+        """``state``'s place in the data stream in steps (``epoch * steps_per_epoch + batch``);
+        the steps per epoch from a member of it, or from ``member`` when it has none."""
+        live = next((s.config for s in state.slots if s is not None), None)
+        if live is None:
+            assert member is not None
+            live = self.task.resolve(member.config)
+        return state.epoch * self.t.steps_per_epoch(live) + state.batch
+
+    def _new_slot(self, member: Member, start: int) -> _SlotState:
+        """A slot for ``member``, whose first step is at ``start`` in the data stream."""
         config = self.task.resolve(member.config)
         key = self.task.compatibility_key(config)
         if self.key is None:
@@ -387,7 +414,7 @@ class _Run:
         self.order.append(member.id)
         spe = self.t.steps_per_epoch(config)
         budget = config["max_steps"] or config["epochs"] * spe
-        return _SlotState(member=member, config=config, budget=int(budget))
+        return _SlotState(member=member, config=config, budget=int(budget), start=start)
 
     # ------------------------------------------------------------------ one array
     def _train(self, state: _ArrayState) -> list[_ArrayState] | None:
@@ -702,6 +729,7 @@ class _Run:
             history=s.history,
             state=member_state,  # for on_finish; dropped after it unless keep_states
             error=error,
+            start_step=s.start,
         )
         self.results[s.member.id] = result
         if self.t.checkpoint_dir is not None and self.t.keep_states and member_state is not None:
@@ -729,7 +757,7 @@ class _Run:
                 member = self.refill()
             if member is None:
                 return
-            slot = self._new_slot(member)
+            slot = self._new_slot(member, self._position(state, member))
             model = self.task.build_model(slot.config).to(self.t.dtype)
             array.load_member(i, model)
             if slot.config["dropout"] is not None:
@@ -792,6 +820,7 @@ class _Run:
                     since=s.since,
                     loss_sum=sums[i],
                     saved=saved,
+                    start=s.start,
                 )
             )
         return out
@@ -880,10 +909,11 @@ class _Run:
             for m in fresh:
                 # a free slot first: the array keeps its size
                 free = next((i for i, s in enumerate(slots) if s is None), None)
+                slot = self._new_slot(m, self._position(self.queue[-1], m))
                 if free is None:
-                    slots.append(self._new_slot(m))
+                    slots.append(slot)
                 else:
-                    slots[free] = self._new_slot(m)
+                    slots[free] = slot
         _log.info(
             "resumed from %s: %d finished, %d in training",
             path,
@@ -1039,6 +1069,7 @@ def _slot_dict(s: _SlotState | None) -> dict[str, Any] | None:
         "since": s.since,
         "loss_sum": s.loss_sum,
         "saved": s.saved,
+        "start": s.start,
     }
 
 
@@ -1054,6 +1085,7 @@ def _slot_from_dict(d: dict[str, Any] | None) -> _SlotState | None:
         since=d["since"],
         loss_sum=d["loss_sum"],
         saved=d["saved"],
+        start=d.get("start"),  # None: a checkpoint written before it was recorded
     )
 
 
@@ -1072,6 +1104,7 @@ def _result_record(result: MemberResult) -> dict[str, Any]:
         "steps": result.steps,
         "history": result.history,
         "error": result.error,
+        "start_step": result.start_step,
     }
 
 
@@ -1084,6 +1117,7 @@ def _result_from_record(record: Mapping[str, Any], state: dict[str, Any] | None)
         record["history"],
         state,
         record["error"],
+        record.get("start_step"),
     )
 
 

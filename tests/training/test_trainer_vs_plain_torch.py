@@ -232,6 +232,7 @@ def test_each_member_trains_as_its_plain_pytorch_loop(case: str) -> None:
 
     spe = 160 // BATCH
     starts = {"t0": 0, "t1": 0, "t2": 0, "t3": spe}  # t3 joined when t0 stopped, after epoch 0
+    assert {m: r.start_step for m, r in results.items()} == starts
     for k, member_id in enumerate(("t0", "t1", "t2", "t3")):
         got = results[member_id]
         expected, weights = plain_run(
@@ -244,3 +245,28 @@ def test_each_member_trains_as_its_plain_pytorch_loop(case: str) -> None:
         assert got.state is not None
         for name, tensor in weights.items():
             torch.testing.assert_close(got.state["model"][name], tensor, rtol=1e-7, atol=1e-12)
+
+
+def test_a_refilled_member_retrains_alone_from_its_start_step() -> None:
+    """``run(start_step=...)`` puts a lone member where a refilled one joined its array: the
+    same data, so the same history (``MemberResult.start_step`` says where)."""
+    configs = [{"optimizer": "sgd", "lr": lr, "momentum": 0.9, "seed": k} for k, lr in
+               enumerate([0.1, 0.2, 0.05])]  # fmt: skip
+    waiting = [hs.Member("late", configs[2])]
+    trainer = hs.ArrayTrainer(TASK, dtype=torch.float64)
+    results = trainer.run(
+        [hs.Member("a", configs[0]), hs.Member("b", configs[1])],
+        report=lambda evals: {e.member: e.member != "a" for e in evals},
+        refill=lambda: waiting.pop() if waiting else None,
+    )
+    late = next(r for r in results if r.id == "late")
+    assert late.start_step == 160 // BATCH
+    alone = hs.ArrayTrainer(TASK, dtype=torch.float64).run(
+        [hs.Member("late", configs[2])], start_step=late.start_step
+    )[0]
+    assert alone.start_step == late.start_step
+    assert len(alone.history) == len(late.history) == EPOCHS
+    for mine, theirs in zip(alone.history, late.history, strict=True):
+        assert mine == pytest.approx(theirs, rel=1e-9)
+    with pytest.raises(ValueError, match="start_step must be an int >= 0, got -1"):
+        trainer.run([hs.Member("x", configs[0])], start_step=-1)
