@@ -55,7 +55,9 @@ A sweep file is one YAML mapping. Every key, with its default::
     study_name: <file stem>     # the Optuna study's name ("sweep" without a file)
     seed: 0                     # int >= 0; the searcher's seed unless searcher.seed is given
 
-Numbers such as ``1e-4`` are read as floats (as YAML 1.2 does). Validation goes as far as can be
+Numbers such as ``1e-4`` are read as floats (as YAML 1.2 does). A key given twice in any mapping
+(here or in a search-space file) is an error naming both lines, not a silent override; merge keys
+(``<<: *anchor``) may still override the keys they bring in. Validation goes as far as can be
 checked without training or writing anything: unknown keys (with a did-you-mean), types, ranges,
 the task's entry point imports, every config and search-space key is one the task knows, the
 metric is one the task reports, the searcher and scheduler build with their options, and sampled
@@ -472,10 +474,12 @@ def make_searcher(searcher: SearcherConfig) -> Searcher:
 def _load_yaml(text: str, file: str) -> Any:
     import yaml
 
-    from .search_spaces._yaml import _loader_class
+    from .search_spaces._yaml import DuplicateKeyError, _loader_class
 
     try:
         return yaml.load(text, Loader=_loader_class())  # a SafeLoader subclass
+    except DuplicateKeyError as exc:
+        raise ConfigError(exc.problem, path=exc.path, file=file) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
