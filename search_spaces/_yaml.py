@@ -10,10 +10,10 @@ from ._errors import SpaceError
 
 __all__ = ["DuplicateKeyError", "load_yaml"]
 
-# YAML 1.1 (PyYAML) needs a dot in a float, so it reads `1e-4` as the string "1e-4"; YAML 1.2
-# and every user read it as 0.0001. This pattern is the part of YAML 1.2's float syntax that
-# PyYAML's own resolver misses: an exponent without a dot.
-_EXPONENT_FLOAT = re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$")
+# YAML 1.1 (PyYAML) needs a dot and a signed exponent in a float, so it reads `1e-4` and `1.0e3`
+# as strings; YAML 1.2 and every user read them as numbers. This pattern is the part of YAML
+# 1.2's float syntax that PyYAML's own resolver misses: an exponent without a dot or a sign.
+_EXPONENT_FLOAT = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$")
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 
 _loader: type | None = None
@@ -109,7 +109,7 @@ def _loader_class() -> type:
             },
         )
         loader.add_implicit_resolver(
-            "tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+0123456789")
+            "tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+0123456789.")
         )
         _loader = loader
     return _loader

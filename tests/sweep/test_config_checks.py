@@ -119,3 +119,80 @@ def test_merge_keys_may_still_override_what_they_bring_in(tmp_path: Path) -> Non
     momentum = sweep.space["momentum"]
     assert (momentum.low, momentum.high) == (0.0, 0.9)  # type: ignore[attr-defined]
     assert sweep.space["lr"].low == 0.01  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------------------- budgets
+def budget(text: str) -> str:
+    return HEAD + f"mode: max\nbudget: {text}\n"
+
+
+BUDGETS = [
+    # id, budget, YAML path, message fragment
+    ("trials-exponent", "{trials: 1e23, epochs: 1}", "budget.trials", "1e+23 (float) is not an"),
+    ("trials-fraction", "{trials: 2.5, epochs: 1}", "budget.trials", "write a whole number"),
+    (
+        "trials-huge",
+        "{trials: 100000000000000000000000, epochs: 1}",
+        "budget.trials",
+        "is more than 1,000,000 trials",
+    ),
+    ("trials-one-too-many", "{trials: 1000001, epochs: 1}", "budget.trials", "at most 1,000,000"),
+    ("epochs-huge", "{trials: 4, epochs: 100001}", "budget.epochs", "more than 100,000 epochs"),
+    ("steps-huge", "{trials: 4, steps: 1000000001}", "budget.steps", "1,000,000,000 steps"),
+    ("steps-float", "{trials: 4, steps: 1.0e3}", "budget.steps", "1000.0 (float) is not an"),
+    (
+        "time-huge",
+        "{trials: 4, epochs: 1, time_limit: 1e12}",
+        "budget.time_limit",
+        "longer than a year",
+    ),
+    (
+        "time-huge-string",
+        "{trials: 4, epochs: 1, time_limit: 9000h}",
+        "budget.time_limit",
+        "'9000h' (32,400,000 s) is longer than a year",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("text", "path", "fragment"), [b[1:] for b in BUDGETS], ids=[b[0] for b in BUDGETS]
+)
+def test_absurd_budgets_are_refused_with_their_path(
+    tmp_path: Path, text: str, path: str, fragment: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_sweep(write(tmp_path, budget(text)))
+    assert info.value.path == path, str(info.value)
+    assert fragment in info.value.problem, info.value.problem
+
+
+def test_the_largest_budgets_are_accepted(tmp_path: Path) -> None:
+    sweep = load_sweep(write(tmp_path, budget("{trials: 1000000, steps: 1000000000}")))
+    assert (sweep.budget.trials, sweep.budget.steps) == (1_000_000, 1_000_000_000)
+    sweep = load_sweep(write(tmp_path, budget("{trials: 1, epochs: 100000, time_limit: 8784h}")))
+    assert (sweep.budget.epochs, sweep.budget.time_limit_s) == (100_000, 8784 * 3600.0)
+
+
+@pytest.mark.parametrize(
+    ("text", "line"),
+    [
+        ("{trials: 4, epochs: 2}", "4 trials of 2 epochs each, time limit unbounded"),
+        (
+            "{trials: 4, epochs: 2, time_limit: 90}",
+            "4 trials of 2 epochs each, time limit 90 s (1m30s)",
+        ),
+        (
+            "{trials: 4, steps: 50, time_limit: 1h30m}",
+            "4 trials of 50 steps each, time limit 5400 s (1h30m)",
+        ),
+        ("{trials: 4, steps: 50, time_limit: 20s}", "4 trials of 50 steps each, time limit 20 s"),
+    ],
+)
+def test_validate_says_unbounded_where_there_is_no_time_limit(
+    tmp_path: Path, monkeypatch, capsys, text: str, line: str
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    write(tmp_path, budget(text))
+    assert main(["validate", "sweep.yaml"]) == 0
+    assert f"\n  {line}\n" in capsys.readouterr().out
