@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ._io import atomic_save, grouped_sync
+from ._preflight import preflight
 from ._progress import Progress
 from ._rundir import RunDir, RunDirBusy, member_id, trial_number
 from .config import SweepConfig, load_sweep, make_sampler, make_searcher, parse_sweep
@@ -154,7 +155,9 @@ def sweep(
     refused. ``progress`` prints a live status line to stderr. ``searcher`` replaces the
     config's Optuna sampler with a search algorithm of your own.
 
-    Raises :class:`~hfsweep.config.ConfigError` for an invalid config and :class:`SweepError`
+    Raises :class:`~hfsweep.config.ConfigError` for an invalid config or one this machine
+    cannot run (an output that cannot be written, CUDA where there is none, a storage URL whose
+    database driver is missing: checked before anything is written) and :class:`SweepError`
     when the sweep cannot start (an existing run directory, a changed config on resume, a run
     directory another sweep is running in).
     """
@@ -164,6 +167,7 @@ def sweep(
         sc = parse_sweep(config)
     else:
         sc = load_sweep(config)
+    preflight(sc)  # before the run directory is created: a sweep that cannot run writes nothing
     if searcher is None and sc.searcher.custom:
         searcher = make_searcher(sc.searcher)
     return _Engine(sc, resume=resume, progress=progress, searcher=searcher).run()

@@ -131,10 +131,12 @@ def _profile(args: argparse.Namespace) -> int:
 
 def _validate(args: argparse.Namespace) -> int:
     sys.dont_write_bytecode = True  # importing a task's .py file must not write __pycache__
+    from ._preflight import preflight
     from .config import ConfigError, load_sweep
 
     try:
         sweep = load_sweep(args.sweep)
+        preflight(sweep)
     except ConfigError as e:
         print(f"hfsweep validate: {e}", file=sys.stderr)
         return 2
@@ -146,6 +148,7 @@ def _validate(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from ._engine import SweepError, sweep
+    from ._preflight import preflight
     from .config import ConfigError, load_sweep
     from .searchers._source import SearcherError
 
@@ -155,6 +158,7 @@ def _run(args: argparse.Namespace) -> int:
             import dataclasses
 
             config = dataclasses.replace(config, output=args.output.resolve())
+        preflight(config)  # sweep() checks again; here so a problem comes before the summary
     except ConfigError as e:
         print(f"hfsweep run: {e}", file=sys.stderr)
         return 2
