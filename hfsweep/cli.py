@@ -184,10 +184,13 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from .report import ReportError, write_report
+    from .report import NothingToReport, ReportError, write_report
 
     try:
         paths = write_report(args.run_dir, args.out)
+    except NothingToReport as e:  # a sweep that has not got far enough: not a usage error
+        print(f"hfsweep report: {e}", file=sys.stderr)
+        return 1
     except ReportError as e:
         print(f"hfsweep report: {e}", file=sys.stderr)
         return 2
@@ -229,8 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
     rep = sub.add_parser(
         "report",
         help="draw a sweep's plots (history, importance, parallel coordinates, curves) as PNG",
-        description="Draw PNG plots of the sweep in RUN_DIR: optimization history, parameter "
-        "importance, parallel coordinates and learning curves.",
+        description="Draw PNG plots of the sweep in RUN_DIR (the sweep's output, by default "
+        "runs/<sweep file's name> next to the sweep file): optimization history, parameter "
+        "importance, parallel coordinates and learning curves. Exits 1 when no trial has "
+        "finished yet, 2 when RUN_DIR is not a run directory.",
     )
     rep.add_argument("run_dir", type=Path, metavar="RUN_DIR")
     rep.add_argument("--out", type=Path, default=None, help="folder (default RUN_DIR/report)")
