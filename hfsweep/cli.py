@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
@@ -172,15 +173,37 @@ def _run(args: argparse.Namespace) -> int:
         print(f"hfsweep run: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        resume = ["hfsweep", "run", str(args.sweep)]
+        if args.output is not None:
+            resume += ["--output", str(args.output)]
         print(
-            f"\nhfsweep run: interrupted. Every finished trial is recorded in {config.output}; "
-            f"continue with: hfsweep run {args.sweep} --resume",
+            f"\nhfsweep run: interrupted. Every finished trial is recorded in "
+            f"{_shown(config.output)}; continue with: {shlex.join([*resume, '--resume'])}\n"
+            f"See the trials finished so far: {_report_command(config.output)}",
             file=sys.stderr,
         )
         return 130
     if not args.quiet:
         print(result.summary())
+        if result.counts.get("COMPLETE") or result.counts.get("PRUNED"):
+            print(
+                f"Look at the results: {_report_command(result.run_dir)} (PNG plots into "
+                f"{_shown(result.run_dir / 'report')})"
+            )
     return 0
+
+
+def _shown(path: Path) -> str:
+    """``path`` as the user would type it here: relative to the working directory when it is
+    under it (``examples/runs/digits_quick``), else absolute."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except (ValueError, OSError):
+        return str(path)
+
+
+def _report_command(run_dir: Path) -> str:
+    return shlex.join(["hfsweep", "report", _shown(run_dir)])
 
 
 def _report(args: argparse.Namespace) -> int:
