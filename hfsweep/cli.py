@@ -35,14 +35,22 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _parse_sets(items: list[str]) -> dict[str, object]:
+    """``--set KEY=VALUE`` items as a config, each value read as YAML like a sweep file's (a key
+    given twice inside a value is refused); a bad item raises ``ValueError`` naming it."""
     import yaml
+
+    from .search_spaces._yaml import DuplicateKeyError, _loader_class
 
     config: dict[str, object] = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ValueError(f"--set {item!r}: write KEY=VALUE, e.g. --set hidden=128")
-        config[key] = yaml.safe_load(value)
+        try:
+            config[key] = yaml.load(value, Loader=_loader_class())  # a SafeLoader subclass
+        except (DuplicateKeyError, yaml.YAMLError) as exc:
+            problem = str(exc).replace("\n", " ")
+            raise ValueError(f"--set {item!r}: the value is not valid YAML ({problem})") from None
     return config
 
 

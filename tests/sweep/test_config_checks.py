@@ -196,3 +196,20 @@ def test_validate_says_unbounded_where_there_is_no_time_limit(
     write(tmp_path, budget(text))
     assert main(["validate", "sweep.yaml"]) == 0
     assert f"\n  {line}\n" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("item", "fragment"),
+    [
+        ("layers={w: 1, w: 2}", "key 'w' is given twice (both on line 1)"),
+        ("layers=[", "the value is not valid YAML (while parsing"),
+    ],
+)
+def test_profile_set_values_are_read_like_a_sweep_file(
+    tmp_path: Path, monkeypatch, capsys, item: str, fragment: str
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["profile", "digits_mlp", "--set", item, "--no-plot", "--no-cache"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"hfsweep profile: --set {item!r}: ") and fragment in err, err
+    assert list(tmp_path.iterdir()) == []
