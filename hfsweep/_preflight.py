@@ -16,6 +16,7 @@ cluster) belongs in :data:`_CHECKS`.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -43,6 +44,8 @@ _DRIVER_PACKAGES = {
     "pyodbc": "pyodbc",
     "pymssql": "pymssql",
 }
+#: the password of a URL, hidden in messages
+_PASSWORD = re.compile(r"(://[^:/@]*:)[^@]*@")
 #: a synchronous driver to suggest for a database whose URL names an asyncio one
 _SYNC_DRIVERS = {"postgresql": "psycopg2", "mysql": "pymysql", "sqlite": "pysqlite"}
 
@@ -65,6 +68,8 @@ def _check_output(sc: SweepConfig) -> None:
     """The run directory exists and is a writable directory, or the deepest folder above it
     that exists is one (so that it can be created)."""
     out = sc.output
+    if "\0" in os.fspath(out):
+        raise _error(sc, "output", f"{os.fspath(out)!r} holds a NUL byte, which no path may hold")
     try:
         if out.exists():
             if not out.is_dir():
@@ -97,7 +102,7 @@ def _check_output(sc: SweepConfig) -> None:
                 "`output` to a path under a folder",
             )
         _writable(sc, folder, out, f"{folder}, where the run directory would be created,")
-    except OSError as exc:  # e.g. a folder above it that this user may not look into
+    except (OSError, ValueError) as exc:  # a folder this user may not look into; a NUL byte
         raise _error(
             sc, "output", f"cannot check the run directory {out} ({exc}); set `output` elsewhere"
         ) from None
@@ -142,9 +147,9 @@ def _check_device(sc: SweepConfig) -> None:
             f"{device!r} asks for CUDA, but {why}; use device: auto (CUDA where there is one, "
             "else the CPU) or cpu",
         )
-    index = torch.device(device).index
+    _, _, index = device.partition(":")
     count = torch.cuda.device_count()
-    if index is not None and index >= count:
+    if index and int(index) >= count:
         raise _error(
             sc,
             "fusion.device",
@@ -166,10 +171,18 @@ def _check_storage(sc: SweepConfig) -> None:
             sc, "storage", "a storage URL needs SQLAlchemy, which is not installed: pip install "
             "sqlalchemy"
         ) from None  # fmt: skip
+
+    def unreadable(exc: Exception) -> ConfigError:  # a port that is not a number...
+        masked = _PASSWORD.sub(r"\1***@", str(sc.storage))
+        return _error(
+            sc, "storage", f"{masked} is not a database URL SQLAlchemy can read ({exc}); "
+            "write dialect[+driver]://user:password@host:port/database"
+        )  # fmt: skip
+
     try:
         url = make_url(sc.storage)
-    except ArgumentError as exc:
-        raise _error(sc, "storage", f"not a database URL ({exc})") from None
+    except (ArgumentError, ValueError) as exc:
+        raise unreadable(exc) from None
     shown = url.render_as_string(hide_password=True)
     try:
         dialect = url.get_dialect()
@@ -181,6 +194,8 @@ def _check_storage(sc: SweepConfig) -> None:
             sc, "storage", f"{shown}: SQLAlchemy knows no {what}{hint}; see the URL forms of "
             "SQLAlchemy's dialects, e.g. postgresql+psycopg2://user@host/db"
         ) from None  # fmt: skip
+    except (ArgumentError, ValueError) as exc:
+        raise unreadable(exc) from None
     driver = str(dialect.driver)
     if getattr(dialect, "is_async", False):
         raise _error(

@@ -170,13 +170,19 @@ def test_a_storage_url_whose_driver_is_missing_is_refused(
             "knows no driver 'nosuchdriver' of postgresql",
         ),
         ("postgresql+asyncpg://u@localhost/db", "asyncio driver"),
+        ("postgresql://u:secret@localhost:port/db", "u:***@localhost:port/db is not a database"),
     ],
 )
 def test_a_storage_url_sqlalchemy_cannot_use_is_refused(
     tmp_path: Path, monkeypatch, capsys, url: str, fragment: str
 ) -> None:
     err = refused(tmp_path, monkeypatch, capsys, f"storage: '{url}'\n", "storage")
-    assert fragment in err
+    assert fragment in err and "secret" not in err
+
+
+def test_an_output_with_a_nul_byte_is_refused(tmp_path: Path, monkeypatch, capsys) -> None:
+    err = refused(tmp_path, monkeypatch, capsys, 'output: "run\\0x"\n', "output")
+    assert "holds a NUL byte" in err
 
 
 def test_a_sqlite_storage_passes(tmp_path: Path, monkeypatch, capsys) -> None:
