@@ -51,7 +51,8 @@ A sweep file is one YAML mapping. Every key, with its default::
       max_concurrent: null      # arrays training at once; null: as many as the cluster fits
       max_failures: 3           # restarts of an array from its checkpoint after its worker died
     storage: null               # null: an Optuna journal file in the run directory; or an Optuna
-                                #   RDB URL (sqlite:///study.db, postgresql://user@host/db, ...)
+                                #   RDB URL (sqlite:///study.db, postgresql+psycopg2://user@host/db
+                                #   with hfsweep[postgres], ...) whose driver is installed
     output: runs/<file stem>    # the run directory, relative to the sweep file's folder
     study_name: <file stem>     # the Optuna study's name ("sweep" without a file)
     seed: 0                     # int >= 0; the searcher's seed unless searcher.seed is given
