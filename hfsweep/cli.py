@@ -145,10 +145,19 @@ def _validate(args: argparse.Namespace) -> int:
 
     try:
         sweep = load_sweep(args.sweep)
-        preflight(sweep)
     except ConfigError as e:
         print(f"hfsweep validate: {e}", file=sys.stderr)
         return 2
+    if not args.file_only:
+        try:
+            preflight(sweep)
+        except ConfigError as e:
+            print(
+                f"hfsweep validate: {e} (this machine cannot run it; --file-only checks the "
+                "file alone, for a sweep meant for another machine)",
+                file=sys.stderr,
+            )
+            return 2
     print(f"{args.sweep} is valid:")
     for line in sweep.summary().splitlines():
         print(f"  {line}")
@@ -341,10 +350,19 @@ def build_parser() -> argparse.ArgumentParser:
         "validate",
         help="check a sweep file without training or writing anything",
         description="Read SWEEP (a sweep.yaml), check every key, the task, the search space, "
-        "the searcher and the scheduler, and print a summary of the resolved sweep. Exits 2 "
-        "with a message naming the YAML path on the first problem. Writes nothing.",
+        "the searcher and the scheduler, and that this machine can run it (the output folder "
+        "can be created and written, CUDA is there if it asks for CUDA, the storage URL's "
+        "database driver is installed: what `hfsweep run` checks before it writes anything), "
+        "and print a summary of the resolved sweep. Exits 2 with a message naming the YAML "
+        "path on the first problem. Writes nothing.",
     )
     val.add_argument("sweep", type=Path, metavar="SWEEP")
+    val.add_argument(
+        "--file-only",
+        action="store_true",
+        help="check the file alone, not whether this machine can run it (its output folder, "
+        "CUDA, the storage's database driver): for a sweep meant for another machine",
+    )
     val.set_defaults(func=_validate)
     return parser
 

@@ -45,6 +45,11 @@ def refused(tmp_path: Path, monkeypatch: Any, capsys: Any, extra: str, path: str
     assert main(["validate", "sweep.yaml"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"hfsweep validate: sweep.yaml: {path}: "), err
+    assert err.endswith(
+        "--file-only checks the file alone, for a sweep meant for another machine)\n"
+    )
+    assert main(["validate", "--file-only", "sweep.yaml"]) == 0  # the file itself is valid
+    assert capsys.readouterr().out.startswith("sweep.yaml is valid:")
     assert main(["run", "sweep.yaml"]) == 2
     captured = capsys.readouterr()
     assert captured.err.startswith(f"hfsweep run: sweep.yaml: {path}: "), captured.err
