@@ -37,6 +37,7 @@ import torch
 
 from ._io import atomic_save, grouped_sync
 from ._packed import UnsafeFileError
+from ._preflight import preflight
 from ._progress import Progress
 from ._rundir import RunDir, RunDirBusy, StateVersionError, member_id, trial_number
 from .config import SweepConfig, load_sweep, make_sampler, make_searcher, parse_sweep
@@ -164,7 +165,9 @@ def sweep(
     refused. ``progress`` prints a live status line to stderr. ``searcher`` replaces the
     config's Optuna sampler with a search algorithm of your own.
 
-    Raises :class:`~hfsweep.config.ConfigError` for an invalid config and :class:`SweepError`
+    Raises :class:`~hfsweep.config.ConfigError` for an invalid config or one this machine
+    cannot run (an output that cannot be written, CUDA where there is none, a storage URL whose
+    database driver is missing: checked before anything is written) and :class:`SweepError`
     when the sweep cannot start (an existing run directory, a changed config on resume, a run
     directory another sweep is running in).
     """
@@ -174,6 +177,7 @@ def sweep(
         sc = parse_sweep(config)
     else:
         sc = load_sweep(config)
+    preflight(sc)  # before the run directory is created: a sweep that cannot run writes nothing
     if searcher is None and sc.searcher.custom:
         searcher = make_searcher(sc.searcher)
     return _Engine(sc, resume=resume, progress=progress, searcher=searcher).run()
@@ -387,7 +391,7 @@ class _Engine:
         except ImportError as exc:  # the storage URL's database driver
             raise SweepError(
                 f"storage {self.sc.storage}: {exc}; install the database driver it names "
-                "(for postgresql://, pip install psycopg2-binary)"
+                '(for PostgreSQL, pip install "hfsweep[postgres]")'
             ) from exc
         except optuna.exceptions.DuplicatedStudyError:
             raise SweepError(
