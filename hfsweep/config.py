@@ -103,6 +103,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BACKENDS",
     "DTYPES",
+    "MAX_TRIALS",
     "SEARCHER_NAMES",
     "Budget",
     "ConfigError",
@@ -158,8 +159,8 @@ _TASK_KEY = re.compile(r"^config (?:key '(\w+)'|(\w+)=)")
 _SAMPLES = 20
 #: The largest budgets a sweep file may give: far past any sweep that could finish, they only
 #: catch a typo or an exponent (``trials: 100000000000``), which would otherwise be accepted and
-#: then fill the study with trials or never end.
-_MAX_TRIALS = 1_000_000
+#: then fill the study with trials or never end (MAX_TRIALS also bounds the Tune plugin's members).
+MAX_TRIALS = 1_000_000
 _MAX_EPOCHS = 100_000
 _MAX_STEPS = 1_000_000_000
 _MAX_TIME_LIMIT_S = 366 * 24 * 3600.0
@@ -670,7 +671,7 @@ class _Parser:
         self.keys(b, _BUDGET, "budget")
         if "trials" not in b:
             raise self.error("budget", "missing required key 'trials' (the number of trials)")
-        trials = self.integer(b["trials"], "budget.trials", 1, _MAX_TRIALS, "trials")
+        trials = self.integer(b["trials"], "budget.trials", 1, MAX_TRIALS, "trials")
         given = [k for k in ("epochs", "steps") if b.get(k) is not None]
         if len(given) != 1:
             raise self.error(

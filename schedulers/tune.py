@@ -121,6 +121,7 @@ from pathlib import Path
 from typing import Any
 
 from hfsweep._task import Task
+from hfsweep.config import MAX_TRIALS
 
 from ._tune_results import (
     TunedMember,
@@ -185,8 +186,15 @@ class Fusion:
         eval_every: int | None = None,
         refill: bool = True,
     ) -> None:
-        if isinstance(members, bool) or not isinstance(members, int) or members < 1:
-            raise ValueError(f"Fusion(members={members!r}): give the budget as an integer >= 1")
+        if (
+            isinstance(members, bool)
+            or not isinstance(members, int)
+            or not 1 <= members <= MAX_TRIALS
+        ):
+            raise ValueError(
+                f"Fusion(members={members!r}): give the budget as an integer from 1 to "
+                f"{MAX_TRIALS:,} (the largest budget.trials of a sweep file)"
+            )
         if array_size != "auto" and (
             isinstance(array_size, bool) or not isinstance(array_size, int) or array_size < 1
         ):

@@ -315,6 +315,8 @@ def test_hfsweep_schedulers_decide_jointly_too() -> None:
 def test_users_get_errors_that_name_the_value_and_what_would_be_valid() -> None:
     with pytest.raises(ValueError, match="members=0"):
         Fusion(TASK, members=0)
+    with pytest.raises(ValueError, match=r"members=100000000000000000000000\): .* to 1,000,000"):
+        Fusion(TASK, members=10**23)
     with pytest.raises(ValueError, match="array_size='big'"):
         Fusion(TASK, members=4, array_size="big")
     fusion = Fusion(TASK, members=4, array_size=2)
