@@ -8,6 +8,7 @@ Optuna are imported only where a sweep uses them.
 from . import optim
 from ._engine import SweepError, SweepResult, sweep
 from ._errors import FusionError
+from ._retrain import Retrained, retrain
 from ._sizing import profile_task
 from ._task import Task, TaskError
 from .fusion import FusedArray, fuse, member_losses
@@ -23,6 +24,7 @@ __all__ = [
     "FusionError",
     "Member",
     "MemberResult",
+    "Retrained",
     "Searcher",
     "SweepError",
     "SweepResult",
@@ -33,5 +35,6 @@ __all__ = [
     "member_losses",
     "optim",
     "profile_task",
+    "retrain",
     "sweep",
 ]
