@@ -38,6 +38,7 @@ import torch
 from ._io import atomic_save, grouped_sync
 from ._progress import Progress
 from ._rundir import RunDir, RunDirBusy, member_id, trial_number
+from ._usercode import HOOK, describe, label, phase_of
 from .config import SweepConfig, load_sweep, make_sampler, make_searcher, parse_sweep
 from .executors import ExecutorError, LocalExecutor, Stopped
 from .packing import Pending, Pools
@@ -45,7 +46,7 @@ from .schedulers import Decision, OptunaPruner, Report, make_scheduler
 from .search_spaces import FixedParam
 from .searchers import Searcher
 from .searchers._source import CustomSource, OptunaSource, TrialSource
-from .trainer import ArrayTrainer, Evaluation, Member, MemberResult
+from .trainer import ArrayTrainer, Evaluation, Member, MemberResult, _DataCache
 
 if TYPE_CHECKING:
     import optuna
@@ -53,7 +54,7 @@ if TYPE_CHECKING:
     from ._journal import GroupedJournalFileBackend
     from .executors._ray import RayExecutor
 
-__all__ = ["SweepError", "SweepResult", "sweep"]
+__all__ = ["SweepError", "SweepResult", "TrainingError", "sweep"]
 
 _log = logging.getLogger("hfsweep.sweep")
 
@@ -77,6 +78,29 @@ _TOLD = {"COMPLETE": "complete", "PRUNED": "pruned", "FAIL": "failed"}
 
 class SweepError(Exception):
     """A sweep cannot start or go on: the message says why and what to do."""
+
+
+class TrainingError(SweepError):
+    """Training stopped because code raised while an array trained (or while the profiler
+    measured one): almost always the task's code (its model's forward, its loss, its data),
+    which would fail every trial alike.
+
+    The trials that array held and every other unfinished trial are marked ``FAIL`` in the
+    study, the reason in their user attr ``error``; no trial is left ``RUNNING``. The exception
+    that stopped the sweep is the ``__cause__``; the message names the array, the part of the
+    task that failed (the forward pass, the loss, ...) and, for a forward pass, the submodule.
+    """
+
+
+class _Failed(Exception):
+    """An array's training (or a profile) raised: ``where`` it happened, the exception, and the
+    array's index (``None`` for a profile). The engine turns it into :class:`TrainingError`."""
+
+    def __init__(self, where: str, exc: Exception, array: int | None = None) -> None:
+        super().__init__(where)
+        self.where = where
+        self.exc = exc
+        self.array = array
 
 
 @dataclass
@@ -154,9 +178,17 @@ def sweep(
     refused. ``progress`` prints a live status line to stderr. ``searcher`` replaces the
     config's Optuna sampler with a search algorithm of your own.
 
-    Raises :class:`~hfsweep.config.ConfigError` for an invalid config and :class:`SweepError`
-    when the sweep cannot start (an existing run directory, a changed config on resume, a run
-    directory another sweep is running in).
+    Before anything is written, the task's code runs once (a dry run: its model for the
+    space's corner configs, one training step of an array of two on one batch, one validation
+    batch; on a Ray cluster given by ``ray.address`` the workers' first array does it).
+
+    Raises :class:`~hfsweep.config.ConfigError` for an invalid config or a task that fails the
+    dry run, :class:`SweepError` when the sweep cannot start (an existing run directory, a
+    changed config on resume, a run directory another sweep is running in), and
+    :class:`TrainingError` (a :class:`SweepError`) when the task's code raised while an array
+    trained: that array's trials and every other unfinished one are then ``FAIL`` in the
+    study, none is left ``RUNNING``. A trial whose ``model(config)`` raises fails alone, and
+    the sweep goes on.
     """
     if isinstance(config, SweepConfig):
         sc = config
@@ -221,9 +253,16 @@ class _Engine:
         #: directory is locked to this sweep
         self._journal: GroupedJournalFileBackend | None = None
         self._dir_locked = False
+        #: the data the dry run loaded, which the local executor's arrays start with
+        self._data = _DataCache()
 
     # ------------------------------------------------------------------ the run
     def run(self) -> SweepResult:
+        from ._dryrun import dry_run
+
+        if self.sc.backend != "ray" or self.sc.ray.address is None:
+            # before anything is written; the local backend trains on the data it loaded
+            dry_run(self.sc, data=self._data)
         try:
             with self.dir.exclusive() as locked:
                 self._dir_locked = locked
@@ -256,6 +295,8 @@ class _Engine:
                 self._train_arrays()
             except ExecutorError as exc:
                 raise SweepError(f"the {self.sc.backend} backend cannot go on: {exc}") from exc
+            except _Failed as failed:
+                raise self._stop(failed) from failed.exc
             finally:
                 self._save_state()
                 self._publish(force=True)
@@ -291,7 +332,11 @@ class _Engine:
             if device.startswith("cuda") and not torch.cuda.is_available():
                 raise SweepError(f"fusion.device is {device!r} but torch sees no CUDA device")
             self.executor = LocalExecutor(
-                self.task, device=device, dtype=dtype, eval_every=sc.fusion.eval_every
+                self.task,
+                device=device,
+                dtype=dtype,
+                eval_every=sc.fusion.eval_every,
+                data=self._data,
             )
             self.where = str(self.executor.device)
         try:
@@ -526,7 +571,13 @@ class _Engine:
         if size == "auto":
             assert self.executor is not None
             self._note(f"profiling array sizes for {self._describe(config)} on {self.where}")
-            size, reason = self.executor.array_size(config)
+            try:
+                size, reason = self.executor.array_size(config)
+            except (ExecutorError, Stopped):
+                raise
+            except Exception as exc:
+                where = f"profiling the array size for {self._describe(config)}"
+                raise _Failed(where, exc) from exc
             cap = self._learning_cap()
             if size > cap:
                 size = cap
@@ -559,6 +610,75 @@ class _Engine:
         self.study.tell(trial, state=TrialState.FAIL)
         self.source.tell(trial.number, trial.params, "failed", None)
         self.progress.finished("FAIL")
+
+    def _stop(self, failed: _Failed) -> TrainingError:
+        """End the sweep after ``failed``: every trial still running (the failed array's, the
+        other arrays', those waiting in a pool) is told ``FAIL`` with the reason in its user
+        attr ``error``, the unfinished arrays are dropped (their trials have ended), and the
+        error to raise is returned. Code that raises in one array's training step would raise
+        in every array's, so the sweep does not go on to fail the rest one by one."""
+        import optuna
+        from optuna.trial import TrialState
+
+        exc = failed.exc
+        phase = phase_of(exc)
+        cause = describe(exc)
+        raised = "raised" + (f" in {phase} of task {self.task.name!r}" if phase else "")
+        _log.error("%s %s: %s", failed.where, raised, cause, exc_info=exc)
+        hit: list[int] = []
+        others = 0
+        with self._journal_held():
+            running = self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+            for t in sorted(running, key=lambda t: t.number):
+                mine = failed.array is not None and t.user_attrs.get("array") == failed.array
+                if mine:
+                    hit.append(t.number)
+                    error = f"{failed.where} {raised}: {cause}"
+                else:
+                    others += 1
+                    error = f"stopped unfinished: {failed.where} {raised}: {cause}"
+                trial = self.live.pop(t.number, None) or optuna.Trial(self.study, t._trial_id)
+                trial.set_user_attr("status", "failed")
+                trial.set_user_attr("error", error[:1000])
+                trial_id = member_id(t.number)
+                if trial_id not in self.ended:
+                    self.scheduler.on_trial_end(trial_id, "failed")
+                    self.ended.add(trial_id)
+                self.study.tell(trial, state=TrialState.FAIL)
+                self.reported.pop(t.number, None)
+                sampled = self.sampled.pop(t.number, None)
+                try:
+                    self.source.tell(t.number, sampled or dict(t.params), "failed", None)
+                except Exception as searcher_exc:  # the sweep is stopping for another reason
+                    _log.warning(
+                        "the searcher could not be told of trial %d: %s", t.number, searcher_exc
+                    )
+                self.progress.finished("FAIL")
+            for a in self.arrays:
+                if not a.done:  # every trial it held has ended
+                    a.done = True
+                    self.dir.remove_array(a.index)
+            self._save_state()
+        trials = f" (trial{'s' if len(hit) > 1 else ''} {', '.join(map(str, hit))})" if hit else ""
+        told = []
+        if hit:
+            told.append(f"its {len(hit)} trial{'s' if len(hit) > 1 else ''}")
+        if others:
+            told.append(f"{others} other unfinished trial{'s' if others > 1 else ''}")
+        marked = (
+            f"{' and '.join(told)} {'are' if len(hit) + others > 1 else 'is'} marked FAIL with "
+            "this error (user attr 'error'); no trial is left running"
+            if told
+            else "no trial was running"
+        )
+        resume = f"hfsweep run {self.sc.source} --resume" if self.sc.source else "resume=True"
+        return TrainingError(
+            f"training stopped: {failed.where}{trials} {raised}: {cause}. Code that fails in "
+            f"one array fails in the next, so the sweep stopped: {marked}. Fix the task, then "
+            "start a new sweep or "
+            f"continue this one ({resume}; the failed trials count towards budget.trials). "
+            f"The traceback is in {self.dir.log}."
+        )
 
     # ------------------------------------------------------------------ arrays
     def _train_arrays(self) -> None:
@@ -638,6 +758,12 @@ class _Engine:
                 )
             except Stopped:
                 return
+            except (ExecutorError, _Failed):
+                raise
+            except Exception as exc:
+                if phase_of(exc) == HOOK:  # the engine's own hooks: not the array's fault
+                    raise
+                raise _Failed(f"array {array.index}", exc, array.index) from exc
         with self._lock:
             array.done = True
             self._save_state()
@@ -647,8 +773,12 @@ class _Engine:
         """``hook`` run under the engine's lock (arrays in threads call hooks concurrently)."""
 
         def call(*args: Any) -> Any:
-            with self._journal_held():  # the engine's lock, and one journal lock for the hook
-                return hook(*args)
+            try:
+                with self._journal_held():  # the engine's lock, and one journal lock for the hook
+                    return hook(*args)
+            except Exception as exc:
+                label(exc, HOOK)  # raised by the engine's side, not by the array's training
+                raise
 
         return call
 
