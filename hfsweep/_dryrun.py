@@ -13,12 +13,13 @@ and one step of training; ``hfsweep validate`` and every sweep start with it.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 
-from ._task import Task
+from ._task import Task, fork_rng
 from ._usercode import describe, phase_of
 from .config import _SAMPLES, ConfigError, SweepConfig, _samples
 from .trainer import ArrayTrainer, Member, _DataCache
@@ -27,6 +28,9 @@ __all__ = ["dry_run"]
 
 #: most sampled configs whose model the dry run builds (every corner of the space first)
 _BUILDS = 12
+#: copies of a model's tensors the dry run's array of two needs at least: the two models it is
+#: built from, the array's two members, and their gradients
+_COPIES = 6
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
@@ -47,23 +51,24 @@ def dry_run(
     configs = _configs(sc)
     if not configs:
         return
+    dtype = _DTYPES[sc.fusion.dtype]
+    where = torch.device(device if device is not None else _device(sc))
     for sampled, config in configs[:_BUILDS]:
+        _check_size(sc, sampled, config, where, dtype)
         try:
             task.build_model(config)
         except Exception as exc:
             raise _error(
                 sc,
-                f"its model(config) raised {describe(exc)} for the sampled config "
-                f"{_shown(sampled)}; fix the model, or narrow the search space so that it "
+                f"its model(config) raised {describe(exc)} for the config "
+                f"{_shown(sc, sampled)}; fix the model, or narrow the search space so that it "
                 "never samples such a config",
             ) from exc
-    dtype = _DTYPES[sc.fusion.dtype]
-    where = torch.device(device if device is not None else _device(sc))
     (first_sampled, first), second = configs[0], _partner(task, configs)
     real = ArrayTrainer(task, device=where, dtype=dtype)
     if data is not None:
         real._data_cache = data
-    step = f"an array of 2 of the sampled config {_shown(first_sampled)}"
+    step = f"an array of 2 of the config {_shown(sc, first_sampled)}"
     try:
         real.steps_per_epoch(first)  # the whole data, as the sweep loads it
         train, val = real._dataset(first)
@@ -90,6 +95,47 @@ def dry_run(
     for result in results:
         if result.status == "failed" and (result.error or "").startswith("the task's model"):
             raise _error(sc, f"{step}: {result.error}; fix the model")
+
+
+def _check_size(
+    sc: SweepConfig,
+    sampled: Mapping[str, Any],
+    config: Mapping[str, Any],
+    device: torch.device,
+    dtype: torch.dtype,
+) -> None:
+    """Refuse a model too large for the dry run's array on ``device`` before building it: a
+    typo such as ``hidden: 1000000000`` would otherwise exhaust the machine's memory (and get
+    the process killed) rather than fail. The model is built on the meta device (no memory)
+    to count its parameters and buffers; the array of two members with their gradients and the
+    two models it is built from need at least :data:`_COPIES` times that. A model that cannot
+    be built on the meta device is not checked here."""
+    from .profiler import device_budget
+
+    try:
+        with fork_rng(), torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the real build below warns as it should
+            model = sc.task.model(config)
+        tensors = [*model.parameters(), *model.buffers()]
+    except Exception:
+        return
+    size = max(dtype.itemsize, 1)
+    floats = sum(t.numel() for t in tensors if t.is_floating_point())
+    others = sum(t.numel() * t.element_size() for t in tensors if not t.is_floating_point())
+    need = _COPIES * (floats * size + others)
+    try:
+        budget = device_budget(device, fraction=1.0)
+    except (RuntimeError, ValueError):
+        return
+    if need > budget:
+        raise _error(
+            sc,
+            f"the model of the config {_shown(sc, sampled)} has {floats:,} parameters "
+            f"({_size(floats * size)} in {sc.fusion.dtype}); an array of 2 of it needs at "
+            f"least {_size(need)}, and {device} has {_size(budget)} available. Make the model "
+            "smaller, or narrow the search space",
+            raised=False,
+        )
 
 
 class _FirstBatch:
@@ -149,14 +195,21 @@ def _device(sc: SweepConfig) -> str:
     return device
 
 
-def _shown(sampled: Mapping[str, Any]) -> str:
-    return "{" + ", ".join(f"{k}: {v!r}" for k, v in sampled.items()) + "}" if sampled else "{}"
+def _shown(sc: SweepConfig, sampled: Mapping[str, Any]) -> str:
+    """The sweep's fixed config values and ``sampled``, as a YAML-like mapping."""
+    values = {**sc.config, **sampled}
+    return "{" + ", ".join(f"{k}: {v!r}" for k, v in values.items()) + "}"
 
 
-def _error(sc: SweepConfig, problem: str) -> ConfigError:
+def _size(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _error(sc: SweepConfig, problem: str, *, raised: bool = True) -> ConfigError:
+    """The dry run's error; ``raised``: the task raised (``--debug`` shows its traceback)."""
+    debug = " (hfsweep validate --debug prints the traceback)" if raised else ""
     return ConfigError(
-        f"task {sc.task.name!r} fails a dry run: {problem} (hfsweep validate --debug prints the "
-        "traceback)",
+        f"task {sc.task.name!r} fails a dry run: {problem}{debug}",
         path="task",
         file=str(sc.source) if sc.source is not None else None,
     )

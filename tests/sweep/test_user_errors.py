@@ -89,6 +89,33 @@ def test_validate_without_a_dry_run_and_a_healthy_task(
     assert main(["validate", str(_write(tmp_path, "TASK"))]) == 0
 
 
+def test_a_model_too_large_for_the_machine_is_refused_before_it_is_built(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A typo such as ``hidden: 1000000000`` must not take the machine's memory: the model is
+    counted on the meta device first (here the machine is made to have 1 MiB)."""
+    from hfsweep import profiler
+
+    built: list[int] = []
+    real_build = hs.Task.build_model
+
+    def counting_build(self: hs.Task, config: Any) -> Any:
+        built.append(config["hidden"])
+        return real_build(self, config)
+
+    monkeypatch.setattr(profiler, "device_budget", lambda device, fraction=0.8: 2.0**20)
+    monkeypatch.setattr(hs.Task, "build_model", counting_build)
+    sweep = _write(tmp_path, "TASK", config="{hidden: 100000}")
+    assert main(["validate", str(sweep)]) == 2
+    err = capsys.readouterr().err
+    assert "the model of the config {hidden: 100000, lr: 0.001} has 800,003 parameters" in err
+    assert (
+        "(3.1 MiB in float32); an array of 2 of it needs at least 18.3 MiB, and cpu has 1.0 MiB"
+        in err
+    )
+    assert "Traceback" not in err and not built
+
+
 def test_the_python_api_refuses_broken_code_before_writing(tmp_path: Path) -> None:
     config = _config(tmp_path, _broken.SHAPE)
     with pytest.raises(hs.config.ConfigError, match="in the forward pass") as info:
