@@ -92,12 +92,13 @@ class TrainingError(SweepError):
     """
 
 
-class _Failed(Exception):
+class _Failed(SweepError):
     """An array's training (or a profile) raised: ``where`` it happened, the exception, and the
-    array's index (``None`` for a profile). The engine turns it into :class:`TrainingError`."""
+    array's index (``None`` for a profile). The engine turns it into :class:`TrainingError`
+    (should one escape, it still reads as a sweep error)."""
 
     def __init__(self, where: str, exc: Exception, array: int | None = None) -> None:
-        super().__init__(where)
+        super().__init__(f"{where} raised {describe(exc)}")
         self.where = where
         self.exc = exc
         self.array = array
@@ -664,7 +665,10 @@ class _Engine:
         if hit:
             told.append(f"its {len(hit)} trial{'s' if len(hit) > 1 else ''}")
         if others:
-            told.append(f"{others} other unfinished trial{'s' if others > 1 else ''}")
+            other = " other" if hit else ""
+            told.append(
+                f"{'the ' if not hit else ''}{others}{other} unfinished trial" + "s" * (others > 1)
+            )
         marked = (
             f"{' and '.join(told)} {'are' if len(hit) + others > 1 else 'is'} marked FAIL with "
             "this error (user attr 'error'); no trial is left running"
@@ -675,9 +679,8 @@ class _Engine:
         return TrainingError(
             f"training stopped: {failed.where}{trials} {raised}: {cause}. Code that fails in "
             f"one array fails in the next, so the sweep stopped: {marked}. Fix the task, then "
-            "start a new sweep or "
-            f"continue this one ({resume}; the failed trials count towards budget.trials). "
-            f"The traceback is in {self.dir.log}."
+            f"start a new sweep or continue this one ({resume}; the failed trials count "
+            f"towards budget.trials). The traceback is in {self.dir.log}."
         )
 
     # ------------------------------------------------------------------ arrays
