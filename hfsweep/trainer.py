@@ -421,13 +421,11 @@ class _Run:
                 # forward updates buffers (BatchNorm statistics, dropout call counts): keep
                 # their values so that a step failed by out-of-memory can be replayed exactly
                 torch._foreach_copy_(backup, buffers)
-            out_of_memory = False
+            out_of_memory = ""
             try:
                 losses = backward(self.task, array, x, y, smoothing if smoothes else None, clip)
-            except torch.OutOfMemoryError:
-                if sum(s is not None for s in state.slots) == 1:
-                    raise
-                out_of_memory = True
+            except torch.OutOfMemoryError as exc:
+                out_of_memory = describe(exc, limit=300)
             if out_of_memory:
                 # outside the except block, so the failed step's graph is already freed
                 opt.zero_grad(set_to_none=True)
@@ -435,7 +433,7 @@ class _Run:
                     torch._foreach_copy_(buffers, backup)
                 if self.t.device.type == "cuda":
                     torch.cuda.empty_cache()
-                return self._split(state, array, opt, sched, loss_sum)
+                return self._out_of_memory(state, array, opt, sched, loss_sum, out_of_memory)
             with Phase("the optimizer step"):
                 update(opt, sched)
             state.epoch, state.batch = epoch, index + 1
@@ -478,6 +476,28 @@ class _Run:
                 self._save_checkpoint((array, opt, sched, loss_sum, state))
                 self._deliver()
                 timer.resume()
+        return None
+
+    def _out_of_memory(
+        self,
+        state: _ArrayState,
+        array: FusedArray,
+        opt: FusedOptimizer,
+        sched: FusedLRScheduler | None,
+        loss_sum: Tensor,
+        error: str,
+    ) -> list[_ArrayState] | None:
+        """The arrays to go on with after a training step ran out of memory: two halves while
+        two members or more train; one member alone if idle slots kept it company; and when a
+        member runs out of memory alone, it fails (its config needs more memory than the
+        device has: the other trials are not affected)."""
+        busy = [i for i, s in enumerate(state.slots) if s is not None]
+        if len(busy) > 1:
+            return self._split(state, array, opt, sched, loss_sum)
+        if len(state.slots) > 1:
+            return [self._compacted(state, array, opt, sched, loss_sum, 1)]
+        why = f"out of memory on {self.t.device} training alone in an array: {error}"
+        self._finish(state, busy[0], array, opt, sched, "failed", why)
         return None
 
     def _compact_size(

@@ -238,6 +238,36 @@ def test_a_member_whose_model_raises_leaves_the_others_exact() -> None:
             torch.testing.assert_close(got.state["model"][name], value, rtol=1e-7, atol=1e-12)
 
 
+def test_a_member_out_of_memory_alone_fails_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Out of memory, an array splits until each member trains alone; a member that runs out
+    of memory alone needs more than the device has: it fails, and the trainer goes on."""
+    from hfsweep.fusion import FusedArray
+
+    forward = FusedArray.forward
+    sizes: list[int] = []
+
+    def small_memory(self: FusedArray, *args: Any, **kwargs: Any) -> Any:
+        """Arrays of 2 do not fit, nor does one member of hidden size 9."""
+        if self.training:
+            sizes.append(self.size)
+            if self.size > 1 or self.member(0).body[0].out_features > 8:
+                raise torch.OutOfMemoryError("simulated: CUDA out of memory")
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(FusedArray, "forward", small_memory)
+    wide = [Member("b", {"hidden": 9}), Member("c", {"hidden": 9, "lr": 0.1})]
+    results = ArrayTrainer(_broken.TASK).run(wide)
+    assert sizes == [2, 1, 1]  # the array of 2, then each member alone
+    for r in results:
+        assert r.status == "failed" and r.steps == 0
+        assert r.error == (
+            "out of memory on cpu training alone in an array: OutOfMemoryError: simulated: "
+            "CUDA out of memory"
+        )
+    narrow = ArrayTrainer(_broken.TASK).run([Member("a", {"hidden": 8})])[0]
+    assert narrow.status == "completed"
+
+
 def test_a_failure_while_profiling_ends_the_same_way(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
