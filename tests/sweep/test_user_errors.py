@@ -268,6 +268,20 @@ def test_a_member_out_of_memory_alone_fails_alone(monkeypatch: pytest.MonkeyPatc
     assert narrow.status == "completed"
 
 
+def test_the_dry_run_refuses_a_model_that_does_not_fit_alone(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hfsweep.fusion import FusedArray
+
+    def no_memory(self: FusedArray, *args: Any, **kwargs: Any) -> Any:
+        raise torch.OutOfMemoryError("simulated: CUDA out of memory")
+
+    monkeypatch.setattr(FusedArray, "forward", no_memory)
+    assert main(["validate", str(_write(tmp_path, "TASK"))]) == 2
+    err = capsys.readouterr().err
+    assert "fails a dry run: an array of 2 of the config {lr: 0.001}: out of memory on cpu " in err
+
+
 def test_a_failure_while_profiling_ends_the_same_way(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
