@@ -26,6 +26,7 @@ import os
 import threading
 import time
 import warnings
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
@@ -137,6 +138,12 @@ class SweepResult:
             f"{self.arrays} fused array(s)"
             + (f", {c['RUNNING']} still running" if c.get("RUNNING") else "")
         ]
+        failed = [t for t in self.study.get_trials(deepcopy=False) if t.state.name == "FAIL"]
+        if failed:
+            reasons = Counter(str(t.user_attrs.get("error", "no error recorded")) for t in failed)
+            shown = "; ".join(f"{n} x {why}" for why, n in reasons.most_common(2))
+            more = f"; {len(reasons) - 2} other reasons" if len(reasons) > 2 else ""
+            lines.append(f"Failed: {shown}{more} (trials.csv, column user_attrs_error)")
         if self.best_trial is None:
             lines.append("No trial completed, so there is no best trial.")
         else:

@@ -205,6 +205,11 @@ def test_a_config_the_model_rejects_fails_its_trial_alone(tmp_path: Path) -> Non
     failed = [t for t in result.study.trials if t.state.name == "FAIL"]
     assert failed and result.counts["COMPLETE"] + len(failed) == 10
     assert result.counts["RUNNING"] == 0
+    summary = result.summary().splitlines()
+    assert summary[1].startswith("Failed: 1 x the task's model(config) raised ValueError: lr=")
+    assert summary[1].endswith(
+        f"; {len(failed) - 2} other reasons (trials.csv, column user_attrs_error)"
+    )
     for t in result.study.trials:
         rejected = low < t.params["lr"] < high
         assert (t.state.name == "FAIL") == rejected, t.number
