@@ -204,9 +204,15 @@ def sweep(
         sc = parse_sweep(config)
     else:
         sc = load_sweep(config)
+    data = _DataCache()  # the dry run's data, which the local backend's arrays train on
+    if sc.backend != "ray" or sc.ray.address is None:
+        # before anything is written, and before the time limit's clock starts
+        from ._dryrun import dry_run
+
+        dry_run(sc, data=data)
     if searcher is None and sc.searcher.custom:
         searcher = make_searcher(sc.searcher)
-    return _Engine(sc, resume=resume, progress=progress, searcher=searcher).run()
+    return _Engine(sc, resume=resume, progress=progress, searcher=searcher, data=data).run()
 
 
 @dataclass
@@ -221,7 +227,13 @@ class _Engine:
     """One run of one sweep (see the module docstring)."""
 
     def __init__(
-        self, sc: SweepConfig, *, resume: bool, progress: bool, searcher: Searcher | None
+        self,
+        sc: SweepConfig,
+        *,
+        resume: bool,
+        progress: bool,
+        searcher: Searcher | None,
+        data: _DataCache | None = None,
     ) -> None:
         self.sc = sc
         self.task = sc.task
@@ -261,16 +273,11 @@ class _Engine:
         #: directory is locked to this sweep
         self._journal: GroupedJournalFileBackend | None = None
         self._dir_locked = False
-        #: the data the dry run loaded, which the local executor's arrays start with
-        self._data = _DataCache()
+        #: loaded data the local executor's arrays start with (the dry run's)
+        self._data = data if data is not None else _DataCache()
 
     # ------------------------------------------------------------------ the run
     def run(self) -> SweepResult:
-        from ._dryrun import dry_run
-
-        if self.sc.backend != "ray" or self.sc.ray.address is None:
-            # before anything is written; the local backend trains on the data it loaded
-            dry_run(self.sc, data=self._data)
         try:
             with self.dir.exclusive() as locked:
                 self._dir_locked = locked
