@@ -39,7 +39,7 @@ import torch
 from ._io import atomic_save, grouped_sync
 from ._progress import Progress
 from ._rundir import RunDir, RunDirBusy, member_id, trial_number
-from ._usercode import HOOK, describe, label, phase_of
+from ._usercode import HOOK, NOT_TRAINING, describe, label, phase_of
 from .config import SweepConfig, load_sweep, make_sampler, make_searcher, parse_sweep
 from .executors import ExecutorError, LocalExecutor, Stopped
 from .packing import Pending, Pools
@@ -778,7 +778,7 @@ class _Engine:
             except (ExecutorError, _Failed):
                 raise
             except Exception as exc:
-                if phase_of(exc) == HOOK:  # the engine's own hooks: not the array's fault
+                if phase_of(exc) in NOT_TRAINING:  # the engine's hooks, the checkpoint's files
                     raise
                 raise _Failed(f"array {array.index}", exc, array.index) from exc
         with self._lock:

@@ -3,10 +3,11 @@
 A sweep calls the task's code (``model``, ``data``, the forward pass, the loss, the metrics) in
 the middle of its own. When that code raises, the user needs to know which part of *their*
 task failed, and the engine needs to know whether the failure belongs to the trials (a bug in
-the task: the trials it hit fail and the sweep stops) or to the engine's own bookkeeping (a
-hook: the trials stay as they were, for a resume). The trainer wraps each call into the task's
-code in :class:`Phase`, which labels an escaping exception with the phase (the innermost label
-wins); the engine labels what escapes its hooks with :data:`HOOK`. The labels are attributes of
+the task: the trials it hit fail and the sweep stops) or to the run's own bookkeeping (a hook,
+an array's checkpoint file: the trials stay as they were, for a resume). The trainer wraps
+each call into the task's code in :class:`Phase`, which labels an escaping exception with the
+phase (the innermost label wins), and its checkpoint reads and writes with :data:`CHECKPOINT`;
+the engine labels what escapes its hooks with :data:`HOOK`. The labels are attributes of
 the exception object, so they survive pickling (a Ray worker hands its exception to the driver).
 """
 
@@ -17,7 +18,9 @@ import traceback
 from types import TracebackType
 
 __all__ = [
+    "CHECKPOINT",
     "HOOK",
+    "NOT_TRAINING",
     "Phase",
     "describe",
     "format_traceback",
@@ -29,6 +32,12 @@ __all__ = [
 
 #: the phase label of an exception raised by one of the engine's hooks (report, refill, finish)
 HOOK = "hook"
+#: the phase label of an exception raised reading or writing an array's checkpoint (a full
+#: disk, a file from another version or refused as unsafe): the run's, not the task's
+CHECKPOINT = "the array's checkpoint"
+#: the phases whose exceptions are not the array's training failing: they end the sweep as
+#: they are, leaving its trials for a resume
+NOT_TRAINING = (HOOK, CHECKPOINT)
 _PHASE = "_hfsweep_phase"
 _REMOTE = "_hfsweep_traceback"
 

@@ -42,7 +42,7 @@ from ._task import (
     optimizer_values,
     schedule_args,
 )
-from ._usercode import Phase, describe
+from ._usercode import CHECKPOINT, Phase, describe
 from .fusion import FusedArray, fuse
 from .optim import FusedOptimizer, clip_grad_norm_
 from .optim.lr_scheduler import FusedLRScheduler
@@ -299,7 +299,8 @@ class _Run:
         with fork_rng():
             self.user_rng = _rng_state()
             if resume and ckpt is not None and ckpt.exists():
-                self._load_checkpoint(ckpt, members)
+                with Phase(CHECKPOINT):
+                    self._load_checkpoint(ckpt, members)
             else:
                 if not members:
                     raise ValueError("run() needs at least one member")
@@ -339,10 +340,11 @@ class _Run:
                 self.delivered.add(member_id)
         d = self.t.checkpoint_dir
         if d is not None:
-            append_lines(
-                d / _DELIVERED,
-                [_encode_record(_result_record(self.results[i])) for i in self.pending],
-            )
+            with Phase(CHECKPOINT):
+                append_lines(
+                    d / _DELIVERED,
+                    [_encode_record(_result_record(self.results[i])) for i in self.pending],
+                )
         self.pending.clear()
 
     @contextmanager
@@ -886,7 +888,8 @@ class _Run:
             },
             "arrays": arrays,
         }
-        atomic_save(pack(payload), path)
+        with Phase(CHECKPOINT):
+            atomic_save(pack(payload), path)
 
     def _settings(self) -> dict[str, Any]:
         """What must not change between a run and its resume."""

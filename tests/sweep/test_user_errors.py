@@ -304,20 +304,29 @@ def test_a_failure_while_profiling_ends_the_same_way(
     assert trials and {t.state.name for t in trials} == {"FAIL"}
 
 
-def test_the_engines_own_errors_are_not_the_arrays(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("where", ["hook", "checkpoint"])
+def test_the_runs_own_errors_are_not_the_arrays(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
 ) -> None:
-    """An error in a hook (here: writing a history) is the engine's: it propagates as it was,
-    and the trials stay RUNNING for a resume, as after a crash."""
+    """An error in the engine's hook (writing a history) or in an array's checkpoint (writing
+    array.pt) is the run's, not the task's: it propagates as it was, and the trials stay
+    RUNNING for a resume, as after a crash."""
+    import hfsweep.trainer as trainer_module
     from hfsweep._rundir import RunDir
 
-    def full_disk(self: RunDir, number: int, history: Any) -> None:
+    def full_disk(*args: Any, **kwargs: Any) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(RunDir, "write_history", full_disk)
+    if where == "hook":
+        monkeypatch.setattr(RunDir, "write_history", full_disk)
+    else:
+        monkeypatch.setattr(trainer_module, "atomic_save", full_disk)
     with pytest.raises(OSError, match="No space left"):
         hs.sweep(_config(tmp_path, _broken.TASK), progress=False)
     assert "RUNNING" in {t.state.name for t in _states(tmp_path / "run")}
+    monkeypatch.undo()
+    resumed = hs.sweep(_config(tmp_path, _broken.TASK), resume=True, progress=False)
+    assert resumed.counts == {"COMPLETE": 4, "PRUNED": 0, "FAIL": 0, "RUNNING": 0}
 
 
 def test_an_unpicklable_exception_from_a_worker_is_described() -> None:
