@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ._io import atomic_save, grouped_sync
+from ._preflight import preflight
 from ._progress import Progress
 from ._rundir import RunDir, RunDirBusy, member_id, trial_number
 from ._usercode import HOOK, NOT_TRAINING, describe, label, phase_of
@@ -186,17 +187,19 @@ def sweep(
     refused. ``progress`` prints a live status line to stderr. ``searcher`` replaces the
     config's Optuna sampler with a search algorithm of your own.
 
-    Before anything is written, the task's code runs once (a dry run: its model for the
-    space's corner configs, one training step of an array of two on one batch, one validation
-    batch; on a Ray cluster given by ``ray.address`` the workers' first array does it).
+    Before anything is written, the sweep is checked against this machine (an output that
+    cannot be written, CUDA where there is none, a storage URL whose database driver is
+    missing), then the task's code runs once (a dry run: its model for the space's corner
+    configs, one training step of an array of two on one batch, one validation batch; on a Ray
+    cluster given by ``ray.address`` the workers' first array does it).
 
-    Raises :class:`~hfsweep.config.ConfigError` for an invalid config or a task that fails the
-    dry run, :class:`SweepError` when the sweep cannot start (an existing run directory, a
-    changed config on resume, a run directory another sweep is running in), and
-    :class:`TrainingError` (a :class:`SweepError`) when the task's code raised while an array
-    trained: that array's trials and every other unfinished one are then ``FAIL`` in the
-    study, none is left ``RUNNING``. A trial whose ``model(config)`` raises fails alone, and
-    the sweep goes on.
+    Raises :class:`~hfsweep.config.ConfigError` for an invalid config, one this machine cannot
+    run or a task that fails the dry run, :class:`SweepError` when the sweep cannot start (an
+    existing run directory, a changed config on resume, a run directory another sweep is
+    running in), and :class:`TrainingError` (a :class:`SweepError`) when the task's code
+    raised while an array trained: that array's trials and every other unfinished one are then
+    ``FAIL`` in the study, none is left ``RUNNING``. A trial whose ``model(config)`` raises
+    fails alone, and the sweep goes on.
     """
     if isinstance(config, SweepConfig):
         sc = config
@@ -204,6 +207,7 @@ def sweep(
         sc = parse_sweep(config)
     else:
         sc = load_sweep(config)
+    preflight(sc)  # before the run directory is created: a sweep that cannot run writes nothing
     data = _DataCache()  # the dry run's data, which the local backend's arrays train on
     if sc.backend != "ray" or sc.ray.address is None:
         # before anything is written, and before the time limit's clock starts

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
@@ -34,14 +35,22 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _parse_sets(items: list[str]) -> dict[str, object]:
+    """``--set KEY=VALUE`` items as a config, each value read as YAML like a sweep file's (a key
+    given twice inside a value is refused); a bad item raises ``ValueError`` naming it."""
     import yaml
+
+    from .search_spaces._yaml import DuplicateKeyError, _loader_class
 
     config: dict[str, object] = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ValueError(f"--set {item!r}: write KEY=VALUE, e.g. --set hidden=128")
-        config[key] = yaml.safe_load(value)
+        try:
+            config[key] = yaml.load(value, Loader=_loader_class())  # a SafeLoader subclass
+        except (DuplicateKeyError, yaml.YAMLError) as exc:
+            problem = str(exc).replace("\n", " ")
+            raise ValueError(f"--set {item!r}: the value is not valid YAML ({problem})") from None
     return config
 
 
@@ -132,16 +141,30 @@ def _profile(args: argparse.Namespace) -> int:
 def _validate(args: argparse.Namespace) -> int:
     sys.dont_write_bytecode = True  # importing a task's .py file must not write __pycache__
     from ._dryrun import dry_run
+    from ._preflight import preflight
     from .config import ConfigError, load_sweep
 
     try:
         sweep = load_sweep(args.sweep)
-        if not args.no_dry_run:
-            dry_run(sweep)
     except ConfigError as e:
         _error("validate", e, args)
         return 2
-    print(f"{args.sweep} is valid" + (" (no dry run)" if args.no_dry_run else "") + ":")
+    if not args.file_only:
+        try:
+            preflight(sweep)
+        except ConfigError as e:
+            print(
+                f"hfsweep validate: {e} (this machine cannot run it; --file-only checks the "
+                "file alone, for a sweep meant for another machine)",
+                file=sys.stderr,
+            )
+            return 2
+        try:
+            dry_run(sweep)  # the task's code, once: after the machine's checks, as in a run
+        except ConfigError as e:
+            _error("validate", e, args)
+            return 2
+    print(f"{args.sweep} is valid:")
     for line in sweep.summary().splitlines():
         print(f"  {line}")
     return 0
@@ -149,6 +172,7 @@ def _validate(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from ._engine import SweepError, TrainingError, sweep
+    from ._preflight import preflight
     from .config import ConfigError, load_sweep
     from .searchers._source import SearcherError
 
@@ -158,6 +182,7 @@ def _run(args: argparse.Namespace) -> int:
             import dataclasses
 
             config = dataclasses.replace(config, output=args.output.resolve())
+        preflight(config)  # sweep() checks again; here so a problem comes before the summary
     except ConfigError as e:
         print(f"hfsweep run: {e}", file=sys.stderr)
         return 2
@@ -174,22 +199,47 @@ def _run(args: argparse.Namespace) -> int:
         _error("run", e, args)
         return 2
     except KeyboardInterrupt:
+        resume = ["hfsweep", "run", str(args.sweep)]
+        if args.output is not None:
+            resume += ["--output", str(args.output)]
         print(
-            f"\nhfsweep run: interrupted. Every finished trial is recorded in {config.output}; "
-            f"continue with: hfsweep run {args.sweep} --resume",
+            f"\nhfsweep run: interrupted. Every finished trial is recorded in "
+            f"{_shown(config.output)}; continue with: {shlex.join([*resume, '--resume'])}\n"
+            f"See the trials finished so far: {_report_command(config.output)}",
             file=sys.stderr,
         )
         return 130
     if not args.quiet:
         print(result.summary())
+        if result.counts.get("COMPLETE") or result.counts.get("PRUNED"):
+            print(
+                f"Look at the results: {_report_command(result.run_dir)} (PNG plots into "
+                f"{_shown(result.run_dir / 'report')})"
+            )
     return 0
 
 
+def _shown(path: Path) -> str:
+    """``path`` as the user would type it here: relative to the working directory when it is
+    under it (``examples/runs/digits_quick``), else absolute."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except (ValueError, OSError):
+        return str(path)
+
+
+def _report_command(run_dir: Path) -> str:
+    return shlex.join(["hfsweep", "report", _shown(run_dir)])
+
+
 def _report(args: argparse.Namespace) -> int:
-    from .report import ReportError, write_report
+    from .report import NothingToReport, ReportError, write_report
 
     try:
         paths = write_report(args.run_dir, args.out)
+    except NothingToReport as e:  # a sweep that has not got far enough: not a usage error
+        print(f"hfsweep report: {e}", file=sys.stderr)
+        return 1
     except ReportError as e:
         print(f"hfsweep report: {e}", file=sys.stderr)
         return 2
@@ -245,8 +295,10 @@ def build_parser() -> argparse.ArgumentParser:
     rep = sub.add_parser(
         "report",
         help="draw a sweep's plots (history, importance, parallel coordinates, curves) as PNG",
-        description="Draw PNG plots of the sweep in RUN_DIR: optimization history, parameter "
-        "importance, parallel coordinates and learning curves.",
+        description="Draw PNG plots of the sweep in RUN_DIR (the sweep's output, by default "
+        "runs/<sweep file's name> next to the sweep file): optimization history, parameter "
+        "importance, parallel coordinates and learning curves. Exits 1 when no trial has "
+        "finished yet, 2 when RUN_DIR is not a run directory.",
     )
     rep.add_argument("run_dir", type=Path, metavar="RUN_DIR")
     rep.add_argument("--out", type=Path, default=None, help="folder (default RUN_DIR/report)")
@@ -321,18 +373,21 @@ def build_parser() -> argparse.ArgumentParser:
         "validate",
         help="check a sweep file without training or writing anything",
         description="Read SWEEP (a sweep.yaml), check every key, the task, the search space, "
-        "the searcher and the scheduler, then run the task's code once (a dry run: its model "
-        "for the corner configs of the space, one training step of an array of two on one "
-        "batch, one validation batch), and print a summary of the resolved sweep. Exits 2 "
-        "with a message naming the YAML path, or the part of the task that failed, on the "
-        "first problem. Writes nothing.",
+        "the searcher and the scheduler, and that this machine can run it (the output folder "
+        "can be created and written, CUDA is there if it asks for CUDA, the storage URL's "
+        "database driver is installed: what `hfsweep run` checks before it writes anything), "
+        "then run the task's code once (a dry run: its model for the corner configs of the "
+        "space, one training step of an array of two on one batch, one validation batch), "
+        "and print a summary of the resolved sweep. Exits 2 with a message naming the YAML "
+        "path, or the part of the task that failed, on the first problem. Writes nothing.",
     )
     val.add_argument("sweep", type=Path, metavar="SWEEP")
     val.add_argument(
-        "--no-dry-run",
+        "--file-only",
         action="store_true",
-        help="check the file only, without running the task's code (e.g. for a Ray cluster "
-        "whose data this machine does not have)",
+        help="check the file alone, not whether this machine can run it (its output folder, "
+        "CUDA, the storage's database driver) nor the task's code (the dry run): for a sweep "
+        "meant for another machine",
     )
     val.set_defaults(func=_validate)
     for command in sub.choices.values():

@@ -26,10 +26,11 @@ A sweep file is one YAML mapping. Every key, with its default::
                                 #   resources (grace_period...) count epochs, or steps when the
                                 #   budget is in steps.
     budget:                     # required
-      trials: 64                # required, int >= 1
-      epochs: 10                # per trial; exactly one of epochs and steps (ints >= 1)
-      # steps: 500
-      time_limit: null          # seconds (a number > 0) or a string: "90s", "30m", "2h", "1h30m"
+      trials: 64                # required, an integer from 1 to 1,000,000
+      epochs: 10                # per trial; exactly one of epochs (an integer from 1 to 100,000)
+      # steps: 500              #   and steps (an integer from 1 to 1,000,000,000)
+      time_limit: null          # null: unbounded; or seconds (a number > 0) or a string: "90s",
+                                #   "30m", "2h", "1h30m"; at most a year (8784h)
     metric: val_accuracy        # required; one of the task's metric_names
                                 #   (train_loss, val_loss, val_<metric>...)
     mode: max                   # required; max or min
@@ -50,12 +51,15 @@ A sweep file is one YAML mapping. Every key, with its default::
       max_concurrent: null      # arrays training at once; null: as many as the cluster fits
       max_failures: 3           # restarts of an array from its checkpoint after its worker died
     storage: null               # null: an Optuna journal file in the run directory; or an Optuna
-                                #   RDB URL (sqlite:///study.db, postgresql://user@host/db, ...)
+                                #   RDB URL (sqlite:///study.db, postgresql+psycopg2://user@host/db
+                                #   with hfsweep[postgres], ...) whose driver is installed
     output: runs/<file stem>    # the run directory, relative to the sweep file's folder
     study_name: <file stem>     # the Optuna study's name ("sweep" without a file)
     seed: 0                     # int >= 0; the searcher's seed unless searcher.seed is given
 
-Numbers such as ``1e-4`` are read as floats (as YAML 1.2 does). Validation goes as far as can be
+Numbers such as ``1e-4`` are read as floats (as YAML 1.2 does). A key given twice in any mapping
+(here or in a search-space file) is an error naming both lines, not a silent override; merge keys
+(``<<: *anchor``) may still override the keys they bring in. Validation goes as far as can be
 checked without training or writing anything: unknown keys (with a did-you-mean), types, ranges,
 the task's entry point imports, every config and search-space key is one the task knows, the
 metric is one the task reports, the searcher and scheduler build with their options, and sampled
@@ -152,6 +156,13 @@ _BUDGET_KEYS = {"epochs": "budget.epochs", "max_steps": "budget.steps"}
 _TASK_KEY = re.compile(r"^config (?:key '(\w+)'|(\w+)=)")
 #: random configs drawn from the space to check against task.resolve
 _SAMPLES = 20
+#: The largest budgets a sweep file may give: far past any sweep that could finish, they only
+#: catch a typo or an exponent (``trials: 100000000000``), which would otherwise be accepted and
+#: then fill the study with trials or never end.
+_MAX_TRIALS = 1_000_000
+_MAX_EPOCHS = 100_000
+_MAX_STEPS = 1_000_000_000
+_MAX_TIME_LIMIT_S = 366 * 24 * 3600.0
 
 _TOP_KEYS = (
     "task",
@@ -358,7 +369,11 @@ class SweepConfig:
         """A few lines describing the sweep, as ``hfsweep validate`` prints them."""
         b = self.budget
         per = f"{b.max_resource} {b.resource}"
-        limit = f", time limit {b.time_limit_s:g} s" if b.time_limit_s is not None else ""
+        limit = (
+            f"time limit {_seconds(b.time_limit_s)}"
+            if b.time_limit_s is not None
+            else "time limit unbounded"
+        )
         searcher = self.searcher.name
         if self.searcher.grid_size is not None:
             searcher += f" ({self.searcher.grid_size} grid points"
@@ -371,7 +386,7 @@ class SweepConfig:
             f"task {self.task.name} ({self.task_ref})"
             if self.task_ref != self.task.name
             else f"task {self.task.name}",
-            f"{b.trials} trials of {per} each{limit}",
+            f"{b.trials} trials of {per} each, {limit}",
             f"searcher {searcher}, scheduler {self.scheduler.name}",
             f"metric {self.metric} ({self.mode})",
             f"search space: {', '.join(sampled) or '(nothing sampled)'}",
@@ -472,10 +487,12 @@ def make_searcher(searcher: SearcherConfig) -> Searcher:
 def _load_yaml(text: str, file: str) -> Any:
     import yaml
 
-    from .search_spaces._yaml import _loader_class
+    from .search_spaces._yaml import DuplicateKeyError, _loader_class
 
     try:
         return yaml.load(text, Loader=_loader_class())  # a SafeLoader subclass
+    except DuplicateKeyError as exc:
+        raise ConfigError(exc.problem, path=exc.path, file=file) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
@@ -553,10 +570,27 @@ class _Parser:
             )
         return value
 
-    def integer(self, value: object, path: str, low: int) -> int:
+    def integer(
+        self, value: object, path: str, low: int, high: int | None = None, unit: str = ""
+    ) -> int:
+        """``value`` if it is an int from ``low`` to ``high`` (``None``: no upper bound);
+        ``unit`` names what it counts in the message about ``high``."""
         if not _is_int(value) or value < low:  # type: ignore[operator]
-            raise self.error(path, f"{value!r} ({type(value).__name__}) is not an integer >= {low}")
+            kind = f"{value!r} ({type(value).__name__}) is not an integer"
+            problem = f"{kind} >= {low}" if high is None else f"{kind} from {low} to {high:,}"
+            if isinstance(value, float):
+                problem += (
+                    "; a number with a point or an exponent (2.5, 1e3) is a float in YAML: write "
+                    "a whole number such as 64"
+                )
+            raise self.error(path, problem)
         assert isinstance(value, int)
+        if high is not None and value > high:
+            raise self.error(
+                path,
+                f"{value:,} is more than {high:,} {unit}, the most a sweep may give (a larger "
+                f"value is a typo: no sweep would finish it); give at most {high:,}",
+            )
         return value
 
     # ---------------------------------------------------------------- the whole sweep
@@ -636,7 +670,7 @@ class _Parser:
         self.keys(b, _BUDGET, "budget")
         if "trials" not in b:
             raise self.error("budget", "missing required key 'trials' (the number of trials)")
-        trials = self.integer(b["trials"], "budget.trials", 1)
+        trials = self.integer(b["trials"], "budget.trials", 1, _MAX_TRIALS, "trials")
         given = [k for k in ("epochs", "steps") if b.get(k) is not None]
         if len(given) != 1:
             raise self.error(
@@ -648,7 +682,8 @@ class _Parser:
                 )
                 + "; give exactly one: the budget of each trial in epochs or in optimizer steps",
             )
-        value = self.integer(b[given[0]], f"budget.{given[0]}", 1)
+        most = _MAX_EPOCHS if given[0] == "epochs" else _MAX_STEPS
+        value = self.integer(b[given[0]], f"budget.{given[0]}", 1, most, f"{given[0]} per trial")
         limit = self.duration(b.get("time_limit"), "budget.time_limit")
         if given[0] == "epochs":
             return Budget(trials=trials, epochs=value, time_limit_s=limit)
@@ -661,16 +696,26 @@ class _Parser:
             assert isinstance(raw, int | float)
             if not math.isfinite(raw) or raw <= 0:
                 raise self.error(path, f"{raw!r} is not a positive number of seconds")
-            return float(raw)
+            return self.at_most_a_year(float(raw), raw, path)
         if isinstance(raw, str) and _DURATION.match(raw):
             seconds = sum(float(n) * _UNIT_S[u] for n, u in _DURATION_PART.findall(raw))
             if seconds > 0:
-                return seconds
+                return self.at_most_a_year(seconds, raw, path)
         raise self.error(
             path,
             f"{raw!r} is not a duration; give seconds (a number > 0) or a string such as "
             "'90s', '30m', '2h' or '1h30m'",
         )
+
+    def at_most_a_year(self, seconds: float, raw: object, path: str) -> float:
+        if seconds > _MAX_TIME_LIMIT_S:
+            raise self.error(
+                path,
+                f"{raw!r} ({seconds:,.0f} s) is longer than a year ({_MAX_TIME_LIMIT_S:,.0f} s, "
+                "8784h), the longest time limit a sweep may give; give a shorter one, or null "
+                "for no time limit",
+            )
+        return seconds
 
     def known_keys(self, task: Task) -> list[str]:
         return task.known_keys
@@ -984,6 +1029,17 @@ class _Parser:
 
 
 # ---------------------------------------------------------------------------- helpers
+def _seconds(seconds: float) -> str:
+    """``5400 s (1h30m)``: seconds, and hours and minutes when that is easier to read."""
+    text = f"{seconds:g} s"
+    if seconds >= 60:
+        h, rest = divmod(seconds, 3600)
+        m, s = divmod(rest, 60)
+        parts = [f"{h:.0f}h" if h else "", f"{m:.0f}m" if m else "", f"{s:g}s" if s else ""]
+        text += f" ({''.join(parts)})"
+    return text
+
+
 def _expected_kind(default: object) -> tuple[str, Callable[[object], bool]] | None:
     if isinstance(default, bool):
         return "a boolean", lambda v: isinstance(v, bool)

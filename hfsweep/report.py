@@ -21,7 +21,8 @@ parameter's distribution (its range, log scale, categorical choices), and from `
 A plot with nothing to draw (no trial with a value yet, too few trials for importances...) is
 skipped with a logged reason rather than drawn empty, so a partly finished sweep still reports
 what it has. A run directory that cannot be read raises :class:`ReportError` naming the path and
-what was expected. matplotlib and Optuna are imported inside the functions that use them, so that
+what was expected; one with nothing to draw yet (no trial finished, or none that finished has a
+value or a history) raises :class:`NothingToReport`, which says how many trials exist and run. matplotlib and Optuna are imported inside the functions that use them, so that
 ``import hfsweep`` stays light; plots are drawn on a bare :class:`~matplotlib.figure.Figure` with an
 Agg canvas, never through pyplot, so no global backend or figure state is touched.
 """
@@ -47,7 +48,7 @@ if TYPE_CHECKING:
     from optuna.distributions import BaseDistribution
     from optuna.trial import FrozenTrial
 
-__all__ = ["ReportError", "write_report"]
+__all__ = ["NothingToReport", "ReportError", "write_report"]
 
 _log = logging.getLogger("hfsweep.report")
 
@@ -80,6 +81,15 @@ class ReportError(Exception):
     """
 
 
+class NothingToReport(ReportError):
+    """The run directory is a sweep's, but it has nothing to draw yet: no trial has finished,
+    or none of those that finished has a value or a history (all failed before evaluating).
+
+    The message names the run directory and counts its trials by state. The CLI exits 1 on it
+    (a sweep that has not got far enough), 2 on any other :class:`ReportError`.
+    """
+
+
 # --------------------------------------------------------------------------------------------------
 # reading the run directory
 
@@ -100,12 +110,14 @@ def _read_sweep(run: Path) -> _Sweep:
     if not run.exists():
         raise ReportError(f"{run}: no such run directory; {_RUN_FIRST}")
     if not run.is_dir():
-        raise ReportError(f"{run}: not a directory; expected a sweep's run directory")
+        raise ReportError(
+            f"{run}: not a directory; expected a sweep's run directory{_sweep_file_hint(run)}"
+        )
     path = run / "sweep.json"
     if not path.is_file():
         raise ReportError(
-            f"{path}: missing; a run directory holds the sweep.json that `hfsweep run` writes "
-            f"({_RUN_FIRST})"
+            f"{path}: missing, so {run} is not a run directory; a run directory holds the "
+            f"sweep.json that `hfsweep run` writes{_run_dirs_below(run) or f' ({_RUN_FIRST})'}"
         )
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
@@ -137,6 +149,35 @@ def _read_sweep(run: Path) -> _Sweep:
         "step" if isinstance(budget, Mapping) and budget.get("steps") is not None else "epoch"
     )
     return _Sweep(metric, "max" if mode == "max" else "min", storage, study_name, resource)
+
+
+def _sweep_file_hint(path: Path) -> str:
+    """For a sweep file given instead of its run directory: where its run directory is."""
+    if path.suffix.lower() not in (".yaml", ".yml"):
+        return ""
+    output = None
+    try:
+        import yaml
+
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        if isinstance(raw, Mapping) and isinstance(raw.get("output"), str):
+            output = Path(raw["output"]).expanduser()
+    except Exception:  # any unreadable file: fall back to the default output
+        output = None
+    run = path.parent / (output if output is not None else Path("runs") / path.stem)
+    return f"; {path} looks like a sweep file: report its run directory, `hfsweep report {run}`"
+
+
+def _run_dirs_below(folder: Path) -> str:
+    """For a folder holding run directories (``runs/``): name them."""
+    try:
+        found = sorted(p.name for p in folder.iterdir() if (p / "sweep.json").is_file())
+    except OSError:
+        return ""
+    if not found:
+        return ""
+    shown = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
+    return f"; the run directories in it: {shown} (e.g. `hfsweep report {folder / found[0]}`)"
 
 
 def _sqlite_file(url: str) -> Path | None:
@@ -675,10 +716,13 @@ def write_report(
     paths.
 
     The paths come in the order history, importance, parallel, curves, leaving out each plot with
-    nothing to draw yet (its reason is logged at INFO on ``hfsweep.report``). Files of a skipped
+    nothing to draw yet (its reason is logged at INFO on ``hfsweep.report``); the list is never
+    empty (see :class:`NothingToReport`). Files of a skipped
     plot left in ``out_dir`` by an earlier report are not removed.
 
     Raises:
+        NothingToReport: no trial has finished yet, or none of the finished ones has anything to
+            draw; nothing is written.
         ReportError: ``run_dir``, its ``sweep.json`` or the study (the journal file, or the
             ``storage`` database) is missing or cannot be read; the message names the path.
     """
@@ -686,7 +730,10 @@ def write_report(
     sweep = _read_sweep(run)
     study = _load_study(run, sweep)
     trials = study.get_trials(deepcopy=False)
+    if not any(t.state.is_finished() for t in trials):
+        raise NothingToReport(f"{run}: nothing to report yet: {_trial_counts(trials)}")
     out = run / "report" if out_dir is None else Path(out_dir)
+    created = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -698,4 +745,29 @@ def write_report(
         _plot_parallel(trials, sweep, title, out / "parallel.png"),
         _plot_curves(run, trials, sweep, title, out / "curves.png"),
     ]
-    return [p for p in drawn if p is not None]
+    paths = [p for p in drawn if p is not None]
+    if not paths:
+        if created:
+            out.rmdir()
+        raise NothingToReport(
+            f"{run}: nothing to report yet: {_trial_counts(trials)}; no finished trial has a "
+            f"value or a history to draw (trials.csv and {run / 'sweep.log'} say why they failed)"
+        )
+    return paths
+
+
+def _trial_counts(trials: Sequence[FrozenTrial]) -> str:
+    """``3 trials: 1 failed, 2 running`` and, when none finished, what to do."""
+    if not trials:
+        return f"the study has no trials ({_RUN_FIRST}, or wait for it to ask for some)"
+    counts: dict[str, int] = {}
+    for t in trials:
+        status = _STATUS_OF_STATE.get(t.state.name, t.state.name.lower())
+        counts[status] = counts.get(status, 0) + 1
+    text = f"{len(trials)} trial(s): " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+    if not any(t.state.is_finished() for t in trials):
+        text += (
+            ", none finished; report again once one has (a stopped sweep goes on with "
+            "`hfsweep run SWEEP --resume`)"
+        )
+    return text

@@ -256,7 +256,7 @@ ERRORS: list[tuple[str, dict[str, Any], str, str]] = [
         "trials-zero",
         with_(budget={"trials": 0, "epochs": 1}),
         "budget.trials",
-        "0 (int) is not an integer >= 1",
+        "0 (int) is not an integer from 1 to 1,000,000",
     ),
     (
         "trials-bool",
@@ -276,7 +276,7 @@ ERRORS: list[tuple[str, dict[str, Any], str, str]] = [
         "epochs-zero",
         with_(budget={"trials": 1, "epochs": 0}),
         "budget.epochs",
-        "is not an integer >= 1",
+        "is not an integer from 1 to 100,000",
     ),
     ("steps-str", with_(budget={"trials": 1, "steps": "5"}), "budget.steps", "'5' (str)"),
     (

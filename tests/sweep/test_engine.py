@@ -20,7 +20,7 @@ from optuna.trial import TrialState
 import hfsweep as hs
 from hfsweep import _engine
 from hfsweep._rundir import RunDir
-from hfsweep.config import parse_sweep
+from hfsweep.config import ConfigError, parse_sweep
 from hfsweep.searchers._source import SearcherError
 
 from ._toy import TASK, sweep_config
@@ -440,16 +440,22 @@ def test_min_mode_keeps_the_lowest_values(tmp_path: Path) -> None:
 
 
 def test_a_storage_without_its_database_driver_is_a_clear_error(tmp_path: Path) -> None:
+    """Refused before the run directory is created (tests/sweep/test_preflight.py has more)."""
     pytest.importorskip("sqlalchemy")
+    from sqlalchemy.engine import make_url
+
+    url = "postgresql://user@127.0.0.1:1/optuna"
+    driver = make_url(url).get_dialect().driver  # psycopg2, or psycopg from SQLAlchemy 2.1
     try:
-        import psycopg2  # noqa: F401
+        __import__(driver)
     except ImportError:
         pass
     else:
-        pytest.skip("psycopg2 is installed")
-    config = sweep_config(tmp_path / "run", storage="postgresql://user@127.0.0.1:1/optuna")
-    with pytest.raises(hs.SweepError, match=r"pip install psycopg2-binary"):
+        pytest.skip(f"{driver} is installed")
+    config = sweep_config(tmp_path / "run", storage=url)
+    with pytest.raises(ConfigError, match=rf"needs the database driver {driver}\b.*pip install"):
         hs.sweep(config, progress=False)
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize(("searcher", "size"), [("tpe", 4), ("random", 7), ("qmc", 7)])

@@ -24,7 +24,8 @@ from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
 from hfsweep import report
-from hfsweep.report import ReportError, write_report
+from hfsweep.cli import main
+from hfsweep.report import NothingToReport, ReportError, write_report
 from hfsweep.report import _Axis as Axis
 from hfsweep.report import _best_so_far as best_so_far
 from hfsweep.report import _read_history as read_history
@@ -260,16 +261,81 @@ def test_no_complete_trial_skips_importance_and_parallel(
     assert_pngs(paths)
 
 
-def test_nothing_to_draw_returns_no_paths(tmp_path: Path, no_render: None) -> None:
+def test_nothing_to_draw_is_nothing_to_report(tmp_path: Path, no_render: None) -> None:
     specs = [Spec(TrialState.FAIL, []), Spec(TrialState.RUNNING, [])]
     run = make_run(tmp_path, specs)
-    assert write_report(run) == []
-    assert list((run / "report").iterdir()) == []
+    with pytest.raises(NothingToReport) as info:
+        write_report(run)
+    message = str(info.value)
+    assert message.startswith(f"{run}: nothing to report yet: 2 trial(s): 1 failed, 1 running")
+    assert "no finished trial has a value or a history" in message
+    assert not (run / "report").exists()
 
 
-def test_study_without_trials_returns_no_paths(tmp_path: Path, no_render: None) -> None:
+def test_study_without_trials_is_nothing_to_report(tmp_path: Path, no_render: None) -> None:
     run = make_run(tmp_path, [])
-    assert write_report(run) == []
+    with pytest.raises(NothingToReport, match="nothing to report yet: the study has no trials"):
+        write_report(run)
+    assert not (run / "report").exists()
+
+
+def test_only_running_trials_is_nothing_to_report(tmp_path: Path, no_render: None) -> None:
+    run = make_run(tmp_path, [Spec(TrialState.RUNNING, [0.5])] * 3)
+    with pytest.raises(NothingToReport) as info:
+        write_report(run)
+    assert "3 trial(s): 3 running, none finished" in str(info.value)
+    assert "hfsweep run SWEEP --resume" in str(info.value)
+    assert not (run / "report").exists()
+
+
+def test_cli_exits_1_when_there_is_nothing_to_report(
+    tmp_path: Path, no_render: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = make_run(tmp_path, [Spec(TrialState.RUNNING, [0.5])] * 2)
+    assert main(["report", str(run)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith(f"hfsweep report: {run}: nothing to report yet: 2 trial(s)")
+    assert sorted(p.name for p in run.iterdir()) == [
+        "histories",
+        "optuna.journal",
+        "sweep.json",
+        "trials.csv",
+    ]
+
+
+def test_cli_exits_0_with_the_paths_once_a_trial_finished(
+    tmp_path: Path, no_render: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = make_run(tmp_path, [Spec(TrialState.COMPLETE, [0.5, 0.6]), Spec(TrialState.RUNNING, [])])
+    assert main(["report", str(run)]) == 0
+    assert capsys.readouterr().out.split() == [
+        str(run / "report" / n) for n in ("history.png", "parallel.png", "curves.png")
+    ]
+
+
+def test_cli_exits_2_for_what_is_not_a_run_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["report", str(tmp_path / "nope")]) == 2
+    assert "no such run directory" in capsys.readouterr().err
+    # a folder of run directories (the README's runs/) names them
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    make_run(tmp_path, mixed_specs()).rename(runs / "a")
+    assert main(["report", str(runs)]) == 2
+    err = capsys.readouterr().err
+    assert f"{runs / 'sweep.json'}: missing, so {runs} is not a run directory" in err
+    assert f"the run directories in it: a (e.g. `hfsweep report {runs / 'a'}`)" in err
+    # a sweep file names its run directory
+    sweep = tmp_path / "my_sweep.yaml"
+    sweep.write_text("task: digits_mlp\n")
+    assert main(["report", str(sweep)]) == 2
+    err = capsys.readouterr().err
+    assert "not a directory" in err and f"`hfsweep report {tmp_path / 'runs' / 'my_sweep'}`" in err
+    sweep.write_text("task: digits_mlp\noutput: elsewhere/run\n")
+    assert main(["report", str(sweep)]) == 2
+    assert f"`hfsweep report {tmp_path / 'elsewhere' / 'run'}`" in capsys.readouterr().err
 
 
 def test_one_varying_parameter_skips_importance(tmp_path: Path, no_render: None) -> None:

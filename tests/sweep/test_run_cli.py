@@ -20,6 +20,9 @@ def test_run_an_example_end_to_end_then_report(
     assert main(["run", str(EXAMPLES / "digits_quick.yaml"), "--output", str(run)]) == 0
     out = capsys.readouterr().out
     assert "Sweep finished" in out and "Best val_accuracy" in out
+    assert out.endswith(
+        f"Look at the results: hfsweep report {run} (PNG plots into {run}/report)\n"
+    )
     with (run / "trials.csv").open(newline="") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 16 and {r["state"] for r in rows} <= {"COMPLETE", "PRUNED"}
@@ -28,22 +31,12 @@ def test_run_an_example_end_to_end_then_report(
     # the same command again is refused: the directory holds a sweep
     assert main(["run", str(EXAMPLES / "digits_quick.yaml"), "--output", str(run)]) == 2
     assert "--resume" in capsys.readouterr().err
-    # resuming a finished sweep changes nothing
-    assert (
-        main(
-            [
-                "run",
-                str(EXAMPLES / "digits_quick.yaml"),
-                "--output",
-                str(run),
-                "--resume",
-                "--quiet",
-            ]
-        )
-        == 0
-    )
+    # resuming a finished sweep changes nothing, and says again where the results are
+    argv = ["run", str(EXAMPLES / "digits_quick.yaml"), "--output", str(run), "--resume"]
+    assert main(argv) == 0
     with (run / "trials.csv").open(newline="") as f:
         assert [r["value"] for r in csv.DictReader(f)] == [r["value"] for r in rows]
+    assert f"Look at the results: hfsweep report {run} " in capsys.readouterr().out
 
     capsys.readouterr()
     assert main(["report", str(run)]) == 0
@@ -94,3 +87,51 @@ def test_run_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert "ray.cpus_per_array" in err and "0" in err and not (tmp_path / "runs").exists()
     assert main(["report", str(tmp_path / "nothing")]) == 2
     assert "nothing" in capsys.readouterr().err
+
+
+TOY_SWEEP = f"""
+task: "{Path(__file__).resolve().parent / "_toy.py"}:TASK"
+search_space: {{lr: {{type: float, low: 1.0e-3, high: 0.5, log: true}}}}
+budget: {{trials: 2, epochs: 1}}
+metric: val_accuracy
+mode: max
+fusion: {{size: 2, device: cpu}}
+"""
+
+
+def test_a_run_ends_with_its_run_directory_and_the_report_command(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The README's first command must say where the results went and how to look at them:
+    the path as typed from here (runs/<sweep file's name> next to the sweep file)."""
+    (tmp_path / "examples").mkdir()
+    (tmp_path / "examples" / "my_sweep.yaml").write_text(TOY_SWEEP)
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "examples/my_sweep.yaml"]) == 0
+    out = capsys.readouterr().out
+    assert f"Run directory: {tmp_path / 'examples' / 'runs' / 'my_sweep'} (" in out
+    last = out.splitlines()[-1]
+    assert last == (
+        "Look at the results: hfsweep report examples/runs/my_sweep "
+        "(PNG plots into examples/runs/my_sweep/report)"
+    )
+    assert main(["report", "examples/runs/my_sweep"]) == 0  # the command it printed works
+    assert "examples/runs/my_sweep/report/history.png" in capsys.readouterr().out.split()
+
+
+def test_an_interrupted_run_says_how_to_resume_and_to_report(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import hfsweep._engine
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    (tmp_path / "sweep.yaml").write_text(TOY_SWEEP)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(hfsweep._engine, "sweep", interrupted)
+    assert main(["run", "sweep.yaml", "--output", "my runs/one", "--quiet"]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted. Every finished trial is recorded in my runs/one;" in err
+    assert "continue with: hfsweep run sweep.yaml --output 'my runs/one' --resume\n" in err
+    assert err.endswith("See the trials finished so far: hfsweep report 'my runs/one'\n")
