@@ -40,7 +40,7 @@ from ._io import atomic_save, grouped_sync
 from ._preflight import preflight
 from ._progress import Progress
 from ._rundir import RunDir, RunDirBusy, member_id, trial_number
-from ._usercode import HOOK, NOT_TRAINING, describe, label, phase_of
+from ._usercode import HOOK, NOT_TRAINING, describe, label, phase_of, unwrap
 from .config import SweepConfig, load_sweep, make_sampler, make_searcher, parse_sweep
 from .executors import ExecutorError, LocalExecutor, Stopped
 from .packing import Pending, Pools
@@ -596,7 +596,7 @@ class _Engine:
                 raise
             except Exception as exc:
                 where = f"profiling the array size for {self._describe(config)}"
-                raise _Failed(where, exc) from exc
+                raise _Failed(where, unwrap(exc)) from exc
             cap = self._learning_cap()
             if size > cap:
                 size = cap
@@ -784,7 +784,7 @@ class _Engine:
             except Exception as exc:
                 if phase_of(exc) in NOT_TRAINING:  # the engine's hooks, the checkpoint's files
                     raise
-                raise _Failed(f"array {array.index}", exc, array.index) from exc
+                raise _Failed(f"array {array.index}", unwrap(exc), array.index) from exc
         with self._lock:
             array.done = True
             self._save_state()

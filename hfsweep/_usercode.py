@@ -14,6 +14,7 @@ the exception object, so they survive pickling (a Ray worker hands its exception
 from __future__ import annotations
 
 import contextlib
+import sys
 import traceback
 from types import TracebackType
 
@@ -28,6 +29,7 @@ __all__ = [
     "label",
     "phase_of",
     "remote_traceback",
+    "unwrap",
 ]
 
 #: the phase label of an exception raised by one of the engine's hooks (report, refill, finish)
@@ -89,6 +91,19 @@ def remote_traceback(exc: BaseException) -> str | None:
     """The traceback text :func:`keep_traceback` stored on ``exc``, if any."""
     text = getattr(exc, _REMOTE, None)
     return text if isinstance(text, str) else None
+
+
+def unwrap(exc: Exception) -> Exception:
+    """The task's exception inside a ``RayTaskError`` (an actor's method raised it; the error's
+    text is the worker's traceback, kept with :func:`keep_traceback`), else ``exc``."""
+    errors = sys.modules.get("ray.exceptions")
+    if errors is not None and isinstance(exc, errors.RayTaskError):
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, Exception):
+            if remote_traceback(cause) is None:
+                keep_traceback(cause, str(exc))
+            return cause
+    return exc
 
 
 def describe(exc: BaseException, limit: int = 600) -> str:

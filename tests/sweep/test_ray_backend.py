@@ -254,18 +254,27 @@ def test_a_task_that_raises_in_a_worker_ends_as_on_the_local_backend(
 
     from . import _broken
 
-    for task, cause in (
-        (_broken.BATCH_16, "this model takes batches of 16, got 8"),
-        (_broken.UNPICKLABLE, "_LockedError: an error holding a lock"),
-    ):
+    cases = [
+        (_broken.BATCH_16, "this model takes batches of 16, got 8", "in forward"),
+        (_broken.UNPICKLABLE, "_LockedError: an error holding a lock", "in forward"),
+        # the profiler's array of 4, on a worker (fusion.size: auto)
+        (_broken.SMALL_ARRAYS_ONLY, "takes arrays of up to 2 members", "in _small_arrays_only"),
+    ]
+    for task, cause, frame in cases:
         config = sweep_config(
-            tmp_path / task.name, task=task, backend="ray", budget={"trials": 6, "epochs": 2}
+            tmp_path / task.name,
+            task=task,
+            backend="ray",
+            budget={"trials": 6, "epochs": 2},
+            metric="val_loss",
+            mode="min",
+            fusion={"size": "auto" if task is _broken.SMALL_ARRAYS_ONLY else 4, "device": "cpu"},
         )
-        with pytest.raises(hs.TrainingError, match="in the forward pass") as info:
+        with pytest.raises(hs.TrainingError, match=r"raised in the (forward pass|loss)") as info:
             hs.sweep(config, progress=False)
         assert cause in str(info.value)
         assert isinstance(info.value.__cause__, RuntimeError)
-        assert "in forward" in (remote_traceback(info.value.__cause__) or "")
+        assert frame in (remote_traceback(info.value.__cause__) or "")
         storage = optuna.storages.JournalStorage(
             optuna.storages.journal.JournalFileBackend(str(tmp_path / task.name / "optuna.journal"))
         )

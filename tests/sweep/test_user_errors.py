@@ -288,21 +288,20 @@ def test_the_dry_run_refuses_a_model_that_does_not_fit_alone(
     assert "fails a dry run: an array of 2 of the config {lr: 0.001}: out of memory on cpu " in err
 
 
-def test_a_failure_while_profiling_ends_the_same_way(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from hfsweep.executors import LocalExecutor
-
-    def broken_profile(self: LocalExecutor, config: Any) -> tuple[int, str]:
-        raise RuntimeError("the profiler met a broken model")
-
-    monkeypatch.setattr(LocalExecutor, "array_size", broken_profile)
-    config = _config(tmp_path, _broken.TASK, fusion={"size": "auto", "device": "cpu"})
-    with pytest.raises(hs.TrainingError, match="profiling the array size") as info:
+def test_a_failure_while_profiling_ends_the_same_way(tmp_path: Path) -> None:
+    """The loss takes arrays of up to 2 members: the dry run's array passes, the profiler's
+    array of 4 (fusion.size: auto) does not."""
+    config = _config(tmp_path, _broken.SMALL_ARRAYS_ONLY, fusion={"size": "auto", "device": "cpu"})
+    with pytest.raises(hs.TrainingError) as info:
         hs.sweep(config, progress=False)
-    assert "the profiler met a broken model" in str(info.value)
+    assert str(info.value).startswith(
+        "training stopped: profiling the array size for small_arrays_only raised in the loss of "
+        "task 'small_arrays_only': RuntimeError: this loss takes arrays of up to 2 members, got 4"
+    )
+    assert "the 1 unfinished trial is marked FAIL" in str(info.value)
     trials = _states(tmp_path / "run")
-    assert trials and {t.state.name for t in trials} == {"FAIL"}
+    assert len(trials) == 1 and trials[0].state.name == "FAIL"
+    assert "got 4" in trials[0].user_attrs["error"]
 
 
 @pytest.mark.parametrize("where", ["hook", "checkpoint"])
