@@ -6,7 +6,7 @@ Optuna are imported only where a sweep uses them.
 """
 
 from . import optim
-from ._engine import SweepError, SweepResult, sweep
+from ._engine import SweepError, SweepResult, TrainingError, sweep
 from ._errors import FusionError
 from ._retrain import Retrained, retrain
 from ._sizing import profile_task
@@ -30,6 +30,7 @@ __all__ = [
     "SweepResult",
     "Task",
     "TaskError",
+    "TrainingError",
     "__version__",
     "fuse",
     "member_losses",

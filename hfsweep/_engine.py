@@ -26,6 +26,7 @@ import os
 import threading
 import time
 import warnings
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
@@ -40,6 +41,7 @@ from ._packed import UnsafeFileError
 from ._preflight import preflight
 from ._progress import Progress
 from ._rundir import RunDir, RunDirBusy, StateVersionError, member_id, trial_number
+from ._usercode import HOOK, NOT_TRAINING, describe, label, phase_of, unwrap
 from .config import SweepConfig, load_sweep, make_sampler, make_searcher, parse_sweep
 from .executors import ExecutorError, LocalExecutor, Stopped
 from .packing import Pending, Pools
@@ -47,7 +49,7 @@ from .schedulers import Decision, OptunaPruner, Report, make_scheduler
 from .search_spaces import FixedParam
 from .searchers import Searcher
 from .searchers._source import CustomSource, OptunaSource, TrialSource
-from .trainer import ArrayTrainer, Evaluation, Member, MemberResult
+from .trainer import ArrayTrainer, Evaluation, Member, MemberResult, _DataCache
 
 if TYPE_CHECKING:
     import optuna
@@ -55,7 +57,7 @@ if TYPE_CHECKING:
     from ._journal import GroupedJournalFileBackend
     from .executors._ray import RayExecutor
 
-__all__ = ["SweepError", "SweepResult", "sweep"]
+__all__ = ["SweepError", "SweepResult", "TrainingError", "sweep"]
 
 _log = logging.getLogger("hfsweep.sweep")
 
@@ -88,6 +90,30 @@ _TOLD = {"COMPLETE": "complete", "PRUNED": "pruned", "FAIL": "failed"}
 
 class SweepError(Exception):
     """A sweep cannot start or go on: the message says why and what to do."""
+
+
+class TrainingError(SweepError):
+    """Training stopped because code raised while an array trained (or while the profiler
+    measured one): almost always the task's code (its model's forward, its loss, its data),
+    which would fail every trial alike.
+
+    The trials that array held and every other unfinished trial are marked ``FAIL`` in the
+    study, the reason in their user attr ``error``; no trial is left ``RUNNING``. The exception
+    that stopped the sweep is the ``__cause__``; the message names the array, the part of the
+    task that failed (the forward pass, the loss, ...) and, for a forward pass, the submodule.
+    """
+
+
+class _Failed(SweepError):
+    """An array's training (or a profile) raised: ``where`` it happened, the exception, and the
+    array's index (``None`` for a profile). The engine turns it into :class:`TrainingError`
+    (should one escape, it still reads as a sweep error)."""
+
+    def __init__(self, where: str, exc: Exception, array: int | None = None) -> None:
+        super().__init__(f"{where} raised {describe(exc)}")
+        self.where = where
+        self.exc = exc
+        self.array = array
 
 
 @dataclass
@@ -123,6 +149,12 @@ class SweepResult:
             f"{self.arrays} fused array(s)"
             + (f", {c['RUNNING']} still running" if c.get("RUNNING") else "")
         ]
+        failed = [t for t in self.study.get_trials(deepcopy=False) if t.state.name == "FAIL"]
+        if failed:
+            reasons = Counter(str(t.user_attrs.get("error", "no error recorded")) for t in failed)
+            shown = "; ".join(f"{n} x {why}" for why, n in reasons.most_common(2))
+            more = f"; {len(reasons) - 2} other reasons" if len(reasons) > 2 else ""
+            lines.append(f"Failed: {shown}{more} (trials.csv, column user_attrs_error)")
         if self.best_trial is None:
             lines.append("No trial completed, so there is no best trial.")
         else:
@@ -165,11 +197,19 @@ def sweep(
     refused. ``progress`` prints a live status line to stderr. ``searcher`` replaces the
     config's Optuna sampler with a search algorithm of your own.
 
-    Raises :class:`~hfsweep.config.ConfigError` for an invalid config or one this machine
-    cannot run (an output that cannot be written, CUDA where there is none, a storage URL whose
-    database driver is missing: checked before anything is written) and :class:`SweepError`
-    when the sweep cannot start (an existing run directory, a changed config on resume, a run
-    directory another sweep is running in).
+    Before anything is written, the sweep is checked against this machine (an output that
+    cannot be written, CUDA where there is none, a storage URL whose database driver is
+    missing), then the task's code runs once (a dry run: its model for the space's corner
+    configs, one training step of an array of two on one batch, one validation batch; on a Ray
+    cluster given by ``ray.address`` the workers' first array does it).
+
+    Raises :class:`~hfsweep.config.ConfigError` for an invalid config, one this machine cannot
+    run or a task that fails the dry run, :class:`SweepError` when the sweep cannot start (an
+    existing run directory, a changed config on resume, a run directory another sweep is
+    running in), and :class:`TrainingError` (a :class:`SweepError`) when the task's code
+    raised while an array trained: that array's trials and every other unfinished one are then
+    ``FAIL`` in the study, none is left ``RUNNING``. A trial whose ``model(config)`` raises
+    fails alone, and the sweep goes on.
     """
     if isinstance(config, SweepConfig):
         sc = config
@@ -178,9 +218,15 @@ def sweep(
     else:
         sc = load_sweep(config)
     preflight(sc)  # before the run directory is created: a sweep that cannot run writes nothing
+    data = _DataCache()  # the dry run's data, which the local backend's arrays train on
+    if sc.backend != "ray" or sc.ray.address is None:
+        # before anything is written, and before the time limit's clock starts
+        from ._dryrun import dry_run
+
+        dry_run(sc, data=data)
     if searcher is None and sc.searcher.custom:
         searcher = make_searcher(sc.searcher)
-    return _Engine(sc, resume=resume, progress=progress, searcher=searcher).run()
+    return _Engine(sc, resume=resume, progress=progress, searcher=searcher, data=data).run()
 
 
 @dataclass
@@ -195,7 +241,13 @@ class _Engine:
     """One run of one sweep (see the module docstring)."""
 
     def __init__(
-        self, sc: SweepConfig, *, resume: bool, progress: bool, searcher: Searcher | None
+        self,
+        sc: SweepConfig,
+        *,
+        resume: bool,
+        progress: bool,
+        searcher: Searcher | None,
+        data: _DataCache | None = None,
     ) -> None:
         self.sc = sc
         self.task = sc.task
@@ -235,6 +287,8 @@ class _Engine:
         #: directory is locked to this sweep
         self._journal: GroupedJournalFileBackend | None = None
         self._dir_locked = False
+        #: loaded data the local executor's arrays start with (the dry run's)
+        self._data = data if data is not None else _DataCache()
 
     # ------------------------------------------------------------------ the run
     def run(self) -> SweepResult:
@@ -270,6 +324,8 @@ class _Engine:
                 self._train_arrays()
             except ExecutorError as exc:
                 raise SweepError(f"the {self.sc.backend} backend cannot go on: {exc}") from exc
+            except _Failed as failed:
+                raise self._stop(failed) from failed.exc
             finally:
                 self._save_state()
                 self._publish(force=True)
@@ -305,7 +361,11 @@ class _Engine:
             if device.startswith("cuda") and not torch.cuda.is_available():
                 raise SweepError(f"fusion.device is {device!r} but torch sees no CUDA device")
             self.executor = LocalExecutor(
-                self.task, device=device, dtype=dtype, eval_every=sc.fusion.eval_every
+                self.task,
+                device=device,
+                dtype=dtype,
+                eval_every=sc.fusion.eval_every,
+                data=self._data,
             )
             self.where = str(self.executor.device)
         try:
@@ -591,7 +651,13 @@ class _Engine:
         if size == "auto":
             assert self.executor is not None
             self._note(f"profiling array sizes for {self._describe(config)} on {self.where}")
-            size, reason = self.executor.array_size(config)
+            try:
+                size, reason = self.executor.array_size(config)
+            except (ExecutorError, Stopped):
+                raise
+            except Exception as exc:
+                where = f"profiling the array size for {self._describe(config)}"
+                raise _Failed(where, unwrap(exc)) from exc
             cap = self._learning_cap()
             if size > cap:
                 size = cap
@@ -624,6 +690,77 @@ class _Engine:
         self.study.tell(trial, state=TrialState.FAIL)
         self.source.tell(trial.number, trial.params, "failed", None)
         self.progress.finished("FAIL")
+
+    def _stop(self, failed: _Failed) -> TrainingError:
+        """End the sweep after ``failed``: every trial still running (the failed array's, the
+        other arrays', those waiting in a pool) is told ``FAIL`` with the reason in its user
+        attr ``error``, the unfinished arrays are dropped (their trials have ended), and the
+        error to raise is returned. Code that raises in one array's training step would raise
+        in every array's, so the sweep does not go on to fail the rest one by one."""
+        import optuna
+        from optuna.trial import TrialState
+
+        exc = failed.exc
+        phase = phase_of(exc)
+        cause = describe(exc)
+        raised = "raised" + (f" in {phase} of task {self.task.name!r}" if phase else "")
+        _log.error("%s %s: %s", failed.where, raised, cause, exc_info=exc)
+        hit: list[int] = []
+        others = 0
+        with self._journal_held():
+            running = self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+            for t in sorted(running, key=lambda t: t.number):
+                mine = failed.array is not None and t.user_attrs.get("array") == failed.array
+                if mine:
+                    hit.append(t.number)
+                    error = f"{failed.where} {raised}: {cause}"
+                else:
+                    others += 1
+                    error = f"stopped unfinished: {failed.where} {raised}: {cause}"
+                trial = self.live.pop(t.number, None) or optuna.Trial(self.study, t._trial_id)
+                trial.set_user_attr("status", "failed")
+                trial.set_user_attr("error", error[:1000])
+                trial_id = member_id(t.number)
+                if trial_id not in self.ended:
+                    self.scheduler.on_trial_end(trial_id, "failed")
+                    self.ended.add(trial_id)
+                self.study.tell(trial, state=TrialState.FAIL)
+                self.reported.pop(t.number, None)
+                sampled = self.sampled.pop(t.number, None)
+                try:
+                    self.source.tell(t.number, sampled or dict(t.params), "failed", None)
+                except Exception as searcher_exc:  # the sweep is stopping for another reason
+                    _log.warning(
+                        "the searcher could not be told of trial %d: %s", t.number, searcher_exc
+                    )
+                self.progress.finished("FAIL")
+            for a in self.arrays:
+                if not a.done:  # every trial it held has ended
+                    a.done = True
+                    self.dir.remove_array(a.index)
+            self._save_state()
+        trials = f" (trial{'s' if len(hit) > 1 else ''} {', '.join(map(str, hit))})" if hit else ""
+        told = []
+        if hit:
+            told.append(f"its {len(hit)} trial{'s' if len(hit) > 1 else ''}")
+        if others:
+            other = " other" if hit else ""
+            told.append(
+                f"{'the ' if not hit else ''}{others}{other} unfinished trial" + "s" * (others > 1)
+            )
+        marked = (
+            f"{' and '.join(told)} {'are' if len(hit) + others > 1 else 'is'} marked FAIL with "
+            "this error (user attr 'error'); no trial is left running"
+            if told
+            else "no trial was running"
+        )
+        resume = f"hfsweep run {self.sc.source} --resume" if self.sc.source else "resume=True"
+        return TrainingError(
+            f"training stopped: {failed.where}{trials} {raised}: {cause}. Code that fails in "
+            f"one array fails in the next, so the sweep stopped: {marked}. Fix the task, then "
+            f"start a new sweep or continue this one ({resume}; the failed trials count "
+            f"towards budget.trials). The traceback is in {self.dir.log}."
+        )
 
     # ------------------------------------------------------------------ arrays
     def _train_arrays(self) -> None:
@@ -703,6 +840,12 @@ class _Engine:
                 )
             except Stopped:
                 return
+            except (ExecutorError, _Failed):
+                raise
+            except Exception as exc:
+                if phase_of(exc) in NOT_TRAINING:  # the engine's hooks, the checkpoint's files
+                    raise
+                raise _Failed(f"array {array.index}", unwrap(exc), array.index) from exc
         with self._lock:
             if self._journal is not None:
                 # the ends of the array's members must be on disk before its checkpoint (and
@@ -717,8 +860,12 @@ class _Engine:
         """``hook`` run under the engine's lock (arrays in threads call hooks concurrently)."""
 
         def call(*args: Any) -> Any:
-            with self._journal_held():  # the engine's lock, and one journal lock for the hook
-                return hook(*args)
+            try:
+                with self._journal_held():  # the engine's lock, and one journal lock for the hook
+                    return hook(*args)
+            except Exception as exc:
+                label(exc, HOOK)  # raised by the engine's side, not by the array's training
+                raise
 
         return call
 

@@ -333,7 +333,7 @@ class Task:
     def member_loss(self, outputs: Tensor, target: Tensor, smoothing: Tensor | None) -> Tensor:
         """Each member's training loss ``[B]``; ``smoothing`` is the ``[B]`` label smoothing."""
         if callable(self.loss):
-            return self.loss(outputs, target)
+            return self._per_member(self.loss(outputs, target), outputs, "loss")
         if self.loss == "mse":
             if outputs.shape[1:] != target.shape:
                 raise TaskError(
@@ -342,6 +342,13 @@ class Task:
                 )
             diff = (outputs - target.to(outputs.dtype)).square()
             return diff.reshape(diff.shape[0], -1).mean(1)
+        if not isinstance(target, Tensor) or target.is_floating_point() or target.is_complex():
+            got = str(target.dtype) if isinstance(target, Tensor) else type(target).__name__
+            raise TaskError(
+                f"task {self.name!r}: loss {self.loss!r} takes class indices (an integer "
+                f"tensor) as targets; the data's targets are {got} (class probabilities or "
+                "regression targets need loss 'mse' or a loss of your own)"
+            )
         logits, labels = self._class_layout(outputs, target)
         return _cross_entropy(logits, labels, smoothing)
 
@@ -350,12 +357,31 @@ class Task:
         values = {"val_loss": self.member_loss(outputs, target, None)}
         if isinstance(self.metrics, Mapping):
             for name, fn in self.metrics.items():
-                values[f"val_{name}"] = fn(outputs, target)
+                values[f"val_{name}"] = self._per_member(fn(outputs, target), outputs, name)
         elif self.metrics:
             logits, labels = self._class_layout(outputs, target)
             for name in self.metrics:
                 values[f"val_{name}"] = _accuracy(logits, labels)
         return values
+
+    def _per_member(self, value: object, outputs: Tensor, name: str) -> Tensor:
+        """``value``, the ``[B]`` result of the task's own loss or metric ``name``, or a
+        :class:`TaskError` saying what it returned instead: a value of another shape would
+        broadcast silently (a scalar gives every member the same number)."""
+        size = outputs.shape[0]
+        if not isinstance(value, Tensor) or value.shape != (size,):
+            got = (
+                f"a tensor of shape {tuple(value.shape)}"
+                if isinstance(value, Tensor)
+                else type(value).__name__
+            )
+            what = "loss" if name == "loss" else f"metric {name!r}"
+            raise TaskError(
+                f"task {self.name!r}: its {what} returned {got}; it must return one value per "
+                f"member, a tensor of shape ({size},) for an array of {size} (outputs are "
+                f"{tuple(outputs.shape)}: members first, then one member's output)"
+            )
+        return value
 
     def _class_layout(self, outputs: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
         """``([B, M, C] logits, [M] labels)``: classes in dimension 1 of a model's output for

@@ -140,13 +140,14 @@ def _profile(args: argparse.Namespace) -> int:
 
 def _validate(args: argparse.Namespace) -> int:
     sys.dont_write_bytecode = True  # importing a task's .py file must not write __pycache__
+    from ._dryrun import dry_run
     from ._preflight import preflight
     from .config import ConfigError, load_sweep
 
     try:
         sweep = load_sweep(args.sweep)
     except ConfigError as e:
-        print(f"hfsweep validate: {e}", file=sys.stderr)
+        _error("validate", e, args)
         return 2
     if not args.file_only:
         try:
@@ -158,6 +159,11 @@ def _validate(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
+        try:
+            dry_run(sweep)  # the task's code, once: after the machine's checks, as in a run
+        except ConfigError as e:
+            _error("validate", e, args)
+            return 2
     print(f"{args.sweep} is valid:")
     for line in sweep.summary().splitlines():
         print(f"  {line}")
@@ -165,7 +171,7 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from ._engine import SweepError, sweep
+    from ._engine import SweepError, TrainingError, sweep
     from ._preflight import preflight
     from .config import ConfigError, load_sweep
     from .searchers._source import SearcherError
@@ -186,8 +192,11 @@ def _run(args: argparse.Namespace) -> int:
             print(f"  {line}", flush=True)
     try:
         result = sweep(config, resume=args.resume, progress=not args.quiet)
-    except (SweepError, SearcherError) as e:
-        print(f"hfsweep run: {e}", file=sys.stderr)
+    except TrainingError as e:  # the task's code raised while training: its trials are FAIL
+        _error("run", e, args)
+        return 1
+    except (ConfigError, SweepError, SearcherError) as e:
+        _error("run", e, args)
         return 2
     except KeyboardInterrupt:
         resume = ["hfsweep", "run", str(args.sweep)]
@@ -237,6 +246,20 @@ def _report(args: argparse.Namespace) -> int:
     for path in paths:
         print(path)
     return 0
+
+
+def _error(command: str, exc: BaseException, args: argparse.Namespace) -> None:
+    """Print ``exc`` as ``hfsweep COMMAND: message``, one paragraph; with ``--debug``, first
+    the traceback of the exception behind it (the task's own, where the task raised)."""
+    from ._usercode import format_traceback
+
+    if getattr(args, "debug", False):
+        cause = exc.__cause__ if exc.__cause__ is not None else exc
+        print(format_traceback(cause), file=sys.stderr)
+    print(f"hfsweep {command}: {exc}", file=sys.stderr)
+
+
+_DEBUG_HELP = "on an error, print the Python traceback behind the message too"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -353,24 +376,42 @@ def build_parser() -> argparse.ArgumentParser:
         "the searcher and the scheduler, and that this machine can run it (the output folder "
         "can be created and written, CUDA is there if it asks for CUDA, the storage URL's "
         "database driver is installed: what `hfsweep run` checks before it writes anything), "
+        "then run the task's code once (a dry run: its model for the corner configs of the "
+        "space, one training step of an array of two on one batch, one validation batch), "
         "and print a summary of the resolved sweep. Exits 2 with a message naming the YAML "
-        "path on the first problem. Writes nothing.",
+        "path, or the part of the task that failed, on the first problem. Writes nothing.",
     )
     val.add_argument("sweep", type=Path, metavar="SWEEP")
     val.add_argument(
         "--file-only",
         action="store_true",
         help="check the file alone, not whether this machine can run it (its output folder, "
-        "CUDA, the storage's database driver): for a sweep meant for another machine",
+        "CUDA, the storage's database driver) nor the task's code (the dry run): for a sweep "
+        "meant for another machine",
     )
     val.set_defaults(func=_validate)
+    for command in sub.choices.values():
+        command.add_argument("--debug", action="store_true", help=_DEBUG_HELP)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``hfsweep`` command."""
     args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except Exception as exc:  # not an error hfsweep foresaw: one paragraph, unless --debug
+        if getattr(args, "debug", False):
+            raise
+        from ._usercode import describe
+
+        print(
+            f"hfsweep {args.command}: unexpected {describe(exc)}. This is a bug in hfsweep or "
+            "in code it called; run the command again with --debug for the traceback, and "
+            "report it.",
+            file=sys.stderr,
+        )
+        return 1
 
 
 if __name__ == "__main__":

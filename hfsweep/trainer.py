@@ -44,6 +44,7 @@ from ._task import (
     optimizer_values,
     schedule_args,
 )
+from ._usercode import CHECKPOINT, Phase, describe
 from .fusion import FusedArray, fuse
 from .optim import FusedOptimizer, clip_grad_norm_
 from .optim.lr_scheduler import FusedLRScheduler
@@ -280,7 +281,8 @@ class ArrayTrainer:
 
     # ------------------------------------------------------------------ helpers for _Run
     def _dataset(self, config: Mapping[str, Any]) -> tuple[Iterable[Any], Iterable[Any]]:
-        return self._data_cache.get(self.task, config)
+        with Phase("the task's data(config)"):
+            return self._data_cache.get(self.task, config)
 
     def _to_device(self, batch: Any) -> Any:
         if isinstance(batch, Tensor):
@@ -326,7 +328,8 @@ class _Run:
         with fork_rng():
             self.user_rng = _rng_state()
             if resume and ckpt is not None and ckpt.exists():
-                self._load_checkpoint(ckpt, members)
+                with Phase(CHECKPOINT):
+                    self._load_checkpoint(ckpt, members)
             else:
                 if not members:
                     raise ValueError("run() needs at least one member")
@@ -368,10 +371,11 @@ class _Run:
                 self.delivered.add(member_id)
         d = self.t.checkpoint_dir
         if d is not None:
-            append_lines(
-                d / _DELIVERED,
-                [_encode_record(_result_record(self.results[i])) for i in self.pending],
-            )
+            with Phase(CHECKPOINT):
+                append_lines(
+                    d / _DELIVERED,
+                    [_encode_record(_result_record(self.results[i])) for i in self.pending],
+                )
         self.pending.clear()
 
     @contextmanager
@@ -422,6 +426,9 @@ class _Run:
         every member's current state, when it must change shape: two halves after an
         out-of-memory error, or a compact array once at most half of the slots are busy and no
         refill came."""
+        started = time.perf_counter()
+        built = self._new_models(state)
+        models_s = time.perf_counter() - started
         live = [s for s in state.slots if s is not None]
         if not live:
             return None
@@ -429,8 +436,8 @@ class _Run:
         spe = self.t.steps_per_epoch(ref)
         eval_every = self.t.eval_every or spe
         started = time.perf_counter()
-        array, opt, sched = self._build(state)
-        build_s = time.perf_counter() - started
+        array, opt, sched = self._build(state, built)
+        build_s = models_s + time.perf_counter() - started
         timer = _StepTimer(self.t.device, array)
         smoothing = torch.tensor(
             [s.config["label_smoothing"] if s else 0.0 for s in state.slots],
@@ -450,19 +457,18 @@ class _Run:
         stream = self._stream(ref, state)
         _log.info("training an array of %d members (%d steps per epoch)", len(state.slots), spe)
         while any(s is not None for s in state.slots):
-            epoch, index, batch = next(stream)
-            x, y = self.t._to_device(batch)
+            with Phase("drawing a training batch"):
+                epoch, index, batch = next(stream)
+                x, y = self.t._to_device(batch)
             if backup:
                 # forward updates buffers (BatchNorm statistics, dropout call counts): keep
                 # their values so that a step failed by out-of-memory can be replayed exactly
                 torch._foreach_copy_(backup, buffers)
-            out_of_memory = False
+            out_of_memory = ""
             try:
                 losses = backward(self.task, array, x, y, smoothing if smoothes else None, clip)
-            except torch.OutOfMemoryError:
-                if sum(s is not None for s in state.slots) == 1:
-                    raise
-                out_of_memory = True
+            except torch.OutOfMemoryError as exc:
+                out_of_memory = describe(exc, limit=300)
             if out_of_memory:
                 # outside the except block, so the failed step's graph is already freed
                 opt.zero_grad(set_to_none=True)
@@ -470,8 +476,9 @@ class _Run:
                     torch._foreach_copy_(buffers, backup)
                 if self.t.device.type == "cuda":
                     torch.cuda.empty_cache()
-                return self._split(state, array, opt, sched, loss_sum)
-            update(opt, sched)
+                return self._out_of_memory(state, array, opt, sched, loss_sum, out_of_memory)
+            with Phase("the optimizer step"):
+                update(opt, sched)
             state.epoch, state.batch = epoch, index + 1
             if state.batch >= spe:
                 state.epoch, state.batch = epoch + 1, 0
@@ -514,6 +521,28 @@ class _Run:
                 timer.resume()
         return None
 
+    def _out_of_memory(
+        self,
+        state: _ArrayState,
+        array: FusedArray,
+        opt: FusedOptimizer,
+        sched: FusedLRScheduler | None,
+        loss_sum: Tensor,
+        error: str,
+    ) -> list[_ArrayState] | None:
+        """The arrays to go on with after a training step ran out of memory: two halves while
+        two members or more train; one member alone if idle slots kept it company; and when a
+        member runs out of memory alone, it fails (its config needs more memory than the
+        device has: the other trials are not affected)."""
+        busy = [i for i, s in enumerate(state.slots) if s is not None]
+        if len(busy) > 1:
+            return self._split(state, array, opt, sched, loss_sum)
+        if len(state.slots) > 1:
+            return [self._compacted(state, array, opt, sched, loss_sum, 1)]
+        why = f"out of memory on {self.t.device} training alone in an array: {error}"
+        self._finish(state, busy[0], array, opt, sched, "failed", why)
+        return None
+
     def _compact_size(
         self, state: _ArrayState, array: FusedArray, busy: int, build_s: float
     ) -> int | None:
@@ -554,11 +583,13 @@ class _Run:
         return _ArrayState([*busy, *idle], state.epoch, state.batch)
 
     def _build(
-        self, state: _ArrayState
+        self, state: _ArrayState, built: Mapping[int, nn.Module]
     ) -> tuple[FusedArray, FusedOptimizer, FusedLRScheduler | None]:
         live = [s for s in state.slots if s is not None]
         filler = live[0]
-        array = fuse(self._models(state, filler), trace=self.t.trace).to(self.t.device)
+        models = self._models(state, filler, built)
+        with Phase("fusing the members' models"):
+            array = fuse(models, trace=self.t.trace).to(self.t.device)
         for i, s in enumerate(state.slots):
             if s is not None and s.saved is not None:
                 array.load_member_state_dict(i, s.saved["model"])
@@ -587,23 +618,61 @@ class _Run:
         array.train()
         return array, opt, sched
 
-    def _models(self, state: _ArrayState, filler: _SlotState) -> list[nn.Module]:
-        """One model per slot to fuse. A new member's is built from its config (its seeded
-        initialisation). Slots whose weights come from a saved state (loaded into the array
-        afterwards) and idle slots (``filler``'s config) get copies of one model per
-        ``dropout`` value, the one setting besides weights that differs between members'
-        models (``None`` keeps the model's own ``p``): a rebuilt array does not initialise
-        models it overwrites (a copy costs a fraction of an initialisation)."""
+    def _new_models(self, state: _ArrayState) -> dict[int, nn.Module]:
+        """The models of the members that start training in ``state`` (no saved state), by
+        slot, each built from its config (its seeded initialisation). A member whose
+        ``model(config)`` raises fails alone: its config is one the model rejects, which says
+        nothing about the others (see :meth:`_member_model`)."""
+        built: dict[int, nn.Module] = {}
+        for i, s in enumerate(state.slots):
+            if s is not None and s.saved is None:
+                model = self._member_model(s)
+                if model is None:
+                    state.slots[i] = None
+                else:
+                    built[i] = model
+        return built
+
+    def _member_model(self, slot: _SlotState) -> nn.Module | None:
+        """A new member's model, or ``None`` after ending the member as failed because
+        ``model(config)`` raised (the error is its result's ``error``)."""
+        try:
+            return self.task.build_model(slot.config).to(self.t.dtype)
+        except Exception as exc:
+            error = f"the task's model(config) raised {describe(exc)}"
+            _log.warning("member %s failed before training: %s", slot.member.id, error)
+            self.results[slot.member.id] = MemberResult(
+                id=slot.member.id,
+                config=dict(slot.config),
+                status="failed",
+                steps=slot.steps,
+                history=slot.history,
+                error=error,
+            )
+            self.pending.append(slot.member.id)
+            return None
+
+    def _models(
+        self, state: _ArrayState, filler: _SlotState, built: Mapping[int, nn.Module]
+    ) -> list[nn.Module]:
+        """One model per slot to fuse: a new member's from ``built``. Slots whose weights
+        come from a saved state (loaded into the array afterwards) and idle slots
+        (``filler``'s config) get copies of one model per ``dropout`` value, the one setting
+        besides weights that differs between members' models (``None`` keeps the model's own
+        ``p``): a rebuilt array does not initialise models it overwrites (a copy costs a
+        fraction of an initialisation)."""
         shared: dict[Any, nn.Module] = {}
         models: list[nn.Module] = []
-        for s in state.slots:
+        for i, s in enumerate(state.slots):
             config = (s or filler).config
-            if s is not None and s.saved is None:
-                models.append(self.task.build_model(config).to(self.t.dtype))
+            if i in built:
+                models.append(built[i])
                 continue
             model = shared.get(config["dropout"])
             if model is None:
-                model = shared[config["dropout"]] = self.task.build_model(config).to(self.t.dtype)
+                with Phase("the task's model(config)"):
+                    model = self.task.build_model(config).to(self.t.dtype)
+                shared[config["dropout"]] = model
                 models.append(model)
             else:
                 models.append(copy.deepcopy(model))
@@ -655,14 +724,17 @@ class _Run:
         sums: dict[str, Tensor] = {}
         count = 0
         array.eval()
-        with torch.no_grad():
+        with torch.no_grad(), Phase("drawing a validation batch"):
             for batch in val:
                 x, y = self.t._to_device(batch)
-                out = array(x)
-                n = int(y.shape[0]) if isinstance(y, Tensor) and y.dim() else 1
-                for name, value in self.task.member_metrics(out, y).items():
-                    add = value.detach().to(torch.float64) * n
-                    sums[name] = sums[name] + add if name in sums else add
+                with Phase("the forward pass (evaluation)"):
+                    out = array(x)
+                with Phase("the validation loss and metrics"):
+                    batch_values = self.task.member_metrics(out, y)
+                    n = int(y.shape[0]) if isinstance(y, Tensor) and y.dim() else 1
+                    for name, value in batch_values.items():
+                        add = value.detach().to(torch.float64) * n
+                        sums[name] = sums[name] + add if name in sums else add
                 count += n
         array.train()
         if count == 0:
@@ -753,12 +825,14 @@ class _Run:
         for i, s in enumerate(state.slots):
             if s is not None:
                 continue
-            with self._user_rng_scope():
-                member = self.refill()
-            if member is None:
-                return
-            slot = self._new_slot(member, self._position(state, member))
-            model = self.task.build_model(slot.config).to(self.t.dtype)
+            model = None
+            while model is None:  # a member whose model(config) raises fails alone
+                with self._user_rng_scope():
+                    member = self.refill()
+                if member is None:
+                    return
+                slot = self._new_slot(member, self._position(state, member))
+                model = self._member_model(slot)
             array.load_member(i, model)
             if slot.config["dropout"] is not None:
                 _set_member_dropout(array, i, float(slot.config["dropout"]))
@@ -770,7 +844,7 @@ class _Run:
             smoothing[i] = float(slot.config["label_smoothing"])
             loss_sum[i] = 0.0
             state.slots[i] = slot
-            _log.info("member %s joined the array in slot %d", member.id, i)
+            _log.info("member %s joined the array in slot %d", slot.member.id, i)
 
     # ------------------------------------------------------------------ OOM split
     def _split(
@@ -857,7 +931,8 @@ class _Run:
             },
             "arrays": arrays,
         }
-        atomic_save(pack(payload), path)
+        with Phase(CHECKPOINT):
+            atomic_save(pack(payload), path)
 
     def _settings(self) -> dict[str, Any]:
         """What must not change between a run and its resume."""
@@ -937,8 +1012,12 @@ def backward(
     clipping; returns the ``[B]`` losses (``smoothing``: the ``[B]`` label smoothing, or
     ``None`` for none). Nothing is changed yet, so after an out-of-memory
     error here the step can be retried by smaller arrays."""
-    losses = task.member_loss(array(x), y, smoothing)
-    losses.sum().backward()
+    with Phase("the forward pass"):
+        out = array(x)
+    with Phase("the loss"):
+        losses = task.member_loss(out, y, smoothing)
+    with Phase("the backward pass"):
+        losses.sum().backward()
     if clip is not None:
         clip_grad_norm_(array, clip)
     return losses

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from .._task import Task
+from .._usercode import describe, keep_traceback, label, phase_of, remote_traceback
 from ..trainer import Member
 from .local import LocalExecutor
 
@@ -97,6 +98,26 @@ class ArrayWorker:
                 resume=resume,
             )
         except BaseException as exc:  # handed to the driver, which raises it
-            self._events.put(("error", (exc, traceback.format_exc())))
+            text = traceback.format_exc()
+            keep_traceback(exc, text)
+            self._events.put(("error", (_picklable(exc), text)))
         else:
             self._events.put(("done", None))
+
+
+def _picklable(exc: BaseException) -> BaseException:
+    """``exc`` if it survives pickling (the driver re-raises it), else a ``RuntimeError`` with
+    its description, phase and traceback: an exception holding a lock or an open file would
+    otherwise fail the actor's reply instead of reporting the error."""
+    from ray import cloudpickle
+
+    try:
+        cloudpickle.loads(cloudpickle.dumps(exc))
+    except Exception:
+        copy = RuntimeError(describe(exc, limit=2000))
+        phase = phase_of(exc)
+        if phase is not None:
+            label(copy, phase)
+        keep_traceback(copy, remote_traceback(exc) or "")
+        return copy
+    return exc

@@ -19,6 +19,7 @@ class LocalExecutor:
 
     The engine hands it one array at a time with its hooks; the array trainer checkpoints into
     the array's folder, and ``resume=True`` continues from that checkpoint after a crash.
+    ``data`` is a cache of loaded data to start from (the engine's dry run loaded it).
     """
 
     def __init__(
@@ -28,6 +29,7 @@ class LocalExecutor:
         device: str | torch.device,
         dtype: torch.dtype,
         eval_every: int | None,
+        data: _DataCache | None = None,
     ) -> None:
         self.task = task
         self.device = torch.device(device)
@@ -36,7 +38,7 @@ class LocalExecutor:
         #: traced forwards shared by every array of this sweep (see ArrayTrainer)
         self._trace_cache: dict[str, dict[Any, Any]] = {}
         #: the loaded data, shared by the profiler and every array of this sweep
-        self._data_cache = _DataCache()
+        self._data_cache = data if data is not None else _DataCache()
 
     #: arrays this executor trains at once
     slots = 1

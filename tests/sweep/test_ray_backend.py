@@ -242,3 +242,42 @@ def test_a_task_the_workers_cannot_import_is_a_clear_error(
             ),
             progress=False,
         )
+
+
+def test_a_task_that_raises_in_a_worker_ends_as_on_the_local_backend(
+    local_ray: None, tmp_path: Path
+) -> None:
+    """The trials it hit and every other unfinished one end FAIL, none RUNNING; the driver
+    re-raises the task's exception with the worker's traceback, or a description of it where
+    it cannot be pickled."""
+    from hfsweep._usercode import remote_traceback
+
+    from . import _broken
+
+    cases = [
+        (_broken.BATCH_16, "this model takes batches of 16, got 8", "in forward"),
+        (_broken.UNPICKLABLE, "_LockedError: an error holding a lock", "in forward"),
+        # the profiler's array of 4, on a worker (fusion.size: auto)
+        (_broken.SMALL_ARRAYS_ONLY, "takes arrays of up to 2 members", "in _small_arrays_only"),
+    ]
+    for task, cause, frame in cases:
+        config = sweep_config(
+            tmp_path / task.name,
+            task=task,
+            backend="ray",
+            budget={"trials": 6, "epochs": 2},
+            metric="val_loss",
+            mode="min",
+            fusion={"size": "auto" if task is _broken.SMALL_ARRAYS_ONLY else 4, "device": "cpu"},
+        )
+        with pytest.raises(hs.TrainingError, match=r"raised in the (forward pass|loss)") as info:
+            hs.sweep(config, progress=False)
+        assert cause in str(info.value)
+        assert isinstance(info.value.__cause__, RuntimeError)
+        assert frame in (remote_traceback(info.value.__cause__) or "")
+        storage = optuna.storages.JournalStorage(
+            optuna.storages.journal.JournalFileBackend(str(tmp_path / task.name / "optuna.journal"))
+        )
+        trials = optuna.load_study(study_name="sweep", storage=storage).get_trials()
+        assert trials and {t.state.name for t in trials} == {"FAIL"}
+        assert all(cause in t.user_attrs["error"] for t in trials)
