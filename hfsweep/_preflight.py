@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -110,6 +111,19 @@ def _check_output(sc: SweepConfig) -> None:
 
 def _writable(sc: SweepConfig, folder: Path, out: Path, what: str) -> None:
     if os.access(folder, os.W_OK | os.X_OK):
+        # os.access answers from permission bits, which root passes everywhere, even in a
+        # folder that takes no new entries (/proc, sysfs): make and remove a folder to know
+        probe = folder / f".hfsweep-preflight-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            probe.mkdir()
+        except OSError as exc:
+            raise _error(
+                sc,
+                "output",
+                f"{what} takes no new folder ({exc.strerror or exc}), so the sweep could not "
+                f"write {out}; set `output` to a writable folder (or pass --output)",
+            ) from None
+        probe.rmdir()
         return
     try:
         read_only = bool(os.statvfs(folder).f_flag & os.ST_RDONLY)

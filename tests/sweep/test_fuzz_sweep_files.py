@@ -159,12 +159,7 @@ WRONG: dict[str, list[Any]] = {
 #: problems known and reported, not yet fixed: (mutant description, hfsweep command) -> why.
 #: They are not counted as failures but each one still found is shown as a warning, and one
 #: that no longer happens fails the test, so that it is taken off this list.
-KNOWN: dict[tuple[str, str], str] = {
-    ("output='/proc/hfsweep-fuzz/run'", "run"): (
-        "as root, the pre-flight's os.access() says /proc is writable; creating the run "
-        "directory then fails with a FileNotFoundError (hfsweep/_preflight.py, _check_output)"
-    ),
-}
+KNOWN: dict[tuple[str, str], str] = {}
 
 UNKNOWN_KEYS = ["epoch", "lr", "trails", "searcher_options", "devices", "hidden"]
 
