@@ -95,19 +95,28 @@ def _check_whole(run: Path, values: dict[int, float]) -> None:
 
 
 def _cuts(journal: Path) -> dict[str, int]:
-    """Offsets to cut the journal at, in the records that end its last trial: the user attrs
-    ``status`` and ``steps``, then the trial's end."""
+    """Offsets to cut the journal at, in the records that end its last trial: its user attrs
+    (``status``, ``steps``, ``start_step``), then the trial's end."""
     records = _records(journal)
     tell_start, tell_end, tell = records[-1]
     assert tell["op_code"] == _TELL
-    status_start, status_end, status = records[-3]
-    assert status["op_code"] == _USER_ATTR and "status" in status["user_attr"]
+
+    def attr(name: str) -> tuple[int, int]:
+        start, end, record = next(
+            r
+            for r in reversed(records)
+            if r[2]["op_code"] == _USER_ATTR and name in r[2]["user_attr"]
+        )
+        assert record["trial_id"] == tell["trial_id"]
+        return start, end
+
+    (status_start, status_end), (steps_start, steps_end) = attr("status"), attr("steps")
     return {
         "end: 1 byte": tell_start + 1,
         "end: half": (tell_start + tell_end) // 2,
         "end: all but its line end": tell_end - 1,
         "end: none of it (a whole record last)": tell_start,
-        "steps attr: half": (records[-2][0] + records[-2][1]) // 2,
+        "steps attr: half": (steps_start + steps_end) // 2,
         "status attr: half": (status_start + status_end) // 2,
     }
 
@@ -160,7 +169,7 @@ def test_a_torn_last_trial_is_trained_again_and_told_once(copy: Path, cut: str) 
 
 
 def test_a_delivered_end_whose_record_was_torn_is_told_from_the_array_checkpoint(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The crash came after the trainer had recorded the ends as delivered and before the
     array was marked done: the trainer does not deliver them again, so the engine tells the
@@ -174,8 +183,8 @@ def test_a_delivered_end_whose_record_was_torn_is_told_from_the_array_checkpoint
             raise RuntimeError("power loss")
 
     monkeypatch.setattr(hfsweep.trainer, "append_lines", crash_after)
-    with pytest.raises(RuntimeError, match="power loss"):
-        _run(sweep, run)
+    assert _run(sweep, run) == 1  # an unexpected error: one paragraph, exit 1
+    assert "power loss" in capsys.readouterr().err
     monkeypatch.setattr(hfsweep.trainer, "append_lines", real)
     journal = run / "optuna.journal"
     assert (run / "arrays" / "0" / "delivered.log").exists()
@@ -198,7 +207,7 @@ def test_a_delivered_end_whose_record_was_torn_is_told_from_the_array_checkpoint
 
 
 def test_a_trial_whose_array_record_was_torn_trains_once_in_its_array(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The crash came after the array's first checkpoint, and the record of the array its
     last trial joined was torn off: the resumed array trains that trial, and it is not also
@@ -212,8 +221,8 @@ def test_a_trial_whose_array_record_was_torn_trains_once_in_its_array(
             raise RuntimeError("power loss")
 
     monkeypatch.setattr(hfsweep.trainer, "atomic_save", crash_after)
-    with pytest.raises(RuntimeError, match="power loss"):
-        _run(sweep, run)
+    assert _run(sweep, run) == 1  # an unexpected error: one paragraph, exit 1
+    assert "power loss" in capsys.readouterr().err
     monkeypatch.setattr(hfsweep.trainer, "atomic_save", real)
     journal = run / "optuna.journal"
     records = _records(journal)
