@@ -326,6 +326,11 @@ def _multiplier_fake(
     return seed.new_empty((*keys, numel), dtype=dtype)
 
 
+def _front(info: Any, t: Tensor, dim: int | None) -> Tensor:
+    """A vmap rule's key tensor with the member dimension first (expanded if it has none)."""
+    return t.expand(info.batch_size, *t.shape) if dim is None else t.movedim(dim, 0)
+
+
 def _multiplier_vmap(
     info: Any,
     in_dims: tuple[int | None, ...],
@@ -338,10 +343,7 @@ def _multiplier_vmap(
 ) -> tuple[Tensor, int]:
     """Every member's multiplier from one call of the op on ``[B, ...]`` keys."""
 
-    def front(t: Tensor, dim: int | None) -> Tensor:
-        return t.expand(info.batch_size, *t.shape) if dim is None else t.movedim(dim, 0)
-
-    seed, calls, p = (front(t, d) for t, d in zip((seed, calls, p), in_dims[:3], strict=True))
+    seed, calls, p = (_front(info, t, d) for t, d in zip((seed, calls, p), in_dims, strict=False))
     return _multiplier_op(seed, calls, p, salt, numel, dtype), 0
 
 
@@ -421,10 +423,7 @@ def _uniform_vmap(
 ) -> tuple[Tensor, int]:
     """Every member's numbers from one call of the op on ``[B]`` keys."""
 
-    def front(t: Tensor, dim: int | None) -> Tensor:
-        return t.expand(info.batch_size, *t.shape) if dim is None else t.movedim(dim, 0)
-
-    seed, calls = (front(t, d) for t, d in zip((seed, calls), in_dims[:2], strict=True))
+    seed, calls = (_front(info, t, d) for t, d in zip((seed, calls), in_dims, strict=False))
     return _uniform_op(seed, calls, salt, numel, dtype), 0
 
 
