@@ -149,3 +149,40 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
             nextitem is None or "shared_ray" not in getattr(nextitem, "fixturenames", ())
         ):
             _shared_ray.stop()
+
+
+@pytest.fixture(scope="session")
+def postgres_server_shared() -> Iterator[object]:
+    """One real PostgreSQL server on loopback for the session (see tests/_postgres.py); skips
+    with the reason where its binaries or the postgres extra are absent."""
+    from _postgres import PostgresServer, skip_reason
+
+    reason = skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    server = PostgresServer()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def postgres(postgres_server_shared) -> str:
+    """The URL of a new, empty database on the session's PostgreSQL server."""
+    return postgres_server_shared.create_database()
+
+
+@pytest.fixture
+def postgres_server() -> Iterator[object]:
+    """A PostgreSQL server of this test's own, for tests that stop or restart it."""
+    from _postgres import PostgresServer, skip_reason
+
+    reason = skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    server = PostgresServer()
+    try:
+        yield server
+    finally:
+        server.close()
