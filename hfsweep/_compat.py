@@ -1,0 +1,86 @@
+"""Every private name of torch, Optuna and Ray that hfsweep relies on, in one place.
+
+hfsweep uses a few names that these libraries do not publish (``_``-prefixed modules and
+attributes) where no public API does the job. An upgrade can rename or remove any of them
+without notice; gathered here, each has one definition to fix and a test
+(tests/test_compat.py) that fails on the release that breaks it, instead of a sweep that breaks
+somewhere deep inside. Code elsewhere in the package imports these names from here, never the
+private originals.
+
+The tested ranges are those of ``pyproject.toml``'s dependencies: torch >= 2.4, optuna >= 4.0,
+ray >= 2.60.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch._ops import OpOverload
+from torch.utils._python_dispatch import TorchDispatchMode
+
+if TYPE_CHECKING:
+    import optuna
+
+__all__ = [
+    "OpOverload",
+    "TorchDispatchMode",
+    "distribution_contains",
+    "pytree",
+    "set_trial_param",
+    "sparse_tensor_rebuilders",
+    "trial_for",
+    "tune_scheduler_attr",
+    "tune_searcher_sampler",
+]
+
+# ---------------------------------------------------------------- torch
+# torch.utils._pytree: flattening nested outputs (no public pytree API in torch 2.4-2.13);
+# TorchDispatchMode: counting and intercepting dispatched operators; OpOverload: the type of
+# an ATen operator in a traced graph (torch.fx graphs hold them as node targets).
+
+
+def sparse_tensor_rebuilders() -> list[Callable[..., Any]]:
+    """The functions a pickled sparse tensor names (allowed when loading a checkpoint)."""
+    return [torch.serialization._get_layout, torch._utils._rebuild_sparse_tensor]
+
+
+# ---------------------------------------------------------------- optuna
+
+
+def trial_for(study: optuna.Study, frozen: optuna.trial.FrozenTrial) -> optuna.Trial:
+    """A live :class:`optuna.Trial` for a RUNNING trial read back from the storage (a resumed
+    sweep reports to and tells trials it did not ask in this process). Optuna has no public way
+    to reattach to a running trial."""
+    import optuna
+
+    return optuna.Trial(study, frozen._trial_id)
+
+
+def set_trial_param(
+    trial: optuna.Trial, name: str, internal: float, dist: optuna.distributions.BaseDistribution
+) -> None:
+    """Record a parameter a custom searcher chose for ``trial`` (its internal representation),
+    as ``trial.suggest_*`` would after sampling it."""
+    trial.storage.set_trial_param(trial._trial_id, name, internal, dist)
+
+
+def distribution_contains(dist: optuna.distributions.BaseDistribution, internal: float) -> bool:
+    """Whether the internal representation ``internal`` lies in ``dist``."""
+    return bool(dist._contains(internal))
+
+
+# ---------------------------------------------------------------- ray (Tune)
+
+
+def tune_scheduler_attr(scheduler: Any, name: str) -> Any:
+    """A Tune trial scheduler's private attribute (``_stopped_trials`` of the median stopping
+    rule, ``_max_t`` and ``_time_attr`` of ASHA), or None where this release has none."""
+    return getattr(scheduler, name, None)
+
+
+def tune_searcher_sampler(searcher: Any) -> Any:
+    """The Optuna sampler inside Tune's ``OptunaSearch`` (None for other searchers)."""
+    return getattr(searcher, "_sampler", None)

@@ -1,0 +1,105 @@
+"""The private names of torch, Optuna and Ray that hfsweep relies on (hfsweep/_compat.py) still
+work in the installed releases, and those releases lie in the ranges pyproject.toml admits.
+
+A release that renames one of them fails here, naming it, instead of deep inside a sweep.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+import torch
+from packaging.version import Version
+
+from hfsweep import _compat
+
+_PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+
+
+def _lower_bound(package: str) -> Version:
+    """The lower bound pyproject.toml's dependencies give ``package``."""
+    found = re.search(rf'^\s*"{package}(\[[^\]]*\])?>=([^",;]+)', _PYPROJECT.read_text(), re.M)
+    assert found is not None, f"{package} has no lower bound in pyproject.toml's dependencies"
+    return Version(found.group(2))
+
+
+@pytest.mark.parametrize(
+    "package, version",
+    [
+        ("torch", torch.__version__.split("+")[0]),
+        ("optuna", optuna.__version__),
+        ("ray", __import__("ray").__version__),
+    ],
+)
+def test_installed_release_is_in_the_supported_range(package: str, version: str) -> None:
+    assert Version(version) >= _lower_bound(package)
+
+
+def test_torch_private_names() -> None:
+    leaves, spec = _compat.pytree.tree_flatten({"a": (torch.ones(1), [torch.zeros(2)])})
+    assert len(leaves) == 2
+    assert _compat.pytree.tree_unflatten(leaves, spec)["a"][1][0].shape == (2,)
+    assert isinstance(torch.ops.aten.add.Tensor, _compat.OpOverload)
+
+    seen: list[Any] = []
+
+    class Count(_compat.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        torch.ones(2) + 1
+    assert torch.ops.aten.add.Tensor in seen
+
+    dense = torch.eye(3)
+    sparse = dense.to_sparse()
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(sparse, buffer)
+    buffer.seek(0)
+    with torch.serialization.safe_globals(_compat.sparse_tensor_rebuilders()):
+        loaded = torch.load(buffer, weights_only=True)
+    assert torch.equal(loaded.to_dense(), dense)
+
+
+def test_optuna_private_names() -> None:
+    study = optuna.create_study()
+    trial = study.ask()
+    dist = optuna.distributions.FloatDistribution(0.0, 1.0)
+    assert _compat.distribution_contains(dist, 0.5)
+    assert not _compat.distribution_contains(dist, 2.0)
+    _compat.set_trial_param(trial, "x", 0.25, dist)
+    frozen = study.get_trials(deepcopy=False)[0]
+    assert frozen.params == {"x": 0.25}
+    again = _compat.trial_for(study, frozen)
+    again.report(1.5, step=0)
+    study.tell(again, 0.75)
+    done = study.get_trials(deepcopy=False)[0]
+    assert done.value == 0.75 and done.intermediate_values == {0: 1.5}
+    assert math.isclose(done.params["x"], 0.25)
+
+
+def test_tune_private_attributes() -> None:
+    from ray.tune.schedulers import ASHAScheduler, MedianStoppingRule
+    from ray.tune.search.optuna import OptunaSearch
+
+    asha = ASHAScheduler(time_attr="training_iteration", max_t=9, metric="m", mode="max")
+    assert _compat.tune_scheduler_attr(asha, "_max_t") == 9
+    assert _compat.tune_scheduler_attr(asha, "_time_attr") == "training_iteration"
+    median = MedianStoppingRule(metric="m", mode="max")
+    assert isinstance(_compat.tune_scheduler_attr(median, "_stopped_trials"), set)
+    sampler = optuna.samplers.RandomSampler(seed=0)
+    search = OptunaSearch(
+        space={"x": optuna.distributions.FloatDistribution(0, 1)},
+        metric="m",
+        mode="max",
+        sampler=sampler,
+    )
+    assert _compat.tune_searcher_sampler(search) is sampler
