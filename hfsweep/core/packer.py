@@ -141,14 +141,14 @@ class Ask(Protocol[T_co]):
     one entry, or none when the front door rejected the trial's config (it ended the trial).
     """
 
-    def __call__(self, array: str) -> Sequence[tuple[str, T_co]] | None: ...
+    def __call__(self, array: str, /) -> Sequence[tuple[str, T_co]] | None: ...
 
 
 class SizeOf(Protocol[T_contra]):
     """The array size to ask for ``key``, whose first trial is ``item`` (``fusion.size``, or
     the profiler's choice for its config). The packer keeps it between 1 and the budget."""
 
-    def __call__(self, key: str, item: T_contra) -> int: ...
+    def __call__(self, key: str, item: T_contra, /) -> int: ...
 
 
 def _always() -> bool:
@@ -270,10 +270,11 @@ def limit_for_learning(
     size: int, reason: str, *, budget: int, learns: bool, searcher: str, unit: str
 ) -> tuple[int, str]:
     """``size`` (chosen for ``reason``) capped at :func:`learning_cap`, the reason telling
-    why when it was: ``searcher`` names the searcher, ``unit`` what the budget counts."""
+    why when a learning searcher capped it: ``searcher`` names the searcher, ``unit`` what the
+    budget counts. Never more than the budget."""
     cap = learning_cap(budget, learns)
-    if size <= cap:
-        return size, reason
+    if size <= cap or not learns:
+        return min(size, budget), reason
     return cap, (
         f"{reason}; at most half the {budget} {unit} ({cap}) so that {searcher} draws the "
         f"later {unit} knowing the first results"
