@@ -43,8 +43,8 @@ from ._progress import Progress
 from ._rundir import RunDir, RunDirBusy, StateVersionError, member_id, trial_number
 from ._usercode import HOOK, NOT_TRAINING, describe, label, phase_of, unwrap
 from .config import SweepConfig, load_sweep, make_sampler, make_searcher, parse_sweep
+from .core.packer import NON_LEARNING, Packer, Pending, limit_for_learning
 from .executors import ExecutorError, LocalExecutor, Stopped
-from .packing import Pending, Pools
 from .schedulers import Decision, OptunaPruner, Report, make_scheduler
 from .search_spaces import FixedParam
 from .searchers import Searcher
@@ -63,10 +63,6 @@ _log = logging.getLogger("hfsweep.sweep")
 
 #: settings a resumed sweep may change: they do not touch anything already trained
 _MAY_CHANGE_ON_RESUME = ("budget.trials", "budget.time_limit", "output", "backend", "ray.")
-#: most trials one refill asks the searcher for while looking for one of the array's key
-_REFILL_ASKS = 3
-#: searchers whose draws do not depend on earlier results (``fusion.size: auto`` is not capped)
-_NON_LEARNING = ("random", "grid", "qmc")
 #: the clock of a sweep's elapsed time and ``budget.time_limit`` (tests replace it with a fake)
 _clock: Callable[[], float] = time.perf_counter
 #: completed trials whose model state_dict is kept in checkpoints/
@@ -268,9 +264,14 @@ class _Engine:
         #: guards the engine's state: arrays training at once call the hooks from their threads
         self._lock = threading.RLock()
         self.progress = Progress(self.total, sc.metric, enabled=progress)
-        self.pools = Pools()
-        self.sizes: dict[str, int] = {}
-        self._unsized: dict[str, Mapping[str, Any]] = {}  # keys met in a refill, sized later
+        #: the pools of waiting trials, the array size per key, and refill
+        self.packer: Packer[Pending] = Packer(
+            ask=self._ask,
+            size=self._size,
+            may_ask=self._can_ask,
+            budget=self.total,
+            on_sized=lambda key, size: self._save_state(),
+        )
         self.arrays: list[_Array] = []
         self.decisions: dict[str, bool] = {}
         self.ended: set[str] = set()
@@ -584,32 +585,21 @@ class _Engine:
             return False
         return self.asked < self.total and not self.source.exhausted
 
-    def _fill(self) -> None:
-        """Ask trials until some pool holds a full array, or no more may be asked."""
-        for key, config in list(self._unsized.items()):
-            self._size(key, config)
-        while self.pools.full(self.sizes) is None and self._can_ask():
-            before = self.asked
-            self._ask(size_now=True)
-            if self.asked == before:  # the searcher has nothing more
-                break
-
-    def _ask(self, *, size_now: bool) -> list[tuple[str, Pending]]:
-        """Ask one trial and pool it; returns ``[(key, pending)]`` (empty if none came)."""
-        out = []
+    def _ask(self, array: str) -> list[tuple[str, Pending]] | None:
+        """Ask one trial (the packer pools it): ``[(key, pending)]``, empty if the task
+        rejected its config, ``None`` if the searcher gave none."""
         admitted = []
         with self._journal_held():  # sizing a new key (profiling) comes after, outside it
             for trial, sampled in self.source.ask(1):
                 self.asked += 1
                 admitted.append((trial, self._admit(trial, sampled)))
-        for trial, keyed in admitted:
-            if keyed is None:
-                continue
-            key, config = keyed
-            pending = Pending(trial.number, config)
-            self._pool(key, pending, size_now=size_now)
-            out.append((key, pending))
-        return out
+        if not admitted:
+            return None
+        return [
+            (keyed[0], Pending(trial.number, keyed[1]))
+            for trial, keyed in admitted
+            if keyed is not None
+        ]
 
     def _admit(
         self, trial: optuna.Trial, sampled: dict[str, Any]
@@ -631,55 +621,45 @@ class _Engine:
         if isinstance(self.scheduler, OptunaPruner) and member_id(trial.number) not in self.ended:
             self.scheduler.attach(member_id(trial.number), trial)
 
+    @property
+    def sizes(self) -> dict[str, int]:
+        """The array size of every key sized so far (the packer's)."""
+        return self.packer.sizes
+
+    @sizes.setter
+    def sizes(self, sizes: dict[str, int]) -> None:
+        self.packer.sizes = sizes
+
     def _pool(self, key: str, pending: Pending, *, size_now: bool) -> None:
-        """Pool a trial. A key seen for the first time gets its array size now, or, when an
-        array asked for it (``size_now=False``: the profiler may need a worker that array's
-        own may be waiting for), when the engine next starts an array."""
-        if key not in self.sizes:
-            if size_now:
-                self._size(key, pending.config)
-            else:
-                self._unsized.setdefault(key, pending.config)
-        self.pools.add(key, pending)
+        """Pool a trial (see :meth:`Packer.add`)."""
+        self.packer.add(key, pending, size_now=size_now)
 
-    def _size(self, key: str, config: Mapping[str, Any]) -> None:
-        """Set the array size of ``key``: ``fusion.size``, or the profiler's choice."""
-        self._unsized.pop(key, None)
-        if key in self.sizes:
-            return
+    def _size(self, key: str, pending: Pending) -> int:
+        """The array size to ask for ``key``: ``fusion.size``, or the profiler's choice."""
         size = self.sc.fusion.size
-        if size == "auto":
-            assert self.executor is not None
-            self._note(f"profiling array sizes for {self._describe(config)} on {self.where}")
-            try:
-                size, reason = self.executor.array_size(config)
-            except (ExecutorError, Stopped):
-                raise
-            except Exception as exc:
-                where = f"profiling the array size for {self._describe(config)}"
-                raise _Failed(where, unwrap(exc)) from exc
-            cap = self._learning_cap()
-            if size > cap:
-                size = cap
-                reason += (
-                    f"; at most half the {self.total} trials ({cap}) so that the "
-                    f"{self.sc.searcher.name} searcher draws the later trials knowing the "
-                    "first results"
-                )
-            _log.info("array size %d for %s: %s", size, self._describe(config), reason)
-        self.sizes[key] = max(1, min(int(size), self.total))
-        self._save_state()
-
-    def _learning_cap(self) -> int:
-        """The largest array ``fusion.size: auto`` may choose: half the budget's trials (rounded
-        up) for searchers that learn from results, so that at least half of the trials are
-        drawn after the first ones have reported; the whole budget for those that do not
-        (random, grid, qmc). With one array of every trial a learning searcher never sees a
-        result before it has drawn them all (64 MLP trials on digits with TPE and
-        SuccessiveHalving, mean best over 5 seeds: 0.9733 with one array of 64, 0.9816 with 32)."""
-        if self.sc.searcher.name in _NON_LEARNING:
-            return self.total
-        return max(1, math.ceil(self.total / 2))
+        if size != "auto":
+            return int(size)
+        assert self.executor is not None
+        config = pending.config
+        self._note(f"profiling array sizes for {self._describe(config)} on {self.where}")
+        try:
+            size, reason = self.executor.array_size(config)
+        except (ExecutorError, Stopped):
+            raise
+        except Exception as exc:
+            where = f"profiling the array size for {self._describe(config)}"
+            raise _Failed(where, unwrap(exc)) from exc
+        name = self.sc.searcher.name
+        size, reason = limit_for_learning(
+            size,
+            reason,
+            budget=self.total,
+            learns=name not in NON_LEARNING,
+            searcher=f"the {name} searcher",
+            unit="trials",
+        )
+        _log.info("array size %d for %s: %s", size, self._describe(config), reason)
+        return size
 
     def _fail_unstarted(self, trial: optuna.Trial, exc: Exception) -> None:
         from optuna.trial import TrialState
@@ -800,11 +780,10 @@ class _Engine:
         """Take a pool's trials as a new array (asking for trials as needed); ``None`` when
         no trial is waiting and none may be asked."""
         with self._lock:
-            self._fill()
-            key = self.pools.pick(self.sizes)
-            if key is None:
+            started = self.packer.next_array(str(len(self.arrays)))
+            if started is None:
                 return None
-            taken = self.pools.take(key, self.sizes[key])
+            key, taken = started
             array = _Array(index=len(self.arrays), key=key, size=self.sizes[key])
             with self._journal_held():
                 for p in taken:
@@ -887,16 +866,11 @@ class _Engine:
         """A trial the executor hands back (its array restarted without it): it waits in its
         key's pool again, for a refill or a later array."""
         _log.info("trial %s goes back to the pool of array %d's key", member.id, array.index)
-        self.pools.add(array.key, Pending(trial_number(member.id), dict(member.config)))
+        self.packer.requeue(array.key, Pending(trial_number(member.id), dict(member.config)))
 
     def _refill(self, array: _Array) -> Member | None:
         """A trial of the array's key for a freed slot: a waiting one, else a new one."""
-        taken = self.pools.take(array.key, 1)
-        asks = 0
-        while not taken and asks < _REFILL_ASKS and self._can_ask():
-            asks += 1
-            if any(key == array.key for key, _ in self._ask(size_now=False)):
-                taken = self.pools.take(array.key, 1)
+        taken = self.packer.refill(array.key, 1, str(array.index))
         if not taken:
             return None
         p = taken[0]

@@ -29,6 +29,7 @@ from typing import Any
 from urllib.parse import quote
 
 from hfsweep._task import Task
+from hfsweep.core.packer import Packer, Pools
 
 from ._tune_joint import Decider, MemberController, MemberTrial, NoDecider
 
@@ -58,8 +59,6 @@ STATE_FORMAT = "hfsweep.tune/1"
 WEIGHTS_DIR = "weights"
 #: states a member is told in; told members never change again
 FINAL_STATES = ("COMPLETE", "PRUNED", "FAIL")
-#: most configs one refill asks the inner searcher for while looking for one of the array's key
-_REFILL_ASKS = 3
 _TRAINER_STATES = {"completed": "COMPLETE", "stopped": "PRUNED", "failed": "FAIL"}
 
 
@@ -168,8 +167,10 @@ class SweepState:
     def _reset(self) -> None:
         self.members: dict[str, MemberRecord] = {}
         self.arrays: dict[str, ArrayRecord] = {}
-        self.pools: dict[str, list[str]] = {}
-        self.sizes: dict[str, int] = {}
+        #: the pools of waiting members (by id), the array size per key, and refill
+        self.packer: Packer[str] = Packer(
+            ask=self._ask, size=self._size, may_ask=self._can_ask, budget=self.budget
+        )
         self.decisions: dict[str, bool] = {}
         self.counters: dict[str, int] = {}
         self.asked = 0
@@ -203,24 +204,19 @@ class SweepState:
         if self.finished:
             return FINISHED
         self._require_metric()
-        key = self._full_pool()
-        while key is None and self._can_ask():
-            if not self._ask(trial_id):
-                break
-            key = self._full_pool()
-        if key is None and (not self._can_ask() or not self._live_arrays()):
-            # an array smaller than its size: when nothing more can come, or when nothing runs
-            # (the inner searcher waits for results that only a running array can give)
-            key = self._fullest_pool()
-        if key is None:
+        # an array smaller than its size when nothing more can come, or when nothing runs (the
+        # inner searcher waits for results that only a running array can give)
+        started = self.packer.next_array(
+            trial_id, partial=lambda: not self._can_ask() or not self._live_arrays()
+        )
+        if started is None:
             if not self._can_ask() and not self._live_arrays():
                 self.finished = True
                 _log.info("all %d members asked and told: the search is finished", self.asked)
                 return FINISHED
             return None
-        pool = self.pools[key]
-        taken, self.pools[key] = pool[: self.sizes[key]], pool[self.sizes[key] :]
-        array = ArrayRecord(id=trial_id, key=key, size=self.sizes[key], members=taken)
+        key, taken = started
+        array = ArrayRecord(id=trial_id, key=key, size=self.packer.sizes[key], members=taken)
         self.arrays[trial_id] = array
         for mid in taken:
             rec = self.members[mid]
@@ -251,17 +247,19 @@ class SweepState:
         self.counters[prefix] = n + 1
         return f"{prefix}-{n}"
 
-    def _ask(self, prefix: str) -> bool:
-        """Ask the inner searcher for one member config and pool it. ``False`` when it has
-        none now (``None``) or none ever again (``FINISHED``)."""
+    def _ask(self, prefix: str) -> list[tuple[str, str]] | None:
+        """Ask the inner searcher for one member config (named after ``prefix``, the array
+        it is asked for): ``[(key, member id)]`` for the packer to pool, empty if the task
+        rejected it (it is told ``FAIL``), ``None`` when the searcher has none now (``None``)
+        or none ever again (``FINISHED``)."""
         member_id = self._new_id(prefix)
         suggestion = self.searcher.suggest(member_id)
         if suggestion is None:
-            return False
+            return None
         if isinstance(suggestion, str) and suggestion == FINISHED:
             self.inner_finished = True
             _log.info("the inner searcher is finished after %d members", self.asked)
-            return False
+            return None
         self.asked += 1
         config = {**self.constants, **dict(suggestion)}
         rec = MemberRecord(id=member_id, config=config, key="")
@@ -271,31 +269,13 @@ class SweepState:
         except (ValueError, TypeError) as exc:
             _log.warning("member %s failed before training: %s", member_id, exc)
             self._end(rec, "FAIL", None, error=f"{type(exc).__name__}: {exc}")
-            return True
-        if rec.key not in self.sizes:
-            self.sizes[rec.key] = self._size(config)
-        self.pools.setdefault(rec.key, []).append(member_id)
-        return True
+            return []
+        return [(rec.key, member_id)]
 
-    def _size(self, config: Mapping[str, Any]) -> int:
-        size = self.array_size(config) if callable(self.array_size) else self.array_size
-        return max(1, min(int(size), self.budget))
-
-    def _full_pool(self) -> str | None:
-        for key, pool in self.pools.items():
-            if pool and len(pool) >= self.sizes[key]:
-                return key
-        return None
-
-    def _fullest_pool(self) -> str | None:
-        best: str | None = None
-        for key, pool in self.pools.items():
-            if pool and (
-                best is None
-                or len(pool) / self.sizes[key] > len(self.pools[best]) / self.sizes[best]
-            ):
-                best = key
-        return best
+    def _size(self, key: str, member_id: str) -> int:
+        """The array size to ask for ``key``, whose first member is ``member_id``."""
+        config = self.members[member_id].config
+        return self.array_size(config) if callable(self.array_size) else self.array_size
 
     def _live_arrays(self) -> list[ArrayRecord]:
         return [a for a in self.arrays.values() if not a.done]
@@ -551,17 +531,7 @@ class SweepState:
         if array.done:
             return
         alive = sum(not self.members[m].told for m in array.all_members())
-        asks = 0
-        for _ in range(array.size - alive):
-            pool = self.pools.get(array.key, [])
-            while not pool and asks < _REFILL_ASKS and self._can_ask():
-                asks += 1
-                if not self._ask(array.id):
-                    break
-                pool = self.pools.get(array.key, [])
-            if not pool:
-                return
-            mid = pool.pop(0)
+        for mid in self.packer.refill(array.key, array.size - alive, array.id):
             rec = self.members[mid]
             rec.array, rec.state = array.id, "RUNNING"
             array.given.append(mid)
@@ -573,7 +543,7 @@ class SweepState:
             return
         rec.array, rec.state = None, "WAITING"
         array.returned.append(rec.id)
-        self.pools.setdefault(rec.key, []).insert(0, rec.id)
+        self.packer.requeue(rec.key, rec.id)
 
     # ------------------------------------------------------------------ end of an array
     def on_complete(
@@ -619,8 +589,8 @@ class SweepState:
             "finished": self.finished,
             "members": {m: asdict(r) for m, r in self.members.items()},
             "arrays": {a: asdict(r) for a, r in self.arrays.items()},
-            "pools": {k: list(v) for k, v in self.pools.items()},
-            "sizes": dict(self.sizes),
+            "pools": self.packer.pools.as_dict(),
+            "sizes": dict(self.packer.sizes),
             "decisions": dict(self.decisions),
             "counters": dict(self.counters),
             "decider": self.decider,
@@ -642,8 +612,9 @@ class SweepState:
         self.finished = bool(state["finished"])
         self.members = {m: MemberRecord(**r) for m, r in state["members"].items()}
         self.arrays = {a: ArrayRecord(**r) for a, r in state["arrays"].items()}
-        self.pools = {k: list(v) for k, v in state["pools"].items()}
-        self.sizes = {k: int(v) for k, v in state["sizes"].items()}
+        self.packer.budget = self.budget
+        self.packer.pools = Pools({str(k): [str(m) for m in v] for k, v in state["pools"].items()})
+        self.packer.sizes = {str(k): int(v) for k, v in state["sizes"].items()}
         self.decisions = {k: bool(v) for k, v in state["decisions"].items()}
         self.counters = {k: int(v) for k, v in state["counters"].items()}
         self.decider = state["decider"]

@@ -114,7 +114,6 @@ experiment keeps it until its restored run finishes or Ray shuts down.
 from __future__ import annotations
 
 import logging
-import math
 import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -122,6 +121,7 @@ from typing import Any
 
 from hfsweep._task import Task
 from hfsweep.config import MAX_TRIALS
+from hfsweep.core.packer import limit_for_learning
 
 from ._tune_results import (
     TunedMember,
@@ -277,27 +277,24 @@ class Fusion:
         profile = profile_task(
             self.task, config, device=device, dtype=DTYPES[self._spec.dtype], cache=ProfileCache()
         )
-        size, reason = int(profile.chosen), profile.reason
-        cap = self._learning_cap()
-        if size > cap:
-            size = cap
-            reason += (
-                f"; at most half the {self._state.budget} members ({cap}) so that the searcher "
-                "draws the later members knowing the first results"
-            )
+        size, reason = limit_for_learning(
+            int(profile.chosen),
+            profile.reason,
+            budget=self._state.budget,
+            learns=self._inner_learns(),
+            searcher="the searcher",
+            unit="members",
+        )
         _log.info("array size %d on %s: %s", size, device, reason)
         return size
 
-    def _learning_cap(self) -> int:
-        """The largest ``"auto"`` array size: half the members (rounded up), or all of them
-        when the inner searcher does not learn from results."""
-        members = self._state.budget
+    def _inner_learns(self) -> bool:
+        """Whether the inner searcher learns from results (``"auto"`` array sizes are then
+        capped, see :func:`~hfsweep.core.packer.learning_cap`)."""
         inner: Any = self._searcher.searcher if self._searcher is not None else None
         while hasattr(inner, "searcher") and not hasattr(inner, "_sampler"):
             inner = inner.searcher  # ConcurrencyLimiter and other wrappers
-        if _draws_blind(inner):
-            return members
-        return max(1, math.ceil(members / 2))
+        return not _draws_blind(inner)
 
 
 def _draws_blind(searcher: Any) -> bool:

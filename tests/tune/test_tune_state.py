@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import pickle
 import sys
 from collections import Counter
 from collections.abc import Mapping
@@ -557,3 +558,42 @@ def test_members_stopped_at_the_budget_are_told_complete_and_the_array_ends_by_i
     last = {"val_accuracy": 0.95, "hfsweep": json.dumps(word)}  # the trainable's last word
     assert not state.on_result("A", last) and not state.ends_by_itself("A", last)
     assert not state.ends_by_itself("B", r2)  # a trial the sweep never packed is stopped
+
+
+#: the ``hidden`` of each config :func:`_size_two` sized (a module-level function pickles by name)
+_SIZED: list[int] = []
+
+
+def _size_two(config: Mapping[str, Any]) -> int:
+    _SIZED.append(config["hidden"])
+    return 2
+
+
+def test_a_key_first_met_in_a_refill_is_sized_when_the_next_array_starts_after_a_restore() -> None:
+    """Refill asks that meet another key leave it unsized (sizing may profile, which the array
+    waiting for its answer should not wait for); the next array sizes it, also in a state
+    restored from Tune's checkpoint or unpickled with the searcher."""
+    asked = _SIZED
+    asked.clear()
+    configs = [{"lr": lr, "hidden": h} for lr, h in ((0.1, 8), (0.2, 8), (0.1, 16), (0.2, 16))]
+    state = SweepState(TASK, members=4, array_size=_size_two, uid="test")
+    state.searcher = ListSearcher(configs)
+    state.configure("val_accuracy", "max")
+    state.decider = TuneDecider(
+        ASHAScheduler(
+            metric="val_accuracy", mode="max", max_t=4, grace_period=1, reduction_factor=2
+        )
+    )
+    state.suggest("A")  # A-0, A-1
+    state.on_result("A", _report("t1", [("A-0", 1, 0.9), ("A-1", 1, 0.1)]))  # A-1 pruned
+    assert [state.members[m].state for m in ("A-2", "A-3")] == ["WAITING", "WAITING"]
+    assert asked == [8] and state.arrays["A"].given == []
+    unpickled = pickle.loads(pickle.dumps(state))  # as Tune saves its searcher
+    loaded = SweepState(TASK, members=4, array_size=_size_two, uid="other")
+    loaded.searcher = ListSearcher([])
+    loaded.load_state_dict(copy.deepcopy(state.state_dict()))  # as Tuner.restore loads it
+    for restored in (unpickled, loaded):
+        config = restored.suggest("B")
+        assert isinstance(config, dict)
+        assert [m["id"] for m in config["hfsweep"]["members"]] == ["A-2", "A-3"]
+    assert asked == [8, 16, 16]  # once in each restored state
