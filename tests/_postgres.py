@@ -13,6 +13,7 @@ database per test; tests that restart or stop the server take ``postgres_server`
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -131,8 +132,6 @@ class PostgresServer:
         return self.url(name)
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(subprocess.CalledProcessError):  # already stopped
             self.stop("immediate")
-        except subprocess.CalledProcessError:
-            pass  # already stopped
         shutil.rmtree(self.root, ignore_errors=True)

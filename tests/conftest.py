@@ -96,6 +96,8 @@ class SharedRay:
         os.environ.update(env)
         try:
             ray.init(
+                # a Ray of this process's own, even where `ray start` left a cluster to join
+                address="local",
                 num_cpus=2,
                 include_dashboard=False,
                 _node_ip_address="127.0.0.1",
