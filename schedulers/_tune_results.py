@@ -88,7 +88,7 @@ class TunedMember:
     def load_model(self, task: Task | str) -> torch.nn.Module:
         """A fresh model of ``task`` (the sweep's task, or its name) for this member's config,
         with the member's final weights loaded (:meth:`state_dict`)."""
-        from hfsweep._entry import load_task
+        from hfsweep.config.entry import load_task
 
         loaded = load_task(task) if isinstance(task, str) else task
         model = loaded.build_model(loaded.resolve(self.config))

@@ -70,7 +70,7 @@ class TrainSpec:
         """The task object (loaded in the worker when given by name)."""
         if isinstance(self.task, Task):
             return self.task
-        from hfsweep._entry import load_task
+        from hfsweep.config.entry import load_task
 
         return load_task(self.task)
 

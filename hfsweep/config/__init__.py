@@ -90,15 +90,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from ._entry import load_task
-from ._errors import LocatedError
-from ._task import Task, TaskError
-from .search_spaces import FixedParam, SearchSpace, SpaceError, load_space
+from .._errors import LocatedError
+from .._task import Task, TaskError
+from ..search_spaces import FixedParam, SearchSpace, SpaceError, load_space
+from .entry import load_task
 
 if TYPE_CHECKING:
     from optuna.samplers import BaseSampler
 
-    from .searchers import Searcher
+    from ..searchers import Searcher
 
 __all__ = [
     "BACKENDS",
@@ -472,8 +472,8 @@ def make_searcher(searcher: SearcherConfig) -> Searcher:
     """A new instance of the custom searcher class ``searcher.name`` names (``module:Class`` or
     ``file.py:Class``), built with ``searcher.options``. Raises ``ImportError`` when it cannot
     be imported or is not a :class:`hfsweep.Searcher` subclass."""
-    from ._entry import load_object
-    from .searchers import Searcher
+    from ..searchers import Searcher
+    from .entry import load_object
 
     cls = load_object(searcher.name, "searcher")
     if not (isinstance(cls, type) and issubclass(cls, Searcher)):
@@ -488,7 +488,7 @@ def make_searcher(searcher: SearcherConfig) -> Searcher:
 def _load_yaml(text: str, file: str) -> Any:
     import yaml
 
-    from .search_spaces._yaml import DuplicateKeyError, _loader_class
+    from ..search_spaces._yaml import DuplicateKeyError, _loader_class
 
     try:
         return yaml.load(text, Loader=_loader_class())  # a SafeLoader subclass
@@ -647,7 +647,7 @@ class _Parser:
 
     # ---------------------------------------------------------------- sections
     def task(self, raw: object) -> tuple[str, Task]:
-        from . import tasks
+        from .. import tasks
 
         if isinstance(raw, Task):
             ready = tasks.TASKS.get(raw.name) is raw
@@ -911,7 +911,7 @@ class _Parser:
         return searcher
 
     def scheduler(self, raw: object, mode: str, budget: Budget) -> SchedulerConfig:
-        from .schedulers import SCHEDULER_NAMES, make_scheduler
+        from ..schedulers import SCHEDULER_NAMES, make_scheduler
 
         path = "scheduler"
         options: Mapping[str, Any] = {}
