@@ -36,15 +36,18 @@ class TensorBatches:
             yield self.x[index], self.y[index]
 
 
-def digits(seed: int, val_fraction: float = 0.2) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def digits(
+    seed: int, val_fraction: float = 0.2, *, standardize: bool = True
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """scikit-learn's bundled 8x8 digits (1797 images, 10 classes), split into train and
-    validation by ``seed`` and standardised with the training pixels' mean and deviation:
-    ``(x_train, y_train, x_val, y_val)``, x as ``[N, 64]``."""
+    validation by ``seed``, with pixels in [0, 1] or, with ``standardize``, standardised with
+    the training pixels' mean and deviation: ``(x_train, y_train, x_val, y_val)``, x as
+    ``[N, 64]``."""
     try:
         from sklearn.datasets import load_digits
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError(
-            "the digits tasks need scikit-learn: pip install 'hfsweep[examples]'"
+            "the digits data comes with scikit-learn: pip install 'hfsweep[examples]'"
         ) from e
     data = load_digits()
     x = torch.tensor(data.data, dtype=torch.float32) / 16.0
@@ -52,8 +55,9 @@ def digits(seed: int, val_fraction: float = 0.2) -> tuple[Tensor, Tensor, Tensor
     order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
     n_val = int(len(y) * val_fraction)
     val, train = order[:n_val], order[n_val:]
-    mean, std = x[train].mean(0), x[train].std(0).clamp_min(0.1)
-    x = (x - mean) / std
+    if standardize:
+        mean, std = x[train].mean(0), x[train].std(0).clamp_min(0.1)
+        x = (x - mean) / std
     return x[train], y[train], x[val], y[val]
 
 
