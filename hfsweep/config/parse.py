@@ -19,11 +19,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
+from .._checks import is_int
 from .._task import Task, TaskError
 from ..search_spaces import SearchSpace, SpaceError, load_space
+from ..search_spaces._yaml import load_yaml
 from .algorithms import _scheduler, _searcher
 from .entry import load_task
-from .fields import _did_you_mean, _Fields, _is_int, _is_number, _join
+from .fields import _did_you_mean, _Fields, _join
 from .schema import (
     _MAX_EPOCHS,
     _MAX_STEPS,
@@ -37,8 +39,6 @@ from .schema import (
     SweepConfig,
 )
 from .validate import _check_config, _check_key, _check_samples
-
-__all__ = ["load_sweep", "parse_sweep"]
 
 _MODES = ("max", "min")
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:[0-9]+)?)$")
@@ -78,7 +78,7 @@ def load_sweep(path: str | os.PathLike[str]) -> SweepConfig:
         raise ConfigError(
             f"cannot read the sweep file ({reason}); give a readable UTF-8 YAML file", file=file
         ) from None
-    data = _load_yaml(text, file)
+    data = load_yaml(text, file, error=ConfigError, expected="a sweep file is one YAML mapping")
     if data is None:
         raise ConfigError(
             "the file is empty; a sweep file is a YAML mapping with at least "
@@ -98,24 +98,6 @@ def parse_sweep(mapping: Mapping[str, Any], *, source: Path | None = None) -> Sw
     Raises :class:`ConfigError`.
     """
     return _Parser(source).parse(mapping)
-
-
-def _load_yaml(text: str, file: str) -> Any:
-    import yaml
-
-    from ..search_spaces._yaml import DuplicateKeyError, _loader_class
-
-    try:
-        return yaml.load(text, Loader=_loader_class())  # a SafeLoader subclass
-    except DuplicateKeyError as exc:
-        raise ConfigError(exc.problem, path=exc.path, file=file) from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise ConfigError(
-            f"not valid YAML{where}: {problem}; a sweep file is one YAML mapping", file=file
-        ) from None
 
 
 class _Parser(_Fields):
@@ -273,12 +255,12 @@ class _Parser(_Fields):
         self.keys(f, _FUSION, "fusion")
         size: int | Literal["auto"] = "auto"
         if f.get("size", "auto") != "auto":
-            if not _is_int(f["size"]) or f["size"] < 1:
+            if not is_int(f["size"]) or f["size"] < 1:
                 raise self.error(
                     "fusion.size",
                     f"{f['size']!r} is not 'auto' or an integer >= 1 (the array size B)",
                 )
-            size = f["size"]
+            size = int(f["size"])
         device = f.get("device", "auto")
         if not isinstance(device, str) or not _DEVICE.match(device):
             raise self.error(
@@ -304,18 +286,21 @@ class _Parser(_Fields):
             address = self.string(
                 address, "ray.address", 'null, "auto", "host:6379" or "ray://host:10001"'
             )
-        cpus = r.get("cpus_per_array", 1.0)
-        if not _is_number(cpus) or not cpus > 0:
-            raise self.error(
-                "ray.cpus_per_array", f"{cpus!r} is not a number > 0 (CPUs per array's actor)"
-            )
+        cpus = self.number(
+            r.get("cpus_per_array", 1.0),
+            "ray.cpus_per_array",
+            0,
+            low_open=True,
+            what="a number > 0 (CPUs per array's actor)",
+        )
         gpus = r.get("gpus_per_array", "auto")
-        if gpus == "auto":
-            gpus = None
-        elif not _is_number(gpus) or gpus < 0:
-            raise self.error(
+        if gpus != "auto":
+            gpus = self.number(
+                gpus,
                 "ray.gpus_per_array",
-                f"{gpus!r} is not 'auto' or a number >= 0 (GPUs per array's actor)",
+                0,
+                low_open=False,
+                what="'auto' or a number >= 0 (GPUs per array's actor)",
             )
         most = r.get("max_concurrent")
         if most is not None:
@@ -323,8 +308,8 @@ class _Parser(_Fields):
         failures = self.integer(r.get("max_failures", 3), "ray.max_failures", 0)
         return RayConfig(
             address=address,
-            cpus_per_array=float(cpus),
-            gpus_per_array=None if gpus is None else float(gpus),
+            cpus_per_array=cpus,
+            gpus_per_array=None if gpus == "auto" else gpus,
             max_concurrent=most,
             max_failures=failures,
         )
