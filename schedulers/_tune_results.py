@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hfsweep._checks import is_finite
 from hfsweep._packed import UnsafeFileError, load_inert, unloaded_in
 
 from ._tune_state import STATE_FORMAT, WEIGHTS_DIR, weights_file
@@ -266,7 +267,7 @@ def best_member(source: Any, *, metric: str | None = None, mode: str | None = No
         if m.state != "COMPLETE" or not m.history:
             continue
         value = m.history[-1].get(metric)
-        if not isinstance(value, int | float) or not math.isfinite(value):
+        if not is_finite(value):
             continue
         if best is None or sign * value > best_score:
             best, best_score = m, sign * value

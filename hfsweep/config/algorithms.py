@@ -10,12 +10,11 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from .._checks import is_int, is_number
 from ..search_spaces import SearchSpace, SpaceError
 from .build import make_sampler, make_searcher
-from .fields import _did_you_mean, _Fields, _is_int, _is_number, _join
+from .fields import _did_you_mean, _Fields, _join
 from .schema import _SAMPLERS, SEARCHER_NAMES, Budget, SchedulerConfig, SearcherConfig
-
-__all__: list[str] = []
 
 _SEARCHER = ("name", "seed", "options")
 _SCHEDULER = ("name", "options")
@@ -128,9 +127,9 @@ def _expected_kind(default: object) -> tuple[str, Callable[[object], bool]] | No
     if isinstance(default, bool):
         return "a boolean", lambda v: isinstance(v, bool)
     if isinstance(default, int):
-        return "an integer", _is_int
+        return "an integer", is_int
     if isinstance(default, float):
-        return "a number", _is_number
+        return "a number", is_number
     return None
 
 

@@ -14,8 +14,6 @@ if TYPE_CHECKING:
 
     from ..searchers import Searcher
 
-__all__ = ["make_sampler", "make_searcher"]
-
 
 def make_sampler(searcher: SearcherConfig, space: SearchSpace) -> BaseSampler:
     """The Optuna sampler ``searcher`` describes (``grid`` gets ``space.grid()``). A custom

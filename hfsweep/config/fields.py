@@ -5,17 +5,15 @@ sweep file, the YAML path, the bad value and what would be valid."""
 from __future__ import annotations
 
 import difflib
-import math
 import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from .._checks import in_range, is_finite, is_int, is_number
 from ..search_spaces import SpaceError
 from .schema import _MAX_TIME_LIMIT_S, ConfigError
-
-__all__: list[str] = []
 
 _DURATION = re.compile(r"^\s*(?:[0-9]+(?:\.[0-9]*)?\s*[smh]\s*)+$")
 _DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]*)?)\s*([smh])")
@@ -31,14 +29,6 @@ def _did_you_mean(word: object, valid: list[str] | tuple[str, ...]) -> str:
 
 def _join(prefix: str, key: object) -> str:
     return f"{prefix}.{key}" if prefix else str(key)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 class _Fields:
@@ -97,7 +87,7 @@ class _Fields:
     ) -> int:
         """``value`` if it is an int from ``low`` to ``high`` (``None``: no upper bound);
         ``unit`` names what it counts in the message about ``high``."""
-        if not _is_int(value) or value < low:  # type: ignore[operator]
+        if not is_int(value) or value < low:
             kind = f"{value!r} ({type(value).__name__}) is not an integer"
             problem = f"{kind} >= {low}" if high is None else f"{kind} from {low} to {high:,}"
             if isinstance(value, float):
@@ -106,21 +96,26 @@ class _Fields:
                     "a whole number such as 64"
                 )
             raise self.error(path, problem)
-        assert isinstance(value, int)
         if high is not None and value > high:
             raise self.error(
                 path,
                 f"{value:,} is more than {high:,} {unit}, the most a sweep may give (a larger "
                 f"value is a typo: no sweep would finish it); give at most {high:,}",
             )
-        return value
+        return int(value)
+
+    def number(self, value: object, path: str, low: float, *, low_open: bool, what: str) -> float:
+        """``value`` as a float if it is a number from ``low`` up (``low`` itself excluded with
+        ``low_open``); else an error saying it is not ``what``."""
+        if not is_number(value) or not in_range(value, low, low_open=low_open):
+            raise self.error(path, f"{value!r} is not {what}")
+        return float(value)
 
     def duration(self, raw: object, path: str) -> float | None:
         if raw is None:
             return None
-        if _is_number(raw):
-            assert isinstance(raw, int | float)
-            if not math.isfinite(raw) or raw <= 0:
+        if is_number(raw):
+            if not is_finite(raw) or raw <= 0:
                 raise self.error(path, f"{raw!r} is not a positive number of seconds")
             return self.at_most_a_year(float(raw), raw, path)
         if isinstance(raw, str) and _DURATION.match(raw):

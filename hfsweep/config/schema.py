@@ -2,7 +2,8 @@
 and limits it may use, and :class:`ConfigError`.
 
 Nothing here reads or checks a file (:mod:`hfsweep.config.parse` does); a new setting is a field
-here, with its default, plus its parsing in :mod:`hfsweep.config.parse`.
+here, with its default, plus its parsing in :mod:`hfsweep.config.parse`. Users import these names
+from :mod:`hfsweep.config`, whose ``__all__`` lists them.
 """
 
 from __future__ import annotations
@@ -16,20 +17,6 @@ from typing import Any, Literal
 from .._errors import LocatedError
 from .._task import Task
 from ..search_spaces import FixedParam, SearchSpace
-
-__all__ = [
-    "BACKENDS",
-    "DTYPES",
-    "MAX_TRIALS",
-    "SEARCHER_NAMES",
-    "Budget",
-    "ConfigError",
-    "FusionConfig",
-    "RayConfig",
-    "SchedulerConfig",
-    "SearcherConfig",
-    "SweepConfig",
-]
 
 #: searcher name -> the Optuna sampler class it builds
 _SAMPLERS = {

@@ -16,8 +16,6 @@ from ..search_spaces import SearchSpace
 from .fields import _did_you_mean, _Fields, _join
 from .schema import Budget
 
-__all__: list[str] = []
-
 #: keys the budget sets; config and the search space may not
 _BUDGET_KEYS = {"epochs": "budget.epochs", "max_steps": "budget.steps"}
 #: the config key a TaskError's message names
