@@ -71,3 +71,12 @@ def test_member_index_takes_numpy_integers_and_refuses_bools() -> None:
 def test_an_optimizer_refuses_a_bool_hyperparameter() -> None:
     with pytest.raises(ValueError, match="must be a number or one number per member"):
         hs.optim.SGD(_linear_array(2), lr=True)
+
+
+def test_tensor_batches_refuse_a_bool_batch_size() -> None:
+    from hfsweep.tasks import TensorBatches
+
+    x, y = torch.zeros(5, 2), torch.zeros(5)
+    with pytest.raises(ValueError, match="batch_size must be an integer >= 1"):
+        TensorBatches(x, y, True, shuffle=False)
+    assert len(TensorBatches(x, y, np.int64(2), shuffle=False)) == 3

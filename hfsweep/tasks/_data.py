@@ -12,6 +12,8 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
+from .._checks import is_int
+
 __all__ = ["TensorBatches", "digits", "markov_tokens", "pattern_images"]
 
 
@@ -19,11 +21,11 @@ class TensorBatches:
     """``(x, y)`` batches of two tensors held in memory; re-iterable, with ``len()``."""
 
     def __init__(self, x: Tensor, y: Tensor, batch_size: int, *, shuffle: bool) -> None:
-        if not isinstance(batch_size, int) or batch_size < 1:
+        if not is_int(batch_size) or batch_size < 1:
             raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         if len(x) != len(y):
             raise ValueError(f"x has {len(x)} rows but y has {len(y)}")
-        self.x, self.y, self.batch_size, self.shuffle = x, y, batch_size, shuffle
+        self.x, self.y, self.batch_size, self.shuffle = x, y, int(batch_size), shuffle
 
     def __len__(self) -> int:
         return -(-len(self.x) // self.batch_size)
