@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from . import optim as fused_optim
 from .fusion import fuse, member_losses
+from .tasks._data import digits
 from .testing import MLP
 
 
@@ -33,23 +34,6 @@ class DemoResult:
     fused_seconds: float
     serial_seconds: float
     samples: int
-
-
-def load_digits_tensors(seed: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Digits (1797 8x8 images, bundled with scikit-learn), scaled to [0, 1], split 80/20."""
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError as exc:  # pragma: no cover - exercised only without the extra
-        raise SystemExit(
-            "the demo trains on scikit-learn's bundled digits: pip install 'hfsweep[examples]'"
-        ) from exc
-    data = load_digits()
-    x = torch.tensor(data.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(data.target, dtype=torch.long)
-    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
-    cut = int(0.8 * len(y))
-    train, val = order[:cut], order[cut:]
-    return x[train], y[train], x[val], y[val]
 
 
 def _batches(n: int, batch: int, gen: torch.Generator) -> Iterator[Tensor]:
@@ -96,7 +80,10 @@ def run_demo(
     Member i gets its own dropout probability and learning rate (``lr`` scaled by 1/4 to 4 over
     the members, log-spaced), as a small sweep would give them.
     """
-    x, y, xv, yv = load_digits_tensors(seed)
+    try:
+        x, y, xv, yv = digits(seed, standardize=False)
+    except ImportError as exc:  # pragma: no cover - exercised only without the extra
+        raise SystemExit(f"hfsweep demo: {exc}") from exc
     dropout = [round(0.5 * i / max(members - 1, 1), 3) for i in range(members)]
     lrs = [lr * 16 ** (i / max(members - 1, 1)) / 4 for i in range(members)]
     models = []

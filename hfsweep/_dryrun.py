@@ -21,7 +21,8 @@ import torch
 
 from ._task import Task, fork_rng
 from ._usercode import describe, phase_of
-from .config import _SAMPLES, ConfigError, SweepConfig, _samples
+from .config import ConfigError, SweepConfig
+from .config.validate import _SAMPLES, _samples
 from .trainer import ArrayTrainer, Member, _DataCache
 
 __all__ = ["dry_run"]

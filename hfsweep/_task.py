@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from hfsweep._checks import in_range, is_finite, is_int
+
 from . import optim as hs_optim
 from .optim import lr_scheduler as hs_sched
 
@@ -517,11 +519,7 @@ def _check_number(
     high_open: bool = False,
 ) -> None:
     value = config[key]
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-    if ok:
-        ok = (value > low if strict else value >= low) and (
-            value < high if high_open else value <= high
-        )
+    ok = is_finite(value) and in_range(value, low, high, low_open=strict, high_open=high_open)
     if not ok:
         bound = f"{'>' if strict else '>='} {low}"
         if high < math.inf:
@@ -531,7 +529,7 @@ def _check_number(
 
 def _check_int(config: Mapping[str, Any], key: str, *, low: int) -> None:
     value = config[key]
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+    if not is_int(value) or value < low:
         raise TaskError(f"config {key}={value!r} must be an integer >= {low}")
 
 

@@ -58,9 +58,9 @@ def _profile(args: argparse.Namespace) -> int:
     import torch
 
     from . import profiler
-    from ._entry import load_task
     from ._sizing import profile_task
     from ._task import TaskError
+    from .config.entry import load_task
 
     try:
         device_name, dtype_name = args.device, args.dtype

@@ -41,6 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from ._checks import is_number
+
 if TYPE_CHECKING:
     import optuna
     from matplotlib.axes import Axes
@@ -534,7 +536,7 @@ class _Axis:
             if index is None:
                 return math.nan
             return 0.5 if len(self.choices) == 1 else index / (len(self.choices) - 1)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if not is_number(value):
             return math.nan
         low, high, v = self.low, self.high, float(value)
         if self.log:

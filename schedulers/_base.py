@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import enum
 import math
-import numbers
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from hfsweep._checks import is_finite, is_int, is_number
 
 __all__ = ["STATUSES", "Decision", "Report", "TrialScheduler"]
 
@@ -89,7 +90,7 @@ class TrialScheduler(ABC):
     def __init__(self, *, mode: str = "max", max_resource: float) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
-        _check_positive("max_resource", max_resource)
+        check_positive("max_resource", max_resource)
         self._mode = mode
         self._max_resource = float(max_resource)
         self._ended: dict[str, str] = {}
@@ -197,23 +198,18 @@ def decode_float(x: float | str) -> float:
     return float(x)
 
 
-def _check_positive(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number, got {value!r}")
-    x = float(value)
-    if not (math.isfinite(x) and x > 0):
-        raise ValueError(f"{name} must be finite and > 0, got {value!r}")
-
-
 def check_positive(name: str, value: Any) -> float:
     """``value`` as a float, after checking it is a finite number ``> 0``."""
-    _check_positive(name, value)
+    if not is_number(value):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    if not (is_finite(value) and value > 0):
+        raise ValueError(f"{name} must be finite and > 0, got {value!r}")
     return float(value)
 
 
 def check_int(name: str, value: Any, minimum: int) -> int:
     """``value``, after checking it is an ``int`` (not a bool) ``>= minimum``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    if not is_int(value):
         raise TypeError(f"{name} must be an int, got {value!r}")
     if int(value) < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value!r}")

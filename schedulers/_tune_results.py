@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hfsweep._checks import is_finite
 from hfsweep._packed import UnsafeFileError, load_inert, unloaded_in
 
 from ._tune_state import STATE_FORMAT, WEIGHTS_DIR, weights_file
@@ -88,7 +89,7 @@ class TunedMember:
     def load_model(self, task: Task | str) -> torch.nn.Module:
         """A fresh model of ``task`` (the sweep's task, or its name) for this member's config,
         with the member's final weights loaded (:meth:`state_dict`)."""
-        from hfsweep._entry import load_task
+        from hfsweep.config.entry import load_task
 
         loaded = load_task(task) if isinstance(task, str) else task
         model = loaded.build_model(loaded.resolve(self.config))
@@ -266,7 +267,7 @@ def best_member(source: Any, *, metric: str | None = None, mode: str | None = No
         if m.state != "COMPLETE" or not m.history:
             continue
         value = m.history[-1].get(metric)
-        if not isinstance(value, int | float) or not math.isfinite(value):
+        if not is_finite(value):
             continue
         if best is None or sign * value > best_score:
             best, best_score = m, sign * value

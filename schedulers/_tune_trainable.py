@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from hfsweep._checks import is_finite
 from hfsweep._io import atomic_save
 from hfsweep._task import Task
 from hfsweep.trainer import ArrayTrainer, Evaluation, Member, MemberResult
@@ -70,7 +71,7 @@ class TrainSpec:
         """The task object (loaded in the worker when given by name)."""
         if isinstance(self.task, Task):
             return self.task
-        from hfsweep._entry import load_task
+        from hfsweep.config.entry import load_task
 
         return load_task(self.task)
 
@@ -198,7 +199,7 @@ class _Channel:
         token = uuid.uuid4().hex
         for e in evaluations:
             value = e.metrics.get(self.metric)
-            if isinstance(value, int | float) and math.isfinite(value):
+            if is_finite(value):
                 self.latest[e.member] = float(value)
         payload = {
             "token": token,

@@ -315,7 +315,7 @@ def _task(task: Task | str) -> tuple[Task, Task | str]:
         raise TypeError(
             f"Fusion(task=...) takes an hfsweep.Task or a task name, got {type(task).__name__}"
         )
-    from hfsweep._entry import load_task
+    from hfsweep.config.entry import load_task
 
     where, sep, attr = task.rpartition(":")
     if sep and where.endswith(".py"):

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
+from hfsweep._checks import is_finite, is_int, is_number
+
 from ._errors import SpaceError
 
 _N = TypeVar("_N", int, float)
@@ -240,8 +242,7 @@ class IntParam(Param):
 
     def takes(self, value: Any) -> bool:
         return (
-            isinstance(value, numbers.Integral)
-            and not isinstance(value, bool)
+            is_int(value)
             and self.low <= int(value) <= self.high
             and (int(value) - self.low) % self.step == 0
         )
@@ -420,7 +421,7 @@ def _required(raw: Mapping[str, Any], key: str, path: str, kind: str) -> Any:
 
 
 def _number(value: Any, path: str, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    if not is_number(value):
         hint = ""
         if isinstance(value, str):
             try:
@@ -431,13 +432,13 @@ def _number(value: Any, path: str, what: str) -> float:
         raise SpaceError(
             f"{value!r} ({_type_name(value)}) is not a number; {what}{hint}", path=path
         )
-    if not math.isfinite(float(value)):
+    if not is_finite(value):
         raise SpaceError(f"{value!r} is not finite; {what}", path=path)
     return float(value)
 
 
 def _integer(value: Any, path: str, what: str) -> int:
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+    if is_int(value):
         return int(value)
     number = _number(value, path, what)  # a clear message for strings, bools, None
     raise SpaceError(

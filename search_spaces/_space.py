@@ -9,6 +9,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hfsweep._checks import is_int
+
 from ._errors import SpaceError
 from ._params import FixedParam, FloatParam, Param, join_path, parse_param, same_value
 from ._yaml import load_yaml
@@ -185,7 +187,7 @@ class SearchSpace:
         """
         counts = self._grid_counts()
         if max_points is not None:
-            if isinstance(max_points, bool) or not isinstance(max_points, int) or max_points < 1:
+            if not is_int(max_points) or max_points < 1:
                 raise ValueError(f"max_points must be a positive int or None, got {max_points!r}")
             size = math.prod(counts.values())
             if size > max_points:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from hfsweep._errors import LocatedError
+
 from ._errors import SpaceError
 
 __all__ = ["DuplicateKeyError", "load_yaml"]
@@ -115,21 +117,24 @@ def _loader_class() -> type:
     return _loader
 
 
-def load_yaml(text: str, source: str) -> Any:
-    """Parse one YAML document; a syntax error or a duplicate key becomes a :class:`SpaceError`
-    naming ``source``, the YAML path and the lines."""
+def load_yaml(
+    text: str,
+    source: str,
+    *,
+    error: type[LocatedError] = SpaceError,
+    expected: str = "a search space is a YAML mapping of config keys to param specs",
+) -> Any:
+    """Parse one YAML document; a syntax error or a duplicate key becomes an ``error`` (a
+    :class:`SpaceError` unless told) naming ``source``, the YAML path and the lines; a syntax
+    error's message ends by saying what the document should be (``expected``)."""
     import yaml
 
     try:
         return yaml.load(text, Loader=_loader_class())  # a SafeLoader subclass
     except DuplicateKeyError as exc:
-        raise SpaceError(exc.problem, path=exc.path, file=source) from None
+        raise error(exc.problem, path=exc.path, file=source) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc)
-        raise SpaceError(
-            f"not valid YAML{where}: {problem}; a search space is a YAML mapping of config keys "
-            "to param specs",
-            file=source,
-        ) from None
+        raise error(f"not valid YAML{where}: {problem}; {expected}", file=source) from None

@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from torch.func import vmap
 from torch.overrides import TorchFunctionMode
 
+from .._checks import is_int
 from .._errors import FusionError
 from ._check import check_compatible, describe_path, per_member_attributes
 from ._graph import simplify
@@ -469,11 +470,11 @@ class FusedArray(nn.Module):
 
     # ------------------------------------------------------------------ internals
     def _index(self, i: int) -> int:
-        if not isinstance(i, int) or isinstance(i, bool) or not -self._size <= i < self._size:
+        if not is_int(i) or not -self._size <= i < self._size:
             raise IndexError(
                 f"member index {i!r} is out of range for an array of size {self._size}"
             )
-        return i % self._size
+        return int(i) % self._size
 
     def _state(self) -> tuple[Tensor, ...]:
         """The stacked tensors, read from the template on every call (``.to()`` replaces them)."""

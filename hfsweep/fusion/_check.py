@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
+from .._checks import is_number
 from .._errors import FusionError
 
 __all__ = ["check_compatible", "describe_path", "per_member_attributes"]
@@ -238,7 +239,7 @@ def _is_dropout_field(name: str, value: Any) -> bool:
     """A configuration field holding a dropout probability (``hidden_dropout_prob``,
     ``attention_dropout``, GPT-2's ``resid_pdrop``)."""
     leaf = name.rsplit(".", 1)[-1].lower()
-    probability = isinstance(value, float | int) and not isinstance(value, bool)
+    probability = is_number(value)
     return probability and ("dropout" in leaf or leaf.endswith("pdrop"))
 
 

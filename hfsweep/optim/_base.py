@@ -21,6 +21,7 @@ from typing import Any, ClassVar, cast
 import torch
 from torch import Tensor, nn
 
+from .._checks import is_int, is_number
 from ..fusion import FusedArray
 
 __all__ = ["FusedOptimizer", "HyperParameter"]
@@ -450,9 +451,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         raise KeyError("parameter not in this optimizer")
 
     def _index(self, i: int) -> int:
-        if not isinstance(i, int) or isinstance(i, bool) or not -self.size <= i < self.size:
+        if not is_int(i) or not -self.size <= i < self.size:
             raise IndexError(f"member index {i!r} is out of range for {self.size} members")
-        return i % self.size
+        return int(i) % self.size
 
     def __repr__(self) -> str:
         lines = [f"{type(self).__name__} (B={self.size}, active={int(self.active.sum())})"]
@@ -502,7 +503,7 @@ def _member_values(name: str, value: Any, size: int, device: torch.device, group
         values = value.detach().to(torch.float64).flatten()
         if value.dim() == 0:
             values = values.expand(size)
-    elif isinstance(value, int | float):
+    elif is_number(value):
         values = torch.full((size,), float(value), dtype=torch.float64)
     else:
         try:

@@ -12,6 +12,8 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
+from .._checks import is_int
+
 __all__ = ["TensorBatches", "digits", "markov_tokens", "pattern_images"]
 
 
@@ -19,11 +21,11 @@ class TensorBatches:
     """``(x, y)`` batches of two tensors held in memory; re-iterable, with ``len()``."""
 
     def __init__(self, x: Tensor, y: Tensor, batch_size: int, *, shuffle: bool) -> None:
-        if not isinstance(batch_size, int) or batch_size < 1:
+        if not is_int(batch_size) or batch_size < 1:
             raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         if len(x) != len(y):
             raise ValueError(f"x has {len(x)} rows but y has {len(y)}")
-        self.x, self.y, self.batch_size, self.shuffle = x, y, batch_size, shuffle
+        self.x, self.y, self.batch_size, self.shuffle = x, y, int(batch_size), shuffle
 
     def __len__(self) -> int:
         return -(-len(self.x) // self.batch_size)
@@ -36,15 +38,18 @@ class TensorBatches:
             yield self.x[index], self.y[index]
 
 
-def digits(seed: int, val_fraction: float = 0.2) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def digits(
+    seed: int, val_fraction: float = 0.2, *, standardize: bool = True
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """scikit-learn's bundled 8x8 digits (1797 images, 10 classes), split into train and
-    validation by ``seed`` and standardised with the training pixels' mean and deviation:
-    ``(x_train, y_train, x_val, y_val)``, x as ``[N, 64]``."""
+    validation by ``seed``, with pixels in [0, 1] or, with ``standardize``, standardised with
+    the training pixels' mean and deviation: ``(x_train, y_train, x_val, y_val)``, x as
+    ``[N, 64]``."""
     try:
         from sklearn.datasets import load_digits
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError(
-            "the digits tasks need scikit-learn: pip install 'hfsweep[examples]'"
+            "the digits data comes with scikit-learn: pip install 'hfsweep[examples]'"
         ) from e
     data = load_digits()
     x = torch.tensor(data.data, dtype=torch.float32) / 16.0
@@ -52,8 +57,9 @@ def digits(seed: int, val_fraction: float = 0.2) -> tuple[Tensor, Tensor, Tensor
     order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
     n_val = int(len(y) * val_fraction)
     val, train = order[:n_val], order[n_val:]
-    mean, std = x[train].mean(0), x[train].std(0).clamp_min(0.1)
-    x = (x - mean) / std
+    if standardize:
+        mean, std = x[train].mean(0), x[train].std(0).clamp_min(0.1)
+        x = (x - mean) / std
     return x[train], y[train], x[val], y[val]
 
 

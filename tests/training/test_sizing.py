@@ -129,7 +129,7 @@ def test_cli_profile_bad_input_exits_2(argv, message, capsys) -> None:
 
 
 def test_load_task_from_a_file(tmp_path) -> None:
-    from hfsweep._entry import load_task
+    from hfsweep.config.entry import load_task
 
     path = tmp_path / "mytask.py"
     path.write_text("from hfsweep.tasks import digits_cnn\nmy = digits_cnn\nnot_task = 3\n")

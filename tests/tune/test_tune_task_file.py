@@ -39,7 +39,7 @@ TASK = hs.Task(name="file_task", model=model, data=data, defaults={"hidden": 3})
 SCRIPT = """
 import sys
 from ray import cloudpickle
-from hfsweep._entry import load_task
+from hfsweep.config.entry import load_task
 
 action, spec, pickled = sys.argv[1:]
 task = load_task(spec)

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ._task import Task, TaskError
+from .._task import Task, TaskError
 
 __all__ = ["load_object", "load_task"]
 
@@ -19,7 +19,7 @@ __all__ = ["load_object", "load_task"]
 def load_task(spec: str) -> Task:
     """The :class:`Task` named by ``spec``: ``digits_mlp`` (a ready task in
     :mod:`hfsweep.tasks`), ``package.module:attribute`` or ``path/to/file.py:attribute``."""
-    from . import tasks
+    from .. import tasks
 
     if ":" not in spec:
         if spec in tasks.TASKS:

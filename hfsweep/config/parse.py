@@ -1,0 +1,327 @@
+"""Reading a sweep: :func:`load_sweep` (a file) and :func:`parse_sweep` (a mapping) check every
+section in turn and return a :class:`SweepConfig`.
+
+Where a setting goes: a new top-level key is named in ``_TOP_KEYS`` and read in
+:meth:`_Parser.parse` (by a method of its own when it is a section); a new ``ray:`` key is named
+in ``_RAY`` and read in :meth:`_Parser.ray`, a new ``fusion:`` key likewise in ``_FUSION`` and
+:meth:`_Parser.fusion`; its field and default live in :mod:`hfsweep.config.schema`, and the
+schema's reference in the package's docstring. The generic checks are in
+:mod:`hfsweep.config.fields`, the searcher and scheduler in :mod:`hfsweep.config.algorithms`,
+the checks against the task in :mod:`hfsweep.config.validate`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from .._checks import is_int
+from .._task import Task, TaskError
+from ..search_spaces import SearchSpace, SpaceError, load_space
+from ..search_spaces._yaml import load_yaml
+from .algorithms import _scheduler, _searcher
+from .entry import load_task
+from .fields import _did_you_mean, _Fields, _join
+from .schema import (
+    _MAX_EPOCHS,
+    _MAX_STEPS,
+    BACKENDS,
+    DTYPES,
+    MAX_TRIALS,
+    Budget,
+    ConfigError,
+    FusionConfig,
+    RayConfig,
+    SweepConfig,
+)
+from .validate import _check_config, _check_key, _check_samples
+
+_MODES = ("max", "min")
+_DEVICE = re.compile(r"^(auto|cpu|cuda(:[0-9]+)?)$")
+_STORAGE = re.compile(r"^(sqlite|postgresql|postgres|mysql|oracle|mssql)(\+[A-Za-z0-9_]+)?://")
+
+_TOP_KEYS = (
+    "task",
+    "config",
+    "search_space",
+    "searcher",
+    "scheduler",
+    "budget",
+    "metric",
+    "mode",
+    "fusion",
+    "backend",
+    "ray",
+    "storage",
+    "output",
+    "study_name",
+    "seed",
+)
+_REQUIRED = ("task", "search_space", "budget", "metric", "mode")
+_BUDGET = ("trials", "epochs", "steps", "time_limit")
+_FUSION = ("size", "device", "dtype", "eval_every")
+_RAY = ("address", "cpus_per_array", "gpus_per_array", "max_concurrent", "max_failures")
+
+
+def load_sweep(path: str | os.PathLike[str]) -> SweepConfig:
+    """Read and validate the sweep file at ``path``; raises :class:`ConfigError`."""
+    source = Path(path)
+    file = os.fspath(path)
+    try:
+        text = source.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ConfigError(
+            f"cannot read the sweep file ({reason}); give a readable UTF-8 YAML file", file=file
+        ) from None
+    data = load_yaml(text, file, error=ConfigError, expected="a sweep file is one YAML mapping")
+    if data is None:
+        raise ConfigError(
+            "the file is empty; a sweep file is a YAML mapping with at least "
+            f"{', '.join(_REQUIRED)}",
+            file=file,
+        )
+    return parse_sweep(data, source=source)
+
+
+def parse_sweep(mapping: Mapping[str, Any], *, source: Path | None = None) -> SweepConfig:
+    """Validate a sweep given as a mapping (the content of a sweep file).
+
+    ``source`` is the file it came from: relative paths (a task's ``.py`` file, a space file,
+    ``output``) are taken from its folder, defaults (``output``, ``study_name``) from its stem,
+    and errors name it. Without a source, relative paths are taken from the working directory.
+    ``task`` may also be an :class:`hfsweep.Task` and ``search_space`` a ``SearchSpace``.
+    Raises :class:`ConfigError`.
+    """
+    return _Parser(source).parse(mapping)
+
+
+class _Parser(_Fields):
+    """Reads one sweep, a section a method."""
+
+    def parse(self, raw: object) -> SweepConfig:
+        top = self.mapping(raw, "", "task: digits_mlp, search_space: sgd_momentum, budget: ...")
+        self.keys(top, _TOP_KEYS, "")
+        missing = [k for k in _REQUIRED if k not in top]
+        if missing:
+            raise self.error(
+                missing[0],
+                f"missing required key {missing[0]!r}; a sweep needs {', '.join(_REQUIRED)}",
+            )
+        seed = self.integer(top.get("seed", 0), "seed", 0)
+        task_ref, task = self.task(top["task"])
+        budget = self.budget(top["budget"])
+        config = self.config(top.get("config"), task, budget)
+        space = self.space(top["search_space"], task, config)
+        metric = self.metric(top["metric"], task)
+        mode: Literal["max", "min"] = self.choice(top["mode"], _MODES, "mode")  # type: ignore[assignment]
+        _check_samples(self, task, config, space, budget, seed)
+        searcher = _searcher(self, top.get("searcher", "tpe"), seed, space, top["search_space"])
+        scheduler = _scheduler(self, top.get("scheduler", "fifo"), mode, budget)
+        fusion = self.fusion(top.get("fusion"))
+        backend = self.choice(top.get("backend", "local"), BACKENDS, "backend")
+        if backend == "ray" and importlib.util.find_spec("ray") is None:
+            raise self.error("backend", "backend 'ray' needs Ray: pip install 'ray[tune]'")
+        ray = self.ray(top.get("ray"), backend)
+        storage = self.storage(top.get("storage"))
+        stem = self.source.stem if self.source is not None else "sweep"
+        study_name = top.get("study_name")
+        study_name = stem if study_name is None else self.string(study_name, "study_name", "a name")
+        output = top.get("output")
+        output = self.string(output, "output", "a folder") if output is not None else f"runs/{stem}"
+        return SweepConfig(
+            task_ref=task_ref,
+            task=task,
+            config=config,
+            space=space,
+            searcher=searcher,
+            scheduler=scheduler,
+            budget=budget,
+            metric=metric,
+            mode=mode,
+            fusion=fusion,
+            backend=backend,
+            storage=storage,
+            output=self.relative(output),
+            study_name=study_name,
+            seed=seed,
+            source=self.source,
+            ray=ray,
+        )
+
+    def task(self, raw: object) -> tuple[str, Task]:
+        from .. import tasks
+
+        if isinstance(raw, Task):
+            ready = tasks.TASKS.get(raw.name) is raw
+            return (raw.name if ready else f"<python object: task {raw.name!r}>"), raw
+        ref = self.string(
+            raw,
+            "task",
+            f"a ready task ({', '.join(sorted(tasks.TASKS))}), module:attribute "
+            "or path/to/file.py:attribute",
+        )
+        where, sep, attr = ref.rpartition(":")
+        if sep and where.endswith(".py"):
+            ref = f"{self.relative(where)}:{attr}"
+        try:
+            return ref, load_task(ref)
+        except TaskError as exc:
+            raise self.error("task", str(exc)) from None
+
+    def budget(self, raw: object) -> Budget:
+        b = self.mapping(raw, "budget", "{trials: 64, epochs: 10}")
+        self.keys(b, _BUDGET, "budget")
+        if "trials" not in b:
+            raise self.error("budget", "missing required key 'trials' (the number of trials)")
+        trials = self.integer(b["trials"], "budget.trials", 1, MAX_TRIALS, "trials")
+        given = [k for k in ("epochs", "steps") if b.get(k) is not None]
+        if len(given) != 1:
+            raise self.error(
+                "budget",
+                (
+                    "both epochs and steps are given"
+                    if given
+                    else "neither epochs nor steps is given"
+                )
+                + "; give exactly one: the budget of each trial in epochs or in optimizer steps",
+            )
+        most = _MAX_EPOCHS if given[0] == "epochs" else _MAX_STEPS
+        value = self.integer(b[given[0]], f"budget.{given[0]}", 1, most, f"{given[0]} per trial")
+        limit = self.duration(b.get("time_limit"), "budget.time_limit")
+        if given[0] == "epochs":
+            return Budget(trials=trials, epochs=value, time_limit_s=limit)
+        return Budget(trials=trials, steps=value, time_limit_s=limit)
+
+    def config(self, raw: object, task: Task, budget: Budget) -> dict[str, Any]:
+        if raw is None:
+            return {}
+        config = self.mapping(raw, "config", "{hidden: 128, batch_size: 64}")
+        for key in config:
+            _check_key(self, key, task, _join("config", key))
+        config = dict(config)
+        _check_config(self, task, budget, config)
+        return config
+
+    def space(self, raw: object, task: Task, config: dict[str, Any]) -> SearchSpace:
+        ref: Any = raw
+        if isinstance(raw, str) and (
+            raw.lower().endswith((".yaml", ".yml")) or "/" in raw or os.sep in raw
+        ):
+            ref = self.relative(raw)
+        elif not isinstance(raw, str | Mapping | SearchSpace):
+            raise self.error(
+                "search_space",
+                f"{raw!r} ({type(raw).__name__}) is not a search space; give a ready space "
+                "(sgd_momentum, adamw, sgd_or_adamw), a path to a .yaml file, or a mapping of "
+                "config keys to param specs",
+            )
+        try:
+            space = load_space(ref, path="search_space")
+        except SpaceError as exc:
+            raise self.space_error(exc, raw) from None
+        where = f" (in {ref})" if isinstance(ref, Path) else ""
+        if isinstance(raw, str) and not where:
+            where = f" (in ready space {raw!r})"
+        for name in space.names:
+            path = _join("search_space", name)
+            _check_key(self, name, task, path, where)
+            if name in config:
+                raise self.error(
+                    path,
+                    f"{name!r}{where} is both searched and fixed in config ({name}="
+                    f"{config[name]!r}); set it in one place",
+                )
+        return space
+
+    def metric(self, raw: object, task: Task) -> str:
+        valid = tuple(task.metric_names)
+        if not isinstance(raw, str) or raw not in valid:
+            raise self.error(
+                "metric",
+                f"{raw!r} is not a metric task {task.name!r} reports{_did_you_mean(raw, valid)}; "
+                f"its metrics: {', '.join(valid)}",
+            )
+        return raw
+
+    def fusion(self, raw: object) -> FusionConfig:
+        if raw is None:
+            return FusionConfig()
+        f = self.mapping(raw, "fusion", "{size: auto, device: auto}")
+        self.keys(f, _FUSION, "fusion")
+        size: int | Literal["auto"] = "auto"
+        if f.get("size", "auto") != "auto":
+            if not is_int(f["size"]) or f["size"] < 1:
+                raise self.error(
+                    "fusion.size",
+                    f"{f['size']!r} is not 'auto' or an integer >= 1 (the array size B)",
+                )
+            size = int(f["size"])
+        device = f.get("device", "auto")
+        if not isinstance(device, str) or not _DEVICE.match(device):
+            raise self.error(
+                "fusion.device", f"{device!r} is not a device; give auto, cpu, cuda or cuda:N"
+            )
+        dtype = self.choice(f.get("dtype", "float32"), DTYPES, "fusion.dtype")
+        every = f.get("eval_every")
+        if every is not None:
+            every = self.integer(every, "fusion.eval_every", 1)
+        return FusionConfig(size=size, device=device, dtype=dtype, eval_every=every)
+
+    def ray(self, raw: object, backend: str) -> RayConfig:
+        if raw is None:
+            return RayConfig()
+        r = self.mapping(raw, "ray", "{address: auto, cpus_per_array: 1}")
+        if backend != "ray" and r:
+            raise self.error(
+                "ray", "ray settings only apply with backend: ray; set backend: ray or remove them"
+            )
+        self.keys(r, _RAY, "ray")
+        address = r.get("address")
+        if address is not None:
+            address = self.string(
+                address, "ray.address", 'null, "auto", "host:6379" or "ray://host:10001"'
+            )
+        cpus = self.number(
+            r.get("cpus_per_array", 1.0),
+            "ray.cpus_per_array",
+            0,
+            low_open=True,
+            what="a number > 0 (CPUs per array's actor)",
+        )
+        gpus = r.get("gpus_per_array", "auto")
+        if gpus != "auto":
+            gpus = self.number(
+                gpus,
+                "ray.gpus_per_array",
+                0,
+                low_open=False,
+                what="'auto' or a number >= 0 (GPUs per array's actor)",
+            )
+        most = r.get("max_concurrent")
+        if most is not None:
+            most = self.integer(most, "ray.max_concurrent", 1)
+        failures = self.integer(r.get("max_failures", 3), "ray.max_failures", 0)
+        return RayConfig(
+            address=address,
+            cpus_per_array=cpus,
+            gpus_per_array=None if gpus == "auto" else gpus,
+            max_concurrent=most,
+            max_failures=failures,
+        )
+
+    def storage(self, raw: object) -> str | None:
+        if raw is None:
+            return None
+        if not isinstance(raw, str) or not _STORAGE.match(raw):
+            raise self.error(
+                "storage",
+                f"{raw!r} is not an Optuna storage URL; give null (a journal file in the run "
+                "directory) or an RDB URL such as sqlite:///study.db or "
+                "postgresql://user:password@host/db",
+            )
+        return raw

@@ -1,0 +1,265 @@
+"""The schema of a sweep: the frozen dataclasses a validated ``sweep.yaml`` becomes, the names
+and limits it may use, and :class:`ConfigError`.
+
+Nothing here reads or checks a file (:mod:`hfsweep.config.parse` does); a new setting is a field
+here, with its default, plus its parsing in :mod:`hfsweep.config.parse`. Users import these names
+from :mod:`hfsweep.config`, whose ``__all__`` lists them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from .._errors import LocatedError
+from .._task import Task
+from ..search_spaces import FixedParam, SearchSpace
+
+#: searcher name -> the Optuna sampler class it builds
+_SAMPLERS = {
+    "tpe": "TPESampler",
+    "random": "RandomSampler",
+    "grid": "GridSampler",
+    "cmaes": "CmaEsSampler",
+    "qmc": "QMCSampler",
+    "gp": "GPSampler",
+}
+#: Every searcher name a sweep may use.
+SEARCHER_NAMES = tuple(_SAMPLERS)
+
+#: Array dtypes a sweep may train in.
+DTYPES = ("float32", "float64", "bfloat16")
+#: Executors a sweep may run on.
+BACKENDS = ("local", "ray")
+#: The largest budgets a sweep file may give: far past any sweep that could finish, they only
+#: catch a typo or an exponent (``trials: 100000000000``), which would otherwise be accepted and
+#: then fill the study with trials or never end (MAX_TRIALS also bounds the Tune plugin's members).
+MAX_TRIALS = 1_000_000
+_MAX_EPOCHS = 100_000
+_MAX_STEPS = 1_000_000_000
+_MAX_TIME_LIMIT_S = 366 * 24 * 3600.0
+
+
+class ConfigError(LocatedError):
+    """A sweep config is not valid.
+
+    The message is ``"<file>: <path>: <problem>"`` (the parts that are known): the sweep file,
+    the YAML path of the bad entry (``budget.trials``, ``search_space.lr.low``; ``""`` for the
+    file as a whole), then the bad value and what would be valid. The parts are kept as
+    :attr:`file`, :attr:`path` and :attr:`problem`.
+    """
+
+
+@dataclass(frozen=True)
+class SearcherConfig:
+    """The Optuna sampler a sweep asks configs from: ``name`` (one of :data:`SEARCHER_NAMES`),
+    its ``seed`` and constructor ``options``. ``grid_size`` is the number of grid points for
+    ``grid`` (the engine runs at most that many trials), ``None`` otherwise."""
+
+    name: str = "tpe"
+    seed: int = 0
+    options: dict[str, Any] = field(default_factory=dict)
+    grid_size: int | None = None
+
+    @property
+    def custom(self) -> bool:
+        """``name`` is a :class:`hfsweep.Searcher` subclass (``module:Class``,
+        ``file.py:Class``), not an Optuna sampler."""
+        return ":" in self.name
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{name, seed, options}``, as ``searcher:`` takes it."""
+        return {"name": self.name, "seed": self.seed, "options": dict(self.options)}
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The trial scheduler: a name from ``hfsweep.schedulers.SCHEDULER_NAMES`` and the options
+    ``make_scheduler`` takes (besides ``mode`` and ``max_resource``, which come from the sweep)."""
+
+    name: str = "fifo"
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{name, options}``, as ``scheduler:`` takes it."""
+        return {"name": self.name, "options": dict(self.options)}
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How much a sweep trains: ``trials`` in all, each for ``epochs`` or ``steps`` (exactly one
+    is set), and an optional wall-clock ``time_limit_s`` for the whole sweep."""
+
+    trials: int
+    epochs: int | None = None
+    steps: int | None = None
+    time_limit_s: float | None = None
+
+    @property
+    def resource(self) -> Literal["epochs", "steps"]:
+        """The unit schedulers count in: ``"epochs"`` or ``"steps"``."""
+        return "epochs" if self.epochs is not None else "steps"
+
+    @property
+    def max_resource(self) -> int:
+        """A trial's whole budget in :attr:`resource` units."""
+        value = self.epochs if self.epochs is not None else self.steps
+        assert value is not None
+        return value
+
+    def trial_config(self) -> dict[str, int]:
+        """The task config keys that give a trial this budget: ``{"epochs": n}`` or
+        ``{"max_steps": n}``."""
+        if self.epochs is not None:
+            return {"epochs": self.epochs}
+        assert self.steps is not None
+        return {"max_steps": self.steps}
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{trials, epochs or steps, time_limit}`` (the time limit in seconds)."""
+        out: dict[str, Any] = {"trials": self.trials}
+        out["epochs" if self.epochs is not None else "steps"] = self.max_resource
+        out["time_limit"] = self.time_limit_s
+        return out
+
+
+@dataclass(frozen=True)
+class FusionConfig:
+    """How trials are fused: array ``size`` (an int, or ``"auto"`` for the profiler's choice),
+    ``device`` (``auto``, ``cpu``, ``cuda``, ``cuda:N``), ``dtype`` (one of :data:`DTYPES`) and
+    ``eval_every`` (steps between evaluations; ``None``: one epoch)."""
+
+    size: int | Literal["auto"] = "auto"
+    device: str = "auto"
+    dtype: str = "float32"
+    eval_every: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``fusion:`` mapping."""
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class RayConfig:
+    """Where ``backend: ray`` trains arrays: the cluster's ``address`` (``None``: a local Ray
+    started for the run), the resources each array's actor reserves (``gpus_per_array`` ``None``
+    means one GPU when the device may be CUDA), at most ``max_concurrent`` arrays at once
+    (``None``: as many as the cluster's resources fit) and ``max_failures`` restarts of an array
+    from its checkpoint when its worker dies."""
+
+    address: str | None = None
+    cpus_per_array: float = 1.0
+    gpus_per_array: float | None = None
+    max_concurrent: int | None = None
+    max_failures: int = 3
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``ray:`` mapping (``gpus_per_array`` ``None`` written as ``"auto"``)."""
+        out = dataclasses.asdict(self)
+        if self.gpus_per_array is None:
+            out["gpus_per_array"] = "auto"
+        return out
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    """A validated sweep: what :func:`load_sweep` and :func:`parse_sweep` return.
+
+    ``task_ref`` is the task's reference with a file path made absolute (the resolved form the
+    engine saves), ``task`` the loaded :class:`hfsweep.Task`; ``config`` the fixed values of
+    every trial; ``space`` the search space; ``output`` the run directory (absolute when the
+    sweep came from a file); ``source`` the sweep file, if any.
+    """
+
+    task_ref: str
+    task: Task
+    config: dict[str, Any]
+    space: SearchSpace
+    searcher: SearcherConfig
+    scheduler: SchedulerConfig
+    budget: Budget
+    metric: str
+    mode: Literal["max", "min"]
+    fusion: FusionConfig
+    backend: str
+    storage: str | None
+    output: Path
+    study_name: str
+    seed: int
+    source: Path | None = None
+    ray: RayConfig = field(default_factory=RayConfig)
+
+    def trial_config(self, sampled: Mapping[str, Any]) -> dict[str, Any]:
+        """A trial's task config: the fixed ``config``, the ``sampled`` values and the budget."""
+        return {**self.config, **sampled, **self.budget.trial_config()}
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved config as JSON-safe data, in the schema of a sweep file:
+        ``parse_sweep(c.to_dict(), source=c.source)`` gives an equal config (the search space
+        inline, paths absolute, every default written out)."""
+        return {
+            "task": self.task_ref,
+            "config": dict(self.config),
+            "search_space": self.space.to_dict(),
+            "searcher": self.searcher.to_dict(),
+            "scheduler": self.scheduler.to_dict(),
+            "budget": self.budget.to_dict(),
+            "metric": self.metric,
+            "mode": self.mode,
+            "fusion": self.fusion.to_dict(),
+            "backend": self.backend,
+            **({"ray": self.ray.to_dict()} if self.backend == "ray" else {}),
+            "storage": self.storage,
+            "output": str(self.output),
+            "study_name": self.study_name,
+            "seed": self.seed,
+        }
+
+    def summary(self) -> str:
+        """A few lines describing the sweep, as ``hfsweep validate`` prints them."""
+        b = self.budget
+        per = f"{b.max_resource} {b.resource}"
+        limit = (
+            f"time limit {_seconds(b.time_limit_s)}"
+            if b.time_limit_s is not None
+            else "time limit unbounded"
+        )
+        searcher = self.searcher.name
+        if self.searcher.grid_size is not None:
+            searcher += f" ({self.searcher.grid_size} grid points"
+            if b.trials > self.searcher.grid_size:
+                searcher += f"; trials capped at {self.searcher.grid_size}"
+            searcher += ")"
+        sampled = [n for n in self.space.names if not isinstance(self.space[n], FixedParam)]
+        fixed = {**self.config, **self.space.fixed}
+        lines = [
+            f"task {self.task.name} ({self.task_ref})"
+            if self.task_ref != self.task.name
+            else f"task {self.task.name}",
+            f"{b.trials} trials of {per} each, {limit}",
+            f"searcher {searcher}, scheduler {self.scheduler.name}",
+            f"metric {self.metric} ({self.mode})",
+            f"search space: {', '.join(sampled) or '(nothing sampled)'}",
+        ]
+        if fixed:
+            lines.append("fixed: " + ", ".join(f"{k}={v!r}" for k, v in fixed.items()))
+        lines += [
+            f"fusion: size {self.fusion.size}, device {self.fusion.device}, {self.fusion.dtype}",
+            f"backend {self.backend}, storage {self.storage or 'journal file in the run directory'}",
+            f"output {self.output} (study {self.study_name!r})",
+        ]
+        return "\n".join(lines)
+
+
+def _seconds(seconds: float) -> str:
+    """``5400 s (1h30m)``: seconds, and hours and minutes when that is easier to read."""
+    text = f"{seconds:g} s"
+    if seconds >= 60:
+        h, rest = divmod(seconds, 3600)
+        m, s = divmod(rest, 60)
+        parts = [f"{h:.0f}h" if h else "", f"{m:.0f}m" if m else "", f"{s:g}s" if s else ""]
+        text += f" ({''.join(parts)})"
+    return text
