@@ -23,6 +23,7 @@ import json
 import logging
 import math
 import os
+import sys
 import threading
 import time
 import warnings
@@ -36,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ._dburl import mask, shown
 from ._io import atomic_save, grouped_sync
 from ._packed import UnsafeFileError
 from ._preflight import preflight
@@ -62,7 +64,14 @@ __all__ = ["SweepError", "SweepResult", "TrainingError", "sweep"]
 _log = logging.getLogger("hfsweep.sweep")
 
 #: settings a resumed sweep may change: they do not touch anything already trained
-_MAY_CHANGE_ON_RESUME = ("budget.trials", "budget.time_limit", "output", "backend", "ray.")
+_MAY_CHANGE_ON_RESUME = (
+    "budget.trials",
+    "budget.time_limit",
+    "output",
+    "backend",
+    "ray.",
+    "storage_retry",
+)
 #: most trials one refill asks the searcher for while looking for one of the array's key
 _REFILL_ASKS = 3
 #: searchers whose draws do not depend on earlier results (``fusion.size: auto`` is not capped)
@@ -328,7 +337,7 @@ class _Engine:
                 raise self._stop(failed) from failed.exc
             finally:
                 self._save_state()
-                self._publish(force=True)
+                self._publish_last()
                 self.progress.close()
             result = self._result()
             _log.info("%s", result.summary())
@@ -389,6 +398,7 @@ class _Engine:
             )
         if has_study and self.dir.config.exists():
             before = json.loads(self.dir.config.read_text(encoding="utf-8"))
+            before["storage"] = mask(before.get("storage"))  # as an older hfsweep wrote it
             now = json.loads(json.dumps(self.sc.to_dict()))
             flat_b, flat_n = _flatten(before), _flatten(now)
             changed = [
@@ -412,7 +422,12 @@ class _Engine:
         import optuna
 
         storage: Any = self.sc.storage
-        if storage is None:
+        if storage is not None:
+            from ._storage import open_storage
+
+            resume = f"hfsweep run {self.sc.source} --resume" if self.sc.source else "resume=True"
+            storage = open_storage(storage, retry_s=self.sc.storage_retry_s, resume=resume)
+        else:
             from ._journal import GroupedJournalFileBackend
 
             self._journal = GroupedJournalFileBackend(self.dir.journal)
@@ -450,13 +465,13 @@ class _Engine:
             )
         except ImportError as exc:  # the storage URL's database driver
             raise SweepError(
-                f"storage {self.sc.storage}: {exc}; install the database driver it names "
-                '(for PostgreSQL, pip install "hfsweep[postgres]")'
+                f"storage {shown(self.sc.storage or '')}: {exc}; install the database driver "
+                'it names (for PostgreSQL, pip install "hfsweep[postgres]")'
             ) from exc
         except optuna.exceptions.DuplicatedStudyError:
             raise SweepError(
-                f"storage {self.sc.storage} already has a study named {self.sc.study_name!r}; "
-                "resume it with --resume, or set another study_name"
+                f"storage {shown(self.sc.storage or '')} already has a study named "
+                f"{self.sc.study_name!r}; resume it with --resume, or set another study_name"
             ) from None
         asked = len(study.get_trials(deepcopy=False))
         if asked:
@@ -1006,6 +1021,20 @@ class _Engine:
         self._published = now
         self.dir.write_trials(self.study.get_trials(deepcopy=False))
         self.dir.write_best(self._best_record(self._best_trial()))
+
+    def _publish_last(self) -> None:
+        """The last :meth:`_publish` of a run. While an error stops the sweep, a storage that
+        is not answering (the likely error) leaves the files as they are, and the error that
+        stopped the sweep is the one raised: resuming writes them again."""
+        from ._storage import StorageUnavailable
+
+        stopping = sys.exc_info()[1] is not None
+        try:
+            self._publish(force=True)
+        except StorageUnavailable as exc:
+            if not stopping:
+                raise
+            _log.warning("trials.csv and best.json are not updated: %s", exc)
 
     def _keep_checkpoint(self, number: int, value: float, model: Mapping[str, Any]) -> None:
         """Keep trial ``number``'s weights if it is among the best completed trials."""

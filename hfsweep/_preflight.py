@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ._dburl import mask
 from .config import ConfigError
 
 if TYPE_CHECKING:
@@ -173,10 +174,18 @@ def _check_device(sc: SweepConfig) -> None:
 
 # ---------------------------------------------------------------------------- storage
 def _check_storage(sc: SweepConfig) -> None:
-    """An RDB URL names a SQLAlchemy dialect whose database driver is installed (Optuna opens
-    the URL through SQLAlchemy, and needs a synchronous driver)."""
+    """An RDB URL's ``${NAME}`` references are set, it names a SQLAlchemy dialect whose
+    database driver is installed (Optuna opens the URL through SQLAlchemy, and needs a
+    synchronous driver), and its database answers (a wrong password, port or database name
+    is found here, with the server's own message, not after the run directory is created)."""
     if sc.storage is None:
         return
+    from ._dburl import UnsetVariable, expand
+
+    try:
+        written = expand(sc.storage)
+    except UnsetVariable as exc:
+        raise _error(sc, "storage", f"{mask(sc.storage)}: {exc}") from None
     try:
         from sqlalchemy.engine import make_url
         from sqlalchemy.exc import ArgumentError, NoSuchModuleError
@@ -187,14 +196,14 @@ def _check_storage(sc: SweepConfig) -> None:
         ) from None  # fmt: skip
 
     def unreadable(exc: Exception) -> ConfigError:  # a port that is not a number...
-        masked = _PASSWORD.sub(r"\1***@", str(sc.storage))
+        masked = _PASSWORD.sub(r"\1***@", written)
         return _error(
             sc, "storage", f"{masked} is not a database URL SQLAlchemy can read ({exc}); "
             "write dialect[+driver]://user:password@host:port/database"
         )  # fmt: skip
 
     try:
-        url = make_url(sc.storage)
+        url = make_url(written)
     except (ArgumentError, ValueError) as exc:
         raise unreadable(exc) from None
     shown = url.render_as_string(hide_password=True)
@@ -231,6 +240,16 @@ def _check_storage(sc: SweepConfig) -> None:
             f"({exc}): pip install {package}"
         )
         raise _error(sc, "storage", problem) from None
+    from ._storage import CONNECT_TIMEOUT_S, check_connection
+
+    answer = check_connection(written)
+    if answer is not None:
+        raise _error(
+            sc,
+            "storage",
+            f"cannot connect to {shown} within {CONNECT_TIMEOUT_S} s: {answer}; check the "
+            "user, password, host, port and database name (the database must exist)",
+        )
 
 
 _CHECKS: tuple[Callable[[SweepConfig], None], ...] = (_check_output, _check_device, _check_storage)

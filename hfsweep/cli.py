@@ -173,6 +173,7 @@ def _validate(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from ._engine import SweepError, TrainingError, sweep
     from ._preflight import preflight
+    from ._storage import StorageUnavailable
     from .config import ConfigError, load_sweep
     from .searchers._source import SearcherError
 
@@ -192,7 +193,7 @@ def _run(args: argparse.Namespace) -> int:
             print(f"  {line}", flush=True)
     try:
         result = sweep(config, resume=args.resume, progress=not args.quiet)
-    except TrainingError as e:  # the task's code raised while training: its trials are FAIL
+    except (TrainingError, StorageUnavailable) as e:  # the task's code, or the database, failed
         _error("run", e, args)
         return 1
     except (ConfigError, SweepError, SearcherError) as e:

@@ -52,7 +52,9 @@ A sweep file is one YAML mapping. Every key, with its default::
       max_failures: 3           # restarts of an array from its checkpoint after its worker died
     storage: null               # null: an Optuna journal file in the run directory; or an Optuna
                                 #   RDB URL (sqlite:///study.db, postgresql+psycopg2://user@host/db
-                                #   with hfsweep[postgres], ...) whose driver is installed
+                                #   with hfsweep[postgres], ...) whose driver is installed;
+                                #   ${NAME} is an environment variable (a password, the URL)
+    storage_retry: 120          # seconds (or "2m") to retry a lost database connection; null: none
     output: runs/<file stem>    # the run directory, relative to the sweep file's folder
     study_name: <file stem>     # the Optuna study's name ("sweep" without a file)
     seed: 0                     # int >= 0; the searcher's seed unless searcher.seed is given
@@ -90,6 +92,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from ._dburl import mask
 from ._entry import load_task
 from ._errors import LocatedError
 from ._task import Task, TaskError
@@ -147,7 +150,9 @@ DTYPES = ("float32", "float64", "bfloat16")
 BACKENDS = ("local", "ray")
 _MODES = ("max", "min")
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:[0-9]+)?)$")
-_STORAGE = re.compile(r"^(sqlite|postgresql|postgres|mysql|oracle|mssql)(\+[A-Za-z0-9_]+)?://")
+_STORAGE = re.compile(
+    r"^(\$\{|(sqlite|postgresql|postgres|mysql|oracle|mssql)(\+[A-Za-z0-9_]+)?://)"
+)
 _DURATION = re.compile(r"^\s*(?:[0-9]+(?:\.[0-9]*)?\s*[smh]\s*)+$")
 _DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]*)?)\s*([smh])")
 _UNIT_S = {"s": 1.0, "m": 60.0, "h": 3600.0}
@@ -178,6 +183,7 @@ _TOP_KEYS = (
     "backend",
     "ray",
     "storage",
+    "storage_retry",
     "output",
     "study_name",
     "seed",
@@ -319,7 +325,8 @@ class SweepConfig:
     ``task_ref`` is the task's reference with a file path made absolute (the resolved form the
     engine saves), ``task`` the loaded :class:`hfsweep.Task`; ``config`` the fixed values of
     every trial; ``space`` the search space; ``output`` the run directory (absolute when the
-    sweep came from a file); ``source`` the sweep file, if any.
+    sweep came from a file); ``source`` the sweep file, if any; ``storage_retry_s`` how long
+    a lost database connection is retried (None: not at all).
     """
 
     task_ref: str
@@ -339,6 +346,7 @@ class SweepConfig:
     seed: int
     source: Path | None = None
     ray: RayConfig = field(default_factory=RayConfig)
+    storage_retry_s: float | None = 120.0
 
     def trial_config(self, sampled: Mapping[str, Any]) -> dict[str, Any]:
         """A trial's task config: the fixed ``config``, the ``sampled`` values and the budget."""
@@ -347,7 +355,8 @@ class SweepConfig:
     def to_dict(self) -> dict[str, Any]:
         """The resolved config as JSON-safe data, in the schema of a sweep file:
         ``parse_sweep(c.to_dict(), source=c.source)`` gives an equal config (the search space
-        inline, paths absolute, every default written out)."""
+        inline, paths absolute, every default written out), but for a password written in the
+        storage URL: it is masked (``user:***@``), so that ``sweep.json`` holds no secret."""
         return {
             "task": self.task_ref,
             "config": dict(self.config),
@@ -360,7 +369,8 @@ class SweepConfig:
             "fusion": self.fusion.to_dict(),
             "backend": self.backend,
             **({"ray": self.ray.to_dict()} if self.backend == "ray" else {}),
-            "storage": self.storage,
+            "storage": mask(self.storage),  # a password written in the URL is not stored
+            "storage_retry": self.storage_retry_s,
             "output": str(self.output),
             "study_name": self.study_name,
             "seed": self.seed,
@@ -396,7 +406,8 @@ class SweepConfig:
             lines.append("fixed: " + ", ".join(f"{k}={v!r}" for k, v in fixed.items()))
         lines += [
             f"fusion: size {self.fusion.size}, device {self.fusion.device}, {self.fusion.dtype}",
-            f"backend {self.backend}, storage {self.storage or 'journal file in the run directory'}",
+            f"backend {self.backend}, storage "
+            + (mask(self.storage) or "journal file in the run directory"),
             f"output {self.output} (study {self.study_name!r})",
         ]
         return "\n".join(lines)
@@ -643,6 +654,7 @@ class _Parser:
             seed=seed,
             source=self.source,
             ray=ray,
+            storage_retry_s=self.duration(top.get("storage_retry", 120.0), "storage_retry"),
         )
 
     # ---------------------------------------------------------------- sections
@@ -1022,8 +1034,8 @@ class _Parser:
         if not isinstance(raw, str) or not _STORAGE.match(raw):
             raise self.error(
                 "storage",
-                f"{raw!r} is not an Optuna storage URL; give null (a journal file in the run "
-                "directory) or an RDB URL such as sqlite:///study.db or "
+                f"{mask(raw) if isinstance(raw, str) else raw!r} is not an Optuna storage URL; "
+                "give null (a journal file in the run directory) or an RDB URL such as sqlite:///study.db or "
                 "postgresql://user:password@host/db",
             )
         return raw
