@@ -208,7 +208,7 @@ def sweep(
 
     Before anything is written, the sweep is checked against this machine (an output that
     cannot be written, CUDA where there is none, a storage URL whose database driver is
-    missing), then the task's code runs once (a dry run: its model for the space's corner
+    missing or whose database does not answer), then the task's code runs once (a dry run: its model for the space's corner
     configs, one training step of an array of two on one batch, one validation batch; on a Ray
     cluster given by ``ray.address`` the workers' first array does it).
 
@@ -218,7 +218,9 @@ def sweep(
     running in), and :class:`TrainingError` (a :class:`SweepError`) when the task's code
     raised while an array trained: that array's trials and every other unfinished one are then
     ``FAIL`` in the study, none is left ``RUNNING``. A trial whose ``model(config)`` raises
-    fails alone, and the sweep goes on.
+    fails alone, and the sweep goes on. A storage database that stops answering is retried
+    for ``storage_retry`` seconds, then ``hfsweep._storage.StorageUnavailable`` (a
+    :class:`SweepError`) stops the sweep, resumable.
     """
     if isinstance(config, SweepConfig):
         sc = config
@@ -423,10 +425,17 @@ class _Engine:
 
         storage: Any = self.sc.storage
         if storage is not None:
-            from ._storage import open_storage
+            from ._storage import open_storage, study_exists
 
             resume = f"hfsweep run {self.sc.source} --resume" if self.sc.source else "resume=True"
             storage = open_storage(storage, retry_s=self.sc.storage_retry_s, resume=resume)
+            if self.dir.state.exists() and not study_exists(storage, self.sc.study_name):
+                raise SweepError(
+                    f"cannot resume {self.dir.path}: storage {shown(self.sc.storage or '')} holds no "
+                    f"study {self.sc.study_name!r}, which this sweep started: the URL (or an "
+                    "environment variable it names) now names another database; set it back, "
+                    "or start a new sweep in another output directory"
+                )
         else:
             from ._journal import GroupedJournalFileBackend
 

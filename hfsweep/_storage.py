@@ -38,6 +38,7 @@ __all__ = [
     "check_connection",
     "engine_kwargs",
     "open_storage",
+    "study_exists",
 ]
 
 _log = logging.getLogger("hfsweep.storage")
@@ -264,6 +265,13 @@ def open_storage(
         return _CachedStorage(RDBStorage(expanded, engine_kwargs=engine_kwargs(expanded)))
 
     return RetryingStorage(retrier.run(build), retrier)
+
+
+def study_exists(storage: BaseStorage, name: str) -> bool:
+    """Whether ``storage`` holds a study named ``name``. A resumed sweep checks it: where the
+    URL comes from an environment variable, sweep.json cannot tell that it now names another
+    database, in which resuming would start over in a new, empty study."""
+    return any(study.study_name == name for study in storage.get_all_studies())
 
 
 class RetryingStorage(BaseStorage, BaseHeartbeat):

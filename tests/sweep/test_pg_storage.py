@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 import hfsweep as hs
+from hfsweep import report
 from hfsweep._dburl import mask, scrub
 from hfsweep.cli import main
 from hfsweep.config import ConfigError, parse_sweep
@@ -120,11 +121,17 @@ def test_an_unset_variable_in_the_url_is_refused_naming_it(
     assert "environment variable HFSWEEP_TEST_DB_PASSWORD" in err and "not set" in err
 
 
+@pytest.mark.slow
 def test_the_password_and_the_whole_url_come_from_the_environment(
-    postgres: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+    postgres: str,
+    postgres_server_shared: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: Any,
 ) -> None:
     """A committed sweep file names ${VARIABLES}; sweep.json keeps the references, so resume
-    and report expand them again."""
+    and report expand them again; a variable that now names another database is refused on
+    resume."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HFSWEEP_TEST_DB_PASSWORD", PASSWORD)
     url = postgres.replace(PASSWORD, "${HFSWEEP_TEST_DB_PASSWORD}")
@@ -133,7 +140,8 @@ def test_the_password_and_the_whole_url_come_from_the_environment(
     saved = json.loads(Path("runs/sweep/sweep.json").read_text(encoding="utf-8"))
     assert saved["storage"] == url
     assert main(["run", "sweep.yaml", "--quiet", "--resume"]) == 0
-    assert main(["report", "runs/sweep"]) == 0
+    run = Path("runs/sweep")
+    assert len(report._load_study(run, report._read_sweep(run)).trials) == 4  # what report reads
     assert PASSWORD not in _all_outputs(capsys, tmp_path / "runs")
 
     monkeypatch.setenv("HFSWEEP_TEST_DB_URL", postgres)
@@ -144,10 +152,15 @@ def test_the_password_and_the_whole_url_come_from_the_environment(
     assert main(["run", "whole.yaml", "--quiet"]) == 0  # a second study in that database
     saved = json.loads(Path("runs/whole/sweep.json").read_text(encoding="utf-8"))
     assert saved["storage"] == "${HFSWEEP_TEST_DB_URL}"
+    monkeypatch.setenv("HFSWEEP_TEST_DB_URL", postgres_server_shared.create_database())
+    assert main(["run", "whole.yaml", "--quiet", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "holds no study 'whole', which this sweep started" in err and PASSWORD not in err
     assert PASSWORD not in _all_outputs(capsys, tmp_path / "runs")
 
 
 # ---------------------------------------------------------------------------- never shown
+@pytest.mark.slow
 def test_the_password_is_masked_in_the_summary_sweep_json_log_errors_and_report(
     postgres: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:
