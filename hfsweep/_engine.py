@@ -208,9 +208,10 @@ def sweep(
 
     Before anything is written, the sweep is checked against this machine (an output that
     cannot be written, CUDA where there is none, a storage URL whose database driver is
-    missing or whose database does not answer), then the task's code runs once (a dry run: its model for the space's corner
-    configs, one training step of an array of two on one batch, one validation batch; on a Ray
-    cluster given by ``ray.address`` the workers' first array does it).
+    missing or whose database does not answer), then the task's code runs once (a dry run: its
+    model for the space's corner configs, one training step of an array of two on one batch,
+    one validation batch; on a Ray cluster given by ``ray.address`` the workers' first array
+    does it).
 
     Raises :class:`~hfsweep.config.ConfigError` for an invalid config, one this machine cannot
     run or a task that fails the dry run, :class:`SweepError` when the sweep cannot start (an
@@ -431,10 +432,10 @@ class _Engine:
             storage = open_storage(storage, retry_s=self.sc.storage_retry_s, resume=resume)
             if self.dir.state.exists() and not study_exists(storage, self.sc.study_name):
                 raise SweepError(
-                    f"cannot resume {self.dir.path}: storage {shown(self.sc.storage or '')} holds no "
-                    f"study {self.sc.study_name!r}, which this sweep started: the URL (or an "
-                    "environment variable it names) now names another database; set it back, "
-                    "or start a new sweep in another output directory"
+                    f"cannot resume {self.dir.path}: storage {shown(self.sc.storage or '')} "
+                    f"holds no study {self.sc.study_name!r}, which this sweep started: the URL "
+                    "(or an environment variable it names) now names another database; set it "
+                    "back, or start a new sweep in another output directory"
                 )
         else:
             from ._journal import GroupedJournalFileBackend

@@ -16,7 +16,6 @@ cluster) belongs in :data:`_CHECKS`.
 from __future__ import annotations
 
 import os
-import re
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -46,8 +45,6 @@ _DRIVER_PACKAGES = {
     "pyodbc": "pyodbc",
     "pymssql": "pymssql",
 }
-#: the password of a URL, hidden in messages
-_PASSWORD = re.compile(r"(://[^:/@]*:)[^@]*@")
 #: a synchronous driver to suggest for a database whose URL names an asyncio one
 _SYNC_DRIVERS = {"postgresql": "psycopg2", "mysql": "pymysql", "sqlite": "pysqlite"}
 
@@ -196,9 +193,8 @@ def _check_storage(sc: SweepConfig) -> None:
         ) from None  # fmt: skip
 
     def unreadable(exc: Exception) -> ConfigError:  # a port that is not a number...
-        masked = _PASSWORD.sub(r"\1***@", written)
         return _error(
-            sc, "storage", f"{masked} is not a database URL SQLAlchemy can read ({exc}); "
+            sc, "storage", f"{mask(written)} is not a database URL SQLAlchemy can read ({exc}); "
             "write dialect[+driver]://user:password@host:port/database"
         )  # fmt: skip
 

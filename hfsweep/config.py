@@ -1035,8 +1035,8 @@ class _Parser:
             raise self.error(
                 "storage",
                 f"{mask(raw) if isinstance(raw, str) else raw!r} is not an Optuna storage URL; "
-                "give null (a journal file in the run directory) or an RDB URL such as sqlite:///study.db or "
-                "postgresql://user:password@host/db",
+                "give null (a journal file in the run directory) or an RDB URL such as "
+                "sqlite:///study.db or postgresql://user:password@host/db",
             )
         return raw
 

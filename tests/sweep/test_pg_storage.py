@@ -90,6 +90,13 @@ def test_storage_retry_is_a_duration() -> None:
         parse_sweep({**base, "storage_retry": -1})
 
 
+def test_a_storage_that_is_no_url_is_refused_without_its_password() -> None:
+    base = sweep_config("run", task=_gated.TASK)
+    with pytest.raises(ConfigError, match=r"storage: 'postgress://me:\*\*\*@db/x' is not") as info:
+        parse_sweep({**base, "storage": "postgress://me:s3cret@db/x"})
+    assert "s3cret" not in str(info.value)
+
+
 # ---------------------------------------------------------------------------- opening it
 @pytest.mark.parametrize("wrong", ["password", "port", "database"])
 def test_a_wrong_password_port_or_database_is_refused_before_anything_is_written(
