@@ -195,8 +195,11 @@ class _Retrier:
         """``call()``, tried again while it fails with a transient error. ``settled``, asked
         when a retry fails otherwise, returns the call's result if an earlier try did the work
         although its answer was lost (else None); ``reset`` runs before each retry."""
-        if self.gave_up is not None:
-            raise StorageUnavailable(str(self.gave_up)) from self.gave_up.__cause__
+        if self.gave_up is not None:  # the error that stopped the sweep is its __cause__
+            raise StorageUnavailable(
+                f"the sweep's storage {self.where} is not answering: the sweep gave up on it "
+                "(the error before this one says why)"
+            ) from self.gave_up
         first: float | None = None
         wait = _FIRST_WAIT_S
         while True:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy.exc import OperationalError
 
 import hfsweep as hs
 from hfsweep import report
@@ -273,3 +274,80 @@ def test_a_database_down_longer_than_storage_retry_stops_the_sweep_then_resume_f
     study = optuna.load_study(study_name="sweep", storage=url)
     assert [t.state.name for t in study.trials] == ["COMPLETE"] * 6
     assert _tells(Path("runs/sweep/sweep.log")) == Counter(range(6))  # none told twice
+
+
+# ---------------------------------------------------------------------------- the retries
+class _Flaky:
+    """An Optuna storage whose named calls fail ``times`` times with a lost connection; with
+    ``after=True`` the call's work is done first, as when a commit's answer is lost."""
+
+    def __init__(self, inner: Any, name: str, times: int, after: bool = False) -> None:
+        self.inner, self.name, self.times, self.after = inner, name, times, after
+
+    def __getattr__(self, attr: str) -> Any:
+        real = getattr(self.inner, attr)
+        if attr != self.name:
+            return real
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if self.times > 0:
+                self.times -= 1
+                if self.after:
+                    real(*args, **kwargs)
+                raise OperationalError(
+                    "UPDATE trials", {}, Exception("server closed the connection")
+                )
+            return real(*args, **kwargs)
+
+        return call
+
+
+def _retrying(inner: Any, retry_s: float) -> tuple[Any, list[float]]:
+    from hfsweep._storage import RetryingStorage, _Retrier
+
+    waits: list[float] = []
+    now = [0.0]
+
+    def sleep(s: float) -> None:
+        waits.append(s)
+        now[0] += s
+
+    retrier = _Retrier(
+        where="db", url="postgresql://me:pw@db/x", retry_s=retry_s, resume="--resume",
+        sleep=sleep, clock=lambda: now[0],
+    )  # fmt: skip
+    return RetryingStorage(inner, retrier), waits
+
+
+def test_a_trial_end_whose_answer_was_lost_is_not_told_twice() -> None:
+    """The first try commits the end and loses the answer; the retry finds the trial already
+    ended as asked, and counts as done instead of raising UpdateFinishedTrialError."""
+    import optuna
+
+    memory = optuna.storages.InMemoryStorage()
+    flaky = _Flaky(memory, "set_trial_state_values", times=1, after=True)
+    storage, waits = _retrying(flaky, retry_s=60)
+    study = optuna.create_study(storage=storage)
+    trial = study.ask()
+    study.tell(trial, 0.5)
+    assert waits == [0.5]
+    assert [(t.state.name, t.value) for t in study.trials] == [("COMPLETE", 0.5)]
+
+
+def test_after_giving_up_every_call_fails_at_once() -> None:
+    """Once the retry time is spent, the sweep is stopping: its last calls (publishing results
+    in a finally) raise the same error without waiting the whole time again."""
+    import optuna
+
+    from hfsweep._storage import StorageUnavailable
+
+    memory = optuna.storages.InMemoryStorage()
+    study_id = memory.create_new_study([optuna.study.StudyDirection.MINIMIZE], "s")
+    storage, waits = _retrying(_Flaky(memory, "get_all_trials", times=100), retry_s=10)
+    with pytest.raises(StorageUnavailable, match="could not be reached for 10 s") as first:
+        storage.get_all_trials(study_id)
+    assert sum(waits) == 10 and "pw" not in str(first.value)
+    waited = len(waits)
+    with pytest.raises(StorageUnavailable) as second:
+        storage.get_all_trials(study_id)
+    assert len(waits) == waited and second.value.__cause__ is first.value
