@@ -236,15 +236,15 @@ def _check_storage(sc: SweepConfig) -> None:
             f"({exc}): pip install {package}"
         )
         raise _error(sc, "storage", problem) from None
-    from ._storage import CONNECT_TIMEOUT_S, check_connection
+    from ._storage import check_connection
 
     answer = check_connection(written)
     if answer is not None:
         raise _error(
             sc,
             "storage",
-            f"cannot connect to {shown} within {CONNECT_TIMEOUT_S} s: {answer}; check the "
-            "user, password, host, port and database name (the database must exist)",
+            f"cannot connect to {shown}: {answer}; check the user, password, host, port and "
+            "database name (the database must exist)",
         )
 
 

@@ -134,7 +134,7 @@ def check_connection(url: str, timeout_s: float = CONNECT_TIMEOUT_S) -> str | No
     thread.start()
     thread.join(timeout_s + 2)
     if not outcome:
-        return f"no answer within {timeout_s + 2:g} s"
+        return f"no answer within {timeout_s + 2:g} s (is the host reachable?)"
     return outcome[0]
 
 

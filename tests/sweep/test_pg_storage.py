@@ -120,6 +120,21 @@ def test_a_wrong_password_port_or_database_is_refused_before_anything_is_written
     assert PASSWORD not in err
 
 
+def test_a_port_that_never_answers_is_given_up_on() -> None:
+    """Something listens (the kernel completes the handshake) but never speaks PostgreSQL: the
+    check ends with the driver's timeout instead of hanging."""
+    import socket
+
+    from hfsweep._storage import check_connection
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        port = listener.getsockname()[1]
+        answer = check_connection(f"postgresql://me:pw@127.0.0.1:{port}/db", timeout_s=2)
+    assert answer is not None and "timeout" in answer
+
+
 def test_an_unset_variable_in_the_url_is_refused_naming_it(
     postgres: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:
