@@ -429,7 +429,9 @@ class _Engine:
             from ._storage import open_storage, study_exists
 
             resume = f"hfsweep run {self.sc.source} --resume" if self.sc.source else "resume=True"
-            storage = open_storage(storage, retry_s=self.sc.storage_retry_s, resume=resume)
+            storage = open_storage(
+                storage, retry_s=self.sc.storage_retry_s, resume=resume, say=self.progress.note
+            )
             if self.dir.state.exists() and not study_exists(storage, self.sc.study_name):
                 raise SweepError(
                     f"cannot resume {self.dir.path}: storage {shown(self.sc.storage or '')} "

@@ -165,7 +165,9 @@ class _Retrier:
     call raises it at once (the sweep is stopping, and its last writes, publishing results in a
     ``finally``, must not wait the whole time again). ``where`` names the storage in messages
     (the masked URL), ``url`` is the URL whose password is scrubbed from them, ``resume`` the
-    advice for continuing; ``sleep`` and ``clock`` are for tests."""
+    advice for continuing; ``say`` shows the retries as they happen (the sweep's progress
+    line: a stall of minutes is explained), besides the log; ``sleep`` and ``clock`` are for
+    tests."""
 
     def __init__(
         self,
@@ -174,6 +176,7 @@ class _Retrier:
         url: str,
         retry_s: float | None,
         resume: str,
+        say: Callable[[str], None] | None = None,
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -181,6 +184,7 @@ class _Retrier:
         self.url = url
         self.retry_s = retry_s or 0.0
         self.resume = resume
+        self.say = say
         self.sleep = sleep
         self.clock = clock
         self.gave_up: StorageUnavailable | None = None
@@ -214,11 +218,9 @@ class _Retrier:
                 now = self.clock()
                 if first is None:
                     first = now
-                    _log.warning(
-                        "storage %s: %s; trying again for up to %g s",
-                        self.where,
-                        server_message(exc, self.url),
-                        self.retry_s,
+                    self._tell(
+                        f"storage {self.where}: {server_message(exc, self.url)}; trying again "
+                        f"for up to {self.retry_s:g} s"
                     )
                 if now - first >= self.retry_s:
                     raise self._give_up(exc, now - first) from exc
@@ -228,10 +230,15 @@ class _Retrier:
                     reset()
                 continue
             if first is not None:
-                _log.warning(
-                    "storage %s: reachable again after %.1f s", self.where, self.clock() - first
+                self._tell(
+                    f"storage {self.where}: reachable again after {self.clock() - first:.1f} s"
                 )
             return result
+
+    def _tell(self, text: str) -> None:
+        _log.warning("%s", text)
+        if self.say is not None:
+            self.say(text)
 
     def _give_up(self, exc: BaseException, waited: float) -> StorageUnavailable:
         retried = (
@@ -252,16 +259,21 @@ class _Retrier:
 
 
 def open_storage(
-    url: str, *, retry_s: float | None, resume: str, retrier: _Retrier | None = None
+    url: str,
+    *,
+    retry_s: float | None,
+    resume: str,
+    say: Callable[[str], None] | None = None,
 ) -> RetryingStorage:
     """The Optuna storage for the sweep's ``storage`` URL (as written: its ``${NAME}``
     references are expanded here): Optuna's cached RDB storage with :func:`engine_kwargs`,
-    opened (which creates its tables) and used through :class:`RetryingStorage`."""
+    opened (which creates its tables) and used through :class:`RetryingStorage`, whose
+    retries ``say`` shows."""
     from optuna.storages import RDBStorage, _CachedStorage
 
     expanded = expand(url)
-    retrier = retrier or _Retrier(
-        where=str(mask(expanded)), url=expanded, retry_s=retry_s, resume=resume
+    retrier = _Retrier(
+        where=str(mask(expanded)), url=expanded, retry_s=retry_s, resume=resume, say=say
     )
 
     def build() -> BaseStorage:

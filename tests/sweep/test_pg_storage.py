@@ -236,7 +236,7 @@ def _stop_when_training(server: Any, gate: Path, down_s: float | None) -> thread
 
 @pytest.mark.slow
 def test_a_database_restart_mid_sweep_is_ridden_out(
-    postgres_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    postgres_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:
     gate = tmp_path / "gate"
     gate.mkdir()
@@ -245,8 +245,10 @@ def test_a_database_restart_mid_sweep_is_ridden_out(
     url = postgres_server.create_database()
     thread = _stop_when_training(postgres_server, gate, down_s=1.0)
     config = sweep_config(tmp_path / "run", task=_gated.TASK, storage=url, storage_retry=60)
-    result = hs.sweep(config, progress=False)
+    result = hs.sweep(config, progress=True)
     thread.join()
+    shown = capsys.readouterr().err  # the progress line says why the sweep stalls
+    assert "trying again for up to 60 s" in shown and "reachable again after" in shown
     assert (gate / "go").exists()  # the server was down while the sweep trained
     assert result.counts == {"COMPLETE": 8, "PRUNED": 0, "FAIL": 0, "RUNNING": 0}
     assert _tells(tmp_path / "run" / "sweep.log") == Counter(range(8))
