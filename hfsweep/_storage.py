@@ -16,7 +16,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Container, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from optuna.storages import BaseStorage
@@ -37,7 +37,9 @@ __all__ = [
     "StorageUnavailable",
     "check_connection",
     "engine_kwargs",
+    "is_transient",
     "open_storage",
+    "server_message",
     "study_exists",
 ]
 
@@ -91,17 +93,13 @@ def engine_kwargs(url: str, timeout_s: float = CONNECT_TIMEOUT_S) -> dict[str, A
 def server_message(exc: BaseException, url: str) -> str:
     """The database driver's own message behind ``exc`` (``FATAL: password authentication
     failed for user "me"``), on one line, without the password."""
-    seen: set[int] = set()
-    cause: BaseException | None = exc
-    found: BaseException = exc
-    while cause is not None and id(cause) not in seen:
-        seen.add(id(cause))
+    found = exc
+    for cause in _chain(exc):
         orig = getattr(cause, "orig", None)  # SQLAlchemy's DBAPIError: the driver's error
         if isinstance(orig, BaseException):
             found = orig
             break
         found = cause
-        cause = cause.__cause__ or cause.__context__
     text = " ".join(str(found).split()) or type(found).__name__
     return scrub(text, url)
 
@@ -145,16 +143,21 @@ def is_transient(exc: BaseException) -> bool:
     that invalidated the connection; Optuna wraps them in ``StorageInternalError``."""
     from sqlalchemy import exc as sa
 
+    return any(
+        isinstance(cause, sa.OperationalError | sa.InterfaceError)
+        or (isinstance(cause, sa.DBAPIError) and cause.connection_invalidated)
+        for cause in _chain(exc)
+    )
+
+
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    """``exc``, then the exceptions behind it (its cause, else its context), each once."""
     seen: set[int] = set()
     cause: BaseException | None = exc
     while cause is not None and id(cause) not in seen:
         seen.add(id(cause))
-        if isinstance(cause, sa.OperationalError | sa.InterfaceError):
-            return True
-        if isinstance(cause, sa.DBAPIError) and cause.connection_invalidated:
-            return True
+        yield cause
         cause = cause.__cause__ or cause.__context__
-    return False
 
 
 # ---------------------------------------------------------------------------- retrying

@@ -283,6 +283,8 @@ def test_a_database_down_longer_than_storage_retry_stops_the_sweep_then_resume_f
     assert "continue with hfsweep run sweep.yaml --resume" in err and PASSWORD not in err
 
     postgres_server.start()
+    text = Path("sweep.yaml").read_text(encoding="utf-8")  # storage_retry may change on resume
+    Path("sweep.yaml").write_text(text.replace("storage_retry: 1", "storage_retry: 30"))
     assert main(["run", "sweep.yaml", "--quiet", "--resume"]) == 0
     trials = json.loads(Path("runs/sweep/state.json").read_text(encoding="utf-8"))
     assert trials["arrays"] and all(a["done"] for a in trials["arrays"])
