@@ -23,6 +23,7 @@ import json
 import logging
 import math
 import os
+import sys
 import threading
 import time
 import warnings
@@ -36,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ._dburl import mask, shown
 from ._io import atomic_save, grouped_sync
 from ._packed import UnsafeFileError
 from ._preflight import preflight
@@ -62,7 +64,14 @@ __all__ = ["SweepError", "SweepResult", "TrainingError", "sweep"]
 _log = logging.getLogger("hfsweep.sweep")
 
 #: settings a resumed sweep may change: they do not touch anything already trained
-_MAY_CHANGE_ON_RESUME = ("budget.trials", "budget.time_limit", "output", "backend", "ray.")
+_MAY_CHANGE_ON_RESUME = (
+    "budget.trials",
+    "budget.time_limit",
+    "output",
+    "backend",
+    "ray.",
+    "storage_retry",
+)
 #: the clock of a sweep's elapsed time and ``budget.time_limit`` (tests replace it with a fake)
 _clock: Callable[[], float] = time.perf_counter
 #: completed trials whose model state_dict is kept in checkpoints/
@@ -195,9 +204,10 @@ def sweep(
 
     Before anything is written, the sweep is checked against this machine (an output that
     cannot be written, CUDA where there is none, a storage URL whose database driver is
-    missing), then the task's code runs once (a dry run: its model for the space's corner
-    configs, one training step of an array of two on one batch, one validation batch; on a Ray
-    cluster given by ``ray.address`` the workers' first array does it).
+    missing or whose database does not answer), then the task's code runs once (a dry run: its
+    model for the space's corner configs, one training step of an array of two on one batch,
+    one validation batch; on a Ray cluster given by ``ray.address`` the workers' first array
+    does it).
 
     Raises :class:`~hfsweep.config.ConfigError` for an invalid config, one this machine cannot
     run or a task that fails the dry run, :class:`SweepError` when the sweep cannot start (an
@@ -205,7 +215,9 @@ def sweep(
     running in), and :class:`TrainingError` (a :class:`SweepError`) when the task's code
     raised while an array trained: that array's trials and every other unfinished one are then
     ``FAIL`` in the study, none is left ``RUNNING``. A trial whose ``model(config)`` raises
-    fails alone, and the sweep goes on.
+    fails alone, and the sweep goes on. A storage database that stops answering is retried
+    for ``storage_retry`` seconds, then ``hfsweep._storage.StorageUnavailable`` (a
+    :class:`SweepError`) stops the sweep, resumable.
     """
     if isinstance(config, SweepConfig):
         sc = config
@@ -329,7 +341,7 @@ class _Engine:
                 raise self._stop(failed) from failed.exc
             finally:
                 self._save_state()
-                self._publish(force=True)
+                self._publish_last()
                 self.progress.close()
             result = self._result()
             _log.info("%s", result.summary())
@@ -390,6 +402,7 @@ class _Engine:
             )
         if has_study and self.dir.config.exists():
             before = json.loads(self.dir.config.read_text(encoding="utf-8"))
+            before["storage"] = mask(before.get("storage"))  # as an older hfsweep wrote it
             now = json.loads(json.dumps(self.sc.to_dict()))
             flat_b, flat_n = _flatten(before), _flatten(now)
             changed = [
@@ -413,7 +426,21 @@ class _Engine:
         import optuna
 
         storage: Any = self.sc.storage
-        if storage is None:
+        if storage is not None:
+            from ._storage import open_storage, study_exists
+
+            resume = f"hfsweep run {self.sc.source} --resume" if self.sc.source else "resume=True"
+            storage = open_storage(
+                storage, retry_s=self.sc.storage_retry_s, resume=resume, say=self.progress.note
+            )
+            if self.dir.state.exists() and not study_exists(storage, self.sc.study_name):
+                raise SweepError(
+                    f"cannot resume {self.dir.path}: storage {shown(self.sc.storage or '')} "
+                    f"holds no study {self.sc.study_name!r}, which this sweep started: the URL "
+                    "(or an environment variable it names) now names another database; set it "
+                    "back, or start a new sweep in another output directory"
+                )
+        else:
             from ._journal import GroupedJournalFileBackend
 
             self._journal = GroupedJournalFileBackend(self.dir.journal)
@@ -451,13 +478,13 @@ class _Engine:
             )
         except ImportError as exc:  # the storage URL's database driver
             raise SweepError(
-                f"storage {self.sc.storage}: {exc}; install the database driver it names "
-                '(for PostgreSQL, pip install "hfsweep[postgres]")'
+                f"storage {shown(self.sc.storage or '')}: {exc}; install the database driver "
+                'it names (for PostgreSQL, pip install "hfsweep[postgres]")'
             ) from exc
         except optuna.exceptions.DuplicatedStudyError:
             raise SweepError(
-                f"storage {self.sc.storage} already has a study named {self.sc.study_name!r}; "
-                "resume it with --resume, or set another study_name"
+                f"storage {shown(self.sc.storage or '')} already has a study named "
+                f"{self.sc.study_name!r}; resume it with --resume, or set another study_name"
             ) from None
         asked = len(study.get_trials(deepcopy=False))
         if asked:
@@ -980,6 +1007,20 @@ class _Engine:
         self._published = now
         self.dir.write_trials(self.study.get_trials(deepcopy=False))
         self.dir.write_best(self._best_record(self._best_trial()))
+
+    def _publish_last(self) -> None:
+        """The last :meth:`_publish` of a run. While an error stops the sweep, a storage that
+        is not answering (the likely error) leaves the files as they are, and the error that
+        stopped the sweep is the one raised: resuming writes them again."""
+        from ._storage import StorageUnavailable
+
+        stopping = sys.exc_info()[1] is not None
+        try:
+            self._publish(force=True)
+        except StorageUnavailable as exc:
+            if not stopping:
+                raise
+            _log.warning("trials.csv and best.json are not updated: %s", exc)
 
     def _keep_checkpoint(self, number: int, value: float, model: Mapping[str, Any]) -> None:
         """Keep trial ``number``'s weights if it is among the best completed trials."""

@@ -16,12 +16,12 @@ cluster) belongs in :data:`_CHECKS`.
 from __future__ import annotations
 
 import os
-import re
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ._dburl import mask
 from .config import ConfigError
 
 if TYPE_CHECKING:
@@ -45,8 +45,6 @@ _DRIVER_PACKAGES = {
     "pyodbc": "pyodbc",
     "pymssql": "pymssql",
 }
-#: the password of a URL, hidden in messages
-_PASSWORD = re.compile(r"(://[^:/@]*:)[^@]*@")
 #: a synchronous driver to suggest for a database whose URL names an asyncio one
 _SYNC_DRIVERS = {"postgresql": "psycopg2", "mysql": "pymysql", "sqlite": "pysqlite"}
 
@@ -173,10 +171,18 @@ def _check_device(sc: SweepConfig) -> None:
 
 # ---------------------------------------------------------------------------- storage
 def _check_storage(sc: SweepConfig) -> None:
-    """An RDB URL names a SQLAlchemy dialect whose database driver is installed (Optuna opens
-    the URL through SQLAlchemy, and needs a synchronous driver)."""
+    """An RDB URL's ``${NAME}`` references are set, it names a SQLAlchemy dialect whose
+    database driver is installed (Optuna opens the URL through SQLAlchemy, and needs a
+    synchronous driver), and its database answers (a wrong password, port or database name
+    is found here, with the server's own message, not after the run directory is created)."""
     if sc.storage is None:
         return
+    from ._dburl import UnsetVariable, expand
+
+    try:
+        written = expand(sc.storage)
+    except UnsetVariable as exc:
+        raise _error(sc, "storage", f"{mask(sc.storage)}: {exc}") from None
     try:
         from sqlalchemy.engine import make_url
         from sqlalchemy.exc import ArgumentError, NoSuchModuleError
@@ -187,14 +193,13 @@ def _check_storage(sc: SweepConfig) -> None:
         ) from None  # fmt: skip
 
     def unreadable(exc: Exception) -> ConfigError:  # a port that is not a number...
-        masked = _PASSWORD.sub(r"\1***@", str(sc.storage))
         return _error(
-            sc, "storage", f"{masked} is not a database URL SQLAlchemy can read ({exc}); "
+            sc, "storage", f"{mask(written)} is not a database URL SQLAlchemy can read ({exc}); "
             "write dialect[+driver]://user:password@host:port/database"
         )  # fmt: skip
 
     try:
-        url = make_url(sc.storage)
+        url = make_url(written)
     except (ArgumentError, ValueError) as exc:
         raise unreadable(exc) from None
     shown = url.render_as_string(hide_password=True)
@@ -231,6 +236,16 @@ def _check_storage(sc: SweepConfig) -> None:
             f"({exc}): pip install {package}"
         )
         raise _error(sc, "storage", problem) from None
+    from ._storage import check_connection
+
+    answer = check_connection(written)
+    if answer is not None:
+        raise _error(
+            sc,
+            "storage",
+            f"cannot connect to {shown}: {answer}; check the user, password, host, port and "
+            "database name (the database must exist)",
+        )
 
 
 _CHECKS: tuple[Callable[[SweepConfig], None], ...] = (_check_output, _check_device, _check_storage)

@@ -173,6 +173,7 @@ def _validate(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from ._engine import SweepError, TrainingError, sweep
     from ._preflight import preflight
+    from ._storage import StorageUnavailable
     from .config import ConfigError, load_sweep
     from .searchers._source import SearcherError
 
@@ -192,7 +193,7 @@ def _run(args: argparse.Namespace) -> int:
             print(f"  {line}", flush=True)
     try:
         result = sweep(config, resume=args.resume, progress=not args.quiet)
-    except TrainingError as e:  # the task's code raised while training: its trials are FAIL
+    except (TrainingError, StorageUnavailable) as e:  # the task's code, or the database, failed
         _error("run", e, args)
         return 1
     except (ConfigError, SweepError, SearcherError) as e:
@@ -375,7 +376,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Read SWEEP (a sweep.yaml), check every key, the task, the search space, "
         "the searcher and the scheduler, and that this machine can run it (the output folder "
         "can be created and written, CUDA is there if it asks for CUDA, the storage URL's "
-        "database driver is installed: what `hfsweep run` checks before it writes anything), "
+        "database driver is installed and its database answers: what `hfsweep run` checks "
+        "before it writes anything), "
         "then run the task's code once (a dry run: its model for the corner configs of the "
         "space, one training step of an array of two on one batch, one validation batch), "
         "and print a summary of the resolved sweep. Exits 2 with a message naming the YAML "
@@ -386,7 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--file-only",
         action="store_true",
         help="check the file alone, not whether this machine can run it (its output folder, "
-        "CUDA, the storage's database driver) nor the task's code (the dry run): for a sweep "
+        "CUDA, the storage's database) nor the task's code (the dry run): for a sweep "
         "meant for another machine",
     )
     val.set_defaults(func=_validate)

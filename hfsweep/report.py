@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from ._checks import is_number
+from ._dburl import UnsetVariable, expand, scrub, shown
 
 if TYPE_CHECKING:
     import optuna
@@ -229,11 +230,14 @@ def _load_study(run: Path, sweep: _Sweep) -> optuna.Study:
         except Exception as exc:
             raise ReportError(f"{journal}: cannot be opened as an Optuna journal ({exc})") from exc
     else:
-        where = f"storage {sweep.storage!r} (from {run / 'sweep.json'})"
-        database = _sqlite_file(sweep.storage)
+        where = f"storage {shown(sweep.storage)!r} (from {run / 'sweep.json'})"
+        try:
+            storage = _unmasked(expand(sweep.storage))
+        except UnsetVariable as exc:
+            raise ReportError(f"{where}: {exc}") from None
+        database = _sqlite_file(storage)
         if database is not None and not database.is_file():
             raise ReportError(f"{where}: the database file {database} is missing; {_RUN_FIRST}")
-        storage = sweep.storage
     try:
         return optuna.load_study(study_name=sweep.study_name, storage=storage)
     except KeyError as exc:
@@ -246,7 +250,22 @@ def _load_study(run: Path, sweep: _Sweep) -> optuna.Study:
             + ("" if names else f" ({_RUN_FIRST})")
         ) from exc
     except Exception as exc:
-        raise ReportError(f"{where}: cannot load study {sweep.study_name!r} ({exc})") from exc
+        reason = scrub(str(exc), storage) if isinstance(storage, str) else str(exc)
+        hint = (
+            "; sweep.json keeps the URL without its password: give it in the PGPASSWORD "
+            "environment variable (or ~/.pgpass), or as ${NAME} in the sweep file's storage"
+            if isinstance(storage, str) and sweep.storage and "***@" in sweep.storage
+            else ""
+        )
+        raise ReportError(
+            f"{where}: cannot load study {sweep.study_name!r} ({reason}){hint}"
+        ) from exc
+
+
+def _unmasked(url: str) -> str:
+    """``url`` without the password ``sweep.json`` masked (``user:***@``): the database
+    driver then takes it from its own places (PostgreSQL's ``PGPASSWORD``, ``~/.pgpass``)."""
+    return url.replace(":***@", "@", 1)
 
 
 def _float(text: object) -> float | None:

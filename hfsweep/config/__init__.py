@@ -52,7 +52,9 @@ A sweep file is one YAML mapping. Every key, with its default::
       max_failures: 3           # restarts of an array from its checkpoint after its worker died
     storage: null               # null: an Optuna journal file in the run directory; or an Optuna
                                 #   RDB URL (sqlite:///study.db, postgresql+psycopg2://user@host/db
-                                #   with hfsweep[postgres], ...) whose driver is installed
+                                #   with hfsweep[postgres], ...) whose driver is installed;
+                                #   ${NAME} is an environment variable (a password, the URL)
+    storage_retry: 120          # seconds (or "2m") to retry a lost database connection; null: none
     output: runs/<file stem>    # the run directory, relative to the sweep file's folder
     study_name: <file stem>     # the Optuna study's name ("sweep" without a file)
     seed: 0                     # int >= 0; the searcher's seed unless searcher.seed is given

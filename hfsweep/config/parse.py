@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .._checks import is_int
+from .._dburl import mask
 from .._task import Task, TaskError
 from ..search_spaces import SearchSpace, SpaceError, load_space
 from ..search_spaces._yaml import load_yaml
@@ -42,7 +43,9 @@ from .validate import _check_config, _check_key, _check_samples
 
 _MODES = ("max", "min")
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:[0-9]+)?)$")
-_STORAGE = re.compile(r"^(sqlite|postgresql|postgres|mysql|oracle|mssql)(\+[A-Za-z0-9_]+)?://")
+_STORAGE = re.compile(
+    r"^(\$\{|(sqlite|postgresql|postgres|mysql|oracle|mssql)(\+[A-Za-z0-9_]+)?://)"
+)
 
 _TOP_KEYS = (
     "task",
@@ -57,6 +60,7 @@ _TOP_KEYS = (
     "backend",
     "ray",
     "storage",
+    "storage_retry",
     "output",
     "study_name",
     "seed",
@@ -151,6 +155,7 @@ class _Parser(_Fields):
             seed=seed,
             source=self.source,
             ray=ray,
+            storage_retry_s=self.duration(top.get("storage_retry", 120.0), "storage_retry"),
         )
 
     def task(self, raw: object) -> tuple[str, Task]:
@@ -320,8 +325,8 @@ class _Parser(_Fields):
         if not isinstance(raw, str) or not _STORAGE.match(raw):
             raise self.error(
                 "storage",
-                f"{raw!r} is not an Optuna storage URL; give null (a journal file in the run "
-                "directory) or an RDB URL such as sqlite:///study.db or "
-                "postgresql://user:password@host/db",
+                f"{mask(raw) if isinstance(raw, str) else raw!r} is not an Optuna storage URL; "
+                "give null (a journal file in the run directory) or an RDB URL such as "
+                "sqlite:///study.db or postgresql://user:password@host/db",
             )
         return raw

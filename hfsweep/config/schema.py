@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from .._dburl import mask
 from .._errors import LocatedError
 from .._task import Task
 from ..search_spaces import FixedParam, SearchSpace
@@ -171,7 +172,8 @@ class SweepConfig:
     ``task_ref`` is the task's reference with a file path made absolute (the resolved form the
     engine saves), ``task`` the loaded :class:`hfsweep.Task`; ``config`` the fixed values of
     every trial; ``space`` the search space; ``output`` the run directory (absolute when the
-    sweep came from a file); ``source`` the sweep file, if any.
+    sweep came from a file); ``source`` the sweep file, if any; ``storage_retry_s`` how long
+    a lost database connection is retried (None: not at all).
     """
 
     task_ref: str
@@ -191,6 +193,7 @@ class SweepConfig:
     seed: int
     source: Path | None = None
     ray: RayConfig = field(default_factory=RayConfig)
+    storage_retry_s: float | None = 120.0
 
     def trial_config(self, sampled: Mapping[str, Any]) -> dict[str, Any]:
         """A trial's task config: the fixed ``config``, the ``sampled`` values and the budget."""
@@ -199,7 +202,8 @@ class SweepConfig:
     def to_dict(self) -> dict[str, Any]:
         """The resolved config as JSON-safe data, in the schema of a sweep file:
         ``parse_sweep(c.to_dict(), source=c.source)`` gives an equal config (the search space
-        inline, paths absolute, every default written out)."""
+        inline, paths absolute, every default written out), but for a password written in the
+        storage URL: it is masked (``user:***@``), so that ``sweep.json`` holds no secret."""
         return {
             "task": self.task_ref,
             "config": dict(self.config),
@@ -212,7 +216,8 @@ class SweepConfig:
             "fusion": self.fusion.to_dict(),
             "backend": self.backend,
             **({"ray": self.ray.to_dict()} if self.backend == "ray" else {}),
-            "storage": self.storage,
+            "storage": mask(self.storage),  # a password written in the URL is not stored
+            "storage_retry": self.storage_retry_s,
             "output": str(self.output),
             "study_name": self.study_name,
             "seed": self.seed,
@@ -248,7 +253,8 @@ class SweepConfig:
             lines.append("fixed: " + ", ".join(f"{k}={v!r}" for k, v in fixed.items()))
         lines += [
             f"fusion: size {self.fusion.size}, device {self.fusion.device}, {self.fusion.dtype}",
-            f"backend {self.backend}, storage {self.storage or 'journal file in the run directory'}",
+            f"backend {self.backend}, storage "
+            + (mask(self.storage) or "journal file in the run directory"),
             f"output {self.output} (study {self.study_name!r})",
         ]
         return "\n".join(lines)
