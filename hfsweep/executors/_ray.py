@@ -28,6 +28,7 @@ from .._task import Task
 from ..trainer import ArrayTrainer, Member, MemberResult, RefillHook, ReportHook
 from ._errors import ExecutorError, Stopped
 from ._worker import ArrayWorker
+from .base import Executor
 
 if TYPE_CHECKING:
     from ..config import RayConfig
@@ -41,7 +42,7 @@ _JOIN_WAIT_S = 60.0
 _PLACE_WAIT_S = 120.0
 
 
-class RayExecutor:
+class RayExecutor(Executor):
     """Trains arrays of ``task`` in Ray actors; ``slots`` arrays train at once.
 
     Connects to the Ray cluster at ``settings.address``, or uses the Ray this process already

@@ -10,11 +10,12 @@ import torch
 
 from .._task import Task
 from ..trainer import ArrayTrainer, Member, MemberResult, RefillHook, ReportHook, _DataCache
+from .base import Executor
 
 __all__ = ["LocalExecutor"]
 
 
-class LocalExecutor:
+class LocalExecutor(Executor):
     """Trains arrays of ``task`` on ``device`` in ``dtype``, in this process (no server).
 
     The engine hands it one array at a time with its hooks; the array trainer checkpoints into
