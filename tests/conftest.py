@@ -96,6 +96,7 @@ class SharedRay:
         os.environ.update(env)
         try:
             ray.init(
+                address="local",  # a Ray of its own, even where a `ray start` cluster runs
                 num_cpus=2,
                 include_dashboard=False,
                 _node_ip_address="127.0.0.1",

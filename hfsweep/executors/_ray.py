@@ -67,12 +67,13 @@ class RayExecutor(Executor):
         self.settings = settings
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
-            # a Ray started for this run serves this machine only
+            # a Ray started for this run serves this machine only; "local" starts it even where
+            # a cluster of `ray start` (or RAY_ADDRESS) runs, which address=None would join
             local: dict[str, Any] = (
                 {"_node_ip_address": "127.0.0.1"} if settings.address is None else {}
             )
             ray.init(
-                address=settings.address,
+                address=settings.address or "local",
                 include_dashboard=False,
                 logging_level=logging.WARNING,
                 log_to_driver=False,
