@@ -28,8 +28,8 @@ import torch
 from sweep._killed import (
     TOLD_LINE,
     check_final_study,
-    end_session,
     finished,
+    reaped,
     start_cli,
     start_python,
     wait_for_tells,
@@ -128,25 +128,16 @@ def _engine_lifecycle(door: str, backend: str, folder: Path, hold: pytest.Monkey
     (folder / "sweep.yaml").write_text(json.dumps(config))  # JSON is YAML
     run = folder / "run"
     hold.setenv("HFSWEEP_TEST_HOLD_LOG", str(run / "sweep.log"))
-    proc = _start_engine(door, folder, resume=False)
-    try:
+    with reaped(_start_engine(door, folder, resume=False)) as proc:
         wait_for_tells(proc, run, HOLD_AFTER)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)
-    finally:
-        proc.kill()
-        proc.wait()
-        end_session(proc)
     assert proc.returncode == -signal.SIGKILL
     assert finished(run) < TRIALS  # killed mid-sweep
     hold.delenv("HFSWEEP_TEST_HOLD_LOG")
 
-    resumed = _start_engine(door, folder, resume=True)
-    try:
+    with reaped(_start_engine(door, folder, resume=True)) as resumed:
         _out, err = resumed.communicate(timeout=300)
-    finally:
-        resumed.kill()
-        end_session(resumed)
     assert resumed.returncode == 0, err
     trials = check_final_study(run, TRIALS)  # the shared helper: told once, by the log
     log = (run / "sweep.log").read_text()
@@ -175,21 +166,14 @@ def _tune_lifecycle(folder: Path) -> Outcome:
         sys.path.remove(str(TESTS / "tune"))
     path = os.pathsep.join([str(TESTS / "tune"), os.environ.get("PYTHONPATH", "")])
     script = "import _tune_lifecycle as t; t.main()"
-    env = {"PYTHONPATH": path}
-    first = start_python(["-c", script, "run", str(folder), "3"], folder, session=True, env=env)
-    try:
+    kw: dict[str, Any] = {"session": True, "env": {"PYTHONPATH": path}}
+    with reaped(start_python(["-c", script, "run", str(folder), "3"], folder, **kw)) as first:
         _out, err = first.communicate(timeout=300)
-    finally:
-        end_session(first)
     assert first.returncode == -signal.SIGKILL, err
     experiment = folder / tl.NAME
     told_first = {line.split()[1] for line in _lines(folder / "told.log")}
-    restored = start_python(["-c", script, "restore", str(folder)], folder, session=True, env=env)
-    try:
+    with reaped(start_python(["-c", script, "restore", str(folder)], folder, **kw)) as restored:
         _out, err = restored.communicate(timeout=300)
-    finally:
-        restored.kill()
-        end_session(restored)
     assert restored.returncode == 0, err
 
     table = member_results(experiment)
@@ -206,8 +190,9 @@ def _tune_lifecycle(folder: Path) -> Outcome:
     )
     # told once to the searcher the experiment ends with (its Optuna study)
     study, by_member = tl.final_study(str(experiment))
-    assert sorted(by_member) == sorted(outcome.states)
     assert len(study.trials) == len(outcome.states)
+    told = {m: study.trials[t.number].state.name for m, t in by_member.items()}
+    assert told == outcome.states
     # members that started an array train as alone (a refilled one sees other shuffles)
     trainer = hs.ArrayTrainer(_tune_toy.TASK)
     history = dict(zip(table["member"], table["history"], strict=True))

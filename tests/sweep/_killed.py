@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import optuna
@@ -82,6 +82,18 @@ def interrupt_after(proc: subprocess.Popen[str], run: Path, told: int, sig: int)
     """Send ``sig`` to the sweep once it has told ``told`` trials."""
     wait_for_tells(proc, run, told)
     proc.send_signal(sig)
+
+
+@contextlib.contextmanager
+def reaped(proc: subprocess.Popen[str]) -> Iterator[subprocess.Popen[str]]:
+    """``proc`` (started with ``session=True``), killed if still running when the block ends,
+    and what is left of its session ended (:func:`end_session`)."""
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+        end_session(proc)
 
 
 def end_session(proc: subprocess.Popen[str]) -> None:
