@@ -50,7 +50,10 @@ TRIALS = 12
 FINAL = {"COMPLETE", "PRUNED", "FAIL"}
 
 #: runs hs.sweep on the config in the JSON file argv[1]; argv[2] == "resume" resumes it
-_API = "import json, sys, hfsweep as hs; hs.sweep(json.load(open(sys.argv[1])), resume=sys.argv[2] == 'resume', progress=False)"
+_API = (
+    "import json, sys, hfsweep as hs; "
+    "hs.sweep(json.load(open(sys.argv[1])), resume=sys.argv[2] == 'resume', progress=False)"
+)
 
 
 @dataclass

@@ -34,12 +34,13 @@ Subclass :class:`Executor` and implement its four members:
       Its answer, ``{member id: go on?}``, is how members are **stopped**: a member answered
       ``False`` stops there (a pruned trial); members left out go on. Answers must be applied
       before the array trains another step.
-    - ``refill()`` when a member ended and its slot is free: a new :class:`~hfsweep.trainer.Member`
-      of the same compatibility key, or ``None`` (the slot stays empty).
-    - ``on_finish(result)`` once per member, as it ends (completed, stopped or failed). Never
-      twice for one member, also across a crash and a resume: an
-      :class:`~hfsweep.trainer.ArrayTrainer` with a ``checkpoint_dir`` records what it
-      delivered, and a resumed array does not deliver it again.
+    - ``refill()`` when a member ended and its slot is free: a new
+      :class:`~hfsweep.trainer.Member` of the same compatibility key, or ``None`` (the slot
+      stays empty).
+    - ``on_finish(result)`` for each member as it ends (completed, stopped or failed), at least
+      once: an :class:`~hfsweep.trainer.ArrayTrainer` with a ``checkpoint_dir`` records each
+      delivery after the hook returns, so a resumed array delivers again only an end whose
+      record a crash cut off (the engine tells each trial once, whatever it hears twice).
     - ``requeue(member)`` (optional) hands a member back unstarted: an executor that restarts
       an array from its checkpoint after losing a worker, without the members that joined
       after that checkpoint, gives them back to the engine's pool this way (the Ray executor
@@ -55,13 +56,13 @@ Subclass :class:`Executor` and implement its four members:
     resources for an array, workers that keep dying), :class:`~hfsweep.executors.Stopped` when
     :meth:`~Executor.close` ended the array while it trained (the sweep is stopping; the array
     resumes from its checkpoint next time), and let the task's own exceptions through (the
-    engine marks the array's trials failed).
+    engine marks the array's trials failed and stops the sweep).
 
 ``close()``
     **Give back** every resource (workers, accelerators, a cluster the executor started); arrays
     still training in other threads end with :class:`~hfsweep.executors.Stopped`. The engine
-    calls it once when the sweep ends, fails or is interrupted, and also while other arrays are
-    training, when one of them failed. It must not raise when called a second time.
+    calls it when the sweep ends, fails or is interrupted; when one array fails while others
+    train, it calls it at once to stop them, and again at the end: a second call does nothing.
 
 The lifecycle test (``tests/test_lifecycle.py``) runs one sweep (ask, pack, train, ASHA stop,
 refill, SIGKILL, resume) over every executor and front door: add a new executor there.
