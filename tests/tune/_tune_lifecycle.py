@@ -17,6 +17,8 @@ import os
 import pickle
 import signal
 import sys
+import threading
+import time
 from glob import glob
 from pathlib import Path
 from typing import Any
@@ -64,7 +66,22 @@ class KillAfter(tune.Callback):
         self.seen += 1
         if self.seen >= self.after and not os.path.exists(self.marker):
             Path(self.marker).write_text("killed")
+            _wait_for_tunes_copy()
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _wait_for_tunes_copy(timeout_s: float = 60.0) -> None:
+    """Wait until Tune's copy of the experiment's state into its storage folder, made in a
+    thread of its own, has ended. A kill during that copy leaves a torn
+    ``experiment_state-*.json`` that ``Tuner.restore`` cannot read (Tune then logs "Failed to
+    restore the run state" and starts a new experiment): a limit of Tune, not what this test is
+    about. No new copy starts while this callback runs: Tune starts them from the thread that
+    calls it. The copying thread is named after its function (``... (entrypoint)``)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(
+        t.name.endswith("(entrypoint)") and t.is_alive() for t in threading.enumerate()
+    ):
+        time.sleep(0.01)
 
 
 def final_study(experiment: str) -> tuple[optuna.Study, dict[str, Any]]:
