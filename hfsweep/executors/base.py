@@ -7,6 +7,9 @@ arrays the packer forms and trains them somewhere: in this process
 (:class:`~hfsweep.executors.RayExecutor`), or anywhere a new executor puts them (one array over
 several accelerators as data parallelism, say). The executor never decides anything about a
 trial: every decision comes back from the driver through the hooks of :meth:`Executor.run_array`.
+The Ray Tune plugin goes through the same seam from the other side: Tune places each array's
+trial on Ray, and the trial trains its array through a ``LocalExecutor`` whose hooks talk to
+the plugin's driver.
 
 Writing an executor
 -------------------
