@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from ._killed import check_final_study, finished, interrupt_after, start_cli, wait_for_tells
+from ._killed import (
+    check_final_study,
+    finished,
+    interrupt_after,
+    reaped,
+    start_cli,
+    wait_for_tells,
+)
 from ._toy import HOLD_AFTER
 
 TOY = Path(__file__).resolve().parent / "_toy.py"
@@ -49,17 +56,18 @@ def test_sigkill_then_resume_finishes_the_sweep(tmp_path: Path, backend: str) ->
         pytest.importorskip("ray")
     sweep = _write_sweep(tmp_path, backend)
     run = tmp_path / "run"
-    proc = start_cli(sweep)
-    interrupt_after(proc, run, 3, signal.SIGKILL)
-    proc.wait(timeout=60)
+    # in a session of its own: a killed driver's local Ray leaves processes behind, ended here
+    with reaped(start_cli(sweep, session=True)) as proc:
+        interrupt_after(proc, run, 3, signal.SIGKILL)
+        proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL
     assert finished(run) < TRIALS  # killed mid-sweep
 
     again = start_cli(sweep)
     _out, err = again.communicate(timeout=300)
     assert again.returncode == 2 and "--resume" in err  # not without --resume
-    resumed = start_cli(sweep, "--resume")
-    _out, err = resumed.communicate(timeout=300)
+    with reaped(start_cli(sweep, "--resume", session=True)) as resumed:
+        _out, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err
     check_final_study(run, TRIALS)
 
