@@ -46,7 +46,7 @@ from ._rundir import RunDir, RunDirBusy, StateVersionError, member_id, trial_num
 from ._usercode import HOOK, NOT_TRAINING, describe, label, phase_of, unwrap
 from .config import SweepConfig, load_sweep, make_sampler, make_searcher, parse_sweep
 from .core.packer import NON_LEARNING, Packer, Pending, limit_for_learning
-from .executors import ExecutorError, LocalExecutor, Stopped
+from .executors import Executor, ExecutorError, LocalExecutor, Stopped
 from .schedulers import Decision, OptunaPruner, Report, make_scheduler
 from .search_spaces import FixedParam
 from .searchers import Searcher
@@ -57,7 +57,6 @@ if TYPE_CHECKING:
     import optuna
 
     from ._journal import GroupedJournalFileBackend
-    from .executors._ray import RayExecutor
 
 __all__ = ["SweepError", "SweepResult", "TrainingError", "sweep"]
 
@@ -272,7 +271,7 @@ class _Engine:
             max_resource=budget.max_resource,
             **sc.scheduler.options,
         )
-        self.executor: LocalExecutor | RayExecutor | None = None
+        self.executor: Executor | None = None
         #: guards the engine's state: arrays training at once call the hooks from their threads
         self._lock = threading.RLock()
         self.progress = Progress(self.total, sc.metric, enabled=progress)

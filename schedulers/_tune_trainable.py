@@ -1,4 +1,5 @@
-"""The array trainable: one Tune trial trains one fused array with :class:`hfsweep.ArrayTrainer`.
+"""The array trainable: one Tune trial trains one fused array, through the local executor
+(:class:`hfsweep.executors.LocalExecutor`, which trains it with :class:`hfsweep.ArrayTrainer`).
 
 Its config holds the array's members (under ``config["hfsweep"]``). After each evaluation the
 trainer's report hook sends every evaluated member's metrics with ``tune.report`` (one JSON
@@ -41,7 +42,8 @@ import torch
 from hfsweep._checks import is_finite
 from hfsweep._io import atomic_save
 from hfsweep._task import Task
-from hfsweep.trainer import ArrayTrainer, Evaluation, Member, MemberResult
+from hfsweep.executors import LocalExecutor
+from hfsweep.trainer import Evaluation, Member, MemberResult
 
 from ._tune_hub import await_answer, connect
 from ._tune_state import META, WEIGHTS_DIR, weights_file
@@ -112,26 +114,26 @@ def train_array(config: Mapping[str, Any], spec: TrainSpec) -> None:
             checkpoint.to_directory(str(work))
             resume = (work / "array.pt").exists()
         channel = _Channel(connect(str(meta["hub"])), meta, work, resumed=resume)
-        trainer = ArrayTrainer(
+        executor = LocalExecutor(
             task,
             device=spec.torch_device(),
             dtype=DTYPES[spec.dtype],
             eval_every=spec.eval_every,
-            checkpoint_dir=work,
             trace=spec.trace,
-            keep_states=False,
             # a stopped member may be one the driver counts complete (at the scheduler's
             # budget): the channel keeps the weights of those and of the completed ones
             final_states="all",
         )
         members = [Member(str(m["id"]), dict(m["config"])) for m in meta["members"]]
-        trainer.run(
-            members,
-            report=channel.report,
-            refill=channel.refill,
-            on_finish=channel.on_finish,
-            resume=resume,
-        )
+        with executor:
+            executor.run_array(
+                work,
+                members,
+                report=channel.report,
+                refill=channel.refill,
+                on_finish=channel.on_finish,
+                resume=resume,
+            )
         channel.close()
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -18,6 +18,8 @@ RAY_TESTS = (
     "tests/tune/test_tune_ray.py::",
     # `hfsweep run` with backend: ray in subprocesses, each with a local Ray of its own
     "tests/sweep/test_kill_resume.py::test_sigkill_then_resume_finishes_the_sweep[ray]",
+    # the lifecycle over the Ray executor and the Tune plugin, each process with a Ray of its own
+    "tests/test_lifecycle.py::test_a_killed_sweep_resumes_to_the_same_end[ray-",
     # a benchmark's smoke run with its own local Ray (ray.init in the script)
     "tests/test_benchmarks.py::test_sweep_end_to_end_quick_runs",
     # the README's Tune quick start, on the shared Ray
@@ -96,8 +98,7 @@ class SharedRay:
         os.environ.update(env)
         try:
             ray.init(
-                # a Ray of this process's own, even where `ray start` left a cluster to join
-                address="local",
+                address="local",  # a Ray of its own, even where a `ray start` cluster runs
                 num_cpus=2,
                 include_dashboard=False,
                 _node_ip_address="127.0.0.1",

@@ -28,6 +28,7 @@ from .._task import Task
 from ..trainer import ArrayTrainer, Member, MemberResult, RefillHook, ReportHook
 from ._errors import ExecutorError, Stopped
 from ._worker import ArrayWorker
+from .base import Executor
 
 if TYPE_CHECKING:
     from ..config import RayConfig
@@ -41,7 +42,7 @@ _JOIN_WAIT_S = 60.0
 _PLACE_WAIT_S = 120.0
 
 
-class RayExecutor:
+class RayExecutor(Executor):
     """Trains arrays of ``task`` in Ray actors; ``slots`` arrays train at once.
 
     Connects to the Ray cluster at ``settings.address``, or uses the Ray this process already
@@ -66,12 +67,13 @@ class RayExecutor:
         self.settings = settings
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
-            # a Ray started for this run serves this machine only
+            # a Ray started for this run serves this machine only; "local" starts it even where
+            # a cluster of `ray start` (or RAY_ADDRESS) runs, which address=None would join
             local: dict[str, Any] = (
                 {"_node_ip_address": "127.0.0.1"} if settings.address is None else {}
             )
             ray.init(
-                address=settings.address,
+                address=settings.address or "local",
                 include_dashboard=False,
                 logging_level=logging.WARNING,
                 log_to_driver=False,

@@ -10,16 +10,21 @@ import torch
 
 from .._task import Task
 from ..trainer import ArrayTrainer, Member, MemberResult, RefillHook, ReportHook, _DataCache
+from .base import Executor
 
 __all__ = ["LocalExecutor"]
 
 
-class LocalExecutor:
+class LocalExecutor(Executor):
     """Trains arrays of ``task`` on ``device`` in ``dtype``, in this process (no server).
 
     The engine hands it one array at a time with its hooks; the array trainer checkpoints into
     the array's folder, and ``resume=True`` continues from that checkpoint after a crash.
     ``data`` is a cache of loaded data to start from (the engine's dry run loaded it).
+    ``final_states`` says which ended members' results carry their weights (``"completed"``:
+    the engine keeps its best completed trials'; the Tune plugin, which trains each array
+    through a local executor in its trial, asks for ``"all"``), ``trace`` whether arrays
+    trace their forwards (see :class:`~hfsweep.trainer.ArrayTrainer`).
     """
 
     def __init__(
@@ -30,11 +35,15 @@ class LocalExecutor:
         dtype: torch.dtype,
         eval_every: int | None,
         data: _DataCache | None = None,
+        final_states: str = "completed",
+        trace: bool = True,
     ) -> None:
         self.task = task
         self.device = torch.device(device)
         self.dtype = dtype
         self.eval_every = eval_every
+        self.final_states = final_states
+        self.trace = trace
         #: traced forwards shared by every array of this sweep (see ArrayTrainer)
         self._trace_cache: dict[str, dict[Any, Any]] = {}
         #: the loaded data, shared by the profiler and every array of this sweep
@@ -84,8 +93,9 @@ class LocalExecutor:
             dtype=self.dtype,
             eval_every=self.eval_every,
             checkpoint_dir=checkpoint_dir,
+            trace=self.trace,
             keep_states=False,
-            final_states="completed",  # the engine keeps the best completed trials' weights
+            final_states=self.final_states,
         )
         trainer._trace_cache = self._trace_cache
         trainer._data_cache = self._data_cache

@@ -11,12 +11,10 @@ once, each of its evaluations ``on_trial_result`` exactly once.
 from __future__ import annotations
 
 import os
-import pickle
 import signal
 import time
 from collections import Counter
 from collections.abc import Iterator
-from glob import glob
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +24,9 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("ray.tune.search.optuna")
 
 import _tune_toy  # noqa: E402
-import optuna  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from _tune_lifecycle import final_study  # noqa: E402
 from hfsweep.schedulers.tune import (  # noqa: E402
     Fusion,
     TunedMember,
@@ -134,14 +132,6 @@ def _tuner(
     )
 
 
-def _final_study(experiment: str) -> tuple[optuna.Study, dict[str, Any]]:
-    """The inner OptunaSearch's study and trials by member id, as the experiment saved them."""
-    path = sorted(glob(os.path.join(experiment, "searcher-state-*.pkl")))[-1]
-    with open(path, "rb") as f:
-        saved = pickle.load(f)
-    return saved["_ot_study"], saved["_ot_trials"]
-
-
 def _hub_alive(name: str, wait_s: float = 10.0) -> bool:
     """Whether the named hub actor is still there (a killed actor's name goes within
     ``wait_s``)."""
@@ -163,7 +153,7 @@ def _assert_told_once(label: str, experiment: str, n: int) -> None:
     assert sorted(TOLD[label]) == sorted(table["member"])
     assert set(TOLD[label].values()) == {1}, TOLD[label]
     assert set(REPORTED[label].values()) == {1}, REPORTED[label]
-    study, by_member = _final_study(experiment)
+    study, by_member = final_study(experiment)
     assert sorted(by_member) == sorted(table["member"])
     assert len(study.trials) == n
     states = {m: study.trials[t.number].state.name for m, t in by_member.items()}

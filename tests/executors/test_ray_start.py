@@ -1,0 +1,47 @@
+"""How the Ray executor starts or joins a Ray, without starting one: ``ray.init`` is replaced."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from sweep._toy import TASK
+
+from hfsweep.config import RayConfig
+from hfsweep.executors import RayExecutor
+
+ray = pytest.importorskip("ray")
+
+
+class _Called(Exception):
+    pass
+
+
+@pytest.mark.parametrize(
+    ("address", "given"), [(None, "local"), ("auto", "auto"), ("127.0.0.1:6379", "127.0.0.1:6379")]
+)
+def test_no_address_starts_a_ray_of_its_own(
+    address: str | None, given: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``ray.address: null`` must start a local Ray on loopback even where a cluster of
+    ``ray start`` (or ``RAY_ADDRESS``) runs on the machine: ``ray.init(address=None)`` would join
+    that cluster (and, given the loopback address, fail to reach it)."""
+    seen: dict[str, Any] = {}
+
+    def init(**kwargs: Any) -> None:
+        seen.update(kwargs)
+        raise _Called
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", init)
+    with pytest.raises(_Called):
+        RayExecutor(
+            TASK,
+            device="cpu",
+            dtype=torch.float32,
+            eval_every=None,
+            settings=RayConfig(address=address),
+        )
+    assert seen["address"] == given
+    assert ("_node_ip_address" in seen) == (address is None)
