@@ -44,3 +44,15 @@ def test_unknown_command_exits_with_usage() -> None:
     with pytest.raises(SystemExit) as info:
         main(["nope"])
     assert info.value.code == 2
+
+
+def test_python_m_hfsweep_is_the_cli(tmp_path) -> None:
+    """``python -m hfsweep`` runs the same command line as the ``hfsweep`` script."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "hfsweep", "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "validate" in done.stdout and "run" in done.stdout
