@@ -9,10 +9,11 @@ adopts) carries the user attr ``driver`` with that id.
 Liveness: a driver on a shared storage writes a heartbeat, the study system attr
 ``hfsweep:driver:<id>`` (host, pid, run directory, a counter, the wall time), every
 :data:`HEARTBEAT_S` seconds from a thread, and a last one marked ``ended`` when it stops. A
-driver is *gone* when its last heartbeat says ``ended``, when it runs on this host and its
-process is no more (or its heartbeat is older than :data:`GRACE_S` by this host's clock), or,
-on another host, when its counter has not moved for :data:`GRACE_S` seconds of this driver's
-own watching (clocks of different machines are never compared). Optuna's own heartbeats
+driver is *gone* when its last heartbeat says ``ended``; when it runs on this host (in this
+process-id namespace) and its process is no more, or its heartbeat is older than
+:data:`GRACE_S` by this host's clock; or, on another host, when its counter has not moved for
+:data:`GRACE_S` seconds of this driver's own watching (clocks of different machines are never
+compared). Optuna's own heartbeats
 (``RDBStorage(heartbeat_interval=...)`` with ``fail_stale_trials``) do not fit: they keep one
 thread per trial (an array holds many), mark a stale trial ``FAIL`` (its checkpoint could have
 continued it, and a retry would be a new trial past the budget) and Optuna 5's journal storage
@@ -54,6 +55,9 @@ __all__ = ["DRIVER_ATTR", "GRACE_S", "HEARTBEAT_S", "Beat", "Drivers", "driver_i
 _log = logging.getLogger("hfsweep.sweep")
 _T = TypeVar("_T")
 
+#: the clocks of heartbeats and of watching other drivers' (tests replace them)
+_wall: Callable[[], float] = time.time
+_monotonic: Callable[[], float] = time.monotonic
 #: the trial user attr naming the driver that trains the trial
 DRIVER_ATTR = "driver"
 #: study system attr prefix of each driver's heartbeat
@@ -102,6 +106,7 @@ class Beat:
 
     id: str
     host: str
+    node: str
     pid: int
     run_dir: str
     seq: int
@@ -116,6 +121,7 @@ class Beat:
             return cls(
                 driver,
                 str(raw["host"]),
+                str(raw.get("node", "")),
                 int(raw["pid"]),
                 str(raw["run_dir"]),
                 int(raw["seq"]),
@@ -130,6 +136,16 @@ class Beat:
         return (
             f"driver {self.id[:8]} (process {self.host}:{self.pid}, run directory {self.run_dir})"
         )
+
+
+def _node() -> str:
+    """This machine's name, and on Linux its process-id namespace: two containers on one host
+    may share a host name (host networking) but see different processes under one pid."""
+    try:
+        namespace = f":{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        namespace = ""
+    return socket.gethostname() + namespace
 
 
 def _alive(pid: int) -> bool:
@@ -165,6 +181,7 @@ class Drivers:
         self.grace = grace
         self.lock = StudyLock(study._storage, study.study_name)
         self.host = socket.gethostname()
+        self.node = _node()
         #: trials in the study as of the last count (every driver's)
         self.count = len(study.get_trials(deepcopy=False))
         #: running trials of live other drivers, as of the last look
@@ -189,10 +206,11 @@ class Drivers:
         self._seq += 1
         record: dict[str, Any] = {
             "host": self.host,
+            "node": self.node,
             "pid": os.getpid(),
             "run_dir": self.run_dir,
             "seq": self._seq,
-            "time": time.time(),
+            "time": _wall(),
             "ended": ended,
         }
         self.study._storage.set_study_system_attr(self.study._study_id, _BEAT + self.id, record)
@@ -239,12 +257,12 @@ class Drivers:
         beat = beats.get(owner)
         if beat is None or beat.ended:
             return True
-        now = time.monotonic()
+        now = _monotonic()
         seen = self._seen.get(owner)
         if seen is None or seen[0] != beat.seq:
             seen = self._seen[owner] = (beat.seq, now)
-        if beat.host == self.host:
-            return not _alive(beat.pid) or time.time() - beat.time > self.grace
+        if beat.node == self.node:  # one clock, one process table
+            return not _alive(beat.pid) or _wall() - beat.time > self.grace
         return now - seen[1] >= self.grace
 
     def owns(self, trial: optuna.trial.FrozenTrial) -> bool:
@@ -293,19 +311,23 @@ class Drivers:
     def adopt_stale(self) -> list[optuna.trial.FrozenTrial]:
         """Running trials of drivers that have gone since the last look (at most one look per
         heartbeat period), now this driver's. Empty without other drivers."""
-        now = time.monotonic()
+        now = _monotonic()
         if not self.shared or now - self._looked < min(self.every, 1.0):
             return []
         self._looked = now
         from optuna.trial import TrialState
 
-        with self.lock:
+        def others() -> list[optuna.trial.FrozenTrial]:
             running = self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-            others = [t for t in running if not self.owns(t)]
-            if not others:
-                self.foreign = 0
-                return []
-            return self.claim(others)[1]
+            return [t for t in running if not self.owns(t)]
+
+        found = others()
+        beats = self.beats() if found else {}
+        if not any(self.gone(t.user_attrs.get(DRIVER_ATTR), beats) for t in found):
+            self.foreign = len(found)
+            return []
+        with self.lock:  # looked at again under it: another driver may have adopted them
+            return self.claim(others())[1]
 
     def still_owns(self, trial_id: int) -> bool:
         """Whether the trial is still this driver's, read from the storage now (another driver
