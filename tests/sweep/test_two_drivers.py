@@ -5,6 +5,7 @@ resumed at any moment."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -16,10 +17,14 @@ from collections import Counter
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import optuna
 import pytest
+from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
+
+from hfsweep.trainer import ArrayTrainer
 
 from ._toy import HOLD_AFTER, _tells
 
@@ -48,7 +53,7 @@ def storage(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 class _Driver:
     """One run directory's ``hfsweep run --resume`` processes, one after another."""
 
-    def __init__(self, folder: Path, storage: str, task: str = SLOW) -> None:
+    def __init__(self, folder: Path, storage: str | None, task: str = SLOW) -> None:
         folder.mkdir()
         self.folder = folder
         self.run = folder / "run"
@@ -65,7 +70,7 @@ budget: {{trials: {TRIALS}, epochs: 3}}
 metric: val_accuracy
 mode: max
 fusion: {{size: 4, device: cpu}}
-storage: "{storage}"
+storage: {json.dumps(storage)}
 study_name: {STUDY}
 output: run
 """
@@ -183,9 +188,9 @@ def _intervals(driver: _Driver) -> list[tuple[int, float, float]]:
     return out + [(n, s, end) for n, s in open_.items()]
 
 
-def _check(storage: str, *drivers: _Driver) -> None:
-    """The study holds exactly the budget, every trial ended and was told once, and no trial
-    was trained by two drivers at once."""
+def _check(storage: Any, *drivers: _Driver, elsewhere: int | None = None) -> None:
+    """The study holds exactly the budget, every trial ended and was told once (except trial
+    ``elsewhere``, told by no driver here), and no trial was trained by two drivers at once."""
     study = optuna.load_study(study_name=STUDY, storage=storage)
     trials = study.get_trials()
     assert [t.number for t in trials] == list(range(TRIALS))
@@ -195,7 +200,7 @@ def _check(storage: str, *drivers: _Driver) -> None:
         for d in drivers
         for n in re.findall(r"hfsweep\.sweep: trial (\d+) (?:complete|pruned|fail)", d.log())
     )
-    assert told == Counter({str(n): 1 for n in range(TRIALS)})
+    assert told == Counter({str(n): 1 for n in range(TRIALS) if n != elsewhere})
     stretches = [[(n, s, e) for n, s, e in _intervals(d)] for d in drivers]
     for i, mine in enumerate(stretches):
         for theirs in stretches[i + 1 :]:
@@ -273,3 +278,30 @@ def test_a_live_drivers_trials_are_left_alone(tmp_path: Path, postgres: str) -> 
     a.start()
     a.finished()
     _check(postgres, a, b)
+
+
+def test_a_run_directory_whose_trial_another_driver_finished_resumes(tmp_path: Path) -> None:
+    """The issue's ``KeyError: 0``: a driver killed while an array trains; one of that array's
+    trials is then finished by another driver (done here by hand, in the driver's own journal);
+    resumed, the driver stops that member at its first evaluation, tells it nothing and
+    finishes the rest."""
+    a = _Driver(tmp_path / "a", None, HELD)
+    a.start(HFSWEEP_TEST_HOLD_LOG=str(a.run / "sweep.log"))
+    _wait(f"{HOLD_AFTER} tells", lambda: _tells(str(a.run / "sweep.log")) >= HOLD_AFTER, a)
+    assert a.kill()
+    storage = optuna.storages.JournalStorage(JournalFileBackend(str(a.run / "optuna.journal")))
+    study = optuna.load_study(study_name=STUDY, storage=storage)
+    running = {t.number: t for t in study.get_trials(states=(TrialState.RUNNING,))}
+    held = [
+        n
+        for n in sorted(running)
+        if f"trial-{n}" in ArrayTrainer.checkpointed_members(a.run / "arrays" / "0")
+    ]
+    assert len(held) >= 2  # one to be finished elsewhere, one that stays a's
+    other = running[held[0]]
+    study._storage.set_trial_user_attr(other._trial_id, "driver", "another driver")
+    study.tell(other.number, 0.5)
+    a.start()
+    a.finished()
+    assert re.search(rf"member trial-{other.number} stopped after", a.log())
+    _check(storage, a, elsewhere=other.number)
