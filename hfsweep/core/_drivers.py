@@ -294,7 +294,7 @@ class Drivers:
             owner = t.user_attrs.get(DRIVER_ATTR)
             if owner == self.id:
                 own.append(t)
-            elif self.gone(owner, beats):
+            elif self._adoptable(t, beats):
                 self.study._storage.set_trial_user_attr(t._trial_id, DRIVER_ATTR, self.id)
                 adopted.append(t)
                 if owner is not None:
@@ -307,6 +307,16 @@ class Drivers:
             else:
                 self.foreign += 1
         return own, adopted
+
+    def _adoptable(self, t: optuna.trial.FrozenTrial, beats: dict[str, Beat]) -> bool:
+        """Whether running trial ``t``, not this driver's, may be adopted: its driver is gone.
+        A trial that names no driver was asked by an hfsweep that recorded none (it set the
+        user attr ``array``) or, in a shared study, by another tool (plain Optuna workers),
+        whose trials are left alone."""
+        owner = t.user_attrs.get(DRIVER_ATTR)
+        if owner is None and self.shared and "array" not in t.user_attrs:
+            return False
+        return self.gone(owner, beats)
 
     def adopt_stale(self) -> list[optuna.trial.FrozenTrial]:
         """Running trials of drivers that have gone since the last look (at most one look per
@@ -323,7 +333,7 @@ class Drivers:
 
         found = others()
         beats = self.beats() if found else {}
-        if not any(self.gone(t.user_attrs.get(DRIVER_ATTR), beats) for t in found):
+        if not any(self._adoptable(t, beats) for t in found):
             self.foreign = len(found)
             return []
         with self.lock:  # looked at again under it: another driver may have adopted them

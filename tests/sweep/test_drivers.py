@@ -42,6 +42,7 @@ def test_drivers_asking_at_once_ask_exactly_the_budget(tmp_path: Path) -> None:
         study = _study(journal_storage(path))
         me = Drivers(study, tmp_path / name, shared=True)
         asked = 0
+
         def ask(n: int) -> list[tuple[optuna.Trial, None]]:
             time.sleep(0.01)  # a sampler that takes a moment: the others count meanwhile
             return [(study.ask(), None) for _ in range(n)]
@@ -119,3 +120,43 @@ def test_a_driver_is_gone_when_it_ended_died_or_stopped_beating(
     assert not me.gone("y", {"y": there})
     now["mono"] += 1
     assert me.gone("y", {"y": there})
+
+
+def test_a_driver_adopts_only_the_trials_of_gone_drivers(tmp_path: Path) -> None:
+    """Its own trials, a dead driver's and an old hfsweep's (no driver, but an array) are its
+    to train; a live driver's and another tool's (no driver, no array) are left alone."""
+    study = _study(journal_storage(tmp_path / "j"))
+    me = Drivers(study, tmp_path / "me", shared=True)
+    live = Drivers(study, tmp_path / "live", shared=True)
+    live.beat()
+    dead = Drivers(study, tmp_path / "dead", shared=True)
+    dead.beat()
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    key = f"hfsweep:driver:{dead.id}"
+    record = study._storage.get_study_system_attrs(study._study_id)[key]
+    study._storage.set_study_system_attr(study._study_id, key, {**record, "pid": int(gone.stdout)})
+    attrs = [
+        {DRIVER_ATTR: me.id},
+        {DRIVER_ATTR: dead.id},
+        {"array": 0},
+        {DRIVER_ATTR: live.id},
+        {},
+    ]
+    for a in attrs:
+        trial = study.ask()
+        for k, v in a.items():
+            trial.set_user_attr(k, v)
+    study.tell(study.ask(), 1.0)  # finished: nobody's to train
+    with me.lock:
+        own, adopted = me.claim(study.get_trials())
+    assert [t.number for t in own] == [0]
+    assert [t.number for t in adopted] == [1, 2]
+    assert me.foreign == 2
+    owners = [t.user_attrs.get(DRIVER_ATTR) for t in study.get_trials()]
+    assert owners == [me.id, me.id, me.id, live.id, None, None]
+    assert me.adopt_stale() == []  # nothing more to adopt
