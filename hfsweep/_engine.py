@@ -625,7 +625,8 @@ class _Engine:
         if limit is not None and self._elapsed() >= limit:
             return False
         assert self.drivers is not None
-        for t in self.drivers.adopt_stale():  # trials of other drivers that have gone
+        eager = self.drivers.count >= self.total  # last looks before this driver ends
+        for t in self.drivers.adopt_stale(eager=eager):  # trials of drivers that have gone
             keyed = self._take_up(t)
             if keyed is not None:
                 self._pool(keyed[0], Pending(t.number, keyed[1]), size_now=False)

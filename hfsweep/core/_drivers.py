@@ -318,11 +318,12 @@ class Drivers:
             return False
         return self.gone(owner, beats)
 
-    def adopt_stale(self) -> list[optuna.trial.FrozenTrial]:
-        """Running trials of drivers that have gone since the last look (at most one look per
-        heartbeat period), now this driver's. Empty without other drivers."""
+    def adopt_stale(self, *, eager: bool = False) -> list[optuna.trial.FrozenTrial]:
+        """Running trials of drivers that have gone since the last look, now this driver's.
+        Empty without other drivers. At most one look a second, unless ``eager`` (the
+        driver is about to end: the budget is asked)."""
         now = _monotonic()
-        if not self.shared or now - self._looked < min(self.every, 1.0):
+        if not self.shared or (not eager and now - self._looked < min(self.every, 1.0)):
             return []
         self._looked = now
         from optuna.trial import TrialState

@@ -31,6 +31,7 @@ from ._toy import HOLD_AFTER, _tells
 HERE = Path(__file__).resolve().parent
 SLOW = f"{HERE / '_toy.py'}:SLOW_TASK"
 HELD = f"{HERE / '_toy.py'}:HELD_TASK"
+GATED = f"{HERE / '_toy.py'}:GATED_TASK"
 TRIALS = 12
 STUDY = "shared"
 #: fast heartbeats, so that a killed driver's pid or heartbeat gives it away within seconds
@@ -252,6 +253,28 @@ def test_a_driver_adopts_a_dead_drivers_trials_which_then_resumes_cleanly(
     a.start()
     a.finished()
     assert "none of its trials is left to this driver; dropped" in a.log()
+    _check(postgres, a, b)
+
+
+def test_a_running_driver_adopts_the_trials_of_one_that_dies(tmp_path: Path, postgres: str) -> None:
+    """Driver b starts while a trains (held after two tells) and waits at its first batch;
+    a is killed; b, let go, adopts a's trials while it runs and trains them too."""
+    a, b = _Driver(tmp_path / "a", postgres, HELD), _Driver(tmp_path / "b", postgres, GATED)
+    a.start(HFSWEEP_TEST_HOLD_LOG=str(a.run / "sweep.log"))
+    _wait(f"{HOLD_AFTER} tells", lambda: _tells(str(a.run / "sweep.log")) >= HOLD_AFTER, a)
+    gate = tmp_path / "gate"
+    gate.touch()
+    b.start(HFSWEEP_TEST_GATE=str(gate), HFSWEEP_TEST_GATE_LOG=str(b.run / "sweep.log"))
+    _wait("b's first array", lambda: ": training " in b.log(), a, b)
+    assert "adopted" not in b.log()
+    assert a.kill()
+    gate.unlink()
+    b.finished()
+    assert _finished(postgres) == TRIALS
+    log = b.log()
+    assert log.index(": training ") < log.index("adopted from driver")
+    a.start()
+    a.finished()
     _check(postgres, a, b)
 
 
