@@ -197,6 +197,14 @@ class Drivers:
         """Record a first heartbeat and keep beating from a thread (shared studies only)."""
         if not self.shared:
             return
+        _log.info(
+            "driver %s (process %s:%d) on study %r; asks and adoptions under a %s",
+            self.id[:8],
+            self.host,
+            os.getpid(),
+            self.study.study_name,
+            self.lock.kind,
+        )
         self.beat()
         self._thread = threading.Thread(target=self._beating, name="hfsweep-heartbeat", daemon=True)
         self._thread.start()

@@ -235,6 +235,8 @@ def test_two_drivers_killed_and_resumed_ask_exactly_the_budget(
     a.finished()
     b.finished()
     _check(storage, a, b)
+    kind = "PostgreSQL advisory lock" if storage.startswith("postgresql") else "SQLite file lock"
+    assert f"asks and adoptions under a {kind}" in a.log()
 
 
 def test_a_driver_adopts_a_dead_drivers_trials_which_then_resumes_cleanly(
