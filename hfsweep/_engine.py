@@ -30,7 +30,7 @@ import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -45,6 +45,7 @@ from ._progress import Progress
 from ._rundir import RunDir, RunDirBusy, StateVersionError, member_id, trial_number
 from ._usercode import HOOK, NOT_TRAINING, describe, label, phase_of, unwrap
 from .config import SweepConfig, load_sweep, make_sampler, make_searcher, parse_sweep
+from .core._drivers import Drivers
 from .core.packer import NON_LEARNING, Packer, Pending, limit_for_learning
 from .executors import Executor, ExecutorError, LocalExecutor, Stopped
 from .schedulers import Decision, OptunaPruner, Report, make_scheduler
@@ -301,13 +302,19 @@ class _Engine:
         self._dir_locked = False
         #: loaded data the local executor's arrays start with (the dry run's)
         self._data = data if data is not None else _DataCache()
+        #: this driver among those sharing the study (set when the study is open)
+        self.drivers: Drivers | None = None
 
     # ------------------------------------------------------------------ the run
     def run(self) -> SweepResult:
         try:
             with self.dir.exclusive() as locked:
                 self._dir_locked = locked
-                return self._run()
+                try:
+                    return self._run()
+                finally:
+                    if self.drivers is not None:
+                        self.drivers.close()
         except (RunDirBusy, UnsafeFileError) as exc:  # a file of the run dir was refused
             raise SweepError(str(exc)) from None
 
@@ -485,21 +492,24 @@ class _Engine:
                 f"storage {shown(self.sc.storage or '')} already has a study named "
                 f"{self.sc.study_name!r}; resume it with --resume, or set another study_name"
             ) from None
+        self.drivers = Drivers(study, self.dir.path, shared=self.sc.storage is not None)
+        self.drivers.start()
         asked = len(study.get_trials(deepcopy=False))
-        if asked:
+        if asked or self.drivers.seed_offset:
             # the sampler's seed restarted with this process: offset it by the trials it
-            # already drew, else it would draw those trials' params again
-            seed = self.sc.searcher.seed + asked
+            # already drew, else it would draw those trials' params again (and by the
+            # driver's, so that drivers sharing the study draw different ones)
+            seed = self.sc.searcher.seed + asked + self.drivers.seed_offset
             study.sampler = make_sampler(replace(self.sc.searcher, seed=seed), self.sc.space)
         return study
 
     def _restore(self, saved: dict[str, Any] | None) -> None:
         """Rebuild the engine's state from ``state.json`` and the study."""
-        import optuna
         from optuna.trial import TrialState
 
         trials = self.study.get_trials(deepcopy=False)
-        if saved is None and trials:
+        assert self.drivers is not None
+        if saved is None and self.drivers.asked_any(trials):
             raise SweepError(
                 f"cannot resume {self.dir.path}: its study holds {len(trials)} trial(s) but "
                 f"{self.dir.state} is missing. {_STATE_LOST}"
@@ -519,6 +529,9 @@ class _Engine:
                     f"sweep wrote ({type(exc).__name__}: {exc}). {_STATE_LOST}"
                 ) from None
         self.asked = len(trials)
+        with self.drivers.lock:  # no other driver adopts or asks meanwhile
+            own, adopted = self.drivers.claim(trials)
+        taken = {member_id(t.number) for t in [*own, *adopted]}
         for a in self.arrays:
             if a.done:
                 self.dir.remove_array(a.index)  # a crash may have come before its removal
@@ -528,6 +541,9 @@ class _Engine:
             for a in self.arrays
             if not a.done
         }
+        for a in self.arrays:
+            if a.index in known:
+                self._resume_or_drop(a, known, taken)
         held = set().union(*known.values())
         # ends the trainer delivered (it will not deliver them again) whose record in the
         # study was lost with a torn journal: told again below
@@ -536,9 +552,12 @@ class _Engine:
             for a in self.arrays
             if not a.done
             for member, result in ArrayTrainer.delivered_results(self.dir.array(a.index)).items()
+            if member in taken
         }
         retell: list[MemberResult] = []
         for t in sorted(trials, key=lambda t: t.number):
+            if t.state == TrialState.RUNNING and member_id(t.number) not in taken:
+                continue  # another live driver trains it
             if t.state != TrialState.RUNNING:
                 if t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL):
                     self.progress.states[t.state.name] += 1
@@ -548,22 +567,10 @@ class _Engine:
                         told = dict(t.params)
                     self.source.tell(t.number, told, _TOLD[t.state.name], t.value)
                 continue
-            trial = optuna.Trial(self.study, t._trial_id)
-            try:
-                # the recorded params; a custom searcher's trial must have all of them, an
-                # Optuna trial interrupted while it was being sampled draws the rest
-                sampled = self.sc.space.sample(
-                    optuna.trial.FixedTrial(t.params) if self.custom is not None else trial
-                )
-            except (ValueError, TypeError) as exc:
-                self._fail_unstarted(trial, exc)
-                continue
-            keyed = self._admit(trial, sampled)
+            keyed = self._take_up(t)
             if keyed is None:
                 continue
             key, config = keyed
-            if t.intermediate_values:
-                self.reported[t.number] = max(t.intermediate_values)
             member = member_id(t.number)
             if member in delivered:
                 retell.append(delivered[member])
@@ -587,6 +594,41 @@ class _Engine:
                 len(self.live),
                 len(known),
             )
+        if self.drivers.foreign:
+            _log.info("%d running trials belong to other drivers", self.drivers.foreign)
+
+    def _resume_or_drop(self, a: _Array, known: dict[int, set[str]], taken: set[str]) -> None:
+        """Resume unfinished array ``a`` if its checkpoint holds a running trial of this driver;
+        else (every trial it held has ended, or other drivers adopted them while this one was
+        away) drop it."""
+        mine = sorted(known[a.index] & taken, key=trial_number)
+        if mine:
+            _log.info("array %d: resuming %s from its checkpoint", a.index, ", ".join(mine))
+            return
+        _log.info("array %d: none of its trials is left to this driver; dropped", a.index)
+        del known[a.index]
+        a.done = True
+        self.dir.remove_array(a.index)
+
+    def _take_up(self, t: optuna.trial.FrozenTrial) -> tuple[str, dict[str, Any]] | None:
+        """Track running trial ``t`` (one of this driver's, after a resume or an adoption):
+        ``(compatibility key, config)``, or ``None`` after failing it (see :meth:`_admit`)."""
+        import optuna
+
+        trial = optuna.Trial(self.study, t._trial_id)
+        try:
+            # the recorded params; a custom searcher's trial must have all of them, an
+            # Optuna trial interrupted while it was being sampled draws the rest
+            sampled = self.sc.space.sample(
+                optuna.trial.FixedTrial(t.params) if self.custom is not None else trial
+            )
+        except (ValueError, TypeError) as exc:
+            self._fail_unstarted(trial, exc)
+            return None
+        keyed = self._admit(trial, sampled)
+        if keyed is not None and t.intermediate_values:
+            self.reported[t.number] = max(t.intermediate_values)
+        return keyed
 
     def _save_state(self) -> None:
         self.dir.write_state(
@@ -609,14 +651,22 @@ class _Engine:
         limit = self.sc.budget.time_limit_s
         if limit is not None and self._elapsed() >= limit:
             return False
-        return self.asked < self.total and not self.source.exhausted
+        assert self.drivers is not None
+        eager = self.drivers.count >= self.total  # last looks before this driver ends
+        for t in self.drivers.adopt_stale(eager=eager):  # trials of drivers that have gone
+            keyed = self._take_up(t)
+            if keyed is not None:
+                self._pool(keyed[0], Pending(t.number, keyed[1]), size_now=False)
+        # budget.trials counts every driver's trials (checked again as one asks)
+        return self.drivers.count < self.total and not self.source.exhausted
 
     def _ask(self, array: str) -> list[tuple[str, Pending]] | None:
         """Ask one trial (the packer pools it): ``[(key, pending)]``, empty if the task
         rejected its config, ``None`` if the searcher gave none."""
         admitted = []
         with self._journal_held():  # sizing a new key (profiling) comes after, outside it
-            for trial, sampled in self.source.ask(1):
+            assert self.drivers is not None
+            for trial, sampled in self.drivers.ask(self.source.ask, self.total):
                 self.asked += 1
                 admitted.append((trial, self._admit(trial, sampled)))
         if not admitted:
@@ -715,7 +765,8 @@ class _Engine:
         others = 0
         with self._journal_held():
             running = self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-            for t in sorted(running, key=lambda t: t.number):
+            assert self.drivers is not None
+            for t in sorted(filter(self.drivers.owns, running), key=lambda t: t.number):
                 mine = failed.array is not None and t.user_attrs.get("array") == failed.array
                 if mine:
                     hit.append(t.number)
@@ -883,7 +934,10 @@ class _Engine:
         wait for the hold to end."""
         with self._lock:
             if self._journal is None:
-                yield
+                # a shared study: no other driver adopts a trial while a hook tells it
+                drivers = self.drivers
+                with drivers.lock if drivers is not None and drivers.shared else nullcontext():
+                    yield
             else:
                 with self._journal.held():
                     yield
@@ -911,6 +965,9 @@ class _Engine:
         todo: list[tuple[Evaluation, Report]] = []
         steps = 0
         for e in evaluations:
+            if trial_number(e.member) not in self.live:  # ended elsewhere: another driver's
+                answer[e.member] = False
+                continue
             logged = self.decisions.get(f"{e.member}@{e.step}")
             if logged is not None:
                 answer[e.member] = logged
@@ -956,8 +1013,8 @@ class _Engine:
 
         number = trial_number(result.id)
         trial = self.live.get(number)
-        if trial is None:
-            return  # told before a crash; the trainer delivers at least once
+        if trial is None or self._lost(number):
+            return  # told before a crash (the trainer delivers at least once), or adopted
         if result.id not in self.ended:
             self.scheduler.on_trial_end(result.id, result.status)
             self.ended.add(result.id)
@@ -996,6 +1053,18 @@ class _Engine:
             self.sc.metric,
             value,
         )
+
+    def _lost(self, number: int) -> bool:
+        """Whether running trial ``number`` was adopted by another driver (this one's
+        heartbeat stopped for longer than the grace period): it is forgotten here."""
+        assert self.drivers is not None
+        if self.drivers.still_owns(self.live[number]._trial_id):
+            return False
+        _log.warning("trial %d: adopted by another driver while this one trained it", number)
+        del self.live[number]
+        self.sampled.pop(number, None)
+        self.reported.pop(number, None)
+        return True
 
     def _publish(self, force: bool = False) -> None:
         """Rewrite trials.csv and best.json from the study, at most every

@@ -79,6 +79,49 @@ def _held_data(config: Mapping[str, Any]) -> tuple[TensorBatches, TensorBatches]
 HELD_TASK = hs.Task(name="toy", model=_model, data=_held_data, defaults=dict(TASK.defaults))
 
 
+class _SlowBatches(TensorBatches):
+    """Training batches that take ``SLOW_PAUSE_S`` more each: an array trains for a good part
+    of a second, so that a sweep killed at a random moment is usually killed inside one."""
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for batch in super().__iter__():
+            time.sleep(SLOW_PAUSE_S)
+            yield batch
+
+
+SLOW_PAUSE_S = 0.01
+
+
+def _slow_data(config: Mapping[str, Any]) -> tuple[TensorBatches, TensorBatches]:
+    train, val = _data(config)
+    return _SlowBatches(train.x, train.y, train.batch_size, shuffle=True), val
+
+
+SLOW_TASK = hs.Task(name="toy", model=_model, data=_slow_data, defaults=dict(TASK.defaults))
+
+
+class _GatedBatches(TensorBatches):
+    """Training batches that wait while the file named by ``HFSWEEP_TEST_GATE`` exists, once
+    the sweep log named by ``HFSWEEP_TEST_GATE_LOG`` exists (the dry run, before the sweep
+    starts, is not held): a sweep that has asked its trials and waits for the test."""
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        gate = os.environ.get("HFSWEEP_TEST_GATE", "")
+        log = os.environ.get("HFSWEEP_TEST_GATE_LOG", "")
+        for batch in super().__iter__():
+            while gate and os.path.exists(gate) and os.path.exists(log):
+                time.sleep(0.01)
+            yield batch
+
+
+def _gated_data(config: Mapping[str, Any]) -> tuple[TensorBatches, TensorBatches]:
+    train, val = _data(config)
+    return _GatedBatches(train.x, train.y, train.batch_size, shuffle=True), val
+
+
+GATED_TASK = hs.Task(name="toy", model=_model, data=_gated_data, defaults=dict(TASK.defaults))
+
+
 def sweep_config(output: Any, **overrides: Any) -> dict[str, Any]:
     """A small sweep of TASK into ``output``; ``overrides`` replace top-level keys."""
     config: dict[str, Any] = {

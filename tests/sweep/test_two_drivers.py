@@ -1,0 +1,332 @@
+"""Two drivers (``hfsweep run --resume`` in two run directories) sharing one study in a database:
+together they ask exactly ``budget.trials``, each trains only its own trials and those of a
+driver that is gone, and none is trained by both at once, with either killed (SIGKILL) and
+resumed at any moment."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+from optuna.storages.journal import JournalFileBackend
+from optuna.trial import TrialState
+
+from hfsweep.trainer import ArrayTrainer
+
+from ._toy import HOLD_AFTER, _tells
+
+HERE = Path(__file__).resolve().parent
+SLOW = f"{HERE / '_toy.py'}:SLOW_TASK"
+HELD = f"{HERE / '_toy.py'}:HELD_TASK"
+GATED = f"{HERE / '_toy.py'}:GATED_TASK"
+TRIALS = 12
+STUDY = "shared"
+#: fast heartbeats, so that a killed driver's pid or heartbeat gives it away within seconds
+ENV = {"HFSWEEP_DRIVER_HEARTBEAT_S": "0.5", "HFSWEEP_DRIVER_GRACE_S": "3"}
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs POSIX signals"),
+]
+
+
+@pytest.fixture(params=["postgresql", "sqlite"])
+def storage(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """The study's storage URL: a fresh PostgreSQL database, or an SQLite file."""
+    if request.param == "postgresql":
+        return str(request.getfixturevalue("postgres"))
+    return f"sqlite:///{tmp_path / 'study.db'}"
+
+
+class _Driver:
+    """One run directory's ``hfsweep run --resume`` processes, one after another."""
+
+    def __init__(self, folder: Path, storage: str | None, task: str = SLOW) -> None:
+        folder.mkdir()
+        self.folder = folder
+        self.run = folder / "run"
+        self.sweep = folder / "sweep.yaml"
+        self.sweep.write_text(
+            f"""
+task: "{task}"
+search_space:
+  lr: {{type: float, low: 1.0e-3, high: 0.5, log: true}}
+  momentum: {{type: float, low: 0.0, high: 0.9}}
+searcher: random
+scheduler: {{name: asha, options: {{grace_period: 1, reduction_factor: 2}}}}
+budget: {{trials: {TRIALS}, epochs: 3}}
+metric: val_accuracy
+mode: max
+fusion: {{size: 4, device: cpu}}
+storage: {json.dumps(storage)}
+study_name: {STUDY}
+output: run
+"""
+        )
+        self.proc: subprocess.Popen[str] | None = None
+        #: wall times at which a process of this driver was killed
+        self.kills: list[float] = []
+
+    def start(self, **env: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "hfsweep.cli", "run", str(self.sweep), "--quiet", "--resume"],
+            cwd=self.folder,
+            env={
+                **os.environ,
+                **ENV,
+                **env,
+                "PYTHONUNBUFFERED": "1",
+                "HFSWEEP_CACHE_DIR": str(self.folder),
+            },
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    def kill(self) -> bool:
+        """SIGKILL the running process; whether it was still running."""
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            self.finished()
+            return False
+        self.kills.append(time.time())  # before the kill: it trained until a moment after
+        self.proc.kill()
+        self.proc.communicate(timeout=60)
+        return True
+
+    def finished(self, timeout: float = 120) -> str:
+        """Wait for the process; it must have exited 0. Returns its stderr."""
+        assert self.proc is not None
+        _out, err = self.proc.communicate(timeout=timeout)
+        assert self.proc.returncode == 0, err
+        return err
+
+    def log(self) -> str:
+        path = self.run / "sweep.log"
+        return path.read_text() if path.exists() else ""
+
+
+def _finished(storage: str) -> int:
+    """Finished trials in the study (0 before it exists)."""
+    try:
+        study = optuna.load_study(study_name=STUDY, storage=storage)
+    except KeyError:
+        return 0
+    done = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+    return len(study.get_trials(deepcopy=False, states=done))
+
+
+def _wait(what: str, ready: object, *drivers: _Driver) -> None:
+    deadline = time.monotonic() + 120
+    while not ready():  # type: ignore[operator]
+        for d in drivers:
+            if d.proc is not None and d.proc.poll() not in (None, 0):
+                _out, err = d.proc.communicate()
+                pytest.fail(f"{d.folder.name} exited {d.proc.returncode} before {what}:\n{err}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"no {what} within 120 s")
+        time.sleep(0.05)
+
+
+# ---------------------------------------------------------------------- training intervals
+_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \w+ [\w.]+: (.*)$")
+_STARTS = (
+    re.compile(r"^array \d+ \(.*\): training \d+ trials: (.*)$"),
+    re.compile(r"^array \d+: resuming (.*) from its checkpoint$"),
+    re.compile(r"^member (trial-\d+) joined the array"),
+)
+_ENDS = (
+    re.compile(r"^member (trial-\d+) \w+ after \d+ steps"),
+    re.compile(r"^member (trial-\d+) failed before training"),
+    re.compile(r"^trial (\d+) (?:complete|pruned|fail)"),
+)
+
+
+def _events(log: str) -> Iterator[tuple[float, str, int]]:
+    """``(wall time, "start" or "end", trial number)`` of every training start and end."""
+    for line in log.splitlines():
+        m = _LINE.match(line)
+        if m is None:
+            continue
+        when = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        for kind, patterns in (("start", _STARTS), ("end", _ENDS)):
+            for pattern in patterns:
+                found = pattern.match(m.group(2))
+                if found is not None:
+                    for member in found.group(1).split(", "):
+                        yield when, kind, int(member.removeprefix("trial-"))
+
+
+def _intervals(driver: _Driver) -> list[tuple[int, float, float]]:
+    """``(trial, start, end)`` of each stretch in which the driver trained a trial: from the
+    log's start of it to its end, or to the kill of the process training it."""
+    out = []
+    open_: dict[int, float] = {}
+    kills = list(driver.kills)
+    for when, kind, number in _events(driver.log()):
+        while kills and kills[0] < when:  # a process of this driver died before this line
+            out += [(n, s, kills[0]) for n, s in open_.items()]
+            open_.clear()
+            kills.pop(0)
+        if kind == "start":
+            open_.setdefault(number, when)
+        elif number in open_:
+            out.append((number, open_.pop(number), when))
+    end = kills[0] if kills else float("inf")
+    return out + [(n, s, end) for n, s in open_.items()]
+
+
+def _check(storage: Any, *drivers: _Driver, elsewhere: int | None = None) -> None:
+    """The study holds exactly the budget, every trial ended and was told once (except trial
+    ``elsewhere``, told by no driver here), and no trial was trained by two drivers at once."""
+    study = optuna.load_study(study_name=STUDY, storage=storage)
+    trials = study.get_trials()
+    assert [t.number for t in trials] == list(range(TRIALS))
+    assert {t.state for t in trials} <= {TrialState.COMPLETE, TrialState.PRUNED}
+    told = Counter(
+        n
+        for d in drivers
+        for n in re.findall(r"hfsweep\.sweep: trial (\d+) (?:complete|pruned|fail)", d.log())
+    )
+    assert told == Counter({str(n): 1 for n in range(TRIALS) if n != elsewhere})
+    stretches = [[(n, s, e) for n, s, e in _intervals(d)] for d in drivers]
+    for i, mine in enumerate(stretches):
+        for theirs in stretches[i + 1 :]:
+            both = [
+                (n, (s1, e1), (s2, e2))
+                for n, s1, e1 in mine
+                for m, s2, e2 in theirs
+                if n == m and s1 < e2 and s2 < e1
+            ]
+            assert both == [], "trained by two drivers at once"
+
+
+# ---------------------------------------------------------------------- tests
+def test_two_drivers_killed_and_resumed_ask_exactly_the_budget(
+    tmp_path: Path, storage: str
+) -> None:
+    """Both drivers start together; each is SIGKILLed when the study has a (seeded) random
+    number of finished trials and resumed at once."""
+    rng = random.Random(2028)
+    a, b = _Driver(tmp_path / "a", storage), _Driver(tmp_path / "b", storage)
+    a.start()
+    b.start()
+    first = rng.randint(2, 4)
+    second = rng.randint(first + 2, TRIALS - 4)
+    _wait(f"{first} finished trials", lambda: _finished(storage) >= first, a, b)
+    assert a.kill()
+    a.start()
+    _wait(f"{second} finished trials", lambda: _finished(storage) >= second, a, b)
+    b.kill()
+    b.start()
+    a.finished()
+    b.finished()
+    _check(storage, a, b)
+    kind = "PostgreSQL advisory lock" if storage.startswith("postgresql") else "SQLite file lock"
+    assert f"asks and adoptions under a {kind}" in a.log()
+
+
+def test_a_driver_adopts_a_dead_drivers_trials_which_then_resumes_cleanly(
+    tmp_path: Path, postgres: str
+) -> None:
+    """Driver a is killed while its trials run (its training holds after two tells); driver b
+    adopts them and finishes the budget; a, resumed, finds its trials ended by b."""
+    a, b = _Driver(tmp_path / "a", postgres, HELD), _Driver(tmp_path / "b", postgres, HELD)
+    a.start(HFSWEEP_TEST_HOLD_LOG=str(a.run / "sweep.log"))
+    _wait(f"{HOLD_AFTER} tells", lambda: _tells(str(a.run / "sweep.log")) >= HOLD_AFTER, a)
+    assert a.kill()
+    b.start()
+    b.finished()
+    assert _finished(postgres) == TRIALS
+    assert "adopted from driver" in b.log()
+    a.start()
+    a.finished()
+    assert "none of its trials is left to this driver; dropped" in a.log()
+    _check(postgres, a, b)
+
+
+def test_a_running_driver_adopts_the_trials_of_one_that_dies(tmp_path: Path, postgres: str) -> None:
+    """Driver b starts while a trains (held after two tells) and waits at its first batch;
+    a is killed; b, let go, adopts a's trials while it runs and trains them too."""
+    a, b = _Driver(tmp_path / "a", postgres, HELD), _Driver(tmp_path / "b", postgres, GATED)
+    a.start(HFSWEEP_TEST_HOLD_LOG=str(a.run / "sweep.log"))
+    _wait(f"{HOLD_AFTER} tells", lambda: _tells(str(a.run / "sweep.log")) >= HOLD_AFTER, a)
+    gate = tmp_path / "gate"
+    gate.touch()
+    b.start(HFSWEEP_TEST_GATE=str(gate), HFSWEEP_TEST_GATE_LOG=str(b.run / "sweep.log"))
+    _wait("b's first array", lambda: ": training " in b.log(), a, b)
+    assert "adopted" not in b.log()
+    assert a.kill()
+    gate.unlink()
+    b.finished()
+    assert _finished(postgres) == TRIALS
+    log = b.log()
+    assert log.index(": training ") < log.index("adopted from driver")
+    a.start()
+    a.finished()
+    _check(postgres, a, b)
+
+
+def test_a_live_drivers_trials_are_left_alone(tmp_path: Path, postgres: str) -> None:
+    """The issue's case: a second driver started while the first trains (held after two
+    tells) asks the rest of the budget, leaves the first one's running trials to it and ends;
+    the first, interrupted and resumed, finishes them."""
+    a, b = _Driver(tmp_path / "a", postgres, HELD), _Driver(tmp_path / "b", postgres, HELD)
+    a.start(HFSWEEP_TEST_HOLD_LOG=str(a.run / "sweep.log"))
+    _wait(f"{HOLD_AFTER} tells", lambda: _tells(str(a.run / "sweep.log")) >= HOLD_AFTER, a)
+    study = optuna.load_study(study_name=STUDY, storage=postgres)
+    theirs = {t.number for t in study.get_trials(states=(TrialState.RUNNING,))}
+    assert theirs
+    b.start()
+    b.finished()
+    assert len(study.get_trials()) == TRIALS
+    running = {t.number for t in study.get_trials(states=(TrialState.RUNNING,))}
+    assert running >= theirs  # still a's
+    assert re.search(rf"{len(theirs)} running trials belong to other drivers", b.log())
+    assert a.proc is not None
+    a.proc.send_signal(signal.SIGINT)
+    _out, err = a.proc.communicate(timeout=60)
+    assert a.proc.returncode == 130, err
+    a.start()
+    a.finished()
+    _check(postgres, a, b)
+
+
+def test_a_run_directory_whose_trial_another_driver_finished_resumes(tmp_path: Path) -> None:
+    """The issue's ``KeyError: 0``: a driver killed while an array trains; one of that array's
+    trials is then finished by another driver (done here by hand, in the driver's own journal);
+    resumed, the driver stops that member at its first evaluation, tells it nothing and
+    finishes the rest."""
+    a = _Driver(tmp_path / "a", None, HELD)
+    a.start(HFSWEEP_TEST_HOLD_LOG=str(a.run / "sweep.log"))
+    _wait(f"{HOLD_AFTER} tells", lambda: _tells(str(a.run / "sweep.log")) >= HOLD_AFTER, a)
+    assert a.kill()
+    storage = optuna.storages.JournalStorage(JournalFileBackend(str(a.run / "optuna.journal")))
+    study = optuna.load_study(study_name=STUDY, storage=storage)
+    running = {t.number: t for t in study.get_trials(states=(TrialState.RUNNING,))}
+    held = [
+        n
+        for n in sorted(running)
+        if f"trial-{n}" in ArrayTrainer.checkpointed_members(a.run / "arrays" / "0")
+    ]
+    assert len(held) >= 2  # one to be finished elsewhere, one that stays a's
+    other = running[held[0]]
+    study._storage.set_trial_user_attr(other._trial_id, "driver", "another driver")
+    study.tell(other.number, 0.5)
+    a.start()
+    a.finished()
+    assert re.search(rf"member trial-{other.number} stopped after", a.log())
+    _check(storage, a, elsewhere=other.number)
