@@ -30,6 +30,8 @@ __all__ = ["STATE_VERSION", "LedgerFile", "StateVersionError"]
 #: the format ``state.json`` is written in; version 1 (no log) is still read
 STATE_VERSION = 2
 _READABLE = (1, STATE_VERSION)
+#: the log is compacted once it is larger than the snapshot and than this
+MIN_LOG_BYTES = 1 << 16
 
 
 class StateVersionError(ValueError):
@@ -124,10 +126,10 @@ class LedgerFile:
         append_lines(self.log, [line])
         self.log_bytes += len(line) + 1
 
-    def due(self, minimum: int = 1 << 16) -> bool:
-        """Whether the log has grown past the snapshot (and ``minimum`` bytes): compacting
+    def due(self) -> bool:
+        """Whether the log has grown past the snapshot (and :data:`MIN_LOG_BYTES`): compacting
         then keeps the bytes written over a sweep proportional to its state's final size."""
-        return self.log_bytes > max(minimum, self.snapshot_bytes)
+        return self.log_bytes > max(MIN_LOG_BYTES, self.snapshot_bytes)
 
     def compact(self, state: Mapping[str, Any]) -> None:
         """Write ``state`` as the new snapshot, flushed to disk before the log restarts empty
