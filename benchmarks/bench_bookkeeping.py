@@ -2,7 +2,7 @@
 plain Optuna with the same sampler and the same kind of storage.
 
     python benchmarks/bench_bookkeeping.py [--trials 512 2048 8192] [--fusion-size B]
-        [--rounds R] [--profile] [--quick] [--out STEM]
+        [--rounds R] [--baseline DIR] [--profile] [--quick] [--out STEM]
 
 Both arms run N trials of one training step each of a 4 -> 2 linear model on 8 samples
 (one batch), with Optuna's random sampler (seed 0) and a journal file as storage, so their
@@ -17,9 +17,15 @@ wall-clocks differ by the bookkeeping around the step:
   and arrays of ``--fusion-size`` members (16): everything a sweep writes (the journal,
   its own state, histories, trials.csv, best.json, checkpoints of the best trials).
 
-Wall-clock is ``time.perf_counter`` around the whole sweep, not the imports. Rounds interleave
-the arms and the median round is reported, with ``hfsweep / plain`` per N (the curve shows how
-bookkeeping grows with the number of trials). ``--profile`` also runs hfsweep's largest N once
+- ``baseline`` (with ``--baseline DIR``): the ``hfsweep`` arm run by another hfsweep source
+  tree (``DIR`` first on ``PYTHONPATH``; e.g. ``git archive <commit>`` unpacked, with
+  ``hfsweep/schedulers`` and ``hfsweep/search_spaces`` linked to its top-level folders): the
+  same machine and moment for a before/after comparison.
+
+Every measurement runs in a fresh Python process (after an untimed warm-up sweep of 8 trials
+there); its wall-clock is ``time.perf_counter`` around the whole sweep, not the imports. Rounds
+interleave the arms and the median round is reported, with ``hfsweep / plain`` per N (the
+curve shows how bookkeeping grows with the number of trials). ``--profile`` also runs hfsweep's largest N once
 under ``cProfile`` and prints the 25 functions with the most cumulative time. Writes
 ``results/bench_bookkeeping_<device>.{md,json}``, or ``STEM.{md,json}`` with ``--out``.
 """
@@ -28,9 +34,12 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import json
 import math
+import os
 import pstats
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -50,8 +59,8 @@ from _results import RESULTS, write_results
 import hfsweep as hs
 from hfsweep.tasks import TensorBatches
 
-ARMS = ("plain", "hfsweep")
-LABELS = {"plain": "plain Optuna", "hfsweep": "hfsweep"}
+ARMS = ("plain", "hfsweep", "baseline")
+LABELS = {"plain": "plain Optuna", "hfsweep": "hfsweep", "baseline": "hfsweep (baseline tree)"}
 SPACE = {"lr": {"type": "float", "low": 1e-3, "high": 0.5, "log": True}}
 
 
@@ -139,64 +148,88 @@ def profile_hfsweep(trials: int, size: int) -> None:
     pstats.Stats(profiler, stream=sys.stderr).sort_stats("cumulative").print_stats(25)
 
 
+def measure(arm: str, trials: int, size: int, baseline: Path | None) -> float:
+    """Seconds of one ``arm`` run of ``trials`` trials, measured in a fresh process."""
+    env = dict(os.environ)
+    if arm == "baseline":
+        assert baseline is not None
+        env["PYTHONPATH"] = os.pathsep.join([str(baseline), env.get("PYTHONPATH", "")])
+    kind = "plain" if arm == "plain" else "hfsweep"
+    out = subprocess.run(
+        [sys.executable, __file__, "--one", kind, str(trials), "--fusion-size", str(size)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"{arm} at {trials} trials failed:\n{out.stderr[-3000:]}")
+    return float(json.loads(out.stdout.strip().splitlines()[-1])["wall_s"])
+
+
+def one(kind: str, trials: int, size: int) -> None:
+    """Run one measurement in this process and print ``{"wall_s": ...}``."""
+    with tempfile.TemporaryDirectory() as tmp:  # warm-up: imports, first calls (not timed)
+        run_plain(8, Path(tmp)) if kind == "plain" else run_hfsweep(8, Path(tmp), size)
+    with tempfile.TemporaryDirectory() as tmp:
+        if kind == "plain":
+            wall = run_plain(trials, Path(tmp))
+        else:
+            wall = run_hfsweep(trials, Path(tmp), size)
+    print(json.dumps({"wall_s": wall, "hfsweep": hs.__file__}))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trials", type=int, nargs="+", default=[512, 2048, 8192])
     parser.add_argument("--fusion-size", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--baseline", type=Path, default=None)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 32 and 64 trials")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--one", nargs=2, metavar=("ARM", "N"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.quick:
-        args.trials = [32, 64]
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
     torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory() as tmp:  # warm-up: imports, first calls (not timed)
-        run_plain(8, Path(tmp))
-        run_hfsweep(8, Path(tmp), args.fusion_size)
+    if args.one:
+        one(args.one[0], int(args.one[1]), args.fusion_size)
+        return 0
+    if args.quick:
+        args.trials = [32, 64]
+    arms = [a for a in ARMS if a != "baseline" or args.baseline is not None]
     rows: list[dict[str, Any]] = []
     for n in args.trials:
-        times: dict[str, list[float]] = {arm: [] for arm in ARMS}
+        times: dict[str, list[float]] = {arm: [] for arm in arms}
         for r in range(args.rounds):
-            for arm in ARMS if r % 2 == 0 else ARMS[::-1]:
-                with tempfile.TemporaryDirectory() as tmp:
-                    if arm == "plain":
-                        wall = run_plain(n, Path(tmp))
-                    else:
-                        wall = run_hfsweep(n, Path(tmp), args.fusion_size)
+            for arm in arms if r % 2 == 0 else arms[::-1]:
+                wall = measure(arm, n, args.fusion_size, args.baseline)
                 times[arm].append(wall)
                 log(f"N={n} round {r + 1}: {arm} {wall:.2f} s")
-        ratios = [h / p for h, p in zip(times["hfsweep"], times["plain"], strict=True)]
-        rows.append(
-            {
-                "trials": n,
-                "plain_s": statistics.median(times["plain"]),
-                "hfsweep_s": statistics.median(times["hfsweep"]),
-                "ratio": statistics.median(ratios),
-                "ratio rounds": ratios,
-                "rounds": {arm: times[arm] for arm in ARMS},
-            }
-        )
+        row: dict[str, Any] = {"trials": n, "rounds": times}
+        for arm in arms:
+            row[f"{arm}_s"] = statistics.median(times[arm])
+            if arm != "plain":
+                ratios = [h / p for h, p in zip(times[arm], times["plain"], strict=True)]
+                row[f"{arm}/plain"] = statistics.median(ratios)
+                row[f"{arm}/plain rounds"] = ratios
+        rows.append(row)
+    columns = ["trials", *(f"{LABELS[a]} s" for a in arms)]
+    columns += [f"{LABELS[a]} / plain" for a in arms if a != "plain"]
+    columns += [f"{LABELS[a]} ms/trial" for a in arms]
     cells = [
         [
             str(row["trials"]),
-            f"{row['plain_s']:.2f}",
-            f"{row['hfsweep_s']:.2f}",
-            f"{row['ratio']:.2f}x"
-            + (
-                f" [{min(row['ratio rounds']):.2f}-{max(row['ratio rounds']):.2f}]"
-                if len(row["ratio rounds"]) > 1
-                else ""
-            ),
-            f"{1e3 * row['plain_s'] / row['trials']:.2f}",
-            f"{1e3 * row['hfsweep_s'] / row['trials']:.2f}",
+            *(f"{row[f'{a}_s']:.2f}" for a in arms),
+            *(_ratio(row[f"{a}/plain rounds"]) for a in arms if a != "plain"),
+            *(f"{1e3 * row[f'{a}_s'] / row['trials']:.2f}" for a in arms),
         ]
         for row in rows
     ]
+    print("  ".join(columns))
     for line in cells:
-        print("  ".join(c.rjust(14) for c in line))
+        print("  ".join(c.rjust(12) for c in line))
     stem = args.out or RESULTS / "bench_bookkeeping_cpu"
     write_results(
         stem,
@@ -207,15 +240,22 @@ def main(argv: list[str] | None = None) -> int:
         [
             f"- {args.rounds} round(s), median; one training step per trial of a 4 -> 2 linear "
             f"model, random sampler (seed 0), journal file storage; hfsweep arrays of "
-            f"{args.fusion_size}, scheduler fifo",
+            f"{args.fusion_size}, scheduler fifo; each measurement in a fresh process",
+            *([f"- baseline tree: `{args.baseline}`"] if args.baseline is not None else []),
         ],
-        ["trials", "plain s", "hfsweep s", "hfsweep / plain", "plain ms/trial", "hfsweep ms/trial"],
+        columns,
         cells,
         rows,
     )
     if args.profile:
         profile_hfsweep(max(args.trials), args.fusion_size)
-    return 0 if all(math.isfinite(r["ratio"]) for r in rows) else 1
+    return 0 if all(math.isfinite(r["hfsweep/plain"]) for r in rows) else 1
+
+
+def _ratio(rounds: list[float]) -> str:
+    median = statistics.median(rounds)
+    spread = f" [{min(rounds):.2f}-{max(rounds):.2f}]" if len(rounds) > 1 else ""
+    return f"{median:.2f}x{spread}"
 
 
 if __name__ == "__main__":

@@ -76,8 +76,12 @@ _clock: Callable[[], float] = time.perf_counter
 _KEEP_BEST = 3
 #: seconds between rewrites of trials.csv and best.json while a sweep runs (each rewrite reads
 #: the whole study, so rewriting after every trial would cost O(trials^2) over a sweep); the
-#: journal and state.json are written at every trial end, and both files again at the end
+#: journal and the ledger's log get a line at every trial end, and both files are rewritten at
+#: the end
 _PUBLISH_EVERY_S = 5.0
+#: ...and at least this many times as long as the last rewrite took, so that rewriting them
+#: (which grows with the trials) takes at most 1/_PUBLISH_SHARE of a long sweep's time
+_PUBLISH_SHARE = 20
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 #: what to do about a state.json that is missing or cannot be read
 _STATE_LOST = (
@@ -299,6 +303,7 @@ class _Engine:
         self.asked = 0
         self.start = _clock()
         self._published = -math.inf  # perf_counter() of the last trials.csv/best.json write
+        self._publish_s = 0.0  # and how long it took
         #: the default journal's backend (None with a storage URL), and whether the run
         #: directory is locked to this sweep
         self._journal: GroupedJournalFileBackend | None = None
@@ -990,13 +995,16 @@ class _Engine:
 
     def _publish(self, force: bool = False) -> None:
         """Rewrite trials.csv and best.json from the study, at most every
-        ``_PUBLISH_EVERY_S`` seconds unless ``force``."""
+        ``_PUBLISH_EVERY_S`` seconds (and ``_PUBLISH_SHARE`` times the last rewrite's time)
+        unless ``force``."""
         now = time.perf_counter()
-        if not force and now - self._published < _PUBLISH_EVERY_S:
+        wait = max(_PUBLISH_EVERY_S, _PUBLISH_SHARE * self._publish_s)
+        if not force and now - self._published < wait:
             return
         self._published = now
         self.dir.write_trials(self.study.get_trials(deepcopy=False))
         self.dir.write_best(self._best_record(self._best_trial()))
+        self._publish_s = time.perf_counter() - now
 
     def _keep_checkpoint(self, number: int, value: float, model: Mapping[str, Any]) -> None:
         """Keep trial ``number``'s weights if it is among the best completed trials."""
