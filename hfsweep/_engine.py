@@ -503,8 +503,9 @@ class _Engine:
                 self.ledger.restore(saved, _Array)
             except (KeyError, TypeError, ValueError, AttributeError) as exc:
                 raise SweepError(
-                    f"cannot resume {self.dir.path}: {self.dir.state} is not the state this "
-                    f"sweep wrote ({type(exc).__name__}: {exc}). {_STATE_LOST}"
+                    f"cannot resume {self.dir.path}: {self.dir.state} (with the changes in "
+                    f"{self.dir.state_log.name}) is not the state this sweep wrote "
+                    f"({type(exc).__name__}: {exc}). {_STATE_LOST}"
                 ) from None
         self.asked = len(trials)
         for a in self.arrays:

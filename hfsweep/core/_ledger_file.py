@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping, Sequence
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -121,9 +122,17 @@ class LedgerFile:
     # ------------------------------------------------------------------ writing
     def append(self, elapsed: float, changes: Sequence[Any]) -> None:
         """Append one save: ``changes`` (JSON values) at ``elapsed`` seconds of the sweep."""
+        line = json.dumps({"n": self.seq + 1, "t": elapsed, "c": list(changes)}, allow_nan=False)
+        size = self.log.stat().st_size if self.log.exists() else 0
+        try:
+            append_lines(self.log, [line])
+        except BaseException:
+            # cut a part-written line back off (a full disk): the next append must not end
+            # it, which would leave a line that cannot be read before whole ones
+            with suppress(OSError):
+                os.truncate(self.log, size)
+            raise
         self.seq += 1
-        line = json.dumps({"n": self.seq, "t": elapsed, "c": list(changes)}, allow_nan=False)
-        append_lines(self.log, [line])
         self.log_bytes += len(line) + 1
 
     def due(self) -> bool:

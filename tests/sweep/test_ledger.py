@@ -160,6 +160,33 @@ def test_a_torn_last_line_is_left_out(tmp_path: Path) -> None:
     assert RunDir(tmp_path).read_state() == whole
 
 
+def test_an_append_that_fails_part_way_is_cut_back_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk in the middle of a save: the part written is removed, so the next save's
+    line follows the last whole one and the log reads back whole."""
+    ledger = _ledger(tmp_path)
+    ledger.save()
+    _drive(ledger, 1)
+    real = _io.append_lines
+
+    def full_disk(path: Path, lines: list[str]) -> None:
+        with open(path, "a") as f:
+            f.write(lines[0][:15])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("hfsweep.core._ledger_file.append_lines", full_disk)
+    ledger.arrays.append(_Array(1, "k", 2))
+    with pytest.raises(OSError, match="No space"):
+        ledger.save()
+    monkeypatch.setattr("hfsweep.core._ledger_file.append_lines", real)
+    _drive(ledger, 1, first=2)
+    again = _ledger(tmp_path)
+    again.restore(RunDir(tmp_path).read_state() or {}, _Array)
+    assert again.decisions == ledger.decisions and again.ended == ledger.ended
+    assert [a.index for a in again.arrays] == [0, 2]  # the failed save's array was not saved
+
+
 def test_lines_the_snapshot_holds_are_skipped(tmp_path: Path) -> None:
     """A crash after a compaction's snapshot, before its new log: the old log's lines are in
     the snapshot already and are not applied twice."""
@@ -246,3 +273,17 @@ def test_one_status_vocabulary() -> None:
         Status.RUNNING.told  # noqa: B018
     with pytest.raises(ValueError, match=r"unknown trial status 'done'; valid: waiting, running"):
         Status.parse("done")
+
+
+def test_a_log_line_that_is_not_a_change_is_refused(tmp_path: Path) -> None:
+    """A line that reads as JSON but is no change this sweep wrote (edited): refused naming
+    both files, as a state.json with a key missing is."""
+    config, run = _finished_run(tmp_path)
+    seq = json.loads((run / "state.json").read_text())["seq"]
+    with open(run / "state.jsonl", "a") as f:
+        f.write(json.dumps({"n": seq + 1, "t": 1.0, "c": [["renamed", 3]]}) + "\n")
+    with pytest.raises(hs.SweepError, match="is not the state this sweep wrote") as info:
+        hs.sweep(config, resume=True, progress=False)
+    message = str(info.value)
+    assert str(run / "state.json") in message and "state.jsonl" in message
+    assert "unknown change 'renamed'" in message and "Restore the file" in message
