@@ -10,7 +10,8 @@ key, and tells the study how each trial ended.
 
 Crash safety: the Optuna study (a journal file in the run directory by default) records every
 trial, its params, intermediate values and end; each array's trainer checkpoints at every
-evaluation; and ``state.json`` holds the scheduler's state with a log of its decisions. A sweep
+evaluation; and the ledger (``state.json`` and the changes since in ``state.jsonl``, see
+:mod:`hfsweep.core.ledger`) holds the scheduler's state with a log of its decisions. A sweep
 killed at any moment (SIGKILL included) and run again with ``resume=True`` finishes with no
 completed trial lost or trained again: running arrays continue from their checkpoints, replayed
 evaluations get the decisions already taken, and a trial whose end was saved but not yet told
@@ -46,9 +47,11 @@ from ._rundir import RunDir, RunDirBusy, StateVersionError, member_id, trial_num
 from ._usercode import HOOK, NOT_TRAINING, describe, label, phase_of, unwrap
 from .config import SweepConfig, load_sweep, make_sampler, make_searcher, parse_sweep
 from .core._drivers import Drivers
+from .core.ledger import Ledger
 from .core.packer import NON_LEARNING, Packer, Pending, limit_for_learning
+from .core.status import Status
 from .executors import Executor, ExecutorError, LocalExecutor, Stopped
-from .schedulers import Decision, OptunaPruner, Report, make_scheduler
+from .schedulers import OptunaPruner, Report, make_scheduler
 from .search_spaces import FixedParam
 from .searchers import Searcher
 from .searchers._source import CustomSource, OptunaSource, TrialSource
@@ -78,10 +81,13 @@ _clock: Callable[[], float] = time.perf_counter
 _KEEP_BEST = 3
 #: seconds between rewrites of trials.csv and best.json while a sweep runs (each rewrite reads
 #: the whole study, so rewriting after every trial would cost O(trials^2) over a sweep); the
-#: journal and state.json are written at every trial end, and both files again at the end
+#: journal and the ledger's log get a line at every trial end, and both files are rewritten at
+#: the end
 _PUBLISH_EVERY_S = 5.0
+#: ...and at least this many times as long as the last rewrite took, so that rewriting them
+#: (which grows with the trials) takes at most 1/_PUBLISH_SHARE of a long sweep's time
+_PUBLISH_SHARE = 20
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
-_STATE = {"completed": "COMPLETE", "stopped": "PRUNED", "failed": "FAIL"}
 #: what to do about a state.json that is missing or cannot be read
 _STATE_LOST = (
     "It holds the scheduler's state and the log of its decisions, which the study cannot "
@@ -89,8 +95,6 @@ _STATE_LOST = (
     "a backup), or start the sweep again with another `output` directory; the trials finished "
     "so far stay readable with `hfsweep report`"
 )
-#: Optuna state name -> what a custom searcher's tell() gets
-_TOLD = {"COMPLETE": "complete", "PRUNED": "pruned", "FAIL": "failed"}
 
 
 class SweepError(Exception):
@@ -245,8 +249,29 @@ class _Array:
     done: bool = False
 
 
+class _InLedger:
+    """An engine attribute that is the ledger's (``engine.sizes`` is ``engine.ledger.sizes``)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, engine: Any, owner: type | None = None) -> Any:
+        return getattr(engine.ledger, self.name)
+
+    def __set__(self, engine: Any, value: Any) -> None:
+        setattr(engine.ledger, self.name, value)
+
+
 class _Engine:
     """One run of one sweep (see the module docstring)."""
+
+    #: the persisted state, kept by the ledger (see :class:`~hfsweep.core.ledger.Ledger`)
+    decisions: dict[str, bool] = _InLedger()  # type: ignore[assignment]
+    ended: dict[str, Status] = _InLedger()  # type: ignore[assignment]
+    arrays: list[_Array] = _InLedger()  # type: ignore[assignment]
+    sizes: dict[str, int] = _InLedger()  # type: ignore[assignment]
+    best: list[tuple[float, int]] = _InLedger()  # type: ignore[assignment]  # of kept checkpoints
+    elapsed_before: float = _InLedger()  # type: ignore[assignment]
 
     def __init__(
         self,
@@ -276,7 +301,8 @@ class _Engine:
         #: guards the engine's state: arrays training at once call the hooks from their threads
         self._lock = threading.RLock()
         self.progress = Progress(self.total, sc.metric, enabled=progress)
-        #: the pools of waiting trials, the array size per key, and refill
+        self.ledger = Ledger(self.dir.ledger_file(), self.scheduler, lambda: _clock() - self.start)
+        #: the pools of waiting trials, the array size per key (the ledger's), and refill
         self.packer: Packer[Pending] = Packer(
             ask=self._ask,
             size=self._size,
@@ -284,18 +310,15 @@ class _Engine:
             budget=self.total,
             on_sized=lambda key, size: self._save_state(),
         )
-        self.arrays: list[_Array] = []
-        self.decisions: dict[str, bool] = {}
-        self.ended: set[str] = set()
-        self.best: list[tuple[float, int]] = []  # (value, number) of the kept checkpoints
+        self.packer.sizes = self.ledger.sizes
         self.live: dict[int, optuna.Trial] = {}  # running trials
         self.sampled: dict[int, dict[str, Any]] = {}
         self.reported: dict[int, int] = {}  # last Optuna step reported per running trial
         self._last_step: dict[str, int] = {}  # per member, for the throughput shown
         self.asked = 0
-        self.elapsed_before = 0.0
         self.start = _clock()
         self._published = -math.inf  # perf_counter() of the last trials.csv/best.json write
+        self._publish_s = 0.0  # and how long it took
         #: the default journal's backend (None with a storage URL), and whether the run
         #: directory is locked to this sweep
         self._journal: GroupedJournalFileBackend | None = None
@@ -346,7 +369,7 @@ class _Engine:
             except _Failed as failed:
                 raise self._stop(failed) from failed.exc
             finally:
-                self._save_state()
+                self.ledger.compact()  # the whole state in state.json as the sweep stops
                 self._publish_last()
                 self.progress.close()
             result = self._result()
@@ -516,17 +539,15 @@ class _Engine:
             )
         if saved is not None:
             try:
-                self.scheduler.load_state_dict(saved["scheduler"])
-                self.decisions = {str(k): bool(v) for k, v in saved["decisions"].items()}
-                self.ended = set(saved["ended"])
-                self.arrays = [_Array(**a) for a in saved["arrays"]]
-                self.sizes = {str(k): int(v) for k, v in saved["sizes"].items()}
-                self.best = [(float(v), int(n)) for v, n in saved["best"]]
-                self.elapsed_before = float(saved["elapsed_s"])
+                self.ledger.restore(saved, _Array)
+                self.packer.sizes = (
+                    self.ledger.sizes
+                )  # one dict: the packer sizes, the ledger saves
             except (KeyError, TypeError, ValueError, AttributeError) as exc:
                 raise SweepError(
-                    f"cannot resume {self.dir.path}: {self.dir.state} is not the state this "
-                    f"sweep wrote ({type(exc).__name__}: {exc}). {_STATE_LOST}"
+                    f"cannot resume {self.dir.path}: {self.dir.state} (with the changes in "
+                    f"{self.dir.state_log.name}) is not the state this sweep wrote "
+                    f"({type(exc).__name__}: {exc}). {_STATE_LOST}"
                 ) from None
         self.asked = len(trials)
         with self.drivers.lock:  # no other driver adopts or asks meanwhile
@@ -559,13 +580,14 @@ class _Engine:
             if t.state == TrialState.RUNNING and member_id(t.number) not in taken:
                 continue  # another live driver trains it
             if t.state != TrialState.RUNNING:
-                if t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL):
-                    self.progress.states[t.state.name] += 1
+                status = Status.of_trial_state(t.state)
+                if status.final:
+                    self.progress.states[status] += 1
                     try:
                         told = self._params(t)
                     except ValueError:  # failed before all its params were recorded
                         told = dict(t.params)
-                    self.source.tell(t.number, told, _TOLD[t.state.name], t.value)
+                    self.source.tell(t.number, told, status.told, t.value)
                 continue
             keyed = self._take_up(t)
             if keyed is None:
@@ -631,17 +653,8 @@ class _Engine:
         return keyed
 
     def _save_state(self) -> None:
-        self.dir.write_state(
-            {
-                "scheduler": self.scheduler.state_dict(),
-                "decisions": self.decisions,
-                "ended": sorted(self.ended),
-                "arrays": [vars(a) for a in self.arrays],
-                "sizes": self.sizes,
-                "best": [list(b) for b in self.best],
-                "elapsed_s": self._elapsed(),
-            }
-        )
+        """Save what changed since the last save (one line appended to the ledger's log)."""
+        self.ledger.save()
 
     def _elapsed(self) -> float:
         return self.elapsed_before + _clock() - self.start
@@ -697,15 +710,6 @@ class _Engine:
         if isinstance(self.scheduler, OptunaPruner) and member_id(trial.number) not in self.ended:
             self.scheduler.attach(member_id(trial.number), trial)
 
-    @property
-    def sizes(self) -> dict[str, int]:
-        """The array size of every key sized so far (the packer's)."""
-        return self.packer.sizes
-
-    @sizes.setter
-    def sizes(self, sizes: dict[str, int]) -> None:
-        self.packer.sizes = sizes
-
     def _pool(self, key: str, pending: Pending, *, size_now: bool) -> None:
         """Pool a trial (see :meth:`Packer.add`)."""
         self.packer.add(key, pending, size_now=size_now)
@@ -738,14 +742,12 @@ class _Engine:
         return size
 
     def _fail_unstarted(self, trial: optuna.Trial, exc: Exception) -> None:
-        from optuna.trial import TrialState
-
         _log.warning("trial %d failed before training: %s", trial.number, exc)
-        trial.set_user_attr("status", "failed")
+        trial.set_user_attr("status", Status.FAILED.value)
         trial.set_user_attr("error", f"{type(exc).__name__}: {exc}"[:500])
-        self.study.tell(trial, state=TrialState.FAIL)
-        self.source.tell(trial.number, trial.params, "failed", None)
-        self.progress.finished("FAIL")
+        self.study.tell(trial, state=Status.FAILED.trial_state())
+        self.source.tell(trial.number, trial.params, Status.FAILED.told, None)
+        self.progress.finished(Status.FAILED)
 
     def _stop(self, failed: _Failed) -> TrainingError:
         """End the sweep after ``failed``: every trial still running (the failed array's, the
@@ -777,10 +779,7 @@ class _Engine:
                 trial = self.live.pop(t.number, None) or optuna.Trial(self.study, t._trial_id)
                 trial.set_user_attr("status", "failed")
                 trial.set_user_attr("error", error[:1000])
-                trial_id = member_id(t.number)
-                if trial_id not in self.ended:
-                    self.scheduler.on_trial_end(trial_id, "failed")
-                    self.ended.add(trial_id)
+                self.ledger.end(member_id(t.number), Status.FAILED)
                 self.study.tell(trial, state=TrialState.FAIL)
                 self.reported.pop(t.number, None)
                 sampled = self.sampled.pop(t.number, None)
@@ -790,7 +789,7 @@ class _Engine:
                     _log.warning(
                         "the searcher could not be told of trial %d: %s", t.number, searcher_exc
                     )
-                self.progress.finished("FAIL")
+                self.progress.finished(Status.FAILED)
             for a in self.arrays:
                 if not a.done:  # every trial it held has ended
                     a.done = True
@@ -985,11 +984,9 @@ class _Engine:
         if not isinstance(self.scheduler, OptunaPruner):
             for _, r in todo:
                 self._report_to_study(r)
-        decided = self.scheduler.decide([r for _, r in todo])
+        decided = self.ledger.decide([(r, e.step) for e, r in todo])
         for e, r in todo:
-            go = decided[r.trial] is Decision.CONTINUE
-            answer[e.member] = go
-            self.decisions[f"{e.member}@{e.step}"] = go
+            answer[e.member] = decided[r.trial]
             steps += e.step - int(self._last_step.get(e.member, 0))
             self._last_step[e.member] = e.step
         # every decision is saved before the searcher hears of any, so an error or a kill in
@@ -1009,46 +1006,42 @@ class _Engine:
         self.reported[number] = step
 
     def _on_finish(self, result: MemberResult) -> None:
-        from optuna.trial import TrialState
-
         number = trial_number(result.id)
         trial = self.live.get(number)
         if trial is None or self._lost(number):
             return  # told before a crash (the trainer delivers at least once), or adopted
-        if result.id not in self.ended:
-            self.scheduler.on_trial_end(result.id, result.status)
-            self.ended.add(result.id)
+        self.ledger.end(result.id, result.status)
         self.dir.write_history(number, result.history)
         value = result.metrics.get(self.sc.metric)
-        state = _STATE[result.status]
+        status = Status.parse(result.status)
         error = result.error
-        if state == "COMPLETE" and (value is None or not math.isfinite(value)):
-            state, error = "FAIL", f"{self.sc.metric} is {value!r}"
+        if status is Status.COMPLETED and (value is None or not math.isfinite(value)):
+            status, error = Status.FAILED, f"{self.sc.metric} is {value!r}"
         trial.set_user_attr("status", result.status)
         trial.set_user_attr("steps", result.steps)
         if result.start_step is not None:  # where in its array's data it started (a refill's)
             trial.set_user_attr("start_step", result.start_step)
         if error is not None:
             trial.set_user_attr("error", error)
-        if state == "COMPLETE" and value is not None and result.state is not None:
+        if status is Status.COMPLETED and value is not None and result.state is not None:
             self._keep_checkpoint(number, value, result.state["model"])
         self._save_state()
-        if state == "COMPLETE":
+        if status is Status.COMPLETED:
             self.study.tell(trial, value)
         else:
-            self.study.tell(trial, state=TrialState[state])
-        told = value if state != "FAIL" else None
-        self.source.tell(number, self.sampled.pop(number), _TOLD[state], told)
+            self.study.tell(trial, state=status.trial_state())
+        told = value if status is not Status.FAILED else None
+        self.source.tell(number, self.sampled.pop(number), status.told, told)
         del self.live[number]
         self.reported.pop(number, None)
-        self.progress.finished(state)
-        if state == "COMPLETE" and value is not None and self._improves(value, number):
+        self.progress.finished(status)
+        if status is Status.COMPLETED and value is not None and self._improves(value, number):
             self.progress.set_best(value, number)
         self._publish()
         _log.info(
             "trial %d %s after %d steps: %s=%s",
             number,
-            state.lower(),
+            status.optuna_name.lower(),
             result.steps,
             self.sc.metric,
             value,
@@ -1068,13 +1061,16 @@ class _Engine:
 
     def _publish(self, force: bool = False) -> None:
         """Rewrite trials.csv and best.json from the study, at most every
-        ``_PUBLISH_EVERY_S`` seconds unless ``force``."""
+        ``_PUBLISH_EVERY_S`` seconds (and ``_PUBLISH_SHARE`` times the last rewrite's time)
+        unless ``force``."""
         now = time.perf_counter()
-        if not force and now - self._published < _PUBLISH_EVERY_S:
+        wait = max(_PUBLISH_EVERY_S, _PUBLISH_SHARE * self._publish_s)
+        if not force and now - self._published < wait:
             return
         self._published = now
         self.dir.write_trials(self.study.get_trials(deepcopy=False))
         self.dir.write_best(self._best_record(self._best_trial()))
+        self._publish_s = time.perf_counter() - now
 
     def _publish_last(self) -> None:
         """The last :meth:`_publish` of a run. While an error stops the sweep, a storage that

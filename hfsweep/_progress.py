@@ -6,6 +6,8 @@ import sys
 import time
 from typing import TextIO
 
+from .core.status import FINAL, Status
+
 __all__ = ["Progress"]
 
 
@@ -34,16 +36,18 @@ class Progress:
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.interval = interval if self.tty else log_interval
         self.start = time.perf_counter()
-        self.states = {"COMPLETE": 0, "PRUNED": 0, "FAIL": 0}
+        self.states: dict[Status, int] = {s: 0 for s in Status if s in FINAL}
         self.array: str = ""
         self.member_steps = 0
         self.best: tuple[float, int] | None = None
         self._last = -float("inf")
         self._width = 0
 
-    def finished(self, state: str) -> None:
-        """A trial ended in ``state`` (``COMPLETE``, ``PRUNED`` or ``FAIL``)."""
-        self.states[state] = self.states.get(state, 0) + 1
+    def finished(self, status: Status | str) -> None:
+        """A trial ended with ``status`` (a :class:`~hfsweep.core.status.Status`, or its value
+        or Optuna state name: ``COMPLETE``, ``PRUNED``, ``FAIL``)."""
+        status = Status.parse(status)
+        self.states[status] = self.states.get(status, 0) + 1
         self.update()
 
     def set_best(self, value: float, number: int) -> None:
@@ -75,8 +79,8 @@ class Progress:
         done = sum(self.states.values())
         parts = [
             f"[{_clock(elapsed)}] trials {done}/{self.total} done "
-            f"({self.states['COMPLETE']} complete, {self.states['PRUNED']} pruned, "
-            f"{self.states['FAIL']} failed)",
+            f"({self.states[Status.COMPLETED]} complete, {self.states[Status.STOPPED]} pruned, "
+            f"{self.states[Status.FAILED]} failed)",
         ]
         if self.array:
             parts.append(self.array)

@@ -4,7 +4,9 @@ Layout (``RunDir`` names every path)::
 
     sweep.json             the resolved sweep config (SweepConfig.to_dict())
     optuna.journal         the Optuna study, unless the sweep names another storage
-    state.json             the engine's own state: scheduler, decisions, arrays, sizes
+    state.json             the engine's own state (its ledger): scheduler, decisions, arrays,
+                           sizes, as of its last compaction
+    state.jsonl            the ledger's changes since state.json, one line per save
     trials.csv             one row per trial (Optuna's trials_dataframe() columns + array),
                            rewritten at most every few seconds and at the end
     histories/trial-N.csv  each finished trial's evaluations
@@ -14,8 +16,9 @@ Layout (``RunDir`` names every path)::
     arrays/K/              array K's trainer checkpoint while it trains (removed when done)
     .lock                  held by the process running the sweep (its pid inside)
 
-Every file is written to a temporary file and renamed over the old one, so a crash leaves the
-old version or the new one, never half of one.
+Every file but the appended ones (the journal, state.jsonl) is written to a temporary file and
+renamed over the old one, so a crash leaves the old version or the new one, never half of one;
+an appended file's last line cut short by a crash is left out when it is read.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ._io import atomic_write_text
+from .core._ledger_file import STATE_VERSION, LedgerFile, StateVersionError
 
 if TYPE_CHECKING:
     import optuna
@@ -52,7 +56,6 @@ __all__ = [
     "trial_number",
 ]
 
-STATE_VERSION = 1
 _ID_PREFIX = "trial-"
 
 
@@ -68,10 +71,6 @@ def trial_number(member: str) -> int:
 
 class RunDirBusy(Exception):
     """Another sweep holds the run directory."""
-
-
-class StateVersionError(ValueError):
-    """``state.json`` was written by another hfsweep version."""
 
 
 def _unlocked(path: Path, why: str) -> None:
@@ -168,30 +167,22 @@ class RunDir:
         return self.path / "arrays" / str(index)
 
     # ---------------------------------------------------------------- state
+    @property
+    def state_log(self) -> Path:
+        return self.path / "state.jsonl"
+
+    def ledger_file(self) -> LedgerFile:
+        """The engine's state files: ``state.json`` and ``state.jsonl``."""
+        return LedgerFile(self.state, self.state_log)
+
     def read_state(self) -> dict[str, Any] | None:
-        """The saved engine state, or ``None`` if this directory holds no ``state.json``.
+        """The saved engine state with the changes logged since (``"changes"``), or ``None``
+        if this directory holds no ``state.json`` (see :meth:`LedgerFile.read`).
 
         Raises :class:`ValueError`, naming the file, when it cannot be read as the state this
-        hfsweep version writes (cut short or edited; :class:`StateVersionError`: another
-        version's)."""
-        if not self.state.exists():
-            return None
-        try:
-            state = json.loads(self.state.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:  # ValueError: bad JSON or bad UTF-8
-            raise ValueError(f"{self.state} cannot be read ({exc})") from exc
-        if not isinstance(state, dict):
-            raise ValueError(f"{self.state} holds a JSON {type(state).__name__}, not an object")
-        if state.get("version") != STATE_VERSION:
-            raise StateVersionError(
-                f"{self.state}: run directory state version {state.get('version')!r} is not "
-                f"{STATE_VERSION}; it was written by another hfsweep version: resume it with "
-                "that version"
-            )
-        return state
-
-    def write_state(self, state: Mapping[str, Any]) -> None:
-        atomic_write_text(self.state, json.dumps({"version": STATE_VERSION, **state}))
+        hfsweep version writes (cut short, edited or missing; :class:`StateVersionError`:
+        another version's)."""
+        return self.ledger_file().read()
 
     def remove_array(self, index: int) -> None:
         shutil.rmtree(self.array(index), ignore_errors=True)

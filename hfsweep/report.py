@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from ._checks import is_number
 from ._dburl import UnsetVariable, expand, scrub, shown
+from .core.status import Status
 
 if TYPE_CHECKING:
     import optuna
@@ -61,19 +62,22 @@ _HISTORY_FILE = re.compile(r"^trial-(\d+)\.csv$")
 # A finished trial's ``status`` user attr (as the engine sets it) and its plot color; trials
 # without one get theirs from the Optuna state.
 _STATUS_COLORS: dict[str, str] = {
-    "completed": "tab:blue",
-    "stopped": "tab:orange",
-    "failed": "tab:red",
-    "running": "tab:gray",
+    Status.COMPLETED: "tab:blue",
+    Status.STOPPED: "tab:orange",
+    Status.FAILED: "tab:red",
+    Status.RUNNING: "tab:gray",
     "unknown": "tab:purple",
 }
-_STATUS_OF_STATE: dict[str, str] = {
-    "COMPLETE": "completed",
-    "PRUNED": "stopped",
-    "FAIL": "failed",
-    "RUNNING": "running",
-    "WAITING": "running",
-}
+
+
+def _status_of_state(name: str) -> str:
+    """The status an Optuna trial state shows as (a waiting trial as running), ``name`` in
+    lower case for a state hfsweep does not use."""
+    try:
+        status = Status.parse(name)
+    except ValueError:
+        return name.lower()
+    return Status.RUNNING if status is Status.WAITING else status
 
 
 class ReportError(Exception):
@@ -386,7 +390,7 @@ def _status(trial: FrozenTrial | None) -> str:
     status = trial.user_attrs.get("status")
     if isinstance(status, str) and status in _STATUS_COLORS:
         return status
-    return _STATUS_OF_STATE.get(trial.state.name, "unknown")
+    return _status_of_state(trial.state.name)
 
 
 def _new_figure(width: float, height: float) -> Figure:
@@ -796,7 +800,7 @@ def _trial_counts(trials: Sequence[FrozenTrial]) -> str:
         return f"the study has no trials ({_RUN_FIRST}, or wait for it to ask for some)"
     counts: dict[str, int] = {}
     for t in trials:
-        status = _STATUS_OF_STATE.get(t.state.name, t.state.name.lower())
+        status = _status_of_state(t.state.name)
         counts[status] = counts.get(status, 0) + 1
     text = f"{len(trials)} trial(s): " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
     if not any(t.state.is_finished() for t in trials):

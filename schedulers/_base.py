@@ -115,6 +115,16 @@ class TrialScheduler(ABC):
         ``ValueError`` if a trial reports twice in one call or reports after it ended.
         """
 
+    def replay(self, reports: Sequence[Report]) -> None:
+        """Bring the scheduler to the state a :meth:`decide` of ``reports`` left it in, acting
+        on nothing outside it: a resumed sweep replays the calls its ledger logged since its
+        last :meth:`state_dict`. The decisions are the logged ones, so none is returned.
+
+        The default calls :meth:`decide`, which is right for a scheduler whose state follows
+        from its calls alone (every one here but :class:`OptunaPruner`, whose record lives in
+        the study and which overrides this)."""
+        self.decide(reports)
+
     def on_trial_end(self, trial: str, status: str) -> None:
         """Tell the scheduler that ``trial`` ended with ``status`` (one of :data:`STATUSES`).
 

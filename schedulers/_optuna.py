@@ -210,6 +210,13 @@ class OptunaPruner(TrialScheduler):
             decisions[r.trial] = Decision.STOP if stop else Decision.CONTINUE
         return {r.trial: decisions[r.trial] for r in reports}
 
+    def replay(self, reports: Sequence[Report]) -> None:
+        """Note the steps :meth:`decide` reported ``reports`` at; the values and the pruner's
+        record are in the study already (no trial need be attached)."""
+        for r in self._check_reports(reports):
+            step = self.step_of(r.resource)
+            self._last_step[r.trial] = max(step, self._last_step.get(r.trial, step))
+
     def on_trial_end(self, trial: str, status: str) -> None:
         """Forget ``trial``'s Optuna trial; the study keeps its record."""
         super().on_trial_end(trial, status)

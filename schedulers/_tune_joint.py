@@ -23,6 +23,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from hfsweep.core.status import Status
+
 from ._base import Decision, Report, TrialScheduler
 
 __all__ = [
@@ -36,8 +38,6 @@ __all__ = [
 
 #: Tune's ``TrialScheduler.STOP``; every other answer (CONTINUE, PAUSE, NOOP) lets a member go on
 _TUNE_STOP = "STOP"
-#: a member's end as an hfsweep scheduler's ``on_trial_end`` status
-_STATUS = {"COMPLETE": "completed", "PRUNED": "stopped", "FAIL": "failed"}
 
 
 class MemberTrial:
@@ -244,7 +244,7 @@ class NativeDecider(Decider):
     def end(
         self, controller: Any, trial: MemberTrial, state: str, result: dict[str, Any] | None
     ) -> None:
-        self._scheduler.on_trial_end(trial.trial_id, _STATUS[state])
+        self._scheduler.on_trial_end(trial.trial_id, Status.parse(state).value)
 
     def at_budget(self, result: Mapping[str, Any]) -> bool:
         epoch = result.get("epoch")

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from hfsweep._checks import is_finite
 from hfsweep._packed import UnsafeFileError, load_inert, unloaded_in
+from hfsweep.core.status import Status
 
 from ._tune_state import STATE_FORMAT, WEIGHTS_DIR, weights_file
 
@@ -43,6 +44,8 @@ __all__ = [
 
 #: the file in a Tune experiment directory that holds the searcher wrappers' states
 _STATE_GLOB = "search_gen_state-*.json"
+#: a completed member's state (the records keep Optuna's state names)
+_COMPLETE = Status.COMPLETED.optuna_name
 _COLUMNS = ["member", "array", "state", "value", "evaluations", "epoch", "step", "error"]
 
 
@@ -77,7 +80,7 @@ class TunedMember:
         if self.checkpoint is None:
             why = (
                 "only completed members' weights are kept"
-                if self.state != "COMPLETE"
+                if self.state != _COMPLETE
                 else "it was read without Tune's results (from a Fusion?): pass the ResultGrid "
                 "or the experiment directory to best_member() / tuned_members()"
             )
@@ -264,7 +267,7 @@ def best_member(source: Any, *, metric: str | None = None, mode: str | None = No
     best_score = -math.inf
     members = tuned_members(source)
     for m in members:
-        if m.state != "COMPLETE" or not m.history:
+        if m.state != _COMPLETE or not m.history:
             continue
         value = m.history[-1].get(metric)
         if not is_finite(value):

@@ -13,7 +13,9 @@ first time (``decisions``) and are never told again. A report reaches this state
 wrapper Tune calls first, and processing it twice changes nothing.
 
 Member states: ``WAITING`` (asked, waiting in its key's pool), ``RUNNING`` (in an array),
-``COMPLETE``, ``PRUNED``, ``FAIL`` (told to the inner searcher; final).
+``COMPLETE``, ``PRUNED``, ``FAIL`` (told to the inner searcher; final): the Optuna names of
+:class:`hfsweep.core.status.Status`, which translates them (the records and the results table
+keep the names Tune users read).
 
 This module imports neither Ray nor Optuna.
 """
@@ -30,6 +32,7 @@ from urllib.parse import quote
 
 from hfsweep._task import Task
 from hfsweep.core.packer import Packer, Pools
+from hfsweep.core.status import FINAL, Status
 
 from ._tune_joint import Decider, MemberController, MemberTrial, NoDecider
 
@@ -58,8 +61,7 @@ STATE_FORMAT = "hfsweep.tune/1"
 #: one ``state_dict`` per member, saved with ``torch.save``, named by :func:`weights_file`
 WEIGHTS_DIR = "weights"
 #: states a member is told in; told members never change again
-FINAL_STATES = ("COMPLETE", "PRUNED", "FAIL")
-_TRAINER_STATES = {"completed": "COMPLETE", "stopped": "PRUNED", "failed": "FAIL"}
+FINAL_STATES = tuple(s.optuna_name for s in Status if s in FINAL)
 
 
 @dataclass
@@ -438,7 +440,7 @@ class SweepState:
         for end in payload.get("ended", []):  # ends the trainer saw (e.g. non-finite gradients)
             rec = self._member(array, end["member"])
             if not rec.told:
-                state = _TRAINER_STATES.get(str(end["status"]), "FAIL")
+                state = _optuna_name(end["status"])
                 last = self._last_result(rec, array)
                 if state != "FAIL" and (last is None or not _finite(last.get(str(self.metric)))):
                     state = "FAIL"
@@ -637,6 +639,14 @@ def _payload(result: Mapping[str, Any] | None) -> dict[str, Any] | None:
     raw = result[META]
     data = json.loads(raw) if isinstance(raw, str) else raw
     return dict(data) if isinstance(data, Mapping) else None
+
+
+def _optuna_name(status: Any) -> str:
+    """The record state of a trainer's status (``FAIL`` for one it does not know)."""
+    try:
+        return Status.parse(str(status)).optuna_name
+    except ValueError:
+        return Status.FAILED.optuna_name
 
 
 def _finite(*values: Any) -> bool:

@@ -117,3 +117,19 @@ def test_sweep_phases_accounts_for_the_whole_wall_clock(tmp_path, monkeypatch):
     events = row["events"]
     assert events["journal appends"] > 16 * 4
     assert 0 < events["acquisitions of the journal's lock"] < events["journal appends"] / 2
+
+
+@pytest.mark.slow
+def test_bench_bookkeeping_quick_runs(tmp_path, monkeypatch):
+    """``bench_bookkeeping.py --quick`` (32 and 64 one-step trials): both arms, each in a fresh
+    process, finish with a positive time, and the ratio per N is written."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    script = importlib.import_module("bench_bookkeeping")
+    stem = tmp_path / "bench_bookkeeping_test"
+    assert script.main(["--quick", "--out", str(stem)]) == 0
+    rows = json.loads(stem.with_suffix(".json").read_text())["rows"]
+    assert [r["trials"] for r in rows] == [32, 64]
+    for row in rows:
+        assert _positive(row["plain_s"]) and _positive(row["hfsweep_s"]), row
+        assert _positive(row["hfsweep/plain"]) and "baseline_s" not in row, row
+    assert "| 64 |" in stem.with_suffix(".md").read_text()
