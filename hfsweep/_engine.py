@@ -819,14 +819,19 @@ class _Engine:
         if members or (folder / "array.pt").exists():
             with self._lock:
                 shared = self._describe(json.loads(array.key))
-                self.progress.array_started(f"array {array.index}: {len(members)} x {shared}")
+                # resumed, its checkpoint holds the members: those whose trials still run
+                held = ArrayTrainer.checkpointed_members(folder) if not members else set()
+                ids = [m.id for m in members] or sorted(
+                    (m for m in held if trial_number(m) in self.live), key=trial_number
+                )
+                self.progress.array_started(f"array {array.index}: {len(ids)} x {shared}")
                 _log.info(
                     "array %d (%s): %s %d trials: %s",
                     array.index,
                     shared,
                     "resuming with" if resume else "training",
-                    len(members),
-                    ", ".join(m.id for m in members),
+                    len(ids),
+                    ", ".join(ids),
                 )
             try:
                 self.executor.run_array(
