@@ -50,6 +50,7 @@ A sweep file is one YAML mapping. Every key, with its default::
                                 #   GPUs; else 0. Or a number >= 0
       max_concurrent: null      # arrays training at once; null: as many as the cluster fits
       max_failures: 3           # restarts of an array from its checkpoint after its worker died
+      connect_timeout_s: 30     # seconds the cluster at address has to answer (a number > 0)
     storage: null               # null: an Optuna journal file in the run directory; or an Optuna
                                 #   RDB URL (sqlite:///study.db, postgresql+psycopg2://user@host/db
                                 #   with hfsweep[postgres], ...) whose driver is installed
@@ -185,7 +186,10 @@ _TOP_KEYS = (
 _REQUIRED = ("task", "search_space", "budget", "metric", "mode")
 _BUDGET = ("trials", "epochs", "steps", "time_limit")
 _FUSION = ("size", "device", "dtype", "eval_every")
-_RAY = ("address", "cpus_per_array", "gpus_per_array", "max_concurrent", "max_failures")
+_RAY = (
+    "address", "cpus_per_array", "gpus_per_array", "max_concurrent", "max_failures",
+    "connect_timeout_s",
+)  # fmt: skip
 _SEARCHER = ("name", "seed", "options")
 _SCHEDULER = ("name", "options")
 
@@ -296,13 +300,15 @@ class RayConfig:
     started for the run), the resources each array's actor reserves (``gpus_per_array`` ``None``
     means one GPU when the device may be CUDA), at most ``max_concurrent`` arrays at once
     (``None``: as many as the cluster's resources fit) and ``max_failures`` restarts of an array
-    from its checkpoint when its worker dies."""
+    from its checkpoint when its worker dies; ``address``'s cluster must answer within
+    ``connect_timeout_s`` seconds."""
 
     address: str | None = None
     cpus_per_array: float = 1.0
     gpus_per_array: float | None = None
     max_concurrent: int | None = None
     max_failures: int = 3
+    connect_timeout_s: float = 30.0
 
     def to_dict(self) -> dict[str, Any]:
         """The ``ray:`` mapping (``gpus_per_array`` ``None`` written as ``"auto"``)."""
@@ -1008,12 +1014,16 @@ class _Parser:
         if most is not None:
             most = self.integer(most, "ray.max_concurrent", 1)
         failures = self.integer(r.get("max_failures", 3), "ray.max_failures", 0)
+        wait = r.get("connect_timeout_s", 30.0)
+        if not _is_number(wait) or not wait > 0:
+            raise self.error("ray.connect_timeout_s", f"{wait!r} is not a number of seconds > 0")
         return RayConfig(
             address=address,
             cpus_per_array=float(cpus),
             gpus_per_array=None if gpus is None else float(gpus),
             max_concurrent=most,
             max_failures=failures,
+            connect_timeout_s=float(wait),
         )
 
     def storage(self, raw: object) -> str | None:
