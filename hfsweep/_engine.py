@@ -768,14 +768,15 @@ class _Engine:
         one after another, or up to the executor's ``slots`` at once, each in a thread."""
         assert self.executor is not None
         waiting = [a for a in self.arrays if not a.done]
-        if self.executor.slots == 1:
+        most = getattr(self.executor, "max_slots", self.executor.slots)  # grows as nodes join
+        if most == 1:
             for array in waiting:
                 self._run_array(array, [], resume=True)
             while (started := self._next_array()) is not None:
                 self._run_array(*started, resume=False)
             return
         running: set[Future[None]] = set()
-        with ThreadPoolExecutor(self.executor.slots, thread_name_prefix="hfsweep-array") as pool:
+        with ThreadPoolExecutor(most, thread_name_prefix="hfsweep-array") as pool:
             try:
                 while True:
                     while len(running) < self.executor.slots:

@@ -16,6 +16,8 @@ import torch
 RAY_TESTS = (
     "tests/sweep/test_ray_backend.py::",
     "tests/tune/test_tune_ray.py::",
+    # a three-node Ray cluster on loopback (ray.cluster_utils.Cluster) per test
+    "tests/sweep/test_ray_cluster.py::",
     # `hfsweep run` with backend: ray in subprocesses, each with a local Ray of its own
     "tests/sweep/test_kill_resume.py::test_sigkill_then_resume_finishes_the_sweep[ray]",
     # a benchmark's smoke run with its own local Ray (ray.init in the script)
