@@ -14,7 +14,9 @@ other address before connecting, so a cluster whose nodes listen on loopback onl
 and ``ray.init`` retries for ever. That rewrite is what ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``
 turns off (Ray reads it once, when ``ray`` is imported). :func:`reach` tells the two kinds of
 cluster apart (the loopback port answers, or only the rewritten one does) and :func:`connect`
-turns the rewrite off while ``ray.init`` connects to a loopback cluster.
+turns the rewrite off while ``ray.init`` connects to a loopback cluster. The same rewrite would
+put a local Ray started with ``_node_ip_address="127.0.0.1"`` on that other address:
+:func:`on_loopback` keeps it on loopback too.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ClusterUnreachable", "Reached", "connect", "reach"]
+__all__ = ["ClusterUnreachable", "Reached", "connect", "on_loopback", "reach"]
 
 #: the child that asks the GCS server for its nodes (argv: address, seconds)
 _GCS_PROBE = (
@@ -94,12 +96,12 @@ def connect(reached: Reached, **init: Any) -> None:
     stands for), so the driver connects on loopback as the cluster's nodes do."""
     import ray
 
-    with _no_rewrite() if reached.loopback else contextlib.nullcontext():
+    with on_loopback() if reached.loopback else contextlib.nullcontext():
         ray.init(address=reached.address, **init)
 
 
 @contextlib.contextmanager
-def _no_rewrite() -> Iterator[None]:
+def on_loopback() -> Iterator[None]:
     """Ray's rewrite of loopback addresses off for the block: what
     ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` does, for a process that imported ``ray`` before."""
     from ray._private import ray_constants

@@ -4,10 +4,13 @@ The driver (the process running ``hfsweep run``) keeps the searcher, the schedul
 and the study; each array trains in an actor that reserves ``ray.cpus_per_array`` CPUs and
 ``ray.gpus_per_array`` GPUs, and the arrays' hook calls come back to the driver (see
 :mod:`hfsweep.executors._worker`). Actors are pooled and reused, so a worker's traced forwards
-serve the next array it trains. When an actor's process dies (a lost node, an out-of-memory
-kill), its array restarts from its last checkpoint on a new actor: the trainer's checkpoints
-are written to the run directory, which every node must see (one machine, or a shared file
-system on a cluster).
+serve the next array it trains, and as many arrays train at once as the cluster's alive nodes
+hold (see :mod:`hfsweep.executors._raypool`). When an actor's process dies (a lost node, an
+out-of-memory kill), its array restarts from its last checkpoint on another actor: the
+trainer's checkpoints are written to the run directory, which every node must see (one
+machine, or a shared file system on a cluster). The cluster of ``ray.address`` is checked to
+answer within ``ray.connect_timeout_s`` before the driver connects (see
+:mod:`hfsweep.executors._connect`).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch
 
 from .._task import Task
 from ..trainer import ArrayTrainer, Member, MemberResult, RefillHook, ReportHook
-from ._connect import ClusterUnreachable, connect, reach
+from ._connect import ClusterUnreachable, connect, on_loopback, reach
 from ._errors import ExecutorError, Stopped
 from ._raypool import ActorPool
 from ._worker import ArrayWorker
@@ -82,8 +85,7 @@ class RayExecutor:
         self._closed = False
         if self._owns_ray:
             if settings.address is None:
-                # a Ray started for this run serves this machine only
-                ray.init(_node_ip_address="127.0.0.1", **_INIT)
+                self._start_local()
             else:
                 self._connect(settings)
         #: (pid, start time) of the processes of a Ray this executor started
@@ -95,6 +97,19 @@ class RayExecutor:
         except BaseException:
             self._shutdown()
             raise
+
+    @staticmethod
+    def _start_local() -> None:
+        """Start a Ray for this run that serves this machine only: on loopback."""
+        import ray
+
+        try:
+            with on_loopback():
+                ray.init(_node_ip_address="127.0.0.1", **_INIT)
+        except ClusterUnreachable as exc:
+            raise ExecutorError(str(exc)) from None
+        node = ray._private.worker.global_worker.node
+        _log.info("Ray backend: started a local Ray on %s", getattr(node, "gcs_address", "?"))
 
     @staticmethod
     def _connect(settings: RayConfig) -> None:

@@ -75,7 +75,10 @@ class ActorPool:
         at, fit = self._fit_cache
         if time.monotonic() - at < _RESOURCES_TTL_S:
             return fit
-        resources = ray.cluster_resources()
+        try:
+            resources = ray.cluster_resources()
+        except Exception:  # Ray is shutting down: the last answer
+            return fit
         fits = [float(resources.get(k, 0.0)) / v for k, v in self.bundle.items() if v]
         fit = math.floor(min(fits) + 1e-9) if fits else 0
         self._fit_cache = (time.monotonic(), fit)
@@ -122,8 +125,8 @@ class ActorPool:
                         self._cond.wait(_POLL_S)
                     continue
                 if group.wait(timeout_seconds=_POLL_S):
-                    actor, group = self._start(group, ready), None
-                    return actor
+                    placed, group = group, None
+                    return self._start(placed, ready)
                 if time.monotonic() - since >= self._place_wait_s():
                     unplaced, group = group, None
                     self._unplaced(unplaced)
@@ -159,7 +162,14 @@ class ActorPool:
         with self._cond:
             self._pending -= 1
             self._actors += 1
-        actor = self._make_actor(group)
+        try:
+            actor = self._make_actor(group)
+        except BaseException:
+            with self._cond:
+                self._pending += 1  # given back as a reservation no actor uses
+                self._actors -= 1
+            self._give_back(group)
+            raise
         with self._cond:
             self._groups[actor] = group
             self._busy.add(actor)

@@ -39,6 +39,13 @@ _TOY = Path(__file__).resolve().parent / "_toy.py"
 _PATIENCE = 120.0
 
 
+def _workers_import_tests(monkeypatch: pytest.MonkeyPatch) -> None:
+    """tests/ on the ``PYTHONPATH`` of Ray's nodes started after this (and of their workers,
+    which import ``sweep._toy``)."""
+    path = os.environ.get("PYTHONPATH")
+    monkeypatch.setenv("PYTHONPATH", str(_TESTS) + (os.pathsep + path if path else ""))
+
+
 @pytest.fixture
 def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """A head node without CPUs and two worker nodes of one CPU, all on 127.0.0.1. The nodes
@@ -48,8 +55,7 @@ def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 
     if ray.is_initialized():
         pytest.skip("a Ray is already running in this process")
-    path = os.environ.get("PYTHONPATH")
-    monkeypatch.setenv("PYTHONPATH", str(_TESTS) + (os.pathsep + path if path else ""))
+    _workers_import_tests(monkeypatch)
     monkeypatch.setenv(GATE_ENV, str(tmp_path / "gate"))
     monkeypatch.setenv("RAY_DEDUP_LOGS", "0")
     made = Cluster(
@@ -190,6 +196,22 @@ def _trains_on(run: Path, node: Any) -> Callable[[], bool]:
     return lambda: node.node_id in _nodes_that_trained(_log(run))
 
 
+def test_a_local_ray_started_for_the_run_listens_on_loopback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ray would move a node asked for on 127.0.0.1 to this machine's other address."""
+    if ray.is_initialized():
+        pytest.skip("a Ray is already running in this process")
+    _workers_import_tests(monkeypatch)
+    result = hs.sweep(
+        sweep_config(tmp_path / "run", backend="ray", budget={"trials": 4, "epochs": 1}),
+        progress=False,
+    )
+    assert result.counts["COMPLETE"] == 4
+    assert re.search(r"started a local Ray on 127\.0\.0\.1:\d+\n", _log(result.run_dir))
+    assert not ray.is_initialized()
+
+
 def test_a_lost_node_s_array_continues_at_once_on_a_worker_that_becomes_idle(
     cluster: Any, tmp_path: Path, told: Counter[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -238,7 +260,7 @@ def test_a_node_that_joins_after_a_loss_trains_arrays_again(
     assert _log(run).count("died") == 1
 
 
-def _write_sweep(folder: Path, address: str) -> Path:
+def _write_sweep(folder: Path, address: str, at_once: int) -> Path:
     sweep = folder / "sweep.yaml"
     sweep.write_text(
         f"""
@@ -253,7 +275,7 @@ metric: val_accuracy
 mode: max
 fusion: {{size: 4, device: cpu}}
 backend: ray
-ray: {{address: "{address}"}}
+ray: {{address: "{address}", max_concurrent: {at_once}}}
 output: run
 """
     )
@@ -273,25 +295,28 @@ def _run(sweep: Path, *extra: str) -> subprocess.Popen[str]:
 
 
 @pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs POSIX signals")
+@pytest.mark.parametrize("at_once", [1, 2], ids=["one-array-at-once", "two-arrays-at-once"])
 def test_ctrl_c_with_every_worker_node_gone_ends_the_run_and_resume_finishes(
-    cluster: Any, tmp_path: Path
+    cluster: Any, tmp_path: Path, at_once: int
 ) -> None:
+    """One array at once trains in the driver's main thread, two in threads of their own:
+    either way the arrays wait for a node to place a worker on when Ctrl-C comes."""
     run = tmp_path / "run"
     gate = Path(os.environ[GATE_ENV])
     gate.write_text("")
-    sweep = _write_sweep(tmp_path, cluster.address)
+    sweep = _write_sweep(tmp_path, cluster.address, at_once)
     proc = _run(sweep)
     try:
         arrays = run / "arrays"
         _wait(
-            "checkpoint of both arrays",
-            lambda: all((arrays / str(i) / "array.pt").exists() for i in (0, 1)),
+            "checkpoints of the first arrays",
+            lambda: all((arrays / str(i) / "array.pt").exists() for i in range(at_once)),
             lambda: proc.poll() is None,
         )
         for node in list(cluster.worker_nodes):
             cluster.remove_node(node)
-        _wait("restarts", lambda: _log(run).count("died") == 2, lambda: proc.poll() is None)
-        time.sleep(2.0)  # both arrays wait for a node to place a worker on
+        _wait("restarts", lambda: _log(run).count("died") == at_once, lambda: proc.poll() is None)
+        time.sleep(2.0)  # the arrays wait for a node to place a worker on
         proc.send_signal(signal.SIGINT)
         _out, err = proc.communicate(timeout=10)
     finally:
@@ -319,4 +344,4 @@ def test_ctrl_c_with_every_worker_node_gone_ends_the_run_and_resume_finishes(
     # each trial told once over both runs (the study refuses a second tell anyway)
     ends = re.findall(r"hfsweep\.sweep: trial (\d+) complete", _log(run))
     assert Counter(ends) == Counter({str(n): 1 for n in range(16)})
-    assert re.search(r"array [01] \([^)]*\): resuming with 4 trials", _log(run))
+    assert len(re.findall(r"array \d \([^)]*\): resuming with 4 trials", _log(run))) == at_once
