@@ -96,15 +96,18 @@ class SharedRay:
         }
         self._saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
+        from hfsweep.executors._connect import on_loopback
+
         try:
-            ray.init(
-                num_cpus=2,
-                include_dashboard=False,
-                _node_ip_address="127.0.0.1",
-                logging_level=logging.WARNING,
-                log_to_driver=False,
-                configure_logging=False,
-            )
+            with on_loopback():  # else Ray moves 127.0.0.1 to another address of the machine
+                ray.init(
+                    num_cpus=2,
+                    include_dashboard=False,
+                    _node_ip_address="127.0.0.1",
+                    logging_level=logging.WARNING,
+                    log_to_driver=False,
+                    configure_logging=False,
+                )
         except BaseException:
             self.stop()
             raise
