@@ -824,14 +824,15 @@ class _Engine:
         one after another, or up to the executor's ``slots`` at once, each in a thread."""
         assert self.executor is not None
         waiting = [a for a in self.arrays if not a.done]
-        if self.executor.slots == 1:
+        most = self.executor.max_slots  # slots may grow as nodes join
+        if most == 1:
             for array in waiting:
                 self._run_array(array, [], resume=True)
             while (started := self._next_array()) is not None:
                 self._run_array(*started, resume=False)
             return
         running: set[Future[None]] = set()
-        with ThreadPoolExecutor(self.executor.slots, thread_name_prefix="hfsweep-array") as pool:
+        with ThreadPoolExecutor(most, thread_name_prefix="hfsweep-array") as pool:
             try:
                 while True:
                     while len(running) < self.executor.slots:
@@ -874,14 +875,19 @@ class _Engine:
         if members or (folder / "array.pt").exists():
             with self._lock:
                 shared = self._describe(json.loads(array.key))
-                self.progress.array_started(f"array {array.index}: {len(members)} x {shared}")
+                # resumed, its checkpoint holds the members: those whose trials still run
+                held = ArrayTrainer.checkpointed_members(folder) if not members else set()
+                ids = [m.id for m in members] or sorted(
+                    (m for m in held if trial_number(m) in self.live), key=trial_number
+                )
+                self.progress.array_started(f"array {array.index}: {len(ids)} x {shared}")
                 _log.info(
                     "array %d (%s): %s %d trials: %s",
                     array.index,
                     shared,
                     "resuming with" if resume else "training",
-                    len(members),
-                    ", ".join(m.id for m in members),
+                    len(ids),
+                    ", ".join(ids),
                 )
             try:
                 self.executor.run_array(

@@ -52,8 +52,8 @@ _SYNC_DRIVERS = {"postgresql": "psycopg2", "mysql": "pymysql", "sqlite": "pysqli
 def preflight(sc: SweepConfig) -> None:
     """Raise :class:`~hfsweep.config.ConfigError` if ``sc`` cannot run on this machine: its
     ``output`` cannot be created or written, its ``fusion.device`` is CUDA that this machine
-    lacks, or its ``storage`` URL's database driver is not installed. Writes nothing; cheap
-    enough to run more than once."""
+    lacks, its ``storage`` URL's database driver is not installed, or no Ray cluster answers at
+    its ``ray.address``. Writes nothing; cheap enough to run more than once."""
     for check in _CHECKS:
         check(sc)
 
@@ -248,4 +248,26 @@ def _check_storage(sc: SweepConfig) -> None:
         )
 
 
-_CHECKS: tuple[Callable[[SweepConfig], None], ...] = (_check_output, _check_device, _check_storage)
+# ---------------------------------------------------------------------------- ray
+def _check_ray(sc: SweepConfig) -> None:
+    """With ``backend: ray`` and a cluster's ``ray.address``, a Ray cluster answers there within
+    ``ray.connect_timeout_s`` (``ray.init`` alone would wait for ever)."""
+    if sc.backend != "ray" or sc.ray.address is None:
+        return
+    from .executors._connect import ClusterUnreachable, reach
+
+    try:
+        reach(sc.ray.address, sc.ray.connect_timeout_s)
+    except ClusterUnreachable as exc:
+        raise _error(
+            sc,
+            "ray.address",
+            f"{sc.ray.address!r}: {exc}. Start the cluster (`ray start --head`), fix "
+            "ray.address (null starts a local Ray for the run), or give a cluster that is "
+            "starting more time with ray.connect_timeout_s",
+        ) from None
+
+
+_CHECKS: tuple[Callable[[SweepConfig], None], ...] = (
+    _check_output, _check_device, _check_storage, _check_ray
+)  # fmt: skip

@@ -16,6 +16,8 @@ import torch
 RAY_TESTS = (
     "tests/sweep/test_ray_backend.py::",
     "tests/tune/test_tune_ray.py::",
+    # a three-node Ray cluster on loopback (ray.cluster_utils.Cluster) per test
+    "tests/sweep/test_ray_cluster.py::",
     # `hfsweep run` with backend: ray in subprocesses, each with a local Ray of its own
     "tests/sweep/test_kill_resume.py::test_sigkill_then_resume_finishes_the_sweep[ray]",
     # the lifecycle over the Ray executor and the Tune plugin, each process with a Ray of its own
@@ -96,16 +98,19 @@ class SharedRay:
         }
         self._saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
+        from hfsweep.executors._connect import on_loopback
+
         try:
-            ray.init(
-                address="local",  # a Ray of its own, even where a `ray start` cluster runs
-                num_cpus=2,
-                include_dashboard=False,
-                _node_ip_address="127.0.0.1",
-                logging_level=logging.WARNING,
-                log_to_driver=False,
-                configure_logging=False,
-            )
+            with on_loopback():  # else Ray moves 127.0.0.1 to another address of the machine
+                ray.init(
+                    address="local",  # a Ray of its own, even where a `ray start` cluster runs
+                    num_cpus=2,
+                    include_dashboard=False,
+                    _node_ip_address="127.0.0.1",
+                    logging_level=logging.WARNING,
+                    log_to_driver=False,
+                    configure_logging=False,
+                )
         except BaseException:
             self.stop()
             raise

@@ -50,6 +50,7 @@ A sweep file is one YAML mapping. Every key, with its default::
                                 #   GPUs; else 0. Or a number >= 0
       max_concurrent: null      # arrays training at once; null: as many as the cluster fits
       max_failures: 3           # restarts of an array from its checkpoint after its worker died
+      connect_timeout_s: 30     # seconds the cluster at address has to answer (a number > 0)
     storage: null               # null: an Optuna journal file in the run directory; or an Optuna
                                 #   RDB URL (sqlite:///study.db, postgresql+psycopg2://user@host/db
                                 #   with hfsweep[postgres], ...) whose driver is installed;

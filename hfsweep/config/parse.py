@@ -68,7 +68,14 @@ _TOP_KEYS = (
 _REQUIRED = ("task", "search_space", "budget", "metric", "mode")
 _BUDGET = ("trials", "epochs", "steps", "time_limit")
 _FUSION = ("size", "device", "dtype", "eval_every")
-_RAY = ("address", "cpus_per_array", "gpus_per_array", "max_concurrent", "max_failures")
+_RAY = (
+    "address",
+    "cpus_per_array",
+    "gpus_per_array",
+    "max_concurrent",
+    "max_failures",
+    "connect_timeout_s",
+)
 
 
 def load_sweep(path: str | os.PathLike[str]) -> SweepConfig:
@@ -311,12 +318,20 @@ class _Parser(_Fields):
         if most is not None:
             most = self.integer(most, "ray.max_concurrent", 1)
         failures = self.integer(r.get("max_failures", 3), "ray.max_failures", 0)
+        wait = self.number(
+            r.get("connect_timeout_s", 30.0),
+            "ray.connect_timeout_s",
+            0,
+            low_open=True,
+            what="a number of seconds > 0",
+        )
         return RayConfig(
             address=address,
             cpus_per_array=cpus,
             gpus_per_array=None if gpus == "auto" else gpus,
             max_concurrent=most,
             max_failures=failures,
+            connect_timeout_s=wait,
         )
 
     def storage(self, raw: object) -> str | None:

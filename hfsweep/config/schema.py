@@ -149,13 +149,15 @@ class RayConfig:
     started for the run), the resources each array's actor reserves (``gpus_per_array`` ``None``
     means one GPU when the device may be CUDA), at most ``max_concurrent`` arrays at once
     (``None``: as many as the cluster's resources fit) and ``max_failures`` restarts of an array
-    from its checkpoint when its worker dies."""
+    from its checkpoint when its worker dies; ``address``'s cluster must answer within
+    ``connect_timeout_s`` seconds."""
 
     address: str | None = None
     cpus_per_array: float = 1.0
     gpus_per_array: float | None = None
     max_concurrent: int | None = None
     max_failures: int = 3
+    connect_timeout_s: float = 30.0
 
     def to_dict(self) -> dict[str, Any]:
         """The ``ray:`` mapping (``gpus_per_array`` ``None`` written as ``"auto"``)."""

@@ -4,29 +4,33 @@ The driver (the process running ``hfsweep run``) keeps the searcher, the schedul
 and the study; each array trains in an actor that reserves ``ray.cpus_per_array`` CPUs and
 ``ray.gpus_per_array`` GPUs, and the arrays' hook calls come back to the driver (see
 :mod:`hfsweep.executors._worker`). Actors are pooled and reused, so a worker's traced forwards
-serve the next array it trains. When an actor's process dies (a lost node, an out-of-memory
-kill), its array restarts from its last checkpoint on a new actor: the trainer's checkpoints
-are written to the run directory, which every node must see (one machine, or a shared file
-system on a cluster).
+serve the next array it trains, and as many arrays train at once as the cluster's alive nodes
+hold (see :mod:`hfsweep.executors._raypool`). When an actor's process dies (a lost node, an
+out-of-memory kill), its array restarts from its last checkpoint on another actor: the
+trainer's checkpoints are written to the run directory, which every node must see (one
+machine, or a shared file system on a cluster). The cluster of ``ray.address`` is checked to
+answer within ``ray.connect_timeout_s`` before the driver connects (see
+:mod:`hfsweep.executors._connect`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .._task import Task
 from ..trainer import ArrayTrainer, Member, MemberResult, RefillHook, ReportHook
+from ._connect import ClusterUnreachable, connect, on_loopback, reach
 from ._errors import ExecutorError, Stopped
+from ._raypool import ActorPool
 from ._worker import ArrayWorker
 from .base import Executor
 
@@ -40,6 +44,16 @@ _log = logging.getLogger("hfsweep.ray")
 _JOIN_WAIT_S = 60.0
 #: seconds to wait for Ray to place a new array's actor before counting on one array fewer
 _PLACE_WAIT_S = 120.0
+#: seconds close() waits for the arrays' threads to leave Ray's calls before Ray shuts down
+_CLOSE_WAIT_S = 5.0
+#: the engine's array threads when ray.max_concurrent is unset (nodes may join)
+_MAX_SLOTS = 64
+#: ray.init's arguments for the driver
+_INIT: dict[str, Any] = {
+    "include_dashboard": False,
+    "logging_level": logging.WARNING,
+    "log_to_driver": False,
+}
 
 
 class RayExecutor(Executor):
@@ -66,29 +80,66 @@ class RayExecutor(Executor):
         self.eval_every = eval_every
         self.settings = settings
         self._owns_ray = not ray.is_initialized()
+        #: threads inside run_array or array_size (close waits for them before ray.shutdown)
+        self._inside = 0
+        self._calls = threading.Condition()
+        self._closed = False
         if self._owns_ray:
-            # a Ray started for this run serves this machine only; "local" starts it even where
-            # a cluster of `ray start` (or RAY_ADDRESS) runs, which address=None would join
-            local: dict[str, Any] = (
-                {"_node_ip_address": "127.0.0.1"} if settings.address is None else {}
-            )
-            ray.init(
-                address=settings.address or "local",
-                include_dashboard=False,
-                logging_level=logging.WARNING,
-                log_to_driver=False,
-                **local,
-            )
+            if settings.address is None:
+                self._start_local()
+            else:
+                self._connect(settings)
         #: (pid, start time) of the processes of a Ray this executor started
-        self._started: set[tuple[int, float]] = self._ray_processes() if self._owns_ray else set()
+        self._started: set[tuple[int, float]] = (
+            self._ray_processes() if self._owns_ray and settings.address is None else set()
+        )
         try:
             self._setup(task, device, settings)
         except BaseException:
             self._shutdown()
             raise
 
+    @staticmethod
+    def _start_local() -> None:
+        """Start a Ray for this run that serves this machine only: on loopback."""
+        import ray
+
+        try:
+            with on_loopback():
+                # "local": a Ray of its own even where a `ray start` cluster (or RAY_ADDRESS)
+                # runs, which address=None would join
+                ray.init(address="local", _node_ip_address="127.0.0.1", **_INIT)
+        except ClusterUnreachable as exc:
+            raise ExecutorError(str(exc)) from None
+        node = ray._private.worker.global_worker.node
+        _log.info("Ray backend: started a local Ray on %s", getattr(node, "gcs_address", "?"))
+
+    @staticmethod
+    def _connect(settings: RayConfig) -> None:
+        """Connect to the cluster at ``settings.address``, after checking that it answers
+        within ``ray.connect_timeout_s`` (``ray.init`` alone waits for ever)."""
+        assert settings.address is not None
+        try:
+            reached = reach(settings.address, settings.connect_timeout_s)
+            connect(reached, **_INIT)
+        except ClusterUnreachable as exc:
+            raise ExecutorError(
+                f"ray.address {settings.address!r}: {exc} (ray.connect_timeout_s is "
+                f"{settings.connect_timeout_s:g})"
+            ) from None
+        import ray
+
+        node = ray._private.worker.global_worker.node
+        _log.info(
+            "Ray backend: connected to the cluster at %s (%s nodes; this driver on %s%s)",
+            getattr(node, "gcs_address", reached.address),
+            "?" if reached.nodes is None else reached.nodes,
+            getattr(node, "node_ip_address", "?"),
+            ", loopback" if reached.loopback else "",
+        )
+
     def _setup(self, task: Task, device: str, settings: RayConfig) -> None:
-        """Check the cluster can hold an array and size the pool of actors."""
+        """Check the cluster can hold an array and make the pool of actors."""
         import ray
 
         _pickle_task_by_value(task)
@@ -102,105 +153,57 @@ class RayExecutor(Executor):
             )
         self.cpus_per_array = settings.cpus_per_array
         self.gpus_per_array = want_gpu
+        bundle = {"CPU": self.cpus_per_array}
+        if want_gpu:
+            bundle["GPU"] = want_gpu
+        self._remote: Any = None  # ArrayWorker as a Ray actor class, made once
+        self._pool = ActorPool(
+            bundle,
+            self._new_actor,
+            most=settings.max_concurrent,
+            place_wait_s=lambda: _PLACE_WAIT_S,
+        )
         # a cluster's workers may still be joining: wait a while for room for one array
         deadline = time.monotonic() + (_JOIN_WAIT_S if settings.address is not None else 0.0)
         while True:
-            fit, cpus, gpus = self._fit()
+            fit = self._pool.fit()
             if fit >= 1 or time.monotonic() >= deadline:
                 break
             time.sleep(1.0)
         if fit < 1:
+            resources = ray.cluster_resources()
             raise ExecutorError(
-                f"the Ray cluster ({cpus:g} CPUs, {gpus:g} GPUs) cannot hold one array's actor "
+                f"the Ray cluster ({resources.get('CPU', 0.0):g} CPUs, "
+                f"{resources.get('GPU', 0.0):g} GPUs) cannot hold one array's actor "
                 f"({self.cpus_per_array:g} CPUs, {want_gpu:g} GPUs); lower ray.cpus_per_array "
                 "or ray.gpus_per_array, or add nodes"
             )
-        #: arrays training at once
-        self.slots = min(fit, settings.max_concurrent or fit)
-        self._idle: list[Any] = []
-        self._remote: Any = None  # ArrayWorker as a Ray actor class, made once
-        self._groups: dict[Any, Any] = {}  # actor -> the placement group reserved for it
-        self._made = 0
-        self._busy: set[Any] = set()
-        self._closed = False
-        self._cond = threading.Condition()
+        resources = ray.cluster_resources()
         _log.info(
             "Ray backend: up to %d array(s) at once, each %g CPUs and %g GPUs (cluster: %g CPUs, "
-            "%g GPUs)",
+            "%g GPUs); more or fewer as nodes join or leave",
             self.slots,
             self.cpus_per_array,
             want_gpu,
-            cpus,
-            gpus,
+            resources.get("CPU", 0.0),
+            resources.get("GPU", 0.0),
         )
 
-    def _fit(self) -> tuple[int, float, float]:
-        """How many arrays the cluster's resources hold at once, and its CPUs and GPUs."""
-        import ray
+    @property
+    def slots(self) -> int:
+        """Arrays to train at once now: what the cluster's alive nodes hold, at most
+        ``ray.max_concurrent`` (see :meth:`ActorPool.width`)."""
+        return self._pool.width()
 
-        resources = ray.cluster_resources()
-        cpus = float(resources.get("CPU", 0.0))
-        gpus = float(resources.get("GPU", 0.0))
-        fits = [cpus / self.cpus_per_array]
-        if self.gpus_per_array:
-            fits.append(gpus / self.gpus_per_array)
-        return math.floor(min(fits) + 1e-9), cpus, gpus
+    @property
+    def max_slots(self) -> int:
+        """The most arrays that may ever train at once (``ray.max_concurrent``, or as many as
+        nodes may join): the width of the engine's pool of array threads."""
+        return self.settings.max_concurrent or _MAX_SLOTS
 
     # ------------------------------------------------------------------ actors
-    def _acquire(self) -> Any:
-        """An idle actor, or a new one in resources reserved for it. When Ray cannot reserve
-        an array's resources within ``_PLACE_WAIT_S`` (other work holds them, or no node is big
-        enough though the cluster's total suggested so), one array fewer trains at once."""
-        from ray.exceptions import RayActorError
-
-        while True:
-            with self._cond:
-                while not self._idle and self._made >= self.slots and not self._closed:
-                    self._cond.wait()
-                if self._closed:
-                    raise Stopped
-                if self._idle:
-                    actor = self._idle.pop()
-                    self._busy.add(actor)
-                    return actor
-                self._made += 1
-            group = self._reserve()
-            if group is None:
-                self._unplaced()
-                continue
-            actor = self._new_actor(group)
-            try:
-                where = self._ray_get(actor.where.remote())
-            except RayActorError as exc:
-                self._forget(actor)
-                raise ExecutorError(
-                    "a Ray worker could not start (is hfsweep, and the module defining the "
-                    f"task, importable on every node?): {exc}"
-                ) from exc
-            with self._cond:
-                if self._closed:
-                    self._forget(actor)
-                    raise Stopped
-                self._busy.add(actor)
-            _log.info("Ray worker ready: %s", where)
-            return actor
-
-    def _reserve(self) -> Any:
-        """A placement group holding one array's resources, or ``None`` if Ray could not
-        reserve them within ``_PLACE_WAIT_S`` (reserving does not wait for a process to
-        start, so a slow start is not mistaken for a full cluster)."""
-        from ray.util.placement_group import placement_group, remove_placement_group
-
-        bundle = {"CPU": self.cpus_per_array}
-        if self.gpus_per_array:
-            bundle["GPU"] = self.gpus_per_array
-        group = placement_group([bundle])
-        if group.wait(timeout_seconds=_PLACE_WAIT_S):
-            return group
-        remove_placement_group(group)
-        return None
-
     def _new_actor(self, group: Any) -> Any:
+        """An actor of :class:`ArrayWorker` in the placement group ``group``."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -209,91 +212,53 @@ class RayExecutor(Executor):
                 num_cpus=self.cpus_per_array, num_gpus=self.gpus_per_array, max_restarts=0
             )(ArrayWorker)
         strategy = PlacementGroupSchedulingStrategy(placement_group=group)
-        actor = self._remote.options(scheduling_strategy=strategy).remote(
+        return self._remote.options(scheduling_strategy=strategy).remote(
             self.task,
             device=self.device,
             dtype=self.dtype,
             eval_every=self.eval_every,
             threads=max(1, int(self.cpus_per_array)),
         )
-        self._groups[actor] = group
-        return actor
 
-    @staticmethod
-    def _ray_get(ref: Any, timeout: float | None = None) -> Any:
-        import ray
-
-        return ray.get(ref, timeout=timeout)
-
-    def _kill(self, actor: Any) -> None:
-        """Kill ``actor`` and free the resources reserved for it."""
-        import ray
-        from ray.util.placement_group import remove_placement_group
-
-        with contextlib.suppress(Exception):  # the cluster may be gone (Ctrl-C reaches it)
-            ray.kill(actor, no_restart=True)
-        group = self._groups.pop(actor, None)
-        if group is not None:
-            with contextlib.suppress(Exception):
-                remove_placement_group(group)
-
-    def _forget(self, actor: Any) -> None:
-        """Kill an actor that never joined the pool."""
-        self._kill(actor)
-        with self._cond:
-            self._made -= 1
-            self._cond.notify_all()
-
-    def _unplaced(self) -> None:
-        """Ray could not reserve a new actor's resources: go on with one array fewer at
-        once, or give up when not even one array can train."""
-        with self._cond:
-            self._made -= 1
-            if self._made == 0:
-                self._cond.notify_all()
-                raise ExecutorError(
-                    f"Ray could not place an array's actor ({self.cpus_per_array:g} CPUs, "
-                    f"{self.gpus_per_array:g} GPUs) within {_PLACE_WAIT_S:g} s: other work holds "
-                    "the cluster's resources, or no single node has that much; lower "
-                    "ray.cpus_per_array or ray.gpus_per_array, or free or add nodes"
-                )
-            self.slots = max(1, min(self.slots - 1, self._made))
-            _log.warning(
-                "Ray could not place another array's actor within %g s; going on with up to "
-                "%d array(s) at once",
-                _PLACE_WAIT_S,
-                self.slots,
-            )
-            self._cond.notify_all()
+    def _acquire(self) -> Any:
+        return self._pool.acquire(lambda actor: actor.where.remote())
 
     def _release(self, actor: Any, *, dead: bool = False) -> None:
-        with self._cond:
-            self._busy.discard(actor)
-            if dead:
-                self._made -= 1
-                self._kill(actor)
-            elif not self._closed:
-                self._idle.append(actor)
-            self._cond.notify_all()
+        self._pool.release(actor, dead=dead)
+
+    @contextlib.contextmanager
+    def _call(self) -> Iterator[None]:
+        """Count a thread inside the executor, for :meth:`close`."""
+        with self._calls:
+            if self._closed:
+                raise Stopped
+            self._inside += 1
+        try:
+            yield
+        finally:
+            with self._calls:
+                self._inside -= 1
+                self._calls.notify_all()
 
     def close(self) -> None:
-        """Stop every actor (arrays still training raise :class:`Stopped` in their threads)
-        and shut down the Ray this executor started."""
-        with self._cond:
+        """Stop every actor (arrays still training raise :class:`Stopped` in their threads,
+        within a second or so), then shut down the Ray this executor started."""
+        with self._calls:
             self._closed = True
-            actors = [*self._idle, *self._busy]
-            self._idle.clear()
-            self._cond.notify_all()
-        for actor in actors:
-            self._kill(actor)
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.close()
+        with self._calls:  # the threads leave Ray's calls before Ray shuts down
+            self._calls.wait_for(lambda: self._inside == 0, timeout=_CLOSE_WAIT_S)
         self._shutdown()
 
     def _shutdown(self) -> None:
-        """Shut down the Ray this executor started, and what is left of its processes."""
+        """Shut down the Ray this executor started or connected, and what is left of the
+        processes of one it started."""
         import ray
 
         if self._owns_ray and ray.is_initialized():
-            self._started |= self._ray_processes()
+            self._started |= self._ray_processes() if self.settings.address is None else set()
             ray.shutdown()
             _reap(self._started)
 
@@ -321,22 +286,24 @@ class RayExecutor(Executor):
     # ------------------------------------------------------------------ work
     def array_size(self, config: Mapping[str, Any]) -> tuple[int, str]:
         """The profiler's array size for ``config``, measured on a worker's device."""
+        import ray
         from ray.exceptions import RayActorError
 
         failures = 0
-        while True:
-            actor = self._acquire()
-            try:
-                size, reason = self._ray_get(actor.array_size.remote(dict(config)))
-            except RayActorError as exc:
-                self._release(actor, dead=True)
-                failures = self._died(exc, failures, "profiling array sizes")
-                continue
-            except BaseException:
-                self._release(actor, dead=True)
-                raise
-            self._release(actor)
-            return int(size), str(reason)
+        with self._call():
+            while True:
+                actor = self._acquire()
+                try:
+                    size, reason = ray.get(actor.array_size.remote(dict(config)))
+                except RayActorError as exc:
+                    self._release(actor, dead=True)
+                    failures = self._died(exc, failures, "profiling array sizes")
+                    continue
+                except BaseException:
+                    self._release(actor, dead=True)
+                    raise
+                self._release(actor)
+                return int(size), str(reason)
 
     def run_array(
         self,
@@ -360,21 +327,23 @@ class RayExecutor(Executor):
         active = {m.id: m for m in members}
         failures = 0
         start: list[Member] = list(members)
-        while True:
-            actor = self._acquire()
-            try:
-                self._drive(actor, folder, start, resume, active, report, refill, on_finish)
-            except RayActorError as exc:
-                self._release(actor, dead=True)
-                failures = self._died(exc, failures, f"training {folder}")
-                start = self._restart_members(folder, start, active, requeue)
-                resume = True
-                continue
-            except BaseException:
-                self._release(actor, dead=True)
-                raise
-            self._release(actor)
-            return
+        with self._call():
+            while True:
+                actor = self._acquire()
+                _log.info("%s trains on %s", folder, self._pool.where(actor))
+                try:
+                    self._drive(actor, folder, start, resume, active, report, refill, on_finish)
+                except RayActorError as exc:
+                    self._release(actor, dead=True)
+                    failures = self._died(exc, failures, f"training {folder}")
+                    start = self._restart_members(folder, start, active, requeue)
+                    resume = True
+                    continue
+                except BaseException:
+                    self._release(actor, dead=True)
+                    raise
+                self._release(actor)
+                return
 
     def _died(self, exc: BaseException, failures: int, doing: str) -> int:
         """A worker died while ``doing``: the new failure count, or an error when the sweep is

@@ -61,8 +61,11 @@ class ArrayWorker:
         self._answers: queue.Queue[Any] = queue.Queue()
 
     def where(self) -> str:
-        """This worker's host, process and device, for the driver's log."""
-        return f"{socket.gethostname()} pid {os.getpid()} {self.local.device}"
+        """This worker's host, process, device and Ray node, for the driver's log."""
+        import ray
+
+        node = ray.get_runtime_context().get_node_id()
+        return f"{socket.gethostname()} pid {os.getpid()} {self.local.device} node {node}"
 
     def array_size(self, config: Mapping[str, Any]) -> tuple[int, str]:
         """The profiler's array size for ``config`` on this worker's device, and why."""

@@ -86,14 +86,23 @@ __all__ = ["Executor"]
 class Executor(abc.ABC):
     """Where a sweep's arrays train (see the module docstring for the contract in full).
 
-    A subclass sets :attr:`slots` (a class attribute, or in ``__init__``) and implements
-    :meth:`array_size`, :meth:`run_array` and :meth:`close`. Executors are context managers
-    that :meth:`close` on exit.
+    A subclass gives :attr:`slots` (a property, or an attribute set in ``__init__``) and
+    implements :meth:`array_size`, :meth:`run_array` and :meth:`close`; one whose width
+    changes while it runs (the Ray executor, as nodes come and go) also gives
+    :attr:`max_slots`. Executors are context managers that :meth:`close` on exit.
     """
 
-    #: arrays this executor trains at once (the engine runs up to this many ``run_array``
-    #: calls in threads of its own)
-    slots: int
+    @property
+    @abc.abstractmethod
+    def slots(self) -> int:
+        """Arrays this executor trains at once now (the engine runs up to this many
+        ``run_array`` calls in threads of its own)."""
+
+    @property
+    def max_slots(self) -> int:
+        """The most arrays it may ever train at once (the size of the engine's thread pool);
+        :attr:`slots` by default."""
+        return self.slots
 
     @abc.abstractmethod
     def array_size(self, config: Mapping[str, Any]) -> tuple[int, str]:

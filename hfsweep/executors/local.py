@@ -50,7 +50,10 @@ class LocalExecutor(Executor):
         self._data_cache = data if data is not None else _DataCache()
 
     #: arrays this executor trains at once
-    slots = 1
+    @property
+    def slots(self) -> int:
+        """One array at a time, in the calling thread."""
+        return 1
 
     def array_size(self, config: Mapping[str, Any]) -> tuple[int, str]:
         """The profiler's array size for ``config`` on this device, and why (profiles are

@@ -17,12 +17,12 @@ from hfsweep.executors import Executor, LocalExecutor, RayExecutor
 
 def test_the_local_and_ray_executors_implement_the_base() -> None:
     assert issubclass(LocalExecutor, Executor) and issubclass(RayExecutor, Executor)
-    assert Executor.__abstractmethods__ == {"array_size", "run_array", "close"}
+    assert Executor.__abstractmethods__ == {"slots", "array_size", "run_array", "close"}
 
 
 def test_an_executor_missing_a_method_cannot_be_made() -> None:
     class NoClose(Executor):
-        slots = 1
+        slots = 1  # type: ignore[assignment]
 
         def array_size(self, config: Any) -> tuple[int, str]:
             return 1, "one"
@@ -38,7 +38,7 @@ class _Recording(Executor):
     """A third executor: trains through a local one, checks the contract's hook rules and
     records what it saw."""
 
-    slots = 1
+    slots = 1  # type: ignore[assignment]
 
     def __init__(self, inner: LocalExecutor) -> None:
         self.inner = inner

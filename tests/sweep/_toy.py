@@ -141,3 +141,31 @@ def sweep_config(output: Any, **overrides: Any) -> dict[str, Any]:
     }
     config.update(overrides)
     return config
+
+
+#: the file whose existence holds GATED_TASK's arrays after their first epoch
+GATE_ENV = "HFSWEEP_TEST_GATE"
+
+
+class _GatedBatches(TensorBatches):
+    """Training batches whose second and later passes wait while the file named by
+    ``HFSWEEP_TEST_GATE`` exists: each array trains one epoch (so its checkpoint exists), then
+    holds its worker until the test opens the gate, however slowly the test polls."""
+
+    passes = 0
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        self.passes += 1
+        gate = os.environ.get(GATE_ENV, "")
+        for batch in super().__iter__():
+            while self.passes > 1 and gate and os.path.exists(gate):
+                time.sleep(0.02)
+            yield batch
+
+
+def _gated_data(config: Mapping[str, Any]) -> tuple[TensorBatches, TensorBatches]:
+    train, val = _data(config)
+    return _GatedBatches(train.x, train.y, train.batch_size, shuffle=True), val
+
+
+GATED_TASK = hs.Task(name="toy", model=_model, data=_gated_data, defaults=dict(TASK.defaults))
