@@ -190,8 +190,8 @@ def _intervals(driver: _Driver) -> list[tuple[int, float, float]]:
 
 
 def _check(storage: Any, *drivers: _Driver, elsewhere: int | None = None) -> None:
-    """The study holds exactly the budget, every trial ended and was told once (except trial
-    ``elsewhere``, told by no driver here), and no trial was trained by two drivers at once."""
+    """The study holds exactly the budget, every trial ended, no trial was told twice (trial
+    ``elsewhere`` by no driver here), and no trial was trained by two drivers at once."""
     study = optuna.load_study(study_name=STUDY, storage=storage)
     trials = study.get_trials()
     assert [t.number for t in trials] == list(range(TRIALS))
@@ -201,7 +201,11 @@ def _check(storage: Any, *drivers: _Driver, elsewhere: int | None = None) -> Non
         for d in drivers
         for n in re.findall(r"hfsweep\.sweep: trial (\d+) (?:complete|pruned|fail)", d.log())
     )
-    assert told == Counter({str(n): 1 for n in range(TRIALS) if n != elsewhere})
+    # told at most once; a trial's log line can be missing where a SIGKILL came between its
+    # tell and the line (the study, checked above, has every trial ended)
+    assert max(told.values()) == 1, told
+    assert set(told) <= {str(n) for n in range(TRIALS) if n != elsewhere}
+    assert len(told) >= TRIALS - len(drivers) - (elsewhere is not None), told
     stretches = [[(n, s, e) for n, s, e in _intervals(d)] for d in drivers]
     for i, mine in enumerate(stretches):
         for theirs in stretches[i + 1 :]:
