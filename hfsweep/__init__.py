@@ -9,10 +9,10 @@ from . import optim
 from ._engine import SweepError, SweepResult, TrainingError, sweep
 from ._errors import FusionError
 from ._retrain import Retrained, retrain
-from ._sizing import profile_task
 from ._task import Task, TaskError
 from .fusion import FusedArray, fuse, member_losses
 from .searchers import Searcher
+from .sizing.task import profile_task
 from .trainer import ArrayTrainer, Evaluation, Member, MemberResult
 
 __version__ = "0.1.0.dev0"

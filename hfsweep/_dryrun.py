@@ -112,7 +112,7 @@ def _check_size(
     to count its parameters and buffers; the array of two members with their gradients and the
     two models it is built from need at least :data:`_COPIES` times that. A model that cannot
     be built on the meta device is not checked here."""
-    from .profiler import device_budget
+    from .sizing.device import device_budget
 
     try:
         with fork_rng(), torch.device("meta"), warnings.catch_warnings():

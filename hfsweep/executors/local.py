@@ -47,8 +47,8 @@ class LocalExecutor:
         """The profiler's array size for ``config`` on this device, and why (profiles are
         cached by architecture, optimizer, input, dtype and hardware). The profile's arrays
         trace into this sweep's trace cache, so the arrays trained next replay those traces."""
-        from .._sizing import profile_task
-        from ..profiler import ProfileCache
+        from ..sizing.cache import ProfileCache
+        from ..sizing.task import profile_task
 
         traces = self._trace_cache.setdefault(self.task.compatibility_key(config), {})
         profile = profile_task(

@@ -95,7 +95,7 @@ def test_a_model_too_large_for_the_machine_is_refused_before_it_is_built(
 ) -> None:
     """A typo such as ``hidden: 1000000000`` must not take the machine's memory: the model is
     counted on the meta device first (here the machine is made to have 1 MiB)."""
-    from hfsweep import profiler
+    from hfsweep.sizing import device as sizing_device
 
     built: list[int] = []
     real_build = hs.Task.build_model
@@ -104,7 +104,7 @@ def test_a_model_too_large_for_the_machine_is_refused_before_it_is_built(
         built.append(config["hidden"])
         return real_build(self, config)
 
-    monkeypatch.setattr(profiler, "device_budget", lambda device, fraction=0.8: 2.0**20)
+    monkeypatch.setattr(sizing_device, "device_budget", lambda device, fraction=0.8: 2.0**20)
     monkeypatch.setattr(hs.Task, "build_model", counting_build)
     sweep = _write(tmp_path, "TASK", config="{hidden: 100000}")
     assert main(["validate", str(sweep)]) == 2
