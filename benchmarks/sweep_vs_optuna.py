@@ -57,6 +57,7 @@ from hfsweep import Task
 from hfsweep._malloc import retain_freed_memory
 from hfsweep._task import OPTIMIZERS
 from hfsweep.config import SweepConfig, make_sampler, parse_sweep
+from hfsweep.sizing.device import resolve_device
 from hfsweep.trainer import _epoch_seed
 
 ARMS = ("plain", "hfsweep-sh", "hfsweep-asha", "hfsweep-asha-cold")
@@ -341,10 +342,7 @@ def warm_up(sweep: SweepConfig, device: torch.device) -> None:
 
 
 def _device(sweep: SweepConfig) -> torch.device:
-    name = sweep.fusion.device
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)
+    return torch.device(resolve_device(sweep.fusion.device))
 
 
 def _spread(values: list[float], fmt: str) -> str:

@@ -22,6 +22,7 @@ import torch
 from ._task import Task, fork_rng
 from ._usercode import describe, phase_of
 from .config import _SAMPLES, ConfigError, SweepConfig, _samples
+from .sizing.device import DTYPES, resolve_device
 from .trainer import ArrayTrainer, Member, _DataCache
 
 __all__ = ["dry_run"]
@@ -31,7 +32,6 @@ _BUILDS = 12
 #: copies of a model's tensors the dry run's array of two needs at least: the two models it is
 #: built from, the array's two members, and their gradients
 _COPIES = 6
-_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
 def dry_run(
@@ -51,7 +51,7 @@ def dry_run(
     configs = _configs(sc)
     if not configs:
         return
-    dtype = _DTYPES[sc.fusion.dtype]
+    dtype = DTYPES[sc.fusion.dtype]
     where = torch.device(device if device is not None else _device(sc))
     for sampled, config in configs[:_BUILDS]:
         _check_size(sc, sampled, config, where, dtype)
@@ -192,9 +192,9 @@ def _device(sc: SweepConfig) -> str:
     device = sc.fusion.device
     if sc.backend == "ray" or device == "cpu":
         return "cpu"  # on Ray the driver only checks the code; the workers train
-    if device == "auto" or not torch.cuda.is_available():
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
+    if not torch.cuda.is_available():
+        return "cpu"  # a dry run checks the code where it can: here, on the CPU
+    return resolve_device(device)
 
 
 def _shown(sc: SweepConfig, sampled: Mapping[str, Any]) -> str:

@@ -49,6 +49,8 @@ from .schedulers import Decision, OptunaPruner, Report, make_scheduler
 from .search_spaces import FixedParam
 from .searchers import Searcher
 from .searchers._source import CustomSource, OptunaSource, TrialSource
+from .sizing.device import DTYPES as _DTYPES
+from .sizing.device import resolve_device
 from .trainer import ArrayTrainer, Evaluation, Member, MemberResult, _DataCache
 
 if TYPE_CHECKING:
@@ -75,7 +77,6 @@ _KEEP_BEST = 3
 #: the whole study, so rewriting after every trial would cost O(trials^2) over a sweep); the
 #: journal and state.json are written at every trial end, and both files again at the end
 _PUBLISH_EVERY_S = 5.0
-_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 _STATE = {"completed": "COMPLETE", "stopped": "PRUNED", "failed": "FAIL"}
 #: what to do about a state.json that is missing or cannot be read
 _STATE_LOST = (
@@ -355,9 +356,7 @@ class _Engine:
                 raise SweepError(f"backend ray: {exc}") from exc
             self.where = f"a Ray worker (up to {self.executor.slots} array(s) at once)"
         else:
-            device = sc.fusion.device
-            if device == "auto":
-                device = "cuda" if torch.cuda.is_available() else "cpu"
+            device = resolve_device(sc.fusion.device)
             if device.startswith("cuda") and not torch.cuda.is_available():
                 raise SweepError(f"fusion.device is {device!r} but torch sees no CUDA device")
             self.executor = LocalExecutor(

@@ -60,6 +60,7 @@ def _profile(args: argparse.Namespace) -> int:
     from . import sizing
     from ._entry import load_task
     from ._task import TaskError
+    from .sizing.device import resolve_device
     from .sizing.task import profile_task
 
     try:
@@ -82,8 +83,7 @@ def _profile(args: argparse.Namespace) -> int:
         dtype = getattr(torch, dtype_name, None)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(f"--dtype {dtype_name!r} is not a floating torch dtype (float32...)")
-        if device_name in (None, "auto"):
-            device_name = "cuda" if torch.cuda.is_available() else "cpu"
+        device_name = resolve_device(device_name or "auto")
         args.device, args.dtype = device_name, dtype_name
         device = torch.device(device_name)
         if device.type not in ("cpu", "cuda"):

@@ -40,6 +40,7 @@ import torch
 
 from hfsweep._io import atomic_save
 from hfsweep._task import Task
+from hfsweep.sizing.device import DTYPES, resolve_device
 from hfsweep.trainer import ArrayTrainer, Evaluation, Member, MemberResult
 
 from ._tune_hub import await_answer, connect
@@ -47,7 +48,6 @@ from ._tune_state import META, WEIGHTS_DIR, weights_file
 
 __all__ = ["DTYPES", "TrainSpec", "make_trainable"]
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 #: the file in the trainer's checkpoint directory that holds the channel's own state
 _CHANNEL_FILE = "hfsweep_channel.json"
 #: the name Tune shows for (and ``Tuner.restore`` checks of) the array trainable
@@ -76,9 +76,7 @@ class TrainSpec:
 
     def torch_device(self) -> torch.device:
         """The device this worker trains on."""
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        return torch.device(resolve_device(self.device))
 
 
 def make_trainable(spec: TrainSpec) -> Callable[[dict[str, Any]], None]:

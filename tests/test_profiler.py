@@ -482,6 +482,22 @@ def test_device_budget_cpu_is_fraction_of_available_ram(monkeypatch):
     assert device_budget("cpu") == pytest.approx(0.8 * 8 * GIB)
 
 
+def test_auto_device_is_cuda_where_torch_sees_one(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert sizing_device.resolve_device("auto") == "cuda"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert sizing_device.resolve_device("auto") == "cpu"
+    assert sizing_device.resolve_device("cuda:1") == "cuda:1"  # the caller checks it exists
+    assert sizing_device.resolve_device(torch.device("cpu")) == "cpu"
+
+
+def test_the_dtype_table_covers_every_dtype_a_sweep_yaml_accepts():
+    from hfsweep.config import DTYPES as yaml_names
+
+    assert set(sizing_device.DTYPES) == set(yaml_names)
+    assert all(d.is_floating_point for d in sizing_device.DTYPES.values())
+
+
 def test_meminfo_parsing(tmp_path):
     path = tmp_path / "meminfo"
     path.write_text("MemTotal:       16000000 kB\nMemAvailable:    2048 kB\n")

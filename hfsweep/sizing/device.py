@@ -1,5 +1,5 @@
-"""The device an array trains on: how much memory arrays may use there, and the hardware's name
-for the profile cache's key."""
+"""The device an array trains on: which one ``auto`` means, the dtype names a sweep accepts, how
+much memory arrays may use there, and the hardware's name for the profile cache's key."""
 
 from __future__ import annotations
 
@@ -10,7 +10,26 @@ import torch
 
 from ._units import _GIB, _MIB
 
-__all__ = ["device_budget"]
+__all__ = ["DTYPES", "device_budget", "resolve_device"]
+
+#: The floating dtypes a sweep, the Tune plugin and a retrained trial accept, by their YAML name.
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def resolve_device(device: str | torch.device) -> str:
+    """``device`` with ``"auto"`` replaced: ``"cuda"`` where torch sees a CUDA device, else ``"cpu"``.
+
+    Any other device (``"cpu"``, ``"cuda:1"``, ``torch.device("cuda", 1)``) comes back as its name;
+    whether it exists is for the caller to check, since only the caller can say where the name came
+    from (a YAML key, a command-line flag, an argument).
+    """
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return str(device)
 
 
 def _check_fraction(fraction: object) -> float:
