@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 
-from ._task import Task, fork_rng
 from ._usercode import describe, phase_of
 from .config import _SAMPLES, ConfigError, SweepConfig, _samples
 from .sizing.device import DTYPES, resolve_device
-from .trainer import ArrayTrainer, Member, _DataCache
+from .training.task import Task, fork_rng
+from .training.trainer import ArrayTrainer, Member, _DataCache
 
 __all__ = ["dry_run"]
 

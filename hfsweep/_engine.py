@@ -37,7 +37,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ._io import atomic_save, grouped_sync
-from ._packed import UnsafeFileError
 from ._preflight import preflight
 from ._progress import Progress
 from ._rundir import RunDir, RunDirBusy, StateVersionError, member_id, trial_number
@@ -51,7 +50,8 @@ from .searchers import Searcher
 from .searchers._source import CustomSource, OptunaSource, TrialSource
 from .sizing.device import DTYPES as _DTYPES
 from .sizing.device import resolve_device
-from .trainer import ArrayTrainer, Evaluation, Member, MemberResult, _DataCache
+from .training.packed import UnsafeFileError
+from .training.trainer import ArrayTrainer, Evaluation, Member, MemberResult, _DataCache
 
 if TYPE_CHECKING:
     import optuna

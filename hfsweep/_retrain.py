@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from ._task import Task
 from .sizing.device import DTYPES, resolve_device
-from .trainer import ArrayTrainer, Evaluation, Member, MemberResult
+from .training import ArrayTrainer, Evaluation, Member, MemberResult
+from .training.task import Task
 
 __all__ = ["Retrained", "retrain"]
 

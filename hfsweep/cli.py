@@ -59,9 +59,9 @@ def _profile(args: argparse.Namespace) -> int:
 
     from . import sizing
     from ._entry import load_task
-    from ._task import TaskError
     from .sizing.device import resolve_device
     from .sizing.task import profile_task
+    from .training.task import TaskError
 
     try:
         device_name, dtype_name = args.device, args.dtype

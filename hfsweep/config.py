@@ -92,8 +92,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from ._entry import load_task
 from ._errors import LocatedError
-from ._task import Task, TaskError
 from .search_spaces import FixedParam, SearchSpace, SpaceError, load_space
+from .training.task import Task, TaskError
 
 if TYPE_CHECKING:
     from optuna.samplers import BaseSampler

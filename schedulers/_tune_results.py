@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hfsweep._packed import UnsafeFileError, load_inert, unloaded_in
+from hfsweep.training.packed import UnsafeFileError, load_inert, unloaded_in
 
 from ._tune_state import STATE_FORMAT, WEIGHTS_DIR, weights_file
 
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     import torch
     from torch import Tensor
 
-    from hfsweep._task import Task
+    from hfsweep.training.task import Task
 
 __all__ = [
     "TunedMember",

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 from urllib.parse import quote
 
-from hfsweep._task import Task
+from hfsweep.training.task import Task
 
 from ._tune_joint import Decider, MemberController, MemberTrial, NoDecider
 

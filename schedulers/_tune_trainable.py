@@ -39,9 +39,9 @@ from typing import Any
 import torch
 
 from hfsweep._io import atomic_save
-from hfsweep._task import Task
 from hfsweep.sizing.device import DTYPES, resolve_device
-from hfsweep.trainer import ArrayTrainer, Evaluation, Member, MemberResult
+from hfsweep.training import ArrayTrainer, Evaluation, Member, MemberResult
+from hfsweep.training.task import Task
 
 from ._tune_hub import await_answer, connect
 from ._tune_state import META, WEIGHTS_DIR, weights_file

@@ -120,8 +120,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from hfsweep._task import Task
 from hfsweep.config import MAX_TRIALS
+from hfsweep.training.task import Task
 
 from ._tune_results import (
     TunedMember,

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .._task import Task
-from ..trainer import ArrayTrainer, Member, MemberResult, RefillHook, ReportHook
+from ..training.task import Task
+from ..training.trainer import ArrayTrainer, Member, MemberResult, RefillHook, ReportHook
 from ._errors import ExecutorError, Stopped
 from ._worker import ArrayWorker
 

@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from .._task import Task
 from .._usercode import describe, keep_traceback, label, phase_of, remote_traceback
 from ..sizing.device import resolve_device
-from ..trainer import Member
+from ..training.task import Task
+from ..training.trainer import Member
 from .local import LocalExecutor
 
 __all__ = ["ArrayWorker", "Event"]

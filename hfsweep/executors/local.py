@@ -8,8 +8,15 @@ from typing import Any
 
 import torch
 
-from .._task import Task
-from ..trainer import ArrayTrainer, Member, MemberResult, RefillHook, ReportHook, _DataCache
+from ..training.task import Task
+from ..training.trainer import (
+    ArrayTrainer,
+    Member,
+    MemberResult,
+    RefillHook,
+    ReportHook,
+    _DataCache,
+)
 
 __all__ = ["LocalExecutor"]
 

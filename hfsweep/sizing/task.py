@@ -28,9 +28,9 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._malloc import retaining_freed_memory
-from .._task import Task, fork_rng, make_optimizer, make_schedule
 from ..fusion import fuse
-from ..trainer import any_smoothing, backward, update
+from ..training.step import any_smoothing, backward, update
+from ..training.task import Task, fork_rng, make_optimizer, make_schedule
 from .cache import Profile, ProfileCache, cache_key, signature
 from .device import _describe_device, device_budget
 from .measure import profile_sizes

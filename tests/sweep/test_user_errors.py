@@ -16,7 +16,7 @@ import torch
 
 import hfsweep as hs
 from hfsweep.cli import main
-from hfsweep.trainer import ArrayTrainer, Member
+from hfsweep.training import ArrayTrainer, Member
 
 from . import _broken
 
@@ -311,7 +311,7 @@ def test_the_runs_own_errors_are_not_the_arrays(
     """An error in the engine's hook (writing a history) or in an array's checkpoint (writing
     array.pt) is the run's, not the task's: it propagates as it was, and the trials stay
     RUNNING for a resume, as after a crash."""
-    import hfsweep.trainer as trainer_module
+    import hfsweep.training.run as run_module
     from hfsweep._rundir import RunDir
 
     def full_disk(*args: Any, **kwargs: Any) -> None:
@@ -320,7 +320,7 @@ def test_the_runs_own_errors_are_not_the_arrays(
     if where == "hook":
         monkeypatch.setattr(RunDir, "write_history", full_disk)
     else:
-        monkeypatch.setattr(trainer_module, "atomic_save", full_disk)
+        monkeypatch.setattr(run_module, "atomic_save", full_disk)
     with pytest.raises(OSError, match="No space left"):
         hs.sweep(_config(tmp_path, _broken.TASK), progress=False)
     assert "RUNNING" in {t.state.name for t in _states(tmp_path / "run")}

@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import optim as hs_optim
-from .optim import lr_scheduler as hs_sched
+from .. import optim as hs_optim
+from ..optim import lr_scheduler as hs_sched
 
 __all__ = [
     "BASE_DEFAULTS",

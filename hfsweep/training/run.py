@@ -1,13 +1,6 @@
-"""The array trainer: trains the members of one fused array, each on its own budget.
-
-One shared batch feeds every member at each step; each member has its own loss, optimizer
-hyperparameters, schedule, dropout stream, budget and metric history. After each evaluation a
-report hook decides per member whether it goes on; a member that is done (budget reached,
-stopped, or non-finite) frees its slot, which a refill hook may fill at once with a new
-compatible trial. Checkpoints are taken at every evaluation, atomically, and a run resumes from
-them exactly; an out-of-memory error splits the array in two and goes on without losing any
-member's progress.
-"""
+"""One call of :meth:`ArrayTrainer.run <hfsweep.training.trainer.ArrayTrainer.run>`: the arrays
+it trains one after another (more than one after an out-of-memory split or a compaction), each
+member's evaluations, ends and refills, and the checkpoint written at every evaluation."""
 
 from __future__ import annotations
 
@@ -15,42 +8,49 @@ import copy
 import json
 import logging
 import math
-import os
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
-from ._io import append_lines, atomic_save
-from ._malloc import retaining_freed_memory
-from ._members import (
+from .._io import append_lines, atomic_save
+from .._usercode import CHECKPOINT, Phase, describe
+from ..fusion import FusedArray, fuse
+from ..optim import FusedOptimizer
+from ..optim.lr_scheduler import FusedLRScheduler
+from .checkpoint import (
+    _CHECKPOINT_VERSION,
     _DELIVERED,
-    _FINAL_STATES,
-    Evaluation,
-    Member,
-    MemberResult,
-    RefillHook,
-    ReportHook,
-    _ArrayState,
     _encode_record,
     _member_state,
     _read_delivered,
     _read_member_state,
     _result_from_record,
     _result_record,
+    _rng_state,
+    _set_rng_state,
     _slot_dict,
     _slot_from_dict,
-    _SlotState,
     _write_member,
 )
-from ._packed import load as load_packed
-from ._packed import pack
-from ._task import (
-    Task,
+from .packed import load as load_packed
+from .packed import pack
+from .results import Evaluation, Member, MemberResult, RefillHook, ReportHook
+from .spec import _ArrayState, _SlotState
+from .step import (
+    _choose_compaction,
+    _epoch_seed,
+    _set_member_dropout,
+    _StepTimer,
+    any_smoothing,
+    backward,
+    update,
+)
+from .task import (
     TaskError,
     fork_rng,
     make_optimizer,
@@ -59,178 +59,17 @@ from ._task import (
     optimizer_values,
     schedule_args,
 )
-from ._usercode import CHECKPOINT, Phase, describe
-from .fusion import FusedArray, fuse
-from .optim import FusedOptimizer, clip_grad_norm_
-from .optim.lr_scheduler import FusedLRScheduler
 
-__all__ = ["ArrayTrainer", "Evaluation", "Member", "MemberResult"]
+if TYPE_CHECKING:
+    from .trainer import ArrayTrainer
 
 _log = logging.getLogger("hfsweep.trainer")
-_CHECKPOINT_VERSION = 3
 #: an array traces a call signature at its 16th call. A trace pays for itself after 30-100
 #: calls of a small model (measured on CPU, digits MLP, B = 4..64: a trace takes 40-160 ms, an
 #: eager call 1-4 ms longer than a replay), so signatures an array calls a few times (an
 #: epoch's shorter last batch, evaluation) stay eager, while the every-step signature loses
 #: only its first 15 replays
 _TRACE_AFTER_CALLS = 16
-
-
-class _DataCache:
-    """``task.build_data(config)`` of the last compatibility key asked for, kept for the next
-    asks of that key: the arrays of a sweep and its profiler share the loaded data. One entry,
-    so a sweep over several shared configs (batch sizes, say) holds one dataset at a time."""
-
-    def __init__(self) -> None:
-        self._key: tuple[str, str] | None = None
-        self._data: tuple[Iterable[Any], Iterable[Any]] | None = None
-
-    def get(self, task: Task, config: Mapping[str, Any]) -> tuple[Iterable[Any], Iterable[Any]]:
-        """``(train, val)`` of ``config`` (complete, as ``task.resolve`` returns it)."""
-        key = (task.name, task.compatibility_key(config))
-        if self._data is None or key != self._key:
-            self._data = None  # the old data can go before the new is built
-            self._data = task.build_data(config)
-            self._key = key
-        return self._data
-
-
-class ArrayTrainer:
-    """Trains arrays of members of one task and compatibility key.
-
-    ``eval_every`` is the evaluation period in a member's own optimizer steps (default: one
-    epoch); a member is also evaluated when it reaches its budget (``max_steps``, else
-    ``epochs`` epochs). With ``checkpoint_dir`` the trainer writes ``array.pt`` (every slot's
-    model, optimizer, schedule, dropout stream, history and the data position, and the members
-    that ended but whose ``on_finish`` has not been called yet) at each evaluation and whenever
-    a member ends or joins, and appends to ``delivered.log`` each member ``on_finish`` was
-    called for (its result without the state); with ``keep_states`` also ``members/<id>.pt``
-    (a member's final state) when a member ends. ``run(..., resume=True)`` continues from
-    ``array.pt``. ``final_states`` says which ended members' results carry their state:
-    ``"all"``, ``"completed"`` (a sweep keeps the weights of its best completed trials only;
-    saving every pruned member's cost a sweep of small models a noticeable share of its time)
-    or ``"none"``.
-    ``float64`` is for exactness tests; models are built on the CPU from their seed, then moved
-    to ``device``.
-    """
-
-    def __init__(
-        self,
-        task: Task,
-        *,
-        device: str | torch.device = "cpu",
-        dtype: torch.dtype = torch.float32,
-        eval_every: int | None = None,
-        checkpoint_dir: str | os.PathLike[str] | None = None,
-        trace: bool = True,
-        keep_states: bool = True,
-        final_states: str = "all",
-    ) -> None:
-        if eval_every is not None and (not isinstance(eval_every, int) or eval_every < 1):
-            raise ValueError(f"eval_every must be an integer >= 1 (steps), got {eval_every!r}")
-        if final_states not in _FINAL_STATES:
-            raise ValueError(
-                f"final_states must be one of {', '.join(map(repr, _FINAL_STATES))}, got "
-                f"{final_states!r}"
-            )
-        self.task = task
-        self.device = torch.device(device)
-        self.dtype = dtype
-        self.eval_every = eval_every
-        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
-        self.trace = trace
-        self.keep_states = keep_states
-        self.final_states = final_states
-        #: the data of the last compatibility key trained (an executor shares one between
-        #: its arrays and the profiler, so that a sweep loads it once)
-        self._data_cache = _DataCache()
-        #: traced forwards by compatibility key, shared by the arrays this trainer builds
-        self._trace_cache: dict[str, dict[Any, Any]] = {}
-
-    # ------------------------------------------------------------------ public
-    def run(
-        self,
-        members: Sequence[Member],
-        *,
-        report: ReportHook | None = None,
-        refill: RefillHook | None = None,
-        on_finish: Callable[[MemberResult], None] | None = None,
-        resume: bool = False,
-        start_step: int = 0,
-    ) -> list[MemberResult]:
-        """Train ``members`` as one array (their configs must share the compatibility key) and
-        return one result per member, including members that joined through ``refill``.
-
-        ``report`` is called after every evaluation with the members evaluated at that step
-        and may stop any of them; ``on_finish`` is called as each member finishes. On the CPU
-        it keeps this process's freed memory for reuse while it runs (see ``hfsweep._malloc``;
-        ``HFSWEEP_MALLOC=system`` leaves the allocator alone). With
-        ``resume=True`` and a checkpoint in ``checkpoint_dir``, ``members`` is only used for
-        members the checkpoint does not know yet; finished members are not trained again.
-        ``start_step`` starts the array's data stream that many steps in (epoch
-        ``start_step // steps_per_epoch``, its batch ``start_step % steps_per_epoch``): how a
-        trial that joined an array by refill is retrained alone on the same data
-        (``MemberResult.start_step``).
-        """
-        if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
-            raise ValueError(f"start_step must be an int >= 0, got {start_step!r}")
-        run = _Run(self, report, refill, on_finish)
-        if self.device.type != "cpu":
-            return run.execute(members, resume, start_step)
-        with retaining_freed_memory():
-            return run.execute(members, resume, start_step)
-
-    @staticmethod
-    def checkpointed_members(checkpoint_dir: str | os.PathLike[str]) -> set[str]:
-        """The ids of every member the checkpoint in ``checkpoint_dir`` holds (training or
-        finished): what ``run(..., resume=True)`` continues without being given them. Empty
-        when there is no checkpoint."""
-        path = Path(checkpoint_dir) / "array.pt"
-        if not path.exists():
-            return set()
-        payload = load_packed(path)
-        return set(payload.get("order", []))
-
-    @staticmethod
-    def delivered_results(checkpoint_dir: str | os.PathLike[str]) -> dict[str, MemberResult]:
-        """The results (without their states) of the members whose ``on_finish`` the trainer
-        in ``checkpoint_dir`` has called, by member id: what ``run(..., resume=True)`` does
-        not deliver again. Empty when there is no checkpoint."""
-        results = {}
-        for record in _read_delivered(Path(checkpoint_dir) / _DELIVERED):
-            results[record["id"]] = _result_from_record(record, None)
-        return results
-
-    def steps_per_epoch(self, config: Mapping[str, Any]) -> int:
-        """Optimizer steps in one pass over the training data of ``config``."""
-        train, _ = self._dataset(config)
-        if self.task.steps_per_epoch is not None:
-            return self.task.steps_per_epoch
-        try:
-            n = len(train)  # type: ignore[arg-type]
-        except TypeError:
-            raise TaskError(
-                f"task {self.task.name!r}: the training data has no len(); set "
-                "Task(steps_per_epoch=...)"
-            ) from None
-        if n < 1:
-            raise TaskError(f"task {self.task.name!r}: the training data is empty")
-        return int(n)
-
-    # ------------------------------------------------------------------ helpers for _Run
-    def _dataset(self, config: Mapping[str, Any]) -> tuple[Iterable[Any], Iterable[Any]]:
-        with Phase("the task's data(config)"):
-            return self._data_cache.get(self.task, config)
-
-    def _to_device(self, batch: Any) -> Any:
-        if isinstance(batch, Tensor):
-            batch = batch.to(self.device, non_blocking=True)
-            return batch.to(self.dtype) if batch.is_floating_point() else batch
-        if isinstance(batch, tuple | list):
-            return type(batch)(self._to_device(b) for b in batch)
-        if isinstance(batch, Mapping):
-            return {k: self._to_device(v) for k, v in batch.items()}
-        return batch
 
 
 class _Run:
@@ -933,137 +772,6 @@ class _Run:
             len(self.results),
             sum(s is not None for a in self.queue for s in a.slots),
         )
-
-
-# ---------------------------------------------------------------------- helpers
-def any_smoothing(configs: Iterable[Mapping[str, Any]]) -> bool:
-    """Whether a member with one of ``configs`` trains with label smoothing. Without any, the
-    loss is computed without the smoothing term: the same values (its weight is 0 for every
-    member) and fewer ops."""
-    return any(c["label_smoothing"] for c in configs)
-
-
-def backward(
-    task: Task, array: FusedArray, x: Any, y: Any, smoothing: Tensor | None, clip: Tensor | None
-) -> Tensor:
-    """Forward and backward of every member on the shared batch ``(x, y)``, then per-member
-    clipping; returns the ``[B]`` losses (``smoothing``: the ``[B]`` label smoothing, or
-    ``None`` for none). Nothing is changed yet, so after an out-of-memory
-    error here the step can be retried by smaller arrays."""
-    with Phase("the forward pass"):
-        out = array(x)
-    with Phase("the loss"):
-        losses = task.member_loss(out, y, smoothing)
-    with Phase("the backward pass"):
-        losses.sum().backward()
-    if clip is not None:
-        clip_grad_norm_(array, clip)
-    return losses
-
-
-def _choose_compaction(
-    size: int,
-    busy: int,
-    remaining: int,
-    step_seconds: Mapping[int, float],
-    rebuild_seconds: Callable[[int], float],
-) -> int | None:
-    """The size an array of ``size`` slots with ``busy`` members should be rebuilt at, or
-    ``None`` when no rebuild pays.
-
-    Candidates are ``busy`` and the power of two above it (a size whose traces earlier arrays
-    may have left in the shared cache, its spare slots open to refills). A candidate ``b``
-    gains ``remaining * (step(size) - step(b)) - rebuild_seconds(b)``; the largest positive
-    gain wins. ``step_seconds`` holds the measured seconds per step by size (``size`` must be
-    in it); an unmeasured size is charged ``b / size`` of the current step, a lower bound for
-    the step of a smaller array (its fixed costs do not shrink), so the saving is never
-    underestimated and compaction stays the choice wherever step time scales with the size.
-    """
-    current = step_seconds[size]
-    best, best_gain = None, 0.0
-    for b in sorted({busy, _next_power_of_two(busy)}):
-        if b >= size:
-            continue
-        step = step_seconds.get(b, current * b / size)
-        gain = remaining * (current - step) - rebuild_seconds(b)
-        if gain > best_gain:
-            best, best_gain = b, gain
-    return best
-
-
-def _next_power_of_two(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
-class _StepTimer:
-    """Seconds per training step of one array, over the stretches of steps between
-    evaluations, with the time spent tracing left out. On CUDA the clock stops after a
-    synchronize, so queued kernels count in the steps that launched them."""
-
-    def __init__(self, device: torch.device, array: FusedArray) -> None:
-        self._device = device
-        self._array = array
-        self._seconds = 0.0
-        self._steps = 0
-        self._stretch = 0
-        self._start = 0.0
-        self._traced = 0.0
-        self.resume()
-
-    def resume(self) -> None:
-        """Start a stretch of training steps."""
-        self._start = time.perf_counter()
-        self._traced = self._array._tracing_seconds
-        self._stretch = 0
-
-    def step(self) -> None:
-        """One training step of the stretch is done."""
-        self._stretch += 1
-
-    def pause(self) -> float:
-        """End the stretch; the mean seconds per step over every stretch so far."""
-        if self._device.type == "cuda":
-            torch.cuda.synchronize(self._device)
-        traced = self._array._tracing_seconds - self._traced
-        self._seconds += max(time.perf_counter() - self._start - traced, 0.0)
-        self._steps += self._stretch
-        self._stretch = 0
-        return self._seconds / max(self._steps, 1)
-
-
-def update(opt: FusedOptimizer, sched: FusedLRScheduler | None) -> None:
-    """The optimizer and schedule step that ends a training step."""
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    if sched is not None:
-        sched.step()
-
-
-def _set_member_dropout(array: FusedArray, i: int, p: float) -> None:
-    current = array.dropout
-    if not current:
-        raise TaskError(
-            f"config dropout={p} was given but the model has no nn.Dropout layer to apply it to"
-        )
-    values = {path: [*ps[:i], p, *ps[i + 1 :]] for path, ps in current.items()}
-    array.set_dropout(values)
-
-
-def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _epoch_seed(data_seed: int, epoch: int) -> int:
-    return (data_seed * 1_000_003 + epoch * 7919 + 1) % (2**63)
 
 
 def _diff(a: str, b: str) -> str:
