@@ -706,3 +706,14 @@ def test_final_states_says_which_results_carry_their_state(tmp_path, final_state
 def test_final_states_must_be_known() -> None:
     with pytest.raises(ValueError, match="final_states must be one of 'all', 'completed', 'none'"):
         hs.ArrayTrainer(make_task(), final_states="best")
+
+
+def test_the_trainer_keeps_the_names_users_import() -> None:
+    """``hfsweep.trainer`` is where users import the trainer from; its code moved to
+    ``hfsweep.training``, and the old name gives the same objects."""
+    import hfsweep.trainer
+    import hfsweep.training
+
+    for name in ("ArrayTrainer", "Evaluation", "Member", "MemberResult"):
+        assert getattr(hfsweep.trainer, name) is getattr(hfsweep.training, name)
+        assert getattr(hfsweep.trainer, name) is getattr(hs, name)
