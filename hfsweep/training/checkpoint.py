@@ -19,7 +19,7 @@ from .packed import UnsafeFileError
 from .packed import load as load_packed
 from .packed import loads as loads_plain
 from .results import Member, MemberResult
-from .spec import _SlotState
+from .spec import TrialSpec, _SlotState
 
 if TYPE_CHECKING:
     from ..fusion import FusedArray
@@ -67,24 +67,45 @@ def _slot_dict(s: _SlotState | None) -> dict[str, Any] | None:
         "since": s.since,
         "loss_sum": s.loss_sum,
         "saved": s.saved,
-        "start": s.start,
+        "start": s.spec.start,
     }
 
 
 def _slot_from_dict(d: dict[str, Any] | None) -> _SlotState | None:
     if d is None:
         return None
-    return _SlotState(
+    spec = TrialSpec(
         member=Member(d["id"], d["config"]),
         config=d["resolved"],
         budget=d["budget"],
+        start=d.get("start"),  # None: a checkpoint written before it was recorded
+    )
+    return _SlotState(
+        spec=spec,
         steps=d["steps"],
         history=d["history"],
         since=d["since"],
         loss_sum=d["loss_sum"],
         saved=d["saved"],
-        start=d.get("start"),  # None: a checkpoint written before it was recorded
     )
+
+
+def _checked(path: Path, payload: Mapping[str, Any], settings: Mapping[str, Any]) -> None:
+    """Refuse a checkpoint of another layout version, or one written with other settings than
+    ``settings`` (what must not change between a run and its resume)."""
+    if payload.get("version") != _CHECKPOINT_VERSION:
+        raise ValueError(
+            f"{path}: checkpoint version {payload.get('version')!r} is not "
+            f"{_CHECKPOINT_VERSION}; it was written by another hfsweep version"
+        )
+    saved = payload.get("settings", {})
+    for name, value in settings.items():
+        if saved.get(name) != value:
+            raise ValueError(
+                f"{path}: the checkpoint was written with {name}={saved.get(name)!r}, this "
+                f"trainer has {name}={value!r}; resume with the same task and settings, or "
+                "use another checkpoint_dir"
+            )
 
 
 #: ``ArrayTrainer(final_states=)``: whose final state a result carries

@@ -4,7 +4,6 @@ member's evaluations, ends and refills, and the checkpoint written at every eval
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import math
@@ -19,14 +18,12 @@ from torch import Tensor, nn
 
 from .._io import append_lines, atomic_save
 from .._usercode import CHECKPOINT, Phase, describe
-from ..fusion import FusedArray, fuse
-from ..optim import FusedOptimizer
-from ..optim.lr_scheduler import FusedLRScheduler
+from ..fusion import FusedArray
 from .checkpoint import (
     _CHECKPOINT_VERSION,
     _DELIVERED,
+    _checked,
     _encode_record,
-    _member_state,
     _read_delivered,
     _read_member_state,
     _result_from_record,
@@ -37,25 +34,22 @@ from .checkpoint import (
     _slot_from_dict,
     _write_member,
 )
+from .live import _build_live, _Live
 from .packed import load as load_packed
 from .packed import pack
 from .results import Evaluation, Member, MemberResult, RefillHook, ReportHook
-from .spec import _ArrayState, _SlotState
+from .spec import TrialSpec, _ArrayState, _SlotState
 from .step import (
+    _batches,
     _choose_compaction,
-    _epoch_seed,
     _set_member_dropout,
     _StepTimer,
-    any_smoothing,
     backward,
     update,
 )
 from .task import (
     TaskError,
     fork_rng,
-    make_optimizer,
-    make_schedule,
-    manual_seed,
     optimizer_values,
     schedule_args,
 )
@@ -64,12 +58,6 @@ if TYPE_CHECKING:
     from .trainer import ArrayTrainer
 
 _log = logging.getLogger("hfsweep.trainer")
-#: an array traces a call signature at its 16th call. A trace pays for itself after 30-100
-#: calls of a small model (measured on CPU, digits MLP, B = 4..64: a trace takes 40-160 ms, an
-#: eager call 1-4 ms longer than a replay), so signatures an array calls a few times (an
-#: epoch's shorter last batch, evaluation) stay eager, while the every-step signature loses
-#: only its first 15 replays
-_TRACE_AFTER_CALLS = 16
 
 
 class _Run:
@@ -193,9 +181,8 @@ class _Run:
         ):
             raise ValueError(f"member id {member.id!r} was already trained or is training")
         self.order.append(member.id)
-        spe = self.t.steps_per_epoch(config)
-        budget = config["max_steps"] or config["epochs"] * spe
-        return _SlotState(member=member, config=config, budget=int(budget), start=start)
+        spec = TrialSpec.of(member, config, self.t.steps_per_epoch(config), start)
+        return _SlotState(spec)
 
     # ------------------------------------------------------------------ one array
     def _train(self, state: _ArrayState) -> list[_ArrayState] | None:
@@ -206,28 +193,17 @@ class _Run:
         started = time.perf_counter()
         built = self._new_models(state)
         models_s = time.perf_counter() - started
-        live = [s for s in state.slots if s is not None]
-        if not live:
+        live_slots = [s for s in state.slots if s is not None]
+        if not live_slots:
             return None
-        ref = live[0].config
+        ref = live_slots[0].config
         spe = self.t.steps_per_epoch(ref)
         eval_every = self.t.eval_every or spe
         started = time.perf_counter()
-        array, opt, sched = self._build(state, built)
+        live = self._build(state, built)
         build_s = models_s + time.perf_counter() - started
+        array, opt = live.array, live.opt
         timer = _StepTimer(self.t.device, array)
-        smoothing = torch.tensor(
-            [s.config["label_smoothing"] if s else 0.0 for s in state.slots],
-            dtype=self.t.dtype,
-            device=self.t.device,
-        )
-        clip = self._clip_values(state)
-        smoothes = any_smoothing(s.config for s in state.slots if s is not None)
-        loss_sum = torch.tensor(
-            [s.loss_sum if s else 0.0 for s in state.slots],
-            dtype=torch.float64,
-            device=self.t.device,
-        )
         seen_nonfinite = len(opt.nonfinite_members)
         buffers = list(array.buffers())
         backup = [b.detach().clone() for b in buffers]
@@ -243,7 +219,8 @@ class _Run:
                 torch._foreach_copy_(backup, buffers)
             out_of_memory = ""
             try:
-                losses = backward(self.task, array, x, y, smoothing if smoothes else None, clip)
+                smoothing = live.smoothing if live.smoothes else None
+                losses = backward(self.task, array, x, y, smoothing, live.clip)
             except torch.OutOfMemoryError as exc:
                 out_of_memory = describe(exc, limit=300)
             if out_of_memory:
@@ -253,14 +230,14 @@ class _Run:
                     torch._foreach_copy_(buffers, backup)
                 if self.t.device.type == "cuda":
                     torch.cuda.empty_cache()
-                return self._out_of_memory(state, array, opt, sched, loss_sum, out_of_memory)
+                return self._out_of_memory(live, out_of_memory)
             with Phase("the optimizer step"):
-                update(opt, sched)
+                update(opt, live.sched)
             state.epoch, state.batch = epoch, index + 1
             if state.batch >= spe:
                 state.epoch, state.batch = epoch + 1, 0
             with torch.no_grad():
-                loss_sum += losses.detach().to(torch.float64)
+                live.loss_sum += losses.detach().to(torch.float64)
             due: list[int] = []
             for i, s in enumerate(state.slots):
                 if s is None:
@@ -274,50 +251,40 @@ class _Run:
             for i in failed:
                 slot = state.slots[i]
                 if slot is not None:
-                    self._finish(state, i, array, opt, sched, "failed", "non-finite gradients")
+                    self._finish(live, i, "failed", "non-finite gradients")
                     due = [j for j in due if j != i]
             timer.step()
             if due or failed:
                 self.step_seconds[len(state.slots)] = timer.pause()
                 if due:
-                    self._evaluate(state, due, array, opt, sched, loss_sum, spe)
+                    self._evaluate(live, due, spe)
                 if self.refill is not None and len(self.queue) == 1:
                     # (arrays waiting after an out-of-memory split go first)
-                    self._refill(state, array, opt, sched, smoothing, loss_sum)
-                    clip = self._clip_values(state)
-                    smoothes = any_smoothing(s.config for s in state.slots if s is not None)
+                    self._refill(live)
                 busy = sum(s is not None for s in state.slots)
                 if 0 < busy <= len(state.slots) // 2:
                     # most slots are idle and nobody is waiting for them: go on with a smaller
                     # array if the steps it saves outweigh rebuilding it
                     size = self._compact_size(state, array, busy, build_s)
                     if size is not None:
-                        return [self._compacted(state, array, opt, sched, loss_sum, size)]
-                self._save_checkpoint((array, opt, sched, loss_sum, state))
+                        return [self._compacted(live, size)]
+                self._save_checkpoint(live)
                 self._deliver()
                 timer.resume()
         return None
 
-    def _out_of_memory(
-        self,
-        state: _ArrayState,
-        array: FusedArray,
-        opt: FusedOptimizer,
-        sched: FusedLRScheduler | None,
-        loss_sum: Tensor,
-        error: str,
-    ) -> list[_ArrayState] | None:
+    def _out_of_memory(self, live: _Live, error: str) -> list[_ArrayState] | None:
         """The arrays to go on with after a training step ran out of memory: two halves while
         two members or more train; one member alone if idle slots kept it company; and when a
         member runs out of memory alone, it fails (its config needs more memory than the
         device has: the other trials are not affected)."""
-        busy = [i for i, s in enumerate(state.slots) if s is not None]
+        busy = [i for i, s in enumerate(live.state.slots) if s is not None]
         if len(busy) > 1:
-            return self._split(state, array, opt, sched, loss_sum)
-        if len(state.slots) > 1:
-            return [self._compacted(state, array, opt, sched, loss_sum, 1)]
+            return live.split()
+        if len(live.state.slots) > 1:
+            return [self._compacted(live, 1)]
         why = f"out of memory on {self.t.device} training alone in an array: {error}"
-        self._finish(state, busy[0], array, opt, sched, "failed", why)
+        self._finish(live, busy[0], "failed", why)
         return None
 
     def _compact_size(
@@ -339,61 +306,13 @@ class _Run:
             lambda b: build_s + array._retrace_seconds(b),
         )
 
-    def _compacted(
-        self,
-        state: _ArrayState,
-        array: FusedArray,
-        opt: FusedOptimizer,
-        sched: FusedLRScheduler | None,
-        loss_sum: Tensor,
-        size: int,
-    ) -> _ArrayState:
+    def _compacted(self, live: _Live, size: int) -> _ArrayState:
         """The busy members' current states in an array of ``size`` slots (idle ones last)."""
-        busy = [s for s in self._snapshot(state, array, opt, sched, loss_sum) if s is not None]
-        _log.info(
-            "%d of %d slots left busy: going on as an array of %d",
-            len(busy),
-            len(state.slots),
-            size,
-        )
-        idle: list[_SlotState | None] = [None] * (size - len(busy))
-        return _ArrayState([*busy, *idle], state.epoch, state.batch)
+        return live.compacted(size)
 
-    def _build(
-        self, state: _ArrayState, built: Mapping[int, nn.Module]
-    ) -> tuple[FusedArray, FusedOptimizer, FusedLRScheduler | None]:
-        live = [s for s in state.slots if s is not None]
-        filler = live[0]
-        models = self._models(state, filler, built)
-        with Phase("fusing the members' models"):
-            array = fuse(models, trace=self.t.trace).to(self.t.device)
-        for i, s in enumerate(state.slots):
-            if s is not None and s.saved is not None:
-                array.load_member_state_dict(i, s.saved["model"])
-        array._share_traces(self.t._trace_cache.setdefault(self.key or "", {}))
-        array._defer_tracing(_TRACE_AFTER_CALLS)
-        configs = [(s or filler).config for s in state.slots]
-        for i, c in enumerate(configs):
-            if c["dropout"] is not None:
-                _set_member_dropout(array, i, float(c["dropout"]))
-        spe = self.t.steps_per_epoch(filler.config)
-        opt = make_optimizer(array, configs)
-        budgets = [(s or filler).budget for s in state.slots]
-        sched = make_schedule(opt, configs, budgets, spe)
-        for i, s in enumerate(state.slots):
-            if s is None:
-                opt.set_active(i, False)
-                continue
-            if s.saved is None:
-                array.manual_seed(i, int(s.config["seed"]))
-                continue
-            opt.load_member_state_dict(i, s.saved["optimizer"])
-            if sched is not None and s.saved.get("scheduler") is not None:
-                sched.load_member_state_dict(i, s.saved["scheduler"])
-            array.set_rng_state(i, s.saved["rng"])
-            s.saved = None
-        array.train()
-        return array, opt, sched
+    def _build(self, state: _ArrayState, built: Mapping[int, nn.Module]) -> _Live:
+        """The live array of ``state`` (``built``: the new members' models, by slot)."""
+        return _build_live(self.t, self.key or "", state, built)
 
     def _new_models(self, state: _ArrayState) -> dict[int, nn.Module]:
         """The models of the members that start training in ``state`` (no saved state), by
@@ -429,74 +348,17 @@ class _Run:
             self.pending.append(slot.member.id)
             return None
 
-    def _models(
-        self, state: _ArrayState, filler: _SlotState, built: Mapping[int, nn.Module]
-    ) -> list[nn.Module]:
-        """One model per slot to fuse: a new member's from ``built``. Slots whose weights
-        come from a saved state (loaded into the array afterwards) and idle slots
-        (``filler``'s config) get copies of one model per ``dropout`` value, the one setting
-        besides weights that differs between members' models (``None`` keeps the model's own
-        ``p``): a rebuilt array does not initialise models it overwrites (a copy costs a
-        fraction of an initialisation)."""
-        shared: dict[Any, nn.Module] = {}
-        models: list[nn.Module] = []
-        for i, s in enumerate(state.slots):
-            config = (s or filler).config
-            if i in built:
-                models.append(built[i])
-                continue
-            model = shared.get(config["dropout"])
-            if model is None:
-                with Phase("the task's model(config)"):
-                    model = self.task.build_model(config).to(self.t.dtype)
-                shared[config["dropout"]] = model
-                models.append(model)
-            else:
-                models.append(copy.deepcopy(model))
-        return models
-
-    def _clip_values(self, state: _ArrayState) -> Tensor | None:
-        values = [s.config["grad_clip"] if s else None for s in state.slots]
-        if all(v is None for v in values):
-            return None
-        return torch.tensor(
-            [math.inf if v is None else float(v) for v in values], dtype=torch.float64
-        )
-
     def _stream(self, config: Mapping[str, Any], state: _ArrayState) -> Iterator[Any]:
         """Batches of the shared training data from the array's position, forever, each epoch
         in the order fixed by ``(data_seed, epoch)``."""
         train, _ = self.t._dataset(config)
-        epoch, skip = state.epoch, state.batch
         spe = self.t.steps_per_epoch(config)
-        own = getattr(train, "generator", None)  # a DataLoader's own generator, if it has one
-        while True:
-            seed = _epoch_seed(int(config["data_seed"]), epoch)
-            manual_seed(seed)
-            if isinstance(own, torch.Generator):
-                own.manual_seed(seed)
-            index = 0
-            for batch in train:
-                if index >= skip:
-                    yield epoch, index, batch
-                index += 1
-                if index >= spe:
-                    break
-            if index == 0:
-                raise TaskError(f"task {self.task.name!r}: the training data yielded no batch")
-            epoch, skip = epoch + 1, 0
+        data_seed = int(config["data_seed"])
+        return _batches(self.task.name, train, spe, data_seed, state.epoch, state.batch)
 
     # ------------------------------------------------------------------ evaluation
-    def _evaluate(
-        self,
-        state: _ArrayState,
-        due: list[int],
-        array: FusedArray,
-        opt: FusedOptimizer,
-        sched: FusedLRScheduler | None,
-        loss_sum: Tensor,
-        spe: int,
-    ) -> None:
+    def _evaluate(self, live: _Live, due: list[int], spe: int) -> None:
+        state, array, loss_sum = live.state, live.array, live.loss_sum
         _, val = self.t._dataset(state.slots[due[0]].config)  # type: ignore[union-attr]
         sums: dict[str, Tensor] = {}
         count = 0
@@ -547,29 +409,20 @@ class _Run:
                 )
         for i, e in zip(due, evaluations, strict=True):
             if not all(math.isfinite(v) for v in (e.metrics["train_loss"], e.metrics["val_loss"])):
-                self._finish(state, i, array, opt, sched, "failed", "non-finite loss")
+                self._finish(live, i, "failed", "non-finite loss")
             elif e.final:
-                self._finish(state, i, array, opt, sched, "completed", None)
+                self._finish(live, i, "completed", None)
             elif not decisions.get(e.member, True):
-                self._finish(state, i, array, opt, sched, "stopped", None)
+                self._finish(live, i, "stopped", None)
 
     # ------------------------------------------------------------------ finishing and refill
-    def _finish(
-        self,
-        state: _ArrayState,
-        i: int,
-        array: FusedArray,
-        opt: FusedOptimizer,
-        sched: FusedLRScheduler | None,
-        status: str,
-        error: str | None,
-    ) -> None:
-        s = state.slots[i]
+    def _finish(self, live: _Live, i: int, status: str, error: str | None) -> None:
+        s = live.state.slots[i]
         assert s is not None
         wanted = self.t.final_states == "all" or (
             self.t.final_states == "completed" and status == "completed"
         )
-        member_state = _member_state(array, opt, sched, i) if wanted else None
+        member_state = live.member_state(i) if wanted else None
         result = MemberResult(
             id=s.member.id,
             config=dict(s.config),
@@ -578,27 +431,21 @@ class _Run:
             history=s.history,
             state=member_state,  # for on_finish; dropped after it unless keep_states
             error=error,
-            start_step=s.start,
+            start_step=s.spec.start,
         )
         self.results[s.member.id] = result
         if self.t.checkpoint_dir is not None and self.t.keep_states and member_state is not None:
             # the checkpoint holds the state only until on_finish has been called
             _write_member(self.t.checkpoint_dir, result, member_state)
-        opt.set_active(i, False)
-        state.slots[i] = None
+        live.opt.set_active(i, False)
+        live.state.slots[i] = None
         self.pending.append(s.member.id)
         _log.info("member %s %s after %d steps", s.member.id, status, s.steps)
 
-    def _refill(
-        self,
-        state: _ArrayState,
-        array: FusedArray,
-        opt: FusedOptimizer,
-        sched: FusedLRScheduler | None,
-        smoothing: Tensor,
-        loss_sum: Tensor,
-    ) -> None:
+    def _refill(self, live: _Live) -> None:
+        """Fill the free slots with members from the refill hook while it gives any."""
         assert self.refill is not None
+        state, array, opt, sched = live.state, live.array, live.opt, live.sched
         for i, s in enumerate(state.slots):
             if s is not None:
                 continue
@@ -613,86 +460,30 @@ class _Run:
             array.load_member(i, model)
             if slot.config["dropout"] is not None:
                 _set_member_dropout(array, i, float(slot.config["dropout"]))
-            array.manual_seed(i, int(slot.config["seed"]))
+            array.manual_seed(i, slot.spec.seed)
             opt.reset_member(i, **optimizer_values(slot.config))
             if sched is not None:
                 spe = self.t.steps_per_epoch(slot.config)
                 sched.reset_member(i, **schedule_args(slot.config, slot.budget, spe))
-            smoothing[i] = float(slot.config["label_smoothing"])
-            loss_sum[i] = 0.0
+            live.smoothing[i] = float(slot.config["label_smoothing"])
+            live.loss_sum[i] = 0.0
             state.slots[i] = slot
+            live.refresh()
             _log.info("member %s joined the array in slot %d", slot.member.id, i)
-
-    # ------------------------------------------------------------------ OOM split
-    def _split(
-        self,
-        state: _ArrayState,
-        array: FusedArray,
-        opt: FusedOptimizer,
-        sched: FusedLRScheduler | None,
-        loss_sum: Tensor,
-    ) -> list[_ArrayState]:
-        """Two arrays holding every member's current state, at the same data position."""
-        live = [s for s in self._snapshot(state, array, opt, sched, loss_sum) if s is not None]
-        half = (len(live) + 1) // 2
-        halves = [
-            _ArrayState(list(part), state.epoch, state.batch) for part in (live[:half], live[half:])
-        ]
-        _log.warning(
-            "out of memory with an array of %d: going on as arrays of %d and %d members",
-            len(state.slots),
-            half,
-            len(live) - half,
-        )
-        return halves
-
-    def _snapshot(
-        self,
-        state: _ArrayState,
-        array: FusedArray,
-        opt: FusedOptimizer,
-        sched: FusedLRScheduler | None,
-        loss_sum: Tensor,
-    ) -> list[_SlotState | None]:
-        sums = loss_sum.tolist()
-        out: list[_SlotState | None] = []
-        for i, s in enumerate(state.slots):
-            if s is None:
-                out.append(None)
-                continue
-            saved = _member_state(array, opt, sched, i)
-            out.append(
-                _SlotState(
-                    member=s.member,
-                    config=s.config,
-                    budget=s.budget,
-                    steps=s.steps,
-                    history=list(s.history),
-                    since=s.since,
-                    loss_sum=sums[i],
-                    saved=saved,
-                    start=s.start,
-                )
-            )
-        return out
 
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint_path(self) -> Path | None:
         d = self.t.checkpoint_dir
         return None if d is None else d / "array.pt"
 
-    def _save_checkpoint(self, running: tuple[Any, ...] | None) -> None:
+    def _save_checkpoint(self, running: _Live | None) -> None:
         """Write every array of the queue (the running one from its live tensors) atomically."""
         path = self._checkpoint_path()
         if path is None:
             return
         arrays = []
         for n, a in enumerate(self.queue):
-            if n == 0 and running is not None:
-                array, opt, sched, loss_sum, state = running
-                slots = self._snapshot(state, array, opt, sched, loss_sum)
-            else:
-                slots = a.slots
+            slots = running.snapshot() if n == 0 and running is not None else a.slots
             arrays.append(
                 {"epoch": a.epoch, "batch": a.batch, "slots": [_slot_dict(s) for s in slots]}
             )
@@ -721,19 +512,7 @@ class _Run:
 
     def _load_checkpoint(self, path: Path, members: Sequence[Member]) -> None:
         payload = load_packed(path)
-        if payload.get("version") != _CHECKPOINT_VERSION:
-            raise ValueError(
-                f"{path}: checkpoint version {payload.get('version')!r} is not "
-                f"{_CHECKPOINT_VERSION}; it was written by another hfsweep version"
-            )
-        saved = payload.get("settings", {})
-        for name, value in self._settings().items():
-            if saved.get(name) != value:
-                raise ValueError(
-                    f"{path}: the checkpoint was written with {name}={saved.get(name)!r}, this "
-                    f"trainer has {name}={value!r}; resume with the same task and settings, or "
-                    "use another checkpoint_dir"
-                )
+        _checked(path, payload, self._settings())
         self.key = payload["key"]
         self.order = list(payload["order"])
         d = self.t.checkpoint_dir

@@ -5,7 +5,7 @@ the step timer, and the choice of a smaller array once most slots are idle."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -15,7 +15,7 @@ from .._usercode import Phase
 from ..fusion import FusedArray
 from ..optim import FusedOptimizer, clip_grad_norm_
 from ..optim.lr_scheduler import FusedLRScheduler
-from .task import Task, TaskError
+from .task import Task, TaskError, manual_seed
 
 
 def any_smoothing(configs: Iterable[Mapping[str, Any]]) -> bool:
@@ -131,5 +131,30 @@ def _set_member_dropout(array: FusedArray, i: int, p: float) -> None:
     array.set_dropout(values)
 
 
+def _batches(
+    task_name: str, train: Iterable[Any], spe: int, data_seed: int, epoch: int, skip: int
+) -> Iterator[tuple[int, int, Any]]:
+    """``(epoch, index, batch)`` of the training data from batch ``skip`` of ``epoch`` on,
+    forever; ``spe`` batches per epoch, each epoch in the order fixed by seeding torch's
+    generator (and a DataLoader's own) with :func:`_epoch_seed` before it is drawn."""
+    own = getattr(train, "generator", None)  # a DataLoader's own generator, if it has one
+    while True:
+        seed = _epoch_seed(data_seed, epoch)
+        manual_seed(seed)
+        if isinstance(own, torch.Generator):
+            own.manual_seed(seed)
+        index = 0
+        for batch in train:
+            if index >= skip:
+                yield epoch, index, batch
+            index += 1
+            if index >= spe:
+                break
+        if index == 0:
+            raise TaskError(f"task {task_name!r}: the training data yielded no batch")
+        epoch, skip = epoch + 1, 0
+
+
 def _epoch_seed(data_seed: int, epoch: int) -> int:
+    """The seed of epoch ``epoch``'s data order (docs/reproducing.md)."""
     return (data_seed * 1_000_003 + epoch * 7919 + 1) % (2**63)

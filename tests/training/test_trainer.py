@@ -285,16 +285,16 @@ def test_bad_arguments() -> None:
 
 def _record_sizes(monkeypatch) -> list[int]:
     """The size of every array the trainer builds, in order."""
-    import hfsweep.training.run as run_module
+    import hfsweep.training.live as live_module
 
     sizes: list[int] = []
-    fuse = run_module.fuse
+    fuse = live_module.fuse
 
     def recording_fuse(models, **kw):
         sizes.append(len(models))
         return fuse(models, **kw)
 
-    monkeypatch.setattr(run_module, "fuse", recording_fuse)
+    monkeypatch.setattr(live_module, "fuse", recording_fuse)
     return sizes
 
 
