@@ -261,6 +261,7 @@ class _Run:
                 if self.refill is not None and len(self.queue) == 1:
                     # (arrays waiting after an out-of-memory split go first)
                     self._refill(live)
+                    live.refresh()
                 busy = sum(s is not None for s in state.slots)
                 if 0 < busy <= len(state.slots) // 2:
                     # most slots are idle and nobody is waiting for them: go on with a smaller
@@ -468,7 +469,6 @@ class _Run:
             live.smoothing[i] = float(slot.config["label_smoothing"])
             live.loss_sum[i] = 0.0
             state.slots[i] = slot
-            live.refresh()
             _log.info("member %s joined the array in slot %d", slot.member.id, i)
 
     # ------------------------------------------------------------------ checkpoints
