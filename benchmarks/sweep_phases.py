@@ -43,7 +43,7 @@ from sweep_vs_optuna import PRUNER_OPTIONS, _device, log, prefill_profiles, run_
 from hfsweep import _engine
 from hfsweep._journal import GroupedJournalFileBackend
 from hfsweep.config import parse_sweep
-from hfsweep.fusion import FusedArray
+from hfsweep.fusion._tracing import _Tracing
 from hfsweep.searchers import _source
 from hfsweep.training import run
 
@@ -51,7 +51,7 @@ from hfsweep.training import run
 PHASES: list[tuple[Any, str, str]] = [
     (run, "backward", "training: forward and backward"),
     (run, "update", "training: optimizer step"),
-    (FusedArray, "_trace", "tracing array forwards"),
+    (_Tracing, "_trace", "tracing array forwards"),
     (run._Run, "_evaluate", "evaluation"),
     (run._Run, "_save_checkpoint", "trainer checkpoints"),
     (run._Run, "_build", "building arrays"),
