@@ -70,7 +70,7 @@ from torch import Tensor, nn
 
 import hfsweep as hs
 from hfsweep._malloc import retain_freed_memory
-from hfsweep._sizing import _LiveTensorBytes
+from hfsweep.sizing.task import _LiveTensorBytes
 from hfsweep.tasks._models import BasicBlock
 
 # --------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import RESULTS, write_results
 
 from hfsweep import profiler, tasks
-from hfsweep._sizing import profile_task
+from hfsweep.sizing.task import profile_task
 
 
 def main(argv: list[str] | None = None) -> None:

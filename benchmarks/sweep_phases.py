@@ -40,21 +40,22 @@ from _results import RESULTS, write_results
 from optuna.storages.journal import JournalFileSymlinkLock
 from sweep_vs_optuna import PRUNER_OPTIONS, _device, log, prefill_profiles, run_hfsweep, warm_up
 
-from hfsweep import _engine, trainer
+from hfsweep import _engine
 from hfsweep._journal import GroupedJournalFileBackend
 from hfsweep.config import parse_sweep
-from hfsweep.fusion import FusedArray
+from hfsweep.fusion._tracing import _Tracing
 from hfsweep.searchers import _source
+from hfsweep.training import run
 
 #: (owner, function name, phase): what is timed, in the order the table lists the phases
 PHASES: list[tuple[Any, str, str]] = [
-    (trainer, "backward", "training: forward and backward"),
-    (trainer, "update", "training: optimizer step"),
-    (FusedArray, "_trace", "tracing array forwards"),
-    (trainer._Run, "_evaluate", "evaluation"),
-    (trainer._Run, "_save_checkpoint", "trainer checkpoints"),
-    (trainer._Run, "_build", "building arrays"),
-    (trainer._Run, "_compacted", "building arrays"),
+    (run, "backward", "training: forward and backward"),
+    (run, "update", "training: optimizer step"),
+    (_Tracing, "_trace", "tracing array forwards"),
+    (run._Run, "_evaluate", "evaluation"),
+    (run._Run, "_save_checkpoint", "trainer checkpoints"),
+    (run._Run, "_build", "building arrays"),
+    (run._Run, "_compacted", "building arrays"),
     (_source.OptunaSource, "ask", "searcher: asking for trials"),
     (_source.CustomSource, "ask", "searcher: asking for trials"),
     (_engine._Engine, "_report", "scheduler decisions"),
@@ -202,8 +203,8 @@ def main(argv: list[str] | None = None) -> None:
         "a phase's time leaves out the timed phases inside it), median over "
         f"{args.rounds} round(s); the share is the median of the per-round shares, so the "
         "shares need not add up to exactly 100%. Calls: median per sweep.",
-        "- Training: `trainer.backward` (forward, losses, backward, clipping) and "
-        "`trainer.update` (optimizer and schedule steps). Evaluation includes the validation "
+        "- Training: `training.step.backward` (forward, losses, backward, clipping) and "
+        "`training.step.update` (optimizer and schedule steps). Evaluation includes the validation "
         "forwards and metrics, not the scheduler's decisions or tracing. Asking for trials "
         "includes the sampler (TPE) and the study's storage; ending trials includes telling "
         "the study and the searcher, the histories and the best trials' checkpoints.",

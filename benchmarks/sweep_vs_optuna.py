@@ -55,9 +55,10 @@ from _results import RESULTS, write_results
 
 from hfsweep import Task
 from hfsweep._malloc import retain_freed_memory
-from hfsweep._task import OPTIMIZERS
 from hfsweep.config import SweepConfig, make_sampler, parse_sweep
-from hfsweep.trainer import _epoch_seed
+from hfsweep.sizing.device import resolve_device
+from hfsweep.training.step import _epoch_seed
+from hfsweep.training.task import OPTIMIZERS
 
 ARMS = ("plain", "hfsweep-sh", "hfsweep-asha", "hfsweep-asha-cold")
 LABELS = {
@@ -69,7 +70,7 @@ LABELS = {
 #: the pruner of the plain arm and of ``hfsweep-sh``
 PRUNER_OPTIONS = {"min_resource": 1, "reduction_factor": 3}
 #: torch.optim classes by hfsweep's optimizer names; their hyperparameters are the config keys
-#: hfsweep's fused optimizers take (``hfsweep._task.OPTIMIZERS``)
+#: hfsweep's fused optimizers take (``hfsweep.training.task.OPTIMIZERS``)
 TORCH_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD,
     "adam": torch.optim.Adam,
@@ -341,10 +342,7 @@ def warm_up(sweep: SweepConfig, device: torch.device) -> None:
 
 
 def _device(sweep: SweepConfig) -> torch.device:
-    name = sweep.fusion.device
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)
+    return torch.device(resolve_device(sweep.fusion.device))
 
 
 def _spread(values: list[float], fmt: str) -> str:

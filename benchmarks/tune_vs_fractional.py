@@ -54,7 +54,7 @@ from _sweep_args import add_sweep_options, parse_sweep_options
 from hfsweep.schedulers.tune import Fusion, member_results
 
 from hfsweep.config import SweepConfig, make_sampler, parse_sweep
-from hfsweep.trainer import _epoch_seed
+from hfsweep.training.step import _epoch_seed
 
 ARMS = ("fractional", "fused")
 LABELS = {

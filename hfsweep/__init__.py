@@ -9,11 +9,11 @@ from . import optim
 from ._engine import SweepError, SweepResult, TrainingError, sweep
 from ._errors import FusionError
 from ._retrain import Retrained, retrain
-from ._sizing import profile_task
-from ._task import Task, TaskError
 from .fusion import FusedArray, fuse, member_losses
 from .searchers import Searcher
-from .trainer import ArrayTrainer, Evaluation, Member, MemberResult
+from .sizing.task import profile_task
+from .training import ArrayTrainer, Evaluation, Member, MemberResult
+from .training.task import Task, TaskError
 
 __version__ = "0.1.0.dev0"
 

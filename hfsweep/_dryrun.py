@@ -19,11 +19,12 @@ from typing import Any
 
 import torch
 
-from ._task import Task, fork_rng
 from ._usercode import describe, phase_of
 from .config import ConfigError, SweepConfig
 from .config.validate import _SAMPLES, _samples
-from .trainer import ArrayTrainer, Member, _DataCache
+from .sizing.device import DTYPES, resolve_device
+from .training.task import Task, fork_rng
+from .training.trainer import ArrayTrainer, Member, _DataCache
 
 __all__ = ["dry_run"]
 
@@ -32,7 +33,6 @@ _BUILDS = 12
 #: copies of a model's tensors the dry run's array of two needs at least: the two models it is
 #: built from, the array's two members, and their gradients
 _COPIES = 6
-_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
 def dry_run(
@@ -52,7 +52,7 @@ def dry_run(
     configs = _configs(sc)
     if not configs:
         return
-    dtype = _DTYPES[sc.fusion.dtype]
+    dtype = DTYPES[sc.fusion.dtype]
     where = torch.device(device if device is not None else _device(sc))
     for sampled, config in configs[:_BUILDS]:
         _check_size(sc, sampled, config, where, dtype)
@@ -113,7 +113,7 @@ def _check_size(
     to count its parameters and buffers; the array of two members with their gradients and the
     two models it is built from need at least :data:`_COPIES` times that. A model that cannot
     be built on the meta device is not checked here."""
-    from .profiler import device_budget
+    from .sizing.device import device_budget
 
     try:
         with fork_rng(), torch.device("meta"), warnings.catch_warnings():
@@ -193,9 +193,9 @@ def _device(sc: SweepConfig) -> str:
     device = sc.fusion.device
     if sc.backend == "ray" or device == "cpu":
         return "cpu"  # on Ray the driver only checks the code; the workers train
-    if device == "auto" or not torch.cuda.is_available():
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
+    if not torch.cuda.is_available():
+        return "cpu"  # a dry run checks the code where it can: here, on the CPU
+    return resolve_device(device)
 
 
 def _shown(sc: SweepConfig, sampled: Mapping[str, Any]) -> str:

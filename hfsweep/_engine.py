@@ -40,7 +40,6 @@ import torch
 
 from ._dburl import mask, shown
 from ._io import atomic_save, grouped_sync
-from ._packed import UnsafeFileError
 from ._preflight import preflight
 from ._progress import Progress
 from ._rundir import RunDir, RunDirBusy, StateVersionError, member_id, trial_number
@@ -55,7 +54,10 @@ from .schedulers import OptunaPruner, Report, make_scheduler
 from .search_spaces import FixedParam
 from .searchers import Searcher
 from .searchers._source import CustomSource, OptunaSource, TrialSource
-from .trainer import ArrayTrainer, Evaluation, Member, MemberResult, _DataCache
+from .sizing.device import DTYPES as _DTYPES
+from .sizing.device import resolve_device
+from .training.packed import UnsafeFileError
+from .training.trainer import ArrayTrainer, Evaluation, Member, MemberResult, _DataCache
 
 if TYPE_CHECKING:
     import optuna
@@ -87,7 +89,6 @@ _PUBLISH_EVERY_S = 5.0
 #: ...and at least this many times as long as the last rewrite took, so that rewriting them
 #: (which grows with the trials) takes at most 1/_PUBLISH_SHARE of a long sweep's time
 _PUBLISH_SHARE = 20
-_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 #: what to do about a state.json that is missing or cannot be read
 _STATE_LOST = (
     "It holds the scheduler's state and the log of its decisions, which the study cannot "
@@ -397,9 +398,7 @@ class _Engine:
                 raise SweepError(f"backend ray: {exc}") from exc
             self.where = f"a Ray worker (up to {self.executor.slots} array(s) at once)"
         else:
-            device = sc.fusion.device
-            if device == "auto":
-                device = "cuda" if torch.cuda.is_available() else "cpu"
+            device = resolve_device(sc.fusion.device)
             if device.startswith("cuda") and not torch.cuda.is_available():
                 raise SweepError(f"fusion.device is {device!r} but torch sees no CUDA device")
             self.executor = LocalExecutor(

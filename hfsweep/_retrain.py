@@ -25,15 +25,15 @@ from typing import Any
 
 import torch
 
-from ._task import Task
-from .trainer import ArrayTrainer, Evaluation, Member, MemberResult
+from .sizing.device import DTYPES, resolve_device
+from .training import ArrayTrainer, Evaluation, Member, MemberResult
+from .training.task import Task
 
 __all__ = ["Retrained", "retrain"]
 
 #: the relative difference a retrained value may have by the sweep's dtype: float64 is exact to
 #: rounding; float32 and bfloat16 round differently in an array of B and of one member
 _RTOL = {"float64": 1e-7, "float32": 1e-4, "bfloat16": 1e-2}
-_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -126,13 +126,11 @@ def retrain(
             stacklevel=2,
         )
         start = 0
-    target = device if device is not None else sc.fusion.device
-    if target == "auto":
-        target = "cuda" if torch.cuda.is_available() else "cpu"
+    target = resolve_device(device if device is not None else sc.fusion.device)
     trainer = ArrayTrainer(
         sc.task,
         device=target,
-        dtype=_DTYPES[sc.fusion.dtype],
+        dtype=DTYPES[sc.fusion.dtype],
         eval_every=sc.fusion.eval_every,
     )
     wanted = len(recorded)

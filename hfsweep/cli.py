@@ -57,10 +57,11 @@ def _parse_sets(items: list[str]) -> dict[str, object]:
 def _profile(args: argparse.Namespace) -> int:
     import torch
 
-    from . import profiler
-    from ._sizing import profile_task
-    from ._task import TaskError
+    from . import sizing
     from .config.entry import load_task
+    from .sizing.device import resolve_device
+    from .sizing.task import profile_task
+    from .training.task import TaskError
 
     try:
         device_name, dtype_name = args.device, args.dtype
@@ -82,8 +83,7 @@ def _profile(args: argparse.Namespace) -> int:
         dtype = getattr(torch, dtype_name, None)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(f"--dtype {dtype_name!r} is not a floating torch dtype (float32...)")
-        if device_name in (None, "auto"):
-            device_name = "cuda" if torch.cuda.is_available() else "cpu"
+        device_name = resolve_device(device_name or "auto")
         args.device, args.dtype = device_name, dtype_name
         device = torch.device(device_name)
         if device.type not in ("cpu", "cuda"):
@@ -98,10 +98,10 @@ def _profile(args: argparse.Namespace) -> int:
     except (TaskError, ValueError, RuntimeError) as e:
         print(f"hfsweep profile: {e}", file=sys.stderr)
         return 2
-    cache = None if args.no_cache else profiler.ProfileCache(args.cache)
+    cache = None if args.no_cache else sizing.ProfileCache(args.cache)
     print(f"Profiling task {task.name!r} on {device} ({args.dtype})", flush=True)
 
-    def progress(m: profiler.Measurement) -> None:
+    def progress(m: sizing.Measurement) -> None:
         print(
             f"  B={m.size:<4d} {m.step_s * 1e3:8.2f} ms/step  "
             f"{m.samples_per_s:12,.0f} member-samples/s  peak {m.peak_bytes / 2**20:9.1f} MiB",
@@ -131,7 +131,7 @@ def _profile(args: argparse.Namespace) -> int:
     print(f"\nchosen B = {profile.chosen}: {profile.reason}")
     if args.plot is not None:
         try:
-            profiler.plot(profile, args.plot)
+            sizing.plot(profile, args.plot)
             print(f"plot: {args.plot}")
         except ImportError as e:
             print(f"no plot: {e}", file=sys.stderr)

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hfsweep._checks import is_finite
-from hfsweep._packed import UnsafeFileError, load_inert, unloaded_in
 from hfsweep.core.status import Status
+from hfsweep.training.packed import UnsafeFileError, load_inert, unloaded_in
 
 from ._tune_state import STATE_FORMAT, WEIGHTS_DIR, weights_file
 
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     import torch
     from torch import Tensor
 
-    from hfsweep._task import Task
+    from hfsweep.training.task import Task
 
 __all__ = [
     "TunedMember",

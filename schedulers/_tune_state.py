@@ -30,9 +30,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 from urllib.parse import quote
 
-from hfsweep._task import Task
 from hfsweep.core.packer import Packer, Pools
 from hfsweep.core.status import FINAL, Status
+from hfsweep.training.task import Task
 
 from ._tune_joint import Decider, MemberController, MemberTrial, NoDecider
 

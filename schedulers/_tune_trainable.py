@@ -41,16 +41,16 @@ import torch
 
 from hfsweep._checks import is_finite
 from hfsweep._io import atomic_save
-from hfsweep._task import Task
 from hfsweep.executors import LocalExecutor
-from hfsweep.trainer import Evaluation, Member, MemberResult
+from hfsweep.sizing.device import DTYPES, resolve_device
+from hfsweep.training import Evaluation, Member, MemberResult
+from hfsweep.training.task import Task
 
 from ._tune_hub import await_answer, connect
 from ._tune_state import META, WEIGHTS_DIR, weights_file
 
 __all__ = ["DTYPES", "TrainSpec", "make_trainable"]
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 #: the file in the trainer's checkpoint directory that holds the channel's own state
 _CHANNEL_FILE = "hfsweep_channel.json"
 #: the name Tune shows for (and ``Tuner.restore`` checks of) the array trainable
@@ -79,9 +79,7 @@ class TrainSpec:
 
     def torch_device(self) -> torch.device:
         """The device this worker trains on."""
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        return torch.device(resolve_device(self.device))
 
 
 def make_trainable(spec: TrainSpec) -> Callable[[dict[str, Any]], None]:

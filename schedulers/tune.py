@@ -119,9 +119,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from hfsweep._task import Task
 from hfsweep.config import MAX_TRIALS
 from hfsweep.core.packer import limit_for_learning
+from hfsweep.training.task import Task
 
 from ._tune_results import (
     TunedMember,
@@ -270,8 +270,8 @@ class Fusion:
         return restored_state(self._state.uid) or self._state
 
     def _profiled_size(self, config: Mapping[str, Any]) -> int:
-        from hfsweep._sizing import profile_task
-        from hfsweep.profiler import ProfileCache
+        from hfsweep.sizing.cache import ProfileCache
+        from hfsweep.sizing.task import profile_task
 
         device = self._spec.torch_device()
         profile = profile_task(

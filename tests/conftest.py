@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,6 +30,14 @@ RAY_TESTS = (
 )
 
 _TESTS = Path(__file__).resolve().parent
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Profiles cached by the tests go to a folder of this run's own (inherited by xdist workers
+    and Ray workers), never to the user's ~/.cache/hfsweep: a profile another run left there
+    would skip profiling that a test expects."""
+    if "HFSWEEP_CACHE_DIR" not in os.environ:
+        os.environ["HFSWEEP_CACHE_DIR"] = tempfile.mkdtemp(prefix="hfsweep-test-cache-")
 
 
 @pytest.fixture(autouse=True)

@@ -95,7 +95,7 @@ def test_sweep_phases_accounts_for_the_whole_wall_clock(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     monkeypatch.setenv("HFSWEEP_CACHE_DIR", str(tmp_path / "cache"))
     script = importlib.import_module("sweep_phases")
-    from hfsweep import trainer
+    from hfsweep.training import run as trainer
 
     backward = trainer.backward
     stem = tmp_path / "sweep_phases_test"

@@ -18,7 +18,6 @@ import pytest
 import torch
 from torch import nn
 
-from hfsweep import profiler
 from hfsweep.profiler import (
     Measurement,
     MemoryModel,
@@ -31,6 +30,8 @@ from hfsweep.profiler import (
     profile_sizes,
     signature,
 )
+from hfsweep.sizing import cache as sizing_cache
+from hfsweep.sizing import device as sizing_device
 
 MIB = 2**20
 GIB = 2**30
@@ -476,16 +477,32 @@ def test_device_budget_cpu_positive():
 
 
 def test_device_budget_cpu_is_fraction_of_available_ram(monkeypatch):
-    monkeypatch.setattr(profiler, "_available_ram_bytes", lambda: 8 * GIB)
+    monkeypatch.setattr(sizing_device, "_available_ram_bytes", lambda: 8 * GIB)
     assert device_budget("cpu", 0.5) == 4 * GIB
     assert device_budget("cpu") == pytest.approx(0.8 * 8 * GIB)
+
+
+def test_auto_device_is_cuda_where_torch_sees_one(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert sizing_device.resolve_device("auto") == "cuda"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert sizing_device.resolve_device("auto") == "cpu"
+    assert sizing_device.resolve_device("cuda:1") == "cuda:1"  # the caller checks it exists
+    assert sizing_device.resolve_device(torch.device("cpu")) == "cpu"
+
+
+def test_the_dtype_table_covers_every_dtype_a_sweep_yaml_accepts():
+    from hfsweep.config import DTYPES as yaml_names
+
+    assert set(sizing_device.DTYPES) == set(yaml_names)
+    assert all(d.is_floating_point for d in sizing_device.DTYPES.values())
 
 
 def test_meminfo_parsing(tmp_path):
     path = tmp_path / "meminfo"
     path.write_text("MemTotal:       16000000 kB\nMemAvailable:    2048 kB\n")
-    assert profiler._meminfo_available(str(path)) == 2048 * 1024
-    assert profiler._meminfo_available(str(tmp_path / "missing")) is None
+    assert sizing_device._meminfo_available(str(path)) == 2048 * 1024
+    assert sizing_device._meminfo_available(str(tmp_path / "missing")) is None
 
 
 @pytest.mark.parametrize("fraction", [0, 0.0, -0.5, 1.01, float("nan"), True, "0.5"])
@@ -601,7 +618,7 @@ def test_cache_write_is_atomic(tmp_path, monkeypatch, caplog):
     def crash(src, dst):
         raise OSError("disk full")
 
-    monkeypatch.setattr(profiler.os, "replace", crash)
+    monkeypatch.setattr(sizing_cache.os, "replace", crash)
     with caplog.at_level(logging.WARNING, logger="hfsweep.profiler"):
         cache.put(make_profile("k2"))  # logged, not raised: the cache only saves time
     assert "disk full" in caplog.text

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .._task import Task, TaskError
+from ..training.task import Task, TaskError
 
 __all__ = ["load_object", "load_task"]
 

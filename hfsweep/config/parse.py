@@ -21,9 +21,9 @@ from typing import Any, Literal
 
 from .._checks import is_int
 from .._dburl import mask
-from .._task import Task, TaskError
 from ..search_spaces import SearchSpace, SpaceError, load_space
 from ..search_spaces._yaml import load_yaml
+from ..training.task import Task, TaskError
 from .algorithms import _scheduler, _searcher
 from .entry import load_task
 from .fields import _did_you_mean, _Fields, _join

@@ -16,8 +16,8 @@ from typing import Any, Literal
 
 from .._dburl import mask
 from .._errors import LocatedError
-from .._task import Task
 from ..search_spaces import FixedParam, SearchSpace
+from ..training.task import Task
 
 #: searcher name -> the Optuna sampler class it builds
 _SAMPLERS = {

@@ -11,8 +11,8 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from .._task import Task, TaskError
 from ..search_spaces import SearchSpace
+from ..training.task import Task, TaskError
 from .fields import _did_you_mean, _Fields, _join
 from .schema import Budget
 

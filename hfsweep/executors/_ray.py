@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .._task import Task
-from ..trainer import ArrayTrainer, Member, MemberResult, RefillHook, ReportHook
+from ..training.task import Task
+from ..training.trainer import ArrayTrainer, Member, MemberResult, RefillHook, ReportHook
 from ._connect import ClusterUnreachable, connect, on_loopback, reach
 from ._errors import ExecutorError, Stopped
 from ._raypool import ActorPool

@@ -19,9 +19,10 @@ from typing import Any
 
 import torch
 
-from .._task import Task
 from .._usercode import describe, keep_traceback, label, phase_of, remote_traceback
-from ..trainer import Member
+from ..sizing.device import resolve_device
+from ..training.task import Task
+from ..training.trainer import Member
 from .local import LocalExecutor
 
 __all__ = ["ArrayWorker", "Event"]
@@ -49,8 +50,7 @@ class ArrayWorker:
         threads: int,
     ) -> None:
         torch.set_num_threads(max(1, threads))
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = resolve_device(device)
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise RuntimeError(
                 f"fusion.device is {device!r} but the Ray worker on {socket.gethostname()} sees "

@@ -78,7 +78,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ..trainer import Member, MemberResult, RefillHook, ReportHook
+from ..training.results import Member, MemberResult, RefillHook, ReportHook
 
 __all__ = ["Executor"]
 

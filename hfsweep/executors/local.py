@@ -8,8 +8,15 @@ from typing import Any
 
 import torch
 
-from .._task import Task
-from ..trainer import ArrayTrainer, Member, MemberResult, RefillHook, ReportHook, _DataCache
+from ..training.task import Task
+from ..training.trainer import (
+    ArrayTrainer,
+    Member,
+    MemberResult,
+    RefillHook,
+    ReportHook,
+    _DataCache,
+)
 from .base import Executor
 
 __all__ = ["LocalExecutor"]
@@ -59,8 +66,8 @@ class LocalExecutor(Executor):
         """The profiler's array size for ``config`` on this device, and why (profiles are
         cached by architecture, optimizer, input, dtype and hardware). The profile's arrays
         trace into this sweep's trace cache, so the arrays trained next replay those traces."""
-        from .._sizing import profile_task
-        from ..profiler import ProfileCache
+        from ..sizing.cache import ProfileCache
+        from ..sizing.task import profile_task
 
         traces = self._trace_cache.setdefault(self.task.compatibility_key(config), {})
         profile = profile_task(

@@ -6,7 +6,8 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from torch import nn
 
-from ._array import FusedArray, build_array
+from ._array import FusedArray
+from ._build import build_array
 
 __all__ = ["fuse"]
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .._task import Task, TaskError
+from ..training.task import Task, TaskError
 from ._data import TensorBatches, digits, markov_tokens, pattern_images
 from ._models import MLP, DigitsCNN, ResNet, TokenTransformer, _p
 

@@ -508,7 +508,7 @@ def test_the_profiler_and_the_arrays_share_the_loaded_data(
     """The profiler's lookup and the arrays of one compatibility key load the data once."""
     from types import SimpleNamespace
 
-    from hfsweep import _sizing
+    from hfsweep.sizing import task as _sizing
 
     from . import _toy
 

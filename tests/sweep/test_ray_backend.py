@@ -47,7 +47,7 @@ def test_a_restarted_array_hands_back_trials_its_checkpoint_does_not_hold(
     tmp_path: Path,
 ) -> None:
     from hfsweep.executors._ray import RayExecutor
-    from hfsweep.trainer import Member
+    from hfsweep.training import Member
 
     a, b, c = (Member(f"trial-{i}", {}) for i in range(3))
     active = {m.id: m for m in (a, b, c)}

@@ -15,7 +15,7 @@ import torch
 
 import hfsweep as hs
 from hfsweep._io import append_lines, atomic_save, atomic_write_text
-from hfsweep._packed import pack
+from hfsweep.training.packed import pack
 
 from ._toy import sweep_config
 

@@ -17,7 +17,7 @@ import pytest
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
-import hfsweep.trainer
+import hfsweep.training.run
 from hfsweep._journal import GroupedJournalFileBackend, find_torn_tail, journal_storage
 from hfsweep.cli import main
 
@@ -175,17 +175,17 @@ def test_a_delivered_end_whose_record_was_torn_is_told_from_the_array_checkpoint
     array was marked done: the trainer does not deliver them again, so the engine tells the
     trial whose end was torn off from the delivered record, without training it again."""
     sweep, run = _write_sweep(tmp_path), tmp_path / "run"
-    real = hfsweep.trainer.append_lines
+    real = hfsweep.training.run.append_lines
 
     def crash_after(path: Path, lines: list[str]) -> None:
         real(path, lines)
         if path.name == "delivered.log":
             raise RuntimeError("power loss")
 
-    monkeypatch.setattr(hfsweep.trainer, "append_lines", crash_after)
+    monkeypatch.setattr(hfsweep.training.run, "append_lines", crash_after)
     assert _run(sweep, run) == 1  # an unexpected error: one paragraph, exit 1
     assert "power loss" in capsys.readouterr().err
-    monkeypatch.setattr(hfsweep.trainer, "append_lines", real)
+    monkeypatch.setattr(hfsweep.training.run, "append_lines", real)
     journal = run / "optuna.journal"
     assert (run / "arrays" / "0" / "delivered.log").exists()
     values = {t.number: t.value for t in _load(journal).get_trials()}
@@ -213,17 +213,17 @@ def test_a_trial_whose_array_record_was_torn_trains_once_in_its_array(
     last trial joined was torn off: the resumed array trains that trial, and it is not also
     put in a new array (which trained it a second time)."""
     sweep, run = _write_sweep(tmp_path), tmp_path / "run"
-    real = hfsweep.trainer.atomic_save
+    real = hfsweep.training.run.atomic_save
 
     def crash_after(obj: Any, path: Path) -> None:
         real(obj, path)
         if path.name == "array.pt":
             raise RuntimeError("power loss")
 
-    monkeypatch.setattr(hfsweep.trainer, "atomic_save", crash_after)
+    monkeypatch.setattr(hfsweep.training.run, "atomic_save", crash_after)
     assert _run(sweep, run) == 1  # an unexpected error: one paragraph, exit 1
     assert "power loss" in capsys.readouterr().err
-    monkeypatch.setattr(hfsweep.trainer, "atomic_save", real)
+    monkeypatch.setattr(hfsweep.training.run, "atomic_save", real)
     journal = run / "optuna.journal"
     records = _records(journal)
     start, end, last = next(r for r in reversed(records) if r[2]["op_code"] == _USER_ATTR)

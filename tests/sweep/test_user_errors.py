@@ -16,7 +16,7 @@ import torch
 
 import hfsweep as hs
 from hfsweep.cli import main
-from hfsweep.trainer import ArrayTrainer, Member
+from hfsweep.training import ArrayTrainer, Member
 
 from . import _broken
 
@@ -95,7 +95,7 @@ def test_a_model_too_large_for_the_machine_is_refused_before_it_is_built(
 ) -> None:
     """A typo such as ``hidden: 1000000000`` must not take the machine's memory: the model is
     counted on the meta device first (here the machine is made to have 1 MiB)."""
-    from hfsweep import profiler
+    from hfsweep.sizing import device as sizing_device
 
     built: list[int] = []
     real_build = hs.Task.build_model
@@ -104,7 +104,7 @@ def test_a_model_too_large_for_the_machine_is_refused_before_it_is_built(
         built.append(config["hidden"])
         return real_build(self, config)
 
-    monkeypatch.setattr(profiler, "device_budget", lambda device, fraction=0.8: 2.0**20)
+    monkeypatch.setattr(sizing_device, "device_budget", lambda device, fraction=0.8: 2.0**20)
     monkeypatch.setattr(hs.Task, "build_model", counting_build)
     sweep = _write(tmp_path, "TASK", config="{hidden: 100000}")
     assert main(["validate", str(sweep)]) == 2
@@ -311,7 +311,7 @@ def test_the_runs_own_errors_are_not_the_arrays(
     """An error in the engine's hook (writing a history) or in an array's checkpoint (writing
     array.pt) is the run's, not the task's: it propagates as it was, and the trials stay
     RUNNING for a resume, as after a crash."""
-    import hfsweep.trainer as trainer_module
+    import hfsweep.training.run as run_module
     from hfsweep._rundir import RunDir
 
     def full_disk(*args: Any, **kwargs: Any) -> None:
@@ -320,7 +320,7 @@ def test_the_runs_own_errors_are_not_the_arrays(
     if where == "hook":
         monkeypatch.setattr(RunDir, "write_history", full_disk)
     else:
-        monkeypatch.setattr(trainer_module, "atomic_save", full_disk)
+        monkeypatch.setattr(run_module, "atomic_save", full_disk)
     with pytest.raises(OSError, match="No space left"):
         hs.sweep(_config(tmp_path, _broken.TASK), progress=False)
     assert "RUNNING" in {t.state.name for t in _states(tmp_path / "run")}

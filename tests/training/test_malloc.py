@@ -173,7 +173,7 @@ def test_real_glibc_accepts_the_thresholds_and_their_defaults() -> None:
 
 
 def test_the_trainer_raises_them_while_it_trains_on_the_cpu(fresh: _FakeLibc) -> None:
-    from hfsweep import trainer
+    from hfsweep import training as trainer
     from hfsweep.tasks import digits_mlp
 
     seen: list[list[tuple[int, int]]] = []

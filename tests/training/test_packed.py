@@ -1,4 +1,4 @@
-"""The trainer's checkpoint packing (``hfsweep._packed``): a structure of many small tensors
+"""The trainer's checkpoint packing (``hfsweep.training.packed``): a structure of many small tensors
 saved as one buffer per dtype and device comes back equal, tensor by tensor."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from hfsweep._packed import pack, unpack
+from hfsweep.training.packed import pack, unpack
 
 
 def _saved_and_loaded(obj: object) -> object:

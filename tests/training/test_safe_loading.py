@@ -1,6 +1,6 @@
 """Opening a run directory never runs code from it: the trainer's checkpoints, member states and
 delivered log load plain data and tensors only, and refuse anything else by file name
-(``hfsweep._packed.load``/``loads``)."""
+(``hfsweep.training.packed.load``/``loads``)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch
 from _tasks import make_task
 
 import hfsweep as hs
-from hfsweep._packed import UnsafeFileError, load, pack
+from hfsweep.training.packed import UnsafeFileError, load, pack
 
 
 class _Planted:

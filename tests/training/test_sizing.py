@@ -7,8 +7,8 @@ import torch
 
 import hfsweep as hs
 from hfsweep import profiler, tasks
-from hfsweep._sizing import _LiveTensorBytes, measure_step, profile_task
 from hfsweep.cli import main
+from hfsweep.sizing.task import _LiveTensorBytes, measure_step, profile_task
 
 
 def test_live_tensor_bytes_follows_allocations_and_frees() -> None:
@@ -57,7 +57,7 @@ def test_profile_task_measures_chooses_and_caches(tmp_path, monkeypatch) -> None
     def measure(*args, **kwargs):
         raise Measured
 
-    monkeypatch.setattr("hfsweep._sizing.measure_step", measure)
+    monkeypatch.setattr("hfsweep.sizing.task.measure_step", measure)
     again = profile_task(tasks.digits_mlp, {"hidden": 32, "lr": 0.3, "dropout": 0.2}, cache=cache)
     assert again.measurements == profile.measurements and again.chosen == profile.chosen
     assert again.reason.endswith("(cached profile)")
@@ -177,7 +177,7 @@ class _FakeClock:
 
 def test_time_steps_stops_early_once_the_times_settle() -> None:
     """Steady steps of 10 ms: settled after a fifth of min_seconds (0.2 s of 1 s), not 1 s."""
-    from hfsweep._sizing import time_steps
+    from hfsweep.sizing.task import time_steps
 
     clock = _FakeClock([0.01] * 1000)
     samples = time_steps(clock.step, lambda: None, min_seconds=1.0, min_steps=3, clock=clock)
@@ -187,7 +187,7 @@ def test_time_steps_stops_early_once_the_times_settle() -> None:
 
 def test_time_steps_uses_all_of_min_seconds_while_the_times_scatter() -> None:
     """Interrupted steps (every other one 3x longer) never settle: timed for min_seconds."""
-    from hfsweep._sizing import time_steps
+    from hfsweep.sizing.task import time_steps
 
     clock = _FakeClock([0.01, 0.03] * 1000)
     samples = time_steps(clock.step, lambda: None, min_seconds=1.0, min_steps=3, clock=clock)
@@ -195,7 +195,7 @@ def test_time_steps_uses_all_of_min_seconds_while_the_times_scatter() -> None:
 
 
 def test_time_steps_times_blocks_and_honours_min_steps() -> None:
-    from hfsweep._sizing import time_steps
+    from hfsweep.sizing.task import time_steps
 
     clock = _FakeClock([0.01] * 1000)
     syncs: list[float] = []
@@ -214,7 +214,7 @@ def test_time_steps_times_blocks_and_honours_min_steps() -> None:
 def test_settled_needs_a_precise_median() -> None:
     """The median's standard error (from the interquartile range) must be within 2% of it:
     few samples suffice when they agree, scattered ones need many."""
-    from hfsweep._sizing import settled
+    from hfsweep.sizing.task import settled
 
     assert not settled([1.0] * 4)
     assert settled([1.0] * 5)

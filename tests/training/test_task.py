@@ -253,7 +253,7 @@ def test_data_check_ignores_membership_tests() -> None:
 
 
 def test_manual_seed_draws_what_torch_manual_seed_draws() -> None:
-    from hfsweep._task import manual_seed
+    from hfsweep.training.task import manual_seed
 
     torch.manual_seed(123)
     expected = (torch.rand(5), torch.randn(3, 4), torch.randint(0, 100, (7,)))

@@ -285,16 +285,16 @@ def test_bad_arguments() -> None:
 
 def _record_sizes(monkeypatch) -> list[int]:
     """The size of every array the trainer builds, in order."""
-    import hfsweep.trainer as trainer_module
+    import hfsweep.training.live as live_module
 
     sizes: list[int] = []
-    fuse = trainer_module.fuse
+    fuse = live_module.fuse
 
     def recording_fuse(models, **kw):
         sizes.append(len(models))
         return fuse(models, **kw)
 
-    monkeypatch.setattr(trainer_module, "fuse", recording_fuse)
+    monkeypatch.setattr(live_module, "fuse", recording_fuse)
     return sizes
 
 
@@ -302,7 +302,7 @@ def test_compaction_is_weighed_with_measured_costs(monkeypatch) -> None:
     """Once at most half the slots are busy, the trainer asks the cost model with what it
     measured (seconds per step at this size, the rebuild: the build and the traces the new
     size lacks) and keeps the array when the model says a rebuild does not pay."""
-    import hfsweep.trainer as trainer_module
+    import hfsweep.training.run as run_module
 
     sizes = _record_sizes(monkeypatch)
     asked: list[tuple[int, int, int, dict[int, float], float, float]] = []
@@ -313,7 +313,7 @@ def test_compaction_is_weighed_with_measured_costs(monkeypatch) -> None:
         )
         return None
 
-    monkeypatch.setattr(trainer_module, "_choose_compaction", keep)
+    monkeypatch.setattr(run_module, "_choose_compaction", keep)
     task = make_task()
     # budgets 2, 3, 4, 2, 3, 4, 2, 3 epochs: 5 members left after epoch 2, 2 after epoch 3
     results = _trainer(task).run(_members(CONFIGS))
@@ -334,16 +334,17 @@ def _reference_alone(task: hs.Task, configs: list[dict[str, Any]]) -> list[hs.Me
 def test_members_of_a_compacted_array_train_as_alone(monkeypatch, bn: bool) -> None:
     """Compacting to exactly the busy members or to a power of two with spare slots keeps
     every member equal to the same trial trained alone."""
-    import hfsweep.trainer as trainer_module
+    import hfsweep.training.run as run_module
+    from hfsweep.training.step import _next_power_of_two
 
     sizes = _record_sizes(monkeypatch)
     # 3 of 8 busy after epoch 2 with these budgets: a bucket of 4 (one spare slot), then
     # 1 of 4 busy: exactly 1
     configs = [{**c, "epochs": {2: 3, 5: 3, 7: 4}.get(i, 2)} for i, c in enumerate(CONFIGS)]
     monkeypatch.setattr(
-        trainer_module,
+        run_module,
         "_choose_compaction",
-        lambda size, busy, *_: trainer_module._next_power_of_two(busy) if size > 4 else busy,
+        lambda size, busy, *_: _next_power_of_two(busy) if size > 4 else busy,
     )
     task = make_task(bn)
     fused = _trainer(task).run(_members(configs))
@@ -358,10 +359,10 @@ def test_compaction_keeps_each_members_own_dropout(monkeypatch) -> None:
     model per dropout setting between slots whose weights it loads."""
     from _tasks import Net, data
 
-    import hfsweep.trainer as trainer_module
+    import hfsweep.training.run as run_module
 
     sizes = _record_sizes(monkeypatch)
-    monkeypatch.setattr(trainer_module, "_choose_compaction", lambda size, busy, *_: busy)
+    monkeypatch.setattr(run_module, "_choose_compaction", lambda size, busy, *_: busy)
 
     class OwnDropout(Net):
         def __init__(self, hidden: int, p: float | None) -> None:
@@ -391,7 +392,7 @@ def test_spare_slots_of_a_compacted_array_take_refills(monkeypatch, tmp_path) ->
     """A compacted array keeps a spare slot (4 slots, 1 busy, rebuilt at 2): a trial refilled
     into it trains exactly as in the array that was not compacted, the first members as alone,
     and a resume from the compacted array's checkpoint equals the uninterrupted run."""
-    import hfsweep.trainer as trainer_module
+    import hfsweep.training.run as run_module
 
     sizes = _record_sizes(monkeypatch)
     task = make_task()
@@ -399,7 +400,7 @@ def test_spare_slots_of_a_compacted_array_take_refills(monkeypatch, tmp_path) ->
     late = hs.Member("late", {"seed": 9, "lr": 0.07, "epochs": 1})
 
     def run(directory, compact_to, crash_at=None, resume=False):
-        monkeypatch.setattr(trainer_module, "_choose_compaction", lambda size, busy, *_: compact_to)
+        monkeypatch.setattr(run_module, "_choose_compaction", lambda size, busy, *_: compact_to)
         queue = [] if resume else [late]
         evaluations = []
 
@@ -438,7 +439,7 @@ def test_spare_slots_of_a_compacted_array_take_refills(monkeypatch, tmp_path) ->
 
 
 def test_choose_compaction_weighs_saved_steps_against_the_rebuild() -> None:
-    from hfsweep.trainer import _choose_compaction
+    from hfsweep.training.step import _choose_compaction
 
     def rebuild(cost_by_size: dict[int, float]):
         return lambda b: cost_by_size[b]
@@ -490,12 +491,12 @@ def test_on_finish_once_per_member_and_no_refill_lost_across_a_crash(tmp_path) -
 
 
 def test_out_of_memory_in_backward_replays_the_step_exactly(monkeypatch) -> None:
-    import hfsweep.trainer as trainer_module
+    import hfsweep.training.run as run_module
 
     task = make_task(bn=True)
     configs = CONFIGS[:4]
     reference = _trainer(task).run(_members(configs))
-    backward = trainer_module.backward
+    backward = run_module.backward
     calls = {"n": 0}
 
     def oom_after_forward(task, array, *args):
@@ -505,7 +506,7 @@ def test_out_of_memory_in_backward_replays_the_step_exactly(monkeypatch) -> None
             raise torch.OutOfMemoryError("simulated: CUDA out of memory")
         return losses
 
-    monkeypatch.setattr(trainer_module, "backward", oom_after_forward)
+    monkeypatch.setattr(run_module, "backward", oom_after_forward)
     results = _trainer(task).run(_members(configs))
     for a, b in zip(results, reference, strict=True):
         _assert_same(a, b)
@@ -561,7 +562,7 @@ def test_resume_refuses_a_checkpoint_of_another_version(tmp_path) -> None:
     """Version 3 packs the checkpoint's tensors and draws other dropout masks: a version 2
     checkpoint (unpacked, as it was written then) is refused by name, not resumed with
     different masks."""
-    from hfsweep._packed import load
+    from hfsweep.training.packed import load
 
     task = make_task()
     _trainer(task, checkpoint_dir=tmp_path).run(_members([{"epochs": 1}]))
@@ -581,9 +582,9 @@ def test_without_keep_states_a_resume_delivers_undelivered_members_with_their_st
     checkpoint, and the results equal an uninterrupted run's, value for value. Compaction is
     off: it is decided from measured step times, so the two runs could otherwise shrink the
     array at different steps, and an array of another size may round differently."""
-    import hfsweep.trainer as trainer_module
+    import hfsweep.training.run as run_module
 
-    monkeypatch.setattr(trainer_module, "_choose_compaction", lambda *args: None)
+    monkeypatch.setattr(run_module, "_choose_compaction", lambda *args: None)
     task = make_task(bn=True)
     configs = CONFIGS[:4]  # t0 and t3 end after 2 epochs, t1 after 3, t2 after 4
     full = _trainer(task).run(_members(configs))
@@ -624,12 +625,12 @@ def test_without_keep_states_a_resume_delivers_undelivered_members_with_their_st
 def test_a_delivery_record_cut_short_by_a_crash_means_delivering_again(
     monkeypatch, tmp_path
 ) -> None:
-    import hfsweep.trainer as trainer_module
+    import hfsweep.training.run as run_module
 
     task = make_task()
     configs = [{"seed": 0, "epochs": 1}, {"seed": 1, "epochs": 2}, {"seed": 2, "epochs": 3}]
     full = _trainer(task).run(_members(configs))
-    append = trainer_module.append_lines
+    append = run_module.append_lines
     appends = {"n": 0}
 
     def torn_second_append(path, lines):
@@ -640,13 +641,13 @@ def test_a_delivery_record_cut_short_by_a_crash_means_delivering_again(
             raise _Crash
         append(path, lines)
 
-    monkeypatch.setattr(trainer_module, "append_lines", torn_second_append)
+    monkeypatch.setattr(run_module, "append_lines", torn_second_append)
     told: list[str] = []
     with pytest.raises(_Crash):
         _trainer(task, checkpoint_dir=tmp_path).run(
             _members(configs), on_finish=lambda r: told.append(r.id)
         )
-    monkeypatch.setattr(trainer_module, "append_lines", append)
+    monkeypatch.setattr(run_module, "append_lines", append)
     resumed = _trainer(task, checkpoint_dir=tmp_path).run(
         _members(configs), resume=True, on_finish=lambda r: told.append(r.id)
     )
@@ -705,3 +706,14 @@ def test_final_states_says_which_results_carry_their_state(tmp_path, final_state
 def test_final_states_must_be_known() -> None:
     with pytest.raises(ValueError, match="final_states must be one of 'all', 'completed', 'none'"):
         hs.ArrayTrainer(make_task(), final_states="best")
+
+
+def test_the_trainer_keeps_the_names_users_import() -> None:
+    """``hfsweep.trainer`` is where users import the trainer from; its code moved to
+    ``hfsweep.training``, and the old name gives the same objects."""
+    import hfsweep.trainer
+    import hfsweep.training
+
+    for name in ("ArrayTrainer", "Evaluation", "Member", "MemberResult"):
+        assert getattr(hfsweep.trainer, name) is getattr(hfsweep.training, name)
+        assert getattr(hfsweep.trainer, name) is getattr(hs, name)

@@ -19,7 +19,7 @@ from ray import cloudpickle
 from ray.tune.schedulers import ASHAScheduler
 from ray.tune.search import Searcher, SearchGenerator
 
-from hfsweep._packed import UnsafeFileError
+from hfsweep.training.packed import UnsafeFileError
 
 
 class _Inner(Searcher):

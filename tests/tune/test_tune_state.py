@@ -509,7 +509,7 @@ def test_auto_array_size_leaves_a_learning_searcher_half_the_members(
     from ray.tune.search import ConcurrencyLimiter
     from ray.tune.search.optuna import OptunaSearch
 
-    from hfsweep import _sizing
+    from hfsweep.sizing import task as _sizing
 
     monkeypatch.setattr(
         _sizing,

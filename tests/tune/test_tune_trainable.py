@@ -20,7 +20,7 @@ from hfsweep.schedulers import _tune_trainable
 from hfsweep.schedulers._tune_state import WEIGHTS_DIR
 from hfsweep.schedulers._tune_trainable import _Channel
 
-from hfsweep.trainer import Evaluation, MemberResult
+from hfsweep.training import Evaluation, MemberResult
 
 
 class FakeClock:

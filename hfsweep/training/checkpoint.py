@@ -1,107 +1,33 @@
-"""The members of an array: what a trial to train is (:class:`Member`), what it reports
-(:class:`Evaluation`) and yields (:class:`MemberResult`), a slot's training state, and how these
-are written to the trainer's checkpoints and read back (plain data only: see ``_packed``)."""
+"""The trainer's files: a member's state, a slot and a result as plain records, the log of
+members whose ``on_finish`` was called, the final states of members that ended, and the random
+generators' state; written atomically and read back as plain data only (see ``packed``)."""
 
 from __future__ import annotations
 
 import base64
 import pickle
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
+import torch
 from torch import Tensor
 
-from ._io import atomic_save, read_lines
-from ._packed import UnsafeFileError
-from ._packed import load as load_packed
-from ._packed import loads as loads_plain
+from .._io import atomic_save, read_lines
+from .packed import UnsafeFileError
+from .packed import load as load_packed
+from .packed import loads as loads_plain
+from .results import Member, MemberResult
+from .spec import TrialSpec, _SlotState
 
 if TYPE_CHECKING:
-    from .fusion import FusedArray
-    from .optim import FusedOptimizer
-    from .optim.lr_scheduler import FusedLRScheduler
+    from ..fusion import FusedArray
+    from ..optim import FusedOptimizer
+    from ..optim.lr_scheduler import FusedLRScheduler
 
-__all__ = ["Evaluation", "Member", "MemberResult", "RefillHook", "ReportHook"]
-
-
-@dataclass(frozen=True)
-class Member:
-    """A trial to train: a unique ``id`` and its config (completed with the task's defaults)."""
-
-    id: str
-    config: Mapping[str, Any]
-
-
-@dataclass(frozen=True)
-class Evaluation:
-    """One member's metrics at one evaluation, as the report hook receives them."""
-
-    member: str
-    step: int
-    epoch: float
-    metrics: dict[str, float]
-    final: bool  #: the member has reached its budget with this evaluation
-
-
-@dataclass
-class MemberResult:
-    """What a member's training produced.
-
-    ``status`` is ``"completed"`` (budget reached), ``"stopped"`` (the report hook stopped it) or
-    ``"failed"`` (its loss or gradients went non-finite). ``state`` holds ``model`` (a
-    ``state_dict`` that loads into the task's model class), ``optimizer`` and ``scheduler``
-    (``state_dict``\\ s in torch's formats). ``on_finish`` gets it (with
-    ``ArrayTrainer(final_states=...)`` only for the members it names); with
-    ``ArrayTrainer(keep_states=False)`` it is dropped after that, so a long run does not hold
-    every finished member's weights in memory.
-    """
-
-    id: str
-    config: dict[str, Any]
-    status: str
-    steps: int
-    history: list[dict[str, float]]
-    state: dict[str, Any] | None = None
-    error: str | None = None
-    #: where in the array's training data the member's first step was: steps since epoch 0's
-    #: first batch (``epoch * steps_per_epoch + batch``; 0 for a member that started the array,
-    #: later for one that joined by refill; ``None`` in results saved before it was recorded).
-    #: With the seeds in its config it fixes the data the member saw (docs/reproducing.md)
-    start_step: int | None = 0
-
-    @property
-    def metrics(self) -> dict[str, float]:
-        """The member's last evaluation (empty if it was never evaluated)."""
-        return dict(self.history[-1]) if self.history else {}
-
-
-#: ``report(evaluations) -> {member id: go on?}``; members left out of the answer go on
-ReportHook = Callable[[list[Evaluation]], Mapping[str, bool] | None]
-#: ``refill() -> Member | None``: a new compatible trial for a freed slot, or None
-RefillHook = Callable[[], Member | None]
-
-
-@dataclass
-class _SlotState:
-    member: Member
-    config: dict[str, Any]
-    budget: int
-    steps: int = 0
-    history: list[dict[str, float]] = field(default_factory=list)
-    since: int = 0  # training steps since the last evaluation
-    loss_sum: float = 0.0  # their summed training loss, when restored from a checkpoint
-    saved: dict[str, Any] | None = None  # model/optimizer/scheduler/rng to load
-    start: int | None = 0  # MemberResult.start_step
-
-
-@dataclass
-class _ArrayState:
-    slots: list[_SlotState | None]
-    epoch: int = 0
-    batch: int = 0
+#: the layout of ``array.pt``; a checkpoint of another version is refused, not misread
+_CHECKPOINT_VERSION = 3
 
 
 def _member_state(
@@ -141,24 +67,45 @@ def _slot_dict(s: _SlotState | None) -> dict[str, Any] | None:
         "since": s.since,
         "loss_sum": s.loss_sum,
         "saved": s.saved,
-        "start": s.start,
+        "start": s.spec.start,
     }
 
 
 def _slot_from_dict(d: dict[str, Any] | None) -> _SlotState | None:
     if d is None:
         return None
-    return _SlotState(
+    spec = TrialSpec(
         member=Member(d["id"], d["config"]),
         config=d["resolved"],
         budget=d["budget"],
+        start=d.get("start"),  # None: a checkpoint written before it was recorded
+    )
+    return _SlotState(
+        spec=spec,
         steps=d["steps"],
         history=d["history"],
         since=d["since"],
         loss_sum=d["loss_sum"],
         saved=d["saved"],
-        start=d.get("start"),  # None: a checkpoint written before it was recorded
     )
+
+
+def _checked(path: Path, payload: Mapping[str, Any], settings: Mapping[str, Any]) -> None:
+    """Refuse a checkpoint of another layout version, or one written with other settings than
+    ``settings`` (what must not change between a run and its resume)."""
+    if payload.get("version") != _CHECKPOINT_VERSION:
+        raise ValueError(
+            f"{path}: checkpoint version {payload.get('version')!r} is not "
+            f"{_CHECKPOINT_VERSION}; it was written by another hfsweep version"
+        )
+    saved = payload.get("settings", {})
+    for name, value in settings.items():
+        if saved.get(name) != value:
+            raise ValueError(
+                f"{path}: the checkpoint was written with {name}={saved.get(name)!r}, this "
+                f"trainer has {name}={value!r}; resume with the same task and settings, or "
+                "use another checkpoint_dir"
+            )
 
 
 #: ``ArrayTrainer(final_states=)``: whose final state a result carries
@@ -230,3 +177,16 @@ def _read_member_state(directory: Path, member_id: str) -> dict[str, Any] | None
 def _safe(member_id: str) -> str:
     """A file name for ``member_id``, one-to-one (percent-encoding)."""
     return quote(member_id, safe="-_.") or "%"
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])

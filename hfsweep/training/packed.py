@@ -263,12 +263,12 @@ class Unloaded(metaclass=_UnloadedType):
         pass
 
     @classmethod
-    def append(cls, item: Any) -> None:  # APPEND
-        pass
+    def append(cls, item: Any) -> None:
+        """Ignores the item a pickle's APPEND adds: nothing is built."""
 
     @classmethod
-    def extend(cls, items: Any) -> None:  # APPENDS
-        pass
+    def extend(cls, items: Any) -> None:
+        """Ignores the items a pickle's APPENDS adds: nothing is built."""
 
 
 def _unloaded(name: str) -> type:

@@ -2,7 +2,7 @@
 
 :func:`profile_task` builds arrays of the task's model for one compatibility key, times the
 trainer's own training step (forward, per-member losses, backward, fused optimizer step) on one
-shared batch, records the step's peak memory, and lets :mod:`hfsweep.profiler` choose B.
+shared batch, records the step's peak memory, and lets :mod:`hfsweep.sizing` choose B.
 
 Peak memory is the CUDA caching allocator's ``max_memory_allocated`` on a GPU. A CPU has no
 allocator statistics, so there it is the peak of the bytes held by live tensors, followed op
@@ -27,21 +27,14 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._malloc import retaining_freed_memory
-from ._task import Task, fork_rng, make_optimizer, make_schedule
-from .fusion import fuse
-from .profiler import (
-    Measurement,
-    Profile,
-    ProfileCache,
-    _describe_device,
-    cache_key,
-    choose_size,
-    device_budget,
-    profile_sizes,
-    signature,
-)
-from .trainer import any_smoothing, backward, update
+from .._malloc import retaining_freed_memory
+from ..fusion import fuse
+from ..training.step import any_smoothing, backward, update
+from ..training.task import Task, fork_rng, make_optimizer, make_schedule
+from .cache import Profile, ProfileCache, cache_key, signature
+from .device import _describe_device, device_budget
+from .measure import profile_sizes
+from .model import Measurement, choose_size
 
 __all__ = ["measure_step", "profile_task", "settled", "time_steps"]
 

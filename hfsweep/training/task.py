@@ -27,8 +27,8 @@ from torch import Tensor, nn
 
 from hfsweep._checks import in_range, is_finite, is_int
 
-from . import optim as hs_optim
-from .optim import lr_scheduler as hs_sched
+from .. import optim as hs_optim
+from ..optim import lr_scheduler as hs_sched
 
 __all__ = [
     "BASE_DEFAULTS",

@@ -1,0 +1,33 @@
+"""Sizing fused arrays: how many trials (B) go into one array on a device.
+
+One job per module, each importing only those above it in this list:
+
+- ``model``: a measured size (:class:`Measurement`), the memory model and the choice of B.
+- ``measure``: which sizes to measure and when to stop (:func:`profile_sizes`).
+- ``device``: what ``device: auto`` means, the dtype names, the memory budget, the hardware's name.
+- ``cache``: profiles and their JSON cache, keyed by architecture, batch, dtype and hardware.
+- ``plotting``: a PNG of a profile.
+- ``task``: measuring a task's real training step through the trainer (:func:`profile_task`); the
+  one module here that imports the trainer, so it is not imported by this package itself.
+
+Users import these names from :mod:`hfsweep.profiler` (and ``profile_task`` from :mod:`hfsweep`).
+"""
+
+from .cache import Profile, ProfileCache, cache_key, signature
+from .device import device_budget
+from .measure import profile_sizes
+from .model import Measurement, MemoryModel, choose_size
+from .plotting import plot
+
+__all__ = [
+    "Measurement",
+    "MemoryModel",
+    "Profile",
+    "ProfileCache",
+    "cache_key",
+    "choose_size",
+    "device_budget",
+    "plot",
+    "profile_sizes",
+    "signature",
+]

@@ -1,0 +1,361 @@
+"""Profiles and their cache: what was measured and chosen for one kind of array on one kind of
+device (:class:`Profile`), kept in a JSON file (:class:`ProfileCache`) under :func:`cache_key`
+(the architecture's :func:`signature`, batch size, dtype, hardware and torch version)."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._io import new_temporary
+from ._units import _MIB, _check_budget, _check_int, _fmt_bytes, _fmt_rate
+from .device import _describe_device
+from .model import Measurement, MemoryModel, _check_measurements, _fits
+
+__all__ = ["Profile", "ProfileCache", "cache_key", "signature"]
+
+_log = logging.getLogger("hfsweep.profiler")
+
+_FORMAT = 1  # version of the JSON layout written by Profile.to_dict and ProfileCache
+
+# Dropout's probability is a per-member setting of a fused array (it varies between the trials of
+# one array), and it changes neither shapes nor cost, so it is left out of an architecture's
+# signature: trials that differ only in dropout share one profile.
+_DROPOUT_TYPES: tuple[type[nn.Module], ...] = (
+    nn.Dropout,
+    nn.Dropout1d,
+    nn.Dropout2d,
+    nn.Dropout3d,
+    nn.AlphaDropout,
+    nn.FeatureAlphaDropout,
+)
+
+
+def _dtype_name(dtype: torch.dtype | str) -> str:
+    if isinstance(dtype, torch.dtype):
+        return str(dtype).removeprefix("torch.")
+    if isinstance(dtype, str) and dtype.strip():
+        return dtype.strip().removeprefix("torch.")
+    raise ValueError(f"dtype must be a torch.dtype or a non-empty string, got {dtype!r}")
+
+
+def signature(model: nn.Module) -> str:
+    """A short stable hash of ``model``'s architecture, independent of its parameter values.
+
+    It covers the module tree (paths and classes), each module's ``extra_repr()`` (where layers
+    keep hyperparameters such as kernel sizes, strides and widths), and every parameter and buffer:
+    name, shape, dtype, whether it trains, and which tensors are shared (tied weights change the
+    memory of an array). Two independently initialised models of one architecture have the same
+    signature; changing a width, a kernel size or a dtype changes it. Dropout probabilities are
+    left out: they are per-member settings of a fused array and change neither shapes nor cost.
+    Returns 16 hex digits of a SHA-256.
+    """
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"signature() needs a torch.nn.Module, got {type(model).__name__}")
+    lines: list[str] = []
+    first_seen: dict[int, str] = {}
+
+    def tensor_line(kind: str, path: str, tensor: torch.Tensor | None) -> str:
+        if tensor is None:
+            return f"{kind} {path} None"
+        owner = first_seen.setdefault(id(tensor), path)
+        if owner != path:
+            return f"{kind} {path} shares {owner}"
+        grad = f" grad={tensor.requires_grad}" if kind == "param" else ""
+        return f"{kind} {path} {tuple(tensor.shape)} {tensor.dtype!s}{grad}"
+
+    for path, module in model.named_modules(remove_duplicate=False):
+        cls = type(module)
+        if isinstance(module, _DROPOUT_TYPES):
+            extra = f"inplace={getattr(module, 'inplace', False)}"
+        else:
+            extra = module.extra_repr()
+        lines.append(f"module {path} {cls.__module__}.{cls.__qualname__} ({extra})")
+        prefix = f"{path}." if path else ""
+        for name, param in module._parameters.items():
+            lines.append(tensor_line("param", prefix + name, param))
+        for name, buffer in module._buffers.items():
+            lines.append(tensor_line("buffer", prefix + name, buffer))
+    return hashlib.sha256("\n".join(lines).encode("utf-8")).hexdigest()[:16]
+
+
+def cache_key(
+    model_signature: str,
+    batch_size: int,
+    dtype: torch.dtype | str,
+    device: str | torch.device,
+) -> str:
+    """The key under which a profile is cached: architecture, batch size, dtype, hardware, torch.
+
+    The device part names the hardware, not the index: for CUDA the GPU's name and memory, for
+    the CPU its model name and the cores this process may use. The torch version (major.minor)
+    is part of the key too, since new releases change kernels and memory use. ``dtype`` is a
+    ``torch.dtype`` or a string (``"float32"`` and ``"torch.float32"`` are the same; other strings,
+    such as an autocast mode, are kept as given).
+    """
+    if not isinstance(model_signature, str) or not model_signature:
+        raise ValueError(f"model_signature must be a non-empty string, got {model_signature!r}")
+    batch_size = _check_int("batch_size", batch_size, 1)
+    torch_version = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    return (
+        f"{model_signature}|batch={batch_size}|{_dtype_name(dtype)}|{_describe_device(device)}"
+        f"|torch={torch_version}"
+    )
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Everything measured and decided about one kind of array on one device.
+
+    ``chosen`` is the array size to use and ``reason`` says why in one sentence. ``key`` is the
+    :func:`cache_key`; ``device`` describes the hardware. ``measurements`` may be given as any
+    sequence and is stored as a tuple sorted by size.
+    """
+
+    key: str
+    device: str
+    batch_size: int
+    dtype: str
+    measurements: tuple[Measurement, ...]
+    memory: MemoryModel
+    budget_bytes: float
+    chosen: int
+    reason: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "measurements", tuple(_check_measurements(self.measurements)))
+        _check_int("Profile.batch_size", self.batch_size, 1)
+        _check_int("Profile.chosen", self.chosen, 1)
+        _check_budget(self.budget_bytes)
+        if not isinstance(self.memory, MemoryModel):
+            raise ValueError(f"Profile.memory must be a MemoryModel, got {self.memory!r}")
+        for name in ("key", "device", "dtype", "reason"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"Profile.{name} must be a string, got {getattr(self, name)!r}")
+
+    def table(self) -> str:
+        """The measurements as a plain-text table; ``*`` marks the chosen size's row."""
+        single = next((m for m in self.measurements if m.size == 1), None)
+        header = (
+            "", "B", "step ms", "member-samples/s", "speed-up vs B=1", "peak MiB", "predicted MiB",
+            "fits",
+        )  # fmt: skip
+        rows: list[tuple[str, ...]] = [header]
+        for m in self.measurements:
+            speedup = (
+                f"{m.samples_per_s / single.samples_per_s:.2f}x"
+                if single is not None and single.samples_per_s > 0
+                else "-"
+            )
+            rows.append(
+                (
+                    "*" if m.size == self.chosen else "",
+                    str(m.size),
+                    f"{m.step_s * 1e3:.2f}",
+                    _fmt_rate(m.samples_per_s),
+                    speedup,
+                    f"{m.peak_bytes / _MIB:.1f}",
+                    f"{self.memory.predict(m.size) / _MIB:.1f}",
+                    "yes" if _fits(m, self.budget_bytes) else "no",
+                )
+            )
+        widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+        lines = [
+            "  ".join(
+                cell.ljust(w) if i == 0 else cell.rjust(w)
+                for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+            ).rstrip()
+            for row in rows
+        ]
+        lines.insert(1, "-" * len(lines[0]))
+        lines.append(
+            f"budget {_fmt_bytes(self.budget_bytes)}; memory model "
+            f"{_fmt_bytes(self.memory.base_bytes)} + {_fmt_bytes(self.memory.per_member_bytes)} x B"
+        )
+        lines.append(f"* chosen B={self.chosen}: {self.reason}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-safe dict (plain numbers, strings, lists) that :meth:`from_dict` reads back."""
+        return {
+            "format": _FORMAT,
+            "key": self.key,
+            "device": self.device,
+            "batch_size": self.batch_size,
+            "dtype": self.dtype,
+            "measurements": [
+                {
+                    "size": m.size,
+                    "samples_per_s": m.samples_per_s,
+                    "peak_bytes": m.peak_bytes,
+                    "step_s": m.step_s,
+                }
+                for m in self.measurements
+            ],
+            "memory": {
+                "base_bytes": self.memory.base_bytes,
+                "per_member_bytes": self.memory.per_member_bytes,
+            },
+            "budget_bytes": self.budget_bytes,
+            "chosen": self.chosen,
+            "reason": self.reason,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Profile:
+        """The profile :meth:`to_dict` wrote; ValueError naming what is missing or malformed."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a profile must be a dict, got {type(d).__name__}")
+        if d.get("format", _FORMAT) != _FORMAT:
+            raise ValueError(f"profile format {d.get('format')!r} is not supported (valid: 1)")
+        try:
+            return cls(
+                key=d["key"],
+                device=d["device"],
+                batch_size=d["batch_size"],
+                dtype=d["dtype"],
+                measurements=tuple(
+                    Measurement(
+                        size=m["size"],
+                        samples_per_s=m["samples_per_s"],
+                        peak_bytes=m["peak_bytes"],
+                        step_s=m["step_s"],
+                    )
+                    for m in d["measurements"]
+                ),
+                memory=MemoryModel(
+                    base_bytes=d["memory"]["base_bytes"],
+                    per_member_bytes=d["memory"]["per_member_bytes"],
+                ),
+                budget_bytes=d["budget_bytes"],
+                chosen=d["chosen"],
+                reason=d["reason"],
+            )
+        except KeyError as exc:
+            raise ValueError(f"profile is missing the field {exc.args[0]!r}") from exc
+        except TypeError as exc:
+            raise ValueError(f"profile is malformed: {exc}") from exc
+
+
+def _default_cache_path() -> Path:
+    explicit = os.environ.get("HFSWEEP_CACHE_DIR")
+    if explicit:
+        return Path(explicit).expanduser() / "profiles.json"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "hfsweep" / "profiles.json"
+
+
+class ProfileCache:
+    """Profiles kept in one JSON file, keyed by :func:`cache_key`.
+
+    The default file is ``$HFSWEEP_CACHE_DIR/profiles.json``, else
+    ``$XDG_CACHE_HOME/hfsweep/profiles.json``, else ``~/.cache/hfsweep/profiles.json``. The cache
+    only saves time, so it never stops a sweep: a corrupt or unreadable file (or entry) reads as
+    empty with a logged warning, and a failed write is logged and skipped. Writes go to a
+    temporary file in the same folder that replaces the old file in one ``os.replace``, so a crash
+    leaves the old file or the new one, never half of one; where ``fcntl`` exists, a lock file
+    keeps processes that write at once from losing each other's entries.
+    """
+
+    def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
+        self.path = Path(path) if path is not None else _default_cache_path()
+
+    def __repr__(self) -> str:
+        return f"ProfileCache({str(self.path)!r})"
+
+    def _read(self) -> dict[str, Any]:
+        """The file's ``{key: profile dict}``; empty (with a warning) if it cannot be read."""
+        try:
+            text = self.path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return {}
+        except (OSError, UnicodeDecodeError) as exc:
+            _log.warning(
+                "cannot read the profile cache %s (%s); treating it as empty", self.path, exc
+            )
+            return {}
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            _log.warning(
+                "the profile cache %s is not valid JSON (%s); treating it as empty", self.path, exc
+            )
+            return {}
+        if (
+            not isinstance(data, dict)
+            or data.get("format") != _FORMAT
+            or not isinstance(data.get("profiles"), dict)
+        ):
+            _log.warning(
+                "the profile cache %s does not hold hfsweep profiles (format %s); treating it as "
+                "empty",
+                self.path,
+                _FORMAT,
+            )
+            return {}
+        profiles: dict[str, Any] = data["profiles"]
+        return profiles
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """An exclusive lock on ``<path>.lock`` where ``fcntl`` exists; nothing elsewhere."""
+        try:
+            import fcntl
+        except ImportError:  # Windows: writes stay atomic, concurrent writers may drop an entry
+            yield
+            return
+        with open(self.path.with_name(self.path.name + ".lock"), "a") as lock:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+    def get(self, key: str) -> Profile | None:
+        """The profile stored under ``key``, or None (also for an entry that cannot be read)."""
+        entry = self._read().get(key)
+        if entry is None:
+            return None
+        try:
+            return Profile.from_dict(entry)
+        except ValueError as exc:
+            _log.warning("ignoring the unreadable profile %r in %s: %s", key, self.path, exc)
+            return None
+
+    def put(self, profile: Profile) -> None:
+        """Store ``profile`` under its key, replacing an older one; the file is written atomically."""
+        if not isinstance(profile, Profile):
+            raise ValueError(f"put() needs a Profile, got {type(profile).__name__}")
+        tmp_name: str | None = None
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self._locked():
+                profiles = self._read()
+                profiles[profile.key] = profile.to_dict()
+                text = json.dumps(
+                    {"format": _FORMAT, "profiles": profiles}, indent=1, sort_keys=True
+                )
+                fd, tmp_name = new_temporary(self.path.parent, self.path.name + ".", ".tmp")
+                with os.fdopen(fd, "w", encoding="utf-8") as f:
+                    f.write(text)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp_name, self.path)
+                tmp_name = None
+        except OSError as exc:
+            _log.warning("could not write the profile cache %s (%s); not cached", self.path, exc)
+        finally:
+            if tmp_name is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp_name)

@@ -1,0 +1,194 @@
+"""The live array: a fused array in training with its optimizer, schedule and per-member tensors
+(:class:`_Live`), how it is built from slots, and the snapshots of its members' states that go on
+in other arrays (two halves after an out-of-memory error, a smaller one once most slots are idle)
+or into a checkpoint."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from .._usercode import Phase
+from ..fusion import FusedArray, fuse
+from ..optim import FusedOptimizer
+from ..optim.lr_scheduler import FusedLRScheduler
+from .checkpoint import _member_state
+from .spec import _ArrayState, _SlotState
+from .step import _set_member_dropout, any_smoothing
+from .task import make_optimizer, make_schedule
+
+if TYPE_CHECKING:
+    from .trainer import ArrayTrainer
+
+_log = logging.getLogger("hfsweep.trainer")
+#: an array traces a call signature at its 16th call. A trace pays for itself after 30-100
+#: calls of a small model (measured on CPU, digits MLP, B = 4..64: a trace takes 40-160 ms, an
+#: eager call 1-4 ms longer than a replay), so signatures an array calls a few times (an
+#: epoch's shorter last batch, evaluation) stay eager, while the every-step signature loses
+#: only its first 15 replays
+_TRACE_AFTER_CALLS = 16
+
+
+@dataclass
+class _Live:
+    """An array in training: its slots and data position (``state``), the fused model, optimizer
+    and schedule, and the per-member values every step reads: label smoothing, the training
+    loss summed since each member's last evaluation (float64) and the gradient clipping norms."""
+
+    state: _ArrayState
+    array: FusedArray
+    opt: FusedOptimizer
+    sched: FusedLRScheduler | None
+    smoothing: Tensor
+    loss_sum: Tensor
+    clip: Tensor | None = None
+    smoothes: bool = False  #: whether any member smoothes labels (else the loss skips the term)
+
+    def refresh(self) -> None:
+        """Read the per-member settings of the slots again, after members joined."""
+        self.clip = _clip_values(self.state)
+        self.smoothes = any_smoothing(s.config for s in self.state.slots if s is not None)
+
+    def member_state(self, i: int) -> dict[str, Any]:
+        """Slot ``i``'s model, optimizer, schedule and dropout stream, on the CPU."""
+        return _member_state(self.array, self.opt, self.sched, i)
+
+    def snapshot(self) -> list[_SlotState | None]:
+        """Every slot with its member's current state saved, to go on in another array."""
+        sums = self.loss_sum.tolist()
+        out: list[_SlotState | None] = []
+        for i, s in enumerate(self.state.slots):
+            if s is None:
+                out.append(None)
+                continue
+            out.append(
+                _SlotState(
+                    spec=s.spec,
+                    steps=s.steps,
+                    history=list(s.history),
+                    since=s.since,
+                    loss_sum=sums[i],
+                    saved=self.member_state(i),
+                )
+            )
+        return out
+
+    def split(self) -> list[_ArrayState]:
+        """Two arrays holding every member's current state, at the same data position."""
+        state = self.state
+        live = [s for s in self.snapshot() if s is not None]
+        half = (len(live) + 1) // 2
+        halves = [
+            _ArrayState(list(part), state.epoch, state.batch) for part in (live[:half], live[half:])
+        ]
+        _log.warning(
+            "out of memory with an array of %d: going on as arrays of %d and %d members",
+            len(state.slots),
+            half,
+            len(live) - half,
+        )
+        return halves
+
+    def compacted(self, size: int) -> _ArrayState:
+        """The busy members' current states in an array of ``size`` slots (idle ones last)."""
+        busy = [s for s in self.snapshot() if s is not None]
+        _log.info(
+            "%d of %d slots left busy: going on as an array of %d",
+            len(busy),
+            len(self.state.slots),
+            size,
+        )
+        idle: list[_SlotState | None] = [None] * (size - len(busy))
+        return _ArrayState([*busy, *idle], self.state.epoch, self.state.batch)
+
+
+def _build_live(
+    t: ArrayTrainer, key: str, state: _ArrayState, built: Mapping[int, nn.Module]
+) -> _Live:
+    """The live array of ``state``'s slots on ``t``'s device: new members' models from
+    ``built``, restored members' weights, optimizer and schedule state and dropout streams from
+    their saved state; idle slots are filled with copies and kept inactive."""
+    live = [s for s in state.slots if s is not None]
+    filler = live[0]
+    models = _models(t, state, filler, built)
+    with Phase("fusing the members' models"):
+        array = fuse(models, trace=t.trace).to(t.device)
+    for i, s in enumerate(state.slots):
+        if s is not None and s.saved is not None:
+            array.load_member_state_dict(i, s.saved["model"])
+    array._share_traces(t._trace_cache.setdefault(key, {}))
+    array._defer_tracing(_TRACE_AFTER_CALLS)
+    configs = [(s or filler).config for s in state.slots]
+    for i, c in enumerate(configs):
+        if c["dropout"] is not None:
+            _set_member_dropout(array, i, float(c["dropout"]))
+    spe = t.steps_per_epoch(filler.config)
+    opt = make_optimizer(array, configs)
+    budgets = [(s or filler).budget for s in state.slots]
+    sched = make_schedule(opt, configs, budgets, spe)
+    for i, s in enumerate(state.slots):
+        if s is None:
+            opt.set_active(i, False)
+            continue
+        if s.saved is None:
+            array.manual_seed(i, s.spec.seed)
+            continue
+        opt.load_member_state_dict(i, s.saved["optimizer"])
+        if sched is not None and s.saved.get("scheduler") is not None:
+            sched.load_member_state_dict(i, s.saved["scheduler"])
+        array.set_rng_state(i, s.saved["rng"])
+        s.saved = None
+    array.train()
+    smoothing = torch.tensor(
+        [s.config["label_smoothing"] if s else 0.0 for s in state.slots],
+        dtype=t.dtype,
+        device=t.device,
+    )
+    loss_sum = torch.tensor(
+        [s.loss_sum if s else 0.0 for s in state.slots], dtype=torch.float64, device=t.device
+    )
+    result = _Live(state, array, opt, sched, smoothing, loss_sum)
+    result.refresh()
+    return result
+
+
+def _models(
+    t: ArrayTrainer, state: _ArrayState, filler: _SlotState, built: Mapping[int, nn.Module]
+) -> list[nn.Module]:
+    """One model per slot to fuse: a new member's from ``built``. Slots whose weights
+    come from a saved state (loaded into the array afterwards) and idle slots
+    (``filler``'s config) get copies of one model per ``dropout`` value, the one setting
+    besides weights that differs between members' models (``None`` keeps the model's own
+    ``p``): a rebuilt array does not initialise models it overwrites (a copy costs a
+    fraction of an initialisation)."""
+    shared: dict[Any, nn.Module] = {}
+    models: list[nn.Module] = []
+    for i, s in enumerate(state.slots):
+        config = (s or filler).config
+        if i in built:
+            models.append(built[i])
+            continue
+        model = shared.get(config["dropout"])
+        if model is None:
+            with Phase("the task's model(config)"):
+                model = t.task.build_model(config).to(t.dtype)
+            shared[config["dropout"]] = model
+            models.append(model)
+        else:
+            models.append(copy.deepcopy(model))
+    return models
+
+
+def _clip_values(state: _ArrayState) -> Tensor | None:
+    """Each slot's gradient clipping norm (inf for none), or ``None`` when no member clips."""
+    values = [s.config["grad_clip"] if s else None for s in state.slots]
+    if all(v is None for v in values):
+        return None
+    return torch.tensor([math.inf if v is None else float(v) for v in values], dtype=torch.float64)

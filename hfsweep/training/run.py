@@ -1,0 +1,559 @@
+"""One call of :meth:`ArrayTrainer.run <hfsweep.training.trainer.ArrayTrainer.run>`: the arrays
+it trains one after another (more than one after an out-of-memory split or a compaction), each
+member's evaluations, ends and refills, and the checkpoint written at every evaluation."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from .._io import append_lines, atomic_save
+from .._usercode import CHECKPOINT, Phase, describe
+from ..fusion import FusedArray
+from .checkpoint import (
+    _CHECKPOINT_VERSION,
+    _DELIVERED,
+    _checked,
+    _encode_record,
+    _read_delivered,
+    _read_member_state,
+    _result_from_record,
+    _result_record,
+    _rng_state,
+    _set_rng_state,
+    _slot_dict,
+    _slot_from_dict,
+    _write_member,
+)
+from .live import _build_live, _Live
+from .packed import load as load_packed
+from .packed import pack
+from .results import Evaluation, Member, MemberResult, RefillHook, ReportHook
+from .spec import TrialSpec, _ArrayState, _SlotState
+from .step import (
+    _batches,
+    _choose_compaction,
+    _set_member_dropout,
+    _StepTimer,
+    backward,
+    update,
+)
+from .task import (
+    TaskError,
+    fork_rng,
+    optimizer_values,
+    schedule_args,
+)
+
+if TYPE_CHECKING:
+    from .trainer import ArrayTrainer
+
+_log = logging.getLogger("hfsweep.trainer")
+
+
+class _Run:
+    """One call of :meth:`ArrayTrainer.run`: a queue of arrays (more than one after an OOM split)."""
+
+    def __init__(
+        self,
+        trainer: ArrayTrainer,
+        report: ReportHook | None,
+        refill: RefillHook | None,
+        on_finish: Callable[[MemberResult], None] | None,
+    ) -> None:
+        self.t = trainer
+        self.task = trainer.task
+        self.report = report
+        self.refill = refill
+        self.on_finish = on_finish
+        self.results: dict[str, MemberResult] = {}
+        self.order: list[str] = []
+        self.key: str | None = None
+        self.queue: list[_ArrayState] = []
+        self.pending: list[str] = []  # finished, on_finish not yet called
+        self.delivered: set[str] = set()
+        self.user_rng: dict[str, Any] = {}
+        #: measured seconds per training step by array size (this run's key), for compaction
+        self.step_seconds: dict[int, float] = {}
+
+    # ------------------------------------------------------------------ entry
+    def execute(
+        self, members: Sequence[Member], resume: bool, start_step: int = 0
+    ) -> list[MemberResult]:
+        ckpt = self._checkpoint_path()
+        with fork_rng():
+            self.user_rng = _rng_state()
+            if resume and ckpt is not None and ckpt.exists():
+                with Phase(CHECKPOINT):
+                    self._load_checkpoint(ckpt, members)
+            else:
+                if not members:
+                    raise ValueError("run() needs at least one member")
+                ids = [m.id for m in members]
+                dup = sorted({i for i in ids if ids.count(i) > 1})
+                if dup:
+                    raise ValueError(f"member id {dup[0]!r} appears twice; ids must be unique")
+                slots = [self._new_slot(m, start_step) for m in members]
+                spe = self.t.steps_per_epoch(slots[0].config)
+                self.queue = [_ArrayState(list(slots), *divmod(start_step, spe))]
+            self._deliver()
+            while self.queue:
+                reshaped = self._train(self.queue[0])
+                if reshaped is None:
+                    self.queue.pop(0)
+                else:
+                    self.queue[0:1] = reshaped
+                    del reshaped
+                    if self.t.device.type == "cuda":
+                        torch.cuda.empty_cache()
+                self._save_checkpoint(None)
+                self._deliver()
+            _set_rng_state(self.user_rng)
+        return [self.results[i] for i in self.order]
+
+    def _deliver(self) -> None:
+        """Call ``on_finish`` for members whose end is saved in the checkpoint, then record
+        that they were told. After a crash between the two, a member is told again: the hook
+        is called at least once per member, so it must tolerate a repeat."""
+        if not self.pending:
+            return
+        with self._user_rng_scope():
+            for member_id in self.pending:
+                result = self.results[member_id]
+                if self.on_finish is not None:
+                    self.on_finish(result)
+                if not self.t.keep_states:
+                    result.state = None
+                self.delivered.add(member_id)
+        d = self.t.checkpoint_dir
+        if d is not None:
+            with Phase(CHECKPOINT):
+                append_lines(
+                    d / _DELIVERED,
+                    [_encode_record(_result_record(self.results[i])) for i in self.pending],
+                )
+        self.pending.clear()
+
+    @contextmanager
+    def _user_rng_scope(self) -> Iterator[None]:
+        """Run user hooks on the caller's random generators, not on the trainer's per-epoch
+        seeding (their draws then differ with the caller's seed, as they should)."""
+        mine = _rng_state()
+        _set_rng_state(self.user_rng)
+        try:
+            yield
+        finally:
+            self.user_rng = _rng_state()
+            _set_rng_state(mine)
+
+    # ------------------------------------------------------------------ slots
+    def _position(self, state: _ArrayState, member: Member | None = None) -> int:
+        """``state``'s place in the data stream in steps (``epoch * steps_per_epoch + batch``);
+        the steps per epoch from a member of it, or from ``member`` when it has none."""
+        live = next((s.config for s in state.slots if s is not None), None)
+        if live is None:
+            assert member is not None
+            live = self.task.resolve(member.config)
+        return state.epoch * self.t.steps_per_epoch(live) + state.batch
+
+    def _new_slot(self, member: Member, start: int) -> _SlotState:
+        """A slot for ``member``, whose first step is at ``start`` in the data stream."""
+        config = self.task.resolve(member.config)
+        key = self.task.compatibility_key(config)
+        if self.key is None:
+            self.key = key
+        elif key != self.key:
+            raise TaskError(
+                f"member {member.id!r} cannot join this array: its shared config "
+                f"{_diff(self.key, key)} differs from the array's"
+            )
+        if member.id in self.results or any(
+            s is not None and s.member.id == member.id for a in self.queue for s in a.slots
+        ):
+            raise ValueError(f"member id {member.id!r} was already trained or is training")
+        self.order.append(member.id)
+        spec = TrialSpec.of(member, config, self.t.steps_per_epoch(config), start)
+        return _SlotState(spec)
+
+    # ------------------------------------------------------------------ one array
+    def _train(self, state: _ArrayState) -> list[_ArrayState] | None:
+        """Train ``state`` until no member is left. Returns the arrays to train instead, with
+        every member's current state, when it must change shape: two halves after an
+        out-of-memory error, or a compact array once at most half of the slots are busy and no
+        refill came."""
+        started = time.perf_counter()
+        built = self._new_models(state)
+        models_s = time.perf_counter() - started
+        live_slots = [s for s in state.slots if s is not None]
+        if not live_slots:
+            return None
+        ref = live_slots[0].config
+        spe = self.t.steps_per_epoch(ref)
+        eval_every = self.t.eval_every or spe
+        started = time.perf_counter()
+        live = self._build(state, built)
+        build_s = models_s + time.perf_counter() - started
+        array, opt = live.array, live.opt
+        timer = _StepTimer(self.t.device, array)
+        seen_nonfinite = len(opt.nonfinite_members)
+        buffers = list(array.buffers())
+        backup = [b.detach().clone() for b in buffers]
+        stream = self._stream(ref, state)
+        _log.info("training an array of %d members (%d steps per epoch)", len(state.slots), spe)
+        while any(s is not None for s in state.slots):
+            with Phase("drawing a training batch"):
+                epoch, index, batch = next(stream)
+                x, y = self.t._to_device(batch)
+            if backup:
+                # forward updates buffers (BatchNorm statistics, dropout call counts): keep
+                # their values so that a step failed by out-of-memory can be replayed exactly
+                torch._foreach_copy_(backup, buffers)
+            out_of_memory = ""
+            try:
+                smoothing = live.smoothing if live.smoothes else None
+                losses = backward(self.task, array, x, y, smoothing, live.clip)
+            except torch.OutOfMemoryError as exc:
+                out_of_memory = describe(exc, limit=300)
+            if out_of_memory:
+                # outside the except block, so the failed step's graph is already freed
+                opt.zero_grad(set_to_none=True)
+                if backup:
+                    torch._foreach_copy_(buffers, backup)
+                if self.t.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                return self._out_of_memory(live, out_of_memory)
+            with Phase("the optimizer step"):
+                update(opt, live.sched)
+            state.epoch, state.batch = epoch, index + 1
+            if state.batch >= spe:
+                state.epoch, state.batch = epoch + 1, 0
+            with torch.no_grad():
+                live.loss_sum += losses.detach().to(torch.float64)
+            due: list[int] = []
+            for i, s in enumerate(state.slots):
+                if s is None:
+                    continue
+                s.steps += 1
+                s.since += 1
+                if s.steps % eval_every == 0 or s.steps >= s.budget:
+                    due.append(i)
+            failed = opt.nonfinite_members[seen_nonfinite:]
+            seen_nonfinite = len(opt.nonfinite_members)
+            for i in failed:
+                slot = state.slots[i]
+                if slot is not None:
+                    self._finish(live, i, "failed", "non-finite gradients")
+                    due = [j for j in due if j != i]
+            timer.step()
+            if due or failed:
+                self.step_seconds[len(state.slots)] = timer.pause()
+                if due:
+                    self._evaluate(live, due, spe)
+                if self.refill is not None and len(self.queue) == 1:
+                    # (arrays waiting after an out-of-memory split go first)
+                    self._refill(live)
+                    live.refresh()
+                busy = sum(s is not None for s in state.slots)
+                if 0 < busy <= len(state.slots) // 2:
+                    # most slots are idle and nobody is waiting for them: go on with a smaller
+                    # array if the steps it saves outweigh rebuilding it
+                    size = self._compact_size(state, array, busy, build_s)
+                    if size is not None:
+                        return [self._compacted(live, size)]
+                self._save_checkpoint(live)
+                self._deliver()
+                timer.resume()
+        return None
+
+    def _out_of_memory(self, live: _Live, error: str) -> list[_ArrayState] | None:
+        """The arrays to go on with after a training step ran out of memory: two halves while
+        two members or more train; one member alone if idle slots kept it company; and when a
+        member runs out of memory alone, it fails (its config needs more memory than the
+        device has: the other trials are not affected)."""
+        busy = [i for i, s in enumerate(live.state.slots) if s is not None]
+        if len(busy) > 1:
+            return live.split()
+        if len(live.state.slots) > 1:
+            return [self._compacted(live, 1)]
+        why = f"out of memory on {self.t.device} training alone in an array: {error}"
+        self._finish(live, busy[0], "failed", why)
+        return None
+
+    def _compact_size(
+        self, state: _ArrayState, array: FusedArray, busy: int, build_s: float
+    ) -> int | None:
+        """The size to rebuild the array at with ``busy`` members, or ``None`` to keep it.
+
+        The rebuild costs what this array's build took plus the traces the new size lacks in
+        the shared cache (both measured); it saves, at each step still to come (at most the
+        largest budget left among the busy members), the difference in step time.
+        """
+        size = len(state.slots)
+        remaining = max(s.budget - s.steps for s in state.slots if s is not None)
+        return _choose_compaction(
+            size,
+            busy,
+            remaining,
+            self.step_seconds,
+            lambda b: build_s + array._retrace_seconds(b),
+        )
+
+    def _compacted(self, live: _Live, size: int) -> _ArrayState:
+        """The busy members' current states in an array of ``size`` slots (idle ones last)."""
+        return live.compacted(size)
+
+    def _build(self, state: _ArrayState, built: Mapping[int, nn.Module]) -> _Live:
+        """The live array of ``state`` (``built``: the new members' models, by slot)."""
+        return _build_live(self.t, self.key or "", state, built)
+
+    def _new_models(self, state: _ArrayState) -> dict[int, nn.Module]:
+        """The models of the members that start training in ``state`` (no saved state), by
+        slot, each built from its config (its seeded initialisation). A member whose
+        ``model(config)`` raises fails alone: its config is one the model rejects, which says
+        nothing about the others (see :meth:`_member_model`)."""
+        built: dict[int, nn.Module] = {}
+        for i, s in enumerate(state.slots):
+            if s is not None and s.saved is None:
+                model = self._member_model(s)
+                if model is None:
+                    state.slots[i] = None
+                else:
+                    built[i] = model
+        return built
+
+    def _member_model(self, slot: _SlotState) -> nn.Module | None:
+        """A new member's model, or ``None`` after ending the member as failed because
+        ``model(config)`` raised (the error is its result's ``error``)."""
+        try:
+            return self.task.build_model(slot.config).to(self.t.dtype)
+        except Exception as exc:
+            error = f"the task's model(config) raised {describe(exc)}"
+            _log.warning("member %s failed before training: %s", slot.member.id, error)
+            self.results[slot.member.id] = MemberResult(
+                id=slot.member.id,
+                config=dict(slot.config),
+                status="failed",
+                steps=slot.steps,
+                history=slot.history,
+                error=error,
+            )
+            self.pending.append(slot.member.id)
+            return None
+
+    def _stream(self, config: Mapping[str, Any], state: _ArrayState) -> Iterator[Any]:
+        """Batches of the shared training data from the array's position, forever, each epoch
+        in the order fixed by ``(data_seed, epoch)``."""
+        train, _ = self.t._dataset(config)
+        spe = self.t.steps_per_epoch(config)
+        data_seed = int(config["data_seed"])
+        return _batches(self.task.name, train, spe, data_seed, state.epoch, state.batch)
+
+    # ------------------------------------------------------------------ evaluation
+    def _evaluate(self, live: _Live, due: list[int], spe: int) -> None:
+        state, array, loss_sum = live.state, live.array, live.loss_sum
+        _, val = self.t._dataset(state.slots[due[0]].config)  # type: ignore[union-attr]
+        sums: dict[str, Tensor] = {}
+        count = 0
+        array.eval()
+        with torch.no_grad(), Phase("drawing a validation batch"):
+            for batch in val:
+                x, y = self.t._to_device(batch)
+                with Phase("the forward pass (evaluation)"):
+                    out = array(x)
+                with Phase("the validation loss and metrics"):
+                    batch_values = self.task.member_metrics(out, y)
+                    n = int(y.shape[0]) if isinstance(y, Tensor) and y.dim() else 1
+                    for name, value in batch_values.items():
+                        add = value.detach().to(torch.float64) * n
+                        sums[name] = sums[name] + add if name in sums else add
+                count += n
+        array.train()
+        if count == 0:
+            raise TaskError(f"task {self.task.name!r}: the validation data yielded no batch")
+        host = {name: (v / count).tolist() for name, v in sums.items()}
+        train_loss = loss_sum.tolist()
+        evaluations: list[Evaluation] = []
+        for i in due:
+            s = state.slots[i]
+            assert s is not None
+            record = {
+                "step": float(s.steps),
+                "epoch": s.steps / spe,
+                "train_loss": train_loss[i] / max(s.since, 1),
+            }
+            record.update({name: values[i] for name, values in host.items()})
+            s.history.append(record)
+            s.since = 0
+            loss_sum[i] = 0.0
+            metrics = {k: v for k, v in record.items() if k not in ("step", "epoch")}
+            evaluations.append(
+                Evaluation(s.member.id, s.steps, s.steps / spe, metrics, s.steps >= s.budget)
+            )
+        decisions: Mapping[str, bool] = {}
+        if self.report is not None:
+            with self._user_rng_scope():
+                decisions = self.report(evaluations) or {}
+            unknown = sorted(set(decisions) - {e.member for e in evaluations})
+            if unknown:
+                raise ValueError(
+                    f"report hook answered for member {unknown[0]!r}, which was not evaluated "
+                    f"now; evaluated: {[e.member for e in evaluations]}"
+                )
+        for i, e in zip(due, evaluations, strict=True):
+            if not all(math.isfinite(v) for v in (e.metrics["train_loss"], e.metrics["val_loss"])):
+                self._finish(live, i, "failed", "non-finite loss")
+            elif e.final:
+                self._finish(live, i, "completed", None)
+            elif not decisions.get(e.member, True):
+                self._finish(live, i, "stopped", None)
+
+    # ------------------------------------------------------------------ finishing and refill
+    def _finish(self, live: _Live, i: int, status: str, error: str | None) -> None:
+        s = live.state.slots[i]
+        assert s is not None
+        wanted = self.t.final_states == "all" or (
+            self.t.final_states == "completed" and status == "completed"
+        )
+        member_state = live.member_state(i) if wanted else None
+        result = MemberResult(
+            id=s.member.id,
+            config=dict(s.config),
+            status=status,
+            steps=s.steps,
+            history=s.history,
+            state=member_state,  # for on_finish; dropped after it unless keep_states
+            error=error,
+            start_step=s.spec.start,
+        )
+        self.results[s.member.id] = result
+        if self.t.checkpoint_dir is not None and self.t.keep_states and member_state is not None:
+            # the checkpoint holds the state only until on_finish has been called
+            _write_member(self.t.checkpoint_dir, result, member_state)
+        live.opt.set_active(i, False)
+        live.state.slots[i] = None
+        self.pending.append(s.member.id)
+        _log.info("member %s %s after %d steps", s.member.id, status, s.steps)
+
+    def _refill(self, live: _Live) -> None:
+        """Fill the free slots with members from the refill hook while it gives any."""
+        assert self.refill is not None
+        state, array, opt, sched = live.state, live.array, live.opt, live.sched
+        for i, s in enumerate(state.slots):
+            if s is not None:
+                continue
+            model = None
+            while model is None:  # a member whose model(config) raises fails alone
+                with self._user_rng_scope():
+                    member = self.refill()
+                if member is None:
+                    return
+                slot = self._new_slot(member, self._position(state, member))
+                model = self._member_model(slot)
+            array.load_member(i, model)
+            if slot.config["dropout"] is not None:
+                _set_member_dropout(array, i, float(slot.config["dropout"]))
+            array.manual_seed(i, slot.spec.seed)
+            opt.reset_member(i, **optimizer_values(slot.config))
+            if sched is not None:
+                spe = self.t.steps_per_epoch(slot.config)
+                sched.reset_member(i, **schedule_args(slot.config, slot.budget, spe))
+            live.smoothing[i] = float(slot.config["label_smoothing"])
+            live.loss_sum[i] = 0.0
+            state.slots[i] = slot
+            _log.info("member %s joined the array in slot %d", slot.member.id, i)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _checkpoint_path(self) -> Path | None:
+        d = self.t.checkpoint_dir
+        return None if d is None else d / "array.pt"
+
+    def _save_checkpoint(self, running: _Live | None) -> None:
+        """Write every array of the queue (the running one from its live tensors) atomically."""
+        path = self._checkpoint_path()
+        if path is None:
+            return
+        arrays = []
+        for n, a in enumerate(self.queue):
+            slots = running.snapshot() if n == 0 and running is not None else a.slots
+            arrays.append(
+                {"epoch": a.epoch, "batch": a.batch, "slots": [_slot_dict(s) for s in slots]}
+            )
+        payload = {
+            "version": _CHECKPOINT_VERSION,
+            "settings": self._settings(),
+            "key": self.key,
+            "order": list(self.order),
+            # ended, on_finish not called yet: a resume calls it, with the state
+            "undelivered": {
+                i: {**_result_record(self.results[i]), "state": self.results[i].state}
+                for i in self.pending
+            },
+            "arrays": arrays,
+        }
+        with Phase(CHECKPOINT):
+            atomic_save(pack(payload), path)
+
+    def _settings(self) -> dict[str, Any]:
+        """What must not change between a run and its resume."""
+        return {
+            "task": self.task.name,
+            "dtype": str(self.t.dtype),
+            "eval_every": self.t.eval_every,
+        }
+
+    def _load_checkpoint(self, path: Path, members: Sequence[Member]) -> None:
+        payload = load_packed(path)
+        _checked(path, payload, self._settings())
+        self.key = payload["key"]
+        self.order = list(payload["order"])
+        d = self.t.checkpoint_dir
+        assert d is not None
+        for record in _read_delivered(d / _DELIVERED):
+            member_id = record["id"]
+            state = _read_member_state(d, member_id) if self.t.keep_states else None
+            self.results[member_id] = _result_from_record(record, state)
+            self.delivered.add(member_id)
+        self.pending = []
+        for member_id, record in payload["undelivered"].items():
+            if member_id not in self.delivered:
+                self.results[member_id] = _result_from_record(record, record["state"])
+                self.pending.append(member_id)
+        self.queue = [
+            _ArrayState([_slot_from_dict(d) for d in a["slots"]], a["epoch"], a["batch"])
+            for a in payload["arrays"]
+        ]
+        known = set(self.order)
+        fresh = [m for m in members if m.id not in known]
+        if fresh:
+            if not self.queue:
+                self.queue = [_ArrayState([])]
+            slots = self.queue[-1].slots
+            for m in fresh:
+                # a free slot first: the array keeps its size
+                free = next((i for i, s in enumerate(slots) if s is None), None)
+                slot = self._new_slot(m, self._position(self.queue[-1], m))
+                if free is None:
+                    slots.append(slot)
+                else:
+                    slots[free] = slot
+        _log.info(
+            "resumed from %s: %d finished, %d in training",
+            path,
+            len(self.results),
+            sum(s is not None for a in self.queue for s in a.slots),
+        )
+
+
+def _diff(a: str, b: str) -> str:
+    da, db = json.loads(a), json.loads(b)
+    keys = sorted(k for k in set(da) | set(db) if da.get(k) != db.get(k))
+    return ", ".join(f"{k}={db.get(k)!r} (array: {da.get(k)!r})" for k in keys[:3])

@@ -1,0 +1,190 @@
+"""The array trainer: trains the members of one fused array, each on its own budget.
+
+One shared batch feeds every member at each step; each member has its own loss, optimizer
+hyperparameters, schedule, dropout stream, budget and metric history. After each evaluation a
+report hook decides per member whether it goes on; a member that is done (budget reached,
+stopped, or non-finite) frees its slot, which a refill hook may fill at once with a new
+compatible trial. Checkpoints are taken at every evaluation, atomically, and a run resumes from
+them exactly; an out-of-memory error splits the array in two and goes on without losing any
+member's progress.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .._malloc import retaining_freed_memory
+from .._usercode import Phase
+from .checkpoint import _DELIVERED, _FINAL_STATES, _read_delivered, _result_from_record
+from .packed import load as load_packed
+from .results import Evaluation, Member, MemberResult, RefillHook, ReportHook
+from .run import _Run
+from .task import Task, TaskError
+
+__all__ = ["ArrayTrainer", "Evaluation", "Member", "MemberResult", "RefillHook", "ReportHook"]
+
+_log = logging.getLogger("hfsweep.trainer")
+
+
+class _DataCache:
+    """``task.build_data(config)`` of the last compatibility key asked for, kept for the next
+    asks of that key: the arrays of a sweep and its profiler share the loaded data. One entry,
+    so a sweep over several shared configs (batch sizes, say) holds one dataset at a time."""
+
+    def __init__(self) -> None:
+        self._key: tuple[str, str] | None = None
+        self._data: tuple[Iterable[Any], Iterable[Any]] | None = None
+
+    def get(self, task: Task, config: Mapping[str, Any]) -> tuple[Iterable[Any], Iterable[Any]]:
+        """``(train, val)`` of ``config`` (complete, as ``task.resolve`` returns it)."""
+        key = (task.name, task.compatibility_key(config))
+        if self._data is None or key != self._key:
+            self._data = None  # the old data can go before the new is built
+            self._data = task.build_data(config)
+            self._key = key
+        return self._data
+
+
+class ArrayTrainer:
+    """Trains arrays of members of one task and compatibility key.
+
+    ``eval_every`` is the evaluation period in a member's own optimizer steps (default: one
+    epoch); a member is also evaluated when it reaches its budget (``max_steps``, else
+    ``epochs`` epochs). With ``checkpoint_dir`` the trainer writes ``array.pt`` (every slot's
+    model, optimizer, schedule, dropout stream, history and the data position, and the members
+    that ended but whose ``on_finish`` has not been called yet) at each evaluation and whenever
+    a member ends or joins, and appends to ``delivered.log`` each member ``on_finish`` was
+    called for (its result without the state); with ``keep_states`` also ``members/<id>.pt``
+    (a member's final state) when a member ends. ``run(..., resume=True)`` continues from
+    ``array.pt``. ``final_states`` says which ended members' results carry their state:
+    ``"all"``, ``"completed"`` (a sweep keeps the weights of its best completed trials only;
+    saving every pruned member's cost a sweep of small models a noticeable share of its time)
+    or ``"none"``.
+    ``float64`` is for exactness tests; models are built on the CPU from their seed, then moved
+    to ``device``.
+    """
+
+    def __init__(
+        self,
+        task: Task,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        eval_every: int | None = None,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        trace: bool = True,
+        keep_states: bool = True,
+        final_states: str = "all",
+    ) -> None:
+        if eval_every is not None and (not isinstance(eval_every, int) or eval_every < 1):
+            raise ValueError(f"eval_every must be an integer >= 1 (steps), got {eval_every!r}")
+        if final_states not in _FINAL_STATES:
+            raise ValueError(
+                f"final_states must be one of {', '.join(map(repr, _FINAL_STATES))}, got "
+                f"{final_states!r}"
+            )
+        self.task = task
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.eval_every = eval_every
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self.trace = trace
+        self.keep_states = keep_states
+        self.final_states = final_states
+        #: the data of the last compatibility key trained (an executor shares one between
+        #: its arrays and the profiler, so that a sweep loads it once)
+        self._data_cache = _DataCache()
+        #: traced forwards by compatibility key, shared by the arrays this trainer builds
+        self._trace_cache: dict[str, dict[Any, Any]] = {}
+
+    # ------------------------------------------------------------------ public
+    def run(
+        self,
+        members: Sequence[Member],
+        *,
+        report: ReportHook | None = None,
+        refill: RefillHook | None = None,
+        on_finish: Callable[[MemberResult], None] | None = None,
+        resume: bool = False,
+        start_step: int = 0,
+    ) -> list[MemberResult]:
+        """Train ``members`` as one array (their configs must share the compatibility key) and
+        return one result per member, including members that joined through ``refill``.
+
+        ``report`` is called after every evaluation with the members evaluated at that step
+        and may stop any of them; ``on_finish`` is called as each member finishes. On the CPU
+        it keeps this process's freed memory for reuse while it runs (see ``hfsweep._malloc``;
+        ``HFSWEEP_MALLOC=system`` leaves the allocator alone). With
+        ``resume=True`` and a checkpoint in ``checkpoint_dir``, ``members`` is only used for
+        members the checkpoint does not know yet; finished members are not trained again.
+        ``start_step`` starts the array's data stream that many steps in (epoch
+        ``start_step // steps_per_epoch``, its batch ``start_step % steps_per_epoch``): how a
+        trial that joined an array by refill is retrained alone on the same data
+        (``MemberResult.start_step``).
+        """
+        if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
+            raise ValueError(f"start_step must be an int >= 0, got {start_step!r}")
+        run = _Run(self, report, refill, on_finish)
+        if self.device.type != "cpu":
+            return run.execute(members, resume, start_step)
+        with retaining_freed_memory():
+            return run.execute(members, resume, start_step)
+
+    @staticmethod
+    def checkpointed_members(checkpoint_dir: str | os.PathLike[str]) -> set[str]:
+        """The ids of every member the checkpoint in ``checkpoint_dir`` holds (training or
+        finished): what ``run(..., resume=True)`` continues without being given them. Empty
+        when there is no checkpoint."""
+        path = Path(checkpoint_dir) / "array.pt"
+        if not path.exists():
+            return set()
+        payload = load_packed(path)
+        return set(payload.get("order", []))
+
+    @staticmethod
+    def delivered_results(checkpoint_dir: str | os.PathLike[str]) -> dict[str, MemberResult]:
+        """The results (without their states) of the members whose ``on_finish`` the trainer
+        in ``checkpoint_dir`` has called, by member id: what ``run(..., resume=True)`` does
+        not deliver again. Empty when there is no checkpoint."""
+        results = {}
+        for record in _read_delivered(Path(checkpoint_dir) / _DELIVERED):
+            results[record["id"]] = _result_from_record(record, None)
+        return results
+
+    def steps_per_epoch(self, config: Mapping[str, Any]) -> int:
+        """Optimizer steps in one pass over the training data of ``config``."""
+        train, _ = self._dataset(config)
+        if self.task.steps_per_epoch is not None:
+            return self.task.steps_per_epoch
+        try:
+            n = len(train)  # type: ignore[arg-type]
+        except TypeError:
+            raise TaskError(
+                f"task {self.task.name!r}: the training data has no len(); set "
+                "Task(steps_per_epoch=...)"
+            ) from None
+        if n < 1:
+            raise TaskError(f"task {self.task.name!r}: the training data is empty")
+        return int(n)
+
+    # ------------------------------------------------------------------ helpers for _Run
+    def _dataset(self, config: Mapping[str, Any]) -> tuple[Iterable[Any], Iterable[Any]]:
+        with Phase("the task's data(config)"):
+            return self._data_cache.get(self.task, config)
+
+    def _to_device(self, batch: Any) -> Any:
+        if isinstance(batch, Tensor):
+            batch = batch.to(self.device, non_blocking=True)
+            return batch.to(self.dtype) if batch.is_floating_point() else batch
+        if isinstance(batch, tuple | list):
+            return type(batch)(self._to_device(b) for b in batch)
+        if isinstance(batch, Mapping):
+            return {k: self._to_device(v) for k, v in batch.items()}
+        return batch
