@@ -29,9 +29,14 @@ __all__ = [
     "TorchDispatchMode",
     "distribution_contains",
     "pytree",
+    "ray_auto_address",
+    "ray_is_localhost",
+    "ray_localhost_rewritten",
+    "ray_loopback_switch",
     "set_trial_param",
     "sparse_tensor_rebuilders",
     "trial_for",
+    "trial_id",
     "tune_scheduler_attr",
     "tune_searcher_sampler",
 ]
@@ -59,6 +64,11 @@ def trial_for(study: optuna.Study, frozen: optuna.trial.FrozenTrial) -> optuna.T
     return optuna.Trial(study, frozen._trial_id)
 
 
+def trial_id(trial: optuna.Trial | optuna.trial.FrozenTrial) -> int:
+    """The storage's id of ``trial`` (Optuna numbers trials per study; storages key them by id)."""
+    return int(trial._trial_id)
+
+
 def set_trial_param(
     trial: optuna.Trial, name: str, internal: float, dist: optuna.distributions.BaseDistribution
 ) -> None:
@@ -72,7 +82,45 @@ def distribution_contains(dist: optuna.distributions.BaseDistribution, internal:
     return bool(dist._contains(internal))
 
 
-# ---------------------------------------------------------------- ray (Tune)
+# ---------------------------------------------------------------- ray
+
+
+def ray_loopback_switch() -> Any | None:
+    """The module holding Ray's ``ENABLE_RAY_CLUSTER`` switch, which makes ``ray.init`` rewrite
+    a loopback address to another address of the machine (what the environment variable
+    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` sets when ``ray`` is imported); None where this Ray
+    has no such switch."""
+    from ray._private import ray_constants
+
+    return ray_constants if hasattr(ray_constants, "ENABLE_RAY_CLUSTER") else None
+
+
+def ray_auto_address() -> str | None:
+    """The address ``ray.init(address="auto")`` would connect to: ``RAY_ADDRESS``, else the
+    cluster started last on this machine (raises where several are found)."""
+    from ray._private import services
+
+    found = services.get_ray_address_from_environment("auto", None)
+    return str(found) if found else None
+
+
+def ray_is_localhost(host: str) -> bool:
+    """Whether Ray treats ``host`` as a loopback address it rewrites."""
+    try:
+        from ray._common.network_utils import is_localhost
+    except ImportError:
+        return host in ("localhost", "127.0.0.1", "::1")
+    return bool(is_localhost(host))
+
+
+def ray_localhost_rewritten(host: str) -> str:
+    """The address Ray connects to in place of the loopback ``host``."""
+    try:
+        from ray._private import services
+
+        return str(services.resolve_ip_for_localhost(host))
+    except Exception:  # no other address
+        return host
 
 
 def tune_scheduler_attr(scheduler: Any, name: str) -> Any:

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ._compat import trial_for, trial_id
 from ._dburl import mask, shown
 from ._io import atomic_save, grouped_sync
 from ._preflight import preflight
@@ -636,7 +637,7 @@ class _Engine:
         ``(compatibility key, config)``, or ``None`` after failing it (see :meth:`_admit`)."""
         import optuna
 
-        trial = optuna.Trial(self.study, t._trial_id)
+        trial = trial_for(self.study, t)
         try:
             # the recorded params; a custom searcher's trial must have all of them, an
             # Optuna trial interrupted while it was being sampled draws the rest
@@ -754,7 +755,6 @@ class _Engine:
         attr ``error``, the unfinished arrays are dropped (their trials have ended), and the
         error to raise is returned. Code that raises in one array's training step would raise
         in every array's, so the sweep does not go on to fail the rest one by one."""
-        import optuna
         from optuna.trial import TrialState
 
         exc = failed.exc
@@ -775,7 +775,7 @@ class _Engine:
                 else:
                     others += 1
                     error = f"stopped unfinished: {failed.where} {raised}: {cause}"
-                trial = self.live.pop(t.number, None) or optuna.Trial(self.study, t._trial_id)
+                trial = self.live.pop(t.number, None) or trial_for(self.study, t)
                 trial.set_user_attr("status", "failed")
                 trial.set_user_attr("error", error[:1000])
                 self.ledger.end(member_id(t.number), Status.FAILED)
@@ -1056,7 +1056,7 @@ class _Engine:
         """Whether running trial ``number`` was adopted by another driver (this one's
         heartbeat stopped for longer than the grace period): it is forgotten here."""
         assert self.drivers is not None
-        if self.drivers.still_owns(self.live[number]._trial_id):
+        if self.drivers.still_owns(trial_id(self.live[number])):
             return False
         _log.warning("trial %d: adopted by another driver while this one trained it", number)
         del self.live[number]

@@ -103,3 +103,21 @@ def test_tune_private_attributes() -> None:
         sampler=sampler,
     )
     assert _compat.tune_searcher_sampler(search) is sampler
+
+
+def test_optuna_trial_id() -> None:
+    study = optuna.create_study()
+    trial = study.ask()
+    frozen = study.get_trials(deepcopy=False)[0]
+    assert _compat.trial_id(trial) == _compat.trial_id(frozen)
+    assert study._storage.get_trial(_compat.trial_id(trial)).number == 0
+
+
+def test_ray_private_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    switch = _compat.ray_loopback_switch()
+    assert switch is not None and isinstance(switch.ENABLE_RAY_CLUSTER, bool)
+    assert _compat.ray_is_localhost("127.0.0.1") and _compat.ray_is_localhost("localhost")
+    assert not _compat.ray_is_localhost("192.0.2.7")
+    assert isinstance(_compat.ray_localhost_rewritten("127.0.0.1"), str)
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6390")
+    assert _compat.ray_auto_address() == "127.0.0.1:6390"

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from .._compat import trial_for
 from .._io import atomic_write_text
 from ._study_lock import StudyLock
 
@@ -314,7 +315,7 @@ class Drivers:
             if owner == self.id:
                 own.append(t)
             elif self._adoptable(t, beats):
-                self.study._storage.set_trial_user_attr(t._trial_id, DRIVER_ATTR, self.id)
+                trial_for(self.study, t).set_user_attr(DRIVER_ATTR, self.id)
                 adopted.append(t)
                 if owner is not None:
                     was = beats.get(owner)

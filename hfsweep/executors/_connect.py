@@ -31,6 +31,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from .._compat import (
+    ray_auto_address,
+    ray_is_localhost,
+    ray_localhost_rewritten,
+    ray_loopback_switch,
+)
+
 __all__ = ["ClusterUnreachable", "Reached", "connect", "on_loopback", "reach"]
 
 #: the child that asks the GCS server for its nodes (argv: address, seconds)
@@ -104,9 +111,8 @@ def connect(reached: Reached, **init: Any) -> None:
 def on_loopback() -> Iterator[None]:
     """Ray's rewrite of loopback addresses off for the block: what
     ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` does, for a process that imported ``ray`` before."""
-    from ray._private import ray_constants
-
-    if not hasattr(ray_constants, "ENABLE_RAY_CLUSTER"):  # another Ray version
+    ray_constants = ray_loopback_switch()
+    if ray_constants is None:  # another Ray version
         raise ClusterUnreachable(
             "the Ray cluster listens on loopback only, and this Ray has no switch hfsweep "
             f"knows to stop it from rewriting 127.0.0.1 to this machine's address: set "
@@ -125,11 +131,9 @@ def on_loopback() -> Iterator[None]:
 def _auto_address() -> str:
     """The address ``"auto"`` stands for: ``RAY_ADDRESS``, else the cluster started last on
     this machine (what ``ray.init(address="auto")`` connects to)."""
-    from ray._private import services
-
     found: str | None
     try:
-        found = services.get_ray_address_from_environment("auto", None)
+        found = ray_auto_address()
     except Exception as exc:  # several clusters on this machine, an unreadable file...
         raise ClusterUnreachable(
             f"'auto' finds no single Ray cluster on this machine: {exc}"
@@ -153,21 +157,12 @@ def _host_port(address: str, given: str) -> tuple[str, int]:
 def _is_loopback(host: str) -> bool:
     """``host`` is one Ray rewrites to this machine's address (Ray's own test, where there
     is one)."""
-    try:
-        from ray._common.network_utils import is_localhost
-    except ImportError:
-        return host in ("localhost", "127.0.0.1", "::1")
-    return bool(is_localhost(host))
+    return ray_is_localhost(host)
 
 
 def _rewritten(host: str) -> str:
     """The address Ray connects to in place of the loopback ``host``."""
-    try:
-        from ray._private import services
-
-        return str(services.resolve_ip_for_localhost(host))
-    except Exception:  # no other address
-        return host
+    return ray_localhost_rewritten(host)
 
 
 def _tcp(host: str, port: int, deadline: float, timeout_s: float, given: str) -> None:

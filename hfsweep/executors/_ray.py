@@ -111,8 +111,7 @@ class RayExecutor(Executor):
                 ray.init(address="local", _node_ip_address="127.0.0.1", **_INIT)
         except ClusterUnreachable as exc:
             raise ExecutorError(str(exc)) from None
-        node = ray._private.worker.global_worker.node
-        _log.info("Ray backend: started a local Ray on %s", getattr(node, "gcs_address", "?"))
+        _log.info("Ray backend: started a local Ray on %s", ray.get_runtime_context().gcs_address)
 
     @staticmethod
     def _connect(settings: RayConfig) -> None:
@@ -129,12 +128,11 @@ class RayExecutor(Executor):
             ) from None
         import ray
 
-        node = ray._private.worker.global_worker.node
         _log.info(
             "Ray backend: connected to the cluster at %s (%s nodes; this driver on %s%s)",
-            getattr(node, "gcs_address", reached.address),
+            ray.get_runtime_context().gcs_address or reached.address,
             "?" if reached.nodes is None else reached.nodes,
-            getattr(node, "node_ip_address", "?"),
+            ray.util.get_node_ip_address(),
             ", loopback" if reached.loopback else "",
         )
 
@@ -270,8 +268,7 @@ class RayExecutor(Executor):
         import psutil  # ships with Ray
         import ray
 
-        node = getattr(getattr(ray._private.worker, "global_worker", None), "node", None)
-        session = getattr(node, "session_name", None)
+        session = ray.get_runtime_context().get_session_name() if ray.is_initialized() else None
         if not session:
             return set()
         found: set[tuple[int, float]] = set()

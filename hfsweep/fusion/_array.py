@@ -23,10 +23,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import torch
-import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
 from .._checks import is_int
+from .._compat import pytree
 from .._errors import FusionError
 from ._check import check_compatible, per_member_attributes
 from ._plan import unsupported_reason

@@ -16,6 +16,8 @@ from typing import Any, cast
 import torch
 from torch import fx
 
+from .._compat import OpOverload
+
 __all__ = ["PUBLIC_FUNCTIONS", "simplify"]
 
 _aten = torch.ops.aten
@@ -41,7 +43,7 @@ def _is_same_shape_view(node: fx.Node) -> bool:
 def _removable(node: fx.Node) -> bool:
     """A call whose result is unused and that has no effect besides its result."""
     target = node.target
-    if node.op != "call_function" or node.users or not isinstance(target, torch._ops.OpOverload):
+    if node.op != "call_function" or node.users or not isinstance(target, OpOverload):
         return False
     schema = target._schema
     return not schema.is_mutable and torch.Tag.nondeterministic_seeded not in target.tags
@@ -129,13 +131,13 @@ def _binding(name: str) -> Callable[..., Any] | None:
     return None
 
 
-def _public_table() -> dict[torch._ops.OpOverload, Callable[..., Any]]:
-    table: dict[torch._ops.OpOverload, Callable[..., Any]] = {}
+def _public_table() -> dict[OpOverload, Callable[..., Any]]:
+    table: dict[OpOverload, Callable[..., Any]] = {}
     for entry in _PUBLIC_NAMES:
         packet, overload = entry.split(".")
         op = getattr(getattr(_aten, packet, None), overload, None)
         fn = _binding(packet)
-        if isinstance(op, torch._ops.OpOverload) and fn is not None:  # absent in this torch: skip
+        if isinstance(op, OpOverload) and fn is not None:  # absent in this torch: skip
             table[op] = fn
     return table
 

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
-import torch.utils._pytree as pytree
 from torch import Tensor, nn
 from torch.func import vmap
 from torch.overrides import TorchFunctionMode
 
+from .._compat import pytree
 from .._errors import FusionError
 from ._check import describe_path
 from ._graph import simplify

@@ -10,6 +10,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from .._compat import distribution_contains, set_trial_param
 from ._base import Searcher
 
 if TYPE_CHECKING:
@@ -139,7 +140,7 @@ class _Given:
         dist = self.space[name].distribution()
         try:
             internal = dist.to_internal_repr(value)
-            inside = dist._contains(internal) and not (
+            inside = distribution_contains(dist, internal) and not (
                 isinstance(internal, float) and math.isnan(internal)
             )
         except (TypeError, ValueError):
@@ -150,7 +151,7 @@ class _Given:
                 f"outside the search space ({self.space.path}.{name}: {dist})"
             )
         if self.trial is not None:
-            self.trial.storage.set_trial_param(self.trial._trial_id, name, internal, dist)
+            set_trial_param(self.trial, name, internal, dist)
         return dist.to_external_repr(internal)
 
     def suggest_float(self, name: str, *args: Any, **kwargs: Any) -> Any:

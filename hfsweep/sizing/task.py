@@ -24,9 +24,8 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from .._compat import TorchDispatchMode, pytree
 from .._malloc import retaining_freed_memory
 from ..fusion import fuse
 from ..training.step import any_smoothing, backward, update

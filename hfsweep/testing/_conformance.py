@@ -18,9 +18,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
+from .._compat import pytree
 from ..fusion import FusedArray, fuse
 
 __all__ = ["assert_fusion_matches", "assert_trees_close"]

@@ -40,6 +40,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._compat import sparse_tensor_rebuilders
+
 __all__ = [
     "Unloaded",
     "UnsafeFileError",
@@ -109,8 +111,7 @@ def _plain_globals() -> dict[str, Any]:
         pathlib.WindowsPath,
         torch.Size,
         torch.device,
-        torch.serialization._get_layout,  # sparse tensors
-        torch._utils._rebuild_sparse_tensor,
+        *sparse_tensor_rebuilders(),
     ]
     table = {f"{f.__module__}.{f.__qualname__}": f for f in allowed}
     paths = (pathlib.PurePosixPath, pathlib.PureWindowsPath, pathlib.PosixPath, pathlib.WindowsPath)
