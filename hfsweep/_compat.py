@@ -25,6 +25,8 @@ if TYPE_CHECKING:
     import optuna
 
 __all__ = [
+    "GCS_PROBE",
+    "TORCH_BINDING_OWNERS",
     "OpOverload",
     "TorchDispatchMode",
     "distribution_contains",
@@ -35,6 +37,8 @@ __all__ = [
     "ray_loopback_switch",
     "set_trial_param",
     "sparse_tensor_rebuilders",
+    "study_id",
+    "study_storage",
     "trial_for",
     "trial_id",
     "tune_scheduler_attr",
@@ -47,12 +51,31 @@ __all__ = [
 # an ATen operator in a traced graph (torch.fx graphs hold them as node targets).
 
 
+#: where torch's generated C bindings live: the functions of ``torch`` and the methods of tensors
+TORCH_BINDING_OWNERS: tuple[Any, ...] = (torch._C._VariableFunctions, torch._C.TensorBase)
+
+
 def sparse_tensor_rebuilders() -> list[Callable[..., Any]]:
     """The functions a pickled sparse tensor names (allowed when loading a checkpoint)."""
     return [torch.serialization._get_layout, torch._utils._rebuild_sparse_tensor]
 
 
 # ---------------------------------------------------------------- optuna
+
+
+# Optuna's private classes a storage implementing Optuna's interface needs are in
+# hfsweep/_compat_optuna.py, so that importing this module (the fusion core does) does not
+# import Optuna.
+
+
+def study_storage(study: optuna.Study) -> Any:
+    """The storage ``study`` reads and writes (Optuna's own object, wrappers included)."""
+    return study._storage
+
+
+def study_id(study: optuna.Study) -> int:
+    """The storage's id of ``study``."""
+    return int(study._study_id)
 
 
 def trial_for(study: optuna.Study, frozen: optuna.trial.FrozenTrial) -> optuna.Trial:
@@ -83,6 +106,16 @@ def distribution_contains(dist: optuna.distributions.BaseDistribution, internal:
 
 
 # ---------------------------------------------------------------- ray
+
+
+#: a child process's script that asks the GCS server at ``argv[1]`` for its live nodes within
+#: ``argv[2]`` seconds and prints their number (Ray's client has no public, bounded probe)
+GCS_PROBE = (
+    "import sys\n"
+    "from ray._raylet import GcsClient\n"
+    "nodes = GcsClient(address=sys.argv[1]).get_all_node_info(timeout=float(sys.argv[2]))\n"
+    "print(sum(1 for n in nodes.values() if n.state == 0))\n"
+)
 
 
 def ray_loopback_switch() -> Any | None:

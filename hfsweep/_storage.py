@@ -20,8 +20,8 @@ from collections.abc import Callable, Container, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from optuna.storages import BaseStorage
-from optuna.storages._heartbeat import BaseHeartbeat
 
+from ._compat_optuna import BaseHeartbeat, FrozenStudy
 from ._dburl import expand, mask, scrub
 from ._engine import SweepError
 
@@ -29,7 +29,6 @@ if TYPE_CHECKING:
     import optuna
     from optuna.distributions import BaseDistribution
     from optuna.study import StudyDirection
-    from optuna.study._frozen import FrozenStudy
     from optuna.trial import FrozenTrial, TrialState
 
 __all__ = [

@@ -121,3 +121,35 @@ def test_ray_private_names(monkeypatch: pytest.MonkeyPatch) -> None:
     assert isinstance(_compat.ray_localhost_rewritten("127.0.0.1"), str)
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6390")
     assert _compat.ray_auto_address() == "127.0.0.1:6390"
+
+
+def test_no_private_name_outside_the_compat_module() -> None:
+    """Code outside hfsweep/_compat.py (and _compat_optuna.py) reaches torch's, Optuna's and Ray's private names only
+    through it (torch's ``_foreach_*`` kernels excepted: torch.optim's own building blocks)."""
+    root = Path(__file__).resolve().parents[1]
+    private = re.compile(
+        r"torch\.utils\._|torch\._(ops|utils|C)\b|serialization\._|\bray\._|"
+        r"\boptuna\.\w*\._|from optuna\._|\._trial_id\b|\._contains\(|study\._st"
+    )
+    found = [
+        f"{path.relative_to(root)}:{number}: {line.strip()}"
+        for folder in ("hfsweep", "schedulers", "search_spaces")
+        for path in sorted((root / folder).rglob("*.py"))
+        if path.name not in ("_compat.py", "_compat_optuna.py")
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if private.search(line.split("#", 1)[0])
+    ]
+    assert found == []
+
+
+def test_optuna_private_classes() -> None:
+    from optuna.storages import BaseStorage
+
+    from hfsweep._compat_optuna import BaseHeartbeat, FrozenStudy
+
+    study = optuna.create_study(study_name="compat")
+    storage = study._storage
+    assert isinstance(storage, BaseStorage)
+    assert all(isinstance(s, FrozenStudy) for s in storage.get_all_studies())
+    rdb = optuna.storages.RDBStorage("sqlite:///:memory:", heartbeat_interval=60)
+    assert isinstance(rdb, BaseHeartbeat) and rdb.get_heartbeat_interval() == 60

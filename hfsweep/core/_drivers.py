@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from .._compat import trial_for
+from .._compat import study_id, study_storage, trial_for
 from .._io import atomic_write_text
 from ._study_lock import StudyLock
 
@@ -180,7 +180,7 @@ class Drivers:
         self.shared = shared
         self.every = every
         self.grace = grace
-        self.lock = StudyLock(study._storage, study.study_name)
+        self.lock = StudyLock(study_storage(study), study.study_name)
         self.host = socket.gethostname()
         self.node = _node()
         #: trials in the study as of the last count (every driver's)
@@ -222,7 +222,9 @@ class Drivers:
             "time": _wall(),
             "ended": ended,
         }
-        self.study._storage.set_study_system_attr(self.study._study_id, _BEAT + self.id, record)
+        study_storage(self.study).set_study_system_attr(
+            study_id(self.study), _BEAT + self.id, record
+        )
 
     def _beating(self) -> None:
         while not self._stop.wait(self.every):
@@ -258,7 +260,7 @@ class Drivers:
     # ------------------------------------------------------------------ owners
     def beats(self) -> dict[str, Beat]:
         """Every driver's last heartbeat recorded in the study, by driver id."""
-        attrs = self.study._storage.get_study_system_attrs(self.study._study_id)
+        attrs = study_storage(self.study).get_study_system_attrs(study_id(self.study))
         out = {}
         for key, raw in attrs.items():
             if key.startswith(_BEAT):
@@ -365,7 +367,7 @@ class Drivers:
         adopts a trial whose driver's heartbeat stopped for longer than the grace period)."""
         if not self.shared:
             return True
-        trial = self.study._storage.get_trial(trial_id)
+        trial = study_storage(self.study).get_trial(trial_id)
         return trial.user_attrs.get(DRIVER_ATTR) == self.id
 
     # ------------------------------------------------------------------ budget

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._compat import (
+    GCS_PROBE,
     ray_auto_address,
     ray_is_localhost,
     ray_localhost_rewritten,
@@ -40,13 +41,6 @@ from .._compat import (
 
 __all__ = ["ClusterUnreachable", "Reached", "connect", "on_loopback", "reach"]
 
-#: the child that asks the GCS server for its nodes (argv: address, seconds)
-_GCS_PROBE = (
-    "import sys\n"
-    "from ray._raylet import GcsClient\n"
-    "nodes = GcsClient(address=sys.argv[1]).get_all_node_info(timeout=float(sys.argv[2]))\n"
-    "print(sum(1 for n in nodes.values() if n.state == 0))\n"
-)
 #: the environment variable that stops Ray from rewriting loopback addresses
 REWRITE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 _rewrite_lock = threading.Lock()
@@ -189,7 +183,7 @@ def _gcs(address: str, deadline: float, timeout_s: float, given: str) -> int | N
         if left <= 0:
             raise subprocess.TimeoutExpired("gcs probe", 0)
         done = subprocess.run(
-            [sys.executable, "-c", _GCS_PROBE, address, f"{max(left - 0.5, 0.5):g}"],
+            [sys.executable, "-c", GCS_PROBE, address, f"{max(left - 0.5, 0.5):g}"],
             capture_output=True,
             text=True,
             timeout=left,

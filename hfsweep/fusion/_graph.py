@@ -16,7 +16,7 @@ from typing import Any, cast
 import torch
 from torch import fx
 
-from .._compat import OpOverload
+from .._compat import TORCH_BINDING_OWNERS, OpOverload
 
 __all__ = ["PUBLIC_FUNCTIONS", "simplify"]
 
@@ -124,7 +124,7 @@ _BUILTINS = (types.BuiltinFunctionType, types.MethodDescriptorType)
 
 def _binding(name: str) -> Callable[..., Any] | None:
     """torch's generated C binding ``name``: a function of ``torch`` or a method of tensors."""
-    for owner in (torch._C._VariableFunctions, torch._C.TensorBase):
+    for owner in TORCH_BINDING_OWNERS:
         fn = getattr(owner, name, None)
         if isinstance(fn, _BUILTINS):
             return cast(Callable[..., Any], fn)

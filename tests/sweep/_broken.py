@@ -78,11 +78,11 @@ def _per_sample_loss(out: Tensor, y: Tensor) -> Tensor:
 
 def _small_arrays_only(out: Tensor, y: Tensor) -> Tensor:
     """Each member's cross-entropy, for arrays of up to 2 members (the dry run's size): larger
-    ones, such as the profiler measures, raise. Each call sleeps 20 ms, whatever the array's
+    ones, such as the profiler measures, raise. Each call sleeps 100 ms, whatever the array's
     size, so the profiler's throughput doubles with B however loaded the machine is, and its
     doubling always reaches B=4 (with the tiny model alone, a busy machine could make B=2 look
     slower than B=1 and stop the search there)."""
-    time.sleep(0.02)
+    time.sleep(0.1)
     if out.shape[0] > 2:
         raise RuntimeError(f"this loss takes arrays of up to 2 members, got {out.shape[0]}")
     target = y.unsqueeze(0).expand(out.shape[0], -1)
