@@ -6,9 +6,9 @@ Optuna are imported only where a sweep uses them.
 """
 
 from . import optim
-from ._engine import SweepError, SweepResult, TrainingError, sweep
 from ._errors import FusionError
 from ._retrain import Retrained, retrain
+from .core.loop import SweepError, SweepResult, TrainingError, sweep
 from .fusion import FusedArray, fuse, member_losses
 from .searchers import Searcher
 from .sizing.task import profile_task

@@ -23,7 +23,7 @@ from optuna.storages import BaseStorage
 
 from ._compat_optuna import BaseHeartbeat, FrozenStudy
 from ._dburl import expand, mask, scrub
-from ._engine import SweepError
+from .core.loop import SweepError
 
 if TYPE_CHECKING:
     import optuna

@@ -171,10 +171,10 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from ._engine import SweepError, TrainingError, sweep
     from ._preflight import preflight
     from ._storage import StorageUnavailable
     from .config import ConfigError, load_sweep
+    from .core.loop import SweepError, TrainingError, sweep
     from .searchers._source import SearcherError
 
     try:

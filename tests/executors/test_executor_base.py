@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 import hfsweep as hs
-from hfsweep import _engine
+from hfsweep.core import loop as _engine
 from hfsweep.executors import Executor, LocalExecutor, RayExecutor
 
 

@@ -329,7 +329,7 @@ def test_a_sweep_groups_its_flushes_and_leaves_every_file_flushed(
     interval = 0.2
     real = grouped_sync
     monkeypatch.setattr(
-        "hfsweep._engine.grouped_sync", lambda interval=interval: real(interval=interval)
+        "hfsweep.core.loop.grouped_sync", lambda interval=interval: real(interval=interval)
     )
     run = tmp_path / "run"
     start = time.monotonic()

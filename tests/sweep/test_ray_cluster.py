@@ -25,7 +25,7 @@ import optuna
 import pytest
 
 import hfsweep as hs
-from hfsweep._engine import _Engine
+from hfsweep.core.loop import _Engine
 
 from ._toy import GATE_ENV, GATED_TASK, sweep_config
 

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 import hfsweep as hs
-from hfsweep._engine import _Engine
 from hfsweep._progress import Progress
+from hfsweep.core.loop import _Engine
 
 from ._toy import sweep_config
 

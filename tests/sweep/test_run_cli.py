@@ -122,14 +122,14 @@ def test_a_run_ends_with_its_run_directory_and_the_report_command(
 def test_an_interrupted_run_says_how_to_resume_and_to_report(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import hfsweep._engine
+    import hfsweep.core.loop
 
     def interrupted(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt
 
     (tmp_path / "sweep.yaml").write_text(TOY_SWEEP)
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(hfsweep._engine, "sweep", interrupted)
+    monkeypatch.setattr(hfsweep.core.loop, "sweep", interrupted)
     assert main(["run", "sweep.yaml", "--output", "my runs/one", "--quiet"]) == 130
     err = capsys.readouterr().err
     assert "interrupted. Every finished trial is recorded in my runs/one;" in err

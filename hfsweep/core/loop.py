@@ -38,32 +38,32 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._compat import trial_for, trial_id
-from ._dburl import mask, shown
-from ._io import atomic_save, grouped_sync
-from ._preflight import preflight
-from ._progress import Progress
-from ._rundir import RunDir, RunDirBusy, StateVersionError, member_id, trial_number
-from ._usercode import HOOK, NOT_TRAINING, describe, label, phase_of, unwrap
-from .config import SweepConfig, load_sweep, make_sampler, make_searcher, parse_sweep
-from .core._drivers import Drivers
-from .core.ledger import Ledger
-from .core.packer import NON_LEARNING, Packer, Pending, limit_for_learning
-from .core.status import Status
-from .executors import Executor, ExecutorError, LocalExecutor, Stopped
-from .schedulers import OptunaPruner, Report, make_scheduler
-from .search_spaces import FixedParam
-from .searchers import Searcher
-from .searchers._source import CustomSource, OptunaSource, TrialSource
-from .sizing.device import DTYPES as _DTYPES
-from .sizing.device import resolve_device
-from .training.packed import UnsafeFileError
-from .training.trainer import ArrayTrainer, Evaluation, Member, MemberResult, _DataCache
+from .._compat import trial_for, trial_id
+from .._dburl import mask, shown
+from .._io import atomic_save, grouped_sync
+from .._preflight import preflight
+from .._progress import Progress
+from .._rundir import RunDir, RunDirBusy, StateVersionError, member_id, trial_number
+from .._usercode import HOOK, NOT_TRAINING, describe, label, phase_of, unwrap
+from ..config import SweepConfig, load_sweep, make_sampler, make_searcher, parse_sweep
+from ..executors import Executor, ExecutorError, LocalExecutor, Stopped
+from ..schedulers import OptunaPruner, Report, make_scheduler
+from ..search_spaces import FixedParam
+from ..searchers import Searcher
+from ..searchers._source import CustomSource, OptunaSource, TrialSource
+from ..sizing.device import DTYPES as _DTYPES
+from ..sizing.device import resolve_device
+from ..training.packed import UnsafeFileError
+from ..training.trainer import ArrayTrainer, Evaluation, Member, MemberResult, _DataCache
+from ._drivers import Drivers
+from .ledger import Ledger
+from .packer import NON_LEARNING, Packer, Pending, limit_for_learning
+from .status import Status
 
 if TYPE_CHECKING:
     import optuna
 
-    from ._journal import GroupedJournalFileBackend
+    from .._journal import GroupedJournalFileBackend
 
 __all__ = ["SweepError", "SweepResult", "TrainingError", "sweep"]
 
@@ -235,7 +235,7 @@ def sweep(
     data = _DataCache()  # the dry run's data, which the local backend's arrays train on
     if sc.backend != "ray" or sc.ray.address is None:
         # before anything is written, and before the time limit's clock starts
-        from ._dryrun import dry_run
+        from .._dryrun import dry_run
 
         dry_run(sc, data=data)
     if searcher is None and sc.searcher.custom:
@@ -385,7 +385,7 @@ class _Engine:
         sc = self.sc
         dtype = _DTYPES[sc.fusion.dtype]
         if sc.backend == "ray":
-            from .executors._ray import RayExecutor
+            from ..executors._ray import RayExecutor
 
             try:
                 self.executor = RayExecutor(
@@ -456,7 +456,7 @@ class _Engine:
 
         storage: Any = self.sc.storage
         if storage is not None:
-            from ._storage import open_storage, study_exists
+            from .._storage import open_storage, study_exists
 
             resume = f"hfsweep run {self.sc.source} --resume" if self.sc.source else "resume=True"
             storage = open_storage(
@@ -470,7 +470,7 @@ class _Engine:
                     "back, or start a new sweep in another output directory"
                 )
         else:
-            from ._journal import GroupedJournalFileBackend
+            from .._journal import GroupedJournalFileBackend
 
             self._journal = GroupedJournalFileBackend(self.dir.journal)
             if self._dir_locked:  # no other sweep can be writing it
@@ -1081,7 +1081,7 @@ class _Engine:
         """The last :meth:`_publish` of a run. While an error stops the sweep, a storage that
         is not answering (the likely error) leaves the files as they are, and the error that
         stopped the sweep is the one raised: resuming writes them again."""
-        from ._storage import StorageUnavailable
+        from .._storage import StorageUnavailable
 
         stopping = sys.exc_info()[1] is not None
         try:
