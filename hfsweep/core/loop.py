@@ -6,7 +6,10 @@
 trains a pool's trials as one fused array once it holds the array's size (``fusion.size``, or
 the profiler's choice), hands every evaluation of an array to the trial scheduler at once (a
 joint decision per rung), refills a slot the moment its trial ends with a new trial of the same
-key, and tells the study how each trial ended.
+key, and tells the study how each trial ended. The pools, array sizes and refill are the
+packer's (:mod:`hfsweep.core.packer`), the persisted state the ledger's
+(:mod:`hfsweep.core.ledger`); opening and resuming the study, the executor's hooks and the
+sweep's outcome are parts of the engine in modules of their own (:mod:`hfsweep.core._parts`).
 
 Crash safety: the Optuna study (a journal file in the run directory by default) records every
 trial, its params, intermediate values and end; each array's trainer checkpoints at every
@@ -24,40 +27,39 @@ import json
 import logging
 import math
 import os
-import sys
 import threading
 import time
 import warnings
-from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .._compat import trial_for, trial_id
-from .._dburl import mask, shown
-from .._io import atomic_save, grouped_sync
+from .._io import grouped_sync
 from .._preflight import preflight
 from .._progress import Progress
-from .._rundir import RunDir, RunDirBusy, StateVersionError, member_id, trial_number
-from .._usercode import HOOK, NOT_TRAINING, describe, label, phase_of, unwrap
-from ..config import SweepConfig, load_sweep, make_sampler, make_searcher, parse_sweep
+from .._rundir import RunDir, RunDirBusy, member_id, trial_number
+from .._usercode import HOOK, NOT_TRAINING, label, phase_of, unwrap
+from ..config import SweepConfig, load_sweep, make_searcher, parse_sweep
 from ..executors import Executor, ExecutorError, LocalExecutor, Stopped
-from ..schedulers import OptunaPruner, Report, make_scheduler
+from ..schedulers import OptunaPruner, make_scheduler
 from ..search_spaces import FixedParam
 from ..searchers import Searcher
 from ..searchers._source import CustomSource, OptunaSource, TrialSource
 from ..sizing.device import DTYPES as _DTYPES
 from ..sizing.device import resolve_device
 from ..training.packed import UnsafeFileError
-from ..training.trainer import ArrayTrainer, Evaluation, Member, MemberResult, _DataCache
+from ..training.trainer import ArrayTrainer, Member, _DataCache
 from ._drivers import Drivers
+from ._hooks import _Hooks
+from ._outcome import _Outcome
+from ._parts import _Array
+from ._resume import _Resume
 from .ledger import Ledger
 from .packer import NON_LEARNING, Packer, Pending, limit_for_learning
+from .result import SweepError, SweepResult, TrainingError, _Failed
 from .status import Status
 
 if TYPE_CHECKING:
@@ -69,127 +71,8 @@ __all__ = ["SweepError", "SweepResult", "TrainingError", "sweep"]
 
 _log = logging.getLogger("hfsweep.sweep")
 
-#: settings a resumed sweep may change: they do not touch anything already trained
-_MAY_CHANGE_ON_RESUME = (
-    "budget.trials",
-    "budget.time_limit",
-    "output",
-    "backend",
-    "ray.",
-    "storage_retry",
-)
 #: the clock of a sweep's elapsed time and ``budget.time_limit`` (tests replace it with a fake)
 _clock: Callable[[], float] = time.perf_counter
-#: completed trials whose model state_dict is kept in checkpoints/
-_KEEP_BEST = 3
-#: seconds between rewrites of trials.csv and best.json while a sweep runs (each rewrite reads
-#: the whole study, so rewriting after every trial would cost O(trials^2) over a sweep); the
-#: journal and the ledger's log get a line at every trial end, and both files are rewritten at
-#: the end
-_PUBLISH_EVERY_S = 5.0
-#: ...and at least this many times as long as the last rewrite took, so that rewriting them
-#: (which grows with the trials) takes at most 1/_PUBLISH_SHARE of a long sweep's time
-_PUBLISH_SHARE = 20
-#: what to do about a state.json that is missing or cannot be read
-_STATE_LOST = (
-    "It holds the scheduler's state and the log of its decisions, which the study cannot "
-    "rebuild: resuming without it would take other pruning decisions. Restore the file (from "
-    "a backup), or start the sweep again with another `output` directory; the trials finished "
-    "so far stay readable with `hfsweep report`"
-)
-
-
-class SweepError(Exception):
-    """A sweep cannot start or go on: the message says why and what to do."""
-
-
-class TrainingError(SweepError):
-    """Training stopped because code raised while an array trained (or while the profiler
-    measured one): almost always the task's code (its model's forward, its loss, its data),
-    which would fail every trial alike.
-
-    The trials that array held and every other unfinished trial are marked ``FAIL`` in the
-    study, the reason in their user attr ``error``; no trial is left ``RUNNING``. The exception
-    that stopped the sweep is the ``__cause__``; the message names the array, the part of the
-    task that failed (the forward pass, the loss, ...) and, for a forward pass, the submodule.
-    """
-
-
-class _Failed(SweepError):
-    """An array's training (or a profile) raised: ``where`` it happened, the exception, and the
-    array's index (``None`` for a profile). The engine turns it into :class:`TrainingError`
-    (should one escape, it still reads as a sweep error)."""
-
-    def __init__(self, where: str, exc: Exception, array: int | None = None) -> None:
-        super().__init__(f"{where} raised {describe(exc)}")
-        self.where = where
-        self.exc = exc
-        self.array = array
-
-
-@dataclass
-class SweepResult:
-    """What a finished (or interrupted) sweep produced.
-
-    ``study`` is the Optuna study (every trial with its params, intermediate values, state and
-    user attrs ``array``, ``status``, ``steps``); ``best_*`` describe the best completed trial
-    (``None``/empty when none completed); ``counts`` the trials by Optuna state name.
-    """
-
-    run_dir: Path
-    study: optuna.Study
-    metric: str
-    mode: str
-    best_trial: optuna.trial.FrozenTrial | None
-    best_value: float | None
-    best_params: dict[str, Any]
-    best_config: dict[str, Any]
-    counts: dict[str, int]
-    wall_s: float
-    arrays: int
-    best_checkpoint: Path | None = None
-    top: list[optuna.trial.FrozenTrial] = field(default_factory=list)
-
-    def summary(self, top: int = 5) -> str:
-        """The end-of-sweep report: counts, the best trial and a table of the top trials."""
-        c = self.counts
-        done = c.get("COMPLETE", 0) + c.get("PRUNED", 0) + c.get("FAIL", 0)
-        lines = [
-            f"Sweep finished in {self.wall_s:.1f} s: {done} trials ({c.get('COMPLETE', 0)} "
-            f"complete, {c.get('PRUNED', 0)} pruned, {c.get('FAIL', 0)} failed) in "
-            f"{self.arrays} fused array(s)"
-            + (f", {c['RUNNING']} still running" if c.get("RUNNING") else "")
-        ]
-        failed = [t for t in self.study.get_trials(deepcopy=False) if t.state.name == "FAIL"]
-        if failed:
-            reasons = Counter(str(t.user_attrs.get("error", "no error recorded")) for t in failed)
-            shown = "; ".join(f"{n} x {why}" for why, n in reasons.most_common(2))
-            more = f"; {len(reasons) - 2} other reasons" if len(reasons) > 2 else ""
-            lines.append(f"Failed: {shown}{more} (trials.csv, column user_attrs_error)")
-        if self.best_trial is None:
-            lines.append("No trial completed, so there is no best trial.")
-        else:
-            lines.append(
-                f"Best {self.metric}: {self.best_value:.6g} (trial {self.best_trial.number})"
-            )
-            lines.append(
-                "Best params: " + ", ".join(f"{k}={_fmt(v)}" for k, v in self.best_params.items())
-            )
-            rows = self.top[:top]
-            names = sorted({p for t in rows for p in t.params})
-            header = ["trial", self.metric, *names]
-            table = [header] + [
-                [str(t.number), _fmt(t.value), *(_fmt(t.params.get(n, "")) for n in names)]
-                for t in rows
-            ]
-            widths = [max(len(r[i]) for r in table) for i in range(len(header))]
-            lines.append(f"Top {len(rows)} completed trials:")
-            lines += [
-                "  " + "  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) for r in table
-            ]
-        files = "trials.csv, best.json, histories/, checkpoints/"
-        lines.append(f"Run directory: {self.run_dir} ({files})")
-        return "\n".join(lines)
 
 
 def sweep(
@@ -243,14 +126,6 @@ def sweep(
     return _Engine(sc, resume=resume, progress=progress, searcher=searcher, data=data).run()
 
 
-@dataclass
-class _Array:
-    index: int
-    key: str
-    size: int
-    done: bool = False
-
-
 class _InLedger:
     """An engine attribute that is the ledger's (``engine.sizes`` is ``engine.ledger.sizes``)."""
 
@@ -264,8 +139,9 @@ class _InLedger:
         setattr(engine.ledger, self.name, value)
 
 
-class _Engine:
-    """One run of one sweep (see the module docstring)."""
+class _Engine(_Resume, _Hooks, _Outcome):
+    """One run of one sweep (see the module docstring); its parts are the mixins it is made
+    of (see :mod:`hfsweep.core._parts`)."""
 
     #: the persisted state, kept by the ledger (see :class:`~hfsweep.core.ledger.Ledger`)
     decisions: dict[str, bool] = _InLedger()  # type: ignore[assignment]
@@ -415,246 +291,12 @@ class _Engine:
         finally:
             self.executor.close()
 
-    def _prepare_dir(self) -> dict[str, Any] | None:
-        try:
-            state = self.dir.read_state()
-        except StateVersionError as exc:
-            raise SweepError(f"cannot resume {self.dir.path}: {exc}") from None
-        except ValueError as exc:
-            raise SweepError(f"cannot resume {self.dir.path}: {exc}. {_STATE_LOST}") from None
-        has_study = state is not None or (self.sc.storage is None and self.dir.journal.exists())
-        if has_study and not self.resume:
-            raise SweepError(
-                f"{self.dir.path} already holds a sweep; continue it with "
-                f"`hfsweep run {self.sc.source or 'SWEEP'} --resume` (hs.sweep(..., "
-                "resume=True)), or set `output` to another directory"
-            )
-        if has_study and self.dir.config.exists():
-            before = json.loads(self.dir.config.read_text(encoding="utf-8"))
-            before["storage"] = mask(before.get("storage"))  # as an older hfsweep wrote it
-            now = json.loads(json.dumps(self.sc.to_dict()))
-            flat_b, flat_n = _flatten(before), _flatten(now)
-            changed = [
-                path
-                for path in sorted(flat_b.keys() | flat_n.keys())
-                if flat_b.get(path) != flat_n.get(path)
-                and not path.startswith(_MAY_CHANGE_ON_RESUME)
-            ]
-            if changed:
-                raise SweepError(
-                    f"cannot resume {self.dir.path}: the sweep config changed since it started: "
-                    + "; ".join(f"{p}: {flat_b.get(p)!r} -> {flat_n.get(p)!r}" for p in changed[:5])
-                    + f". Only {', '.join(_MAY_CHANGE_ON_RESUME)} may change on resume; restore "
-                    "the config or start a new sweep in another output directory"
-                )
-        self.dir.path.mkdir(parents=True, exist_ok=True)
-        self.dir.write_config(self.sc.to_dict())
-        return state
-
-    def _open_study(self) -> optuna.Study:
-        import optuna
-
-        storage: Any = self.sc.storage
-        if storage is not None:
-            from .._storage import open_storage, study_exists
-
-            resume = f"hfsweep run {self.sc.source} --resume" if self.sc.source else "resume=True"
-            storage = open_storage(
-                storage, retry_s=self.sc.storage_retry_s, resume=resume, say=self.progress.note
-            )
-            if self.dir.state.exists() and not study_exists(storage, self.sc.study_name):
-                raise SweepError(
-                    f"cannot resume {self.dir.path}: storage {shown(self.sc.storage or '')} "
-                    f"holds no study {self.sc.study_name!r}, which this sweep started: the URL "
-                    "(or an environment variable it names) now names another database; set it "
-                    "back, or start a new sweep in another output directory"
-                )
-        else:
-            from .._journal import GroupedJournalFileBackend
-
-            self._journal = GroupedJournalFileBackend(self.dir.journal)
-            if self._dir_locked:  # no other sweep can be writing it
-                self._journal.clear_stale_lock()
-            torn = self._journal.drop_torn_tail()
-            if torn is not None:
-                message = (
-                    f"{torn.describe(self.dir.journal)}. The trial it belonged to is told "
-                    "again from its array's checkpoint, or trained again"
-                )
-                _log.warning("%s", message)
-                warnings.warn(message, stacklevel=5)  # hs.sweep's caller
-            try:
-                storage = optuna.storages.JournalStorage(self._journal)
-            except ValueError as exc:  # a line in the middle that is no record
-                raise SweepError(
-                    f"{self.dir.journal} cannot be read as an Optuna journal ({exc}): it is "
-                    "damaged before its last record, which resuming cannot repair; restore it "
-                    "from a backup, or start the sweep again in another output directory"
-                ) from None
-        pruner = (
-            self.scheduler.pruner
-            if isinstance(self.scheduler, OptunaPruner)
-            else optuna.pruners.NopPruner()
-        )
-        try:
-            study = optuna.create_study(
-                storage=storage,
-                study_name=self.sc.study_name,
-                sampler=make_sampler(self.sc.searcher, self.sc.space),
-                pruner=pruner,
-                direction="maximize" if self.sc.mode == "max" else "minimize",
-                load_if_exists=self.resume,
-            )
-        except ImportError as exc:  # the storage URL's database driver
-            raise SweepError(
-                f"storage {shown(self.sc.storage or '')}: {exc}; install the database driver "
-                'it names (for PostgreSQL, pip install "hfsweep[postgres]")'
-            ) from exc
-        except optuna.exceptions.DuplicatedStudyError:
-            raise SweepError(
-                f"storage {shown(self.sc.storage or '')} already has a study named "
-                f"{self.sc.study_name!r}; resume it with --resume, or set another study_name"
-            ) from None
-        self.drivers = Drivers(study, self.dir.path, shared=self.sc.storage is not None)
-        self.drivers.start()
-        asked = len(study.get_trials(deepcopy=False))
-        if asked or self.drivers.seed_offset:
-            # the sampler's seed restarted with this process: offset it by the trials it
-            # already drew, else it would draw those trials' params again (and by the
-            # driver's, so that drivers sharing the study draw different ones)
-            seed = self.sc.searcher.seed + asked + self.drivers.seed_offset
-            study.sampler = make_sampler(replace(self.sc.searcher, seed=seed), self.sc.space)
-        return study
-
-    def _restore(self, saved: dict[str, Any] | None) -> None:
-        """Rebuild the engine's state from ``state.json`` and the study."""
-        from optuna.trial import TrialState
-
-        trials = self.study.get_trials(deepcopy=False)
-        assert self.drivers is not None
-        if saved is None and self.drivers.asked_any(trials):
-            raise SweepError(
-                f"cannot resume {self.dir.path}: its study holds {len(trials)} trial(s) but "
-                f"{self.dir.state} is missing. {_STATE_LOST}"
-            )
-        if saved is not None:
-            try:
-                self.ledger.restore(saved, _Array)
-                self.packer.sizes = (
-                    self.ledger.sizes
-                )  # one dict: the packer sizes, the ledger saves
-            except (KeyError, TypeError, ValueError, AttributeError) as exc:
-                raise SweepError(
-                    f"cannot resume {self.dir.path}: {self.dir.state} (with the changes in "
-                    f"{self.dir.state_log.name}) is not the state this sweep wrote "
-                    f"({type(exc).__name__}: {exc}). {_STATE_LOST}"
-                ) from None
-        self.asked = len(trials)
-        with self.drivers.lock:  # no other driver adopts or asks meanwhile
-            own, adopted = self.drivers.claim(trials)
-        taken = {member_id(t.number) for t in [*own, *adopted]}
-        for a in self.arrays:
-            if a.done:
-                self.dir.remove_array(a.index)  # a crash may have come before its removal
-        # members each unfinished array's checkpoint holds; the others go back to a pool
-        known = {
-            a.index: ArrayTrainer.checkpointed_members(self.dir.array(a.index))
-            for a in self.arrays
-            if not a.done
-        }
-        for a in self.arrays:
-            if a.index in known:
-                self._resume_or_drop(a, known, taken)
-        held = set().union(*known.values())
-        # ends the trainer delivered (it will not deliver them again) whose record in the
-        # study was lost with a torn journal: told again below
-        delivered = {
-            member: result
-            for a in self.arrays
-            if not a.done
-            for member, result in ArrayTrainer.delivered_results(self.dir.array(a.index)).items()
-            if member in taken
-        }
-        retell: list[MemberResult] = []
-        for t in sorted(trials, key=lambda t: t.number):
-            if t.state == TrialState.RUNNING and member_id(t.number) not in taken:
-                continue  # another live driver trains it
-            if t.state != TrialState.RUNNING:
-                status = Status.of_trial_state(t.state)
-                if status.final:
-                    self.progress.states[status] += 1
-                    try:
-                        told = self._params(t)
-                    except ValueError:  # failed before all its params were recorded
-                        told = dict(t.params)
-                    self.source.tell(t.number, told, status.told, t.value)
-                continue
-            keyed = self._take_up(t)
-            if keyed is None:
-                continue
-            key, config = keyed
-            member = member_id(t.number)
-            if member in delivered:
-                retell.append(delivered[member])
-            elif member not in held:  # no array's checkpoint holds it: it starts again
-                self._pool(key, Pending(t.number, config), size_now=True)
-        for result in retell:
-            _log.warning(
-                "trial %d: its end was lost from the study (a torn journal); told again from "
-                "its array's checkpoint",
-                trial_number(result.id),
-            )
-            with self._journal_held():
-                self._on_finish(result)
-        best = self._best_trial()
-        if best is not None and best.value is not None:
-            self.progress.set_best(best.value, best.number)
-        if trials:
-            _log.info(
-                "resuming: %d trials in the study, %d running, %d arrays unfinished",
-                len(trials),
-                len(self.live),
-                len(known),
-            )
-        if self.drivers.foreign:
-            _log.info("%d running trials belong to other drivers", self.drivers.foreign)
-
-    def _resume_or_drop(self, a: _Array, known: dict[int, set[str]], taken: set[str]) -> None:
-        """Resume unfinished array ``a`` if its checkpoint holds a running trial of this driver;
-        else (every trial it held has ended, or other drivers adopted them while this one was
-        away) drop it."""
-        mine = sorted(known[a.index] & taken, key=trial_number)
-        if mine:
-            _log.info("array %d: resuming %s from its checkpoint", a.index, ", ".join(mine))
-            return
-        _log.info("array %d: none of its trials is left to this driver; dropped", a.index)
-        del known[a.index]
-        a.done = True
-        self.dir.remove_array(a.index)
-
-    def _take_up(self, t: optuna.trial.FrozenTrial) -> tuple[str, dict[str, Any]] | None:
-        """Track running trial ``t`` (one of this driver's, after a resume or an adoption):
-        ``(compatibility key, config)``, or ``None`` after failing it (see :meth:`_admit`)."""
-        import optuna
-
-        trial = trial_for(self.study, t)
-        try:
-            # the recorded params; a custom searcher's trial must have all of them, an
-            # Optuna trial interrupted while it was being sampled draws the rest
-            sampled = self.sc.space.sample(
-                optuna.trial.FixedTrial(t.params) if self.custom is not None else trial
-            )
-        except (ValueError, TypeError) as exc:
-            self._fail_unstarted(trial, exc)
-            return None
-        keyed = self._admit(trial, sampled)
-        if keyed is not None and t.intermediate_values:
-            self.reported[t.number] = max(t.intermediate_values)
-        return keyed
-
     def _save_state(self) -> None:
         """Save what changed since the last save (one line appended to the ledger's log)."""
         self.ledger.save()
+
+    def _wall_s(self) -> float:
+        return _clock() - self.start
 
     def _elapsed(self) -> float:
         return self.elapsed_before + _clock() - self.start
@@ -748,74 +390,6 @@ class _Engine:
         self.study.tell(trial, state=Status.FAILED.trial_state())
         self.source.tell(trial.number, trial.params, Status.FAILED.told, None)
         self.progress.finished(Status.FAILED)
-
-    def _stop(self, failed: _Failed) -> TrainingError:
-        """End the sweep after ``failed``: every trial still running (the failed array's, the
-        other arrays', those waiting in a pool) is told ``FAIL`` with the reason in its user
-        attr ``error``, the unfinished arrays are dropped (their trials have ended), and the
-        error to raise is returned. Code that raises in one array's training step would raise
-        in every array's, so the sweep does not go on to fail the rest one by one."""
-        from optuna.trial import TrialState
-
-        exc = failed.exc
-        phase = phase_of(exc)
-        cause = describe(exc)
-        raised = "raised" + (f" in {phase} of task {self.task.name!r}" if phase else "")
-        _log.error("%s %s: %s", failed.where, raised, cause, exc_info=exc)
-        hit: list[int] = []
-        others = 0
-        with self._journal_held():
-            running = self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-            assert self.drivers is not None
-            for t in sorted(filter(self.drivers.owns, running), key=lambda t: t.number):
-                mine = failed.array is not None and t.user_attrs.get("array") == failed.array
-                if mine:
-                    hit.append(t.number)
-                    error = f"{failed.where} {raised}: {cause}"
-                else:
-                    others += 1
-                    error = f"stopped unfinished: {failed.where} {raised}: {cause}"
-                trial = self.live.pop(t.number, None) or trial_for(self.study, t)
-                trial.set_user_attr("status", "failed")
-                trial.set_user_attr("error", error[:1000])
-                self.ledger.end(member_id(t.number), Status.FAILED)
-                self.study.tell(trial, state=TrialState.FAIL)
-                self.reported.pop(t.number, None)
-                sampled = self.sampled.pop(t.number, None)
-                try:
-                    self.source.tell(t.number, sampled or dict(t.params), "failed", None)
-                except Exception as searcher_exc:  # the sweep is stopping for another reason
-                    _log.warning(
-                        "the searcher could not be told of trial %d: %s", t.number, searcher_exc
-                    )
-                self.progress.finished(Status.FAILED)
-            for a in self.arrays:
-                if not a.done:  # every trial it held has ended
-                    a.done = True
-                    self.dir.remove_array(a.index)
-            self._save_state()
-        trials = f" (trial{'s' if len(hit) > 1 else ''} {', '.join(map(str, hit))})" if hit else ""
-        told = []
-        if hit:
-            told.append(f"its {len(hit)} trial{'s' if len(hit) > 1 else ''}")
-        if others:
-            other = " other" if hit else ""
-            told.append(
-                f"{'the ' if not hit else ''}{others}{other} unfinished trial" + "s" * (others > 1)
-            )
-        marked = (
-            f"{' and '.join(told)} {'are' if len(hit) + others > 1 else 'is'} marked FAIL with "
-            "this error (user attr 'error'); no trial is left running"
-            if told
-            else "no trial was running"
-        )
-        resume = f"hfsweep run {self.sc.source} --resume" if self.sc.source else "resume=True"
-        return TrainingError(
-            f"training stopped: {failed.where}{trials} {raised}: {cause}. Code that fails in "
-            f"one array fails in the next, so the sweep stopped: {marked}. Fix the task, then "
-            f"start a new sweep or continue this one ({resume}; the failed trials count "
-            f"towards budget.trials). The traceback is in {self.dir.log}."
-        )
 
     # ------------------------------------------------------------------ arrays
     def _train_arrays(self) -> None:
@@ -946,234 +520,6 @@ class _Engine:
                 with self._journal.held():
                     yield
 
-    def _requeue(self, array: _Array, member: Member) -> None:
-        """A trial the executor hands back (its array restarted without it): it waits in its
-        key's pool again, for a refill or a later array."""
-        _log.info("trial %s goes back to the pool of array %d's key", member.id, array.index)
-        self.packer.requeue(array.key, Pending(trial_number(member.id), dict(member.config)))
-
-    def _refill(self, array: _Array) -> Member | None:
-        """A trial of the array's key for a freed slot: a waiting one, else a new one."""
-        taken = self.packer.refill(array.key, 1, str(array.index))
-        if not taken:
-            return None
-        p = taken[0]
-        self.live[p.number].set_user_attr("array", array.index)
-        return Member(member_id(p.number), p.config)
-
-    # ------------------------------------------------------------------ hooks
-    def _report(self, evaluations: list[Evaluation]) -> dict[str, bool]:
-        """Decide for every member evaluated now, jointly; replayed evaluations (after a
-        resume) get the decision already taken."""
-        answer: dict[str, bool] = {}
-        todo: list[tuple[Evaluation, Report]] = []
-        steps = 0
-        for e in evaluations:
-            if trial_number(e.member) not in self.live:  # ended elsewhere: another driver's
-                answer[e.member] = False
-                continue
-            logged = self.decisions.get(f"{e.member}@{e.step}")
-            if logged is not None:
-                answer[e.member] = logged
-                continue
-            if self.sc.metric not in e.metrics:
-                raise SweepError(
-                    f"the task's evaluation has no metric {self.sc.metric!r}; it reports "
-                    f"{sorted(e.metrics)}"
-                )
-            value = float(e.metrics[self.sc.metric])
-            resource = e.epoch if self.sc.budget.resource == "epochs" else float(e.step)
-            todo.append((e, Report(e.member, resource, value)))
-        if not todo:
-            return answer
-        if not isinstance(self.scheduler, OptunaPruner):
-            for _, r in todo:
-                self._report_to_study(r)
-        decided = self.ledger.decide([(r, e.step) for e, r in todo])
-        for e, r in todo:
-            answer[e.member] = decided[r.trial]
-            steps += e.step - int(self._last_step.get(e.member, 0))
-            self._last_step[e.member] = e.step
-        # every decision is saved before the searcher hears of any, so an error or a kill in
-        # a custom searcher's report() cannot leave the scheduler ahead of the decision log
-        self._save_state()
-        for _, r in todo:
-            self.source.report(trial_number(r.trial), round(r.resource), r.value)
-        self.progress.stepped(steps)
-        return answer
-
-    def _report_to_study(self, r: Report) -> None:
-        number = trial_number(r.trial)
-        step = math.floor(r.resource + 0.5)
-        if self.reported.get(number, -1) >= step:
-            return
-        self.live[number].report(r.value, step)
-        self.reported[number] = step
-
-    def _on_finish(self, result: MemberResult) -> None:
-        number = trial_number(result.id)
-        trial = self.live.get(number)
-        if trial is None or self._lost(number):
-            return  # told before a crash (the trainer delivers at least once), or adopted
-        self.ledger.end(result.id, result.status)
-        self.dir.write_history(number, result.history)
-        value = result.metrics.get(self.sc.metric)
-        status = Status.parse(result.status)
-        error = result.error
-        if status is Status.COMPLETED and (value is None or not math.isfinite(value)):
-            status, error = Status.FAILED, f"{self.sc.metric} is {value!r}"
-        trial.set_user_attr("status", result.status)
-        trial.set_user_attr("steps", result.steps)
-        if result.start_step is not None:  # where in its array's data it started (a refill's)
-            trial.set_user_attr("start_step", result.start_step)
-        if error is not None:
-            trial.set_user_attr("error", error)
-        if status is Status.COMPLETED and value is not None and result.state is not None:
-            self._keep_checkpoint(number, value, result.state["model"])
-        self._save_state()
-        if status is Status.COMPLETED:
-            self.study.tell(trial, value)
-        else:
-            self.study.tell(trial, state=status.trial_state())
-        told = value if status is not Status.FAILED else None
-        self.source.tell(number, self.sampled.pop(number), status.told, told)
-        del self.live[number]
-        self.reported.pop(number, None)
-        self.progress.finished(status)
-        if status is Status.COMPLETED and value is not None and self._improves(value, number):
-            self.progress.set_best(value, number)
-        self._publish()
-        _log.info(
-            "trial %d %s after %d steps: %s=%s",
-            number,
-            status.optuna_name.lower(),
-            result.steps,
-            self.sc.metric,
-            value,
-        )
-
-    def _lost(self, number: int) -> bool:
-        """Whether running trial ``number`` was adopted by another driver (this one's
-        heartbeat stopped for longer than the grace period): it is forgotten here."""
-        assert self.drivers is not None
-        if self.drivers.still_owns(trial_id(self.live[number])):
-            return False
-        _log.warning("trial %d: adopted by another driver while this one trained it", number)
-        del self.live[number]
-        self.sampled.pop(number, None)
-        self.reported.pop(number, None)
-        return True
-
-    def _publish(self, force: bool = False) -> None:
-        """Rewrite trials.csv and best.json from the study, at most every
-        ``_PUBLISH_EVERY_S`` seconds (and ``_PUBLISH_SHARE`` times the last rewrite's time)
-        unless ``force``."""
-        now = time.perf_counter()
-        wait = max(_PUBLISH_EVERY_S, _PUBLISH_SHARE * self._publish_s)
-        if not force and now - self._published < wait:
-            return
-        self._published = now
-        self.dir.write_trials(self.study.get_trials(deepcopy=False))
-        self.dir.write_best(self._best_record(self._best_trial()))
-        self._publish_s = time.perf_counter() - now
-
-    def _publish_last(self) -> None:
-        """The last :meth:`_publish` of a run. While an error stops the sweep, a storage that
-        is not answering (the likely error) leaves the files as they are, and the error that
-        stopped the sweep is the one raised: resuming writes them again."""
-        from .._storage import StorageUnavailable
-
-        stopping = sys.exc_info()[1] is not None
-        try:
-            self._publish(force=True)
-        except StorageUnavailable as exc:
-            if not stopping:
-                raise
-            _log.warning("trials.csv and best.json are not updated: %s", exc)
-
-    def _keep_checkpoint(self, number: int, value: float, model: Mapping[str, Any]) -> None:
-        """Keep trial ``number``'s weights if it is among the best completed trials."""
-        others = [b for b in self.best if b[1] != number]  # on_finish may come twice
-        ranked = sorted([*others, (value, number)], key=lambda b: self._rank(*b))
-        keep, drop = ranked[:_KEEP_BEST], ranked[_KEEP_BEST:]
-        if (value, number) in keep:
-            atomic_save(dict(model), self.dir.checkpoint(number))
-        for _, n in drop:
-            if n != number:
-                self.dir.checkpoint(n).unlink(missing_ok=True)
-        self.best = keep
-
-    # ------------------------------------------------------------------ results
-    def _rank(self, value: float | None, number: int) -> tuple[float, int]:
-        """Sort key of a completed trial: best value first, then lower trial number."""
-        sign = 1.0 if self.sc.mode == "max" else -1.0
-        return (-sign * float(value or 0.0), number)
-
-    def _improves(self, value: float, number: int) -> bool:
-        """Whether completed trial ``number`` ranks before the best shown so far."""
-        shown = self.progress.best
-        return shown is None or self._rank(value, number) < self._rank(*shown)
-
-    def _ranked(self) -> list[optuna.trial.FrozenTrial]:
-        """The completed trials, best first."""
-        from optuna.trial import TrialState
-
-        done = self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-        return sorted(done, key=lambda t: self._rank(t.value, t.number))
-
-    def _best_trial(self) -> optuna.trial.FrozenTrial | None:
-        ranked = self._ranked()
-        return ranked[0] if ranked else None
-
-    def _best_record(self, best: optuna.trial.FrozenTrial | None) -> dict[str, Any] | None:
-        if best is None:
-            return None
-        config = self.task.resolve(self.sc.trial_config(self._params(best)))
-        ckpt = self.dir.checkpoint(best.number)
-        return {
-            "number": best.number,
-            "metric": self.sc.metric,
-            "value": best.value,
-            "params": best.params,
-            "config": config,
-            "checkpoint": str(ckpt) if ckpt.exists() else None,
-        }
-
-    def _params(self, t: optuna.trial.FrozenTrial) -> dict[str, Any]:
-        """The sampled config of a finished trial (its params plus the space's fixed values)."""
-        import optuna
-
-        return self.sc.space.sample(optuna.trial.FixedTrial(t.params))
-
-    def _result(self) -> SweepResult:
-        from optuna.trial import TrialState
-
-        trials = self.study.get_trials(deepcopy=False)
-        counts = {s.name: 0 for s in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)}
-        counts["RUNNING"] = 0
-        for t in trials:
-            if t.state.name in counts:
-                counts[t.state.name] += 1
-        top = self._ranked()
-        best = top[0] if top else None
-        record = self._best_record(best)
-        ckpt = self.dir.checkpoint(best.number) if best is not None else None
-        return SweepResult(
-            run_dir=self.dir.path,
-            study=self.study,
-            metric=self.sc.metric,
-            mode=self.sc.mode,
-            best_trial=best,
-            best_value=best.value if best is not None else None,
-            best_params=dict(best.params) if best is not None else {},
-            best_config=record["config"] if record is not None else {},
-            counts=counts,
-            wall_s=_clock() - self.start,
-            arrays=len(self.arrays),
-            best_checkpoint=ckpt if ckpt is not None and ckpt.exists() else None,
-            top=top,
-        )
-
     # ------------------------------------------------------------------ display
     def _describe(self, config: Mapping[str, Any]) -> str:
         """The values of ``config`` that set its array apart (sampled shared params)."""
@@ -1224,20 +570,3 @@ def _quiet_optuna() -> Iterator[None]:
             yield
     finally:
         optuna.logging.set_verbosity(verbosity)
-
-
-def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        path = f"{prefix}.{k}" if prefix else str(k)
-        if isinstance(v, Mapping) and v:
-            out.update(_flatten(v, path))
-        else:
-            out[path] = v
-    return out
-
-
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)

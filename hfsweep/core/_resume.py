@@ -1,0 +1,303 @@
+"""The sweep engine's part that opens the run directory and the study and, on resume, rebuilds
+the engine's state from the ledger and the study (see :mod:`hfsweep.core._parts`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from .._compat import trial_for
+from .._dburl import mask, shown
+from .._rundir import StateVersionError, member_id, trial_number
+from ..config import make_sampler
+from ..schedulers import OptunaPruner
+from ..training.trainer import ArrayTrainer, MemberResult
+from ._drivers import Drivers
+from .packer import Pending
+from .status import Status
+
+if TYPE_CHECKING:
+    import optuna
+
+
+from ._parts import _Array, _Parts
+from .result import SweepError
+
+__all__: list[str] = []
+
+_log = logging.getLogger("hfsweep.sweep")
+
+#: settings a resumed sweep may change: they do not touch anything already trained
+_MAY_CHANGE_ON_RESUME = (
+    "budget.trials",
+    "budget.time_limit",
+    "output",
+    "backend",
+    "ray.",
+    "storage_retry",
+)
+
+#: what to do about a state.json that is missing or cannot be read
+_STATE_LOST = (
+    "It holds the scheduler's state and the log of its decisions, which the study cannot "
+    "rebuild: resuming without it would take other pruning decisions. Restore the file (from "
+    "a backup), or start the sweep again with another `output` directory; the trials finished "
+    "so far stay readable with `hfsweep report`"
+)
+
+
+def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        path = f"{prefix}.{k}" if prefix else str(k)
+        if isinstance(v, Mapping) and v:
+            out.update(_flatten(v, path))
+        else:
+            out[path] = v
+    return out
+
+
+class _Resume(_Parts):
+    """Opening the run directory and the study; rebuilding the state on resume."""
+
+    def _prepare_dir(self) -> dict[str, Any] | None:
+        try:
+            state = self.dir.read_state()
+        except StateVersionError as exc:
+            raise SweepError(f"cannot resume {self.dir.path}: {exc}") from None
+        except ValueError as exc:
+            raise SweepError(f"cannot resume {self.dir.path}: {exc}. {_STATE_LOST}") from None
+        has_study = state is not None or (self.sc.storage is None and self.dir.journal.exists())
+        if has_study and not self.resume:
+            raise SweepError(
+                f"{self.dir.path} already holds a sweep; continue it with "
+                f"`hfsweep run {self.sc.source or 'SWEEP'} --resume` (hs.sweep(..., "
+                "resume=True)), or set `output` to another directory"
+            )
+        if has_study and self.dir.config.exists():
+            before = json.loads(self.dir.config.read_text(encoding="utf-8"))
+            before["storage"] = mask(before.get("storage"))  # as an older hfsweep wrote it
+            now = json.loads(json.dumps(self.sc.to_dict()))
+            flat_b, flat_n = _flatten(before), _flatten(now)
+            changed = [
+                path
+                for path in sorted(flat_b.keys() | flat_n.keys())
+                if flat_b.get(path) != flat_n.get(path)
+                and not path.startswith(_MAY_CHANGE_ON_RESUME)
+            ]
+            if changed:
+                raise SweepError(
+                    f"cannot resume {self.dir.path}: the sweep config changed since it started: "
+                    + "; ".join(f"{p}: {flat_b.get(p)!r} -> {flat_n.get(p)!r}" for p in changed[:5])
+                    + f". Only {', '.join(_MAY_CHANGE_ON_RESUME)} may change on resume; restore "
+                    "the config or start a new sweep in another output directory"
+                )
+        self.dir.path.mkdir(parents=True, exist_ok=True)
+        self.dir.write_config(self.sc.to_dict())
+        return state
+
+    def _open_study(self) -> optuna.Study:
+        import optuna
+
+        storage: Any = self.sc.storage
+        if storage is not None:
+            from .._storage import open_storage, study_exists
+
+            resume = f"hfsweep run {self.sc.source} --resume" if self.sc.source else "resume=True"
+            storage = open_storage(
+                storage, retry_s=self.sc.storage_retry_s, resume=resume, say=self.progress.note
+            )
+            if self.dir.state.exists() and not study_exists(storage, self.sc.study_name):
+                raise SweepError(
+                    f"cannot resume {self.dir.path}: storage {shown(self.sc.storage or '')} "
+                    f"holds no study {self.sc.study_name!r}, which this sweep started: the URL "
+                    "(or an environment variable it names) now names another database; set it "
+                    "back, or start a new sweep in another output directory"
+                )
+        else:
+            from .._journal import GroupedJournalFileBackend
+
+            self._journal = GroupedJournalFileBackend(self.dir.journal)
+            if self._dir_locked:  # no other sweep can be writing it
+                self._journal.clear_stale_lock()
+            torn = self._journal.drop_torn_tail()
+            if torn is not None:
+                message = (
+                    f"{torn.describe(self.dir.journal)}. The trial it belonged to is told "
+                    "again from its array's checkpoint, or trained again"
+                )
+                _log.warning("%s", message)
+                warnings.warn(message, stacklevel=5)  # hs.sweep's caller
+            try:
+                storage = optuna.storages.JournalStorage(self._journal)
+            except ValueError as exc:  # a line in the middle that is no record
+                raise SweepError(
+                    f"{self.dir.journal} cannot be read as an Optuna journal ({exc}): it is "
+                    "damaged before its last record, which resuming cannot repair; restore it "
+                    "from a backup, or start the sweep again in another output directory"
+                ) from None
+        pruner = (
+            self.scheduler.pruner
+            if isinstance(self.scheduler, OptunaPruner)
+            else optuna.pruners.NopPruner()
+        )
+        try:
+            study = optuna.create_study(
+                storage=storage,
+                study_name=self.sc.study_name,
+                sampler=make_sampler(self.sc.searcher, self.sc.space),
+                pruner=pruner,
+                direction="maximize" if self.sc.mode == "max" else "minimize",
+                load_if_exists=self.resume,
+            )
+        except ImportError as exc:  # the storage URL's database driver
+            raise SweepError(
+                f"storage {shown(self.sc.storage or '')}: {exc}; install the database driver "
+                'it names (for PostgreSQL, pip install "hfsweep[postgres]")'
+            ) from exc
+        except optuna.exceptions.DuplicatedStudyError:
+            raise SweepError(
+                f"storage {shown(self.sc.storage or '')} already has a study named "
+                f"{self.sc.study_name!r}; resume it with --resume, or set another study_name"
+            ) from None
+        self.drivers = Drivers(study, self.dir.path, shared=self.sc.storage is not None)
+        self.drivers.start()
+        asked = len(study.get_trials(deepcopy=False))
+        if asked or self.drivers.seed_offset:
+            # the sampler's seed restarted with this process: offset it by the trials it
+            # already drew, else it would draw those trials' params again (and by the
+            # driver's, so that drivers sharing the study draw different ones)
+            seed = self.sc.searcher.seed + asked + self.drivers.seed_offset
+            study.sampler = make_sampler(replace(self.sc.searcher, seed=seed), self.sc.space)
+        return study
+
+    def _restore(self, saved: dict[str, Any] | None) -> None:
+        """Rebuild the engine's state from ``state.json`` and the study."""
+        from optuna.trial import TrialState
+
+        trials = self.study.get_trials(deepcopy=False)
+        assert self.drivers is not None
+        if saved is None and self.drivers.asked_any(trials):
+            raise SweepError(
+                f"cannot resume {self.dir.path}: its study holds {len(trials)} trial(s) but "
+                f"{self.dir.state} is missing. {_STATE_LOST}"
+            )
+        if saved is not None:
+            try:
+                self.ledger.restore(saved, _Array)
+                self.packer.sizes = (
+                    self.ledger.sizes
+                )  # one dict: the packer sizes, the ledger saves
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                raise SweepError(
+                    f"cannot resume {self.dir.path}: {self.dir.state} (with the changes in "
+                    f"{self.dir.state_log.name}) is not the state this sweep wrote "
+                    f"({type(exc).__name__}: {exc}). {_STATE_LOST}"
+                ) from None
+        self.asked = len(trials)
+        with self.drivers.lock:  # no other driver adopts or asks meanwhile
+            own, adopted = self.drivers.claim(trials)
+        taken = {member_id(t.number) for t in [*own, *adopted]}
+        for a in self.arrays:
+            if a.done:
+                self.dir.remove_array(a.index)  # a crash may have come before its removal
+        # members each unfinished array's checkpoint holds; the others go back to a pool
+        known = {
+            a.index: ArrayTrainer.checkpointed_members(self.dir.array(a.index))
+            for a in self.arrays
+            if not a.done
+        }
+        for a in self.arrays:
+            if a.index in known:
+                self._resume_or_drop(a, known, taken)
+        held = set().union(*known.values())
+        # ends the trainer delivered (it will not deliver them again) whose record in the
+        # study was lost with a torn journal: told again below
+        delivered = {
+            member: result
+            for a in self.arrays
+            if not a.done
+            for member, result in ArrayTrainer.delivered_results(self.dir.array(a.index)).items()
+            if member in taken
+        }
+        retell: list[MemberResult] = []
+        for t in sorted(trials, key=lambda t: t.number):
+            if t.state == TrialState.RUNNING and member_id(t.number) not in taken:
+                continue  # another live driver trains it
+            if t.state != TrialState.RUNNING:
+                status = Status.of_trial_state(t.state)
+                if status.final:
+                    self.progress.states[status] += 1
+                    try:
+                        told = self._params(t)
+                    except ValueError:  # failed before all its params were recorded
+                        told = dict(t.params)
+                    self.source.tell(t.number, told, status.told, t.value)
+                continue
+            keyed = self._take_up(t)
+            if keyed is None:
+                continue
+            key, config = keyed
+            member = member_id(t.number)
+            if member in delivered:
+                retell.append(delivered[member])
+            elif member not in held:  # no array's checkpoint holds it: it starts again
+                self._pool(key, Pending(t.number, config), size_now=True)
+        for result in retell:
+            _log.warning(
+                "trial %d: its end was lost from the study (a torn journal); told again from "
+                "its array's checkpoint",
+                trial_number(result.id),
+            )
+            with self._journal_held():
+                self._on_finish(result)
+        best = self._best_trial()
+        if best is not None and best.value is not None:
+            self.progress.set_best(best.value, best.number)
+        if trials:
+            _log.info(
+                "resuming: %d trials in the study, %d running, %d arrays unfinished",
+                len(trials),
+                len(self.live),
+                len(known),
+            )
+        if self.drivers.foreign:
+            _log.info("%d running trials belong to other drivers", self.drivers.foreign)
+
+    def _resume_or_drop(self, a: _Array, known: dict[int, set[str]], taken: set[str]) -> None:
+        """Resume unfinished array ``a`` if its checkpoint holds a running trial of this driver;
+        else (every trial it held has ended, or other drivers adopted them while this one was
+        away) drop it."""
+        mine = sorted(known[a.index] & taken, key=trial_number)
+        if mine:
+            _log.info("array %d: resuming %s from its checkpoint", a.index, ", ".join(mine))
+            return
+        _log.info("array %d: none of its trials is left to this driver; dropped", a.index)
+        del known[a.index]
+        a.done = True
+        self.dir.remove_array(a.index)
+
+    def _take_up(self, t: optuna.trial.FrozenTrial) -> tuple[str, dict[str, Any]] | None:
+        """Track running trial ``t`` (one of this driver's, after a resume or an adoption):
+        ``(compatibility key, config)``, or ``None`` after failing it (see :meth:`_admit`)."""
+        import optuna
+
+        trial = trial_for(self.study, t)
+        try:
+            # the recorded params; a custom searcher's trial must have all of them, an
+            # Optuna trial interrupted while it was being sampled draws the rest
+            sampled = self.sc.space.sample(
+                optuna.trial.FixedTrial(t.params) if self.custom is not None else trial
+            )
+        except (ValueError, TypeError) as exc:
+            self._fail_unstarted(trial, exc)
+            return None
+        keyed = self._admit(trial, sampled)
+        if keyed is not None and t.intermediate_values:
+            self.reported[t.number] = max(t.intermediate_values)
+        return keyed

@@ -1,0 +1,115 @@
+"""What a sweep returns and raises: :class:`SweepResult`, :class:`SweepError` and
+:class:`TrainingError` (``hs.SweepResult``, ``hs.SweepError``, ``hs.TrainingError``)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .._usercode import describe
+
+if TYPE_CHECKING:
+    import optuna
+
+__all__ = ["SweepError", "SweepResult", "TrainingError"]
+
+
+class SweepError(Exception):
+    """A sweep cannot start or go on: the message says why and what to do."""
+
+
+class TrainingError(SweepError):
+    """Training stopped because code raised while an array trained (or while the profiler
+    measured one): almost always the task's code (its model's forward, its loss, its data),
+    which would fail every trial alike.
+
+    The trials that array held and every other unfinished trial are marked ``FAIL`` in the
+    study, the reason in their user attr ``error``; no trial is left ``RUNNING``. The exception
+    that stopped the sweep is the ``__cause__``; the message names the array, the part of the
+    task that failed (the forward pass, the loss, ...) and, for a forward pass, the submodule.
+    """
+
+
+class _Failed(SweepError):
+    """An array's training (or a profile) raised: ``where`` it happened, the exception, and the
+    array's index (``None`` for a profile). The engine turns it into :class:`TrainingError`
+    (should one escape, it still reads as a sweep error)."""
+
+    def __init__(self, where: str, exc: Exception, array: int | None = None) -> None:
+        super().__init__(f"{where} raised {describe(exc)}")
+        self.where = where
+        self.exc = exc
+        self.array = array
+
+
+@dataclass
+class SweepResult:
+    """What a finished (or interrupted) sweep produced.
+
+    ``study`` is the Optuna study (every trial with its params, intermediate values, state and
+    user attrs ``array``, ``status``, ``steps``); ``best_*`` describe the best completed trial
+    (``None``/empty when none completed); ``counts`` the trials by Optuna state name.
+    """
+
+    run_dir: Path
+    study: optuna.Study
+    metric: str
+    mode: str
+    best_trial: optuna.trial.FrozenTrial | None
+    best_value: float | None
+    best_params: dict[str, Any]
+    best_config: dict[str, Any]
+    counts: dict[str, int]
+    wall_s: float
+    arrays: int
+    best_checkpoint: Path | None = None
+    top: list[optuna.trial.FrozenTrial] = field(default_factory=list)
+
+    def summary(self, top: int = 5) -> str:
+        """The end-of-sweep report: counts, the best trial and a table of the top trials."""
+        c = self.counts
+        done = c.get("COMPLETE", 0) + c.get("PRUNED", 0) + c.get("FAIL", 0)
+        lines = [
+            f"Sweep finished in {self.wall_s:.1f} s: {done} trials ({c.get('COMPLETE', 0)} "
+            f"complete, {c.get('PRUNED', 0)} pruned, {c.get('FAIL', 0)} failed) in "
+            f"{self.arrays} fused array(s)"
+            + (f", {c['RUNNING']} still running" if c.get("RUNNING") else "")
+        ]
+        failed = [t for t in self.study.get_trials(deepcopy=False) if t.state.name == "FAIL"]
+        if failed:
+            reasons = Counter(str(t.user_attrs.get("error", "no error recorded")) for t in failed)
+            shown = "; ".join(f"{n} x {why}" for why, n in reasons.most_common(2))
+            more = f"; {len(reasons) - 2} other reasons" if len(reasons) > 2 else ""
+            lines.append(f"Failed: {shown}{more} (trials.csv, column user_attrs_error)")
+        if self.best_trial is None:
+            lines.append("No trial completed, so there is no best trial.")
+        else:
+            lines.append(
+                f"Best {self.metric}: {self.best_value:.6g} (trial {self.best_trial.number})"
+            )
+            lines.append(
+                "Best params: " + ", ".join(f"{k}={_fmt(v)}" for k, v in self.best_params.items())
+            )
+            rows = self.top[:top]
+            names = sorted({p for t in rows for p in t.params})
+            header = ["trial", self.metric, *names]
+            table = [header] + [
+                [str(t.number), _fmt(t.value), *(_fmt(t.params.get(n, "")) for n in names)]
+                for t in rows
+            ]
+            widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+            lines.append(f"Top {len(rows)} completed trials:")
+            lines += [
+                "  " + "  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) for r in table
+            ]
+        files = "trials.csv, best.json, histories/, checkpoints/"
+        lines.append(f"Run directory: {self.run_dir} ({files})")
+        return "\n".join(lines)
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
