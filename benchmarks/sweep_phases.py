@@ -43,6 +43,7 @@ from sweep_vs_optuna import PRUNER_OPTIONS, _device, log, prefill_profiles, run_
 from hfsweep._journal import GroupedJournalFileBackend
 from hfsweep.config import parse_sweep
 from hfsweep.core import loop as _engine
+from hfsweep.core._hooks import _Hooks
 from hfsweep.fusion._tracing import _Tracing
 from hfsweep.searchers import _source
 from hfsweep.training import run
@@ -58,9 +59,9 @@ PHASES: list[tuple[Any, str, str]] = [
     (run._Run, "_compacted", "building arrays"),
     (_source.OptunaSource, "ask", "searcher: asking for trials"),
     (_source.CustomSource, "ask", "searcher: asking for trials"),
-    (_engine._Engine, "_report", "scheduler decisions"),
-    (_engine._Engine, "_on_finish", "ending trials (study, histories)"),
-    (_engine._Engine, "_save_state", "state.json"),
+    (_Hooks, "_report", "scheduler decisions"),
+    (_Hooks, "_on_finish", "ending trials (study, histories)"),
+    (_engine._Engine, "_save_state", "the ledger (state.json, state.jsonl)"),
 ]
 REST = "the rest (data batches, refills, the trainer's loop, the study's set-up)"
 
