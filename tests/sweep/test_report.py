@@ -19,6 +19,7 @@ from typing import Any
 import matplotlib.image
 import optuna
 import pytest
+from matplotlib.figure import Figure
 from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
@@ -26,9 +27,9 @@ from optuna.trial import TrialState
 from hfsweep import report
 from hfsweep.cli import main
 from hfsweep.report import NothingToReport, ReportError, write_report
-from hfsweep.report import _Axis as Axis
-from hfsweep.report import _best_so_far as best_so_far
-from hfsweep.report import _read_history as read_history
+from hfsweep.report._histories import _read_history as read_history
+from hfsweep.report._parallel import _Axis as Axis
+from hfsweep.report._trials import _best_so_far as best_so_far
 
 ALL = ["history.png", "importance.png", "parallel.png", "curves.png"]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -187,11 +188,10 @@ def no_render(monkeypatch: pytest.MonkeyPatch) -> None:
     """Build each figure but skip laying it out and rasterising it (most of a plot's time), for
     tests about which plots are drawn rather than how; the tests without it render for real."""
 
-    def save(fig: object, path: Path) -> Path:
-        path.write_bytes(PNG_SIGNATURE)
-        return path
+    def savefig(fig: object, fname: str, **kwargs: object) -> None:
+        Path(fname).write_bytes(PNG_SIGNATURE)
 
-    monkeypatch.setattr(report, "_save", save)
+    monkeypatch.setattr(Figure, "savefig", savefig)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -514,12 +514,16 @@ def test_unknown_study_name_lists_the_studies_there(tmp_path: Path) -> None:
 
 
 def test_matplotlib_and_optuna_are_imported_lazily() -> None:
-    """Only under TYPE_CHECKING or inside functions, so ``import hfsweep`` stays light."""
-    tree = ast.parse(Path(report.__file__).read_text(encoding="utf-8"))
+    """Only under TYPE_CHECKING or inside functions, in every module of the package, so
+    ``import hfsweep`` stays light."""
+    modules = sorted(Path(report.__file__).parent.glob("*.py"))
+    assert len(modules) > 1, modules
     top: list[str] = []
-    for node in tree.body:  # module level only: not TYPE_CHECKING blocks, not function bodies
-        if isinstance(node, ast.Import):
-            top += [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            top.append(node.module or "")
+    for module in modules:
+        tree = ast.parse(module.read_text(encoding="utf-8"))
+        for node in tree.body:  # module level only: not TYPE_CHECKING blocks, not function bodies
+            if isinstance(node, ast.Import):
+                top += [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                top.append(node.module or "")
     assert top and not [m for m in top if m.split(".")[0] in ("matplotlib", "optuna")], top
