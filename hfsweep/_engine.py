@@ -39,6 +39,7 @@ import torch
 
 from ._dburl import mask, shown
 from ._io import atomic_save, grouped_sync
+from ._journal_url import is_journal, journal_file
 from ._packed import UnsafeFileError
 from ._preflight import preflight
 from ._progress import Progress
@@ -432,7 +433,7 @@ class _Engine:
         import optuna
 
         storage: Any = self.sc.storage
-        if storage is not None:
+        if storage is not None and not is_journal(storage):
             from ._storage import open_storage, study_exists
 
             resume = f"hfsweep run {self.sc.source} --resume" if self.sc.source else "resume=True"
@@ -449,13 +450,15 @@ class _Engine:
         else:
             from ._journal import GroupedJournalFileBackend
 
-            self._journal = GroupedJournalFileBackend(self.dir.journal)
-            if self._dir_locked:  # no other sweep can be writing it
+            # the run directory's journal, or one that drivers share (see _journal_url)
+            path = self.dir.journal if storage is None else journal_file(storage)
+            self._journal = GroupedJournalFileBackend(path)
+            if self._dir_locked and storage is None:  # no other sweep can be writing it
                 self._journal.clear_stale_lock()
             torn = self._journal.drop_torn_tail()
             if torn is not None:
                 message = (
-                    f"{torn.describe(self.dir.journal)}. The trial it belonged to is told "
+                    f"{torn.describe(path)}. The trial it belonged to is told "
                     "again from its array's checkpoint, or trained again"
                 )
                 _log.warning("%s", message)
@@ -464,7 +467,7 @@ class _Engine:
                 storage = optuna.storages.JournalStorage(self._journal)
             except ValueError as exc:  # a line in the middle that is no record
                 raise SweepError(
-                    f"{self.dir.journal} cannot be read as an Optuna journal ({exc}): it is "
+                    f"{path} cannot be read as an Optuna journal ({exc}): it is "
                     "damaged before its last record, which resuming cannot repair; restore it "
                     "from a backup, or start the sweep again in another output directory"
                 ) from None

@@ -210,8 +210,10 @@ class GroupedJournalFileBackend(BaseJournalBackend):
 
     def read_logs(self, log_number_from: int) -> Generator[dict[str, Any], None, None]:
         """The logs from ``log_number_from`` on, as Optuna's backend reads them. The journal is
-        only ever appended to, so a file of the size it had when a read from here reached its
-        end holds nothing new."""
+        only appended to, so a file of the size it had when a read from here reached its end
+        holds nothing new. Only a read that ended exactly at the file's end counts: one that
+        stopped before a torn tail must not, as another driver sharing the file may cut that
+        tail off (:meth:`drop_torn_tail`) and append records of the same length after it."""
         size = os.stat(self._path).st_size
         if self._read_to == (size, log_number_from):
             return
@@ -219,7 +221,8 @@ class GroupedJournalFileBackend(BaseJournalBackend):
         for log in self._reader.read_logs(log_number_from):
             number += 1
             yield log
-        self._read_to = (size, number)
+        ends = getattr(self._reader, "_log_number_offset", {})  # Optuna's: log -> its offset
+        self._read_to = (size, number) if ends.get(number) == size else None
 
     def append_logs(self, logs: list[dict[str, Any]]) -> None:
         """Append ``logs``, one JSON object per line, under the journal's file lock."""
