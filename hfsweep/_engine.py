@@ -452,6 +452,12 @@ class _Engine:
 
             # the run directory's journal, or one that drivers share (see _journal_url)
             path = self.dir.journal if storage is None else journal_file(storage)
+            if storage is not None and self.dir.state.exists() and not path.is_file():
+                raise SweepError(
+                    f"cannot resume {self.dir.path}: the journal {path} (storage {storage}) "
+                    "that holds its study is missing; restore it, or start a new sweep in "
+                    "another output directory"
+                )
             self._journal = GroupedJournalFileBackend(path)
             if self._dir_locked and storage is None:  # no other sweep can be writing it
                 self._journal.clear_stale_lock()

@@ -206,7 +206,14 @@ def _load_study(run: Path, sweep: _Sweep) -> optuna.Study:
 
     storage: str | BaseStorage
     if sweep.storage is None or is_journal(sweep.storage):  # a run dir's or a shared journal
-        journal = run / "optuna.journal" if sweep.storage is None else journal_file(sweep.storage)
+        try:
+            journal = (
+                run / "optuna.journal" if sweep.storage is None else journal_file(sweep.storage)
+            )
+        except UnsetVariable as exc:
+            raise ReportError(
+                f"storage {sweep.storage} (from {run / 'sweep.json'}): {exc}"
+            ) from None
         where = str(journal)
         # Opening a journal backend creates a missing file: check first, so a wrong directory is
         # reported instead of getting an empty study file.

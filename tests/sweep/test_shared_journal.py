@@ -96,6 +96,16 @@ def test_a_sweep_on_a_shared_journal_runs_resumes_and_reports(
     assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 4
     assert main(["run", str(sweep), "--quiet", "--resume"]) == 0  # nothing left: ends at once
     assert len(report._load_study(run, report._read_sweep(run)).trials) == 4
+    capsys.readouterr()
+    journal.rename(tmp_path / "moved.log")  # resuming must not start over in a new file
+    assert main(["run", str(sweep), "--quiet", "--resume"]) == 2
+    assert f"the journal {journal} (storage journal://{journal})" in capsys.readouterr().err
+    assert not journal.exists()
+    saved = json.loads((run / "sweep.json").read_text())
+    saved["storage"] = "journal://${HFSWEEP_TEST_UNSET}/study.log"  # a path from a variable
+    (run / "sweep.json").write_text(json.dumps(saved))
+    assert main(["report", str(run)]) != 0
+    assert "HFSWEEP_TEST_UNSET" in capsys.readouterr().err
 
 
 def test_a_read_that_stopped_at_a_torn_tail_sees_what_follows_its_repair(tmp_path: Path) -> None:
@@ -114,3 +124,18 @@ def test_a_read_that_stopped_at_a_torn_tail_sees_what_follows_its_repair(tmp_pat
     assert torn is not None and torn.dropped == len(line)
     a.append_logs([record])
     assert [log["op_code"] for log in b.read_logs(1)] == [2]
+
+
+def test_an_append_after_another_drivers_torn_record_cuts_it_off_first(tmp_path: Path) -> None:
+    """Driver a dies part way through an append to the shared file; driver b, still running,
+    appends next: its record must not join a's torn bytes (and be lost with them)."""
+    path = tmp_path / "study.log"
+    a, b = GroupedJournalFileBackend(path), GroupedJournalFileBackend(path)
+    a.append_logs([{"op_code": 0, "worker_id": "a", "study_name": "s", "directions": [1]}])
+    with open(path, "ab") as f:
+        f.write(b'{"op_code":6,"worker_id":"a","trial_id":3,"sta')  # a killed mid-write
+    b.append_logs([{"op_code": 2, "worker_id": "b", "study_id": 0, "user_attr": {"k": 1}}])
+    logs = list(JournalFileBackend(str(path)).read_logs(0))
+    assert [(log["op_code"], log["worker_id"]) for log in logs] == [(0, "a"), (2, "b")]
+    (copy,) = tmp_path.glob("study.log.torn-*")  # the file as a left it is kept
+    assert copy.read_bytes().endswith(b'"trial_id":3,"sta')
