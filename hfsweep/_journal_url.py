@@ -24,7 +24,9 @@ torn bytes it finds are not an append under way: their writer died, or failed pa
 could not cut them back. The one exception is a lock broken as stale: Optuna breaks a lock
 left unchanged for 30 s, so a writer stalled longer than that inside its hold (stopped,
 swapped out, a hung network mount) could resume after the repair; hfsweep's holds last a
-bookkeeping step (milliseconds). A stale lock left by a killed driver is therefore not cleared
+bookkeeping step (milliseconds). A torn tail is cut off when a driver opens the file, and
+also by the next append of a driver still running when another one died part way through an
+append (else its first record would join the torn bytes and be lost). A stale lock left by a killed driver is therefore not cleared
 early here (as in a run directory's own journal, which no other sweep can be writing): other
 drivers wait out Optuna's 30 s. The other drivers' readers never read past a torn record (they
 stop before a line without its end), so truncating it moves nothing they have read.
