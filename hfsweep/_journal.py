@@ -183,21 +183,25 @@ class GroupedJournalFileBackend(BaseJournalBackend):
         ends with a whole record. Optuna skips such a tail when it reads, but an append after
         it would join the next record to it and make the file unreadable from there on."""
         with self.held():
-            torn = find_torn_tail(self._path)
-            if torn is None:
-                return None
-            stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
-            copy = f"{self._path}.torn-{stamp}"
-            shutil.copyfile(self._path, copy)
-            with open(copy, "rb") as f:
-                os.fsync(f.fileno())
-            with open(self._path, "r+b") as f:
-                f.truncate(torn.offset)
-                f.flush()
-                os.fsync(f.fileno())
-            self._reader = JournalFileBackend(self._path, lock_obj=self._lock)  # type: ignore[arg-type]
-            self._read_to = None
-            return TornTail(torn.offset, torn.dropped, torn.operation, copy)
+            return self._cut_torn_tail()
+
+    def _cut_torn_tail(self) -> TornTail | None:
+        """:meth:`drop_torn_tail`'s work, for a caller that holds the file's lock."""
+        torn = find_torn_tail(self._path)
+        if torn is None:
+            return None
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
+        copy = f"{self._path}.torn-{stamp}"
+        shutil.copyfile(self._path, copy)
+        with open(copy, "rb") as f:
+            os.fsync(f.fileno())
+        with open(self._path, "r+b") as f:
+            f.truncate(torn.offset)
+            f.flush()
+            os.fsync(f.fileno())
+        self._reader = JournalFileBackend(self._path, lock_obj=self._lock)  # type: ignore[arg-type]
+        self._read_to = None
+        return TornTail(torn.offset, torn.dropped, torn.operation, copy)
 
     def sync(self) -> None:
         """Flush the journal to disk now, whether or not a group of flushes is open: before
@@ -210,8 +214,10 @@ class GroupedJournalFileBackend(BaseJournalBackend):
 
     def read_logs(self, log_number_from: int) -> Generator[dict[str, Any], None, None]:
         """The logs from ``log_number_from`` on, as Optuna's backend reads them. The journal is
-        only ever appended to, so a file of the size it had when a read from here reached its
-        end holds nothing new."""
+        only appended to, so a file of the size it had when a read from here reached its end
+        holds nothing new. Only a read that ended exactly at the file's end counts: one that
+        stopped before a torn tail must not, as another driver sharing the file may cut that
+        tail off (:meth:`drop_torn_tail`) and append records of the same length after it."""
         size = os.stat(self._path).st_size
         if self._read_to == (size, log_number_from):
             return
@@ -219,7 +225,8 @@ class GroupedJournalFileBackend(BaseJournalBackend):
         for log in self._reader.read_logs(log_number_from):
             number += 1
             yield log
-        self._read_to = (size, number)
+        ends = getattr(self._reader, "_log_number_offset", {})  # Optuna's: log -> its offset
+        self._read_to = (size, number) if ends.get(number) == size else None
 
     def append_logs(self, logs: list[dict[str, Any]]) -> None:
         """Append ``logs``, one JSON object per line, under the journal's file lock."""
@@ -235,9 +242,19 @@ class GroupedJournalFileBackend(BaseJournalBackend):
                 self._lock.release()
 
     def _write(self, data: bytes) -> None:
-        fd = os.open(self._path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        """Append ``data`` (whole records); the caller holds the file's lock. A file that does
+        not end with a line end has a torn tail whose writer is gone (every writer appends
+        under the lock): with several drivers on one file, another one's crash leaves it while
+        this one runs. It is cut off first (:meth:`drop_torn_tail`), else this append's first
+        record would join it and be lost."""
+        fd = os.open(self._path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)
         try:
             end = os.lseek(fd, 0, os.SEEK_END)
+            if end and os.pread(fd, 1, end - 1) != b"\n":
+                torn = self._cut_torn_tail()
+                if torn is not None:
+                    _log.warning("%s", torn.describe(self._path))
+                end = os.lseek(fd, 0, os.SEEK_END)
             try:
                 view = memoryview(data)
                 while view:

@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ._dburl import mask
+from ._journal_url import is_journal
+from ._journal_url import problem as journal_problem
 from .config import ConfigError
 
 if TYPE_CHECKING:
@@ -176,6 +178,11 @@ def _check_storage(sc: SweepConfig) -> None:
     synchronous driver), and its database answers (a wrong password, port or database name
     is found here, with the server's own message, not after the run directory is created)."""
     if sc.storage is None:
+        return
+    if is_journal(sc.storage):  # a journal file to share: its folder must take it
+        found = journal_problem(sc.storage)
+        if found is not None:
+            raise _error(sc, "storage", f"{sc.storage}: {found}")
         return
     from ._dburl import UnsetVariable, expand
 

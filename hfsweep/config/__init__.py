@@ -55,6 +55,7 @@ A sweep file is one YAML mapping. Every key, with its default::
                                 #   RDB URL (sqlite:///study.db, postgresql+psycopg2://user@host/db
                                 #   with hfsweep[postgres], ...) whose driver is installed;
                                 #   ${NAME} is an environment variable (a password, the URL)
+                                #   or journal://PATH: a journal file drivers share
     storage_retry: 120          # seconds (or "2m") to retry a lost database connection; null: none
     output: runs/<file stem>    # the run directory, relative to the sweep file's folder
     study_name: <file stem>     # the Optuna study's name ("sweep" without a file)

@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from .._checks import is_int
 from .._dburl import mask
+from .._journal_url import is_journal, resolve
 from ..search_spaces import SearchSpace, SpaceError, load_space
 from ..search_spaces._yaml import load_yaml
 from ..training.task import Task, TaskError
@@ -44,7 +45,7 @@ from .validate import _check_config, _check_key, _check_samples
 _MODES = ("max", "min")
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:[0-9]+)?)$")
 _STORAGE = re.compile(
-    r"^(\$\{|(sqlite|postgresql|postgres|mysql|oracle|mssql)(\+[A-Za-z0-9_]+)?://)"
+    r"^(\$\{|journal://|(sqlite|postgresql|postgres|mysql|oracle|mssql)(\+[A-Za-z0-9_]+)?://)"
 )
 
 _TOP_KEYS = (
@@ -341,7 +342,12 @@ class _Parser(_Fields):
             raise self.error(
                 "storage",
                 f"{mask(raw) if isinstance(raw, str) else raw!r} is not an Optuna storage URL; "
-                "give null (a journal file in the run directory) or an RDB URL such as "
-                "sqlite:///study.db or postgresql://user:password@host/db",
+                "give null (a journal file in the run directory), a journal file to share "
+                "(journal:///abs/path/study.log, or journal://path relative to the sweep "
+                "file) or an RDB URL such as sqlite:///study.db or "
+                "postgresql://user:password@host/db",
             )
+        if is_journal(raw):
+            base = self.source.parent if self.source is not None else Path.cwd()
+            return resolve(raw, base.resolve())
         return raw

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._compat import trial_for
 from .._dburl import mask, shown
+from .._journal_url import is_journal, journal_file
 from .._rundir import StateVersionError, member_id, trial_number
 from ..config import make_sampler
 from ..schedulers import OptunaPruner
@@ -105,7 +106,7 @@ class _Resume(_Parts):
         import optuna
 
         storage: Any = self.sc.storage
-        if storage is not None:
+        if storage is not None and not is_journal(storage):
             from .._storage import open_storage, study_exists
 
             resume = f"hfsweep run {self.sc.source} --resume" if self.sc.source else "resume=True"
@@ -122,13 +123,21 @@ class _Resume(_Parts):
         else:
             from .._journal import GroupedJournalFileBackend
 
-            self._journal = GroupedJournalFileBackend(self.dir.journal)
-            if self._dir_locked:  # no other sweep can be writing it
+            # the run directory's journal, or one that drivers share (see _journal_url)
+            path = self.dir.journal if storage is None else journal_file(storage)
+            if storage is not None and self.dir.state.exists() and not path.is_file():
+                raise SweepError(
+                    f"cannot resume {self.dir.path}: the journal {path} (storage {storage}) "
+                    "that holds its study is missing; restore it, or start a new sweep in "
+                    "another output directory"
+                )
+            self._journal = GroupedJournalFileBackend(path)
+            if self._dir_locked and storage is None:  # no other sweep can be writing it
                 self._journal.clear_stale_lock()
             torn = self._journal.drop_torn_tail()
             if torn is not None:
                 message = (
-                    f"{torn.describe(self.dir.journal)}. The trial it belonged to is told "
+                    f"{torn.describe(path)}. The trial it belonged to is told "
                     "again from its array's checkpoint, or trained again"
                 )
                 _log.warning("%s", message)
@@ -137,7 +146,7 @@ class _Resume(_Parts):
                 storage = optuna.storages.JournalStorage(self._journal)
             except ValueError as exc:  # a line in the middle that is no record
                 raise SweepError(
-                    f"{self.dir.journal} cannot be read as an Optuna journal ({exc}): it is "
+                    f"{path} cannot be read as an Optuna journal ({exc}): it is "
                     "damaged before its last record, which resuming cannot repair; restore it "
                     "from a backup, or start the sweep again in another output directory"
                 ) from None

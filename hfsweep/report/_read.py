@@ -122,10 +122,18 @@ def _load_study(run: Path, sweep: _Sweep) -> optuna.Study:
     from optuna.storages.journal import JournalFileBackend
 
     from .._journal import JournalPrefix, find_torn_tail
+    from .._journal_url import is_journal, journal_file
 
     storage: str | BaseStorage
-    if sweep.storage is None:
-        journal = run / "optuna.journal"
+    if sweep.storage is None or is_journal(sweep.storage):  # a run dir's or a shared journal
+        try:
+            journal = (
+                run / "optuna.journal" if sweep.storage is None else journal_file(sweep.storage)
+            )
+        except UnsetVariable as exc:
+            raise ReportError(
+                f"storage {sweep.storage} (from {run / 'sweep.json'}): {exc}"
+            ) from None
         where = str(journal)
         # Opening a journal backend creates a missing file: check first, so a wrong directory is
         # reported instead of getting an empty study file.

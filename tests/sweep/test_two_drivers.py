@@ -1,4 +1,5 @@
-"""Two drivers (``hfsweep run --resume`` in two run directories) sharing one study in a database:
+"""Two drivers (``hfsweep run --resume`` in two run directories) sharing one study in a database
+or a journal file:
 together they ask exactly ``budget.trials``, each trains only its own trials and those of a
 driver that is gone, and none is trained by both at once, with either killed (SIGKILL) and
 resumed at any moment."""
@@ -43,12 +44,34 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(params=["postgresql", "sqlite"])
+@pytest.fixture(params=["postgresql", "sqlite", "journal"])
 def storage(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """The study's storage URL: a fresh PostgreSQL database, or an SQLite file."""
+    """The study's storage: a fresh PostgreSQL database, an SQLite file, or a journal file
+    outside both run directories."""
     if request.param == "postgresql":
         return str(request.getfixturevalue("postgres"))
+    if request.param == "journal":
+        (tmp_path / "shared").mkdir()
+        return f"journal://{tmp_path / 'shared' / 'study.log'}"
     return f"sqlite:///{tmp_path / 'study.db'}"
+
+
+@pytest.fixture(params=["postgresql", "journal"])
+def shared(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A study's storage for the adoption tests: a fresh PostgreSQL database, or a journal
+    file outside both run directories."""
+    if request.param == "postgresql":
+        return str(request.getfixturevalue("postgres"))
+    (tmp_path / "shared").mkdir()
+    return f"journal://{tmp_path / 'shared' / 'study.log'}"
+
+
+def _opened(storage: Any) -> Any:
+    """What ``optuna.load_study`` takes for ``storage``: a journal storage for a
+    ``journal://`` one (read only here: its file is created by the drivers), else as given."""
+    if isinstance(storage, str) and storage.startswith("journal://"):
+        return optuna.storages.JournalStorage(JournalFileBackend(storage[len("journal://") :]))
+    return storage
 
 
 class _Driver:
@@ -121,8 +144,10 @@ output: run
 
 def _finished(storage: str) -> int:
     """Finished trials in the study (0 before it exists)."""
+    if storage.startswith("journal://") and not Path(storage[len("journal://") :]).exists():
+        return 0
     try:
-        study = optuna.load_study(study_name=STUDY, storage=storage)
+        study = optuna.load_study(study_name=STUDY, storage=_opened(storage))
     except KeyError:
         return 0
     done = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
@@ -192,7 +217,7 @@ def _intervals(driver: _Driver) -> list[tuple[int, float, float]]:
 def _check(storage: Any, *drivers: _Driver, elsewhere: int | None = None) -> None:
     """The study holds exactly the budget, every trial ended, no trial was told twice (trial
     ``elsewhere`` by no driver here), and no trial was trained by two drivers at once."""
-    study = optuna.load_study(study_name=STUDY, storage=storage)
+    study = optuna.load_study(study_name=STUDY, storage=_opened(storage))
     trials = study.get_trials()
     assert [t.number for t in trials] == list(range(TRIALS))
     assert {t.state for t in trials} <= {TrialState.COMPLETE, TrialState.PRUNED}
@@ -239,33 +264,34 @@ def test_two_drivers_killed_and_resumed_ask_exactly_the_budget(
     a.finished()
     b.finished()
     _check(storage, a, b)
-    kind = "PostgreSQL advisory lock" if storage.startswith("postgresql") else "SQLite file lock"
+    kinds = {"postgresql": "PostgreSQL advisory lock", "sqlite": "SQLite file lock"}
+    kind = kinds.get(storage.split(":", 1)[0], "journal file lock")
     assert f"asks and adoptions under a {kind}" in a.log()
 
 
 def test_a_driver_adopts_a_dead_drivers_trials_which_then_resumes_cleanly(
-    tmp_path: Path, postgres: str
+    tmp_path: Path, shared: str
 ) -> None:
     """Driver a is killed while its trials run (its training holds after two tells); driver b
     adopts them and finishes the budget; a, resumed, finds its trials ended by b."""
-    a, b = _Driver(tmp_path / "a", postgres, HELD), _Driver(tmp_path / "b", postgres, HELD)
+    a, b = _Driver(tmp_path / "a", shared, HELD), _Driver(tmp_path / "b", shared, HELD)
     a.start(HFSWEEP_TEST_HOLD_LOG=str(a.run / "sweep.log"))
     _wait(f"{HOLD_AFTER} tells", lambda: _tells(str(a.run / "sweep.log")) >= HOLD_AFTER, a)
     assert a.kill()
     b.start()
     b.finished()
-    assert _finished(postgres) == TRIALS
+    assert _finished(shared) == TRIALS
     assert "adopted from driver" in b.log()
     a.start()
     a.finished()
     assert "none of its trials is left to this driver; dropped" in a.log()
-    _check(postgres, a, b)
+    _check(shared, a, b)
 
 
-def test_a_running_driver_adopts_the_trials_of_one_that_dies(tmp_path: Path, postgres: str) -> None:
+def test_a_running_driver_adopts_the_trials_of_one_that_dies(tmp_path: Path, shared: str) -> None:
     """Driver b starts while a trains (held after two tells) and waits at its first batch;
     a is killed; b, let go, adopts a's trials while it runs and trains them too."""
-    a, b = _Driver(tmp_path / "a", postgres, HELD), _Driver(tmp_path / "b", postgres, GATED)
+    a, b = _Driver(tmp_path / "a", shared, HELD), _Driver(tmp_path / "b", shared, GATED)
     a.start(HFSWEEP_TEST_HOLD_LOG=str(a.run / "sweep.log"))
     _wait(f"{HOLD_AFTER} tells", lambda: _tells(str(a.run / "sweep.log")) >= HOLD_AFTER, a)
     gate = tmp_path / "gate"
@@ -276,22 +302,22 @@ def test_a_running_driver_adopts_the_trials_of_one_that_dies(tmp_path: Path, pos
     assert a.kill()
     gate.unlink()
     b.finished()
-    assert _finished(postgres) == TRIALS
+    assert _finished(shared) == TRIALS
     log = b.log()
     assert log.index(": training ") < log.index("adopted from driver")
     a.start()
     a.finished()
-    _check(postgres, a, b)
+    _check(shared, a, b)
 
 
-def test_a_live_drivers_trials_are_left_alone(tmp_path: Path, postgres: str) -> None:
+def test_a_live_drivers_trials_are_left_alone(tmp_path: Path, shared: str) -> None:
     """The issue's case: a second driver started while the first trains (held after two
     tells) asks the rest of the budget, leaves the first one's running trials to it and ends;
     the first, interrupted and resumed, finishes them."""
-    a, b = _Driver(tmp_path / "a", postgres, HELD), _Driver(tmp_path / "b", postgres, HELD)
+    a, b = _Driver(tmp_path / "a", shared, HELD), _Driver(tmp_path / "b", shared, HELD)
     a.start(HFSWEEP_TEST_HOLD_LOG=str(a.run / "sweep.log"))
     _wait(f"{HOLD_AFTER} tells", lambda: _tells(str(a.run / "sweep.log")) >= HOLD_AFTER, a)
-    study = optuna.load_study(study_name=STUDY, storage=postgres)
+    study = optuna.load_study(study_name=STUDY, storage=_opened(shared))
     theirs = {t.number for t in study.get_trials(states=(TrialState.RUNNING,))}
     assert theirs
     b.start()
@@ -306,7 +332,7 @@ def test_a_live_drivers_trials_are_left_alone(tmp_path: Path, postgres: str) -> 
     assert a.proc.returncode == 130, err
     a.start()
     a.finished()
-    _check(postgres, a, b)
+    _check(shared, a, b)
 
 
 def test_a_run_directory_whose_trial_another_driver_finished_resumes(tmp_path: Path) -> None:
