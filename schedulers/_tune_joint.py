@@ -23,6 +23,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from hfsweep._checks import is_number
 from hfsweep.core.status import Status
 
 from ._base import Decision, Report, TrialScheduler
@@ -212,10 +213,10 @@ class TuneDecider(Decider):
         # AsyncHyperBandScheduler (ASHA) stops every trial that reaches max_t
         max_t = getattr(self._scheduler, "_max_t", None)
         attr = getattr(self._scheduler, "_time_attr", None)
-        if not isinstance(max_t, int | float) or not isinstance(attr, str):
+        if not is_number(max_t) or not isinstance(attr, str):
             return False
         now = result.get(attr)
-        return isinstance(now, int | float) and now >= max_t
+        return is_number(now) and now >= max_t
 
 
 class NativeDecider(Decider):
@@ -248,7 +249,7 @@ class NativeDecider(Decider):
 
     def at_budget(self, result: Mapping[str, Any]) -> bool:
         epoch = result.get("epoch")
-        return isinstance(epoch, int | float) and self._scheduler._at_budget(float(epoch))
+        return is_number(epoch) and self._scheduler._at_budget(float(epoch))
 
 
 def _number(value: Any) -> float:

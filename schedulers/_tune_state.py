@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 from urllib.parse import quote
 
+from hfsweep._checks import is_finite
 from hfsweep.core.packer import Packer, Pools
 from hfsweep.core.status import FINAL, Status
 from hfsweep.training.task import Task
@@ -511,7 +511,7 @@ class SweepState:
         if state == "COMPLETE" and not _finite(value):
             state, error = "FAIL", error or f"{metric} is {value!r}"
         rec.state, rec.error = state, error
-        rec.value = float(value) if isinstance(value, int | float) and _finite(value) else None
+        rec.value = float(value) if is_finite(value) else None
         self.decider.end(
             self._controller(), self._trial(rec), state, dict(result) if result else None
         )
@@ -650,7 +650,4 @@ def _optuna_name(status: Any) -> str:
 
 
 def _finite(*values: Any) -> bool:
-    for v in values:
-        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
-            return False
-    return True
+    return all(is_finite(v) for v in values)

@@ -119,6 +119,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from hfsweep._checks import in_range, is_int
 from hfsweep.config import MAX_TRIALS
 from hfsweep.core.packer import limit_for_learning
 from hfsweep.training.task import Task
@@ -186,18 +187,12 @@ class Fusion:
         eval_every: int | None = None,
         refill: bool = True,
     ) -> None:
-        if (
-            isinstance(members, bool)
-            or not isinstance(members, int)
-            or not 1 <= members <= MAX_TRIALS
-        ):
+        if not is_int(members) or not in_range(members, 1, MAX_TRIALS):
             raise ValueError(
                 f"Fusion(members={members!r}): give the budget as an integer from 1 to "
                 f"{MAX_TRIALS:,} (the largest budget.trials of a sweep file)"
             )
-        if array_size != "auto" and (
-            isinstance(array_size, bool) or not isinstance(array_size, int) or array_size < 1
-        ):
+        if array_size != "auto" and not (is_int(array_size) and array_size >= 1):
             raise ValueError(
                 f"Fusion(array_size={array_size!r}): give an integer >= 1 or 'auto' (the "
                 "profiler's choice)"
@@ -206,9 +201,7 @@ class Fusion:
             raise ValueError(f"Fusion(dtype={dtype!r}): choose one of {sorted(DTYPES)}")
         if device not in ("auto", "cpu") and not device.startswith("cuda"):
             raise ValueError(f"Fusion(device={device!r}): choose 'auto', 'cpu' or 'cuda[:N]'")
-        if eval_every is not None and (
-            isinstance(eval_every, bool) or not isinstance(eval_every, int) or eval_every < 1
-        ):
+        if eval_every is not None and not (is_int(eval_every) and eval_every >= 1):
             raise ValueError(f"Fusion(eval_every={eval_every!r}): give an integer >= 1 (steps)")
         loaded, ref = _task(task)
         self.task = loaded
