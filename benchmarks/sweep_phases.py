@@ -40,10 +40,10 @@ from _results import RESULTS, write_results
 from optuna.storages.journal import JournalFileSymlinkLock
 from sweep_vs_optuna import PRUNER_OPTIONS, _device, log, prefill_profiles, run_hfsweep, warm_up
 
-from hfsweep._journal import GroupedJournalFileBackend
 from hfsweep.config import parse_sweep
 from hfsweep.core import loop as _engine
 from hfsweep.core._hooks import _Hooks
+from hfsweep.core._journal import GroupedJournalFileBackend
 from hfsweep.fusion._tracing import _Tracing
 from hfsweep.searchers import _source
 from hfsweep.training import run

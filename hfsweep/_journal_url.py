@@ -13,7 +13,7 @@ database by URL, so a journal file is written as a URL with the scheme ``journal
 - ``~`` and ``${NAME}`` references (to environment variables) are expanded where the file is
   opened.
 
-The file is opened with :class:`~hfsweep._journal.GroupedJournalFileBackend` and Optuna's
+The file is opened with :class:`~hfsweep.core._journal.GroupedJournalFileBackend` and Optuna's
 symlink lock (the lock of a plain ``JournalFileBackend(path)``, so Optuna workers and
 optuna-dashboard can share it). Its folder must exist and be writable (checked by ``hfsweep
 validate`` and before a run creates anything); the file is created by the first driver.

@@ -140,9 +140,9 @@ def _profile(args: argparse.Namespace) -> int:
 
 def _validate(args: argparse.Namespace) -> int:
     sys.dont_write_bytecode = True  # importing a task's .py file must not write __pycache__
-    from ._dryrun import dry_run
-    from ._preflight import preflight
     from .config import ConfigError, load_sweep
+    from .core._dryrun import dry_run
+    from .core._preflight import preflight
 
     try:
         sweep = load_sweep(args.sweep)
@@ -171,9 +171,9 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from ._preflight import preflight
-    from ._storage import StorageUnavailable
     from .config import ConfigError, load_sweep
+    from .core._preflight import preflight
+    from .core._storage import StorageUnavailable
     from .core.loop import SweepError, TrainingError, sweep
     from .searchers._source import SearcherError
 

@@ -244,7 +244,7 @@ class Drivers:
         try:
             self.beat(ended=True)
         except Exception as exc:
-            from .._storage import StorageUnavailable  # _storage imports the engine
+            from ._storage import StorageUnavailable  # _storage imports the engine
 
             # a storage the sweep gave up on has been reported already, once
             quiet = isinstance(exc, StorageUnavailable)

@@ -10,9 +10,9 @@ import math
 from typing import TYPE_CHECKING
 
 from .._compat import trial_id
-from .._rundir import member_id, trial_number
 from ..schedulers import OptunaPruner, Report
 from ..training.trainer import Evaluation, Member, MemberResult
+from ._rundir import member_id, trial_number
 from .packer import Pending
 from .status import Status
 

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 from .._compat import trial_for
 from .._io import atomic_save
-from .._rundir import member_id
 from .._usercode import describe, phase_of
+from ._rundir import member_id
 from .status import Status
 
 if TYPE_CHECKING:
@@ -128,7 +128,7 @@ class _Outcome(_Parts):
         """The last :meth:`_publish` of a run. While an error stops the sweep, a storage that
         is not answering (the likely error) leaves the files as they are, and the error that
         stopped the sweep is the one raised: resuming writes them again."""
-        from .._storage import StorageUnavailable
+        from ._storage import StorageUnavailable
 
         stopping = sys.exc_info()[1] is not None
         try:

@@ -16,7 +16,6 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .._rundir import RunDir
 from ..config import SweepConfig
 from ..executors import Executor
 from ..schedulers import TrialScheduler
@@ -25,6 +24,7 @@ from ..searchers._source import TrialSource
 from ..training.task import Task
 from ..training.trainer import MemberResult
 from ._drivers import Drivers
+from ._rundir import RunDir
 from .ledger import Ledger
 from .packer import Packer, Pending
 from .status import Status
@@ -32,8 +32,8 @@ from .status import Status
 if TYPE_CHECKING:
     import optuna
 
-    from .._journal import GroupedJournalFileBackend
-    from .._progress import Progress
+    from ._journal import GroupedJournalFileBackend
+    from ._progress import Progress
 
 __all__: list[str] = []
 

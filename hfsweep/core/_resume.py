@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any
 from .._compat import trial_for
 from .._dburl import mask, shown
 from .._journal_url import is_journal, journal_file
-from .._rundir import StateVersionError, member_id, trial_number
 from ..config import make_sampler
 from ..schedulers import OptunaPruner
 from ..training.trainer import ArrayTrainer, MemberResult
 from ._drivers import Drivers
+from ._rundir import StateVersionError, member_id, trial_number
 from .packer import Pending
 from .status import Status
 
@@ -107,7 +107,7 @@ class _Resume(_Parts):
 
         storage: Any = self.sc.storage
         if storage is not None and not is_journal(storage):
-            from .._storage import open_storage, study_exists
+            from ._storage import open_storage, study_exists
 
             resume = f"hfsweep run {self.sc.source} --resume" if self.sc.source else "resume=True"
             storage = open_storage(
@@ -121,7 +121,7 @@ class _Resume(_Parts):
                     "back, or start a new sweep in another output directory"
                 )
         else:
-            from .._journal import GroupedJournalFileBackend
+            from ._journal import GroupedJournalFileBackend
 
             # the run directory's journal, or one that drivers share (see _journal_url)
             path = self.dir.journal if storage is None else journal_file(storage)

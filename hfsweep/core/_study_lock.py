@@ -74,7 +74,7 @@ class StudyLock:
         self._depth = 0
         self._held: AbstractContextManager[Any] | None = None
         self.kind, self._take = self._choose(storage)
-        #: the retrier of a storage that rides out a database restart (hfsweep._storage): the
+        #: the retrier of a storage that rides out a database restart (hfsweep.core._storage): the
         #: lock is taken through it too, else a restart would end the sweep at the next hook
         self._retrier = getattr(
             find_backend(storage, lambda o: hasattr(o, "_retrier")), "_retrier", None
@@ -129,7 +129,7 @@ class StudyLock:
                 try:
                     held.__exit__(None, None, None)
                 except Exception as error:
-                    from .._storage import is_transient  # _storage imports the engine
+                    from ._storage import is_transient  # _storage imports the engine
 
                     # a database lock dies with its connection: a lost one has released it
                     if not is_transient(error):

@@ -38,9 +38,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .._io import grouped_sync
-from .._preflight import preflight
-from .._progress import Progress
-from .._rundir import RunDir, RunDirBusy, member_id, trial_number
 from .._usercode import HOOK, NOT_TRAINING, label, phase_of, unwrap
 from ..config import SweepConfig, load_sweep, make_searcher, parse_sweep
 from ..executors import Executor, ExecutorError, LocalExecutor, Stopped
@@ -56,7 +53,10 @@ from ._drivers import Drivers
 from ._hooks import _Hooks
 from ._outcome import _Outcome
 from ._parts import _Array
+from ._preflight import preflight
+from ._progress import Progress
 from ._resume import _Resume
+from ._rundir import RunDir, RunDirBusy, member_id, trial_number
 from .ledger import Ledger
 from .packer import NON_LEARNING, Packer, Pending, limit_for_learning
 from .result import SweepError, SweepResult, TrainingError, _Failed
@@ -65,7 +65,7 @@ from .status import Status
 if TYPE_CHECKING:
     import optuna
 
-    from .._journal import GroupedJournalFileBackend
+    from ._journal import GroupedJournalFileBackend
 
 __all__ = ["SweepError", "SweepResult", "TrainingError", "sweep"]
 
@@ -105,7 +105,7 @@ def sweep(
     raised while an array trained: that array's trials and every other unfinished one are then
     ``FAIL`` in the study, none is left ``RUNNING``. A trial whose ``model(config)`` raises
     fails alone, and the sweep goes on. A storage database that stops answering is retried
-    for ``storage_retry`` seconds, then ``hfsweep._storage.StorageUnavailable`` (a
+    for ``storage_retry`` seconds, then ``hfsweep.core._storage.StorageUnavailable`` (a
     :class:`SweepError`) stops the sweep, resumable.
     """
     if isinstance(config, SweepConfig):
@@ -118,7 +118,7 @@ def sweep(
     data = _DataCache()  # the dry run's data, which the local backend's arrays train on
     if sc.backend != "ray" or sc.ray.address is None:
         # before anything is written, and before the time limit's clock starts
-        from .._dryrun import dry_run
+        from ._dryrun import dry_run
 
         dry_run(sc, data=data)
     if searcher is None and sc.searcher.custom:
@@ -506,7 +506,7 @@ class _Engine(_Resume, _Hooks, _Outcome):
     @contextmanager
     def _journal_held(self) -> Iterator[None]:
         """The engine's lock, then the journal's lock for every append until the block ends
-        (see :class:`~hfsweep._journal.GroupedJournalFileBackend`). Every write to the study
+        (see :class:`~hfsweep.core._journal.GroupedJournalFileBackend`). Every write to the study
         takes the engine's lock, so a hold never waits for a thread that waits for it. Not
         around work that can take long (profiling a new key's array sizes): other processes
         wait for the hold to end."""

@@ -121,8 +121,8 @@ def _load_study(run: Path, sweep: _Sweep) -> optuna.Study:
     from optuna.storages import BaseStorage, JournalStorage
     from optuna.storages.journal import JournalFileBackend
 
-    from .._journal import JournalPrefix, find_torn_tail
     from .._journal_url import is_journal, journal_file
+    from ..core._journal import JournalPrefix, find_torn_tail
 
     storage: str | BaseStorage
     if sweep.storage is None or is_journal(sweep.storage):  # a run dir's or a shared journal

@@ -18,9 +18,9 @@ from typing import Any
 import optuna
 import pytest
 
-from hfsweep._journal import journal_storage
 from hfsweep.core import _drivers
 from hfsweep.core._drivers import DRIVER_ATTR, Beat, Drivers, driver_id
+from hfsweep.core._journal import journal_storage
 from hfsweep.core._study_lock import StudyLock
 
 

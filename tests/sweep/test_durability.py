@@ -12,9 +12,9 @@ import optuna
 import pytest
 from optuna.storages.journal import JournalFileBackend
 
-from hfsweep import _journal
 from hfsweep._io import append_lines, atomic_write_text, grouped_sync, read_lines
-from hfsweep._journal import GroupedJournalFileBackend, journal_storage
+from hfsweep.core import _journal
+from hfsweep.core._journal import GroupedJournalFileBackend, journal_storage
 
 from ._clock import FakeTime
 

@@ -18,10 +18,10 @@ from optuna.storages.journal import JournalFileSymlinkLock
 from optuna.trial import TrialState
 
 import hfsweep as hs
-from hfsweep import _journal
-from hfsweep._rundir import RunDir
 from hfsweep.config import ConfigError, parse_sweep
+from hfsweep.core import _journal
 from hfsweep.core import loop as _engine
+from hfsweep.core._rundir import RunDir
 from hfsweep.searchers._source import SearcherError
 
 from ._clock import FakeTime, TickingClock

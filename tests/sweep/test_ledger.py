@@ -15,8 +15,8 @@ from hfsweep.schedulers import Report, make_scheduler
 
 import hfsweep as hs
 from hfsweep import _io
-from hfsweep._rundir import RunDir
 from hfsweep.core._ledger_file import LedgerFile, StateVersionError
+from hfsweep.core._rundir import RunDir
 from hfsweep.core.ledger import Ledger
 from hfsweep.core.status import Status
 

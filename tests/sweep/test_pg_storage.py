@@ -125,7 +125,7 @@ def test_a_port_that_never_answers_is_given_up_on() -> None:
     check ends with the driver's timeout instead of hanging."""
     import socket
 
-    from hfsweep._storage import check_connection
+    from hfsweep.core._storage import check_connection
 
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
@@ -322,7 +322,7 @@ class _Flaky:
 
 
 def _retrying(inner: Any, retry_s: float) -> tuple[Any, list[float]]:
-    from hfsweep._storage import RetryingStorage, _Retrier
+    from hfsweep.core._storage import RetryingStorage, _Retrier
 
     waits: list[float] = []
     now = [0.0]
@@ -358,7 +358,7 @@ def test_after_giving_up_every_call_fails_at_once() -> None:
     in a finally) raise the same error without waiting the whole time again."""
     import optuna
 
-    from hfsweep._storage import StorageUnavailable
+    from hfsweep.core._storage import StorageUnavailable
 
     memory = optuna.storages.InMemoryStorage()
     study_id = memory.create_new_study([optuna.study.StudyDirection.MINIMIZE], "s")

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 import hfsweep as hs
-from hfsweep import _preflight
 from hfsweep.cli import main
 from hfsweep.config import ConfigError
+from hfsweep.core import _preflight
 
 SWEEP = (
     "task: digits_mlp\nsearch_space: sgd_momentum\nmetric: val_accuracy\nmode: max\n"

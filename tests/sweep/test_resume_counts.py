@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 import hfsweep as hs
-from hfsweep._progress import Progress
+from hfsweep.core._progress import Progress
 from hfsweep.core.loop import _Engine
 
 from ._toy import sweep_config

@@ -15,9 +15,9 @@ from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
 from hfsweep import report
-from hfsweep._journal import GroupedJournalFileBackend
 from hfsweep.cli import main
 from hfsweep.config import parse_sweep
+from hfsweep.core._journal import GroupedJournalFileBackend
 
 TOY = Path(__file__).resolve().parent / "_toy.py"
 SWEEP = f"""\

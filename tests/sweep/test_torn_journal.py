@@ -18,8 +18,8 @@ from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
 import hfsweep.training.run
-from hfsweep._journal import GroupedJournalFileBackend, find_torn_tail, journal_storage
 from hfsweep.cli import main
+from hfsweep.core._journal import GroupedJournalFileBackend, find_torn_tail, journal_storage
 
 TOY = Path(__file__).resolve().parent / "_toy.py"
 TRIALS = 4
@@ -250,7 +250,7 @@ def test_an_arrays_checkpoint_is_removed_only_once_the_journal_is_on_disk(
     journal's appends reached the disk, though the sweep groups its flushes otherwise."""
     import os
 
-    from hfsweep._rundir import RunDir
+    from hfsweep.core._rundir import RunDir
 
     sweep, run = _write_sweep(tmp_path), tmp_path / "run"
     journal = run / "optuna.journal"

@@ -312,7 +312,7 @@ def test_the_runs_own_errors_are_not_the_arrays(
     array.pt) is the run's, not the task's: it propagates as it was, and the trials stay
     RUNNING for a resume, as after a crash."""
     import hfsweep.training.run as run_module
-    from hfsweep._rundir import RunDir
+    from hfsweep.core._rundir import RunDir
 
     def full_disk(*args: Any, **kwargs: Any) -> None:
         raise OSError(28, "No space left on device")

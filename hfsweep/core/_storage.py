@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from optuna.storages import BaseStorage
 
-from ._compat_optuna import BaseHeartbeat, FrozenStudy
-from ._dburl import expand, mask, scrub
-from .core.loop import SweepError
+from .._compat_optuna import BaseHeartbeat, FrozenStudy
+from .._dburl import expand, mask, scrub
+from .result import SweepError
 
 if TYPE_CHECKING:
     import optuna

@@ -21,13 +21,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ._dburl import mask
-from ._journal_url import is_journal
-from ._journal_url import problem as journal_problem
-from .config import ConfigError
+from .._dburl import mask
+from .._journal_url import is_journal
+from .._journal_url import problem as journal_problem
+from ..config import ConfigError
 
 if TYPE_CHECKING:
-    from .config import SweepConfig
+    from ..config import SweepConfig
 
 __all__ = ["preflight"]
 
@@ -184,7 +184,7 @@ def _check_storage(sc: SweepConfig) -> None:
         if found is not None:
             raise _error(sc, "storage", f"{sc.storage}: {found}")
         return
-    from ._dburl import UnsetVariable, expand
+    from .._dburl import UnsetVariable, expand
 
     try:
         written = expand(sc.storage)
@@ -261,7 +261,7 @@ def _check_ray(sc: SweepConfig) -> None:
     ``ray.connect_timeout_s`` (``ray.init`` alone would wait for ever)."""
     if sc.backend != "ray" or sc.ray.address is None:
         return
-    from .executors._connect import ClusterUnreachable, reach
+    from ..executors._connect import ClusterUnreachable, reach
 
     try:
         reach(sc.ray.address, sc.ray.connect_timeout_s)

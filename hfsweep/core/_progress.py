@@ -6,7 +6,7 @@ import sys
 import time
 from typing import TextIO
 
-from .core.status import FINAL, Status
+from .status import FINAL, Status
 
 __all__ = ["Progress"]
 

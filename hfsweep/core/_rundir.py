@@ -36,8 +36,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ._io import atomic_write_text
-from .core._ledger_file import STATE_VERSION, LedgerFile, StateVersionError
+from .._io import atomic_write_text
+from ._ledger_file import STATE_VERSION, LedgerFile, StateVersionError
 
 if TYPE_CHECKING:
     import optuna

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import optuna
 from optuna.storages.journal import BaseJournalBackend, JournalFileBackend, JournalFileSymlinkLock
 
-from ._io import written
+from .._io import written
 
 __all__ = [
     "GroupedJournalFileBackend",

@@ -19,12 +19,12 @@ from typing import Any
 
 import torch
 
-from ._usercode import describe, phase_of
-from .config import ConfigError, SweepConfig
-from .config.validate import _SAMPLES, _samples
-from .sizing.device import DTYPES, resolve_device
-from .training.task import Task, fork_rng
-from .training.trainer import ArrayTrainer, Member, _DataCache
+from .._usercode import describe, phase_of
+from ..config import ConfigError, SweepConfig
+from ..config.validate import _SAMPLES, _samples
+from ..sizing.device import DTYPES, resolve_device
+from ..training.task import Task, fork_rng
+from ..training.trainer import ArrayTrainer, Member, _DataCache
 
 __all__ = ["dry_run"]
 
@@ -113,7 +113,7 @@ def _check_size(
     to count its parameters and buffers; the array of two members with their gradients and the
     two models it is built from need at least :data:`_COPIES` times that. A model that cannot
     be built on the meta device is not checked here."""
-    from .sizing.device import device_budget
+    from ..sizing.device import device_budget
 
     try:
         with fork_rng(), torch.device("meta"), warnings.catch_warnings():
