@@ -175,6 +175,7 @@ def _run(args: argparse.Namespace) -> int:
     from .core._preflight import preflight
     from .core._storage import StorageUnavailable
     from .core.loop import SweepError, TrainingError, sweep
+    from .core.result import RunDirUnwritable
     from .searchers._source import SearcherError
 
     try:
@@ -193,7 +194,8 @@ def _run(args: argparse.Namespace) -> int:
             print(f"  {line}", flush=True)
     try:
         result = sweep(config, resume=args.resume, progress=not args.quiet)
-    except (TrainingError, StorageUnavailable) as e:  # the task's code, or the database, failed
+    # the task's code, the database or the run directory's disk failed at run time
+    except (TrainingError, StorageUnavailable, RunDirUnwritable) as e:
         _error("run", e, args)
         return 1
     except (ConfigError, SweepError, SearcherError) as e:
@@ -407,10 +409,16 @@ def main(argv: list[str] | None = None) -> int:
             raise
         from ._usercode import describe
 
+        resume = (
+            f" Every finished trial is recorded: once it is fixed, continue with `hfsweep run "
+            f"{args.sweep} --resume`."
+            if args.command == "run"
+            else ""
+        )
         print(
             f"hfsweep {args.command}: unexpected {describe(exc)}. This is a bug in hfsweep or "
             "in code it called; run the command again with --debug for the traceback, and "
-            "report it.",
+            f"report it.{resume}",
             file=sys.stderr,
         )
         return 1

@@ -87,6 +87,8 @@ def dry_run(
         )
     except Exception as exc:
         phase = phase_of(exc)
+        if phase is None:  # not the task's code (each part of its training is labelled)
+            raise
         raise _error(
             sc,
             f"{step}, trained for one step on one batch, raised "

@@ -23,16 +23,19 @@ is told once.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
 import os
+import sys
 import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager, nullcontext
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -59,7 +62,7 @@ from ._resume import _Resume
 from ._rundir import RunDir, RunDirBusy, member_id, trial_number
 from .ledger import Ledger
 from .packer import NON_LEARNING, Packer, Pending, limit_for_learning
-from .result import SweepError, SweepResult, TrainingError, _Failed
+from .result import RunDirUnwritable, SweepError, SweepResult, TrainingError, _Failed
 from .status import Status
 
 if TYPE_CHECKING:
@@ -218,6 +221,22 @@ class _Engine(_Resume, _Hooks, _Outcome):
                         self.drivers.close()
         except (RunDirBusy, UnsafeFileError) as exc:  # a file of the run dir was refused
             raise SweepError(str(exc)) from None
+        except OSError as exc:
+            if exc.errno not in _DISK_ERRORS and not self._in_run_dir(exc.filename):
+                raise
+            where = exc.filename or self.dir.path
+            resume = f"hfsweep run {self.sc.source} --resume" if self.sc.source else "resume=True"
+            raise RunDirUnwritable(
+                f"cannot write {where}: {exc.strerror or exc}. The sweep stopped; every trial "
+                f"that finished is recorded. Free some space (or fix the permissions), then "
+                f"continue with {resume}"
+            ) from exc
+
+    def _in_run_dir(self, filename: object) -> bool:
+        """Whether ``filename`` (an OSError's) lies in the run directory."""
+        if not isinstance(filename, str | os.PathLike):
+            return False
+        return Path(filename).resolve().is_relative_to(self.dir.path.resolve())
 
     def _run(self) -> SweepResult:
         saved = self._prepare_dir()
@@ -247,7 +266,15 @@ class _Engine(_Resume, _Hooks, _Outcome):
             except _Failed as failed:
                 raise self._stop(failed) from failed.exc
             finally:
-                self.ledger.compact()  # the whole state in state.json as the sweep stops
+                stopping = sys.exc_info()[1] is not None
+                try:
+                    self.ledger.compact()  # the whole state in state.json as the sweep stops
+                except OSError:
+                    if not stopping:
+                        raise
+                    # the error that stops the sweep is the one to show (a full disk fails
+                    # this too); the ledger's files are whole without the compaction
+                    _log.warning("the ledger was not compacted", exc_info=True)
                 self._publish_last()
                 self.progress.close()
             result = self._result()
@@ -369,6 +396,8 @@ class _Engine(_Resume, _Hooks, _Outcome):
         except (ExecutorError, Stopped):
             raise
         except Exception as exc:
+            if not _raised_by_the_task(exc):
+                raise
             where = f"profiling the array size for {self._describe(config)}"
             raise _Failed(where, unwrap(exc)) from exc
         name = self.sc.searcher.name
@@ -477,7 +506,7 @@ class _Engine(_Resume, _Hooks, _Outcome):
             except (ExecutorError, _Failed):
                 raise
             except Exception as exc:
-                if phase_of(exc) in NOT_TRAINING:  # the engine's hooks, the checkpoint's files
+                if not _raised_by_the_task(exc):  # the engine's hooks, files, hfsweep's code
                     raise
                 raise _Failed(f"array {array.index}", unwrap(exc), array.index) from exc
         with self._lock:
@@ -554,6 +583,23 @@ class _Engine(_Resume, _Hooks, _Outcome):
             logger.removeHandler(handler)
             logger.setLevel(level)
             handler.close()
+
+
+#: errors of a disk or file system rather than of a program: no space, no quota, read-only, no
+#: permission, an I/O error
+_DISK_ERRORS = frozenset(
+    {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO}
+)
+
+
+def _raised_by_the_task(exc: Exception) -> bool:
+    """Whether ``exc`` came from the task's code: a phase of its training (its model's forward,
+    its loss, its data...) labels it. Only such an error stops the sweep with its trials
+    ``FAIL`` (the same code would fail every array). An error with no phase, or the engine's
+    own (its hooks, the checkpoint's files), is hfsweep's or the machine's: it propagates as it
+    is, leaving the trials ``RUNNING`` for ``--resume``, as after a crash."""
+    phase = phase_of(exc) or phase_of(unwrap(exc))
+    return phase is not None and phase not in NOT_TRAINING
 
 
 @contextmanager

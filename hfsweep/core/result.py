@@ -32,6 +32,11 @@ class TrainingError(SweepError):
     """
 
 
+class RunDirUnwritable(SweepError):
+    """The run directory could not be written (a full disk, a read-only file system, no
+    permission) while the sweep ran: it stopped, resumable once that is fixed."""
+
+
 class _Failed(SweepError):
     """An array's training (or a profile) raised: ``where`` it happened, the exception, and the
     array's index (``None`` for a profile). The engine turns it into :class:`TrainingError`

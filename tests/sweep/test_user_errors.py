@@ -309,8 +309,8 @@ def test_the_runs_own_errors_are_not_the_arrays(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
 ) -> None:
     """An error in the engine's hook (writing a history) or in an array's checkpoint (writing
-    array.pt) is the run's, not the task's: it propagates as it was, and the trials stay
-    RUNNING for a resume, as after a crash."""
+    array.pt) is the run's, not the task's: a full disk stops the sweep with a SweepError that
+    says so and how to continue, and the trials stay RUNNING for a resume, as after a crash."""
     import hfsweep.training.run as run_module
     from hfsweep.core._rundir import RunDir
 
@@ -321,9 +321,57 @@ def test_the_runs_own_errors_are_not_the_arrays(
         monkeypatch.setattr(RunDir, "write_history", full_disk)
     else:
         monkeypatch.setattr(run_module, "atomic_save", full_disk)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(hs.SweepError, match="No space left") as info:
         hs.sweep(_config(tmp_path, _broken.TASK), progress=False)
+    assert not isinstance(info.value, hs.TrainingError)
+    assert "Free some space" in str(info.value) and "resume=True" in str(info.value)
+    assert isinstance(info.value.__cause__, OSError)
     assert "RUNNING" in {t.state.name for t in _states(tmp_path / "run")}
+    monkeypatch.undo()
+    resumed = hs.sweep(_config(tmp_path, _broken.TASK), resume=True, progress=False)
+    assert resumed.counts == {"COMPLETE": 4, "PRUNED": 0, "FAIL": 0, "RUNNING": 0}
+
+
+def test_a_full_disk_is_one_paragraph_with_the_resume_command(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`hfsweep run` on a disk that fills up: exit 1, the file and the remedy, no "bug"."""
+    from hfsweep.core._rundir import RunDir
+
+    def full_disk(*args: Any, **kwargs: Any) -> None:
+        raise OSError(28, "No space left on device", str(tmp_path / "run" / "histories"))
+
+    monkeypatch.setattr(RunDir, "write_history", full_disk)
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(_broken.sweep_yaml("TASK"))
+    assert main(["run", str(sweep), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "cannot write" in err and "No space left on device" in err, err
+    assert f"hfsweep run {sweep} --resume" in err and "bug" not in err, err
+
+
+def test_an_error_in_hfsweeps_own_code_leaves_the_trials_for_a_resume(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An exception that no phase of the task's training labels (here: the trainer's own code,
+    from its second array on) is not blamed on the task: it propagates as it is, no trial is
+    marked FAIL, and the sweep resumes to the end once it is gone."""
+    import hfsweep.training.live as live_module
+
+    real = live_module.any_smoothing
+    calls = {"n": 0}
+
+    def internal_bug(configs: Any) -> bool:
+        calls["n"] += 1
+        if calls["n"] > 1:
+            raise ZeroDivisionError("an hfsweep-internal bug")
+        return real(configs)
+
+    monkeypatch.setattr(live_module, "any_smoothing", internal_bug)
+    with pytest.raises(ZeroDivisionError, match="internal bug"):
+        hs.sweep(_config(tmp_path, _broken.TASK), progress=False)
+    states = {t.state.name for t in _states(tmp_path / "run")}
+    assert "FAIL" not in states and "RUNNING" in states
     monkeypatch.undo()
     resumed = hs.sweep(_config(tmp_path, _broken.TASK), resume=True, progress=False)
     assert resumed.counts == {"COMPLETE": 4, "PRUNED": 0, "FAIL": 0, "RUNNING": 0}
