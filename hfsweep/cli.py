@@ -141,7 +141,7 @@ def _profile(args: argparse.Namespace) -> int:
 def _validate(args: argparse.Namespace) -> int:
     sys.dont_write_bytecode = True  # importing a task's .py file must not write __pycache__
     from .config import ConfigError, load_sweep
-    from .core._dryrun import dry_run
+    from .core._dryrun import dry_run, runs_on_the_driver
     from .core._preflight import preflight
 
     try:
@@ -160,7 +160,8 @@ def _validate(args: argparse.Namespace) -> int:
             )
             return 2
         try:
-            dry_run(sweep)  # the task's code, once: after the machine's checks, as in a run
+            if runs_on_the_driver(sweep):  # as in a run: not for a cluster's workers' data
+                dry_run(sweep)  # the task's code, once: after the machine's checks
         except ConfigError as e:
             _error("validate", e, args)
             return 2

@@ -35,6 +35,14 @@ _BUILDS = 12
 _COPIES = 6
 
 
+def runs_on_the_driver(sc: SweepConfig) -> bool:
+    """Whether a sweep's dry run runs where it starts: not for a Ray cluster given by
+    ``ray.address``, whose data and devices may exist on its workers only (the workers' first
+    array checks the task there). ``hs.sweep``, ``hfsweep run`` and ``hfsweep validate`` all
+    follow this."""
+    return sc.backend != "ray" or sc.ray.address is None
+
+
 def dry_run(
     sc: SweepConfig, *, device: str | torch.device | None = None, data: _DataCache | None = None
 ) -> None:
@@ -55,7 +63,8 @@ def dry_run(
     dtype = DTYPES[sc.fusion.dtype]
     where = torch.device(device if device is not None else _device(sc))
     for sampled, config in configs[:_BUILDS]:
-        _check_size(sc, sampled, config, where, dtype)
+        if sc.backend != "ray":  # on Ray the workers' memory counts, which this cannot see
+            _check_size(sc, sampled, config, where, dtype)
         try:
             task.build_model(config)
         except Exception as exc:

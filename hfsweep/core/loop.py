@@ -119,10 +119,9 @@ def sweep(
         sc = load_sweep(config)
     preflight(sc)  # before the run directory is created: a sweep that cannot run writes nothing
     data = _DataCache()  # the dry run's data, which the local backend's arrays train on
-    if sc.backend != "ray" or sc.ray.address is None:
-        # before anything is written, and before the time limit's clock starts
-        from ._dryrun import dry_run
+    from ._dryrun import dry_run, runs_on_the_driver
 
+    if runs_on_the_driver(sc):  # before anything is written and the time limit's clock starts
         dry_run(sc, data=data)
     if searcher is None and sc.searcher.custom:
         searcher = make_searcher(sc.searcher)

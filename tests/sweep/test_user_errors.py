@@ -423,3 +423,25 @@ def test_a_loss_or_metric_of_the_wrong_shape_is_named() -> None:
     )
     with pytest.raises(hs.TaskError, match=r"metric 'zero' returned int; .* shape \(2,\)"):
         not_a_tensor.member_metrics(out, y)
+
+
+def test_validate_skips_the_dry_run_exactly_where_run_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """For a cluster given by ray.address the task's code is checked by the workers (its data
+    may exist there only), by `hfsweep run` and `hfsweep validate` alike."""
+    import yaml
+
+    from hfsweep.config import parse_sweep
+    from hfsweep.core import _preflight
+    from hfsweep.core._dryrun import runs_on_the_driver
+
+    monkeypatch.setattr(_preflight, "_CHECKS", ())  # no cluster to reach in this test
+    cluster = {"backend": "ray", "ray": {"address": "127.0.0.1:6379"}}
+    for overrides, driver in (({}, True), ({"backend": "ray"}, True), (cluster, False)):
+        config = _config(tmp_path, _broken.SHAPE, **overrides)
+        config["task"] = f"{_broken.__file__}:SHAPE"
+        assert runs_on_the_driver(parse_sweep(config)) is driver
+        sweep = tmp_path / "sweep.yaml"
+        sweep.write_text(yaml.safe_dump(config))
+        assert main(["validate", str(sweep)]) == (2 if driver else 0), capsys.readouterr()
