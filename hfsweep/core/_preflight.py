@@ -8,13 +8,15 @@ these used to surface only after the run directory, its lock and ``sweep.json`` 
 :func:`preflight` makes every such check. ``hs.sweep`` runs it before it creates or locks the run
 directory, and ``hfsweep validate`` runs it too, so both refuse the same sweeps; each problem is a
 :class:`~hfsweep.config.ConfigError` naming the sweep file, the YAML path (``output``,
-``fusion.device``, ``storage``), the value and what would work. None of the checks writes
-anything. A check that must pass before anything is created (opening the storage, reaching a Ray
+``fusion.device``, ``storage``), the value and what would work. The checks leave nothing
+behind: the one that asks whether a folder takes new entries makes an empty folder there and
+removes it at once. A check that must pass before anything is created (opening the storage, reaching a Ray
 cluster) belongs in :data:`_CHECKS`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from collections.abc import Callable
@@ -55,7 +57,7 @@ def preflight(sc: SweepConfig) -> None:
     """Raise :class:`~hfsweep.config.ConfigError` if ``sc`` cannot run on this machine: its
     ``output`` cannot be created or written, its ``fusion.device`` is CUDA that this machine
     lacks, its ``storage`` URL's database driver is not installed, or no Ray cluster answers at
-    its ``ray.address``. Writes nothing; cheap enough to run more than once."""
+    its ``ray.address``. Leaves nothing behind; cheap enough to run more than once."""
     for check in _CHECKS:
         check(sc)
 
@@ -123,7 +125,8 @@ def _writable(sc: SweepConfig, folder: Path, out: Path, what: str) -> None:
                 f"{what} takes no new folder ({exc.strerror or exc}), so the sweep could not "
                 f"write {out}; set `output` to a writable folder (or pass --output)",
             ) from None
-        probe.rmdir()
+        with contextlib.suppress(OSError):  # it could be made, which is what was asked
+            probe.rmdir()
         return
     try:
         read_only = bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
