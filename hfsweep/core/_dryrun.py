@@ -23,7 +23,7 @@ from .._usercode import describe, phase_of
 from ..config import ConfigError, SweepConfig
 from ..config.validate import _SAMPLES, _samples
 from ..sizing.device import DTYPES, resolve_device
-from ..training.task import Task, fork_rng
+from ..training.task import Task, TaskError, fork_rng
 from ..training.trainer import ArrayTrainer, Member, _DataCache
 
 __all__ = ["dry_run"]
@@ -96,7 +96,7 @@ def dry_run(
         )
     except Exception as exc:
         phase = phase_of(exc)
-        if phase is None:  # not the task's code (each part of its training is labelled)
+        if phase is None and not isinstance(exc, TaskError):  # hfsweep's own code, not the task's
             raise
         raise _error(
             sc,

@@ -23,7 +23,6 @@ is told once.
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import math
@@ -41,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .._io import grouped_sync
-from .._usercode import HOOK, NOT_TRAINING, label, phase_of, unwrap
+from .._usercode import HOOK, label, unwrap
 from ..config import SweepConfig, load_sweep, make_searcher, parse_sweep
 from ..executors import Executor, ExecutorError, LocalExecutor, Stopped
 from ..schedulers import OptunaPruner, make_scheduler
@@ -62,7 +61,15 @@ from ._resume import _Resume
 from ._rundir import RunDir, RunDirBusy, member_id, trial_number
 from .ledger import Ledger
 from .packer import NON_LEARNING, Packer, Pending, limit_for_learning
-from .result import RunDirUnwritable, SweepError, SweepResult, TrainingError, _Failed
+from .result import (
+    _DISK_ERRORS,
+    RunDirUnwritable,
+    SweepError,
+    SweepResult,
+    TrainingError,
+    _Failed,
+    _raised_by_the_task,
+)
 from .status import Status
 
 if TYPE_CHECKING:
@@ -582,23 +589,6 @@ class _Engine(_Resume, _Hooks, _Outcome):
             logger.removeHandler(handler)
             logger.setLevel(level)
             handler.close()
-
-
-#: errors of a disk or file system rather than of a program: no space, no quota, read-only, no
-#: permission, an I/O error
-_DISK_ERRORS = frozenset(
-    {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO}
-)
-
-
-def _raised_by_the_task(exc: Exception) -> bool:
-    """Whether ``exc`` came from the task's code: a phase of its training (its model's forward,
-    its loss, its data...) labels it. Only such an error stops the sweep with its trials
-    ``FAIL`` (the same code would fail every array). An error with no phase, or the engine's
-    own (its hooks, the checkpoint's files), is hfsweep's or the machine's: it propagates as it
-    is, leaving the trials ``RUNNING`` for ``--resume``, as after a crash."""
-    phase = phase_of(exc) or phase_of(unwrap(exc))
-    return phase is not None and phase not in NOT_TRAINING
 
 
 @contextmanager

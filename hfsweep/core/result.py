@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import errno
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .._usercode import describe
+from .._usercode import NOT_TRAINING, describe, phase_of, unwrap
+from ..training.task import TaskError
 
 if TYPE_CHECKING:
     import optuna
@@ -118,3 +120,23 @@ def _fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     return str(value)
+
+
+#: errors of a disk or file system rather than of a program: no space, no quota, read-only, no
+#: permission, an I/O error
+_DISK_ERRORS = frozenset(
+    {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO}
+)
+
+
+def _raised_by_the_task(exc: Exception) -> bool:
+    """Whether ``exc`` came from the task's code: a phase of its training (its model's forward,
+    its loss, its data...) labels it. Only such an error stops the sweep with its trials
+    ``FAIL`` (the same code would fail every array); so does a :class:`TaskError`, hfsweep's word
+    that what the task gave is wrong. An error with no phase, or the engine's
+    own (its hooks, the checkpoint's files), is hfsweep's or the machine's: it propagates as it
+    is, leaving the trials ``RUNNING`` for ``--resume``, as after a crash."""
+    if isinstance(unwrap(exc), TaskError):  # what the task gave is wrong (empty data...)
+        return True
+    phase = phase_of(exc) or phase_of(unwrap(exc))
+    return phase is not None and phase not in NOT_TRAINING
