@@ -33,8 +33,19 @@ if TYPE_CHECKING:
 
 __all__ = ["preflight"]
 
-#: files of a run directory that a resumed sweep rewrites (RunDir's names)
-_RUN_FILES = ("sweep.json", "optuna.journal", "state.json", "trials.csv", "best.json", "sweep.log")
+#: files of a run directory that a resumed sweep rewrites (RunDir's names); ``.lock``: one
+#: this user cannot open would leave the sweep unlocked, with only a warning
+_RUN_FILES = (
+    "sweep.json",
+    "optuna.journal",
+    "state.json",
+    "trials.csv",
+    "best.json",
+    "sweep.log",
+    ".lock",
+)
+#: folders of a run directory that a resumed sweep writes new files into (RunDir's names)
+_RUN_FOLDERS = ("histories", "checkpoints", "arrays")
 #: SQLAlchemy driver name -> what to install for it
 _DRIVER_PACKAGES = {
     "psycopg2": '"hfsweep[postgres]" (psycopg2-binary)',
@@ -83,15 +94,19 @@ def _check_output(sc: SweepConfig) -> None:
                     "remove the file or set `output` to another path",
                 )
             _writable(sc, out, out, "the run directory")
-            for name in _RUN_FILES:
-                if (out / name).exists() and not os.access(out / name, os.W_OK):
+            arrays = out / "arrays"
+            folders = [out / name for name in _RUN_FOLDERS]
+            if arrays.is_dir():  # an array's checkpoint folder, rewritten when it resumes
+                folders += sorted(p for p in arrays.iterdir() if p.is_dir())
+            for path in [*(out / name for name in _RUN_FILES), *folders]:
+                mode = os.W_OK | os.X_OK if path in folders else os.W_OK
+                if path.exists() and not os.access(path, mode):
                     raise _error(
                         sc,
                         "output",
-                        f"{out / name} cannot be written by this user (owner uid "
-                        f"{(out / name).stat().st_uid}), so this run directory cannot be "
-                        "resumed or reused; fix its permissions or set `output` to another "
-                        "directory",
+                        f"{path} cannot be written by this user (owner uid "
+                        f"{path.stat().st_uid}), so this run directory cannot be resumed or "
+                        "reused; fix its permissions or set `output` to another directory",
                     )
             return
         folder = out.parent
@@ -105,6 +120,8 @@ def _check_output(sc: SweepConfig) -> None:
                 "`output` to a path under a folder",
             )
         _writable(sc, folder, out, f"{folder}, where the run directory would be created,")
+    except ConfigError:  # a ValueError too: the refusal above, as it is
+        raise
     except (OSError, ValueError) as exc:  # a folder this user may not look into; a NUL byte
         raise _error(
             sc, "output", f"cannot check the run directory {out} ({exc}); set `output` elsewhere"
