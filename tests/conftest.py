@@ -168,10 +168,9 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
             _shared_ray.stop()
 
 
-@pytest.fixture(scope="session")
-def postgres_server_shared() -> Iterator[object]:
-    """One real PostgreSQL server on loopback for the session (see tests/_postgres.py); skips
-    with the reason where its binaries or the postgres extra are absent."""
+def _postgres_server() -> Iterator[object]:
+    """A real PostgreSQL server on loopback (see tests/_postgres.py), closed when the fixture
+    ends; skips with the reason where its binaries or the postgres extra are absent."""
     from _postgres import PostgresServer, skip_reason
 
     reason = skip_reason()
@@ -182,6 +181,12 @@ def postgres_server_shared() -> Iterator[object]:
         yield server
     finally:
         server.close()
+
+
+@pytest.fixture(scope="session")
+def postgres_server_shared() -> Iterator[object]:
+    """One PostgreSQL server for the session (see :func:`_postgres_server`)."""
+    yield from _postgres_server()
 
 
 @pytest.fixture
@@ -193,13 +198,4 @@ def postgres(postgres_server_shared) -> str:
 @pytest.fixture
 def postgres_server() -> Iterator[object]:
     """A PostgreSQL server of this test's own, for tests that stop or restart it."""
-    from _postgres import PostgresServer, skip_reason
-
-    reason = skip_reason()
-    if reason is not None:
-        pytest.skip(reason)
-    server = PostgresServer()
-    try:
-        yield server
-    finally:
-        server.close()
+    yield from _postgres_server()
