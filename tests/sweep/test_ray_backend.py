@@ -67,21 +67,6 @@ def local_ray(shared_ray: Any) -> None:
     shared_ray.start()
 
 
-@pytest.fixture
-def told(monkeypatch: pytest.MonkeyPatch) -> Counter[int]:
-    """How many times each trial of the sweep's study was told."""
-    counts: Counter[int] = Counter()
-    real_tell = optuna.Study.tell
-
-    def counting_tell(self: optuna.Study, trial: Any, *args: Any, **kwargs: Any) -> Any:
-        if self.study_name == "sweep":
-            counts[trial if isinstance(trial, int) else trial.number] += 1
-        return real_tell(self, trial, *args, **kwargs)
-
-    monkeypatch.setattr(optuna.Study, "tell", counting_tell)
-    return counts
-
-
 def _same_trials(got: hs.SweepResult, want: hs.SweepResult) -> None:
     a = {t.number: t for t in got.study.get_trials()}
     b = {t.number: t for t in want.study.get_trials()}

@@ -77,21 +77,6 @@ def add_worker(cluster: Any) -> Any:
     return cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")
 
 
-@pytest.fixture
-def told(monkeypatch: pytest.MonkeyPatch) -> Counter[int]:
-    """How many times each trial of the sweep's study was told (in this process)."""
-    counts: Counter[int] = Counter()
-    real_tell = optuna.Study.tell
-
-    def counting_tell(self: optuna.Study, trial: Any, *args: Any, **kwargs: Any) -> Any:
-        if self.study_name == "sweep":
-            counts[trial if isinstance(trial, int) else trial.number] += 1
-        return real_tell(self, trial, *args, **kwargs)
-
-    monkeypatch.setattr(optuna.Study, "tell", counting_tell)
-    return counts
-
-
 def _wait(what: str, done: Callable[[], bool], alive: Callable[[], bool] = lambda: True) -> None:
     deadline = time.monotonic() + _PATIENCE
     while not done():
