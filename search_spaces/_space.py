@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 from hfsweep._checks import is_int
 
 from ._errors import SpaceError
-from ._params import FixedParam, FloatParam, Param, join_path, parse_param, same_value
+from ._params import FixedParam, FloatParam, Param, join_path, same_value
+from ._parse_param import parse_param
 from ._yaml import load_yaml
 
 if TYPE_CHECKING:
