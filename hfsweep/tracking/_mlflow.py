@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import logging
 import time
+import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -56,7 +58,18 @@ class MLflowTracker(Callback):
         uri = self.tracking_uri or f"sqlite:///{sweep.run_dir.resolve() / 'mlflow.db'}"
         self.client = MlflowClient(tracking_uri=uri)
         name = self.experiment or sweep.study_name
-        found = self.client.get_experiment_by_name(name)
+        # the store opens here: quietly (MLflow's INFO lines as it creates a database's
+        # tables, and SQLAlchemy's deprecation warnings about MLflow's code, would cut
+        # through the progress line)
+        db_log = logging.getLogger("mlflow.store.db.utils")
+        level = db_log.level
+        db_log.setLevel(logging.WARNING)
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", category=DeprecationWarning)
+                found = self.client.get_experiment_by_name(name)
+        finally:
+            db_log.setLevel(level)
         self.experiment_id = (
             found.experiment_id if found is not None else self.client.create_experiment(name)
         )
