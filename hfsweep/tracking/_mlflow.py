@@ -56,7 +56,6 @@ class MLflowTracker(Callback):
 
         self.sweep = sweep
         uri = self.tracking_uri or f"sqlite:///{sweep.run_dir.resolve() / 'mlflow.db'}"
-        self.client = MlflowClient(tracking_uri=uri)
         name = self.experiment or sweep.study_name
         # the store opens here: quietly (MLflow's INFO lines as it creates a database's
         # tables, and SQLAlchemy's deprecation warnings about MLflow's code, would cut
@@ -67,6 +66,7 @@ class MLflowTracker(Callback):
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", category=DeprecationWarning)
+                self.client = MlflowClient(tracking_uri=uri)
                 found = self.client.get_experiment_by_name(name)
         finally:
             db_log.setLevel(level)
