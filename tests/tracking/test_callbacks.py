@@ -192,3 +192,39 @@ def test_a_resumed_sweep_repeats_no_event_and_no_run(tmp_path: Path) -> None:
         assert len(set(steps[t.number])) == 2, (t.number, steps[t.number])
     resumed = started_first - ended_first
     assert any(len(os.listdir(run_dir / "tensorboard" / f"trial-{n}")) == 2 for n in resumed)
+
+
+def test_trials_a_failure_stops_end_failed_in_every_tracker(tmp_path: Path) -> None:
+    """The task's model raises at the first evaluation (its short last batch): the sweep stops,
+    every unfinished trial is FAIL in the study, and each tracker hears of it, with the error."""
+    pytest.importorskip("mlflow", reason="the mlflow extra is not installed")
+    from mlflow.tracking import MlflowClient
+    from sweep import _broken
+
+    run_dir = tmp_path / "run"
+    recorder = Recorder()
+    config = {
+        "task": _broken.BATCH_16,
+        "search_space": {"lr": {"type": "float", "low": 1e-3, "high": 0.5, "log": True}},
+        "searcher": "random",
+        "budget": {"trials": 6, "epochs": 2},
+        "metric": "val_loss",
+        "mode": "min",
+        "fusion": {"size": 2, "device": "cpu"},
+        "output": str(run_dir),
+        "tracking": ["mlflow"],
+    }
+    with pytest.raises(hs.TrainingError):
+        hs.sweep(config, progress=False, callbacks=[recorder])
+    ends = [e for e in recorder.events if e[0] == "end"]
+    assert ends and {e[2] for e in ends} == {Status.FAILED}
+    assert all(e[3] is None and "this model takes batches of 16" in e[4] for e in ends)
+    assert recorder.events[-1] == ("sweep_end",)
+    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("sweep")
+    assert experiment is not None
+    runs = client.search_runs([experiment.experiment_id], max_results=100)
+    assert sorted(int(r.data.tags["hfsweep.trial"]) for r in runs) == sorted(e[1] for e in ends)
+    for r in runs:
+        assert r.info.status == "FAILED" and r.data.tags["hfsweep.status"] == "failed"
+        assert "this model takes batches of 16" in r.data.tags["hfsweep.error"]
