@@ -146,14 +146,15 @@ class Interrupt(hs.Callback):
             raise KeyboardInterrupt
 
 
-def test_a_resumed_sweep_repeats_no_event_and_no_run(tmp_path: Path) -> None:
+def test_a_resumed_sweep_repeats_no_event_and_no_run(tmp_path: Path, quiet_wandb: None) -> None:
     pytest.importorskip("mlflow", reason="the mlflow extra is not installed")
     pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
+    pytest.importorskip("wandb", reason="the wandb extra is not installed")
     from mlflow.tracking import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run_dir = tmp_path / "run"
-    config = small_sweep(run_dir, tracking=["mlflow", "tensorboard"])
+    config = small_sweep(run_dir, tracking=["mlflow", "tensorboard", "wandb"])
     first = Recorder()
     with pytest.raises(KeyboardInterrupt):
         hs.sweep(config, progress=False, callbacks=[first, Interrupt(after=7)])
@@ -192,6 +193,20 @@ def test_a_resumed_sweep_repeats_no_event_and_no_run(tmp_path: Path) -> None:
         assert len(set(steps[t.number])) == 2, (t.number, steps[t.number])
     resumed = started_first - ended_first
     assert any(len(os.listdir(run_dir / "tensorboard" / f"trial-{n}")) == 2 for n in resumed)
+    # W&B offline: a resumed trial's run continues under the same id in a second folder
+    # (`wandb sync` uploads both into one run); together they hold each evaluation once
+    from ._wandb_log import read_run
+
+    by_trial: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for folder in sorted((run_dir / "wandb").glob("offline-run-*")):
+        run = read_run(folder)
+        by_trial[run["config"]["hfsweep.trial"]].append(run)
+    assert sorted(by_trial) == [t.number for t in study]
+    for number, parts in by_trial.items():
+        assert len({p["id"] for p in parts}) == 1
+        assert len(parts) == (2 if number in resumed else 1)
+        assert sorted(h["epoch"] for p in parts for h in p["history"]) == [1, 2]
+        assert [p["summary"].get("hfsweep.status") for p in parts].count("completed") == 1
 
 
 def test_trials_a_failure_stops_end_failed_in_every_tracker(tmp_path: Path) -> None:
