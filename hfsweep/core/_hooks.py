@@ -105,11 +105,10 @@ class _Hooks(_Parts):
             self.study.tell(trial, value)
         else:
             self.study.tell(trial, state=status.trial_state())
-        final = value if status is not Status.FAILED else None
-        self.tracking.trial_ended(
-            number, status, final, error, info=lambda: self._trial_info(number)
-        )
         told = value if status is not Status.FAILED else None
+        self.tracking.trial_ended(
+            number, status, told, error, info=lambda: self._trial_info(number)
+        )
         self.source.tell(number, self.sampled.pop(number), status.told, told)
         del self.live[number]
         self.reported.pop(number, None)

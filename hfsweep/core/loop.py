@@ -50,7 +50,7 @@ from ..searchers import Searcher
 from ..searchers._source import CustomSource, OptunaSource, TrialSource
 from ..sizing.device import DTYPES as _DTYPES
 from ..sizing.device import resolve_device
-from ..tracking import Callback, SweepInfo, TrialInfo, make_tracker
+from ..tracking import Callback, make_tracker
 from ..tracking._dispatch import Tracking
 from ..training.packed import UnsafeFileError
 from ..training.trainer import ArrayTrainer, Member, _DataCache
@@ -62,6 +62,7 @@ from ._preflight import preflight
 from ._progress import Progress
 from ._resume import _Resume
 from ._rundir import RunDir, RunDirBusy, member_id, trial_number
+from ._tracked import _Tracked
 from .ledger import Ledger
 from .packer import NON_LEARNING, Packer, Pending, limit_for_learning
 from .result import (
@@ -159,7 +160,7 @@ class _InLedger:
         setattr(engine.ledger, self.name, value)
 
 
-class _Engine(_Resume, _Hooks, _Outcome):
+class _Engine(_Resume, _Hooks, _Outcome, _Tracked):
     """One run of one sweep (see the module docstring); its parts are the mixins it is made
     of (see :mod:`hfsweep.core._parts`)."""
 
@@ -342,27 +343,6 @@ class _Engine(_Resume, _Hooks, _Outcome):
             yield
         finally:
             self.executor.close()
-
-    @contextmanager
-    def _tracked(self, *, resumed: bool) -> Iterator[None]:
-        """The trackers told that the sweep starts, and at its end (an error's too) that it
-        ends."""
-        sc = self.sc
-        self.tracking.sweep_started(
-            SweepInfo(sc.study_name, self.dir.path, sc.metric, sc.mode, resumed)
-        )
-        try:
-            yield
-        finally:
-            self.tracking.sweep_ended()
-
-    def _trial_info(self, number: int, array: int | None = None) -> TrialInfo:
-        """What the trackers are told of trial ``number`` (in ``array``, else the one its
-        study records, if it is running)."""
-        sampled = self.sampled.get(number) or {}
-        if array is None and number in self.live:
-            array = self.live[number].user_attrs.get("array")
-        return TrialInfo(number, array, dict(sampled), self.sc.trial_config(sampled))
 
     def _save_state(self) -> None:
         """Save what changed since the last save (one line appended to the ledger's log)."""

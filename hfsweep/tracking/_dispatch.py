@@ -45,7 +45,7 @@ class Tracking:
     def trial_started(self, trial: TrialInfo) -> None:
         """``trial`` starts in its array; a trial already started in this run is not
         announced again."""
-        if trial.number in self.trials:
+        if trial.number in self.trials or not self.callbacks:
             return
         self.trials[trial.number] = trial
         self._each("on_trial_start", lambda c: c.on_trial_start(trial))
