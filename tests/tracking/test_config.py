@@ -42,7 +42,13 @@ def _error(tmp_path: Path, tracking: str) -> ConfigError:
     return caught.value
 
 
-def test_names_and_options_are_read(tmp_path: Path) -> None:
+@pytest.fixture
+def installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every tracker's library counts as installed (these tests are about the file)."""
+    monkeypatch.setattr("hfsweep.config.tracking.missing", lambda name: None)
+
+
+def test_names_and_options_are_read(tmp_path: Path, installed: None) -> None:
     sc = load_sweep(
         _sweep_file(
             tmp_path,
@@ -96,7 +102,9 @@ def test_names_and_options_are_read(tmp_path: Path) -> None:
         ("[{tensorboard: [a]}]", "tracking[0].tensorboard", "is not a mapping"),
     ],
 )
-def test_bad_entries_name_their_path(tmp_path: Path, tracking: str, path: str, words: str) -> None:
+def test_bad_entries_name_their_path(
+    tmp_path: Path, installed: None, tracking: str, path: str, words: str
+) -> None:
     error = _error(tmp_path, tracking)
     assert error.path == path and error.file == str(tmp_path / "sweep.yaml")
     assert words in error.problem
@@ -107,9 +115,12 @@ def test_a_missing_library_names_the_extra(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
 ) -> None:
     monkeypatch.setitem(sys.modules, name, None)  # as if not installed: importing it fails
-    error = _error(tmp_path, f"[tensorboard, {name}]" if name != "tensorboard" else "[tensorboard]")
-    index = 1 if name != "tensorboard" else 0
-    assert error.path == f"tracking[{index}].{name}"
+    # the other trackers count as installed, whether they are here or not
+    real = _registry.missing
+    monkeypatch.setattr("hfsweep.config.tracking.missing", lambda n: real(n) if n == name else None)
+    others = [n for n in ("mlflow", "tensorboard", "wandb") if n != name]
+    error = _error(tmp_path, f"[{others[0]}, {name}, {others[1]}]")
+    assert error.path == f"tracking[1].{name}"
     assert "which is not installed" in error.problem
     assert f'pip install "hfsweep[{name}]"' in error.problem
 
