@@ -12,6 +12,7 @@ from .core.loop import SweepError, SweepResult, TrainingError, sweep
 from .fusion import FusedArray, fuse, member_losses
 from .searchers import Searcher
 from .sizing.task import profile_task
+from .tracking import Callback
 from .training import ArrayTrainer, Evaluation, Member, MemberResult
 from .training.task import Task, TaskError
 
@@ -19,6 +20,7 @@ __version__ = "0.1.0.dev0"
 
 __all__ = [
     "ArrayTrainer",
+    "Callback",
     "Evaluation",
     "FusedArray",
     "FusionError",

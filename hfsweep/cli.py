@@ -141,6 +141,7 @@ def _profile(args: argparse.Namespace) -> int:
 def _validate(args: argparse.Namespace) -> int:
     sys.dont_write_bytecode = True  # importing a task's .py file must not write __pycache__
     from .config import ConfigError, load_sweep
+    from .config.tracking import check_trackers
     from .core._dryrun import dry_run, runs_on_the_driver
     from .core._preflight import preflight
 
@@ -152,6 +153,7 @@ def _validate(args: argparse.Namespace) -> int:
     if not args.file_only:
         try:
             preflight(sweep)
+            check_trackers(sweep)  # a tracker's library that is installed but fails to import
         except ConfigError as e:
             print(
                 f"hfsweep validate: {e} (this machine cannot run it; --file-only checks the "

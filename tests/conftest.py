@@ -17,6 +17,8 @@ import torch
 RAY_TESTS = (
     "tests/sweep/test_ray_backend.py::",
     "tests/tune/test_tune_ray.py::",
+    # experiment trackers on the driver of a sweep with backend: ray, on the shared Ray
+    "tests/tracking/test_ray.py::",
     # a three-node Ray cluster on loopback (ray.cluster_utils.Cluster) per test
     "tests/sweep/test_ray_cluster.py::",
     # `hfsweep run` with backend: ray in subprocesses, each with a local Ray of its own

@@ -60,6 +60,10 @@ A sweep file is one YAML mapping. Every key, with its default::
     output: runs/<file stem>    # the run directory, relative to the sweep file's folder
     study_name: <file stem>     # the Optuna study's name ("sweep" without a file)
     seed: 0                     # int >= 0; the searcher's seed unless searcher.seed is given
+    tracking: []                # experiment trackers, each a name or {name: {options}}:
+                                #   mlflow {tracking_uri, experiment, tags}, tensorboard
+                                #   {log_dir}, wandb {mode, project, entity, group, dir, tags};
+                                #   each needs its extra (pip install "hfsweep[mlflow]")
 
 Numbers such as ``1e-4`` are read as floats (as YAML 1.2 does). A key given twice in any mapping
 (here or in a search-space file) is an error naming both lines, not a silent override; merge keys
@@ -99,6 +103,7 @@ from .schema import (
     SchedulerConfig,
     SearcherConfig,
     SweepConfig,
+    TrackerConfig,
 )
 
 __all__ = [
@@ -113,6 +118,7 @@ __all__ = [
     "SchedulerConfig",
     "SearcherConfig",
     "SweepConfig",
+    "TrackerConfig",
     "load_sweep",
     "make_sampler",
     "make_searcher",

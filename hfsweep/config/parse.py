@@ -40,6 +40,7 @@ from .schema import (
     RayConfig,
     SweepConfig,
 )
+from .tracking import _tracking
 from .validate import _check_config, _check_key, _check_samples
 
 _MODES = ("max", "min")
@@ -65,6 +66,7 @@ _TOP_KEYS = (
     "output",
     "study_name",
     "seed",
+    "tracking",
 )
 _REQUIRED = ("task", "search_space", "budget", "metric", "mode")
 _BUDGET = ("trials", "epochs", "steps", "time_limit")
@@ -164,6 +166,7 @@ class _Parser(_Fields):
             source=self.source,
             ray=ray,
             storage_retry_s=self.duration(top.get("storage_retry", 120.0), "storage_retry"),
+            tracking=_tracking(self, top.get("tracking")),
         )
 
     def task(self, raw: object) -> tuple[str, Task]:

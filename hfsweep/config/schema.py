@@ -168,6 +168,19 @@ class RayConfig:
 
 
 @dataclass(frozen=True)
+class TrackerConfig:
+    """One entry of ``tracking:``: a tracker ``name`` (one of
+    ``hfsweep.tracking.TRACKER_NAMES``) and its ``options`` (paths made absolute)."""
+
+    name: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{name: options}``, as a ``tracking:`` entry takes it."""
+        return {self.name: dict(self.options)}
+
+
+@dataclass(frozen=True)
 class SweepConfig:
     """A validated sweep: what :func:`load_sweep` and :func:`parse_sweep` return.
 
@@ -175,7 +188,8 @@ class SweepConfig:
     engine saves), ``task`` the loaded :class:`hfsweep.Task`; ``config`` the fixed values of
     every trial; ``space`` the search space; ``output`` the run directory (absolute when the
     sweep came from a file); ``source`` the sweep file, if any; ``storage_retry_s`` how long
-    a lost database connection is retried (None: not at all).
+    a lost database connection is retried (None: not at all); ``tracking`` the experiment
+    trackers every trial is sent to.
     """
 
     task_ref: str
@@ -196,6 +210,7 @@ class SweepConfig:
     source: Path | None = None
     ray: RayConfig = field(default_factory=RayConfig)
     storage_retry_s: float | None = 120.0
+    tracking: tuple[TrackerConfig, ...] = ()
 
     def trial_config(self, sampled: Mapping[str, Any]) -> dict[str, Any]:
         """A trial's task config: the fixed ``config``, the ``sampled`` values and the budget."""
@@ -223,6 +238,7 @@ class SweepConfig:
             "output": str(self.output),
             "study_name": self.study_name,
             "seed": self.seed,
+            **({"tracking": [t.to_dict() for t in self.tracking]} if self.tracking else {}),
         }
 
     def summary(self) -> str:
@@ -259,6 +275,8 @@ class SweepConfig:
             + (mask(self.storage) or "journal file in the run directory"),
             f"output {self.output} (study {self.study_name!r})",
         ]
+        if self.tracking:
+            lines.append("tracking: " + ", ".join(t.name for t in self.tracking))
         return "\n".join(lines)
 
 

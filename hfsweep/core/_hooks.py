@@ -65,6 +65,8 @@ class _Hooks(_Parts):
         # every decision is saved before the searcher hears of any, so an error or a kill in
         # a custom searcher's report() cannot leave the scheduler ahead of the decision log
         self._save_state()
+        for e, _ in todo:  # once: a replayed evaluation (after a resume) is not in todo
+            self.tracking.evaluated(trial_number(e.member), e.step, e.epoch, e.metrics)
         for _, r in todo:
             self.source.report(trial_number(r.trial), round(r.resource), r.value)
         self.progress.stepped(steps)
@@ -104,6 +106,9 @@ class _Hooks(_Parts):
         else:
             self.study.tell(trial, state=status.trial_state())
         told = value if status is not Status.FAILED else None
+        self.tracking.trial_ended(
+            number, status, told, error, info=lambda: self._trial_info(number)
+        )
         self.source.tell(number, self.sampled.pop(number), status.told, told)
         del self.live[number]
         self.reported.pop(number, None)
@@ -145,4 +150,5 @@ class _Hooks(_Parts):
             return None
         p = taken[0]
         self.live[p.number].set_user_attr("array", array.index)
+        self.tracking.trial_started(self._trial_info(p.number, array.index))
         return Member(member_id(p.number), p.config)

@@ -5,6 +5,7 @@ publishing ``trials.csv`` and ``best.json``, keeping the best trials' weights an
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import time
@@ -74,6 +75,13 @@ class _Outcome(_Parts):
                 trial.set_user_attr("error", error[:1000])
                 self.ledger.end(member_id(t.number), Status.FAILED)
                 self.study.tell(trial, state=TrialState.FAIL)
+                self.tracking.trial_ended(
+                    t.number,
+                    Status.FAILED,
+                    None,
+                    error[:1000],
+                    info=functools.partial(self._trial_info, t.number, t.user_attrs.get("array")),
+                )
                 self.reported.pop(t.number, None)
                 sampled = self.sampled.pop(t.number, None)
                 try:

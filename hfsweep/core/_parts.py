@@ -21,6 +21,8 @@ from ..executors import Executor
 from ..schedulers import TrialScheduler
 from ..searchers import Searcher
 from ..searchers._source import TrialSource
+from ..tracking import TrialInfo
+from ..tracking._dispatch import Tracking
 from ..training.task import Task
 from ..training.trainer import MemberResult
 from ._drivers import Drivers
@@ -80,6 +82,7 @@ class _Parts:
     ended: dict[str, Status]
     arrays: list[_Array]
     best: list[tuple[float, int]]
+    tracking: Tracking
 
     # the engine's (hfsweep/core/loop.py)
     def _journal_held(self) -> AbstractContextManager[None]:
@@ -106,6 +109,9 @@ class _Parts:
         raise NotImplementedError
 
     def _can_ask(self) -> bool:
+        raise NotImplementedError
+
+    def _trial_info(self, number: int, array: int | None = None) -> TrialInfo:
         raise NotImplementedError
 
     # the hooks' (_hooks.py)

@@ -41,6 +41,7 @@ _MAY_CHANGE_ON_RESUME = (
     "backend",
     "ray.",
     "storage_retry",
+    "tracking",
 )
 
 #: what to do about a state.json that is missing or cannot be read

@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -42,6 +42,7 @@ import torch
 from .._io import grouped_sync
 from .._usercode import HOOK, label, unwrap
 from ..config import SweepConfig, load_sweep, make_searcher, parse_sweep
+from ..config.tracking import check_trackers
 from ..executors import Executor, ExecutorError, LocalExecutor, Stopped
 from ..schedulers import OptunaPruner, make_scheduler
 from ..search_spaces import FixedParam
@@ -49,6 +50,8 @@ from ..searchers import Searcher
 from ..searchers._source import CustomSource, OptunaSource, TrialSource
 from ..sizing.device import DTYPES as _DTYPES
 from ..sizing.device import resolve_device
+from ..tracking import Callback, make_tracker
+from ..tracking._dispatch import Tracking
 from ..training.packed import UnsafeFileError
 from ..training.trainer import ArrayTrainer, Member, _DataCache
 from ._drivers import Drivers
@@ -59,6 +62,7 @@ from ._preflight import preflight
 from ._progress import Progress
 from ._resume import _Resume
 from ._rundir import RunDir, RunDirBusy, member_id, trial_number
+from ._tracked import _Tracked
 from .ledger import Ledger
 from .packer import NON_LEARNING, Packer, Pending, limit_for_learning
 from .result import (
@@ -91,6 +95,7 @@ def sweep(
     resume: bool = False,
     progress: bool = True,
     searcher: Searcher | None = None,
+    callbacks: Sequence[Callback] = (),
 ) -> SweepResult:
     """Run the sweep ``config`` describes and return its result.
 
@@ -99,7 +104,9 @@ def sweep(
     ``resume=True`` continues the sweep in the config's ``output`` directory where it stopped
     (or starts it, if there is none); without it, an ``output`` that already holds a sweep is
     refused. ``progress`` prints a live status line to stderr. ``searcher`` replaces the
-    config's Optuna sampler with a search algorithm of your own.
+    config's Optuna sampler with a search algorithm of your own. ``callbacks`` are
+    :class:`hfsweep.Callback` instances told of every trial's start, evaluations and end, after
+    the trackers the config's ``tracking:`` names (see :mod:`hfsweep.tracking`).
 
     Before anything is written, the sweep is checked against this machine (an output that
     cannot be written, CUDA where there is none, a storage URL whose database driver is
@@ -125,6 +132,7 @@ def sweep(
     else:
         sc = load_sweep(config)
     preflight(sc)  # before the run directory is created: a sweep that cannot run writes nothing
+    check_trackers(sc)  # their libraries import
     data = _DataCache()  # the dry run's data, which the local backend's arrays train on
     from ._dryrun import dry_run, runs_on_the_driver
 
@@ -132,7 +140,11 @@ def sweep(
         dry_run(sc, data=data)
     if searcher is None and sc.searcher.custom:
         searcher = make_searcher(sc.searcher)
-    return _Engine(sc, resume=resume, progress=progress, searcher=searcher, data=data).run()
+    engine = _Engine(sc, resume=resume, progress=progress, searcher=searcher, data=data)
+    engine.tracking = Tracking(
+        [*(make_tracker(t.name, t.options) for t in sc.tracking), *callbacks]
+    )
+    return engine.run()
 
 
 class _InLedger:
@@ -148,7 +160,7 @@ class _InLedger:
         setattr(engine.ledger, self.name, value)
 
 
-class _Engine(_Resume, _Hooks, _Outcome):
+class _Engine(_Resume, _Hooks, _Outcome, _Tracked):
     """One run of one sweep (see the module docstring); its parts are the mixins it is made
     of (see :mod:`hfsweep.core._parts`)."""
 
@@ -214,6 +226,8 @@ class _Engine(_Resume, _Hooks, _Outcome):
         self._data = data if data is not None else _DataCache()
         #: this driver among those sharing the study (set when the study is open)
         self.drivers: Drivers | None = None
+        #: the trackers and callbacks told of every trial (see hfsweep.tracking)
+        self.tracking = Tracking([])
 
     # ------------------------------------------------------------------ the run
     def run(self) -> SweepResult:
@@ -246,7 +260,13 @@ class _Engine(_Resume, _Hooks, _Outcome):
 
     def _run(self) -> SweepResult:
         saved = self._prepare_dir()
-        with grouped_sync(), self._logging(), _quiet_optuna(), self._executor():
+        with (
+            grouped_sync(),
+            self._logging(),
+            _quiet_optuna(),
+            self._executor(),
+            self._tracked(resumed=saved is not None),
+        ):
             self.study = self._open_study()
             self.source: TrialSource = (
                 OptunaSource(self.study, self.sc.space)
@@ -423,6 +443,10 @@ class _Engine(_Resume, _Hooks, _Outcome):
         trial.set_user_attr("status", Status.FAILED.value)
         trial.set_user_attr("error", f"{type(exc).__name__}: {exc}"[:500])
         self.study.tell(trial, state=Status.FAILED.trial_state())
+        error = f"{type(exc).__name__}: {exc}"
+        self.tracking.trial_ended(
+            trial.number, Status.FAILED, None, error, info=lambda: self._trial_info(trial.number)
+        )
         self.source.tell(trial.number, trial.params, Status.FAILED.told, None)
         self.progress.finished(Status.FAILED)
 
@@ -489,6 +513,8 @@ class _Engine(_Resume, _Hooks, _Outcome):
                     (m for m in held if trial_number(m) in self.live), key=trial_number
                 )
                 self.progress.array_started(f"array {array.index}: {len(ids)} x {shared}")
+                for member in ids:
+                    self.tracking.trial_started(self._trial_info(trial_number(member), array.index))
                 _log.info(
                     "array %d (%s): %s %d trials: %s",
                     array.index,
