@@ -69,6 +69,7 @@ from .result import (
     TrainingError,
     _Failed,
     _raised_by_the_task,
+    _torch_write_failed,
 )
 from .status import Status
 
@@ -227,13 +228,17 @@ class _Engine(_Resume, _Hooks, _Outcome):
                         self.drivers.close()
         except (RunDirBusy, UnsafeFileError) as exc:  # a file of the run dir was refused
             raise SweepError(str(exc)) from None
-        except OSError as exc:
-            if exc.errno not in _DISK_ERRORS and not self._in_run_dir(exc.filename):
+        except (OSError, RuntimeError) as exc:
+            # torch.save meeting a full disk raises RuntimeError (see _torch_write_failed)
+            disk = exc if isinstance(exc, OSError) else _torch_write_failed(exc, self.dir.path)
+            if disk is None or (
+                disk.errno not in _DISK_ERRORS and not self._in_run_dir(disk.filename)
+            ):
                 raise
-            where = exc.filename or self.dir.path
+            where = disk.filename or self.dir.path
             resume = f"hfsweep run {self.sc.source} --resume" if self.sc.source else "resume=True"
             raise RunDirUnwritable(
-                f"cannot write {where}: {exc.strerror or exc}. The sweep stopped; every trial "
+                f"cannot write {where}: {disk.strerror or disk}. The sweep stopped; every trial "
                 f"that finished is recorded. Free some space (or fix the permissions), then "
                 f"continue with {resume}"
             ) from exc

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import errno
+import os
+import shutil
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -127,6 +129,44 @@ def _fmt(value: Any) -> str:
 _DISK_ERRORS = frozenset(
     {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO}
 )
+
+
+#: what torch.save's writer says when a write of the file under it failed: it raises a
+#: RuntimeError, the OSError of the failed write (a full disk) being only its ``__context__``
+#: ("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598", or "...
+#: PytorchStreamWriter failed writing file data/0: file write failed" writing to a path)
+_TORCH_WRITE_FAILED = ("PytorchStreamWriter failed writing file", "unexpected pos")
+#: free bytes under which a run directory whose torch.save failed (with no OSError to say
+#: why) is taken to be on a full disk
+_NEARLY_FULL = 1 << 20
+
+
+def _torch_write_failed(exc: BaseException, folder: Path) -> OSError | None:
+    """The disk error behind ``exc`` when it is torch.save's ``RuntimeError`` for a write that
+    failed: the ``OSError`` of the disk (:data:`_DISK_ERRORS`) in its chain of causes, else
+    (a writer that kept no cause) an ``ENOSPC`` when ``folder``'s file system has less than
+    :data:`_NEARLY_FULL` bytes free. ``None`` for any other error: only torch's writer's
+    messages are recognised, so that no bug is read as a full disk."""
+    if not isinstance(exc, RuntimeError):
+        return None
+    text = str(exc)
+    if not any(m in text for m in _TORCH_WRITE_FAILED) or "inline_container" not in text:
+        return None
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        if isinstance(link, OSError) and link.errno in _DISK_ERRORS:
+            return link
+        link = link.__cause__ or link.__context__
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return None
+    if free >= _NEARLY_FULL:
+        return None
+    why = f"{os.strerror(errno.ENOSPC)} ({free} bytes free)"
+    return OSError(errno.ENOSPC, why, str(folder))
 
 
 def _raised_by_the_task(exc: Exception) -> bool:
