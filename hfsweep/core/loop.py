@@ -67,6 +67,7 @@ from .result import (
     SweepError,
     SweepResult,
     TrainingError,
+    _blame_hfsweep,
     _Failed,
     _raised_by_the_task,
     _torch_write_failed,
@@ -518,6 +519,8 @@ class _Engine(_Resume, _Hooks, _Outcome):
                 raise
             except Exception as exc:
                 if not _raised_by_the_task(exc):  # the engine's hooks, files, hfsweep's code
+                    if _blame_hfsweep(exc, self.dir.log):
+                        _log.error("array %d: hfsweep's own code raised", array.index, exc_info=exc)
                     raise
                 raise _Failed(f"array {array.index}", unwrap(exc), array.index) from exc
         with self._lock:

@@ -100,3 +100,96 @@ def test_a_full_disk_under_torch_save_stops_the_sweep_as_unwritable_and_it_resum
     monkeypatch.undo()
     assert main(["run", str(sweep), "--quiet", "--resume"]) == 0, capsys.readouterr().err
     assert sorted(_states(run)) == ["COMPLETE"] * 4
+
+
+class _BrokenStep:
+    """hfsweep's optimizer step with a bug from its ``after``-th call on."""
+
+    def __init__(self, after: int, error: type[Exception] = ZeroDivisionError) -> None:
+        from hfsweep.training import step
+
+        self.real = step.update
+        self.calls = 0
+        self.after = after
+        self.error = error
+
+    def __call__(self, opt: Any, sched: Any) -> None:
+        self.calls += 1
+        if self.calls >= self.after:
+            raise self.error("a bug in the fused optimizer step")
+        self.real(opt, sched)
+
+
+def _no_dry_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Skip the dry run (which would meet the broken step first; see the validate test)."""
+    import hfsweep.core._dryrun as dryrun
+
+    monkeypatch.setattr(dryrun, "dry_run", lambda *args, **kwargs: None)
+
+
+def test_an_error_in_hfsweeps_optimizer_step_is_hfsweeps_not_the_tasks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The fused optimizer step is hfsweep's code (the task only names the optimizer): an
+    exception there is reported as a bug in hfsweep with the traceback's place (exit 1, the
+    resume command), not as the task's error that fails the trials; they stay RUNNING and the
+    sweep resumes to the end once the bug is gone."""
+    import hfsweep.training.run as run_module
+
+    _no_dry_run(monkeypatch)
+    monkeypatch.setattr(run_module, "update", _BrokenStep(after=5))
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(_broken.sweep_yaml("TASK"))
+    assert main(["run", str(sweep), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    run = tmp_path / "run"
+    assert err.startswith("hfsweep run: unexpected ZeroDivisionError: a bug in the fused"), err
+    assert "hfsweep's own fused optimizer code, not the task's" in err, err
+    assert "bug in hfsweep" in err and "report it" in err and str(run / "sweep.log") in err, err
+    assert f"hfsweep run {sweep} --resume" in err, err
+    assert "training stopped" not in err and "of task" not in err and "Fix the task" not in err
+    assert "FAIL" not in _states(run) and "RUNNING" in _states(run)
+    log = (run / "sweep.log").read_text()
+    assert "hfsweep's own code raised" in log and "Traceback" in log and "in _train" in log
+
+    # the Python API: the exception itself, with the note, not a TrainingError
+    monkeypatch.setattr(run_module, "update", _BrokenStep(after=1))
+    with pytest.raises(ZeroDivisionError) as info:
+        hs.sweep(sweep, resume=True, progress=False)
+    assert not isinstance(info.value, hs.SweepError)
+    assert any("not the task's" in n for n in getattr(info.value, "__notes__", []))
+
+    monkeypatch.undo()
+    assert main(["run", str(sweep), "--quiet", "--resume"]) == 0, capsys.readouterr().err
+    assert sorted(_states(run)) == ["COMPLETE"] * 4
+
+
+def test_out_of_memory_in_the_optimizer_step_still_stops_the_sweep_as_the_arrays(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Running out of memory in the optimizer step (its state is allocated at the first step)
+    is the array's size, not a bug: a TrainingError, as before."""
+    import hfsweep.training.run as run_module
+
+    _no_dry_run(monkeypatch)
+    monkeypatch.setattr(run_module, "update", _BrokenStep(after=1, error=torch.OutOfMemoryError))
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(_broken.sweep_yaml("TASK"))
+    with pytest.raises(hs.TrainingError, match="in the optimizer step"):
+        hs.sweep(sweep, progress=False)
+
+
+def test_validate_does_not_blame_the_task_for_hfsweeps_optimizer_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The dry run (`hfsweep validate`) that meets a bug in the optimizer step does not say
+    "fix the task" (exit 2): it is hfsweep's bug (exit 1)."""
+    import hfsweep.training.run as run_module
+
+    monkeypatch.setattr(run_module, "update", _BrokenStep(after=1))
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(_broken.sweep_yaml("TASK"))
+    assert main(["validate", str(sweep)]) == 1
+    err = capsys.readouterr().err
+    assert "hfsweep's own fused optimizer code, not the task's" in err, err
+    assert "fix the task" not in err and "--debug" in err, err
