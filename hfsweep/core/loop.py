@@ -428,6 +428,9 @@ class _Engine(_Resume, _Hooks, _Outcome):
         _log.warning("trial %d failed before training: %s", trial.number, exc)
         trial.set_user_attr("status", Status.FAILED.value)
         trial.set_user_attr("error", f"{type(exc).__name__}: {exc}"[:500])
+        # ended in the ledger (saved) before the study: every finished trial is in both
+        self.ledger.end(member_id(trial.number), Status.FAILED)
+        self._save_state()
         self.study.tell(trial, state=Status.FAILED.trial_state())
         self.source.tell(trial.number, trial.params, Status.FAILED.told, None)
         self.progress.finished(Status.FAILED)
