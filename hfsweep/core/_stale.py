@@ -94,7 +94,13 @@ def unrecorded_arrays(
     named: dict[int, list[optuna.trial.FrozenTrial]] = {}
     for t in trials:
         index = _array(t)
-        if index is not None and index not in known and owns(t):
+        # a trial the ledger ended had its array saved before: one it does not know is another
+        # driver's, named before this driver adopted the trial
+        if index is None or index in known or member_id(t.number) in ledger.ended:
+            continue
+        # a finished one trained to its end here ("steps"), in an array of this driver's
+        trained = t.state == TrialState.RUNNING or "steps" in t.user_attrs
+        if trained and owns(t):
             named.setdefault(index, []).append(t)
     arrays: dict[int, list[optuna.trial.FrozenTrial]] = {}
     for index, held in sorted(named.items()):
@@ -107,7 +113,8 @@ def unrecorded_arrays(
             )
         arrays[index] = sorted(held, key=lambda t: t.number)
     expected = list(range(len(ledger.arrays), len(ledger.arrays) + len(arrays)))
-    if sorted(arrays) != expected or sorted(known) != list(range(len(ledger.arrays))):
+    numbered = sorted(known) == list(range(len(ledger.arrays)))  # as the engine numbers them
+    if arrays and (sorted(arrays) != expected or not numbered):
         gap = sorted(set(range(len(ledger.arrays), max(arrays, default=0) + 1)) - set(arrays))
         return arrays, f"array {gap[0] if gap else min(arrays)}, whose trials it cannot tell"
     return arrays, None

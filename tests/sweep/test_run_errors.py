@@ -50,7 +50,8 @@ class _FullDisk(io.RawIOBase):
 
 
 def _save_on_a_full_disk(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
-    _real_save(obj, _FullDisk(100), *args, **kwargs)
+    full: Any = _FullDisk(100)
+    _real_save(obj, full, *args, **kwargs)
 
 
 _real_save = torch.save

@@ -105,7 +105,8 @@ def test_a_restored_older_ledger_gets_the_ends_it_lacks_from_the_study(tmp_path:
     assert _ended(run) == _finished(run)
     kept = {n for _, n in saved["best"]}
     ranked = sorted(
-        (t for t in _study(run) if t.state.name == "COMPLETE"), key=lambda t: (-t.value, t.number)
+        (t for t in _study(run) if t.state.name == "COMPLETE"),
+        key=lambda t: (-(t.value or 0.0), t.number),
     )
     assert kept == {t.number for t in ranked[:3]}
     assert {p.name for p in (run / "checkpoints").iterdir()} == {f"trial-{n}.pt" for n in kept}
