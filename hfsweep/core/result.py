@@ -150,6 +150,8 @@ def _torch_write_failed(exc: BaseException, folder: Path) -> OSError | None:
     (a writer that kept no cause) an ``ENOSPC`` when ``folder``'s file system has less than
     :data:`_NEARLY_FULL` bytes free. ``None`` for any other error: only torch's writer's
     messages are recognised, so that no bug is read as a full disk."""
+    if isinstance(exc, Exception):
+        exc = unwrap(exc)  # a Ray worker's, raised on the driver
     if not isinstance(exc, RuntimeError):
         return None
     text = str(exc)
