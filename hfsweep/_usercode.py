@@ -22,6 +22,7 @@ __all__ = [
     "CHECKPOINT",
     "HOOK",
     "NOT_TRAINING",
+    "OPTIMIZER_STEP",
     "Phase",
     "describe",
     "format_traceback",
@@ -37,9 +38,12 @@ HOOK = "hook"
 #: the phase label of an exception raised reading or writing an array's checkpoint (a full
 #: disk, a file from another version or refused as unsafe): the run's, not the task's
 CHECKPOINT = "the array's checkpoint"
-#: the phases whose exceptions are not the array's training failing: they end the sweep as
+#: the phase label of an exception raised by hfsweep's fused optimizer and schedule step (the
+#: task names them, hfsweep's code runs them): an error there is hfsweep's, not the task's
+OPTIMIZER_STEP = "the optimizer step"
+#: the phases whose exceptions are not the task's training failing: they end the sweep as
 #: they are, leaving its trials for a resume
-NOT_TRAINING = (HOOK, CHECKPOINT)
+NOT_TRAINING = (HOOK, CHECKPOINT, OPTIMIZER_STEP)
 _PHASE = "_hfsweep_phase"
 _REMOTE = "_hfsweep_traceback"
 

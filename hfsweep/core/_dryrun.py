@@ -23,8 +23,9 @@ from .._usercode import describe, phase_of
 from ..config import ConfigError, SweepConfig
 from ..config.validate import _SAMPLES, _samples
 from ..sizing.device import DTYPES, resolve_device
-from ..training.task import Task, TaskError, fork_rng
+from ..training.task import Task, fork_rng
 from ..training.trainer import ArrayTrainer, Member, _DataCache
+from .result import _blame_hfsweep, _raised_by_the_task
 
 __all__ = ["dry_run"]
 
@@ -96,7 +97,8 @@ def dry_run(
         )
     except Exception as exc:
         phase = phase_of(exc)
-        if phase is None and not isinstance(exc, TaskError):  # hfsweep's own code, not the task's
+        if not _raised_by_the_task(exc):  # hfsweep's own code (its optimizer step), not the task's
+            _blame_hfsweep(exc)
             raise
         raise _error(
             sc,

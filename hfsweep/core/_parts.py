@@ -128,6 +128,9 @@ class _Parts:
     def _improves(self, value: float, number: int) -> bool:
         raise NotImplementedError
 
+    def _rank(self, value: float | None, number: int) -> tuple[float, int]:
+        raise NotImplementedError
+
     def _best_trial(self) -> optuna.trial.FrozenTrial | None:
         raise NotImplementedError
 

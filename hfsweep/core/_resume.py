@@ -15,10 +15,11 @@ from .._compat import trial_for
 from .._dburl import mask, shown
 from .._journal_url import is_journal, journal_file
 from ..config import make_sampler
-from ..schedulers import OptunaPruner
+from ..schedulers import FIFOScheduler, OptunaPruner
 from ..training.trainer import ArrayTrainer, MemberResult
-from ._drivers import Drivers
+from ._drivers import DRIVER_ATTR, Drivers
 from ._rundir import StateVersionError, member_id, trial_number
+from ._stale import describe_missing, lost_with_them, rank_best, unended, unrecorded_arrays
 from .packer import Pending
 from .status import Status
 
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     import optuna
 
 
+from ._outcome import _KEEP_BEST
 from ._parts import _Array, _Parts
 from .result import SweepError
 
@@ -209,6 +211,7 @@ class _Resume(_Parts):
                     f"{self.dir.state_log.name}) is not the state this sweep wrote "
                     f"({type(exc).__name__}: {exc}). {_STATE_LOST}"
                 ) from None
+            self._catch_up(trials)
         self.asked = len(trials)
         with self.drivers.lock:  # no other driver adopts or asks meanwhile
             own, adopted = self.drivers.claim(trials)
@@ -278,6 +281,86 @@ class _Resume(_Parts):
             )
         if self.drivers.foreign:
             _log.info("%d running trials belong to other drivers", self.drivers.foreign)
+
+    def _catch_up(self, trials: list[optuna.trial.FrozenTrial]) -> None:
+        """Bring a restored ledger that is older than the study up to it: the ends of this
+        driver's finished trials and the finished arrays it lacks, rebuilt from the study, or a
+        refusal where more is lost than those (see :mod:`hfsweep.core._stale`)."""
+        drivers = self.drivers
+        assert drivers is not None
+
+        def owns(t: optuna.trial.FrozenTrial) -> bool:
+            # a run directory's own study, written before trials named their driver: all
+            return drivers.owns(t) or (not drivers.shared and DRIVER_ATTR not in t.user_attrs)
+
+        missing = unended(self.ledger, trials, owns)
+        arrays, unrecoverable = unrecorded_arrays(
+            self.ledger, trials, owns, lambda k: (self.dir.array(k) / "array.pt").exists()
+        )
+        if not missing and not arrays and unrecoverable is None:
+            return
+        files = f"{self.dir.state} (with {self.dir.state_log.name})"
+        lost = [
+            f"for trial {n}, {what}"
+            for n, what in lost_with_them(
+                self.ledger,
+                missing,
+                ranks_reports=not isinstance(self.scheduler, FIFOScheduler | OptunaPruner),
+                by_steps=self.sc.budget.resource == "steps",
+            ).items()
+        ]
+        if unrecoverable is not None:
+            lost.append(unrecoverable)
+        finished = (
+            f" (its study holds {describe_missing(t.number for t in missing)} of this sweep as "
+            "finished, which it does not list as ended)"
+            if missing
+            else ""
+        )
+        if lost:
+            raise SweepError(
+                f"cannot resume {self.dir.path}: {files} is older than its study{finished}, "
+                "and what it lacks cannot be rebuilt from the study: "
+                + "; ".join(lost)
+                + ". It was probably restored from an older backup. Restore the newest copy of "
+                f"both {self.dir.state.name} and {self.dir.state_log.name} of this run "
+                "directory, or start the sweep again with another `output` directory; the "
+                "trials finished so far stay readable with `hfsweep report`"
+            )
+        for index, held in sorted(arrays.items()):
+            key = self._key_of(held[0])
+            size = self.ledger.sizes.get(key, len(held))
+            self.arrays.append(_Array(index=index, key=key, size=size, done=True))
+            self.dir.remove_array(index)
+        for t in missing:
+            self.ledger.end(member_id(t.number), Status.of_trial_state(t.state))
+        self.best, dropped = rank_best(
+            self.best,
+            missing,
+            has_checkpoint=lambda n: self.dir.checkpoint(n).exists(),
+            rank=self._rank,
+            keep=_KEEP_BEST,
+        )
+        for n in dropped:
+            self.dir.checkpoint(n).unlink(missing_ok=True)
+        rebuilt = [describe_missing(t.number for t in missing) + " as ended"] if missing else []
+        if arrays:
+            rebuilt.append(f"array{'s' * (len(arrays) > 1)} {', '.join(map(str, arrays))}")
+        message = (
+            f"{files} did not list {' nor '.join(rebuilt)}, which the study holds as finished "
+            "(the sweep was killed as it stopped, or the file is an older copy restored from a "
+            "backup): rebuilt from the study"
+        )
+        _log.warning("%s", message)
+        warnings.warn(message, stacklevel=6)  # hs.sweep's caller
+
+    def _key_of(self, t: optuna.trial.FrozenTrial) -> str:
+        """The compatibility key of finished trial ``t``'s config (``"{}"`` if the task no
+        longer takes it): the record of the array it trained in."""
+        try:
+            return self.task.compatibility_key(self.sc.trial_config(self._params(t)))
+        except (ValueError, TypeError):
+            return "{}"
 
     def _resume_or_drop(self, a: _Array, known: dict[int, set[str]], taken: set[str]) -> None:
         """Resume unfinished array ``a`` if its checkpoint holds a running trial of this driver;

@@ -71,8 +71,10 @@ from .result import (
     SweepError,
     SweepResult,
     TrainingError,
+    _blame_hfsweep,
     _Failed,
     _raised_by_the_task,
+    _torch_write_failed,
 )
 from .status import Status
 
@@ -241,13 +243,17 @@ class _Engine(_Resume, _Hooks, _Outcome, _Tracked):
                         self.drivers.close()
         except (RunDirBusy, UnsafeFileError) as exc:  # a file of the run dir was refused
             raise SweepError(str(exc)) from None
-        except OSError as exc:
-            if exc.errno not in _DISK_ERRORS and not self._in_run_dir(exc.filename):
+        except (OSError, RuntimeError) as exc:
+            # torch.save meeting a full disk raises RuntimeError (see _torch_write_failed)
+            disk = exc if isinstance(exc, OSError) else _torch_write_failed(exc, self.dir.path)
+            if disk is None or (
+                disk.errno not in _DISK_ERRORS and not self._in_run_dir(disk.filename)
+            ):
                 raise
-            where = exc.filename or self.dir.path
+            where = disk.filename or self.dir.path
             resume = f"hfsweep run {self.sc.source} --resume" if self.sc.source else "resume=True"
             raise RunDirUnwritable(
-                f"cannot write {where}: {exc.strerror or exc}. The sweep stopped; every trial "
+                f"cannot write {where}: {disk.strerror or disk}. The sweep stopped; every trial "
                 f"that finished is recorded. Free some space (or fix the permissions), then "
                 f"continue with {resume}"
             ) from exc
@@ -442,6 +448,9 @@ class _Engine(_Resume, _Hooks, _Outcome, _Tracked):
         _log.warning("trial %d failed before training: %s", trial.number, exc)
         trial.set_user_attr("status", Status.FAILED.value)
         trial.set_user_attr("error", f"{type(exc).__name__}: {exc}"[:500])
+        # ended in the ledger (saved) before the study: every finished trial is in both
+        self.ledger.end(member_id(trial.number), Status.FAILED)
+        self._save_state()
         self.study.tell(trial, state=Status.FAILED.trial_state())
         error = f"{type(exc).__name__}: {exc}"
         self.tracking.trial_ended(
@@ -539,6 +548,8 @@ class _Engine(_Resume, _Hooks, _Outcome, _Tracked):
                 raise
             except Exception as exc:
                 if not _raised_by_the_task(exc):  # the engine's hooks, files, hfsweep's code
+                    if _blame_hfsweep(exc, self.dir.log):
+                        _log.error("array %d: hfsweep's own code raised", array.index, exc_info=exc)
                     raise
                 raise _Failed(f"array {array.index}", unwrap(exc), array.index) from exc
         with self._lock:

@@ -3,13 +3,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import os
+import shutil
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .._usercode import NOT_TRAINING, describe, phase_of, unwrap
+import torch
+
+from .._usercode import NOT_TRAINING, OPTIMIZER_STEP, describe, phase_of, unwrap
 from ..training.task import TaskError
 
 if TYPE_CHECKING:
@@ -129,14 +134,84 @@ _DISK_ERRORS = frozenset(
 )
 
 
+#: what torch.save's writer says when a write of the file under it failed: it raises a
+#: RuntimeError, the OSError of the failed write (a full disk) being only its ``__context__``
+#: ("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598", or "...
+#: PytorchStreamWriter failed writing file data/0: file write failed" writing to a path)
+_TORCH_WRITE_FAILED = ("PytorchStreamWriter failed writing file", "unexpected pos")
+#: free bytes under which a run directory whose torch.save failed (with no OSError to say
+#: why) is taken to be on a full disk
+_NEARLY_FULL = 1 << 20
+
+
+def _torch_write_failed(exc: BaseException, folder: Path) -> OSError | None:
+    """The disk error behind ``exc`` when it is torch.save's ``RuntimeError`` for a write that
+    failed: the ``OSError`` of the disk (:data:`_DISK_ERRORS`) in its chain of causes, else
+    (a writer that kept no cause) an ``ENOSPC`` when ``folder``'s file system has less than
+    :data:`_NEARLY_FULL` bytes free. ``None`` for any other error: only torch's writer's
+    messages are recognised, so that no bug is read as a full disk."""
+    if isinstance(exc, Exception):
+        exc = unwrap(exc)  # a Ray worker's, raised on the driver
+    if not isinstance(exc, RuntimeError):
+        return None
+    text = str(exc)
+    if not any(m in text for m in _TORCH_WRITE_FAILED) or "inline_container" not in text:
+        return None
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        if isinstance(link, OSError) and link.errno in _DISK_ERRORS:
+            return link
+        link = link.__cause__ or link.__context__
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return None
+    if free >= _NEARLY_FULL:
+        return None
+    why = f"{os.strerror(errno.ENOSPC)} ({free} bytes free)"
+    return OSError(errno.ENOSPC, why, str(folder))
+
+
 def _raised_by_the_task(exc: Exception) -> bool:
     """Whether ``exc`` came from the task's code: a phase of its training (its model's forward,
     its loss, its data...) labels it. Only such an error stops the sweep with its trials
     ``FAIL`` (the same code would fail every array); so does a :class:`TaskError`, hfsweep's word
     that what the task gave is wrong. An error with no phase, or the engine's
-    own (its hooks, the checkpoint's files), is hfsweep's or the machine's: it propagates as it
-    is, leaving the trials ``RUNNING`` for ``--resume``, as after a crash."""
-    if isinstance(unwrap(exc), TaskError):  # what the task gave is wrong (empty data...)
+    own (its hooks, the checkpoint's files, the fused optimizer step), is hfsweep's or the
+    machine's: it propagates as it is, leaving the trials ``RUNNING`` for ``--resume``, as after
+    a crash. Running out of memory in the optimizer step (its state is allocated at the first
+    step) is the array's size, not a bug: it stops the sweep as the task's errors do."""
+    inner = unwrap(exc)
+    if isinstance(inner, TaskError):  # what the task gave is wrong (empty data...)
         return True
-    phase = phase_of(exc) or phase_of(unwrap(exc))
+    phase = phase_of(exc) or phase_of(inner)
+    if phase == OPTIMIZER_STEP:
+        return isinstance(inner, torch.OutOfMemoryError)
     return phase is not None and phase not in NOT_TRAINING
+
+
+def _blame_hfsweep(exc: Exception, log: Path | None = None) -> bool:
+    """Say on ``exc`` (a note, which the CLI's one-line message and the traceback show) that
+    hfsweep's own code raised it where it did (the fused optimizer step), not the task's, and
+    ask for a report; ``True`` if it did. The sweep lets it propagate (see
+    :func:`_raised_by_the_task`)."""
+    inner = unwrap(exc)
+    phase = phase_of(exc) or phase_of(inner)
+    if phase != OPTIMIZER_STEP or _raised_by_the_task(exc):
+        return False
+    where = f", which is in {log}" if log is not None else " (--debug prints it)"
+    note = (
+        f"(raised in {phase}: hfsweep's own fused optimizer code, not the task's; this is a "
+        f"bug in hfsweep, please report it with the traceback{where})"
+    )
+    for e in {id(exc): exc, id(inner): inner}.values():
+        notes = getattr(e, "__notes__", None)
+        if not isinstance(notes, list):  # (exc.add_note is Python 3.11's; this is the same)
+            notes = []
+            with contextlib.suppress(AttributeError, TypeError):  # a type refusing attributes
+                e.__notes__ = notes  # type: ignore[attr-defined]
+        if note not in notes:
+            notes.append(note)
+    return True

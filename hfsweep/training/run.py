@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from .._io import append_lines, atomic_save
-from .._usercode import CHECKPOINT, Phase, describe
+from .._usercode import CHECKPOINT, OPTIMIZER_STEP, Phase, describe
 from ..fusion import FusedArray
 from .checkpoint import (
     _CHECKPOINT_VERSION,
@@ -231,7 +231,7 @@ class _Run:
                 if self.t.device.type == "cuda":
                     torch.cuda.empty_cache()
                 return self._out_of_memory(live, out_of_memory)
-            with Phase("the optimizer step"):
+            with Phase(OPTIMIZER_STEP):
                 update(opt, live.sched)
             state.epoch, state.batch = epoch, index + 1
             if state.batch >= spe:
