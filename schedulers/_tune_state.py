@@ -12,10 +12,11 @@ from a checkpoint replays the evaluations since that checkpoint; they get the de
 first time (``decisions``) and are never told again. A report reaches this state through whichever
 wrapper Tune calls first, and processing it twice changes nothing.
 
-Member states: ``WAITING`` (asked, waiting in its key's pool), ``RUNNING`` (in an array),
-``COMPLETE``, ``PRUNED``, ``FAIL`` (told to the inner searcher; final): the Optuna names of
-:class:`hfsweep.core.status.Status`, which translates them (the records and the results table
-keep the names Tune users read).
+Member statuses are the sweep core's :class:`~hfsweep.core.status.Status`, as in ``hfsweep
+run``'s ledger: ``WAITING`` (asked, waiting in its key's pool), ``RUNNING`` (in an array), then
+``COMPLETED``, ``STOPPED`` or ``FAILED`` (told to the inner searcher; final). Records, logs and
+the results table say them by value (``completed``...); the Optuna names (``COMPLETE``,
+``PRUNED``, ``FAIL``) only where Optuna's are meant (the table's ``state`` column).
 
 This module imports neither Ray nor Optuna.
 """
@@ -35,18 +36,17 @@ from hfsweep.training.task import Task
 
 from ._tune_joint import Decider, MemberController, MemberTrial, NoDecider
 from ._tune_records import (
-    FINAL_STATES,
     FINISHED,
     META,
     STATE_FORMAT,
     WEIGHTS_DIR,
     ArrayRecord,
     MemberRecord,
+    upgraded,
     weights_file,
 )
 
 __all__ = [
-    "FINAL_STATES",
     "FINISHED",
     "META",
     "STATE_FORMAT",
@@ -164,7 +164,7 @@ class SweepState:
         self.arrays[trial_id] = array
         for mid in taken:
             rec = self.members[mid]
-            rec.array, rec.state = trial_id, "RUNNING"
+            rec.array, rec.status = trial_id, Status.RUNNING
         _log.info("array %s: %d members (%s)", trial_id, len(taken), ", ".join(taken))
         return self._array_config(array)
 
@@ -194,7 +194,7 @@ class SweepState:
     def _ask(self, prefix: str) -> list[tuple[str, str]] | None:
         """Ask the inner searcher for one member config (named after ``prefix``, the array
         it is asked for): ``[(key, member id)]`` for the packer to pool, empty if the task
-        rejected it (it is told ``FAIL``), ``None`` when the searcher has none now (``None``)
+        rejected it (it is told ``FAILED``), ``None`` when the searcher has none now (``None``)
         or none ever again (``FINISHED``)."""
         member_id = self._new_id(prefix)
         suggestion = self.searcher.suggest(member_id)
@@ -212,7 +212,7 @@ class SweepState:
             rec.key = self.task.compatibility_key(config)
         except (ValueError, TypeError) as exc:
             _log.warning("member %s failed before training: %s", member_id, exc)
-            self._end(rec, "FAIL", None, error=f"{type(exc).__name__}: {exc}")
+            self._end(rec, Status.FAILED, None, error=f"{type(exc).__name__}: {exc}")
             return []
         return [(rec.key, member_id)]
 
@@ -372,21 +372,23 @@ class SweepState:
         for rec, result, _ in diverged:
             self.decisions[f"{rec.id}@{result['step']}"] = False
             go[rec.id] = False
-            self._end(rec, "FAIL", None, error="non-finite loss")
+            self._end(rec, Status.FAILED, None, error="non-finite loss")
         for rec, result, final in judged:
             if final:
-                self._end(rec, "COMPLETE", result)
+                self._end(rec, Status.COMPLETED, result)
             elif not go[rec.id]:
-                self._end(rec, "COMPLETE" if self.decider.at_budget(result) else "PRUNED", result)
+                at_budget = self.decider.at_budget(result)
+                self._end(rec, Status.COMPLETED if at_budget else Status.STOPPED, result)
 
         for end in payload.get("ended", []):  # ends the trainer saw (e.g. non-finite gradients)
             rec = self._member(array, end["member"])
             if not rec.told:
-                state = _optuna_name(end["status"])
+                status = _status(end["status"])
                 last = self._last_result(rec, array)
-                if state != "FAIL" and (last is None or not _finite(last.get(str(self.metric)))):
-                    state = "FAIL"
-                self._end(rec, state, last if state != "FAIL" else None, error=end.get("error"))
+                if last is None or not _finite(last.get(str(self.metric))):
+                    status = Status.FAILED
+                failed = status is Status.FAILED
+                self._end(rec, status, None if failed else last, error=end.get("error"))
         for mid in payload.get("unused", []):  # refill members the array never started
             self._return(array, self._member(array, mid))
 
@@ -397,9 +399,10 @@ class SweepState:
             self._give(array)
         if self.post is not None:
             given = [{"id": m, "config": self.members[m].config} for m in array.given[consumed:]]
-            # members stopped now but told COMPLETE (the scheduler's budget, e.g. ASHA's max_t):
-            # the trainable keeps their weights as it keeps those of members it completed
-            complete = [m for m, g in go.items() if not g and self.members[m].state == "COMPLETE"]
+            # members stopped now but told COMPLETED (the scheduler's budget, e.g. ASHA's
+            # max_t): the trainable keeps their weights as it keeps those of members it completed
+            done = Status.COMPLETED
+            complete = [m for m, g in go.items() if not g and self.members[m].status is done]
             self.post(str(payload["token"]), {"go": go, "given": given, "complete": complete})
 
     def _member(self, array: ArrayRecord, member_id: str) -> MemberRecord:
@@ -414,7 +417,7 @@ class SweepState:
     def _controller(self) -> MemberController:
         """The controller a Tune scheduler sees: the running members are its live trials."""
         return MemberController(
-            [self._trial(r) for r in self.members.values() if r.state == "RUNNING"]
+            [self._trial(r) for r in self.members.values() if r.status is Status.RUNNING]
         )
 
     def _trial(self, rec: MemberRecord) -> MemberTrial:
@@ -435,38 +438,38 @@ class SweepState:
     def _end(
         self,
         rec: MemberRecord,
-        state: str,
+        status: Status,
         result: Mapping[str, Any] | None,
         *,
         error: str | None = None,
     ) -> None:
         """Record how ``rec`` ended and tell the scheduler and the inner searcher, once.
 
-        ``COMPLETE``: ``on_trial_complete(id, result)``; a non-finite metric makes it ``FAIL``.
-        ``PRUNED``: ``on_trial_complete(id, result without the metric)``, which OptunaSearch
-        records as pruned (its intermediate values stay). ``FAIL``: ``on_trial_complete(id,
-        None, error=True)``.
+        ``COMPLETED``: ``on_trial_complete(id, result)``; a non-finite metric makes it
+        ``FAILED``. ``STOPPED``: ``on_trial_complete(id, result without the metric)``, which
+        OptunaSearch records as pruned (its intermediate values stay). ``FAILED``:
+        ``on_trial_complete(id, None, error=True)``.
         """
-        assert not rec.told, rec.id
+        assert status.final and not rec.told, (rec.id, status)
         metric = self._require_metric()
         value = rec.history[-1].get(metric) if rec.history else None
-        if state == "COMPLETE" and not _finite(value):
-            state, error = "FAIL", error or f"{metric} is {value!r}"
-        rec.state, rec.error = state, error
+        if status is Status.COMPLETED and not _finite(value):
+            status, error = Status.FAILED, error or f"{metric} is {value!r}"
+        rec.status, rec.error = status, error
         rec.value = float(value) if is_finite(value) else None
         self.decider.end(
-            self._controller(), self._trial(rec), state, dict(result) if result else None
+            self._controller(), self._trial(rec), status, dict(result) if result else None
         )
-        if state == "COMPLETE":
+        if status is Status.COMPLETED:
             assert result is not None
             self.searcher.on_trial_complete(rec.id, dict(result))
-        elif state == "PRUNED":
+        elif status is Status.STOPPED:
             told = {k: v for k, v in (result or {}).items() if k != metric}
-            told.update(hfsweep_state="PRUNED", hfsweep_last_value=rec.value)
+            told.update(hfsweep_status=status.value, hfsweep_last_value=rec.value)
             self.searcher.on_trial_complete(rec.id, told)
         else:
             self.searcher.on_trial_complete(rec.id, None, error=True)
-        _log.info("member %s %s (%s=%s)", rec.id, state, self.metric, rec.value)
+        _log.info("member %s %s (%s=%s)", rec.id, status, self.metric, rec.value)
 
     # ------------------------------------------------------------------ refill
     def _give(self, array: ArrayRecord) -> None:
@@ -477,7 +480,7 @@ class SweepState:
         alive = sum(not self.members[m].told for m in array.all_members())
         for mid in self.packer.refill(array.key, array.size - alive, array.id):
             rec = self.members[mid]
-            rec.array, rec.state = array.id, "RUNNING"
+            rec.array, rec.status = array.id, Status.RUNNING
             array.given.append(mid)
             _log.info("member %s joins array %s", mid, array.id)
 
@@ -485,7 +488,7 @@ class SweepState:
         """``rec`` never started in ``array``: it waits for another array of its key."""
         if rec.told or rec.history:
             return
-        rec.array, rec.state = None, "WAITING"
+        rec.array, rec.status = None, Status.WAITING
         array.returned.append(rec.id)
         self.packer.requeue(rec.key, rec.id)
 
@@ -495,7 +498,7 @@ class SweepState:
     ) -> None:
         """Tune ended array trial ``trial_id`` for good (``error``: it failed past its
         retries). Its last report is processed if no wrapper saw it; members still untold
-        end now: ``FAIL`` after an error, ``PRUNED`` if they were evaluated (the array was
+        end now: ``FAILED`` after an error, ``STOPPED`` if they were evaluated (the array was
         stopped, e.g. by a Tune stopper), and members that never trained go back to a pool."""
         array = self.arrays.get(trial_id)
         if array is None or array.done:
@@ -510,9 +513,9 @@ class SweepState:
             if rec.told:
                 continue
             if error:
-                self._end(rec, "FAIL", None, error=f"array trial {trial_id} failed")
+                self._end(rec, Status.FAILED, None, error=f"array trial {trial_id} failed")
             elif rec.history:
-                self._end(rec, "PRUNED", self._last_result(rec, array))
+                self._end(rec, Status.STOPPED, self._last_result(rec, array))
             else:
                 self._return(array, rec)
         array.done = True
@@ -520,7 +523,7 @@ class SweepState:
     # ------------------------------------------------------------------ persistence
     def state_dict(self) -> dict[str, Any]:
         """Everything this state knows (plain data, plus the inner scheduler object), for
-        Tune's searcher checkpoint."""
+        Tune's searcher checkpoint, in format :data:`STATE_FORMAT` (statuses by value)."""
         return {
             "format": STATE_FORMAT,
             "uid": self.uid,
@@ -531,7 +534,7 @@ class SweepState:
             "asked": self.asked,
             "inner_finished": self.inner_finished,
             "finished": self.finished,
-            "members": {m: asdict(r) for m, r in self.members.items()},
+            "members": {m: r.as_dict() for m, r in self.members.items()},
             "arrays": {a: asdict(r) for a, r in self.arrays.items()},
             "pools": self.packer.pools.as_dict(),
             "sizes": dict(self.packer.sizes),
@@ -541,12 +544,9 @@ class SweepState:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output (after ``Tuner.restore``)."""
-        if state.get("format") != STATE_FORMAT:
-            raise ValueError(
-                f"saved fused-sweep state has format {state.get('format')!r}, this hfsweep reads "
-                f"{STATE_FORMAT!r}"
-            )
+        """Restore :meth:`state_dict`'s output (after ``Tuner.restore``); a state saved in
+        the previous format (``hfsweep.tune/1``) is read too, any other is refused naming it."""
+        state = upgraded(state)
         self._reset()
         self.uid = str(state["uid"])
         self.configure(state.get("metric"), state.get("mode"))
@@ -554,7 +554,7 @@ class SweepState:
         self.asked = int(state["asked"])
         self.inner_finished = bool(state["inner_finished"])
         self.finished = bool(state["finished"])
-        self.members = {m: MemberRecord(**r) for m, r in state["members"].items()}
+        self.members = {m: MemberRecord.from_dict(r) for m, r in state["members"].items()}
         self.arrays = {a: ArrayRecord(**r) for a, r in state["arrays"].items()}
         self.packer.budget = self.budget
         self.packer.pools = Pools({str(k): [str(m) for m in v] for k, v in state["pools"].items()})
@@ -566,11 +566,12 @@ class SweepState:
         _RESTORED[self.uid] = self
 
     # ------------------------------------------------------------------ summaries
-    def counts(self) -> dict[str, int]:
-        """Members by state."""
-        out = {s: 0 for s in ("WAITING", "RUNNING", *FINAL_STATES)}
+    def counts(self) -> dict[Status, int]:
+        """Members by status, every status listed (a :class:`Status` is equal to its value:
+        ``counts()["stopped"]`` works too)."""
+        out = dict.fromkeys(Status, 0)
         for rec in self.members.values():
-            out[rec.state] = out.get(rec.state, 0) + 1
+            out[rec.status] += 1
         return out
 
 
@@ -583,12 +584,12 @@ def _payload(result: Mapping[str, Any] | None) -> dict[str, Any] | None:
     return dict(data) if isinstance(data, Mapping) else None
 
 
-def _optuna_name(status: Any) -> str:
-    """The record state of a trainer's status (``FAIL`` for one it does not know)."""
+def _status(status: Any) -> Status:
+    """The status of a trainer's end (``FAILED`` for one it does not know)."""
     try:
-        return Status.parse(str(status)).optuna_name
+        return Status.parse(str(status))
     except ValueError:
-        return Status.FAILED.optuna_name
+        return Status.FAILED
 
 
 def _finite(*values: Any) -> bool:

@@ -26,6 +26,8 @@ from ray import tune
 from ray.tune.schedulers import ASHAScheduler, HyperBandScheduler
 from ray.tune.search import Searcher
 
+from hfsweep.core.status import Status
+
 
 class ListSearcher(Searcher):
     """Hands out the configs it was given, in order; records every call."""
@@ -257,7 +259,7 @@ def test_freed_slots_get_members_of_the_arrays_key_once_the_trainable_took_the_l
     given = posted["t1"]["given"]
     # A-1 was pruned; the held hidden=16 member is not compatible, so a new one is asked
     assert [g["id"] for g in given] == ["A-3"]
-    assert state.members["A-2"].state == "WAITING"
+    assert state.members["A-2"].status is Status.WAITING
     # the trainable has not taken A-3 yet (consumed 0): the same member is sent again, no other
     state.on_result("A", _report("t2", [("A-0", 2, 0.9)], consumed=0))
     assert [g["id"] for g in posted["t2"]["given"]] == ["A-3"]
@@ -298,7 +300,42 @@ def test_the_state_survives_a_save_and_restore() -> None:
     restored.on_result("A", _report("t9", [("A-0", 1, 0.9), ("A-1", 1, 0.1)]))  # a replay
     assert posted2["t9"]["go"] == posted["t1"]["go"]
     assert not searcher2.told  # told before the save, never again
-    assert restored.counts()["PRUNED"] == 1
+    assert restored.counts()[Status.STOPPED] == 1
+
+
+def _as_format_1(saved: dict[str, Any]) -> dict[str, Any]:
+    """``saved`` as hfsweep wrote it before the one status vocabulary (format 1): each member's
+    Optuna state name under ``"state"``, no ``"status"``."""
+    members = {}
+    for mid, record in saved["members"].items():
+        old = {k: v for k, v in record.items() if k != "status"}
+        old["state"] = Status(record["status"]).optuna_name  # "PRUNED" for "stopped"...
+        members[mid] = old
+    return {**saved, "format": "hfsweep.tune/1", "members": members}
+
+
+def test_a_sweep_saved_in_the_previous_format_goes_on_after_a_restore() -> None:
+    state, _, posted = _state([{"lr": 0.1}, {"lr": 0.2}], members=2, size=2)
+    state.decider = TuneDecider(
+        ASHAScheduler(
+            metric="val_accuracy", mode="max", max_t=4, grace_period=1, reduction_factor=2
+        )
+    )
+    state.suggest("A")
+    state.on_result("A", _report("t1", [("A-0", 1, 0.9), ("A-1", 1, 0.1)]))
+    old = _as_format_1(copy.deepcopy(state.state_dict()))
+    assert {r["state"] for r in old["members"].values()} == {"RUNNING", "PRUNED"}
+    restored, searcher2, posted2 = _state([], members=2, size=2)
+    restored.load_state_dict(old)
+    assert restored.members["A-0"].status is Status.RUNNING
+    assert restored.members["A-1"].status is Status.STOPPED
+    restored.on_result("A", _report("t9", [("A-0", 1, 0.9), ("A-1", 1, 0.1)]))  # a replay
+    assert posted2["t9"]["go"] == posted["t1"]["go"] and not searcher2.told
+    restored.on_result("A", _report("t10", [("A-0", 4, 0.95)], final=True))
+    assert searcher2.outcome == {"A-0": "COMPLETE"}
+    assert restored.members["A-0"].status is Status.COMPLETED
+    assert restored.state_dict()["format"] == "hfsweep.tune/2"
+    assert restored.state_dict()["members"]["A-1"]["status"] == "stopped"
 
 
 def test_hfsweep_schedulers_decide_jointly_too() -> None:
@@ -435,7 +472,7 @@ def test_an_array_resumed_after_it_failed_for_good_is_stopped_and_no_member_join
     replay = _report("t2", [("A-0", 1, 0.5), ("A-1", 1, 0.6), ("A-2", 1, 0.7)], resumed=True)
     assert state.on_result("A", replay) is False  # Tune stops the trial
     assert posted["t2"] == {"go": {"A-0": False, "A-1": False, "A-2": False}, "given": []}
-    assert state.counts()["RUNNING"] == 0 and state.arrays["A"].given == []
+    assert state.counts()[Status.RUNNING] == 0 and state.arrays["A"].given == []
     # its last word (the stopped members, a final report) and its end change nothing
     ended = [{"member": m, "status": "stopped", "steps": 5, "error": None} for m in ("A-0",)]
     last = json.loads(_report("t3", [], ended=ended)["hfsweep"])
@@ -586,7 +623,7 @@ def test_a_key_first_met_in_a_refill_is_sized_when_the_next_array_starts_after_a
     )
     state.suggest("A")  # A-0, A-1
     state.on_result("A", _report("t1", [("A-0", 1, 0.9), ("A-1", 1, 0.1)]))  # A-1 pruned
-    assert [state.members[m].state for m in ("A-2", "A-3")] == ["WAITING", "WAITING"]
+    assert [state.members[m].status for m in ("A-2", "A-3")] == [Status.WAITING] * 2
     assert asked == [8] and state.arrays["A"].given == []
     unpickled = pickle.loads(pickle.dumps(state))  # as Tune saves its searcher
     loaded = SweepState(TASK, members=4, array_size=_size_two, uid="other")
