@@ -30,6 +30,7 @@ from dataclasses import asdict
 from typing import Any
 
 from hfsweep._checks import is_finite
+from hfsweep.core.ledger import decision_key
 from hfsweep.core.packer import Packer, Pools
 from hfsweep.core.status import Status
 from hfsweep.training.task import Task
@@ -317,7 +318,7 @@ class SweepState:
         elapsed = float(payload.get("elapsed", 0.0))
         for ev in payload.get("evaluations", []):
             rec = self.members[ev["member"]]
-            logged = self.decisions.get(f"{rec.id}@{ev['step']}")
+            logged = self.decisions.get(decision_key(rec.id, int(ev["step"])))
             reported = float(ev.get("time", elapsed))
             if logged is not None:
                 go[rec.id] = logged  # a replay after a resume: the decision already taken
@@ -367,10 +368,10 @@ class SweepState:
             if _finite(result[metric]):
                 self.searcher.on_trial_result(rec.id, dict(result))
             keep = final or decided.get(rec.id, True)
-            self.decisions[f"{rec.id}@{result['step']}"] = keep
+            self.decisions[decision_key(rec.id, result["step"])] = keep
             go[rec.id] = keep
         for rec, result, _ in diverged:
-            self.decisions[f"{rec.id}@{result['step']}"] = False
+            self.decisions[decision_key(rec.id, result["step"])] = False
             go[rec.id] = False
             self._end(rec, Status.FAILED, None, error="non-finite loss")
         for rec, result, final in judged:
@@ -453,9 +454,8 @@ class SweepState:
         assert status.final and not rec.told, (rec.id, status)
         metric = self._require_metric()
         value = rec.history[-1].get(metric) if rec.history else None
-        if status is Status.COMPLETED and not _finite(value):
-            status, error = Status.FAILED, error or f"{metric} is {value!r}"
-        rec.status, rec.error = status, error
+        status, why = status.settle(value, metric)
+        rec.status, rec.error = status, error or why
         rec.value = float(value) if is_finite(value) else None
         self.decider.end(
             self._controller(), self._trial(rec), status, dict(result) if result else None

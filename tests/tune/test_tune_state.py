@@ -11,6 +11,7 @@ import pickle
 import sys
 from collections import Counter
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,13 +20,21 @@ pytest.importorskip("ray.tune")
 
 from _tune_toy import TASK
 from hfsweep.schedulers import ASHAScheduler as HfASHA
-from hfsweep.schedulers._tune_joint import MemberController, MemberTrial, TuneDecider
+from hfsweep.schedulers import Report
+from hfsweep.schedulers._tune_joint import (
+    MemberController,
+    MemberTrial,
+    NativeDecider,
+    TuneDecider,
+)
 from hfsweep.schedulers._tune_state import FINISHED, SweepState
 from hfsweep.schedulers.tune import Fusion
 from ray import tune
 from ray.tune.schedulers import ASHAScheduler, HyperBandScheduler
 from ray.tune.search import Searcher
 
+from hfsweep.core._ledger_file import LedgerFile
+from hfsweep.core.ledger import Ledger, decision_key
 from hfsweep.core.status import Status
 
 
@@ -301,6 +310,40 @@ def test_the_state_survives_a_save_and_restore() -> None:
     assert posted2["t9"]["go"] == posted["t1"]["go"]
     assert not searcher2.told  # told before the save, never again
     assert restored.counts()[Status.STOPPED] == 1
+
+
+def test_the_plugin_logs_its_decisions_as_the_engines_ledger_does(tmp_path: Path) -> None:
+    values = {"A-0": 0.9, "A-1": 0.1, "A-2": 0.5, "A-3": 0.7}
+    state, _, posted = _state([{"lr": 0.1 * (i + 1)} for i in range(4)], members=4, size=4)
+    state.decider = NativeDecider(HfASHA(mode="max", max_resource=4, reduction_factor=2))
+    state.suggest("A")
+    state.on_result("A", _report("t1", [(m, 1, v) for m, v in values.items()]))
+    ledger = Ledger(
+        LedgerFile(tmp_path / "state.json", tmp_path / "state.jsonl"),
+        HfASHA(mode="max", max_resource=4, reduction_factor=2),
+        lambda: 0.0,
+    )
+    go = ledger.decide([(Report(m, 1.0, v), 5) for m, v in values.items()])  # step 5: epoch 1
+    assert go == posted["t1"]["go"] and go == {"A-0": True, "A-1": False, "A-2": False, "A-3": True}
+    assert ledger.decisions == state.decisions == {decision_key(m, 5): go[m] for m in values}
+
+
+def test_a_member_that_completes_with_a_nonfinite_metric_fails_as_in_the_engine() -> None:
+    state, searcher, _ = _state([{"lr": 0.1}, {"lr": 0.2}], members=2, size=2)
+    state.suggest("A")
+    state.on_result("A", _report("t1", [("A-0", 1, math.nan), ("A-1", 1, 0.5)], final=True))
+    assert searcher.outcome == {"A-0": "FAIL", "A-1": "COMPLETE"}
+    assert state.members["A-0"].status is Status.FAILED
+    assert state.members["A-0"].error == "val_accuracy is nan"  # Status.settle's reason
+    assert Status.COMPLETED.settle(math.nan, "val_accuracy") == (
+        Status.FAILED,
+        "val_accuracy is nan",
+    )
+    assert Status.COMPLETED.settle(None, "loss") == (Status.FAILED, "loss is None")
+    assert Status.COMPLETED.settle(True, "loss") == (Status.FAILED, "loss is True")
+    assert Status.COMPLETED.settle(0.5, "loss") == (Status.COMPLETED, None)
+    assert Status.STOPPED.settle(math.inf, "loss") == (Status.STOPPED, None)
+    assert Status.FAILED.settle(0.5, "loss") == (Status.FAILED, None)
 
 
 def _as_format_1(saved: dict[str, Any]) -> dict[str, Any]:
