@@ -393,6 +393,31 @@ def test_hfsweep_schedulers_decide_jointly_too() -> None:
     assert posted["t1"]["go"] == {"A-0": False, "A-1": True, "A-2": False}
 
 
+def test_the_log_and_tunes_status_line_say_the_cores_status_words(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    fusion = Fusion(TASK, members=3, array_size=3)
+    fusion.searcher(ListSearcher([{"lr": 0.1}, {"lr": 0.2}, {"lr": 0.3}]))
+    scheduler = fusion.scheduler(
+        ASHAScheduler(
+            metric="val_accuracy", mode="max", max_t=4, grace_period=1, reduction_factor=3
+        )
+    )
+    state = fusion.state
+    state.configure("val_accuracy", "max")
+    state.post = lambda token, message: None
+    state.suggest("A")
+    with caplog.at_level("INFO", logger="hfsweep.tune"):
+        state.on_result("A", _report("t1", [("A-0", 1, 0.9), ("A-1", 1, 0.2), ("A-2", 1, 0.5)]))
+    ended = [r.getMessage() for r in caplog.records if r.getMessage().startswith("member A-")]
+    assert ended == [
+        "member A-1 stopped (val_accuracy=0.2)",
+        "member A-2 stopped (val_accuracy=0.5)",
+    ]
+    assert scheduler.debug_string().endswith("members 1 running, 2 stopped")
+    assert state.counts() == {"waiting": 0, "running": 1, "completed": 0, "stopped": 2, "failed": 0}
+
+
 def test_users_get_errors_that_name_the_value_and_what_would_be_valid() -> None:
     with pytest.raises(ValueError, match="members=0"):
         Fusion(TASK, members=0)
