@@ -107,9 +107,9 @@ class Decider(ABC):
 
     @abstractmethod
     def end(
-        self, controller: Any, trial: MemberTrial, state: str, result: dict[str, Any] | None
+        self, controller: Any, trial: MemberTrial, status: Status, result: dict[str, Any] | None
     ) -> None:
-        """Tell the scheduler that ``trial`` ended: ``COMPLETE``, ``PRUNED`` or ``FAIL``."""
+        """Tell the scheduler that ``trial`` ended: ``COMPLETED``, ``STOPPED`` or ``FAILED``."""
 
     def at_budget(self, result: Mapping[str, Any]) -> bool:
         """Whether a stop at ``result`` is the scheduler's budget being reached (a member
@@ -135,7 +135,7 @@ class NoDecider(Decider):
         return {trial.trial_id: True for trial, _ in reports}
 
     def end(
-        self, controller: Any, trial: MemberTrial, state: str, result: dict[str, Any] | None
+        self, controller: Any, trial: MemberTrial, status: Status, result: dict[str, Any] | None
     ) -> None:
         return None
 
@@ -200,11 +200,11 @@ class TuneDecider(Decider):
                 stopped.add(trial)
 
     def end(
-        self, controller: Any, trial: MemberTrial, state: str, result: dict[str, Any] | None
+        self, controller: Any, trial: MemberTrial, status: Status, result: dict[str, Any] | None
     ) -> None:
         if trial.trial_id not in self._added:
             return  # never reported: the scheduler does not know it
-        if state == "FAIL" or result is None:
+        if status is Status.FAILED or result is None:
             self._scheduler.on_trial_error(controller, trial)
         else:
             self._scheduler.on_trial_complete(controller, trial, dict(result))
@@ -243,9 +243,9 @@ class NativeDecider(Decider):
         return {trial_id: d is Decision.CONTINUE for trial_id, d in answer.items()}
 
     def end(
-        self, controller: Any, trial: MemberTrial, state: str, result: dict[str, Any] | None
+        self, controller: Any, trial: MemberTrial, status: Status, result: dict[str, Any] | None
     ) -> None:
-        self._scheduler.on_trial_end(trial.trial_id, Status.parse(state).value)
+        self._scheduler.on_trial_end(trial.trial_id, status.value)
 
     def at_budget(self, result: Mapping[str, Any]) -> bool:
         epoch = result.get("epoch")

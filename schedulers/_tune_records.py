@@ -1,23 +1,37 @@
 """The Tune plugin's records: one per member and one per array (Tune trial), the names its
-files and results use, and the states a member is told in. :mod:`schedulers._tune_state` keeps
-them for the whole sweep (see there)."""
+files and results use, and the saved format of its state. :mod:`schedulers._tune_state` keeps
+them for the whole sweep (see there).
+
+A member's ``status`` is the sweep core's :class:`~hfsweep.core.status.Status`, the vocabulary of
+``hfsweep run``'s ``state.json`` and of trials.csv's ``user_attrs_status`` (``waiting``,
+``running``, ``completed``, ``stopped``, ``failed``); its Optuna name (``COMPLETE``, ``PRUNED``,
+``FAIL``...: trials.csv's ``state`` column) is :attr:`MemberRecord.state`, translated by
+``Status`` and nowhere else.
+
+The state is saved as plain data (Tune pickles it with the searcher; the result readers load it
+without running code, so no enum or class of hfsweep's is in it): format
+:data:`STATE_FORMAT`. Format ``hfsweep.tune/1`` (hfsweep before the one status vocabulary) kept
+each member's Optuna state name under ``"state"``; :func:`upgraded` still reads it.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
 from typing import Any
 from urllib.parse import quote
 
-from hfsweep.core.status import FINAL, Status
+from hfsweep.core.status import Status
 
 __all__ = [
-    "FINAL_STATES",
     "FINISHED",
+    "FORMAT_PREFIX",
     "META",
     "STATE_FORMAT",
     "WEIGHTS_DIR",
     "ArrayRecord",
     "MemberRecord",
+    "upgraded",
     "weights_file",
 ]
 
@@ -26,23 +40,27 @@ META = "hfsweep"
 #: Tune's ``Searcher.FINISHED``
 FINISHED = "FINISHED"
 #: marks a saved state (and its format) in Tune's searcher checkpoint
-STATE_FORMAT = "hfsweep.tune/1"
+STATE_FORMAT = "hfsweep.tune/2"
+#: every saved format starts so (one this version does not read is refused by name)
+FORMAT_PREFIX = "hfsweep.tune/"
+#: the format before the one status vocabulary: members' Optuna state names under ``"state"``
+_FORMAT_1 = "hfsweep.tune/1"
 #: the folder of an array trial's Tune checkpoint that holds its completed members' weights:
 #: one ``state_dict`` per member, saved with ``torch.save``, named by :func:`weights_file`
 WEIGHTS_DIR = "weights"
-#: states a member is told in; told members never change again
-FINAL_STATES = tuple(s.optuna_name for s in Status if s in FINAL)
 
 
 @dataclass
 class MemberRecord:
-    """One member: its config, compatibility key, array, state and evaluations."""
+    """One member: its config, compatibility key, array, status and evaluations."""
 
     id: str
     config: dict[str, Any]
     key: str
     array: str | None = None
-    state: str = "WAITING"
+    #: ``WAITING`` in its key's pool, ``RUNNING`` in an array, then how it was told
+    #: (``COMPLETED``, ``STOPPED``, ``FAILED``; final)
+    status: Status = Status.WAITING
     #: one row per evaluation: training_iteration, step, epoch, the task's metrics and
     #: time_total_s (the member's own training time since it joined its array)
     history: list[dict[str, Any]] = field(default_factory=list)
@@ -55,8 +73,26 @@ class MemberRecord:
 
     @property
     def told(self) -> bool:
-        """Whether the inner searcher was told how the member ended."""
-        return self.state in FINAL_STATES
+        """Whether the inner searcher was told how the member ended (its status is final)."""
+        return self.status.final
+
+    @property
+    def state(self) -> str:
+        """The Optuna name of :attr:`status` (``COMPLETE``, ``PRUNED``, ``FAIL``, ``RUNNING``,
+        ``WAITING``), as trials.csv's ``state`` column and OptunaSearch's study say it."""
+        return self.status.optuna_name
+
+    def as_dict(self) -> dict[str, Any]:
+        """The record as plain data (the status as its value, ``"completed"``...)."""
+        data = asdict(self)
+        data["status"] = self.status.value
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> MemberRecord:
+        """The record :meth:`as_dict` wrote (the status given by value or Optuna name)."""
+        fields = dict(data)
+        return cls(**{**fields, "status": Status.parse(fields["status"])})
 
 
 @dataclass
@@ -80,6 +116,27 @@ class ArrayRecord:
         """Every member that trains (or trained) in this array, in the order they joined."""
         back = set(self.returned)
         return [m for m in (*self.members, *self.given) if m not in back]
+
+
+def upgraded(saved: Mapping[str, Any]) -> dict[str, Any]:
+    """A saved state in :data:`STATE_FORMAT` (a copy): one of format ``hfsweep.tune/1`` has
+    its members' Optuna state names turned into statuses. Raises ``ValueError`` naming the
+    format for one this hfsweep does not read."""
+    form = saved.get("format")
+    if form == STATE_FORMAT:
+        return dict(saved)
+    if form != _FORMAT_1:
+        raise ValueError(
+            f"the saved fused-sweep state has format {form!r}; this hfsweep reads "
+            f"{STATE_FORMAT!r} and {_FORMAT_1!r}: restore the experiment with the hfsweep "
+            "version that wrote it"
+        )
+    members = {}
+    for mid, record in saved["members"].items():
+        data = {k: v for k, v in record.items() if k != "state"}
+        data["status"] = Status.parse(record["state"]).value
+        members[mid] = data
+    return {**saved, "format": STATE_FORMAT, "members": members}
 
 
 def weights_file(member_id: str) -> str:

@@ -24,7 +24,7 @@ from hfsweep._checks import is_finite
 from hfsweep.core.status import Status
 from hfsweep.training.packed import UnsafeFileError, load_inert, unloaded_in
 
-from ._tune_state import STATE_FORMAT, WEIGHTS_DIR, weights_file
+from ._tune_records import FORMAT_PREFIX, WEIGHTS_DIR, upgraded, weights_file
 
 if TYPE_CHECKING:
     import pandas
@@ -44,16 +44,16 @@ __all__ = [
 
 #: the file in a Tune experiment directory that holds the searcher wrappers' states
 _STATE_GLOB = "search_gen_state-*.json"
-#: a completed member's state (the records keep Optuna's state names)
-_COMPLETE = Status.COMPLETED.optuna_name
-_COLUMNS = ["member", "array", "state", "value", "evaluations", "epoch", "step", "error"]
+_COLUMNS = ["member", "array", "status", "state", "value", "evaluations", "epoch", "step", "error"]
 
 
 @dataclass(frozen=True)
 class TunedMember:
-    """One member of a fused Tune sweep: id, array (its Tune trial id), state (``COMPLETE``,
-    ``PRUNED``, ``FAIL``, or ``RUNNING``/``WAITING`` in an unfinished sweep), its final metric
-    ``value``, the ``config`` it was trained with and its evaluations (``history``).
+    """One member of a fused Tune sweep: id, array (its Tune trial id), ``status`` (the sweep
+    core's :class:`~hfsweep.core.status.Status`: ``completed``, ``stopped``, ``failed``, or
+    ``running``/``waiting`` in an unfinished sweep; ``state`` is its Optuna name, ``COMPLETE``,
+    ``PRUNED``, ``FAIL``...), its final metric ``value``, the ``config`` it was trained with and
+    its evaluations (``history``).
 
     ``checkpoint`` is the Tune ``Checkpoint`` of its array that holds its final weights
     (``weights/<id>.pt`` in it), or ``None``: the member did not complete (pruned and failed
@@ -64,12 +64,18 @@ class TunedMember:
 
     id: str
     array: str | None
-    state: str
+    status: Status
     value: float | None
     config: dict[str, Any]
     history: list[dict[str, Any]] = field(default_factory=list)
     error: str | None = None
     checkpoint: Any = field(default=None, compare=False, repr=False)
+
+    @property
+    def state(self) -> str:
+        """The Optuna name of :attr:`status` (``COMPLETE``, ``PRUNED``, ``FAIL``, ``RUNNING``,
+        ``WAITING``), as trials.csv's ``state`` column says it."""
+        return self.status.optuna_name
 
     def state_dict(self) -> dict[str, Tensor]:
         """The member's final weights, a ``state_dict`` of the task's model (on the CPU, in
@@ -80,11 +86,11 @@ class TunedMember:
         if self.checkpoint is None:
             why = (
                 "only completed members' weights are kept"
-                if self.state != _COMPLETE
+                if self.status is not Status.COMPLETED
                 else "it was read without Tune's results (from a Fusion?): pass the ResultGrid "
                 "or the experiment directory to best_member() / tuned_members()"
             )
-            raise ValueError(f"member {self.id} ({self.state}) has no saved weights: {why}")
+            raise ValueError(f"member {self.id} ({self.status}) has no saved weights: {why}")
         with self.checkpoint.as_directory() as folder:
             path = Path(folder) / WEIGHTS_DIR / weights_file(self.id)
             return dict(torch.load(path, map_location="cpu", weights_only=True))
@@ -105,13 +111,15 @@ def sweep_state(source: Any) -> dict[str, Any]:
     ``ExperimentAnalysis``, an experiment directory, a :class:`Fusion` or a
     :class:`FusedSearcher`.
 
-    From a directory only plain data is loaded, so no code in the file runs (Tune pickles the
-    searcher's state with objects of its own): the inner scheduler (``"decider"``) is ``None``
-    there, and a state whose members hold anything but plain data is refused with an error
-    naming the file."""
+    The state is in the current format (each member's ``"status"`` by value, ``"completed"``...),
+    also when the file holds the previous one (Optuna names under ``"state"``); a format this
+    hfsweep does not read is refused naming it. From a directory only plain data is loaded, so
+    no code in the file runs (Tune pickles the searcher's state with objects of its own): the
+    inner scheduler (``"decider"``) is ``None`` there, and a state whose members hold anything
+    but plain data is refused with an error naming the file."""
     live = getattr(source, "state", None)
     if live is not None and hasattr(live, "state_dict"):
-        return dict(live.state_dict())
+        return upgraded(live.state_dict())
     path = getattr(source, "experiment_path", source)
     if not isinstance(path, str | os.PathLike):
         raise TypeError(
@@ -136,8 +144,13 @@ def sweep_state(source: Any) -> dict[str, Any]:
     # unpickling may run code: only plain data is loaded here, the rest left as stand-ins
     saved = load_inert(files[-1])
     for value in saved.values() if isinstance(saved, Mapping) else ():
-        if isinstance(value, Mapping) and value.get("format") == STATE_FORMAT:
-            state = {**value, "decider": None}  # the inner scheduler: Tune's, not loaded
+        form = value.get("format") if isinstance(value, Mapping) else None
+        if isinstance(form, str) and form.startswith(FORMAT_PREFIX):
+            assert isinstance(value, Mapping)
+            try:
+                state = {**upgraded(value), "decider": None}  # the scheduler: Tune's, not loaded
+            except ValueError as exc:
+                raise ValueError(f"{files[-1]}: {exc}") from None
             unloaded = unloaded_in(state)
             if unloaded is not None:
                 raise UnsafeFileError(
@@ -171,7 +184,7 @@ def _members(source: Any, *, checkpoints: bool) -> list[TunedMember]:
             TunedMember(
                 id=member_id,
                 array=r["array"],
-                state=str(r["state"]),
+                status=Status.parse(r["status"]),
                 value=r["value"],
                 config=dict(r["config"]),
                 history=[dict(h) for h in r["history"]],
@@ -210,8 +223,9 @@ def _holds(checkpoint: Any, member_id: str) -> bool:
 
 
 def member_results(source: Any) -> pandas.DataFrame:
-    """One row per member: ``member``, ``array`` (the Tune trial id of its array), ``state``,
-    ``value`` (its last value of the sweep's metric), ``evaluations``, the last ``epoch`` and
+    """One row per member: ``member``, ``array`` (the Tune trial id of its array), ``status``
+    (``completed``, ``stopped``, ``failed``...: the words of ``hfsweep run``'s ``state.json``),
+    ``state`` (its Optuna name, as in trials.csv), ``value`` (its last value of the sweep's metric), ``evaluations``, the last ``epoch`` and
     ``step``, ``error``, one ``config/<key>`` column per config key, and ``history`` (its
     evaluations, a list of dicts). See :func:`member_history` for one row per evaluation."""
     import pandas as pd
@@ -222,6 +236,7 @@ def member_results(source: Any) -> pandas.DataFrame:
         row: dict[str, Any] = {
             "member": m.id,
             "array": m.array,
+            "status": m.status.value,
             "state": m.state,
             "value": m.value,
             "evaluations": len(m.history),
@@ -236,12 +251,13 @@ def member_results(source: Any) -> pandas.DataFrame:
 
 
 def member_history(source: Any) -> pandas.DataFrame:
-    """One row per member evaluation (long format): ``member``, ``array``, ``state`` (how the
-    member ended), ``training_iteration``, ``step``, ``epoch`` and the task's metrics."""
+    """One row per member evaluation (long format): ``member``, ``array``, ``status`` and
+    ``state`` (how the member ended, as in :func:`member_results`), ``training_iteration``,
+    ``step``, ``epoch`` and the task's metrics."""
     import pandas as pd
 
     rows = [
-        {"member": m.id, "array": m.array, "state": m.state, **h}
+        {"member": m.id, "array": m.array, "status": m.status.value, "state": m.state, **h}
         for m in _members(source, checkpoints=False)
         for h in m.history
     ]
@@ -267,7 +283,7 @@ def best_member(source: Any, *, metric: str | None = None, mode: str | None = No
     best_score = -math.inf
     members = tuned_members(source)
     for m in members:
-        if m.state != _COMPLETE or not m.history:
+        if m.status is not Status.COMPLETED or not m.history:
             continue
         value = m.history[-1].get(metric)
         if not is_finite(value):
@@ -277,8 +293,8 @@ def best_member(source: Any, *, metric: str | None = None, mode: str | None = No
     if best is None:
         counts: dict[str, int] = {}
         for m in members:
-            counts[m.state] = counts.get(m.state, 0) + 1
+            counts[m.status.value] = counts.get(m.status.value, 0) + 1
         raise ValueError(
-            f"no member completed with a finite {metric!r}; members by state: {counts}"
+            f"no member completed with a finite {metric!r}; members by status: {counts}"
         )
     return best

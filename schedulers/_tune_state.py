@@ -4,7 +4,29 @@ One :class:`SweepState` sits behind both Tune wrappers (the searcher and the sch
 the inner searcher for member configs, packs members that share the task's compatibility key into
 arrays (one Tune trial each), turns every array report into per-member decisions (through a
 :class:`~._tune_joint.Decider`), tells the inner searcher each member's results and its end
-exactly once, and hands freed slots new members of the same key.
+exactly once, and hands freed slots new members of the same key. Asking, packing and saving are
+here; the handling of reports (decisions, ends, refill) is its part in :mod:`._tune_reports`.
+
+**What is the sweep core's.** The pools, array sizes, the asking loop of a new array and of a
+refill (at most :data:`~hfsweep.core.packer.REFILL_ASKS` asks per refill) and the requeue of
+members an array never started are :class:`hfsweep.core.packer.Packer`'s, as for ``hfsweep run``;
+the status vocabulary is :class:`hfsweep.core.status.Status`, a completed member with a
+non-finite metric fails by :meth:`~hfsweep.core.status.Status.settle`, and decisions are logged
+under :func:`hfsweep.core.ledger.decision_key`. **What is not, and why.** The core's
+:class:`~hfsweep.core.ledger.Ledger` object itself is not used: (1) it persists into a run
+directory (``state.json`` and an append-only ``state.jsonl``), where a Tune sweep's state must
+live in the searcher checkpoint that Tune pickles whole whenever it chooses, the only state Tune
+restores; (2) it drives an hfsweep :class:`~hfsweep.schedulers.TrialScheduler` (joint
+``decide`` on :class:`~hfsweep.schedulers.Report` s, ``state_dict`` and ``replay``), where Tune's
+schedulers decide one trial at a time on result dicts and are saved by pickling (the
+:class:`~._tune_joint.Decider` makes them joint); (3) the engine keeps each trial's config,
+intermediate values and end in the Optuna study it owns, where here the inner searcher is any
+Tune searcher, opaque to hfsweep, so each member's config, history and value are kept in this
+state's own :class:`~._tune_records.MemberRecord`. And the packer is driven Tune's way: Tune
+asks the searcher for one trial at a time and again later, so an array smaller than its size
+starts only when nothing more can be asked or nothing runs (``partial`` of
+:meth:`~hfsweep.core.packer.Packer.next_array`), where the engine starts one as soon as the
+searcher has no trial to give.
 
 Tune checkpoints only the searcher, so this state is saved through the searcher wrapper
 (:meth:`state_dict`) and is the source of truth after ``Tuner.restore``. A trainable that resumes
@@ -12,41 +34,40 @@ from a checkpoint replays the evaluations since that checkpoint; they get the de
 first time (``decisions``) and are never told again. A report reaches this state through whichever
 wrapper Tune calls first, and processing it twice changes nothing.
 
-Member states: ``WAITING`` (asked, waiting in its key's pool), ``RUNNING`` (in an array),
-``COMPLETE``, ``PRUNED``, ``FAIL`` (told to the inner searcher; final): the Optuna names of
-:class:`hfsweep.core.status.Status`, which translates them (the records and the results table
-keep the names Tune users read).
+Member statuses are the sweep core's :class:`~hfsweep.core.status.Status`, as in ``hfsweep
+run``'s ledger: ``WAITING`` (asked, waiting in its key's pool), ``RUNNING`` (in an array), then
+``COMPLETED``, ``STOPPED`` or ``FAILED`` (told to the inner searcher; final). Records, logs and
+the results table say them by value (``completed``...); the Optuna names (``COMPLETE``,
+``PRUNED``, ``FAIL``) only where Optuna's are meant (the table's ``state`` column).
 
 This module imports neither Ray nor Optuna.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from typing import Any
 
-from hfsweep._checks import is_finite
 from hfsweep.core.packer import Packer, Pools
 from hfsweep.core.status import Status
 from hfsweep.training.task import Task
 
-from ._tune_joint import Decider, MemberController, MemberTrial, NoDecider
+from ._tune_joint import Decider, MemberTrial, NoDecider
 from ._tune_records import (
-    FINAL_STATES,
     FINISHED,
     META,
     STATE_FORMAT,
     WEIGHTS_DIR,
     ArrayRecord,
     MemberRecord,
+    upgraded,
     weights_file,
 )
+from ._tune_reports import Reports
 
 __all__ = [
-    "FINAL_STATES",
     "FINISHED",
     "META",
     "STATE_FORMAT",
@@ -71,7 +92,7 @@ def restored_state(uid: str) -> SweepState | None:
     return _RESTORED.get(uid)
 
 
-class SweepState:
+class SweepState(Reports):
     """Everything the driver knows about one fused sweep (see the module docstring).
 
     ``task`` checks configs and computes compatibility keys; ``members`` is the budget (how many
@@ -164,7 +185,7 @@ class SweepState:
         self.arrays[trial_id] = array
         for mid in taken:
             rec = self.members[mid]
-            rec.array, rec.state = trial_id, "RUNNING"
+            rec.array, rec.status = trial_id, Status.RUNNING
         _log.info("array %s: %d members (%s)", trial_id, len(taken), ", ".join(taken))
         return self._array_config(array)
 
@@ -194,7 +215,7 @@ class SweepState:
     def _ask(self, prefix: str) -> list[tuple[str, str]] | None:
         """Ask the inner searcher for one member config (named after ``prefix``, the array
         it is asked for): ``[(key, member id)]`` for the packer to pool, empty if the task
-        rejected it (it is told ``FAIL``), ``None`` when the searcher has none now (``None``)
+        rejected it (it is told ``FAILED``), ``None`` when the searcher has none now (``None``)
         or none ever again (``FINISHED``)."""
         member_id = self._new_id(prefix)
         suggestion = self.searcher.suggest(member_id)
@@ -212,7 +233,7 @@ class SweepState:
             rec.key = self.task.compatibility_key(config)
         except (ValueError, TypeError) as exc:
             _log.warning("member %s failed before training: %s", member_id, exc)
-            self._end(rec, "FAIL", None, error=f"{type(exc).__name__}: {exc}")
+            self._end(rec, Status.FAILED, None, error=f"{type(exc).__name__}: {exc}")
             return []
         return [(rec.key, member_id)]
 
@@ -224,303 +245,10 @@ class SweepState:
     def _live_arrays(self) -> list[ArrayRecord]:
         return [a for a in self.arrays.values() if not a.done]
 
-    def _require_metric(self) -> str:
-        if self.metric is None or self.mode is None:
-            raise ValueError(
-                f"the fused sweep has metric={self.metric!r}, mode={self.mode!r}: set both in "
-                "tune.TuneConfig(metric=..., mode=...) (or on the inner searcher)"
-            )
-        return self.metric
-
-    # ------------------------------------------------------------------ array reports
-    def on_result(self, trial_id: str, result: Mapping[str, Any]) -> bool:
-        """Process one report of array ``trial_id`` (decide, tell, refill, answer the
-        trainable) unless it was processed already; returns whether the array has a member
-        left to train."""
-        array = self.arrays.get(trial_id)
-        payload = _payload(result)
-        if array is None:
-            # e.g. Tuner.restore(restart_errored=True) restarts an errored array under a new
-            # trial id: its members were told already, so it is stopped untrained
-            _log.warning(
-                "Tune trial %s reported, but this fused sweep never packed it (a restarted "
-                "trial?); it is stopped and nothing is told",
-                trial_id,
-            )
-            self._stop_all(payload)
-            return False
-        if array.done:
-            # Tuner.restore(resume_errored=True) resumes an array that failed for good under
-            # its own id: its members were told (FAIL) when it failed, so whatever it reports
-            # (replays included) is answered "stop", no member joins it and nothing is told
-            if payload is not None and payload.get("token") != array.last_token:
-                _log.warning(
-                    "array %s reported after it had ended (Tuner.restore(resume_errored=True)?); "
-                    "its members were told already, it is stopped",
-                    trial_id,
-                )
-                array.last_token = str(payload["token"])
-                self._stop_all(payload)
-            return False
-        if payload is None or payload.get("token") == array.last_token:
-            return self._alive(array)
-        self._process(array, payload)
-        array.last_token = str(payload["token"])
-        return self._alive(array)
-
-    def ends_by_itself(self, trial_id: str, result: Mapping[str, Any]) -> bool:
-        """Whether array ``trial_id``'s trainable ends on its own after ``result``, so Tune
-        must not stop it: a regular report of an array this sweep trains, whose answer ended
-        its last members. The trainable then sends its last report, whose checkpoint holds the
-        weights of the members that completed at this one (stopping the trial would lose
-        them)."""
-        array = self.arrays.get(trial_id)
-        payload = _payload(result)
-        return (
-            array is not None
-            and not array.done
-            and payload is not None
-            and not payload.get("final")
-        )
-
-    def _stop_all(self, payload: Mapping[str, Any] | None) -> None:
-        """Answer a report of an array this sweep no longer trains: every evaluated member
-        stops, nobody joins. A final report (the trainable's last word) waits for no answer."""
-        if payload is None or payload.get("final") or self.post is None:
-            return
-        go = {str(e["member"]): False for e in payload.get("evaluations", [])}
-        self.post(str(payload["token"]), {"go": go, "given": []})
-
-    def _check(self, array: ArrayRecord, payload: Mapping[str, Any]) -> None:
-        """Refuse a report naming members not in ``array`` or lacking the metric, before
-        anything is recorded."""
-        for ev in payload.get("evaluations", []):
-            rec = self._member(array, ev["member"])
-            metric = self._require_metric()
-            if metric not in ev["metrics"]:
-                raise ValueError(
-                    f"the fused sweep's metric {metric!r} is not among the metrics member "
-                    f"{rec.id} reports: {sorted(ev['metrics'])}; set tune.TuneConfig(metric=...) "
-                    "to one of them"
-                )
-        for mid in [e["member"] for e in payload.get("ended", [])] + list(
-            payload.get("unused", [])
-        ):
-            self._member(array, mid)
-
-    def _process(self, array: ArrayRecord, payload: Mapping[str, Any]) -> None:
-        self._check(array, payload)
-        if payload.get("resumed"):
-            array.resumes += 1
-        go: dict[str, bool] = {}
-        fresh: list[tuple[MemberRecord, dict[str, Any], bool]] = []
-        elapsed = float(payload.get("elapsed", 0.0))
-        for ev in payload.get("evaluations", []):
-            rec = self.members[ev["member"]]
-            logged = self.decisions.get(f"{rec.id}@{ev['step']}")
-            reported = float(ev.get("time", elapsed))
-            if logged is not None:
-                go[rec.id] = logged  # a replay after a resume: the decision already taken
-                array.replayed += 1
-                # the resumed array's clock went on from its checkpoint's time, which may be
-                # behind the time this evaluation had: shift the member's later evaluations so
-                # that its clock goes on from the evaluation's recorded time, never back
-                first = next((h for h in rec.history if h["step"] == int(ev["step"])), None)
-                if first is not None:
-                    rec.clock_shift = float(first["time_total_s"]) - reported
-                continue
-            if rec.told:
-                go[rec.id] = False
-                continue
-            metrics = dict(ev["metrics"])
-            # the member's own training time since it joined its array (kept through the
-            # array's checkpoints), never the array's: a member that joined late gets its
-            # grace period, and a resumed array does not restart its members' clocks
-            before = float(rec.history[-1].get("time_total_s", 0.0)) if rec.history else 0.0
-            # never back, also where no replay set the shift (a member the replayed report did
-            # not evaluate, or a restore whose decision log is older than the array's checkpoint)
-            own = max(reported + rec.clock_shift, before)
-            row = {
-                "training_iteration": len(rec.history) + 1,
-                "step": int(ev["step"]),
-                "epoch": float(ev["epoch"]),
-                **metrics,
-                "time_total_s": own,
-            }
-            rec.history.append(row)
-            result = {
-                **row,
-                "time_this_iter_s": max(own - before, 0.0),
-                "trial_id": rec.id,
-                "done": bool(ev["final"]),
-                "hfsweep_array": array.id,
-            }
-            fresh.append((rec, result, bool(ev["final"])))
-
-        diverged = [f for f in fresh if not _finite(f[1].get("train_loss"), f[1].get("val_loss"))]
-        judged = [f for f in fresh if f not in diverged]
-        metric = self._require_metric() if fresh else ""
-        decided = self.decider.decide(
-            self._controller(), [(self._trial(rec), result) for rec, result, _ in judged], metric
-        )
-        for rec, result, final in judged:
-            if _finite(result[metric]):
-                self.searcher.on_trial_result(rec.id, dict(result))
-            keep = final or decided.get(rec.id, True)
-            self.decisions[f"{rec.id}@{result['step']}"] = keep
-            go[rec.id] = keep
-        for rec, result, _ in diverged:
-            self.decisions[f"{rec.id}@{result['step']}"] = False
-            go[rec.id] = False
-            self._end(rec, "FAIL", None, error="non-finite loss")
-        for rec, result, final in judged:
-            if final:
-                self._end(rec, "COMPLETE", result)
-            elif not go[rec.id]:
-                self._end(rec, "COMPLETE" if self.decider.at_budget(result) else "PRUNED", result)
-
-        for end in payload.get("ended", []):  # ends the trainer saw (e.g. non-finite gradients)
-            rec = self._member(array, end["member"])
-            if not rec.told:
-                state = _optuna_name(end["status"])
-                last = self._last_result(rec, array)
-                if state != "FAIL" and (last is None or not _finite(last.get(str(self.metric)))):
-                    state = "FAIL"
-                self._end(rec, state, last if state != "FAIL" else None, error=end.get("error"))
-        for mid in payload.get("unused", []):  # refill members the array never started
-            self._return(array, self._member(array, mid))
-
-        if payload.get("final"):
-            return
-        consumed = int(payload.get("consumed", 0))
-        if self.refill and consumed == len(array.given) and not payload.get("queued"):
-            self._give(array)
-        if self.post is not None:
-            given = [{"id": m, "config": self.members[m].config} for m in array.given[consumed:]]
-            # members stopped now but told COMPLETE (the scheduler's budget, e.g. ASHA's max_t):
-            # the trainable keeps their weights as it keeps those of members it completed
-            complete = [m for m, g in go.items() if not g and self.members[m].state == "COMPLETE"]
-            self.post(str(payload["token"]), {"go": go, "given": given, "complete": complete})
-
-    def _member(self, array: ArrayRecord, member_id: str) -> MemberRecord:
-        rec = self.members.get(member_id)
-        if rec is None or rec.array != array.id:
-            raise RuntimeError(
-                f"array {array.id} reported member {member_id!r}, which this fused sweep did not "
-                f"put in it (members: {array.all_members()})"
-            )
-        return rec
-
-    def _controller(self) -> MemberController:
-        """The controller a Tune scheduler sees: the running members are its live trials."""
-        return MemberController(
-            [self._trial(r) for r in self.members.values() if r.state == "RUNNING"]
-        )
-
-    def _trial(self, rec: MemberRecord) -> MemberTrial:
-        trial = self._trials.get(rec.id)
-        if trial is None:
-            trial = self._trials[rec.id] = MemberTrial(rec.id, rec.config)
-        return trial
-
-    def _last_result(self, rec: MemberRecord, array: ArrayRecord) -> dict[str, Any] | None:
-        if not rec.history:
-            return None
-        return {**rec.history[-1], "trial_id": rec.id, "hfsweep_array": array.id}
-
-    def _alive(self, array: ArrayRecord) -> bool:
-        return not array.done and any(not self.members[m].told for m in array.all_members())
-
-    # ------------------------------------------------------------------ telling
-    def _end(
-        self,
-        rec: MemberRecord,
-        state: str,
-        result: Mapping[str, Any] | None,
-        *,
-        error: str | None = None,
-    ) -> None:
-        """Record how ``rec`` ended and tell the scheduler and the inner searcher, once.
-
-        ``COMPLETE``: ``on_trial_complete(id, result)``; a non-finite metric makes it ``FAIL``.
-        ``PRUNED``: ``on_trial_complete(id, result without the metric)``, which OptunaSearch
-        records as pruned (its intermediate values stay). ``FAIL``: ``on_trial_complete(id,
-        None, error=True)``.
-        """
-        assert not rec.told, rec.id
-        metric = self._require_metric()
-        value = rec.history[-1].get(metric) if rec.history else None
-        if state == "COMPLETE" and not _finite(value):
-            state, error = "FAIL", error or f"{metric} is {value!r}"
-        rec.state, rec.error = state, error
-        rec.value = float(value) if is_finite(value) else None
-        self.decider.end(
-            self._controller(), self._trial(rec), state, dict(result) if result else None
-        )
-        if state == "COMPLETE":
-            assert result is not None
-            self.searcher.on_trial_complete(rec.id, dict(result))
-        elif state == "PRUNED":
-            told = {k: v for k, v in (result or {}).items() if k != metric}
-            told.update(hfsweep_state="PRUNED", hfsweep_last_value=rec.value)
-            self.searcher.on_trial_complete(rec.id, told)
-        else:
-            self.searcher.on_trial_complete(rec.id, None, error=True)
-        _log.info("member %s %s (%s=%s)", rec.id, state, self.metric, rec.value)
-
-    # ------------------------------------------------------------------ refill
-    def _give(self, array: ArrayRecord) -> None:
-        """New members of ``array``'s key for its free slots: from the pool, else asked.
-        An array that ended gets none: nothing would train or tell them."""
-        if array.done:
-            return
-        alive = sum(not self.members[m].told for m in array.all_members())
-        for mid in self.packer.refill(array.key, array.size - alive, array.id):
-            rec = self.members[mid]
-            rec.array, rec.state = array.id, "RUNNING"
-            array.given.append(mid)
-            _log.info("member %s joins array %s", mid, array.id)
-
-    def _return(self, array: ArrayRecord, rec: MemberRecord) -> None:
-        """``rec`` never started in ``array``: it waits for another array of its key."""
-        if rec.told or rec.history:
-            return
-        rec.array, rec.state = None, "WAITING"
-        array.returned.append(rec.id)
-        self.packer.requeue(rec.key, rec.id)
-
-    # ------------------------------------------------------------------ end of an array
-    def on_complete(
-        self, trial_id: str, result: Mapping[str, Any] | None, error: bool = False
-    ) -> None:
-        """Tune ended array trial ``trial_id`` for good (``error``: it failed past its
-        retries). Its last report is processed if no wrapper saw it; members still untold
-        end now: ``FAIL`` after an error, ``PRUNED`` if they were evaluated (the array was
-        stopped, e.g. by a Tune stopper), and members that never trained go back to a pool."""
-        array = self.arrays.get(trial_id)
-        if array is None or array.done:
-            return
-        if result and not error:
-            payload = _payload(result)
-            if payload is not None and payload.get("token") != array.last_token:
-                self._process(array, {**payload, "final": True})
-                array.last_token = str(payload["token"])
-        for mid in array.all_members():
-            rec = self.members[mid]
-            if rec.told:
-                continue
-            if error:
-                self._end(rec, "FAIL", None, error=f"array trial {trial_id} failed")
-            elif rec.history:
-                self._end(rec, "PRUNED", self._last_result(rec, array))
-            else:
-                self._return(array, rec)
-        array.done = True
-
     # ------------------------------------------------------------------ persistence
     def state_dict(self) -> dict[str, Any]:
         """Everything this state knows (plain data, plus the inner scheduler object), for
-        Tune's searcher checkpoint."""
+        Tune's searcher checkpoint, in format :data:`STATE_FORMAT` (statuses by value)."""
         return {
             "format": STATE_FORMAT,
             "uid": self.uid,
@@ -531,7 +259,7 @@ class SweepState:
             "asked": self.asked,
             "inner_finished": self.inner_finished,
             "finished": self.finished,
-            "members": {m: asdict(r) for m, r in self.members.items()},
+            "members": {m: r.as_dict() for m, r in self.members.items()},
             "arrays": {a: asdict(r) for a, r in self.arrays.items()},
             "pools": self.packer.pools.as_dict(),
             "sizes": dict(self.packer.sizes),
@@ -541,12 +269,9 @@ class SweepState:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output (after ``Tuner.restore``)."""
-        if state.get("format") != STATE_FORMAT:
-            raise ValueError(
-                f"saved fused-sweep state has format {state.get('format')!r}, this hfsweep reads "
-                f"{STATE_FORMAT!r}"
-            )
+        """Restore :meth:`state_dict`'s output (after ``Tuner.restore``); a state saved in
+        the previous format (``hfsweep.tune/1``) is read too, any other is refused naming it."""
+        state = upgraded(state)
         self._reset()
         self.uid = str(state["uid"])
         self.configure(state.get("metric"), state.get("mode"))
@@ -554,7 +279,7 @@ class SweepState:
         self.asked = int(state["asked"])
         self.inner_finished = bool(state["inner_finished"])
         self.finished = bool(state["finished"])
-        self.members = {m: MemberRecord(**r) for m, r in state["members"].items()}
+        self.members = {m: MemberRecord.from_dict(r) for m, r in state["members"].items()}
         self.arrays = {a: ArrayRecord(**r) for a, r in state["arrays"].items()}
         self.packer.budget = self.budget
         self.packer.pools = Pools({str(k): [str(m) for m in v] for k, v in state["pools"].items()})
@@ -566,30 +291,10 @@ class SweepState:
         _RESTORED[self.uid] = self
 
     # ------------------------------------------------------------------ summaries
-    def counts(self) -> dict[str, int]:
-        """Members by state."""
-        out = {s: 0 for s in ("WAITING", "RUNNING", *FINAL_STATES)}
+    def counts(self) -> dict[Status, int]:
+        """Members by status, every status listed (a :class:`Status` is equal to its value:
+        ``counts()["stopped"]`` works too)."""
+        out = dict.fromkeys(Status, 0)
         for rec in self.members.values():
-            out[rec.state] = out.get(rec.state, 0) + 1
+            out[rec.status] += 1
         return out
-
-
-def _payload(result: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """hfsweep's part of an array's Tune result (a JSON string under :data:`META`)."""
-    if not result or META not in result:
-        return None
-    raw = result[META]
-    data = json.loads(raw) if isinstance(raw, str) else raw
-    return dict(data) if isinstance(data, Mapping) else None
-
-
-def _optuna_name(status: Any) -> str:
-    """The record state of a trainer's status (``FAIL`` for one it does not know)."""
-    try:
-        return Status.parse(str(status)).optuna_name
-    except ValueError:
-        return Status.FAILED.optuna_name
-
-
-def _finite(*values: Any) -> bool:
-    return all(is_finite(v) for v in values)

@@ -41,6 +41,7 @@ import torch
 
 from hfsweep._checks import is_finite
 from hfsweep._io import atomic_save
+from hfsweep.core.status import Status
 from hfsweep.executors import LocalExecutor
 from hfsweep.sizing.device import DTYPES, resolve_device
 from hfsweep.training import Evaluation, Member, MemberResult
@@ -245,8 +246,8 @@ class _Channel:
         """Note how a member ended; it goes with the next report. A complete member's weights
         go to :data:`WEIGHTS_DIR`, so the next checkpoint carries them (the trainer calls
         this at least once per member: a repeat after a resume writes the same file again)."""
-        kept = result.status == "completed" or (
-            result.status == "stopped" and result.id in self.complete
+        kept = result.status == Status.COMPLETED or (
+            result.status == Status.STOPPED and result.id in self.complete
         )
         if kept and result.state is not None:
             atomic_save(result.state["model"], self.work / WEIGHTS_DIR / weights_file(result.id))

@@ -255,7 +255,7 @@ class FusedScheduler(FIFOScheduler):
 
     def debug_string(self) -> str:
         counts = self._state.counts()
-        told = ", ".join(f"{n} {s.lower()}" for s, n in counts.items() if n)
+        told = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
         return f"Using FusedScheduler({self._state.decider.describe()}): members {told or 'none'}"
 
     def save(self, checkpoint_path: str) -> None:

@@ -40,7 +40,11 @@ id: ``on_trial_result`` per evaluation, then ``on_trial_complete`` once: with it
 it completed, without the metric if it was pruned (OptunaSearch records PRUNED), with
 ``error=True`` if it failed (non-finite loss or gradients, or a config the task rejects); the
 others in its array go on unaffected. With ``refill`` (the default), a freed slot gets a new
-member of the same key at once.
+member of the same key at once. The pools and refill are the sweep core's packer
+(:mod:`hfsweep.core.packer`), as in ``hfsweep run``, and a member's status is the core's
+:class:`~hfsweep.core.status.Status`: ``member_results`` says ``completed``, ``stopped`` or
+``failed`` in its ``status`` column, as ``hfsweep run``'s ``state.json`` does, and Optuna's name
+for it (``COMPLETE``, ``PRUNED``, ``FAIL``) in its ``state`` column, as trials.csv does.
 
 **Weights.** Each array trial's Tune checkpoint holds the final weights of its members that
 completed (trained to their budget, or stopped at the scheduler's budget, such as ASHA's

@@ -88,10 +88,8 @@ class _Hooks(_Parts):
         self.ledger.end(result.id, result.status)
         self.dir.write_history(number, result.history)
         value = result.metrics.get(self.sc.metric)
-        status = Status.parse(result.status)
-        error = result.error
-        if status is Status.COMPLETED and (value is None or not math.isfinite(value)):
-            status, error = Status.FAILED, f"{self.sc.metric} is {value!r}"
+        status, why = Status.parse(result.status).settle(value, self.sc.metric)
+        error = why if why is not None else result.error
         trial.set_user_attr("status", result.status)
         trial.set_user_attr("steps", result.steps)
         if result.start_step is not None:  # where in its array's data it started (a refill's)

@@ -27,7 +27,14 @@ from ..schedulers._base import decode_float, encode_float
 from ._ledger_file import LedgerFile
 from .status import Status
 
-__all__ = ["ArrayLike", "Ledger"]
+__all__ = ["ArrayLike", "Ledger", "decision_key"]
+
+
+def decision_key(member: str, step: int) -> str:
+    """The key a joint decision on ``member`` at trainer ``step`` is logged under
+    (``"<member>@<step>"``, :attr:`Ledger.decisions`): a replayed evaluation (after a resume)
+    is answered from the log by it. The Tune plugin logs its decisions under the same keys."""
+    return f"{member}@{step}"
 
 
 class ArrayLike(Protocol):

@@ -17,6 +17,8 @@ from __future__ import annotations
 import enum
 from typing import TYPE_CHECKING
 
+from .._checks import is_finite
+
 if TYPE_CHECKING:
     from optuna.trial import TrialState
 
@@ -63,6 +65,15 @@ class Status(str, enum.Enum):
         if not self.final:
             raise ValueError(f"a {self.value} trial has not ended: nothing to tell")
         return _TOLD[self]
+
+    def settle(self, value: object, metric: str) -> tuple[Status, str | None]:
+        """How a trial that ended so, ``value`` its last ``metric``, is recorded: a
+        ``COMPLETED`` one whose value is not a finite number is ``FAILED``, with the reason
+        (``"val_loss is nan"``); any other as it is, with ``None``. Every front door records
+        ends through this rule."""
+        if self is Status.COMPLETED and not is_finite(value):
+            return Status.FAILED, f"{metric} is {value!r}"
+        return self, None
 
     @classmethod
     def parse(cls, text: str) -> Status:

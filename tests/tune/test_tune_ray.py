@@ -41,6 +41,7 @@ from ray.tune.schedulers import ASHAScheduler  # noqa: E402
 from ray.tune.search.optuna import OptunaSearch  # noqa: E402
 
 import hfsweep as hs  # noqa: E402
+from hfsweep.core.status import Status  # noqa: E402
 
 pytestmark = [
     pytest.mark.slow,  # three Tune experiments on a local Ray: about 40 s on 2 cores
@@ -149,7 +150,9 @@ def _hub_alive(name: str, wait_s: float = 10.0) -> bool:
 def _assert_told_once(label: str, experiment: str, n: int) -> None:
     table = member_results(experiment)
     assert len(table) == n
-    assert set(table["state"]) <= {"COMPLETE", "PRUNED", "FAIL"}, table["state"].value_counts()
+    # the core's status words (as state.json's), and Optuna's names of them in "state"
+    assert set(table["status"]) <= {"completed", "stopped", "failed"}, table["status"].tolist()
+    assert [Status(s).optuna_name for s in table["status"]] == list(table["state"])
     assert sorted(TOLD[label]) == sorted(table["member"])
     assert set(TOLD[label].values()) == {1}, TOLD[label]
     assert set(REPORTED[label].values()) == {1}, REPORTED[label]
@@ -197,9 +200,9 @@ def test_the_optuna_study_ends_with_exactly_the_members_each_told_once(
 def test_a_nonfinite_member_is_told_failed_while_the_others_go_on(sweep: dict[str, Any]) -> None:
     table = member_results(sweep["results"])
     diverged = table[table["config/lr"] == 1e38]
-    assert len(diverged) == 1 and diverged["state"].item() == "FAIL"
+    assert len(diverged) == 1 and diverged["status"].item() == Status.FAILED
     mates = table[(table["array"] == diverged["array"].item()) & (table["config/lr"] != 1e38)]
-    assert len(mates) >= 1 and (mates["state"] != "FAIL").all()
+    assert len(mates) >= 1 and (mates["status"] != Status.FAILED).all()
     assert (mates["evaluations"] >= 1).all()
 
 
@@ -207,7 +210,7 @@ def test_members_train_inside_the_plugin_exactly_as_alone(sweep: dict[str, Any])
     state = sweep["fusion"].state
     table = member_results(sweep["results"]).set_index("member")
     started = [m for a in state.arrays.values() for m in a.members]  # not joined by refill
-    chosen = [m for m in started if table.loc[m, "state"] in ("COMPLETE", "PRUNED")][:3]
+    chosen = [m for m in started if table.loc[m, "status"] in ("completed", "stopped")][:3]
     assert chosen
     trainer = hs.ArrayTrainer(_tune_toy.TASK)  # the sweep's model and data, without the crash
     for member in chosen:
@@ -224,16 +227,19 @@ def test_members_train_inside_the_plugin_exactly_as_alone(sweep: dict[str, Any])
 def test_member_tables_and_the_best_member(sweep: dict[str, Any]) -> None:
     results = sweep["results"]
     table = member_results(results)
-    assert {"member", "array", "state", "value", "config/lr", "history"} <= set(table.columns)
+    assert {"member", "array", "status", "state", "value", "config/lr", "history"} <= set(
+        table.columns
+    )
     live = member_results(sweep["fusion"])  # the live state agrees with the saved one
-    columns = ["member", "array", "state", "evaluations"]
+    columns = ["member", "array", "status", "state", "evaluations"]
     assert live[columns].equals(table[columns])
     long = member_history(results)
     assert len(long) == table["evaluations"].sum()
     assert {"member", "training_iteration", "epoch", "val_accuracy"} <= set(long.columns)
     best = best_member(results)
-    done = table[table["state"] == "COMPLETE"]
-    assert best.state == "COMPLETE" and best.value == done["value"].max()
+    done = table[table["status"] == "completed"]
+    assert best.status is Status.COMPLETED and best.state == "COMPLETE"
+    assert best.value == done["value"].max()
     assert best.config == sweep["fusion"].state.members[best.id].config
 
 
@@ -275,7 +281,7 @@ def test_the_best_members_weights_load_into_the_tasks_model_and_give_its_metrics
     # the checkpoint Tune picks for the best array holds the weights of its completed members
     array = results.get_best_result().checkpoint
     assert array is not None
-    done = {m.id for m in tuned_members(results) if m.state == "COMPLETE"}
+    done = {m.id for m in tuned_members(results) if m.status is Status.COMPLETED}
     with array.as_directory() as folder:
         held = {p.stem for p in (Path(folder) / "weights").glob("*.pt")}
     table = member_results(results)
@@ -286,8 +292,9 @@ def test_the_best_members_weights_load_into_the_tasks_model_and_give_its_metrics
 def test_every_completed_member_has_its_weights_and_no_other_does(sweep: dict[str, Any]) -> None:
     members = tuned_members(sweep["results"])
     for m in members:
-        assert (m.checkpoint is not None) == (m.state == "COMPLETE"), (m.id, m.state)
-        if m.state == "COMPLETE":  # the crashed and retried array's members too
+        complete = m.status is Status.COMPLETED
+        assert (m.checkpoint is not None) == complete, (m.id, m.status)
+        if complete:  # the crashed and retried array's members too
             _assert_weights_give_the_recorded_metrics(m)
         else:
             with pytest.raises(ValueError, match="only completed members"):
@@ -319,7 +326,7 @@ def test_an_interrupted_experiment_restored_tells_every_member_exactly_once(
     path = first.experiment_path
     before = member_results(path)
     assert (tmp_path / "interrupted").exists()
-    assert not set(before["state"]) <= {"COMPLETE", "PRUNED", "FAIL"}  # it was unfinished
+    assert not set(before["status"]) <= {"completed", "stopped", "failed"}  # it was unfinished
 
     restored = tune.Tuner.restore(path, trainable=fusion.trainable)
     results = restored.fit()
@@ -328,9 +335,9 @@ def test_an_interrupted_experiment_restored_tells_every_member_exactly_once(
     arrays = sweep_state(path)["arrays"].values()
     assert sum(a["replayed"] for a in arrays) >= 1  # resumed arrays replayed their last report
     # the restored run's searcher is a new object; the Fusion follows its state in this process
-    columns = ["member", "array", "state", "evaluations", "value"]
+    columns = ["member", "array", "status", "evaluations", "value"]
     assert member_results(fusion)[columns].equals(member_results(results)[columns])
-    assert fusion.state.counts()["RUNNING"] == fusion.state.counts()["WAITING"] == 0
+    assert fusion.state.counts()[Status.RUNNING] == fusion.state.counts()[Status.WAITING] == 0
     assert best_member(fusion) == best_member(results) == best_member(first)
     _assert_weights_give_the_recorded_metrics(best_member(path))  # weights across the restore
     assert not _hub_alive(fusion.state.hub_name)  # ended with the restored experiment

@@ -4,7 +4,6 @@ into the experiment directory without running code from it (no Ray cluster neede
 from __future__ import annotations
 
 import pickle
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ from ray import cloudpickle
 from ray.tune.schedulers import ASHAScheduler
 from ray.tune.search import Searcher, SearchGenerator
 
+from hfsweep.core.status import Status
 from hfsweep.training.packed import UnsafeFileError
 
 
@@ -39,7 +39,9 @@ class _Planted:
         return (exec, (f"open({str(self.marker)!r}, 'w').close()",))
 
 
-def _experiment(folder: Path, extra: Any = None) -> tuple[Path, Fusion]:
+def _experiment(
+    folder: Path, extra: Any = None, saved: dict[str, Any] | None = None
+) -> tuple[Path, Fusion]:
     """An experiment directory holding the searcher state file as Tune writes it, with
     ``extra`` where Tune keeps its own objects (pickled by value)."""
     fusion = Fusion(TASK, members=2, array_size=2)
@@ -54,12 +56,14 @@ def _experiment(folder: Path, extra: Any = None) -> tuple[Path, Fusion]:
         config={"lr": 0.1, "choice": "wide"},
         key="k",
         array="a0",
-        state="COMPLETE",
+        status=Status.COMPLETED,
         history=[{"val_accuracy": 0.5, "epoch": 1.0, "step": 10.0}],
         value=0.5,
     )
-    state["members"] = {"m0": asdict(member)}
+    state["members"] = {"m0": member.as_dict()}
     searcher.set_state(state)
+    if saved is not None:  # a state as another version saved it, written as it is
+        searcher.get_state = lambda: saved  # type: ignore[method-assign]
     folder.mkdir(parents=True)
     generator.save_to_dir(str(folder), "2026-01-01_00-00-00")
     assert len(list(folder.glob("search_gen_state-*.json"))) == 1
@@ -95,3 +99,57 @@ def test_a_planted_call_in_the_members_is_refused_by_file(tmp_path: Path) -> Non
     with pytest.raises(UnsafeFileError, match=rf"^{path}: not loaded: .*builtins\.exec"):
         member_results(folder)
     assert not marker.exists()
+
+
+#: a member as hfsweep saved it in format 1, before the one status vocabulary (Optuna's names)
+_FORMAT_1_MEMBER = {
+    "id": "m0",
+    "config": {"lr": 0.1},
+    "key": "k",
+    "array": "a0",
+    "state": "PRUNED",
+    "history": [{"val_accuracy": 0.25, "epoch": 1.0, "step": 10}],
+    "value": 0.25,
+    "error": None,
+    "clock_shift": 0.0,
+}
+
+
+def _format_1(state: dict[str, Any]) -> dict[str, Any]:
+    return {**state, "format": "hfsweep.tune/1", "members": {"m0": dict(_FORMAT_1_MEMBER)}}
+
+
+def test_the_table_says_the_cores_status_words_and_optunas_names_beside(tmp_path: Path) -> None:
+    folder, fusion = _experiment(tmp_path / "exp")
+    table = member_results(folder)
+    assert list(table["status"]) == ["completed"] and list(table["state"]) == ["COMPLETE"]
+    assert sweep_state(folder)["members"]["m0"]["status"] == "completed"  # as state.json says
+    assert sweep_state(folder)["format"] == "hfsweep.tune/2"
+    assert member_results(fusion)[["status", "state"]].equals(table[["status", "state"]])
+
+
+def test_a_state_saved_in_the_previous_format_is_read_and_restored(tmp_path: Path) -> None:
+    fusion = Fusion(TASK, members=2, array_size=2)
+    searcher = fusion.searcher(_Inner(metric="val_accuracy", mode="max"))
+    old = _format_1(searcher.get_state())
+    folder, _ = _experiment(tmp_path / "exp", saved=old)
+    table = member_results(folder)
+    assert list(table["status"]) == ["stopped"] and list(table["state"]) == ["PRUNED"]
+    assert list(table["value"]) == [0.25]
+    searcher.set_state(old)  # Tuner.restore of an experiment the previous hfsweep saved
+    assert fusion.state.members["m0"].status is Status.STOPPED and fusion.state.members["m0"].told
+    saved = searcher.get_state()
+    assert saved["format"] == "hfsweep.tune/2" and saved["members"]["m0"]["status"] == "stopped"
+    assert "state" not in saved["members"]["m0"]
+
+
+def test_a_format_this_version_does_not_read_is_refused_by_name(tmp_path: Path) -> None:
+    fusion = Fusion(TASK, members=2, array_size=2)
+    searcher = fusion.searcher(_Inner(metric="val_accuracy", mode="max"))
+    newer = {**searcher.get_state(), "format": "hfsweep.tune/9"}
+    with pytest.raises(ValueError, match=r"format 'hfsweep\.tune/9'.*reads 'hfsweep\.tune/2'"):
+        searcher.set_state(newer)
+    folder, _ = _experiment(tmp_path / "exp", saved=newer)
+    (path,) = folder.glob("search_gen_state-*.json")
+    with pytest.raises(ValueError, match=rf"^{path}: .*format 'hfsweep\.tune/9'"):
+        member_results(folder)

@@ -11,6 +11,7 @@ import pickle
 import sys
 from collections import Counter
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,12 +20,22 @@ pytest.importorskip("ray.tune")
 
 from _tune_toy import TASK
 from hfsweep.schedulers import ASHAScheduler as HfASHA
-from hfsweep.schedulers._tune_joint import MemberController, MemberTrial, TuneDecider
+from hfsweep.schedulers import Report
+from hfsweep.schedulers._tune_joint import (
+    MemberController,
+    MemberTrial,
+    NativeDecider,
+    TuneDecider,
+)
 from hfsweep.schedulers._tune_state import FINISHED, SweepState
 from hfsweep.schedulers.tune import Fusion
 from ray import tune
 from ray.tune.schedulers import ASHAScheduler, HyperBandScheduler
 from ray.tune.search import Searcher
+
+from hfsweep.core._ledger_file import LedgerFile
+from hfsweep.core.ledger import Ledger, decision_key
+from hfsweep.core.status import Status
 
 
 class ListSearcher(Searcher):
@@ -257,7 +268,7 @@ def test_freed_slots_get_members_of_the_arrays_key_once_the_trainable_took_the_l
     given = posted["t1"]["given"]
     # A-1 was pruned; the held hidden=16 member is not compatible, so a new one is asked
     assert [g["id"] for g in given] == ["A-3"]
-    assert state.members["A-2"].state == "WAITING"
+    assert state.members["A-2"].status is Status.WAITING
     # the trainable has not taken A-3 yet (consumed 0): the same member is sent again, no other
     state.on_result("A", _report("t2", [("A-0", 2, 0.9)], consumed=0))
     assert [g["id"] for g in posted["t2"]["given"]] == ["A-3"]
@@ -298,7 +309,76 @@ def test_the_state_survives_a_save_and_restore() -> None:
     restored.on_result("A", _report("t9", [("A-0", 1, 0.9), ("A-1", 1, 0.1)]))  # a replay
     assert posted2["t9"]["go"] == posted["t1"]["go"]
     assert not searcher2.told  # told before the save, never again
-    assert restored.counts()["PRUNED"] == 1
+    assert restored.counts()[Status.STOPPED] == 1
+
+
+def test_the_plugin_logs_its_decisions_as_the_engines_ledger_does(tmp_path: Path) -> None:
+    values = {"A-0": 0.9, "A-1": 0.1, "A-2": 0.5, "A-3": 0.7}
+    state, _, posted = _state([{"lr": 0.1 * (i + 1)} for i in range(4)], members=4, size=4)
+    state.decider = NativeDecider(HfASHA(mode="max", max_resource=4, reduction_factor=2))
+    state.suggest("A")
+    state.on_result("A", _report("t1", [(m, 1, v) for m, v in values.items()]))
+    ledger = Ledger(
+        LedgerFile(tmp_path / "state.json", tmp_path / "state.jsonl"),
+        HfASHA(mode="max", max_resource=4, reduction_factor=2),
+        lambda: 0.0,
+    )
+    go = ledger.decide([(Report(m, 1.0, v), 5) for m, v in values.items()])  # step 5: epoch 1
+    assert go == posted["t1"]["go"] and go == {"A-0": True, "A-1": False, "A-2": False, "A-3": True}
+    assert ledger.decisions == state.decisions == {decision_key(m, 5): go[m] for m in values}
+
+
+def test_a_member_that_completes_with_a_nonfinite_metric_fails_as_in_the_engine() -> None:
+    state, searcher, _ = _state([{"lr": 0.1}, {"lr": 0.2}], members=2, size=2)
+    state.suggest("A")
+    state.on_result("A", _report("t1", [("A-0", 1, math.nan), ("A-1", 1, 0.5)], final=True))
+    assert searcher.outcome == {"A-0": "FAIL", "A-1": "COMPLETE"}
+    assert state.members["A-0"].status is Status.FAILED
+    assert state.members["A-0"].error == "val_accuracy is nan"  # Status.settle's reason
+    assert Status.COMPLETED.settle(math.nan, "val_accuracy") == (
+        Status.FAILED,
+        "val_accuracy is nan",
+    )
+    assert Status.COMPLETED.settle(None, "loss") == (Status.FAILED, "loss is None")
+    assert Status.COMPLETED.settle(True, "loss") == (Status.FAILED, "loss is True")
+    assert Status.COMPLETED.settle(0.5, "loss") == (Status.COMPLETED, None)
+    assert Status.STOPPED.settle(math.inf, "loss") == (Status.STOPPED, None)
+    assert Status.FAILED.settle(0.5, "loss") == (Status.FAILED, None)
+
+
+def _as_format_1(saved: dict[str, Any]) -> dict[str, Any]:
+    """``saved`` as hfsweep wrote it before the one status vocabulary (format 1): each member's
+    Optuna state name under ``"state"``, no ``"status"``."""
+    members = {}
+    for mid, record in saved["members"].items():
+        old = {k: v for k, v in record.items() if k != "status"}
+        old["state"] = Status(record["status"]).optuna_name  # "PRUNED" for "stopped"...
+        members[mid] = old
+    return {**saved, "format": "hfsweep.tune/1", "members": members}
+
+
+def test_a_sweep_saved_in_the_previous_format_goes_on_after_a_restore() -> None:
+    state, _, posted = _state([{"lr": 0.1}, {"lr": 0.2}], members=2, size=2)
+    state.decider = TuneDecider(
+        ASHAScheduler(
+            metric="val_accuracy", mode="max", max_t=4, grace_period=1, reduction_factor=2
+        )
+    )
+    state.suggest("A")
+    state.on_result("A", _report("t1", [("A-0", 1, 0.9), ("A-1", 1, 0.1)]))
+    old = _as_format_1(copy.deepcopy(state.state_dict()))
+    assert {r["state"] for r in old["members"].values()} == {"RUNNING", "PRUNED"}
+    restored, searcher2, posted2 = _state([], members=2, size=2)
+    restored.load_state_dict(old)
+    assert restored.members["A-0"].status is Status.RUNNING
+    assert restored.members["A-1"].status is Status.STOPPED
+    restored.on_result("A", _report("t9", [("A-0", 1, 0.9), ("A-1", 1, 0.1)]))  # a replay
+    assert posted2["t9"]["go"] == posted["t1"]["go"] and not searcher2.told
+    restored.on_result("A", _report("t10", [("A-0", 4, 0.95)], final=True))
+    assert searcher2.outcome == {"A-0": "COMPLETE"}
+    assert restored.members["A-0"].status is Status.COMPLETED
+    assert restored.state_dict()["format"] == "hfsweep.tune/2"
+    assert restored.state_dict()["members"]["A-1"]["status"] == "stopped"
 
 
 def test_hfsweep_schedulers_decide_jointly_too() -> None:
@@ -311,6 +391,31 @@ def test_hfsweep_schedulers_decide_jointly_too() -> None:
     state.suggest("A")
     state.on_result("A", _report("t1", [("A-0", 1, 0.5), ("A-1", 1, 0.9), ("A-2", 1, 0.7)]))
     assert posted["t1"]["go"] == {"A-0": False, "A-1": True, "A-2": False}
+
+
+def test_the_log_and_tunes_status_line_say_the_cores_status_words(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    fusion = Fusion(TASK, members=3, array_size=3)
+    fusion.searcher(ListSearcher([{"lr": 0.1}, {"lr": 0.2}, {"lr": 0.3}]))
+    scheduler = fusion.scheduler(
+        ASHAScheduler(
+            metric="val_accuracy", mode="max", max_t=4, grace_period=1, reduction_factor=3
+        )
+    )
+    state = fusion.state
+    state.configure("val_accuracy", "max")
+    state.post = lambda token, message: None
+    state.suggest("A")
+    with caplog.at_level("INFO", logger="hfsweep.tune"):
+        state.on_result("A", _report("t1", [("A-0", 1, 0.9), ("A-1", 1, 0.2), ("A-2", 1, 0.5)]))
+    ended = [r.getMessage() for r in caplog.records if r.getMessage().startswith("member A-")]
+    assert ended == [
+        "member A-1 stopped (val_accuracy=0.2)",
+        "member A-2 stopped (val_accuracy=0.5)",
+    ]
+    assert scheduler.debug_string().endswith("members 1 running, 2 stopped")
+    assert state.counts() == {"waiting": 0, "running": 1, "completed": 0, "stopped": 2, "failed": 0}
 
 
 def test_users_get_errors_that_name_the_value_and_what_would_be_valid() -> None:
@@ -435,7 +540,7 @@ def test_an_array_resumed_after_it_failed_for_good_is_stopped_and_no_member_join
     replay = _report("t2", [("A-0", 1, 0.5), ("A-1", 1, 0.6), ("A-2", 1, 0.7)], resumed=True)
     assert state.on_result("A", replay) is False  # Tune stops the trial
     assert posted["t2"] == {"go": {"A-0": False, "A-1": False, "A-2": False}, "given": []}
-    assert state.counts()["RUNNING"] == 0 and state.arrays["A"].given == []
+    assert state.counts()[Status.RUNNING] == 0 and state.arrays["A"].given == []
     # its last word (the stopped members, a final report) and its end change nothing
     ended = [{"member": m, "status": "stopped", "steps": 5, "error": None} for m in ("A-0",)]
     last = json.loads(_report("t3", [], ended=ended)["hfsweep"])
@@ -586,7 +691,7 @@ def test_a_key_first_met_in_a_refill_is_sized_when_the_next_array_starts_after_a
     )
     state.suggest("A")  # A-0, A-1
     state.on_result("A", _report("t1", [("A-0", 1, 0.9), ("A-1", 1, 0.1)]))  # A-1 pruned
-    assert [state.members[m].state for m in ("A-2", "A-3")] == ["WAITING", "WAITING"]
+    assert [state.members[m].status for m in ("A-2", "A-3")] == [Status.WAITING] * 2
     assert asked == [8] and state.arrays["A"].given == []
     unpickled = pickle.loads(pickle.dumps(state))  # as Tune saves its searcher
     loaded = SweepState(TASK, members=4, array_size=_size_two, uid="other")
