@@ -13,7 +13,11 @@ driver is *gone* when its last heartbeat says ``ended``; when it runs on this ho
 process-id namespace) and its process is no more, or its heartbeat is older than
 :data:`GRACE_S` by this host's clock; or, on another host, when its counter has not moved for
 :data:`GRACE_S` seconds of this driver's own watching (clocks of different machines are never
-compared). Optuna's own heartbeats
+compared). Watching means reading the heartbeats: when this driver could not read them for
+half the grace period or more (the storage was away, as in a database restart, and nobody's
+heartbeat could be written meanwhile), the other drivers get a whole grace period of watching
+from the next read before a heartbeat that did not move counts as stopped, so drivers that
+ride out an outage never adopt each other's trials. Optuna's own heartbeats
 (``RDBStorage(heartbeat_interval=...)`` with ``fail_stale_trials``) do not fit: they keep one
 thread per trial (an array holds many), mark a stale trial ``FAIL`` (its checkpoint could have
 continued it, and a retry would be a new trial past the budget) and Optuna 5's journal storage
@@ -190,6 +194,10 @@ class Drivers:
         self._seq = 0
         self._seen: dict[str, tuple[int, float]] = {}  # driver -> (counter, when first seen)
         self._looked = -math.inf  # monotonic time of the last look for abandoned trials
+        #: monotonic time of the last read of the heartbeats (None: none yet), and since when
+        #: this driver has watched them without a break (see :meth:`beats`)
+        self._last_read: float | None = None
+        self._watching_since = -math.inf
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -259,8 +267,16 @@ class Drivers:
 
     # ------------------------------------------------------------------ owners
     def beats(self) -> dict[str, Beat]:
-        """Every driver's last heartbeat recorded in the study, by driver id."""
+        """Every driver's last heartbeat recorded in the study, by driver id. A read that
+        comes half the grace period or more after the last one (the storage was away, or
+        this driver did not look) starts the watching again: no heartbeat could be told
+        stopped from the gap."""
         attrs = study_storage(self.study).get_study_system_attrs(study_id(self.study))
+        now = _monotonic()
+        if self._last_read is not None and now - self._last_read >= self.grace / 2:
+            self._watching_since = now
+            self._seen = {owner: (seq, now) for owner, (seq, _) in self._seen.items()}
+        self._last_read = now
         out = {}
         for key, raw in attrs.items():
             if key.startswith(_BEAT):
@@ -284,7 +300,9 @@ class Drivers:
         if seen is None or seen[0] != beat.seq:
             seen = self._seen[owner] = (beat.seq, now)
         if beat.node == self.node:  # one clock, one process table
-            return not _alive(beat.pid) or _wall() - beat.time > self.grace
+            if not _alive(beat.pid):
+                return True
+            return _wall() - beat.time > self.grace and now - self._watching_since >= self.grace
         return now - seen[1] >= self.grace
 
     def owns(self, trial: optuna.trial.FrozenTrial) -> bool:
