@@ -45,12 +45,19 @@ def _mailbox_class() -> type:
 
 
 def ensure_hub(name: str) -> Any:
-    """The hub actor called ``name``, created from this (the driver's) process if absent. Does
-    not wait for it to start: the first post does."""
+    """The hub actor called ``name``, created from this (the driver's) process if absent, on
+    the driver's node. Does not wait for it to start: the first post does.
+
+    It needs no CPU, so Ray would place it on any node; on a worker node it would die with that
+    node (a node lost mid-sweep) and take the whole experiment with it, although Tune's
+    ``FailureConfig`` retries the arrays that trained there. On the driver's node it lives as
+    long as the driver does."""
     import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     actor_class: Any = ray.remote(num_cpus=0, max_restarts=0)(_mailbox_class())
-    return actor_class.options(name=name, get_if_exists=True).remote()
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    return actor_class.options(name=name, get_if_exists=True, scheduling_strategy=here).remote()
 
 
 class HubLink:

@@ -21,6 +21,8 @@ RAY_TESTS = (
     "tests/tracking/test_ray.py::",
     # a three-node Ray cluster on loopback (ray.cluster_utils.Cluster) per test
     "tests/sweep/test_ray_cluster.py::",
+    # the Tune plugin on such a cluster, a worker node removed mid-experiment
+    "tests/tune/test_tune_cluster.py::",
     # `hfsweep run` with backend: ray in subprocesses, each with a local Ray of its own
     "tests/sweep/test_kill_resume.py::test_sigkill_then_resume_finishes_the_sweep[ray]",
     # the lifecycle over the Ray executor and the Tune plugin, each process with a Ray of its own

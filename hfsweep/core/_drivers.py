@@ -13,7 +13,11 @@ driver is *gone* when its last heartbeat says ``ended``; when it runs on this ho
 process-id namespace) and its process is no more, or its heartbeat is older than
 :data:`GRACE_S` by this host's clock; or, on another host, when its counter has not moved for
 :data:`GRACE_S` seconds of this driver's own watching (clocks of different machines are never
-compared). Optuna's own heartbeats
+compared). A storage outage stops every heartbeat at once: when this driver's own heartbeat
+is held up for a quarter of the grace period or more (its write waits for the storage to come
+back), the other drivers get a whole grace period from then before a heartbeat that did not
+move counts as stopped, so drivers that ride out an outage longer than the grace period do not
+adopt each other's trials. Optuna's own heartbeats
 (``RDBStorage(heartbeat_interval=...)`` with ``fail_stale_trials``) do not fit: they keep one
 thread per trial (an array holds many), mark a stale trial ``FAIL`` (its checkpoint could have
 continued it, and a retry would be a new trial past the budget) and Optuna 5's journal storage
@@ -190,6 +194,11 @@ class Drivers:
         self._seq = 0
         self._seen: dict[str, tuple[int, float]] = {}  # driver -> (counter, when first seen)
         self._looked = -math.inf  # monotonic time of the last look for abandoned trials
+        #: since when the other drivers' heartbeats count (the end of this driver's last
+        #: held-up heartbeat), and when the heartbeat being written started (None: none is)
+        self._watching_since = -math.inf
+        self._beat_started: float | None = None
+        self._watch_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -211,7 +220,9 @@ class Drivers:
         self._thread.start()
 
     def beat(self, *, ended: bool = False) -> None:
-        """Write this driver's heartbeat into the study."""
+        """Write this driver's heartbeat into the study. A write held up for a quarter of
+        the grace period or more (the storage was away) starts the watching of the other
+        drivers again (see :meth:`gone`)."""
         self._seq += 1
         record: dict[str, Any] = {
             "host": self.host,
@@ -222,9 +233,23 @@ class Drivers:
             "time": _wall(),
             "ended": ended,
         }
-        study_storage(self.study).set_study_system_attr(
-            study_id(self.study), _BEAT + self.id, record
-        )
+        self._beat_started = started = _monotonic()
+        try:
+            study_storage(self.study).set_study_system_attr(
+                study_id(self.study), _BEAT + self.id, record
+            )
+        finally:
+            self._beat_started = None
+            if _monotonic() - started >= self.grace / 4:
+                self._watch_again()
+
+    def _watch_again(self) -> None:
+        """Give every other driver a whole grace period from now: none could beat while
+        this driver's heartbeat could not be written."""
+        with self._watch_lock:
+            now = _monotonic()
+            self._watching_since = now
+            self._seen = {owner: (seq, now) for owner, (seq, _) in self._seen.items()}
 
     def _beating(self) -> None:
         while not self._stop.wait(self.every):
@@ -279,12 +304,19 @@ class Drivers:
         beat = beats.get(owner)
         if beat is None or beat.ended:
             return True
-        now = _monotonic()
-        seen = self._seen.get(owner)
-        if seen is None or seen[0] != beat.seq:
-            seen = self._seen[owner] = (beat.seq, now)
+        started = self._beat_started
+        if started is not None and _monotonic() - started >= self.grace / 4:
+            self._watch_again()  # this driver's own heartbeat is held up: the storage is away
+        with self._watch_lock:
+            now = _monotonic()
+            seen = self._seen.get(owner)
+            if seen is None or seen[0] != beat.seq:
+                seen = self._seen[owner] = (beat.seq, now)
+            watched = now - self._watching_since
         if beat.node == self.node:  # one clock, one process table
-            return not _alive(beat.pid) or _wall() - beat.time > self.grace
+            if not _alive(beat.pid):
+                return True
+            return _wall() - beat.time > self.grace and watched >= self.grace
         return now - seen[1] >= self.grace
 
     def owns(self, trial: optuna.trial.FrozenTrial) -> bool:
