@@ -370,3 +370,43 @@ def test_one_member_arrays_share_too() -> None:
     assert array.shared_frozen == BACKBONE_NAMES
     x = torch.randn(5, 6, dtype=torch.float64)
     torch.testing.assert_close(array(x)[0], models[0](x), rtol=RTOL, atol=ATOL)
+
+
+def test_bitfit_frozen_weights_shared_trained_biases_per_member() -> None:
+    """Only the biases train (BitFit): every Linear has a shared weight and a stacked bias."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 3)).double()
+    models = []
+    for i in range(B):
+        m = copy.deepcopy(base)
+        for layer in (m[0], m[2]):
+            layer.weight.requires_grad_(False)
+            with torch.no_grad():
+                layer.bias.add_(0.1 * i)
+        models.append(m)
+    refs = [copy.deepcopy(m) for m in models]
+    array = hs.fuse(models)
+    assert array.shared_frozen == ["0.weight", "2.weight"]
+    lrs = [0.05 * (i + 1) for i in range(B)]
+    opt = hs.optim.Adam(array, lr=lrs)
+    ref_opts = [
+        torch.optim.Adam([r[0].bias, r[2].bias], lr=lr, foreach=False)
+        for r, lr in zip(refs, lrs, strict=True)
+    ]
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(30):
+        x = torch.randn(7, 6, generator=gen, dtype=torch.float64)
+        y = torch.randint(0, 3, (7,), generator=gen)
+        opt.zero_grad()
+        out = array(x)
+        hs.member_losses(out, y).sum().backward()
+        opt.step()
+        for i, (r, o) in enumerate(zip(refs, ref_opts, strict=True)):
+            o.zero_grad()
+            expected = r(x)
+            torch.testing.assert_close(out[i], expected, rtol=RTOL, atol=ATOL)
+            F.cross_entropy(expected, y).backward()
+            o.step()
+    for i, r in enumerate(refs):
+        for k, v in r.state_dict().items():
+            torch.testing.assert_close(array.member_state_dict(i)[k], v, rtol=RTOL, atol=ATOL)
