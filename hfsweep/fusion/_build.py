@@ -85,9 +85,7 @@ def build_array(
             first = owner0[attr0]
             tensors = [mp[name][0][0][mp[name][0][1]].detach() for mp in member_places]
             is_param = isinstance(first, nn.Parameter)
-            if share_frozen and shareable(
-                [first, *tensors[1:]], is_param, [m for m, _ in member0_owners[name]]
-            ):
+            if share_frozen and shareable([first, *tensors[1:]], is_param, member0_owners[name]):
                 # one copy for every member, as a buffer of the template (see _shared)
                 value: Tensor = tensors[0].clone()
                 owners = template_owners[name]

@@ -11,6 +11,8 @@ Buffers that a forward writes per member cannot be shared: BatchNorm running sta
 spectral norm's power-iteration vectors) in training mode. They are shared only while their module
 is in eval mode; :func:`writes_buffers` tells the array when a module has been switched to
 training, and the array then gives each member its own copy again (:meth:`FusedArray._unshare`).
+Other buffers are shared only when they are non-persistent (constants the model builds itself):
+a persistent buffer may be a running average that forward updates from each member's data.
 """
 
 from __future__ import annotations
@@ -31,6 +33,10 @@ if TYPE_CHECKING:
 __all__ = ["adapt_state_dict", "same_values", "shareable", "unshare_slot", "writes_buffers"]
 
 
+#: modules whose buffers are known and written only in training mode
+_WRITERS = (nn.modules.batchnorm._BatchNorm, _SpectralNorm)
+
+
 def writes_buffers(module: nn.Module) -> bool:
     """Whether ``module``'s forward updates its buffers from its input (so per member): a
     BatchNorm tracking running statistics in training mode, a spectral norm in training mode."""
@@ -39,18 +45,29 @@ def writes_buffers(module: nn.Module) -> bool:
     return isinstance(module, _SpectralNorm) and module.training
 
 
-def shareable(tensors: Sequence[Tensor], is_param: bool, owners: Sequence[nn.Module]) -> bool:
+def shareable(
+    tensors: Sequence[Tensor], is_param: bool, owners: Sequence[tuple[nn.Module, str]]
+) -> bool:
     """Whether one copy of ``tensors`` (one per member, one stacked slot) can serve every member.
 
-    ``owners`` are member 0's modules that hold the tensor (several when it is tied). A
-    parameter that requires grad is trained, so it is never shared; a buffer its module writes
-    in the current mode neither; the rest is shared when all members' values are equal.
+    ``owners`` are member 0's ``(module, attribute)`` places of the tensor (several when it is
+    tied). A parameter that requires grad is trained, so it is never shared. A buffer is shared
+    only where it is known not to be written per member: BatchNorm statistics (and a spectral
+    norm's vectors) while their module is in eval mode, and non-persistent buffers (constants a
+    model builds itself, such as position ids, causal masks, rotary frequencies). A persistent
+    buffer of another module may be a running average its forward updates, so it stays per
+    member. What passes is shared when all members' values are equal.
     """
     first = tensors[0]
     if is_param and first.requires_grad:
         return False
-    if not is_param and any(writes_buffers(m) for m in owners):
-        return False
+    if not is_param:
+        for module, name in owners:
+            if isinstance(module, _WRITERS):
+                if writes_buffers(module):
+                    return False
+            elif name not in module._non_persistent_buffers_set:
+                return False
     # a NaN anywhere makes torch.equal False: such a tensor stays per member (safe)
     return all(torch.equal(first, t) for t in tensors[1:])
 

@@ -381,11 +381,19 @@ class _Tracing:
             module = self.module.get_submodule(path)
             text = str(exc)
             if "vmap" in text or "atching rule" in text:
+                shared = [s.name for s in self._slots if s.shared and not s.is_param]
+                hint = (
+                    f" Buffers {shared} are kept once for all members (equal in all of them and "
+                    "non-persistent): if forward writes one per member, fuse with "
+                    "hs.fuse(..., share_frozen=False)."
+                    if shared and "inplace" in text
+                    else ""
+                )
                 raise FusionError(
                     f"{describe_path(path)} ({type(module).__name__}) cannot run in a fused array: "
                     f"{text.splitlines()[0].rstrip('.')}. Fused layers exist for Linear, convolutions, "
                     "BatchNorm, Dropout, LSTM/GRU/RNN and attention; replace this layer or open an "
-                    "issue with the model."
+                    f"issue with the model.{hint}"
                 ) from exc
             if hasattr(exc, "add_note"):
                 exc.add_note(f"(raised in {describe_path(path)} of a fused array, per member)")

@@ -410,3 +410,54 @@ def test_bitfit_frozen_weights_shared_trained_biases_per_member() -> None:
     for i, r in enumerate(refs):
         for k, v in r.state_dict().items():
             torch.testing.assert_close(array.member_state_dict(i)[k], v, rtol=RTOL, atol=ATOL)
+
+
+class RunningAverage(nn.Module):
+    """A persistent buffer that forward updates from the data, and a non-persistent constant."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(3, 3)
+        self.register_buffer("average", torch.zeros(3))
+        self.register_buffer("scale", torch.full((3,), 0.5), persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.layer(x) * self.scale
+        if self.training:
+            self.average.mul_(0.9).add_(0.1 * y.detach().mean(0))
+        return y
+
+
+def test_persistent_buffers_stay_per_member_constants_are_shared() -> None:
+    """A persistent buffer may be a running average written from each member's data, so it is
+    not shared even when equal at fuse time; a non-persistent one (a constant) is."""
+    torch.manual_seed(0)
+    models = [RunningAverage().double() for _ in range(3)]
+    refs = [copy.deepcopy(m) for m in models]
+    array = hs.fuse(models)
+    assert array.shared_frozen == ["scale"]
+    for _ in range(3):
+        x = torch.randn(4, 3, dtype=torch.float64)
+        out = array(x)
+        for i, r in enumerate(refs):
+            torch.testing.assert_close(out[i], r(x), rtol=RTOL, atol=ATOL)
+    for i, r in enumerate(refs):
+        torch.testing.assert_close(array.member(i).average, r.average, rtol=RTOL, atol=ATOL)
+
+
+class WritesConstant(RunningAverage):
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.layer(x)
+        self.scale.copy_(y.detach().mean(0))  # a "constant" written per member
+        return y
+
+
+def test_a_shared_buffer_written_per_member_fails_with_the_way_out() -> None:
+    models = [WritesConstant().double() for _ in range(2)]
+    with pytest.raises(hs.FusionError, match=r"Buffers \['scale'\] .*share_frozen=False"):
+        hs.fuse(models)(torch.randn(4, 3, dtype=torch.float64))
+    array = hs.fuse(models, share_frozen=False)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    out = array(x)
+    for i, m in enumerate(models):
+        torch.testing.assert_close(out[i], m(x), rtol=RTOL, atol=ATOL)
