@@ -29,6 +29,7 @@ from .._checks import is_int
 from .._compat import pytree
 from .._errors import FusionError
 from ._check import check_compatible, per_member_attributes
+from ._peft import load_member_lora, set_member_lora
 from ._plan import unsupported_reason
 from ._random import STREAM_KEY, FunctionalStream
 from ._shared import adapt_state_dict, same_values, unshare_slot, writes_buffers
@@ -208,6 +209,7 @@ class FusedArray(_Tracing, nn.Module):
                     setattr(module, name, value)  # one object in every tied place
         for path, m, attr in self._streams:
             setattr(model.get_submodule(path), attr, float(m.get_buffer("member_p")[i]))
+        set_member_lora(self.module, i, model)
         model.train(self.training)
         return model
 
@@ -327,6 +329,7 @@ class FusedArray(_Tracing, nn.Module):
                     _update_attention_masks(m)
             if self.functional is not None:
                 self.functional.member_calls[i] = 0
+            load_member_lora(self.module, i, module)
 
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False

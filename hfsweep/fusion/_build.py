@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from ._array import FusedArray
 from ._check import check_compatible
+from ._peft import lora_slots
 from ._plan import dropout_feature_dims, stream_attribute, unsupported_reason
 from ._random import FunctionalStream, StreamFloat
 from ._shared import shareable
@@ -146,6 +147,7 @@ def build_array(
             _update_attention_masks(module)
         else:  # forward code reading the layer's p for a functional dropout gets its stream
             module.__dict__["p"] = StreamFloat(ps[0], module)
+    slots.extend(lora_slots(template, models, device))  # peft: per-member lora_alpha
     stream = None
     if functional:
         stream = FunctionalStream(seeds.to(device, copy=True))

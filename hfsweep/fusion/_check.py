@@ -19,6 +19,7 @@ from torch.nn.utils import parametrize
 
 from .._checks import is_number
 from .._errors import FusionError
+from ._peft import configs_agree, is_peft_configs
 
 __all__ = ["check_compatible", "describe_path", "per_member_attributes"]
 
@@ -40,8 +41,11 @@ def per_member_attributes(module: nn.Module) -> frozenset[str]:
     a dropout layer's ``p`` and a ``MultiheadAttention``'s ``dropout``, in the user's model and
     in an array's fused layer alike."""
     from ..nn import FusedDropoutMixin, FusedMultiheadAttentionMixin
+    from ._peft import is_lora_layer
     from ._plan import stream_attribute
 
+    if is_lora_layer(module):  # peft LoRA: lora_alpha (so scaling) per member, see _peft
+        return frozenset({"scaling", "lora_alpha"})
     attr = stream_attribute(module)
     if attr is not None:
         return frozenset({attr})
@@ -131,6 +135,8 @@ def _check_pair(
                 value, other_value, ref_paths, other_paths
             ):
                 continue
+            if is_peft_configs(value) and configs_agree(value, other_value):
+                continue  # lora_alpha and lora_dropout may differ per member (see _peft)
             fields = _field_differences(value, other_value)
             if fields is not None:
                 if fields:  # a configuration object: name the field
