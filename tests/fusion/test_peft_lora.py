@@ -204,3 +204,75 @@ def test_a_refill_brings_its_own_lora_alpha() -> None:
     torch.testing.assert_close(out[1], newcomer(x), rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(out[0], models[0](x), rtol=RTOL, atol=ATOL)
     assert array.member(1).peft_config["default"].lora_alpha == 32
+
+
+def _bert_member(seed: int, alpha: float) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(1234)  # the "pretrained" encoder, the same in every member
+    config = transformers.BertConfig(
+        vocab_size=40,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=24,
+        max_position_embeddings=16,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        num_labels=3,
+    )
+    base = transformers.BertForSequenceClassification(config).double()
+    lora = peft.LoraConfig(
+        r=2,
+        lora_alpha=alpha,
+        target_modules=["query", "value"],
+        lora_dropout=0.0,
+        task_type="SEQ_CLS",
+    )
+    torch.manual_seed(seed)
+    model = peft.get_peft_model(base, lora)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            nn.init.normal_(p, std=0.1)
+    return model
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+def test_lora_bert_classifier_with_its_own_loss_trains_as_alone() -> None:
+    """A tiny BERT for sequence classification with LoRA on query/value: padded batches with an
+    attention mask, the model's own loss output ([B] from the array), per-member alpha and lr."""
+    models = [_bert_member(10 + i, a) for i, a in enumerate([2, 4, 8])]
+    refs = [copy.deepcopy(m) for m in models]
+    array = hs.fuse(models)
+    trained = [n for n, _ in array.named_parameters()]
+    assert trained and all("lora_" in n or "modules_to_save" in n for n in trained)
+    assert any("word_embeddings" in n for n in array.shared_frozen)
+    opt = hs.optim.AdamW(array, lr=LRS)
+    ref_opts = [
+        torch.optim.AdamW(_trained(r), lr=lr, foreach=False)
+        for r, lr in zip(refs, LRS, strict=True)
+    ]
+    array.train()
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(8):
+        ids = torch.randint(0, 40, (4, 7), generator=gen)
+        mask = torch.ones(4, 7, dtype=torch.long)
+        mask[1, 5:] = 0
+        mask[3, 3:] = 0
+        labels = torch.randint(0, 3, (4,), generator=gen)
+        opt.zero_grad()
+        out = array(input_ids=ids, attention_mask=mask, labels=labels)
+        assert out.loss.shape == (3,)
+        out.loss.sum().backward()
+        opt.step()
+        for i, (r, o) in enumerate(zip(refs, ref_opts, strict=True)):
+            r.train()
+            o.zero_grad()
+            expected = r(input_ids=ids, attention_mask=mask, labels=labels)
+            torch.testing.assert_close(out.logits[i], expected.logits, rtol=RTOL, atol=ATOL)
+            torch.testing.assert_close(out.loss[i], expected.loss, rtol=RTOL, atol=ATOL)
+            expected.loss.backward()
+            o.step()
+    for i, r in enumerate(refs):
+        mine = array.member_state_dict(i)
+        for k, v in r.state_dict().items():
+            torch.testing.assert_close(mine[k], v, rtol=RTOL, atol=ATOL, msg=f"member {i} {k}")
