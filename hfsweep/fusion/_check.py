@@ -97,9 +97,16 @@ def _check_pair(
         om = other_mods[path]
         where = describe_path(path)
         if _module_class(rm) is not _module_class(om):
+            kinds = {type(rm).__name__, type(om).__name__}
+            hint = (
+                " peft builds nn.Identity for lora_dropout=0 and nn.Dropout otherwise: give "
+                "every member a lora_dropout above 0 (it may differ per member), or 0 to all."
+                if "lora_dropout" in path and "Identity" in kinds and "Dropout" in kinds
+                else ""
+            )
             raise FusionError(
                 f"{where} is {_class_name(rm)} in member 0 but {_class_name(om)} "
-                f"in {what} {index}; all members must use the same classes."
+                f"in {what} {index}; all members must use the same classes.{hint}"
             )
         for kind in ("parameter", "buffer"):
             rt, ot = _tensors(rm, kind), _tensors(om, kind)

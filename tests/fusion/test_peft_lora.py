@@ -193,6 +193,11 @@ def test_members_that_differ_in_rank_do_not_fuse() -> None:
         hs.fuse([a, b])
 
 
+def test_lora_dropout_zero_beside_nonzero_is_refused_with_the_reason() -> None:
+    with pytest.raises(hs.FusionError, match=r"peft builds nn\.Identity for lora_dropout=0"):
+        hs.fuse([lora_member(1, 8, 0.0), lora_member(2, 8, 0.1)])
+
+
 def test_a_refill_brings_its_own_lora_alpha() -> None:
     models = [lora_member(10 + i, a) for i, a in enumerate(ALPHAS)]
     array = hs.fuse(models)
