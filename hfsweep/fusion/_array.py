@@ -57,7 +57,8 @@ class FusedArray(_Tracing, nn.Module):
     ``array(xs, shared=False)`` takes one input per member (``[B, N, ...]``). Every parameter and
     buffer is stacked with the member as dimension 0 and lives under ``array.module``: that is
     what optimizers update (``array.parameters()``), what ``state_dict()`` saves, and what
-    :meth:`member` and :meth:`load_member` slice. ``array.module`` itself is storage, not a model:
+    :meth:`member` and :meth:`load_member` slice. The exception is :attr:`shared_frozen`: frozen
+    tensors equal in every member, kept once as unstacked buffers (see :func:`hfsweep.fuse`). ``array.module`` itself is storage, not a model:
     call the array, not the module.
 
     Dropout layers, and ``MultiheadAttention`` for its attention weights, draw each member's
