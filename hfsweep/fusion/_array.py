@@ -29,8 +29,10 @@ from .._checks import is_int
 from .._compat import pytree
 from .._errors import FusionError
 from ._check import check_compatible, per_member_attributes
+from ._peft import load_member_lora, set_member_lora
 from ._plan import unsupported_reason
 from ._random import STREAM_KEY, FunctionalStream
+from ._shared import adapt_state_dict, same_values, unshare_slot, writes_buffers
 from ._state import _owners, _places, _plan_state_dict, _Slot, _with_metadata
 from ._streams import (
     _assign_dropout,
@@ -55,7 +57,8 @@ class FusedArray(_Tracing, nn.Module):
     ``array(xs, shared=False)`` takes one input per member (``[B, N, ...]``). Every parameter and
     buffer is stacked with the member as dimension 0 and lives under ``array.module``: that is
     what optimizers update (``array.parameters()``), what ``state_dict()`` saves, and what
-    :meth:`member` and :meth:`load_member` slice. ``array.module`` itself is storage, not a model:
+    :meth:`member` and :meth:`load_member` slice. The exception is :attr:`shared_frozen`: frozen
+    tensors equal in every member, kept once as unstacked buffers (see :func:`hfsweep.fuse`). ``array.module`` itself is storage, not a model:
     call the array, not the module.
 
     Dropout layers, and ``MultiheadAttention`` for its attention weights, draw each member's
@@ -86,8 +89,18 @@ class FusedArray(_Tracing, nn.Module):
         object.__setattr__(self, "_prototype", prototype)
         self._size = size
         self._slots = slots
-        self._swap_places = [(d, n, j) for j, s in enumerate(slots) for d, n in s.places]
-        self._first_places = [s.places[0] for s in slots]
+        self._swap_places: list[tuple[dict[str, Any], str, int]] = []
+        self._first_places: list[tuple[dict[str, Any], str]] = []
+        self._dims: tuple[int | None, ...] = ()
+        self._index_places()
+        #: modules that hold shared buffers they would write in training mode (BatchNorm
+        #: statistics): checked at every call and at ``train()``
+        self._watched = [
+            (template.get_submodule(path), j)
+            for j, s in enumerate(slots)
+            if s.shared and not s.is_param
+            for path, _ in s.owners or []
+        ]
         self._trace_enabled = trace
         self._traces: dict[Any, Any] = {}
         self._shared_traces: dict[Any, Any] | None = None
@@ -121,6 +134,14 @@ class FusedArray(_Tracing, nn.Module):
         return self._size
 
     @property
+    def shared_frozen(self) -> list[str]:
+        """Names (as in a member's ``state_dict``) of the tensors kept once for all members:
+        identical in every member and not trained (see ``share_frozen`` of :func:`hfsweep.fuse`).
+        They are buffers of ``array.module``, unstacked; ``member(i)`` and
+        ``member_state_dict(i)`` still give each member its full model."""
+        return [s.name for s in self._slots if s.shared]
+
+    @property
     def dropout(self) -> dict[str, list[float]]:
         """Per-member dropout probability of each dropout layer, by submodule path."""
         return {path: m.member_p.tolist() for path, m in self._dropouts}
@@ -145,9 +166,10 @@ class FusedArray(_Tracing, nn.Module):
                         f"(size {self._size}); argument {i} has shape {tuple(t.shape)}. Pass "
                         "shared=True to feed one input to all members."
                     )
+        self._unshare_written()
         state = self._state()
-        if not state and shared:
-            # a model without parameters or buffers: vmap needs one batched input
+        if shared and all(d is None for d in self._dims):
+            # no per-member state (none at all, or all shared): vmap needs one batched input
             tensors = [t.expand(self._size, *t.shape) for t in tensors]
             shared = False
         if not tensors and not state:
@@ -179,13 +201,16 @@ class FusedArray(_Tracing, nn.Module):
             for slot, stacked in zip(self._slots, self._state(), strict=True):
                 if slot.setting:
                     continue
-                value: Tensor = stacked[i].detach().clone()
+                value: Tensor = (stacked if slot.shared else stacked[i]).detach().clone()
                 if slot.is_param:
-                    value = nn.Parameter(value, requires_grad=stacked.requires_grad)
+                    value = nn.Parameter(
+                        value, requires_grad=not slot.shared and stacked.requires_grad
+                    )
                 for module, name in owners[slot.name]:
                     setattr(module, name, value)  # one object in every tied place
         for path, m, attr in self._streams:
             setattr(model.get_submodule(path), attr, float(m.get_buffer("member_p")[i]))
+        set_member_lora(self.module, i, model)
         model.train(self.training)
         return model
 
@@ -218,7 +243,7 @@ class FusedArray(_Tracing, nn.Module):
             for key, j in keys:
                 value = copies.get(j)
                 if value is None:
-                    row = state[j][i].detach()
+                    row = (state[j] if self._slots[j].shared else state[j][i]).detach()
                     value = copies[j] = row.clone() if device is None else row.to(device, copy=True)
                 values[key] = value
         values._metadata = copy.deepcopy(metadata)  # type: ignore[attr-defined]
@@ -254,14 +279,20 @@ class FusedArray(_Tracing, nn.Module):
         with torch.no_grad():
             for key, j in keys:
                 value = state_dict[key]
-                target = state[j][i]
-                if not isinstance(value, Tensor) or value.shape != target.shape:
-                    shape = tuple(value.shape) if isinstance(value, Tensor) else type(value)
+                shape = state[j].shape if self._slots[j].shared else state[j].shape[1:]
+                if not isinstance(value, Tensor) or value.shape != shape:
+                    got = tuple(value.shape) if isinstance(value, Tensor) else type(value)
                     raise ValueError(
-                        f"state dict entry {key!r} has shape {shape}, one member's "
-                        f"{key!r} has shape {tuple(target.shape)}"
+                        f"state dict entry {key!r} has shape {got}, one member's "
+                        f"{key!r} has shape {tuple(shape)}"
                     )
-                target.copy_(value)
+            for key, j in keys:  # a shared tensor this member does not hold: its own copy
+                if self._slots[j].shared and not same_values(state[j], state_dict[key]):
+                    self._unshare(j, reason=f"member {i}'s loaded {key!r} differs")
+            state = self._state()
+            for key, j in keys:
+                if not self._slots[j].shared:
+                    state[j][i].copy_(state_dict[key])
 
     def _member_state_plan(self) -> tuple[list[tuple[str, int]], Any] | None:
         """``(state_dict key, stacked tensor index)`` pairs and the metadata of a member's
@@ -282,8 +313,13 @@ class FusedArray(_Tracing, nn.Module):
         check_compatible([self._prototype, module], unsupported_reason, "module", placement=False)
         places = _places(module)
         with torch.no_grad():
+            for j, (slot, stacked) in enumerate(zip(self._slots, self._state(), strict=True)):
+                if slot.shared:
+                    owner, name = places[slot.name][0]
+                    if not same_values(stacked, owner[name]):
+                        self._unshare(j, reason=f"the model loaded into slot {i} differs")
             for slot, stacked in zip(self._slots, self._state(), strict=True):
-                if slot.setting:
+                if slot.setting or slot.shared:
                     continue
                 owner, name = places[slot.name][0]
                 stacked[i].copy_(owner[name])
@@ -294,12 +330,19 @@ class FusedArray(_Tracing, nn.Module):
                     _update_attention_masks(m)
             if self.functional is not None:
                 self.functional.member_calls[i] = 0
+            load_member_lora(self.module, i, module)
 
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:
         """``nn.Module.load_state_dict``, then each attention layer's ``hfsweep_masks`` from
-        the probabilities it loaded."""
+        the probabilities it loaded.
+
+        A state dict saved by an array that shared other tensors loads too: a stacked
+        ``[B, ...]`` value for a tensor this array shares is taken once when its rows are equal
+        (else the tensor becomes per member), an unstacked value for a tensor this array
+        stacks is given to every member."""
+        state_dict = self._adapt_shared(state_dict)
         result = super().load_state_dict(state_dict, strict=strict, assign=assign)
         for _, m, attr in self._streams:
             if attr == "dropout":
@@ -406,6 +449,13 @@ class FusedArray(_Tracing, nn.Module):
         for m, seed, calls in values:
             _write_stream(m, i, seed, calls)
 
+    def train(self, mode: bool = True) -> FusedArray:
+        """``nn.Module.train``; shared buffers that a module now in training mode would write
+        per member (BatchNorm statistics) become per member."""
+        super().train(mode)
+        self._unshare_written()
+        return self
+
     def extra_repr(self) -> str:
         return f"size={self._size}, trace={self._trace_enabled}"
 
@@ -416,6 +466,44 @@ class FusedArray(_Tracing, nn.Module):
                 f"member index {i!r} is out of range for an array of size {self._size}"
             )
         return int(i) % self._size
+
+    def _index_places(self) -> None:
+        """Where each slot's tensor lives and whether vmap batches it (after a layout change)."""
+        self._swap_places = [(d, n, j) for j, s in enumerate(self._slots) for d, n in s.places]
+        self._first_places = [s.places[0] for s in self._slots]
+        self._dims = tuple(None if s.shared else 0 for s in self._slots)
+
+    def _unshare_written(self) -> None:
+        """Give each member its own copy of the shared buffers that a module in training mode
+        would write per member (checked at every call: a submodule's mode can change directly)."""
+        for module, j in self._watched:
+            if self._slots[j].shared and writes_buffers(module):
+                self._unshare(j, reason=f"{type(module).__name__} is in training mode")
+
+    def _unshare(self, j: int, reason: str) -> None:
+        """Stack slot ``j``'s shared tensor B times and store it as it would have been without
+        sharing (a parameter where it was one, with ``requires_grad=False``). Optimizers built
+        before do not see it: it is frozen, so they need not."""
+        slot = self._slots[j]
+        unshare_slot(slot, self.module, self._prototype, self._size)
+        self._index_places()
+        self._state_plan = False
+        _log.info("%s is now kept per member: %s", slot.name, reason)
+
+    def _adapt_shared(self, state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
+        """``state_dict`` with each value of a stacked/shared tensor in this array's layout."""
+        return adapt_state_dict(self, state_dict)
+
+    def _forward_buffers(self) -> list[Tensor]:
+        """The buffers a forward may update (BatchNorm statistics, dropout call counters): every
+        buffer but the frozen parameters kept once, which nothing writes. What a caller backs up
+        to replay a step exactly (the trainer, after an out-of-memory error)."""
+        frozen = {
+            id(t)
+            for t, s in zip(self._state(), self._slots, strict=True)
+            if s.shared and s.is_param
+        }
+        return [b for b in self.buffers() if id(b) not in frozen]
 
     def _state(self) -> tuple[Tensor, ...]:
         """The stacked tensors, read from the template on every call (``.to()`` replaces them)."""

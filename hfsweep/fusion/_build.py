@@ -13,9 +13,11 @@ from torch import Tensor, nn
 
 from ._array import FusedArray
 from ._check import check_compatible
+from ._peft import lora_slots
 from ._plan import dropout_feature_dims, stream_attribute, unsupported_reason
 from ._random import FunctionalStream, StreamFloat
-from ._state import _places, _Slot
+from ._shared import shareable
+from ._state import _owners, _places, _Slot
 from ._streams import (
     _ATTENTION_SALTS,
     _STREAM_LIMIT,
@@ -29,6 +31,7 @@ def build_array(
     models: Sequence[nn.Module],
     dropout: Sequence[float] | Mapping[str, Sequence[float]] | None,
     trace: bool,
+    share_frozen: bool = True,
 ) -> FusedArray:
     """Check ``models``, stack their state and assemble the array (see :func:`hfsweep.fuse`)."""
     from ._plan import fused_class
@@ -73,14 +76,35 @@ def build_array(
 
     member_places = [_places(m) for m in models]
     template_places = _places(template)
+    template_owners = _owners(template)
+    member0_owners = _owners(ref)
+    template_paths = {id(m): path for path, m in template.named_modules(remove_duplicate=False)}
     slots: list[_Slot] = []
     with torch.no_grad():
         for name, places in template_places.items():
             owner0, attr0 = member_places[0][name][0]
             first = owner0[attr0]
-            stacked = torch.stack([mp[name][0][0][mp[name][0][1]].detach() for mp in member_places])
+            tensors = [mp[name][0][0][mp[name][0][1]].detach() for mp in member_places]
             is_param = isinstance(first, nn.Parameter)
-            value: Tensor = (
+            if share_frozen and shareable([first, *tensors[1:]], is_param, member0_owners[name]):
+                # one copy for every member, as a buffer of the template (see _shared)
+                value: Tensor = tensors[0].clone()
+                owners = template_owners[name]
+                for module, attr in owners:
+                    module._parameters.pop(attr, None)
+                    module._buffers[attr] = value
+                slots.append(
+                    _Slot(
+                        name=name,
+                        is_param=is_param,
+                        places=[(m._buffers, attr) for m, attr in owners],
+                        shared=True,
+                        owners=[(template_paths[id(m)], attr) for m, attr in owners],
+                    )
+                )
+                continue
+            stacked = torch.stack(tensors)
+            value = (
                 nn.Parameter(stacked, requires_grad=first.requires_grad) if is_param else stacked
             )
             for owner, attr in places:
@@ -123,6 +147,7 @@ def build_array(
             _update_attention_masks(module)
         else:  # forward code reading the layer's p for a functional dropout gets its stream
             module.__dict__["p"] = StreamFloat(ps[0], module)
+    slots.extend(lora_slots(template, models, device))  # peft: per-member lora_alpha
     stream = None
     if functional:
         stream = FunctionalStream(seeds.to(device, copy=True))

@@ -19,6 +19,7 @@ from torch.nn.utils import parametrize
 
 from .._checks import is_number
 from .._errors import FusionError
+from ._peft import configs_agree, is_peft_configs
 
 __all__ = ["check_compatible", "describe_path", "per_member_attributes"]
 
@@ -40,8 +41,11 @@ def per_member_attributes(module: nn.Module) -> frozenset[str]:
     a dropout layer's ``p`` and a ``MultiheadAttention``'s ``dropout``, in the user's model and
     in an array's fused layer alike."""
     from ..nn import FusedDropoutMixin, FusedMultiheadAttentionMixin
+    from ._peft import is_lora_layer
     from ._plan import stream_attribute
 
+    if is_lora_layer(module):  # peft LoRA: lora_alpha (so scaling) per member, see _peft
+        return frozenset({"scaling", "lora_alpha"})
     attr = stream_attribute(module)
     if attr is not None:
         return frozenset({attr})
@@ -93,9 +97,16 @@ def _check_pair(
         om = other_mods[path]
         where = describe_path(path)
         if _module_class(rm) is not _module_class(om):
+            kinds = {type(rm).__name__, type(om).__name__}
+            hint = (
+                " peft builds nn.Identity for lora_dropout=0 and nn.Dropout otherwise: give "
+                "every member a lora_dropout above 0 (it may differ per member), or 0 to all."
+                if "lora_dropout" in path and "Identity" in kinds and "Dropout" in kinds
+                else ""
+            )
             raise FusionError(
                 f"{where} is {_class_name(rm)} in member 0 but {_class_name(om)} "
-                f"in {what} {index}; all members must use the same classes."
+                f"in {what} {index}; all members must use the same classes.{hint}"
             )
         for kind in ("parameter", "buffer"):
             rt, ot = _tensors(rm, kind), _tensors(om, kind)
@@ -131,6 +142,8 @@ def _check_pair(
                 value, other_value, ref_paths, other_paths
             ):
                 continue
+            if is_peft_configs(value) and configs_agree(value, other_value):
+                continue  # lora_alpha and lora_dropout may differ per member (see _peft)
             fields = _field_differences(value, other_value)
             if fields is not None:
                 if fields:  # a configuration object: name the field

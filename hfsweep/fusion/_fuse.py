@@ -17,6 +17,7 @@ def fuse(
     *,
     dropout: Sequence[float] | Mapping[str, Sequence[float]] | None = None,
     trace: bool = True,
+    share_frozen: bool = True,
 ) -> FusedArray:
     """Fuse B models of one architecture into one :class:`FusedArray`.
 
@@ -43,4 +44,4 @@ def fuse(
             non-tensor settings, or contain something that cannot be fused; the message names the
             submodule and what would work.
     """
-    return build_array(list(models), dropout, trace)
+    return build_array(list(models), dropout, trace, share_frozen)

@@ -19,6 +19,12 @@ class _Slot:
     is_param: bool
     places: list[tuple[dict[str, Any], str]]
     setting: bool = False  # a per-member setting of hfsweep's (dropout p), not model state
+    #: one unstacked tensor for all members (identical in every member, not trained; see
+    #: ``_shared``); it lives in its modules' ``_buffers`` even when it was a parameter
+    shared: bool = False
+    #: (submodule path, attribute) of every place holding the tensor, for a shared slot: where
+    #: it goes back to, as a stacked parameter or buffer, when a member needs its own copy
+    owners: list[tuple[str, str]] | None = None
 
 
 def _owners(model: nn.Module) -> dict[str, list[tuple[nn.Module, str]]]:

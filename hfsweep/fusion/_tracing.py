@@ -90,6 +90,7 @@ class _Tracing:
     _size: int
     _slots: list[_Slot]
     _swap_places: list[tuple[dict[str, Any], str, int]]
+    _dims: tuple[int | None, ...]
     _trace_enabled: bool
     _traces: dict[Any, Any]
     _shared_traces: dict[Any, Any] | None
@@ -161,10 +162,13 @@ class _Tracing:
             return result
 
         def make(rec: _Outputs) -> Callable[..., tuple[Tensor, ...]]:
+            dims = self._dims
             if self._size == 1:
                 # One member: run forward on its slice of the stacked tensors, no vmap needed.
                 def single(*flat: Tensor) -> tuple[Tensor, ...]:
-                    state = tuple(s[0] for s in flat[:n_state])
+                    state = tuple(
+                        s if d is None else s[0] for s, d in zip(flat[:n_state], dims, strict=True)
+                    )
                     inputs = flat[n_state:] if shared else tuple(t[0] for t in flat[n_state:])
                     out = per_member(state, inputs, rec)
                     return tuple(o.unsqueeze(0) for o in out)
@@ -172,7 +176,7 @@ class _Tracing:
                 return single
             batched = vmap(
                 lambda s, t: per_member(s, t, rec),
-                in_dims=(0, None if shared else 0),
+                in_dims=(dims, None if shared else 0),  # shared frozen state: None
                 randomness="error",  # every random op is routed to the member's stream
             )
             return lambda *flat: batched(tuple(flat[:n_state]), tuple(flat[n_state:]))
@@ -201,7 +205,8 @@ class _Tracing:
                         f"(raised in a fused array's traced forward, at {_graph_line(exc, trace)})"
                     )
                 raise
-        buffers = [t for t in state if not isinstance(t, nn.Parameter)]
+        # frozen parameters kept once (see _shared) are never written: not worth a copy
+        buffers = [t for t, s in zip(state, self._slots, strict=True) if not s.is_param]
         with torch.no_grad():
             saved = [t.clone() for t in buffers]
         try:
@@ -278,7 +283,10 @@ class _Tracing:
                 spec,
                 tuple(None if isinstance(x, Tensor) else x for x in leaves),
                 tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in tensors),
-                tuple((t.shape[1:], t.dtype, t.device, t.requires_grad) for t in state),
+                tuple(
+                    (t.shape if d is None else t.shape[1:], d, t.dtype, t.device, t.requires_grad)
+                    for t, d in zip(state, self._dims, strict=True)
+                ),
                 type(self.module),
             )
             entry = self._traces.get(key)
@@ -373,11 +381,19 @@ class _Tracing:
             module = self.module.get_submodule(path)
             text = str(exc)
             if "vmap" in text or "atching rule" in text:
+                shared = [s.name for s in self._slots if s.shared and not s.is_param]
+                hint = (
+                    f" Buffers {shared} are kept once for all members (equal in all of them and "
+                    "non-persistent): if forward writes one per member, fuse with "
+                    "hs.fuse(..., share_frozen=False)."
+                    if shared and "inplace" in text
+                    else ""
+                )
                 raise FusionError(
                     f"{describe_path(path)} ({type(module).__name__}) cannot run in a fused array: "
                     f"{text.splitlines()[0].rstrip('.')}. Fused layers exist for Linear, convolutions, "
                     "BatchNorm, Dropout, LSTM/GRU/RNN and attention; replace this layer or open an "
-                    "issue with the model."
+                    f"issue with the model.{hint}"
                 ) from exc
             if hasattr(exc, "add_note"):
                 exc.add_note(f"(raised in {describe_path(path)} of a fused array, per member)")

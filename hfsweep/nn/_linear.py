@@ -28,9 +28,12 @@ def _linear_fake(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 
 def _linear_backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     x, weight = ctx.saved_tensors
-    grad_x = grad @ weight
-    grad_w = grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
-    grad_b = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias else None
+    need_x, need_w, need_b = ctx.needs_input_grad
+    # a frozen weight (an array's shared backbone) gets no gradient: under vmap it would be a
+    # [B, out, in] product per call, thrown away
+    grad_x = grad @ weight if need_x else None
+    grad_w = grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1]) if need_w else None
+    grad_b = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias and need_b else None
     return grad_x, grad_w, grad_b
 
 
@@ -48,6 +51,16 @@ def _linear_vmap(
 ) -> tuple[Tensor, int]:
     x_dim, w_dim, b_dim = in_dims
     size = info.batch_size
+    if w_dim is None and x_dim is not None:
+        # one weight for all members (shared frozen state): one product over every member's
+        # rows, without B copies of the weight
+        xb = x.movedim(x_dim, 0) if x_dim != 0 else x
+        if b_dim is None:
+            return F.linear(xb, weight, bias), 0
+        assert bias is not None
+        b = bias.movedim(b_dim, 0) if b_dim != 0 else bias
+        out = F.linear(xb, weight)
+        return out + b.view(size, *([1] * (out.dim() - 2)), b.shape[-1]), 0
     if w_dim is None:
         w = weight.expand(size, *weight.shape)
     else:

@@ -205,7 +205,7 @@ class _Run:
         array, opt = live.array, live.opt
         timer = _StepTimer(self.t.device, array)
         seen_nonfinite = len(opt.nonfinite_members)
-        buffers = list(array.buffers())
+        buffers = array._forward_buffers()  # not the frozen parameters all members share
         backup = [b.detach().clone() for b in buffers]
         stream = self._stream(ref, state)
         _log.info("training an array of %d members (%d steps per epoch)", len(state.slots), spe)

@@ -444,7 +444,9 @@ def make_optimizer(array: nn.Module, configs: Sequence[Config]) -> hs_optim.Fuse
     kwargs: dict[str, Any] = {k: [float(c[k]) for c in configs] for k in keys}
     if "beta1" in kwargs:
         kwargs["betas"] = (kwargs.pop("beta1"), kwargs.pop("beta2"))
-    return cls(array.parameters(), **kwargs)
+    # the trained parameters only: frozen ones get no state, and those every member shares are
+    # not parameters of the array (so a member's optimizer state is indexed the same either way)
+    return cls([p for p in array.parameters() if p.requires_grad], **kwargs)
 
 
 def optimizer_values(config: Config) -> dict[str, float]:
