@@ -197,7 +197,7 @@ class _AdamBase(FusedOptimizer):
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
         exp_avg.lerp_(g, 1 - hp["beta1"])
         if flags["shared_beta2"]:
-            beta2 = float(group["beta2"][0])
+            beta2 = self._host(group, "beta2")[0]  # the host copy: no read of the device
             exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
         else:
             exp_avg_sq.mul_(hp["beta2"]).addcmul_(g, g * (1 - hp["beta2"]))
