@@ -33,7 +33,7 @@ from unittest import mock
 
 import torch
 import torch.nn.functional as F
-from _results import RESULTS, write_results
+from _results import RESULTS, markdown_table, write_results
 from fusion_throughput import MODELS as THROUGHPUT_MODELS
 from torch import Tensor, nn
 
@@ -58,6 +58,34 @@ MODELS["cifar_resnet"] = (
     THROUGHPUT_MODELS["resnet18"].example,
     "the cifar_resnet task's ResNet (width 8, 1 block per stage, BatchNorm), 3x32x32",
 )
+
+#: why a model's fused step dispatches more operators than one member's, read from the table
+#: of the largest differences this script writes (``fused - one`` by operator)
+REASONS: dict[str, str] = {
+    "tiny_mlp": (
+        "layout: each fused Linear transposes its weight and its gradient comes back "
+        "transposed, so the gradient is copied into the weight's layout (new_empty_strided + "
+        "copy_ per weight, hfsweep/fusion); the bias gradients are sums over the batch (torch "
+        "folds them into addmm); the non-finite check (one sum per parameter, one scalar read)"
+    ),
+    "medium_mlp": "as the tiny MLP (the same layers, wider)",
+    "small_cnn": (
+        "as the MLPs, plus the convolutions' member-folding (view/permute/clone around a "
+        "grouped convolution) in forward and backward"
+    ),
+    "cifar_resnet": (
+        "BatchNorm: under vmap torch's batch_norm with per-member weights decomposes into "
+        "~40 view/permute/mul/sum operators per layer, and the per-member running statistics "
+        "take a mean and a var (hfsweep/nn/_batchnorm.py; a batching rule that folds the "
+        "member into the channels would make it one batch_norm)"
+    ),
+    "transformer": (
+        "attention: the member folded into batched products (bmm/baddbmm per projection) "
+        "instead of torch's fused CPU attention kernel; per-member dropout masks "
+        "(hfsweep::dropout_multiplier, one op per layer, as torch's bernoulli_); layout copies "
+        "of the weight gradients"
+    ),
+}
 
 #: the samples in a batch: counts do not depend on it, bytes scale with it
 BATCH = 4
@@ -252,6 +280,37 @@ def main(argv: list[str] | None = None) -> int:
         ]
         for r in rows
     ]
+    after = [
+        "",
+        "## Where the extra operators are (trainer path, B=2)",
+        "",
+        "Operators the fused step dispatches minus one member's, by name (a fused `bmm` where "
+        "one member has `mm` shows as both), and the reason read from them.",
+        "",
+    ]
+    diff_cells = []
+    for name in args.models:
+        fused = [r for r in rows if r["model"] == name and r["path"] == "trainer"]
+        if not fused:
+            continue
+        # B=2 where measured (B=1 takes a path of its own), else the smallest B
+        row = min(fused, key=lambda r: (r["B"] != 2, r["B"]))
+        extra = {
+            op: row["ops_by_name"].get(op, 0) - row["one_ops_by_name"].get(op, 0)
+            for op in {*row["ops_by_name"], *row["one_ops_by_name"]}
+        }
+        top = sorted(extra.items(), key=lambda kv: (-abs(kv[1]), kv[0]))[:8]
+        diff_cells.append(
+            [
+                name,
+                _ratio(row["ops"], row["one_ops"]),
+                ", ".join(f"{op} {n:+d}" for op, n in top if n),
+                REASONS.get(name, ""),
+            ]
+        )
+    after += markdown_table(
+        ["model", "ops / one", "largest differences (fused - one)", "why"], diff_cells
+    )
     write_results(
         args.out or RESULTS / f"op_counts_{device.type}",
         "op_counts.py",
@@ -262,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         columns,
         cells,
         rows,
+        after,
     )
     return 0
 

@@ -265,3 +265,21 @@ def test_a_deactivated_nonfinite_member_adds_no_host_read() -> None:
         else:
             assert c.host_reads == STEP_HOST_READS
     assert opt.nonfinite_members == [1]
+
+
+def test_the_benchmark_writes_its_table(bench: ModuleType, tmp_path: Path) -> None:
+    """``benchmarks/op_counts.py`` at its smallest: the table, the JSON rows and the reasons."""
+    import json
+
+    stem = tmp_path / "oc"
+    assert bench.main(["--models", "tiny_mlp", "--sizes", "1", "2", "--out", str(stem)]) == 0
+    rows = json.loads(stem.with_suffix(".json").read_text())["rows"]
+    assert [(r["path"], r["B"]) for r in rows] == [
+        ("trainer", 1),
+        ("trainer", 2),
+        ("plain", 1),
+        ("plain", 2),
+    ]
+    assert all(r["ops"] > r["one_ops"] > 0 and r["host_reads"] == STEP_HOST_READS for r in rows)
+    table = stem.with_suffix(".md").read_text()
+    assert "Where the extra operators are" in table and bench.REASONS["tiny_mlp"] in table
