@@ -25,6 +25,7 @@ dispatched is counted, not how long it takes. Usage::
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -63,27 +64,31 @@ MODELS["cifar_resnet"] = (
 #: of the largest differences this script writes (``fused - one`` by operator)
 REASONS: dict[str, str] = {
     "tiny_mlp": (
-        "layout: each fused Linear transposes its weight and its gradient comes back "
-        "transposed, so the gradient is copied into the weight's layout (new_empty_strided + "
-        "copy_ per weight, hfsweep/fusion); the bias gradients are sums over the batch (torch "
-        "folds them into addmm); the non-finite check (one sum per parameter, one scalar read)"
+        "of the 27 more: the non-finite check, 10 (one sum per parameter, 3 to combine them, "
+        "one scalar read; hfsweep/optim); the weight gradients copied into the weights' layout, "
+        "6 (new_empty_strided + copy_ per weight: the fused Linear's gradient comes back "
+        "transposed; hfsweep/nn/_linear.py, hfsweep/fusion); views and transposes, about 9; "
+        "the per-member cross-entropy (gather, scatter_add, mean instead of nll_loss), 5; "
+        "the optimizer 4 fewer (two foreach operators for all parameters)"
     ),
     "medium_mlp": "as the tiny MLP (the same layers, wider)",
     "small_cnn": (
-        "as the MLPs, plus the convolutions' member-folding (view/permute/clone around a "
-        "grouped convolution) in forward and backward"
+        "as the MLPs, plus the convolutions' member folding (view, permute, clone around a "
+        "grouped convolution, forward and backward)"
     ),
     "cifar_resnet": (
         "BatchNorm: under vmap torch's batch_norm with per-member weights decomposes into "
-        "~40 view/permute/mul/sum operators per layer, and the per-member running statistics "
-        "take a mean and a var (hfsweep/nn/_batchnorm.py; a batching rule that folds the "
-        "member into the channels would make it one batch_norm)"
+        "view/permute/mul/sum (about 40 operators per layer, 9 layers), and the per-member "
+        "running statistics take a mean and a var more (hfsweep/nn/_batchnorm.py; a batching "
+        "rule folding the member into the channels would make it one batch_norm); plus the "
+        "non-finite check (one sum per parameter)"
     ),
     "transformer": (
-        "attention: the member folded into batched products (bmm/baddbmm per projection) "
-        "instead of torch's fused CPU attention kernel; per-member dropout masks "
-        "(hfsweep::dropout_multiplier, one op per layer, as torch's bernoulli_); layout copies "
-        "of the weight gradients"
+        "the non-finite check (one sum per parameter); weight gradients copied into the "
+        "weights' layout (10 new_empty_strided + copy_); attention as batched products, "
+        "masked_fill and softmax per member instead of torch's fused CPU attention kernel; "
+        "fewer for dropout (one hfsweep::dropout_multiplier per layer against torch's "
+        "bernoulli_ + div_) and the optimizer (foreach)"
     ),
 }
 
@@ -216,8 +221,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--sizes", nargs="+", type=int, default=[1, 2, 8, 64])
     parser.add_argument("--out", type=Path, default=None, help="results file stem")
+    parser.add_argument(
+        "--render",
+        type=Path,
+        default=None,
+        help="write the tables again from a results .json (its rows and command), measuring "
+        "nothing: after a change to the reasons or the layout",
+    )
     args = parser.parse_args(argv)
-    device = torch.device("cpu")
+    if args.render is not None:
+        saved = json.loads(args.render.read_text())
+        command = saved["meta"]["command"].split()[2:]
+        models = list(dict.fromkeys(r["model"] for r in saved["rows"]))
+        render(saved["rows"], models, command, args.out or args.render.with_suffix(""))
+        return 0
     rows: list[dict[str, Any]] = []
     for name in args.models:
         one = one_step(name)
@@ -245,6 +262,15 @@ def main(argv: list[str] | None = None) -> int:
                     f"host reads {len(c.host_reads)}",
                     flush=True,
                 )
+    render(rows, args.models, argv, args.out or RESULTS / "op_counts_cpu")
+    return 0
+
+
+def render(
+    rows: list[dict[str, Any]], models: list[str], argv: list[str] | None, stem: Path
+) -> None:
+    """Write the tables of ``rows`` to ``stem``.md/.json (``argv``: the measuring command's)."""
+    device = torch.device("cpu")
     notes = [
         f"- one training step (forward, loss, backward, SGD step) after {WARMUP} warm-up steps, "
         f"batch {BATCH}; `one` is one member alone (`torch.optim.SGD`, `F.cross_entropy`); "
@@ -289,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         "",
     ]
     diff_cells = []
-    for name in args.models:
+    for name in models:
         fused = [r for r in rows if r["model"] == name and r["path"] == "trainer"]
         if not fused:
             continue
@@ -312,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         ["model", "ops / one", "largest differences (fused - one)", "why"], diff_cells
     )
     write_results(
-        args.out or RESULTS / f"op_counts_{device.type}",
+        stem,
         "op_counts.py",
         argv,
         device,
@@ -323,7 +349,6 @@ def main(argv: list[str] | None = None) -> int:
         rows,
         after,
     )
-    return 0
 
 
 if __name__ == "__main__":
