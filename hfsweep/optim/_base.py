@@ -67,6 +67,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._host_values: dict[str, list[list[float]]] = {}
         self._generation = 0
         #: check gradients for inf/NaN at every step and deactivate the members that have them
+        #: (one reduction per parameter and one scalar read into Python per step; off, a step
+        #: reads nothing back from the device)
         self.isolate_nonfinite = True
         #: members deactivated because their loss or gradients were not finite, in order
         self.nonfinite_members: list[int] = []
