@@ -37,7 +37,6 @@ SYNC_OPS = frozenset(
         "_unique",
         "_unique2",
         "unique_consecutive",
-        "repeat_interleave",
     }
 )
 
