@@ -197,7 +197,7 @@ class _AdamBase(FusedOptimizer):
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
         exp_avg.lerp_(g, 1 - hp["beta1"])
         if flags["shared_beta2"]:
-            beta2 = float(group["beta2"][0])
+            beta2 = self._host(group, "beta2")[0]  # the host copy: no read of the device
             exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
         else:
             exp_avg_sq.mul_(hp["beta2"]).addcmul_(g, g * (1 - hp["beta2"]))
@@ -216,6 +216,61 @@ class _AdamBase(FusedOptimizer):
         eps = torch.where(moving, group["eps"] / step_size, torch.inf)
         denom.mul_(_as_member_view(inv, p)).add_(_as_member_view(eps, p))
         p.addcdiv_(exp_avg, denom, value=-1)
+
+    def _update_group(
+        self,
+        params: list[Tensor],
+        states: list[dict[str, Any]],
+        hps: list[dict[str, Tensor]],
+        group: dict[str, Any],
+        flags: dict[str, bool],
+    ) -> None:
+        """:meth:`_update` on all parameters at once: the same arithmetic, each elementwise
+        step one ``torch._foreach_*`` operator for every parameter, and the per-member bias
+        corrections computed once for all parameters (``[P, B]``) instead of per parameter.
+        Parameters of several dtypes keep the per-parameter path."""
+        if len({p.dtype for p in params}) != 1:
+            super()._update_group(params, states, hps, group, flags)
+            return
+        grads = [cast(Tensor, p.grad) for p in params]
+        g = torch._foreach_neg(grads) if group["maximize"] else grads
+        if flags["any_weight_decay"]:
+            if self.decoupled:
+                decay = {id(hp): 1 - hp["lr"] * hp["weight_decay"] for hp in hps}
+                torch._foreach_mul_(params, [decay[id(hp)] for hp in hps])
+            else:
+                g = torch._foreach_addcmul(g, params, [hp["weight_decay"] for hp in hps])
+        exp_avgs = [st["exp_avg"] for st in states]
+        exp_avg_sqs = [st["exp_avg_sq"] for st in states]
+        one_minus = {id(hp): (1 - hp["beta1"], 1 - hp["beta2"]) for hp in hps}
+        torch._foreach_lerp_(exp_avgs, g, [one_minus[id(hp)][0] for hp in hps])
+        if flags["shared_beta2"]:
+            beta2 = self._host(group, "beta2")[0]  # the host copy: no read of the device
+            torch._foreach_mul_(exp_avg_sqs, beta2)
+            torch._foreach_addcmul_(exp_avg_sqs, g, g, value=1 - beta2)
+        else:
+            torch._foreach_mul_(exp_avg_sqs, [hp["beta2"] for hp in hps])
+            scaled = torch._foreach_mul(g, [one_minus[id(hp)][1] for hp in hps])
+            torch._foreach_addcmul_(exp_avg_sqs, g, scaled)
+        # the per-member scalars of every parameter at once, [P, B] in float64 as _update has them
+        step = torch.stack([st["step"] for st in states]).to(torch.float64) + 1
+        step_size = group["lr"] / (1 - group["beta1"] ** step)
+        bias2_sqrt = (1 - group["beta2"] ** step).sqrt()
+        if group["amsgrad"]:
+            max_sqs = [st["max_exp_avg_sq"] for st in states]
+            torch._foreach_maximum_(max_sqs, exp_avg_sqs)
+            denom = torch._foreach_sqrt(max_sqs)
+        else:
+            denom = torch._foreach_sqrt(exp_avg_sqs)
+        moving = step_size > 0
+        inv = torch.where(moving, 1 / (bias2_sqrt * step_size), 0.0).to(params[0].dtype)
+        eps = torch.where(moving, group["eps"] / step_size, torch.inf).to(params[0].dtype)
+        shapes = [(self.size, *([1] * (p.dim() - 1))) for p in params]
+        invs = [v.view(shape) for v, shape in zip(inv.unbind(0), shapes, strict=True)]
+        epss = [v.view(shape) for v, shape in zip(eps.unbind(0), shapes, strict=True)]
+        torch._foreach_mul_(denom, invs)
+        torch._foreach_add_(denom, epss)
+        torch._foreach_addcdiv_(params, exp_avgs, denom, value=-1)
 
     def _group_flags(self, group: dict[str, Any]) -> dict[str, bool]:
         flags = super()._group_flags(group)

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from ._base import FusedOptimizer
+from ._clip import _member_views
 
 __all__ = ["GradScaler"]
 
@@ -73,19 +74,18 @@ class GradScaler:
         return losses * view.to(losses.dtype)
 
     def unscale_(self, optimizer: FusedOptimizer) -> None:
-        """Divide member i's gradients by its scale and note which members overflowed."""
+        """Divide member i's gradients by its scale and note which members overflowed (an inf
+        or NaN in their gradients, seen in one sum per parameter as the optimizer's check)."""
         if not self.enabled or self._found_inf is not None:
             return
         inv = self._scale.double().reciprocal().float()
-        found = torch.zeros(self.size, dtype=torch.bool, device=self._scale.device)
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                g = p.grad
-                g.mul_(inv.to(g.dtype).view(self.size, *([1] * (g.dim() - 1))))
-                found |= ~torch.isfinite(g).reshape(len(g), -1).all(1)
-        self._found_inf = found
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, _member_views(inv, grads))
+        # x * 0 is 0 for finite x and NaN for inf and NaN; a member's sums hold them if its
+        # gradients do (the optimizer's check, one reduction per parameter)
+        total = optimizer._nonfinite_total().to(self._scale.device)
+        self._found_inf = total.mul(0).ne(0)
 
     def step(self, optimizer: FusedOptimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale (if not done yet) and step every member whose gradients are finite."""

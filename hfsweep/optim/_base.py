@@ -15,6 +15,7 @@ to and from the ``state_dict`` that the matching ``torch.optim`` optimizer would
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar, cast
 
@@ -27,6 +28,9 @@ from ..fusion import FusedArray
 __all__ = ["FusedOptimizer", "HyperParameter"]
 
 _log = logging.getLogger("hfsweep.optim")
+
+#: the dtype gradients are summed in for the non-finite check (at least float32)
+_SUM_DTYPES = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
 
 HyperParameter = float | int | Sequence[float] | Tensor
 ParamsT = FusedArray | Iterable[Tensor] | Iterable[dict[str, Any]]
@@ -63,6 +67,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._host_values: dict[str, list[list[float]]] = {}
         self._generation = 0
         #: check gradients for inf/NaN at every step and deactivate the members that have them
+        #: (one reduction per parameter and one scalar read into Python per step; off, a step
+        #: reads nothing back from the device)
         self.isolate_nonfinite = True
         #: members deactivated because their loss or gradients were not finite, in order
         self.nonfinite_members: list[int] = []
@@ -146,19 +152,26 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._follow_device()
         if skip is None:
             if self.isolate_nonfinite:
-                bad = self._nonfinite_grads()
-                if self._inactive is not None:
-                    bad &= self.active
-                if bool(bad.any()):
+                bad = self._nonfinite_members(self._inactive)
+                if bad:
                     self._isolate(bad, "gradient")
             inactive = self._inactive
         else:
             left_out = ~self.active | skip.to(self.active.device)
             if self.isolate_nonfinite:
-                self._isolate(self._nonfinite_grads() & ~left_out, "gradient")
-                left_out = left_out | ~self.active
-            idle = left_out.nonzero().flatten()
-            inactive = idle if idle.numel() else None
+                # one read of both masks: the members left out, and the others' non-finite ones
+                found = self._nonfinite_total().mul(0).ne(0) & ~left_out
+                out, bad = torch.stack([left_out, found]).tolist()
+                self._isolate([i for i, b in enumerate(bad) if b], "gradient")
+                idle = [i for i, (o, b) in enumerate(zip(out, bad, strict=True)) if o or b]
+                inactive = (
+                    torch.tensor(idle, dtype=torch.long, device=self.active.device)
+                    if idle
+                    else None
+                )
+            else:
+                rows = left_out.nonzero().flatten()
+                inactive = rows if rows.numel() else None
         for index, group in enumerate(self.param_groups):
             params, states, hps = self._group_work(index, group)
             if not params:
@@ -248,23 +261,38 @@ class FusedOptimizer(torch.optim.Optimizer):
                 state["step"] = state["step"].to(device)
         self._refresh()
 
-    def _nonfinite_grads(self) -> Tensor:
-        """``[B]``: which members have an inf or NaN gradient. One reduction per parameter: inf
-        and NaN survive a sum (accumulated in at least float32, so half-precision gradients cannot
-        overflow it); a finite sum that overflowed would need gradients near 1e38."""
+    def _nonfinite_total(self) -> Tensor:
+        """``[B]``: the sum of each member's gradients, inf or NaN where one of them is. One
+        reduction per parameter: inf and NaN survive a sum (accumulated in at least float32, so
+        half-precision gradients cannot overflow it); a finite sum that overflowed would need
+        gradients near 1e38."""
         sums = [
-            g.reshape(len(g), -1).sum(1, dtype=torch.promote_types(g.dtype, torch.float32))
+            g.to(_SUM_DTYPES.get(g.dtype, g.dtype))  # one value per member already (a copy
+            if g.dim() == 1  # only for half precision: callers must not write into it)
+            else g.sum(dim=tuple(range(1, g.dim())), dtype=_SUM_DTYPES.get(g.dtype, g.dtype))
             for group in self.param_groups
             for p in group["params"]
             if (g := p.grad) is not None
         ]
         if not sums:
-            return torch.zeros(self.size, dtype=torch.bool, device=self.active.device)
-        total = sums[0] if len(sums) == 1 else torch.stack(sums).sum(0)
-        return total.isfinite().logical_not_()
+            return torch.zeros(self.size, dtype=torch.float32, device=self.active.device)
+        return sums[0] if len(sums) == 1 else torch.stack(sums).sum(0)
 
-    def _isolate(self, bad: Tensor, what: str) -> list[int]:
-        members = bad.nonzero().flatten().tolist()
+    def _nonfinite_members(self, inactive: Tensor | None) -> list[int]:
+        """The members outside ``inactive`` whose gradients hold an inf or NaN, with one read
+        of a scalar on the host per step: their sums' total is finite in the usual case, and
+        only otherwise is each member looked at (inactive members' values are left out: a
+        deactivated member's gradients may stay non-finite)."""
+        total = self._nonfinite_total()
+        if inactive is not None:
+            total = total.index_fill(0, inactive, 0)
+        if math.isfinite(float(total.sum())):
+            return []
+        # x * 0 is 0 for finite x and NaN for inf and NaN
+        return cast(list[int], total.mul(0).ne(0).nonzero().flatten().tolist())
+
+    def _isolate(self, members: list[int], what: str) -> list[int]:
+        """Deactivate ``members`` (host indices), record them and log why."""
         for i in members:
             self.active[i] = False
             self.nonfinite_members.append(i)
@@ -279,7 +307,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         if losses.shape != (self.size,):
             raise ValueError(f"losses must have shape ({self.size},), got {tuple(losses.shape)}")
         bad = ~torch.isfinite(losses.detach()).to(self.active.device) & self.active
-        return self._isolate(bad, "loss")
+        return self._isolate(bad.nonzero().flatten().tolist(), "loss")
 
     def _refresh(self) -> None:
         """Recompute host-side facts about the hyperparameters and the active members after a

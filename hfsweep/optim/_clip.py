@@ -56,9 +56,21 @@ def clip_grad_norm_(
         raise RuntimeError(f"the total gradient norm of members {bad} is not finite")
     limit = _per_member(max_norm, size, total, "max_norm").to(total.dtype)
     coef = torch.clamp(limit / (total + 1e-6), max=1.0)
-    for g in grads:
-        g.mul_(coef.to(g.dtype).view(size, *([1] * (g.dim() - 1))))
+    torch._foreach_mul_(grads, _member_views(coef, grads))
     return total
+
+
+def _member_views(values: Tensor, like: list[Tensor]) -> list[Tensor]:
+    """``[B]`` values as ``[B, 1, ...]`` in each tensor's dtype, one view per (dims, dtype)."""
+    views: dict[tuple[int, torch.dtype], Tensor] = {}
+    out = []
+    for g in like:
+        key = (g.dim(), g.dtype)
+        view = views.get(key)
+        if view is None:
+            view = views[key] = values.to(g.dtype).view(len(values), *([1] * (g.dim() - 1)))
+        out.append(view)
+    return out
 
 
 def clip_grad_value_(

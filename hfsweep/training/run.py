@@ -43,6 +43,7 @@ from .step import (
     _batches,
     _choose_compaction,
     _set_member_dropout,
+    _StepCounts,
     _StepTimer,
     backward,
     update,
@@ -202,14 +203,34 @@ class _Run:
         started = time.perf_counter()
         live = self._build(state, built)
         build_s = models_s + time.perf_counter() - started
+        timer = _StepTimer(self.t.device, live.array)
+        _log.info("training an array of %d members (%d steps per epoch)", len(state.slots), spe)
+        counts = _StepCounts(state.slots, eval_every)
+        try:
+            return self._train_steps(state, live, counts, timer, ref, eval_every, build_s)
+        finally:
+            counts.flush(state.slots, eval_every)  # whatever ends the steps: counts up to date
+
+    def _train_steps(
+        self,
+        state: _ArrayState,
+        live: _Live,
+        counts: _StepCounts,
+        timer: _StepTimer,
+        ref: Mapping[str, Any],
+        eval_every: int,
+        build_s: float,
+    ) -> list[_ArrayState] | None:
+        """The training steps of :meth:`_train` (``ref``: a member's config), until no member
+        is left or the array must change shape."""
+        spe = self.t.steps_per_epoch(ref)
         array, opt = live.array, live.opt
-        timer = _StepTimer(self.t.device, array)
         seen_nonfinite = len(opt.nonfinite_members)
         buffers = array._forward_buffers()  # not the frozen parameters all members share
         backup = [b.detach().clone() for b in buffers]
         stream = self._stream(ref, state)
-        _log.info("training an array of %d members (%d steps per epoch)", len(state.slots), spe)
-        while any(s is not None for s in state.slots):
+        training = any(s is not None for s in state.slots)  # slots end only in the due branch
+        while training:
             with Phase("drawing a training batch"):
                 epoch, index, batch = next(stream)
                 x, y = self.t._to_device(batch)
@@ -230,6 +251,7 @@ class _Run:
                     torch._foreach_copy_(buffers, backup)
                 if self.t.device.type == "cuda":
                     torch.cuda.empty_cache()
+                counts.flush(state.slots, eval_every)
                 return self._out_of_memory(live, out_of_memory)
             with Phase(OPTIMIZER_STEP):
                 update(opt, live.sched)
@@ -238,16 +260,12 @@ class _Run:
                 state.epoch, state.batch = epoch + 1, 0
             with torch.no_grad():
                 live.loss_sum += losses.detach().to(torch.float64)
-            due: list[int] = []
-            for i, s in enumerate(state.slots):
-                if s is None:
-                    continue
-                s.steps += 1
-                s.since += 1
-                if s.steps % eval_every == 0 or s.steps >= s.budget:
-                    due.append(i)
+            # the slots' step counts are brought up to date only when one of them is due (or
+            # a member failed): no loop over the members at every step
+            counts.pending += 1
             failed = opt.nonfinite_members[seen_nonfinite:]
             seen_nonfinite = len(opt.nonfinite_members)
+            due = counts.flush(state.slots, eval_every) if counts.due() or failed else []
             for i in failed:
                 slot = state.slots[i]
                 if slot is not None:
@@ -271,6 +289,8 @@ class _Run:
                         return [self._compacted(live, size)]
                 self._save_checkpoint(live)
                 self._deliver()
+                counts.plan(state.slots, eval_every)  # members ended or joined
+                training = any(s is not None for s in state.slots)
                 timer.resume()
         return None
 

@@ -5,7 +5,7 @@ the step timer, and the choice of a smaller array once most slots are idle."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -15,6 +15,7 @@ from .._usercode import Phase
 from ..fusion import FusedArray
 from ..optim import FusedOptimizer, clip_grad_norm_
 from ..optim.lr_scheduler import FusedLRScheduler
+from .spec import _SlotState
 from .task import Task, TaskError, manual_seed
 
 
@@ -111,6 +112,48 @@ class _StepTimer:
         self._steps += self._stretch
         self._stretch = 0
         return self._seconds / max(self._steps, 1)
+
+
+class _StepCounts:
+    """The training steps of an array not yet added to its slots' counts (``pending``), and
+    after how many the next slot is due for an evaluation or reaches its budget: every step
+    adds one to ``pending`` and the slots are updated (a loop over the members) only then,
+    or when a member failed, or the steps end."""
+
+    def __init__(self, slots: Sequence[_SlotState | None], eval_every: int) -> None:
+        self.pending = 0
+        self._next = 0
+        self.plan(slots, eval_every)
+
+    def plan(self, slots: Sequence[_SlotState | None], eval_every: int) -> None:
+        """Work out when the next slot is due (after the slots changed)."""
+        self._next = min(
+            (
+                min(eval_every - s.steps % eval_every, max(s.budget - s.steps, 1))
+                for s in slots
+                if s is not None
+            ),
+            default=1,
+        )
+
+    def due(self) -> bool:
+        """Whether a slot is due for an evaluation (or its last step) after the pending steps."""
+        return self.pending >= self._next
+
+    def flush(self, slots: Sequence[_SlotState | None], eval_every: int) -> list[int]:
+        """Add the pending steps to every busy slot; return the slots due now."""
+        steps, self.pending = self.pending, 0
+        due: list[int] = []
+        if steps:
+            for i, s in enumerate(slots):
+                if s is None:
+                    continue
+                s.steps += steps
+                s.since += steps
+                if s.steps % eval_every == 0 or s.steps >= s.budget:
+                    due.append(i)
+        self.plan(slots, eval_every)
+        return due
 
 
 def update(opt: FusedOptimizer, sched: FusedLRScheduler | None) -> None:

@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.optim import lr_scheduler as L
-from torch.overrides import TorchFunctionMode
 
 import hfsweep as hs
 import hfsweep.optim.lr_scheduler as H
 from hfsweep.testing import MLP
+from hfsweep.testing._op_counts import OpCounter
 
 # The torch references are sometimes stepped without an optimizer step, on purpose.
 pytestmark = pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)`")
@@ -367,27 +367,6 @@ def test_one_cycle_refuses_to_step_past_its_end() -> None:
         sched.step()
 
 
-# Tensor methods that copy device data to the host (each a synchronisation on an accelerator).
-HOST_READS = {
-    "tolist", "item", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__",
-    "nonzero", "any", "all", "equal",
-}  # fmt: skip
-
-
-class _HostReads(TorchFunctionMode):
-    """Records the calls that read a tensor's values back to the host."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[str] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        name = getattr(func, "__name__", str(func))
-        if name in HOST_READS:
-            self.calls.append(name)
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_a_schedule_step_reads_nothing_back_from_the_device(name: str) -> None:
     """On an accelerator each read of a tensor's values stalls the host until the device is
@@ -398,8 +377,8 @@ def test_a_schedule_step_reads_nothing_back_from_the_device(name: str) -> None:
     fused, _ = optimizers(kind)
     sched = make(fused)
     grad = fused.param_groups[0]["params"][0].grad
-    reads = _HostReads()
     frozen = None
+    reads: list[str] = []
     for t in range(steps // 2):
         if t == 3:  # a refill from the host
             fused.reset_member(2, lr=0.07)
@@ -407,9 +386,11 @@ def test_a_schedule_step_reads_nothing_back_from_the_device(name: str) -> None:
         fused.step()
         if t == 5:
             frozen = float(fused.param_groups[0]["lr"][0])
-        with reads:
+        # every read of a value into Python: .item(), .tolist(), bool(), a copy to the CPU...
+        with OpCounter() as counter:
             advance(sched, metric, t)
-    assert reads.calls == []
+        reads += counter.host_reads
+    assert reads == []
     assert fused.nonfinite_members == [0]
     assert sched.last_epoch[0] == 5  # steps 0-4; none once deactivated
     assert float(fused.param_groups[0]["lr"][0]) == frozen
