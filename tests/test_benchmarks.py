@@ -133,3 +133,25 @@ def test_bench_bookkeeping_quick_runs(tmp_path, monkeypatch):
         assert _positive(row["plain_s"]) and _positive(row["hfsweep_s"]), row
         assert _positive(row["hfsweep/plain"]) and "baseline_s" not in row, row
     assert "| 64 |" in stem.with_suffix(".md").read_text()
+
+
+def test_before_after_compares_two_trees(tmp_path, monkeypatch):
+    """``before_after.py`` runs a script in two checkouts (here the same one) alternately and
+    writes each row's median timing per side and their ratio."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    script = importlib.import_module("before_after")
+    root = str(BENCHMARKS.parent)
+    stem = tmp_path / "ba"
+    argv = ["--before", root, "--after", root, "--script", "optimizer_step.py"]
+    argv += ["--field", "fused_ms", "--repeats", "1", "--out", str(stem), "--"]
+    argv += ["--rounds", "1", "--iters", "2", "--models", "tiny_mlp", "--sizes", "2"]
+    assert script.main(argv) == 0
+    rows = json.loads(stem.with_suffix(".json").read_text())["rows"]
+    assert [(r["model"], r["optimizer"], r["B"]) for r in rows] == [
+        ("tiny_mlp", "SGD-momentum", 2),
+        ("tiny_mlp", "AdamW", 2),
+    ]
+    for r in rows:
+        assert _positive(r["fused_ms_before"]) and _positive(r["fused_ms_after"])
+        assert _positive(r["fused_ms_ratio"])
+    assert "| model |" in stem.with_suffix(".md").read_text()
