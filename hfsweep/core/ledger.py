@@ -88,7 +88,7 @@ class Ledger:
         decided = self.scheduler.decide(reports)
         go = {r.trial: decided[r.trial] is Decision.CONTINUE for r in reports}
         for r, step in evaluated:
-            self.decisions[f"{r.trial}@{step}"] = go[r.trial]
+            self.decisions[decision_key(r.trial, step)] = go[r.trial]
         rows = [[r.trial, r.resource, encode_float(r.value), step] for r, step in evaluated]
         self._pending.append(["decide", rows, [go[r.trial] for r in reports]])
         return go
@@ -196,7 +196,7 @@ class Ledger:
             rows, go = args
             self.scheduler.replay([Report(str(t), res, decode_float(v)) for t, res, v, _ in rows])
             for (trial, _, _, step), g in zip(rows, go, strict=True):
-                self.decisions[f"{trial}@{step}"] = bool(g)
+                self.decisions[decision_key(str(trial), step)] = bool(g)
         elif kind == "end":
             member, status = str(args[0]), Status.parse(args[1])
             self.scheduler.on_trial_end(member, status.value)
