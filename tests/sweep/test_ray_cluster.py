@@ -23,6 +23,7 @@ from typing import Any
 
 import optuna
 import pytest
+from _ray_cluster import loopback_cluster
 
 import hfsweep as hs
 from hfsweep.core.loop import _Engine
@@ -51,26 +52,11 @@ def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """A head node without CPUs and two worker nodes of one CPU, all on 127.0.0.1. The nodes
     start with tests/ on ``PYTHONPATH`` (their workers import ``sweep._toy``) and the gate's
     path in ``HFSWEEP_TEST_GATE``; shut down (their processes, by pid) after the test."""
-    from ray.cluster_utils import Cluster
-
-    if ray.is_initialized():
-        pytest.skip("a Ray is already running in this process")
     _workers_import_tests(monkeypatch)
     monkeypatch.setenv(GATE_ENV, str(tmp_path / "gate"))
     monkeypatch.setenv("RAY_DEDUP_LOGS", "0")
-    made = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 0, "node_ip_address": "127.0.0.1", "include_dashboard": False},
-    )
-    try:
-        for _ in range(2):
-            made.add_node(num_cpus=1, node_ip_address="127.0.0.1")
-        made.wait_for_nodes()
+    with loopback_cluster() as made:
         yield made
-    finally:
-        if ray.is_initialized():
-            ray.shutdown()
-        made.shutdown()
 
 
 def add_worker(cluster: Any) -> Any:

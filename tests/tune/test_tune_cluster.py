@@ -25,6 +25,7 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("ray.tune.search.optuna")
 
 import torch  # noqa: E402
+from _ray_cluster import loopback_cluster  # noqa: E402
 from hfsweep.schedulers.tune import Fusion, member_results, sweep_state  # noqa: E402
 from ray import tune  # noqa: E402
 from ray.tune.schedulers import FIFOScheduler  # noqa: E402
@@ -98,32 +99,19 @@ class RemoveANode(tune.Callback):
 def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """A head without CPUs and two worker nodes of one CPU, all on 127.0.0.1, with this process
     connected to it; the gate's path in the nodes' environment. Shut down after the test."""
-    from ray.cluster_utils import Cluster
-
     from hfsweep.executors._connect import on_loopback
 
-    if ray.is_initialized():
-        pytest.skip("a Ray is already running in this process")
     monkeypatch.setenv(GATE_ENV, str(tmp_path / "gate"))
     monkeypatch.setenv("RAY_DEDUP_LOGS", "0")
     monkeypatch.setenv("TUNE_GLOBAL_CHECKPOINT_S", "0")
-    made = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 0, "node_ip_address": "127.0.0.1", "include_dashboard": False},
-    )
-    try:
-        for _ in range(2):
-            made.add_node(num_cpus=1, node_ip_address="127.0.0.1")
-        made.wait_for_nodes()
+    with loopback_cluster() as made:
         with on_loopback():  # else Ray moves 127.0.0.1 to another address of the machine
             ray.init(address=made.address, log_to_driver=False)
         _CLUSTER.append(made)
-        yield made
-    finally:
-        _CLUSTER.clear()
-        if ray.is_initialized():
-            ray.shutdown()
-        made.shutdown()
+        try:
+            yield made
+        finally:
+            _CLUSTER.clear()
 
 
 def test_a_removed_worker_nodes_array_is_retried_from_its_checkpoint_and_nothing_is_told_twice(

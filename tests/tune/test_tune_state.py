@@ -294,7 +294,9 @@ def test_an_array_that_fails_for_good_fails_its_untold_members_and_a_stopped_one
     assert searcher2.results == [("B-0", 1), ("B-1", 1)]
 
 
-def test_the_state_survives_a_save_and_restore() -> None:
+def _asha_state_after_one_report() -> tuple[Any, dict[str, Any]]:
+    """A sweep state under ASHA with array A of two members, each reported once (A-1 stopped):
+    the state and what it posted to the trainables."""
     state, _, posted = _state([{"lr": 0.1}, {"lr": 0.2}], members=2, size=2)
     state.decider = TuneDecider(
         ASHAScheduler(
@@ -303,6 +305,11 @@ def test_the_state_survives_a_save_and_restore() -> None:
     )
     state.suggest("A")
     state.on_result("A", _report("t1", [("A-0", 1, 0.9), ("A-1", 1, 0.1)]))
+    return state, posted
+
+
+def test_the_state_survives_a_save_and_restore() -> None:
+    state, posted = _asha_state_after_one_report()
     saved = copy.deepcopy(state.state_dict())
     restored, searcher2, posted2 = _state([], members=2, size=2)
     restored.load_state_dict(saved)
@@ -358,14 +365,7 @@ def _as_format_1(saved: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_a_sweep_saved_in_the_previous_format_goes_on_after_a_restore() -> None:
-    state, _, posted = _state([{"lr": 0.1}, {"lr": 0.2}], members=2, size=2)
-    state.decider = TuneDecider(
-        ASHAScheduler(
-            metric="val_accuracy", mode="max", max_t=4, grace_period=1, reduction_factor=2
-        )
-    )
-    state.suggest("A")
-    state.on_result("A", _report("t1", [("A-0", 1, 0.9), ("A-1", 1, 0.1)]))
+    state, posted = _asha_state_after_one_report()
     old = _as_format_1(copy.deepcopy(state.state_dict()))
     assert {r["state"] for r in old["members"].values()} == {"RUNNING", "PRUNED"}
     restored, searcher2, posted2 = _state([], members=2, size=2)
