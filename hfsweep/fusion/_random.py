@@ -266,7 +266,7 @@ def _draw(
         out = key_uniform(seed, calls, salt, shape, dtype)
     else:
         wide = dtype if dtype == torch.float64 else torch.float32
-        u = key_uniform(seed, calls, salt, (2, *shape), wide)
+        u = key_uniform(seed, calls, salt, (2, *shape), wide, batch_dim=1)
         out = (torch.sqrt(-2 * torch.log1p(-u[0])) * torch.cos(2 * math.pi * u[1])).to(dtype)
     device = options.get("device")
     if device is not None:

@@ -23,6 +23,7 @@ from torch.overrides import TorchFunctionMode
 
 from .._compat import pytree
 from .._errors import FusionError
+from ..nn._shard import current_shard
 from ._check import describe_path
 from ._graph import simplify
 from ._random import FunctionalStream, member_randomness
@@ -279,6 +280,7 @@ class _Tracing:
                 torch.is_grad_enabled(),
                 torch.is_inference_mode_enabled(),
                 _autocast_state(),
+                current_shard(),  # a data-parallel worker's rows: baked into random draws
                 shared,
                 spec,
                 tuple(None if isinstance(x, Tensor) else x for x in leaves),

@@ -30,7 +30,7 @@ small MLP the dropout layer took about 85% of the time to trace the whole forwar
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -38,6 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from .._errors import FusionError
+from ._shard import global_shape
 
 __all__ = [
     "FusedDropoutMixin",
@@ -358,19 +359,37 @@ def stream_multiplier(
     for members whose ``p`` is above 0). ``module`` holds the stream (``member_p``,
     ``member_seed``, ``member_calls`` and ``_hfsweep_salt``): a fused dropout layer, or a fused
     ``MultiheadAttention`` for its attention weights."""
-    numel = math.prod(shape)
-    _check_numel(numel)
-    multiplier = _multiplier_op(
-        module.get_buffer("member_seed"),
-        module.get_buffer("member_calls"),
-        module.get_buffer("member_p"),
-        int(getattr(module, "_hfsweep_salt", 0)),
-        numel,
-        dtype,
+    multiplier = _drawn(
+        shape,
+        0,
+        lambda numel: _multiplier_op(
+            module.get_buffer("member_seed"),
+            module.get_buffer("member_calls"),
+            module.get_buffer("member_p"),
+            int(getattr(module, "_hfsweep_salt", 0)),
+            numel,
+            dtype,
+        ),
     )
     p = module.get_buffer("member_p")
     module.get_buffer("member_calls").add_((p > 0).to(torch.int64) if only_if_dropping else 1)
-    return multiplier.view(shape)
+    return multiplier
+
+
+def _drawn(shape: tuple[int, ...], dim: int, draw: Callable[[int], Tensor]) -> Tensor:
+    """``draw(numel)`` (flat, element j keyed by its index j) viewed as ``shape``. Inside a
+    data-parallel shard (:func:`~hfsweep.nn._shard.batch_shard`) whose size dimension ``dim``
+    of ``shape`` has, the draw is of the global batch's shape and this worker's rows are kept:
+    the values the 1-worker run draws for them."""
+    wide = global_shape(shape, dim)
+    if wide is None:
+        numel = math.prod(shape)
+        _check_numel(numel)
+        return draw(numel).view(shape)
+    full, offset, rows = wide
+    numel = math.prod(full)
+    _check_numel(numel)
+    return draw(numel).view(full).narrow(dim, offset, rows)
 
 
 class FusedDropoutMixin(nn.Module):
@@ -436,16 +455,18 @@ def key_multiplier(
     """A mask of the stream keyed by (``seed``, ``calls``, ``salt``), scaled (``0`` or
     ``1 / (1 - p)`` per element), in ``shape``: :func:`stream_multiplier` for a stream that
     is not one layer's (the functional dropout calls of a forward)."""
-    numel = math.prod(shape)
-    _check_numel(numel)
-    return _multiplier_op(seed, calls, p, salt, numel, dtype).view(shape)
+    return _drawn(shape, 0, lambda numel: _multiplier_op(seed, calls, p, salt, numel, dtype))
 
 
 def key_uniform(
-    seed: Tensor, calls: Tensor, salt: int, shape: tuple[int, ...], dtype: torch.dtype
+    seed: Tensor,
+    calls: Tensor,
+    salt: int,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    batch_dim: int = 0,
 ) -> Tensor:
     """Uniform numbers in ``[0, 1)`` in ``shape`` from the stream keyed by (``seed``,
-    ``calls``, ``salt``): ``torch.rand`` drawn from a member's own stream."""
-    numel = math.prod(shape)
-    _check_numel(numel)
-    return _uniform_op(seed, calls, salt, numel, dtype).view(shape)
+    ``calls``, ``salt``): ``torch.rand`` drawn from a member's own stream. ``batch_dim`` is the
+    dimension of ``shape`` that holds the batch (a data-parallel worker keeps its rows of it)."""
+    return _drawn(shape, batch_dim, lambda numel: _uniform_op(seed, calls, salt, numel, dtype))
