@@ -240,8 +240,7 @@ class _Run:
                 torch._foreach_copy_(backup, buffers)
             out_of_memory = ""
             try:
-                smoothing = live.smoothing if live.smoothes else None
-                losses = backward(self.task, array, x, y, smoothing, live.clip)
+                losses = self._backward(live, x, y)
             except torch.OutOfMemoryError as exc:
                 out_of_memory = describe(exc, limit=300)
             if out_of_memory:
@@ -289,10 +288,21 @@ class _Run:
                         return [self._compacted(live, size)]
                 self._save_checkpoint(live)
                 self._deliver()
+                self._at_boundary()
                 counts.plan(state.slots, eval_every)  # members ended or joined
                 training = any(s is not None for s in state.slots)
                 timer.resume()
         return None
+
+    def _backward(self, live: _Live, x: Any, y: Any) -> Tensor:
+        """Forward and backward of one training step on the batch ``(x, y)``; the ``[B]``
+        losses (a data-parallel worker reduces its shard's with the others')."""
+        smoothing = live.smoothing if live.smoothes else None
+        return backward(self.task, live.array, x, y, smoothing, live.clip)
+
+    def _at_boundary(self) -> None:
+        """Called at every evaluation boundary once the checkpoint is written and the ended
+        members are delivered: where a data-parallel run may stop to be resized."""
 
     def _out_of_memory(self, live: _Live, error: str) -> list[_ArrayState] | None:
         """The arrays to go on with after a training step ran out of memory: two halves while
@@ -381,21 +391,9 @@ class _Run:
     def _evaluate(self, live: _Live, due: list[int], spe: int) -> None:
         state, array, loss_sum = live.state, live.array, live.loss_sum
         _, val = self.t._dataset(state.slots[due[0]].config)  # type: ignore[union-attr]
-        sums: dict[str, Tensor] = {}
-        count = 0
         array.eval()
         with torch.no_grad(), Phase("drawing a validation batch"):
-            for batch in val:
-                x, y = self.t._to_device(batch)
-                with Phase("the forward pass (evaluation)"):
-                    out = array(x)
-                with Phase("the validation loss and metrics"):
-                    batch_values = self.task.member_metrics(out, y)
-                    n = int(y.shape[0]) if isinstance(y, Tensor) and y.dim() else 1
-                    for name, value in batch_values.items():
-                        add = value.detach().to(torch.float64) * n
-                        sums[name] = sums[name] + add if name in sums else add
-                count += n
+            sums, count = self._validation_sums(array, val)
         array.train()
         if count == 0:
             raise TaskError(f"task {self.task.name!r}: the validation data yielded no batch")
@@ -418,10 +416,8 @@ class _Run:
             evaluations.append(
                 Evaluation(s.member.id, s.steps, s.steps / spe, metrics, s.steps >= s.budget)
             )
-        decisions: Mapping[str, bool] = {}
-        if self.report is not None:
-            with self._user_rng_scope():
-                decisions = self.report(evaluations) or {}
+        decisions = self._report(evaluations)
+        if decisions:
             unknown = sorted(set(decisions) - {e.member for e in evaluations})
             if unknown:
                 raise ValueError(
@@ -435,6 +431,42 @@ class _Run:
                 self._finish(live, i, "completed", None)
             elif not decisions.get(e.member, True):
                 self._finish(live, i, "stopped", None)
+
+    def _validation_sums(self, array: FusedArray, val: Any) -> tuple[dict[str, Tensor], int]:
+        """Each validation metric summed over the samples of ``val`` (``[B]`` float64 per
+        name; a batch's mean weighted by its rows), and the number of samples."""
+        sums: dict[str, Tensor] = {}
+        count = 0
+        for batch in val:
+            x, y = self.t._to_device(batch)
+            with Phase("the forward pass (evaluation)"):
+                out = array(x)
+            with Phase("the validation loss and metrics"):
+                batch_values = self.task.member_metrics(out, y)
+                n = int(y.shape[0]) if isinstance(y, Tensor) and y.dim() else 1
+                for name, value in batch_values.items():
+                    add = value.detach().to(torch.float64) * n
+                    sums[name] = sums[name] + add if name in sums else add
+            count += n
+        return sums, count
+
+    def _report(self, evaluations: list[Evaluation]) -> Mapping[str, bool]:
+        """The report hook's decisions on ``evaluations`` (``{}`` without a hook)."""
+        if self.report is None:
+            return {}
+        with self._user_rng_scope():
+            return self.report(evaluations) or {}
+
+    def _next_member(self) -> Member | None:
+        """The refill hook's next member, or ``None``."""
+        assert self.refill is not None
+        with self._user_rng_scope():
+            return self.refill()
+
+    def _writes_files(self) -> bool:
+        """Whether this run writes the checkpoint's files (a data-parallel array's first worker
+        does, the others only read them)."""
+        return self.t.checkpoint_dir is not None
 
     # ------------------------------------------------------------------ finishing and refill
     def _finish(self, live: _Live, i: int, status: str, error: str | None) -> None:
@@ -455,9 +487,12 @@ class _Run:
             start_step=s.spec.start,
         )
         self.results[s.member.id] = result
-        if self.t.checkpoint_dir is not None and self.t.keep_states and member_state is not None:
+        d = self.t.checkpoint_dir
+        writes = d is not None and self._writes_files() and self.t.keep_states
+        if writes and member_state is not None:
+            assert d is not None
             # the checkpoint holds the state only until on_finish has been called
-            _write_member(self.t.checkpoint_dir, result, member_state)
+            _write_member(d, result, member_state)
         live.opt.set_active(i, False)
         live.state.slots[i] = None
         self.pending.append(s.member.id)
@@ -472,8 +507,7 @@ class _Run:
                 continue
             model = None
             while model is None:  # a member whose model(config) raises fails alone
-                with self._user_rng_scope():
-                    member = self.refill()
+                member = self._next_member()
                 if member is None:
                     return
                 slot = self._new_slot(member, self._position(state, member))
