@@ -1,0 +1,36 @@
+"""Data-parallel arrays: one fused array trained on k workers, resized while it trains.
+
+Each worker holds every member and trains on 1/k of every global batch; the gradients are summed
+across workers with ``torch.distributed`` (gloo on CPUs, NCCL on GPUs), each worker's loss
+weighted by its share of the batch's rows, so that a k-worker array equals the 1-worker array
+within float rounding (dropout masks included) and every hyperparameter keeps its meaning. The
+checkpoint is the one-worker trainer's, so an array can go on with another number of workers at
+any evaluation boundary, and after a worker is lost. docs/elastic.md has the details.
+
+One job per module, each importing only those below it in this list:
+
+- ``_launch``: :func:`train_data_parallel`, k worker processes on this machine, resized and
+  shrunk from the checkpoint.
+- ``_run``: :class:`DataParallelTrainer`, the trainer of one worker; :func:`request_resize`.
+- ``_collectives``: the process group's collectives the workers use.
+- ``_split``: how a batch is split between the workers.
+"""
+
+from ._collectives import Group
+from ._launch import WorkerError, train_data_parallel
+from ._run import DataParallelTrainer, ResizeRequested, read_resize, request_resize
+from ._split import batch_rows, shard_bounds, shard_sizes, take_rows
+
+__all__ = [
+    "DataParallelTrainer",
+    "Group",
+    "ResizeRequested",
+    "WorkerError",
+    "batch_rows",
+    "read_resize",
+    "request_resize",
+    "shard_bounds",
+    "shard_sizes",
+    "take_rows",
+    "train_data_parallel",
+]

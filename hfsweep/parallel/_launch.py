@@ -1,0 +1,253 @@
+"""Training one array on k worker processes of this machine, resized and shrunk as it goes.
+
+:func:`train_data_parallel` starts k processes (``torch.multiprocessing``), joins them in a
+``torch.distributed`` process group on loopback (gloo, or NCCL with one GPU per worker), trains
+the array with :class:`~hfsweep.parallel.DataParallelTrainer` and returns rank 0's results. It
+goes on across two kinds of interruption, both from the checkpoint the trainer writes at every
+evaluation (whose layout does not depend on k):
+
+- a resize: :func:`~hfsweep.parallel.request_resize` asks for k' workers; at its next
+  evaluation boundary the array writes its checkpoint and stops, and k' workers resume it;
+- a lost worker: a worker killed by a signal (SIGKILL, the out-of-memory killer, a node gone)
+  takes the others down with it (their collectives fail, or they are ended here); the array
+  resumes from its last checkpoint on the k - 1 workers left. Steps after that checkpoint are
+  trained again, from the same state and data, so they give the same values; the members the
+  leader already delivered (``delivered.log``) are not delivered again.
+
+A worker that raises (a bug, a bad config) is not a lost worker: the error is raised here with
+the worker's traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .._io import atomic_save, atomic_write_text
+from ..training import Member, MemberResult
+from ..training.results import ReportHook
+from ..training.task import Task
+from ._run import RESIZE_FILE, DataParallelTrainer, ResizeRequested
+
+__all__ = ["WorkerError", "train_data_parallel"]
+
+_log = logging.getLogger("hfsweep.parallel")
+
+#: seconds the other workers get to end on their own after one failed, before they are killed
+_GRACE_S = 2.0
+
+
+class WorkerError(RuntimeError):
+    """A worker of a data-parallel array raised; the message holds its traceback."""
+
+
+def train_data_parallel(
+    task: Task,
+    members: Sequence[Member],
+    *,
+    workers: int,
+    checkpoint_dir: str | os.PathLike[str],
+    resume: bool = False,
+    report: ReportHook | None = None,
+    on_finish: Callable[[MemberResult], None] | None = None,
+    backend: str | None = None,
+    threads: int = 1,
+    timeout_s: float = 120.0,
+    start_method: str | None = None,
+    **trainer_options: Any,
+) -> list[MemberResult]:
+    """Train ``members`` of ``task`` as one array on ``workers`` processes and return one result
+    per member (rank 0's), as :meth:`ArrayTrainer.run <hfsweep.ArrayTrainer.run>` would on one.
+
+    ``checkpoint_dir`` is required: it is what a resize or a lost worker resumes from.
+    ``report`` and ``on_finish`` run in rank 0's process (they must pickle). ``backend`` is
+    ``"gloo"`` (the default on CPUs) or ``"nccl"`` (the default when ``device`` is CUDA: worker
+    r takes GPU r). ``threads`` is each worker's torch threads; ``timeout_s`` bounds a
+    collective that waits for a worker that is gone. ``start_method`` is
+    ``torch.multiprocessing``'s: by default ``"fork"`` on CPUs where the platform has it (a
+    worker starts in milliseconds, with this process's imports; ``task`` need not pickle) and
+    ``"spawn"`` otherwise and on CUDA (which a forked process cannot use; every worker then
+    imports torch and hfsweep itself, and ``task`` and the hooks must pickle).
+    ``trainer_options`` are
+    :class:`~hfsweep.ArrayTrainer`'s (``dtype``, ``eval_every``, ``device``...).
+    """
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
+    directory = Path(checkpoint_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    device = torch.device(trainer_options.get("device", "cpu"))
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    if start_method is None:
+        forks = "fork" in torch.multiprocessing.get_all_start_methods()
+        start_method = "fork" if forks and device.type == "cpu" else "spawn"
+    k = workers
+    while True:
+        with tempfile.TemporaryDirectory(prefix="hfsweep-dp-") as scratch:
+            job = _Job(task, list(members), k, directory, resume, report, on_finish, backend)
+            outcome, value = _run_workers(
+                job, Path(scratch), threads, timeout_s, start_method, trainer_options
+            )
+        if outcome == "done":
+            return value
+        resume = True
+        if outcome == "resize":
+            (directory / RESIZE_FILE).unlink(missing_ok=True)
+            _log.info("array in %s: %d -> %d workers (asked for)", directory, k, value)
+            k = value
+        else:  # "lost"
+            if k - value < 1:
+                raise WorkerError(f"array in {directory}: every one of its {k} workers was lost")
+            _log.warning(
+                "array in %s: %d of %d workers lost; going on with %d from the last checkpoint",
+                directory,
+                value,
+                k,
+                k - value,
+            )
+            k -= value
+
+
+class _Job:
+    """What every worker of one launch needs (pickled to each)."""
+
+    def __init__(
+        self,
+        task: Task,
+        members: list[Member],
+        workers: int,
+        directory: Path,
+        resume: bool,
+        report: ReportHook | None,
+        on_finish: Callable[[MemberResult], None] | None,
+        backend: str,
+    ) -> None:
+        self.task, self.members, self.workers, self.directory = task, members, workers, directory
+        self.resume, self.report, self.on_finish, self.backend = resume, report, on_finish, backend
+
+
+def _run_workers(
+    job: _Job,
+    scratch: Path,
+    threads: int,
+    timeout_s: float,
+    start_method: str,
+    options: dict[str, Any],
+) -> tuple[str, Any]:
+    """Start ``job.workers`` workers and wait for them: ``("done", results)``, ``("resize",
+    workers)`` or ``("lost", how many were killed by a signal)``; a worker that raised raises
+    :class:`WorkerError`."""
+    ctx = torch.multiprocessing.get_context(start_method)
+    port = _free_port()
+    procs = [
+        ctx.Process(  # type: ignore[attr-defined]
+            target=_worker,
+            args=(rank, port, job, scratch, threads, timeout_s, options),
+            daemon=True,
+        )
+        for rank in range(job.workers)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        failed_at: float | None = None
+        while True:
+            codes = [p.exitcode for p in procs]
+            if all(c == 0 for c in codes):
+                break
+            if failed_at is None and any(c not in (None, 0) for c in codes):
+                failed_at = time.monotonic()
+            if failed_at is not None and (
+                all(c is not None for c in codes) or time.monotonic() - failed_at > _GRACE_S
+            ):
+                break
+            time.sleep(0.02)
+    finally:
+        ended_here = [p for p in procs if p.exitcode is None]
+        for p in ended_here:
+            p.kill()
+        for p in procs:
+            p.join()
+    codes = [p.exitcode for p in procs]
+    if all(c == 0 for c in codes):
+        outcome: tuple[str, Any] = torch.load(scratch / "outcome.pt", weights_only=False)
+        return outcome
+    signalled = [
+        rank
+        for rank, (p, c) in enumerate(zip(procs, codes, strict=True))
+        if c is not None and c < 0 and p not in ended_here
+    ]
+    if signalled:
+        return "lost", len(signalled)
+    errors = [
+        f"worker {rank}:\n{(scratch / f'error-{rank}.txt').read_text()}"
+        for rank in range(job.workers)
+        if (scratch / f"error-{rank}.txt").exists()
+    ]
+    raise WorkerError(
+        f"a worker of the data-parallel array in {job.directory} failed (exit codes {codes}):\n"
+        + ("\n".join(errors) or "no traceback was written")
+    )
+
+
+def _worker(
+    rank: int,
+    port: int,
+    job: _Job,
+    scratch: Path,
+    threads: int,
+    timeout_s: float,
+    options: dict[str, Any],
+) -> None:
+    """One worker process: join the group, train, and (rank 0) write the outcome."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    try:
+        device = torch.device(options.get("device", "cpu"))
+        if device.type == "cuda":
+            device = torch.device("cuda", rank)
+            torch.cuda.set_device(device)
+            options = {**options, "device": device}
+        dist.init_process_group(
+            job.backend,
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=job.workers,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        try:
+            trainer = DataParallelTrainer(job.task, checkpoint_dir=job.directory, **options)
+            outcome: tuple[str, Any]
+            try:
+                results = trainer.run(
+                    job.members, report=job.report, on_finish=job.on_finish, resume=job.resume
+                )
+                outcome = ("done", results)
+            except ResizeRequested as asked:
+                outcome = ("resize", asked.workers)
+            if rank == 0:
+                atomic_save(outcome, scratch / "outcome.pt")
+        finally:
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+    except BaseException:
+        atomic_write_text(scratch / f"error-{rank}.txt", traceback.format_exc())
+        raise
+
+
+def _free_port() -> int:
+    """A TCP port free on loopback now (the workers' rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
