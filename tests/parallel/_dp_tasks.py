@@ -77,3 +77,35 @@ def make_task() -> hs.Task:
         data=data,
         defaults={"batch_size": 31, "epochs": 2, "bn": False, "kill_after": None},
     )
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+class Recorder:
+    """A report hook (and ``on_finish`` hook) that appends one line per evaluation (``eval
+    <member> <step> <workers>``) or delivered member (``done <member>``) to ``path``, and asks
+    for ``resize[step]`` workers at the evaluation of that step (``request_resize``)."""
+
+    def __init__(self, path: str, directory: str, resize: Mapping[int, int] | None = None) -> None:
+        self.path, self.directory, self.resize = path, directory, dict(resize or {})
+
+    def __call__(self, evaluations: list[hs.Evaluation]) -> dict[str, bool]:
+        from hfsweep.parallel import request_resize
+
+        with open(self.path, "a") as f:
+            for e in evaluations:
+                f.write(f"eval {e.member} {e.step} {_world()}\n")
+        step = evaluations[0].step
+        if step in self.resize:
+            request_resize(self.directory, self.resize[step])
+        return {}
+
+    def finished(self, result: hs.MemberResult) -> None:
+        with open(self.path, "a") as f:
+            f.write(f"done {result.id}\n")
+
+    def lines(self) -> list[list[str]]:
+        with open(self.path) as f:
+            return [line.split() for line in f]
