@@ -27,6 +27,8 @@ RAY_TESTS = (
     "tests/sweep/test_kill_resume.py::test_sigkill_then_resume_finishes_the_sweep[ray]",
     # the lifecycle over the Ray executor and the Tune plugin, each process with a Ray of its own
     "tests/test_lifecycle.py::test_a_killed_sweep_resumes_to_the_same_end[ray-",
+    # a data-parallel array's workers as actors in a placement group, on the shared Ray
+    "tests/parallel/test_ray_data_parallel.py::",
     # a benchmark's smoke run with its own local Ray (ray.init in the script)
     "tests/test_benchmarks.py::test_sweep_end_to_end_quick_runs",
     # the README's Tune quick start, on the shared Ray

@@ -9,8 +9,9 @@ any evaluation boundary, and after a worker is lost. docs/elastic.md has the det
 
 One job per module, each importing only those below it in this list:
 
+- ``_ray``: :func:`train_data_parallel_ray`, the k workers as Ray actors in a placement group.
 - ``_launch``: :func:`train_data_parallel`, k worker processes on this machine, resized and
-  shrunk from the checkpoint.
+  shrunk from the checkpoint (the loop both share).
 - ``_run``: :class:`DataParallelTrainer`, the trainer of one worker; :func:`request_resize`.
 - ``_collectives``: the process group's collectives the workers use.
 - ``_split``: how a batch is split between the workers.
@@ -18,6 +19,7 @@ One job per module, each importing only those below it in this list:
 
 from ._collectives import Group
 from ._launch import WorkerError, train_data_parallel
+from ._ray import train_data_parallel_ray
 from ._run import DataParallelTrainer, ResizeRequested, read_resize, request_resize
 from ._split import batch_rows, shard_bounds, shard_sizes, take_rows
 
@@ -33,4 +35,5 @@ __all__ = [
     "shard_sizes",
     "take_rows",
     "train_data_parallel",
+    "train_data_parallel_ray",
 ]

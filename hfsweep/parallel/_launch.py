@@ -40,7 +40,7 @@ from ..training.results import ReportHook
 from ..training.task import Task
 from ._run import RESIZE_FILE, DataParallelTrainer, ResizeRequested
 
-__all__ = ["WorkerError", "train_data_parallel"]
+__all__ = ["WorkerError", "elastic_loop", "free_port", "train_data_parallel", "train_worker"]
 
 _log = logging.getLogger("hfsweep.parallel")
 
@@ -91,31 +91,42 @@ def train_data_parallel(
     if start_method is None:
         forks = "fork" in torch.multiprocessing.get_all_start_methods()
         start_method = "fork" if forks and device.type == "cpu" else "spawn"
-    k = workers
-    while True:
+    method: str = start_method
+
+    def launch(job: _Job) -> tuple[str, Any]:
         with tempfile.TemporaryDirectory(prefix="hfsweep-dp-") as scratch:
-            job = _Job(task, list(members), k, directory, resume, report, on_finish, backend)
-            outcome, value = _run_workers(
-                job, Path(scratch), threads, timeout_s, start_method, trainer_options
-            )
+            return _run_workers(job, Path(scratch), threads, timeout_s, method, trainer_options)
+
+    job = _Job(task, list(members), workers, directory, resume, report, on_finish, backend)
+    return elastic_loop(job, launch)
+
+
+def elastic_loop(job: _Job, launch: Callable[[_Job], tuple[str, Any]]) -> list[MemberResult]:
+    """Launch ``job`` until it is done: again with the workers asked for after a resize, and
+    with the workers left after some were lost, each time resuming from the checkpoint.
+    ``launch(job)`` runs one launch and says how it ended: ``("done", results)``,
+    ``("resize", workers)`` or ``("lost", how many workers died)``."""
+    directory = job.directory
+    while True:
+        outcome, value = launch(job)
         if outcome == "done":
             return value
-        resume = True
+        k = job.workers
         if outcome == "resize":
             (directory / RESIZE_FILE).unlink(missing_ok=True)
             _log.info("array in %s: %d -> %d workers (asked for)", directory, k, value)
-            k = value
-        else:  # "lost"
-            if k - value < 1:
-                raise WorkerError(f"array in {directory}: every one of its {k} workers was lost")
-            _log.warning(
-                "array in %s: %d of %d workers lost; going on with %d from the last checkpoint",
-                directory,
-                value,
-                k,
-                k - value,
-            )
-            k -= value
+            job = job.again(value)
+            continue
+        if k - value < 1:
+            raise WorkerError(f"array in {directory}: every one of its {k} workers was lost")
+        _log.warning(
+            "array in %s: %d of %d workers lost; going on with %d from the last checkpoint",
+            directory,
+            value,
+            k,
+            k - value,
+        )
+        job = job.again(k - value)
 
 
 class _Job:
@@ -135,6 +146,19 @@ class _Job:
         self.task, self.members, self.workers, self.directory = task, members, workers, directory
         self.resume, self.report, self.on_finish, self.backend = resume, report, on_finish, backend
 
+    def again(self, workers: int) -> _Job:
+        """This job on ``workers`` workers, resuming from the checkpoint."""
+        return _Job(
+            self.task,
+            self.members,
+            workers,
+            self.directory,
+            True,
+            self.report,
+            self.on_finish,
+            self.backend,
+        )
+
 
 def _run_workers(
     job: _Job,
@@ -148,7 +172,7 @@ def _run_workers(
     workers)`` or ``("lost", how many were killed by a signal)``; a worker that raised raises
     :class:`WorkerError`."""
     ctx = torch.multiprocessing.get_context(start_method)
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(  # type: ignore[attr-defined]
             target=_worker,
@@ -209,44 +233,58 @@ def _worker(
     timeout_s: float,
     options: dict[str, Any],
 ) -> None:
-    """One worker process: join the group, train, and (rank 0) write the outcome."""
-    import torch.distributed as dist
-
-    torch.set_num_threads(threads)
+    """One worker process: train, and (rank 0) write the outcome; a worker that raises
+    writes its traceback."""
     try:
-        device = torch.device(options.get("device", "cpu"))
-        if device.type == "cuda":
-            device = torch.device("cuda", rank)
-            torch.cuda.set_device(device)
-            options = {**options, "device": device}
-        dist.init_process_group(
-            job.backend,
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=job.workers,
-            timeout=timedelta(seconds=timeout_s),
-        )
-        try:
-            trainer = DataParallelTrainer(job.task, checkpoint_dir=job.directory, **options)
-            outcome: tuple[str, Any]
-            try:
-                results = trainer.run(
-                    job.members, report=job.report, on_finish=job.on_finish, resume=job.resume
-                )
-                outcome = ("done", results)
-            except ResizeRequested as asked:
-                outcome = ("resize", asked.workers)
-            if rank == 0:
-                atomic_save(outcome, scratch / "outcome.pt")
-        finally:
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
+        outcome = train_worker(rank, f"127.0.0.1:{port}", job, threads, timeout_s, options)
+        if rank == 0:
+            atomic_save(outcome, scratch / "outcome.pt")
     except BaseException:
         atomic_write_text(scratch / f"error-{rank}.txt", traceback.format_exc())
         raise
 
 
-def _free_port() -> int:
+def train_worker(
+    rank: int,
+    address: str,
+    job: _Job,
+    threads: int,
+    timeout_s: float,
+    options: dict[str, Any],
+) -> tuple[str, Any]:
+    """Worker ``rank`` of ``job``: join the process group at ``address`` (``host:port`` of
+    rank 0's rendezvous), train, leave the group; ``("done", results)`` or ``("resize",
+    workers)``."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    device = torch.device(options.get("device", "cpu"))
+    if device.type == "cuda":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        options = {**options, "device": device}
+    dist.init_process_group(
+        job.backend,
+        init_method=f"tcp://{address}",
+        rank=rank,
+        world_size=job.workers,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    try:
+        trainer = DataParallelTrainer(job.task, checkpoint_dir=job.directory, **options)
+        try:
+            results = trainer.run(
+                job.members, report=job.report, on_finish=job.on_finish, resume=job.resume
+            )
+            return "done", results
+        except ResizeRequested as asked:
+            return "resize", asked.workers
+    finally:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+def free_port() -> int:
     """A TCP port free on loopback now (the workers' rendezvous)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

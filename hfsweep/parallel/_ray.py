@@ -1,0 +1,171 @@
+"""A data-parallel array's k workers as Ray actors in one placement group.
+
+:func:`train_data_parallel_ray` is :func:`~hfsweep.parallel.train_data_parallel` on a Ray
+cluster: each launch reserves k bundles (``cpus_per_worker`` CPUs and ``gpus_per_worker`` GPUs
+each) in a placement group, starts one actor per bundle, has rank 0's actor pick its node's
+address and a free port for the ``torch.distributed`` rendezvous, and trains. Resizes and lost
+workers are handled as on one machine (the same loop, from the same checkpoint): an actor whose
+process dies (SIGKILL, a node lost) counts as a lost worker, the other actors are killed, the
+placement group is given back, and k - 1 new actors resume the array. The checkpoint folder
+must be one every worker's node sees (one machine, or a shared file system).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..training import Member, MemberResult
+from ..training.results import ReportHook
+from ..training.task import Task
+from ._launch import WorkerError, _Job, elastic_loop, free_port, train_worker
+
+__all__ = ["train_data_parallel_ray"]
+
+_log = logging.getLogger("hfsweep.parallel")
+
+#: seconds the other actors get to end on their own after one failed
+_GRACE_S = 2.0
+
+
+def train_data_parallel_ray(
+    task: Task,
+    members: Sequence[Member],
+    *,
+    workers: int,
+    checkpoint_dir: str | os.PathLike[str],
+    resume: bool = False,
+    report: ReportHook | None = None,
+    on_finish: Callable[[MemberResult], None] | None = None,
+    cpus_per_worker: float = 1,
+    gpus_per_worker: float = 0,
+    backend: str | None = None,
+    threads: int = 1,
+    timeout_s: float = 120.0,
+    place_timeout_s: float = 120.0,
+    **trainer_options: Any,
+) -> list[MemberResult]:
+    """Train ``members`` as one array on ``workers`` Ray actors (Ray initialised by the
+    caller) and return rank 0's results. The arguments are
+    :func:`~hfsweep.parallel.train_data_parallel`'s, and each worker's resources;
+    ``place_timeout_s`` bounds the wait for the placement group (a :class:`WorkerError` says
+    the cluster cannot hold the array)."""
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
+    directory = Path(checkpoint_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    if gpus_per_worker:
+        trainer_options = {"device": "cuda", **trainer_options}
+    device = torch.device(trainer_options.get("device", "cpu"))
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    bundle = {"CPU": float(cpus_per_worker), "GPU": float(gpus_per_worker)}
+    bundle = {k: v for k, v in bundle.items() if v}
+
+    def launch(job: _Job) -> tuple[str, Any]:
+        return _launch(job, bundle, threads, timeout_s, place_timeout_s, trainer_options)
+
+    job = _Job(task, list(members), workers, directory, resume, report, on_finish, backend)
+    return elastic_loop(job, launch)
+
+
+class _Worker:
+    """One worker of a data-parallel array, in a Ray actor."""
+
+    def rendezvous(self) -> str:
+        """``host:port`` for the process group's rendezvous, on this actor's node."""
+        import ray
+
+        return f"{ray.util.get_node_ip_address()}:{free_port()}"
+
+    def train(
+        self,
+        rank: int,
+        address: str,
+        job: _Job,
+        threads: int,
+        timeout_s: float,
+        options: dict[str, Any],
+    ) -> tuple[str, Any]:
+        """:func:`~hfsweep.parallel._launch.train_worker` in this actor."""
+        outcome = train_worker(rank, address, job, threads, timeout_s, options)
+        return outcome if rank == 0 else (outcome[0], None)
+
+
+def _launch(
+    job: _Job,
+    bundle: dict[str, float],
+    threads: int,
+    timeout_s: float,
+    place_timeout_s: float,
+    options: dict[str, Any],
+) -> tuple[str, Any]:
+    """One launch of ``job`` on Ray: ``("done", results)``, ``("resize", workers)`` or
+    ``("lost", actors that died)``."""
+    import ray
+    from ray.exceptions import RayActorError
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    group = placement_group([dict(bundle)] * job.workers, strategy="PACK")
+    actors: list[Any] = []
+    try:
+        if not ray.wait([group.ready()], timeout=place_timeout_s)[0]:
+            raise WorkerError(
+                f"Ray could not place {job.workers} workers of {bundle} for the array in "
+                f"{job.directory} within {place_timeout_s} s"
+            )
+        remote = ray.remote(_Worker)
+        actors = [
+            remote.options(
+                num_cpus=bundle.get("CPU", 0),
+                num_gpus=bundle.get("GPU", 0),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=group, placement_group_bundle_index=rank
+                ),
+            ).remote()
+            for rank in range(job.workers)
+        ]
+        address = ray.get(actors[0].rendezvous.remote())
+        refs = [
+            a.train.remote(rank, address, job, threads, timeout_s, options)
+            for rank, a in enumerate(actors)
+        ]
+        outcomes: dict[int, Any] = {}
+        died: set[int] = set()
+        raised: dict[int, BaseException] = {}
+        pending = list(refs)
+        failed = False
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=_GRACE_S if failed else None)
+            if not ready:  # the others did not end on their own after a failure
+                break
+            for ref in ready:
+                rank = refs.index(ref)
+                try:
+                    outcomes[rank] = ray.get(ref)
+                except RayActorError:
+                    died.add(rank)
+                    failed = True
+                except Exception as exc:  # the worker raised (RayTaskError)
+                    raised[rank] = exc
+                    failed = True
+        if died:
+            return "lost", len(died)
+        if raised:
+            first, error = min(raised.items())
+            raise WorkerError(
+                f"worker {first} of the data-parallel array in {job.directory} raised: {error}"
+            )
+        return outcomes[0]
+    finally:
+        for a in actors:
+            with contextlib.suppress(Exception):
+                ray.kill(a)
+        with contextlib.suppress(Exception):
+            remove_placement_group(group)
