@@ -64,20 +64,32 @@ class AllReduceCost:
     ) -> AllReduceCost:
         """The cost whose :meth:`time` fits measured ``(nbytes, seconds)`` points of ``workers``.
 
-        Least squares of ``seconds = a + b * nbytes`` (at least two distinct sizes), with ``a``
-        and ``b`` kept >= 0 (a tiny positive slope stands for "bandwidth beyond measuring");
-        then ``latency = a / (2 (k-1))`` and ``bandwidth = 2 (k-1) / k / b``.
+        Least squares of ``seconds = a + b * nbytes`` in *relative* error (each point weighted
+        by ``1 / seconds**2``, so the small sizes that show the latency count as much as the
+        large ones that show the bandwidth), at least two distinct sizes, ``a`` and ``b`` kept
+        >= 0 (a tiny positive slope stands for "bandwidth beyond measuring"); then
+        ``latency = a / (2 (k-1))`` and ``bandwidth = 2 (k-1) / k / b``.
         """
         _check_int("workers", workers, 2)
         pts = [(float(n), float(t)) for n, t in points]
         if len({n for n, _ in pts}) < 2:
             raise ValueError(f"fit needs points of at least two distinct sizes, got {pts!r}")
-        mean_n = sum(n for n, _ in pts) / len(pts)
-        mean_t = sum(t for _, t in pts) / len(pts)
-        snn = sum((n - mean_n) ** 2 for n, _ in pts)
-        slope = sum((n - mean_n) * (t - mean_t) for n, t in pts) / snn
-        slope = max(slope, 1e-15)
-        intercept = max(mean_t - slope * mean_n, 0.0)
+        if any(t <= 0 for _, t in pts):
+            raise ValueError(f"fit needs positive times, got {pts!r}")
+        # weighted normal equations for t = a + b n with weights w = 1 / t^2
+        w = [1.0 / (t * t) for _, t in pts]
+        sw = sum(w)
+        swn = sum(wi * n for wi, (n, _) in zip(w, pts, strict=True))
+        swt = sum(wi * t for wi, (_, t) in zip(w, pts, strict=True))
+        swnn = sum(wi * n * n for wi, (n, _) in zip(w, pts, strict=True))
+        swnt = sum(wi * n * t for wi, (n, t) in zip(w, pts, strict=True))
+        det = sw * swnn - swn * swn
+        slope = (sw * swnt - swn * swt) / det
+        intercept = (swt - slope * swn) / sw
+        if intercept < 0:  # through the origin
+            intercept, slope = 0.0, swnt / swnn
+        if slope <= 0:  # flat: all latency
+            intercept, slope = swt / sw, 1e-15
         hops = 2 * (workers - 1)
         return cls(
             latency_s=intercept / hops,
