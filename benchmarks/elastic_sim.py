@@ -26,8 +26,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from hfsweep.core.allocator import Allocator, ArrayState, WaitingPool  # noqa: E402
-from hfsweep.sizing import (  # noqa: E402
+from hfsweep.core.allocator import Allocator, ArrayState, WaitingPool
+from hfsweep.sizing import (
     AllReduceCost,
     Measurement,
     ScalingProfile,
@@ -302,9 +302,9 @@ class Sim:
             if after.get(a.name, a.workers) > a.workers:
                 self.set_workers(a, after[a.name], self.alloc.resize_cost_s)
         for d in plan.decisions:
-            if d.action == "start" and d.array.startswith("new:"):
-                if any(t.model == d.key for t in self.waiting):
-                    self.new_array(d.after, d.key)
+            started = d.action == "start" and d.array.startswith("new:")
+            if started and any(t.model == d.key for t in self.waiting):
+                self.new_array(d.after, d.key)
         assert self.free() >= 0, "the allocator never hands out more workers than exist"
 
     def run(self) -> Result:

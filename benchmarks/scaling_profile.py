@@ -29,11 +29,11 @@ import torch.multiprocessing as mp
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import RESULTS, write_results  # noqa: E402
+from _results import RESULTS, write_results
 
-from hfsweep import tasks  # noqa: E402
-from hfsweep.sizing import model_scaling  # noqa: E402
-from hfsweep.sizing.allreduce import _free_port, measure_allreduce  # noqa: E402
+from hfsweep import tasks
+from hfsweep.sizing import model_scaling
+from hfsweep.sizing.allreduce import _free_port, measure_allreduce
 
 #: name -> (layer widths, global batch)
 MODELS: dict[str, tuple[list[int], int]] = {
