@@ -18,6 +18,7 @@ import heapq
 import json
 import math
 import random
+import statistics
 import sys
 from collections import deque
 from dataclasses import dataclass, field
@@ -137,7 +138,7 @@ class Sim:
             max_epochs,
             eta,
         )
-        self.noise, self.rng = noise, random.Random(seed)
+        self.noise, self.seed = noise, seed
         self.alloc = allocator
         self.waiting: deque[Trial] = deque(trials)
         self.trials = trials
@@ -218,7 +219,9 @@ class Sim:
 
     # --- ASHA at an evaluation boundary -------------------------------------------------------
     def metric(self, t: Trial) -> float:
-        return t.quality + self.rng.gauss(0.0, self.noise / math.sqrt(t.epoch))
+        # the same noise for a trial and epoch in both arms: only the order of arrival differs
+        rng = random.Random(self.seed * 1_000_003 + t.number * 1009 + t.epoch)
+        return t.quality + rng.gauss(0.0, self.noise / math.sqrt(t.epoch))
 
     def boundary(self, a: Array) -> bool:
         """One epoch of every member done: rungs, completions, refills. True if members left."""
@@ -482,8 +485,95 @@ def main(argv: list[str] | None = None) -> int:
         )
         + "\n"
     )
-    print(f"wrote {args.out.with_suffix('.json')}")
+    args.out.with_suffix(".md").write_text(_markdown(rows, args, mix, command.strip()))
+    print(f"wrote {args.out.with_suffix('.json')} and .md")
     return 0
+
+
+def _markdown(
+    rows: list[dict[str, Any]], args: argparse.Namespace, mix: dict[str, float], command: str
+) -> str:
+    """The results table (medians over seeds, per cluster size) and the assumptions."""
+    profiles = json.loads(args.profiles.read_text())
+    cost = AllReduceCost.from_dict(profiles["allreduce"])
+    lines = [
+        "# Elastic vs static arrays: a simulated sweep at cluster scale",
+        "",
+        f"- command: `{command}`",
+        f"- profiles: `{args.profiles.name}` ({profiles.get('command', 'see scaling_profile.py')})",
+        f"- seeds: {', '.join(map(str, args.seeds))} (medians shown; every seed in the JSON)",
+        "",
+        "| accelerators | arm | makespan h | accelerator-h idle | trials ended / h "
+        "| time to final best trial h | resizes | static/elastic makespan |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for workers in args.workers:
+        arms = {}
+        for arm in ("static", "elastic"):
+            sel = [r for r in rows if r["workers"] == workers and r["arm"] == arm]
+            arms[arm] = {
+                k: statistics.median(r[k] for r in sel) for k in sel[0] if k not in ("arm",)
+            }
+        ratios = sorted(
+            s["makespan_s"] / e["makespan_s"]
+            for s, e in zip(
+                [r for r in rows if r["workers"] == workers and r["arm"] == "static"],
+                [r for r in rows if r["workers"] == workers and r["arm"] == "elastic"],
+                strict=True,
+            )
+        )
+        for arm, m in arms.items():
+            ratio = (
+                f"{statistics.median(ratios):.2f}x (seeds: {', '.join(f'{x:.2f}' for x in ratios)})"
+                if arm == "elastic"
+                else ""
+            )
+            lines.append(
+                f"| {workers} | {arm} | {m['makespan_s'] / 3600:.3f} | "
+                f"{m['idle_accelerator_h']:.2f} | {m['trials_per_h']:,.0f} | "
+                f"{m['best_trial_s'] / 3600:.3f} | {m['resizes']:.0f} | {ratio} |"
+            )
+    per_model = ", ".join(
+        f"{t['task']} (batch {t['batch_size']}, "
+        f"{t['gradient_bytes_per_member'] / 1024:.0f} KiB of gradients per member, step "
+        f"{1e3 * t['sizes']['1']:.1f} ms at B=1)"
+        for t in profiles["tasks"]
+        if t["task"] in mix
+    )
+    lines += [
+        "",
+        "## Assumptions",
+        "",
+        f"- {args.trials} trials; model mix {mix} (each trial's model drawn with these weights); "
+        f"{per_model}. Step times are this machine's measured ones (2-core CPU, "
+        "`profile_tasks_cpu.json`) at each array size, interpolated between sizes.",
+        "- Arrays of the profiler's chosen size per model (`choose_size` on those measurements), "
+        "packed from the oldest waiting trial's model; freed slots refilled from waiting trials "
+        "of the same model at the array's next evaluation (hfsweep's refill).",
+        f"- Each trial trains {args.max_epochs} epochs of {args.steps_per_epoch} steps; ASHA "
+        f"(asynchronous, reduction factor {args.eta}, rungs at 1, {args.eta}, ... epochs): a "
+        "trial stops at a rung if its metric is below the top 1/eta of the values recorded "
+        "there so far. Metrics are synthetic: a trial's quality ~ N(model offset, 1) plus "
+        "noise N(0, 0.5/sqrt(epoch)); same trials and qualities in both arms.",
+        f"- An array on k workers runs at `model_scaling`'s rate: one worker's step / k plus a "
+        f"ring all-reduce of all members' gradients with the measured gloo cost on 127.0.0.1 "
+        f"(latency {cost.latency_s * 1e6:.0f} us per hop, {cost.bandwidth_bytes_per_s / 1e9:.2f} "
+        "GB/s), no overlap with the backward pass. `scaling_profile.py` measured this model "
+        "to be optimistic on this shared 2-core CPU (k = 2 ran slower than k = 1 there), so "
+        "these figures say what the allocator does given profiles, not what this CPU would get.",
+        f"- Elastic: the allocator with resize_every_s={args.resize_every_s:g}, "
+        f"resize_cost_s={args.resize_cost_s:g} (every resize stops the array that long: "
+        "checkpoint and restart), min 1 worker, no max; it runs when an array ends, when members "
+        "stop, and on a timer every resize_every_s. A resize takes effect at once (the real "
+        "design resizes at the next evaluation boundary). Starting an array costs nothing in "
+        "either arm. No node failures.",
+        "- Static: every array gets one accelerator for life; a freed accelerator starts the next "
+        "array at once.",
+        "- Makespan: until the last trial ends. Idle: accelerators without an array, integrated "
+        "over the makespan (resize pauses count as busy). Time to the final best trial: when the "
+        "trial with the best quality among those that trained the full budget completed.",
+    ]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ its batch size, gradient bytes per member and the measured step times at each ar
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -44,7 +45,7 @@ MODELS: dict[str, tuple[list[int], int]] = {
 
 def _mlp(widths: list[int]) -> nn.Module:
     layers: list[nn.Module] = []
-    for a, b in zip(widths[:-1], widths[1:], strict=True):
+    for a, b in itertools.pairwise(widths):
         layers += [nn.Linear(a, b), nn.ReLU()]
     return nn.Sequential(*layers[:-1])
 
@@ -132,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+    load_before = os.getloadavg()[0]
     cost, points = measure_allreduce(workers=2, repeats=9)
     print(
         f"all-reduce: latency {cost.latency_s * 1e6:.1f} us per hop, "
@@ -200,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         "allreduce=<measured cost>).rate(2)`, i.e. half the k = 1 compute plus one all-reduce "
         "of all gradients (no overlap with the backward pass, serial_s = 0).",
         "- This machine has 2 CPU cores shared with other work: k = 2 uses both, so its "
-        "figures are the noisiest here.",
+        f"figures are the noisiest here (1-minute load average {load_before:.1f} at the start, "
+        f"{os.getloadavg()[0]:.1f} at the end).",
     ]
     columns = [
         "model",
