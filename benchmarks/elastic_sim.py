@@ -490,6 +490,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _measured_on() -> str:
+    """Where the step times in ``profile_tasks_cpu.json`` were measured (machine, date)."""
+    try:
+        meta = json.loads((RESULTS / "profile_tasks_cpu.json").read_text())["meta"]
+    except (OSError, KeyError, ValueError):
+        return "`profile_tasks_cpu.json`"
+    return f"`profile_tasks_cpu.json`: {meta['machine']}, {meta['date']}"
+
+
 def _markdown(
     rows: list[dict[str, Any]], args: argparse.Namespace, mix: dict[str, float], command: str
 ) -> str:
@@ -545,8 +554,8 @@ def _markdown(
         "## Assumptions",
         "",
         f"- {args.trials} trials; model mix {mix} (each trial's model drawn with these weights); "
-        f"{per_model}. Step times are this machine's measured ones (2-core CPU, "
-        "`profile_tasks_cpu.json`) at each array size, interpolated between sizes.",
+        f"{per_model}. Step times are measured ones ({_measured_on()}) at each array size, "
+        "interpolated between sizes.",
         "- Arrays of the profiler's chosen size per model (`choose_size` on those measurements), "
         "packed from the oldest waiting trial's model; freed slots refilled from waiting trials "
         "of the same model at the array's next evaluation (hfsweep's refill).",
@@ -556,9 +565,9 @@ def _markdown(
         "there so far. Metrics are synthetic: a trial's quality ~ N(model offset, 1) plus "
         "noise N(0, 0.5/sqrt(epoch)); same trials and qualities in both arms.",
         f"- An array on k workers runs at `model_scaling`'s rate: one worker's step / k plus a "
-        f"ring all-reduce of all members' gradients with the measured gloo cost on 127.0.0.1 "
-        f"(latency {cost.latency_s * 1e6:.0f} us per hop, {cost.bandwidth_bytes_per_s / 1e9:.2f} "
-        "GB/s), no overlap with the backward pass. `scaling_profile.py` measured this model "
+        f"ring all-reduce of all members' gradients at latency {cost.latency_s * 1e6:.0f} us "
+        f"per hop and {cost.bandwidth_bytes_per_s / 1e9:.2f} GB/s ({cost.source}), no overlap "
+        "with the backward pass. `scaling_profile.py` measured this model "
         "to be optimistic on this shared 2-core CPU (k = 2 ran slower than k = 1 there), so "
         "these figures say what the allocator does given profiles, not what this CPU would get.",
         f"- Elastic: the allocator with resize_every_s={args.resize_every_s:g}, "
