@@ -51,6 +51,14 @@ A sweep file is one YAML mapping. Every key, with its default::
       max_concurrent: null      # arrays training at once; null: as many as the cluster fits
       max_failures: 3           # restarts of an array from its checkpoint after its worker died
       connect_timeout_s: 30     # seconds the cluster at address has to answer (a number > 0)
+      elastic:                  # arrays on several workers, resized while they run
+        enabled: false          #   true is refused for now: the allocator is not yet connected
+                                #   to backend: ray (docs/elastic-allocator.md)
+        min_workers_per_array: 1    # an integer >= 1
+        max_workers_per_array: null # an integer >= min_workers_per_array; null: the cluster
+        resize_every_s: 60      #   an array is resized at most this often (seconds or "1m")
+        resize_cost_s: 0        #   a grow must save more seconds than this (checkpoint+restart)
+        max_wait_s: 600         #   longest wait of an array paused when workers are too few
     storage: null               # null: an Optuna journal file in the run directory; or an Optuna
                                 #   RDB URL (sqlite:///study.db, postgresql+psycopg2://user@host/db
                                 #   with hfsweep[postgres], ...) whose driver is installed;
@@ -84,6 +92,7 @@ The package, a module a job: :mod:`~hfsweep.config.schema` (the dataclasses, nam
 :mod:`~hfsweep.config.parse` (reading a file or mapping, a section at a time),
 :mod:`~hfsweep.config.fields` (the checks every section uses),
 :mod:`~hfsweep.config.algorithms` (``searcher:`` and ``scheduler:``),
+:mod:`~hfsweep.config.elastic` (``ray.elastic:``),
 :mod:`~hfsweep.config.validate` (the checks against the task), :mod:`~hfsweep.config.build`
 (the sampler or searcher a sweep runs with) and :mod:`~hfsweep.config.entry` (importing a task or
 searcher a user names).
@@ -98,6 +107,7 @@ from .schema import (
     SEARCHER_NAMES,
     Budget,
     ConfigError,
+    ElasticConfig,
     FusionConfig,
     RayConfig,
     SchedulerConfig,
@@ -113,6 +123,7 @@ __all__ = [
     "SEARCHER_NAMES",
     "Budget",
     "ConfigError",
+    "ElasticConfig",
     "FusionConfig",
     "RayConfig",
     "SchedulerConfig",

@@ -26,6 +26,7 @@ from ..search_spaces import SearchSpace, SpaceError, load_space
 from ..search_spaces._yaml import load_yaml
 from ..training.task import Task, TaskError
 from .algorithms import _scheduler, _searcher
+from .elastic import _elastic
 from .entry import load_task
 from .fields import _did_you_mean, _Fields, _join
 from .schema import (
@@ -78,6 +79,7 @@ _RAY = (
     "max_concurrent",
     "max_failures",
     "connect_timeout_s",
+    "elastic",
 )
 
 
@@ -336,6 +338,7 @@ class _Parser(_Fields):
             max_concurrent=most,
             max_failures=failures,
             connect_timeout_s=wait,
+            elastic=_elastic(self, r.get("elastic")),
         )
 
     def storage(self, raw: object) -> str | None:

@@ -144,6 +144,38 @@ class FusionConfig:
 
 
 @dataclass(frozen=True)
+class ElasticConfig:
+    """``ray.elastic``: arrays on several workers, resized while they run by the allocator.
+
+    ``enabled`` (default off); every array trains on ``min_workers_per_array`` to
+    ``max_workers_per_array`` workers (``None``: up to the cluster); an array is resized at most
+    once per ``resize_every_s`` seconds, a grow must save more than ``resize_cost_s`` seconds,
+    and an array paused because workers are short waits at most ``max_wait_s`` seconds. Not yet
+    connected to ``backend: ray``: ``enabled: true`` is refused while validating.
+    """
+
+    enabled: bool = False
+    min_workers_per_array: int = 1
+    max_workers_per_array: int | None = None
+    resize_every_s: float = 60.0
+    resize_cost_s: float = 0.0
+    max_wait_s: float = 600.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``ray.elastic`` mapping."""
+        return dataclasses.asdict(self)
+
+    def summary(self) -> str:
+        """One line for ``hfsweep validate``: ``elastic off`` or the settings."""
+        most = self.max_workers_per_array or "the cluster"
+        settings = (
+            f"{self.min_workers_per_array} to {most} workers per array, resized at most every "
+            f"{self.resize_every_s:g} s"
+        )
+        return f"elastic {'on' if self.enabled else 'off'} ({settings})"
+
+
+@dataclass(frozen=True)
 class RayConfig:
     """Where ``backend: ray`` trains arrays: the cluster's ``address`` (``None``: a local Ray
     started for the run), the resources each array's actor reserves (``gpus_per_array`` ``None``
@@ -158,12 +190,14 @@ class RayConfig:
     max_concurrent: int | None = None
     max_failures: int = 3
     connect_timeout_s: float = 30.0
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
 
     def to_dict(self) -> dict[str, Any]:
         """The ``ray:`` mapping (``gpus_per_array`` ``None`` written as ``"auto"``)."""
         out = dataclasses.asdict(self)
         if self.gpus_per_array is None:
             out["gpus_per_array"] = "auto"
+        out["elastic"] = self.elastic.to_dict()
         return out
 
 
@@ -275,6 +309,8 @@ class SweepConfig:
             + (mask(self.storage) or "journal file in the run directory"),
             f"output {self.output} (study {self.study_name!r})",
         ]
+        if self.backend == "ray":
+            lines.insert(-1, f"ray: {self.ray.elastic.summary()}")
         if self.tracking:
             lines.append("tracking: " + ", ".join(t.name for t in self.tracking))
         return "\n".join(lines)

@@ -1,0 +1,589 @@
+"""A discrete-event simulation of a sweep at cluster scale: static arrays (one accelerator each,
+for life) against elastic arrays (``hfsweep.core.allocator`` deciding workers per array).
+
+Nothing trains: a fake clock advances from one array's evaluation boundary to the next. The
+per-step costs are this machine's measured ones (``results/elastic_profiles_cpu.json``, written
+by ``scaling_profile.py`` from ``profile_tasks_cpu.json``: seconds per step at each array size,
+gradient bytes per member, and the measured gloo all-reduce cost); the time of an array on k
+workers is ``hfsweep.sizing.model_scaling``'s. ASHA (asynchronous successive halving) stops
+trials at its rungs from synthetic learning curves. Both arms see the same trials, the same
+curves and the same packing (arrays of the profiler's chosen size per model, freed slots refilled
+from waiting trials of the same model); only the number of workers per array differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import math
+import random
+import statistics
+import sys
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from hfsweep.core.allocator import Allocator, ArrayState, WaitingPool
+from hfsweep.sizing import (
+    AllReduceCost,
+    Measurement,
+    ScalingProfile,
+    choose_size,
+    model_scaling,
+    step_s_at,
+)
+
+RESULTS = Path(__file__).resolve().parent / "results"
+PROFILES = RESULTS / "elastic_profiles_cpu.json"
+
+
+@dataclass
+class Model:
+    """One kind of trial: its measured step times by array size, batch and gradient bytes."""
+
+    name: str
+    batch: int
+    grad_bytes: float
+    measurements: list[Measurement]
+    size: int  # the profiler's chosen array size
+    mean_quality: float
+
+    def step_s(self, members: int) -> float:
+        return step_s_at(self.measurements, members)
+
+
+@dataclass
+class Trial:
+    number: int
+    model: str
+    quality: float
+    epoch: int = 0
+    ended: float | None = None
+    completed: bool = False
+
+
+@dataclass
+class Array:
+    name: str
+    model: str
+    members: list[Trial]
+    workers: int = 0
+    since: float = 0.0
+    steps_left: float = 0.0
+    last: float = 0.0
+    busy_until: float = 0.0
+    version: int = 0
+    rate: float = 0.0  # steps/s
+
+
+@dataclass
+class Result:
+    makespan_s: float
+    idle_worker_s: float
+    trials_ended: int
+    best_time_s: float
+    best_trial: int
+    resizes: int = 0
+    decisions: int = 0
+    log: list[str] = field(default_factory=list)
+
+
+def load_models(path: Path, mix: dict[str, float]) -> tuple[dict[str, Model], AllReduceCost]:
+    data = json.loads(path.read_text())
+    cost = AllReduceCost.from_dict(data["allreduce"])
+    models = {}
+    for i, t in enumerate(data["tasks"]):
+        if t["task"] not in mix:
+            continue
+        ms = [
+            Measurement(int(s), int(s) * t["batch_size"] / step, 0, step)
+            for s, step in t["sizes"].items()
+        ]
+        size, _ = choose_size(ms, 1e18)
+        models[t["task"]] = Model(
+            t["task"], t["batch_size"], t["gradient_bytes_per_member"], ms, size, 0.1 * i
+        )
+    missing = sorted(set(mix) - set(models))
+    if missing:
+        raise SystemExit(f"{path} has no profile for {missing}")
+    return models, cost
+
+
+class Sim:
+    """One arm of the simulation; ``elastic=False`` gives every array one worker."""
+
+    def __init__(
+        self,
+        trials: list[Trial],
+        models: dict[str, Model],
+        cost: AllReduceCost,
+        *,
+        workers: int,
+        elastic: bool,
+        steps_per_epoch: int,
+        max_epochs: int,
+        eta: int,
+        noise: float,
+        seed: int,
+        allocator: Allocator,
+    ) -> None:
+        self.models, self.cost, self.total = models, cost, workers
+        self.elastic, self.spe, self.max_epochs, self.eta = (
+            elastic,
+            steps_per_epoch,
+            max_epochs,
+            eta,
+        )
+        self.noise, self.seed = noise, seed
+        self.alloc = allocator
+        self.waiting: deque[Trial] = deque(trials)
+        self.trials = trials
+        self.arrays: dict[str, Array] = {}
+        self.heap: list[tuple[float, int, str, int]] = []
+        self.now = 0.0
+        self.seq = 0
+        self.rungs: dict[int, list[float]] = {}
+        r = 1
+        while r < max_epochs:
+            self.rungs[r] = []
+            r *= eta
+        self.idle_s = 0.0
+        self.resizes = 0
+        self.decisions = 0
+        self.profiles: dict[tuple[str, int], ScalingProfile] = {}
+
+    # --- the arrays' progress -------------------------------------------------------------
+    def profile(self, model: str, members: int) -> ScalingProfile:
+        key = (model, members)
+        if key not in self.profiles:
+            m = self.models[model]
+            self.profiles[key] = model_scaling(
+                model,
+                step_s=m.step_s(members),
+                members=members,
+                batch_size=m.batch,
+                gradient_bytes=m.grad_bytes * members,
+                allreduce=self.cost,
+                max_workers=self.total,
+            )
+        return self.profiles[key]
+
+    def advance(self, a: Array) -> None:
+        start = max(a.last, a.busy_until)
+        if a.workers > 0 and self.now > start:
+            a.steps_left = max(0.0, a.steps_left - (self.now - start) * a.rate)
+        a.last = self.now
+
+    def schedule(self, a: Array) -> None:
+        a.version += 1
+        if a.workers == 0:
+            return
+        m = self.models[a.model]
+        p = self.profile(a.model, len(a.members))
+        a.rate = p.rate(a.workers) / (len(a.members) * m.batch)
+        start = max(self.now, a.busy_until)
+        self.seq += 1
+        heapq.heappush(self.heap, (start + a.steps_left / a.rate, self.seq, a.name, a.version))
+
+    def set_workers(self, a: Array, k: int, cost_s: float) -> None:
+        self.advance(a)
+        if a.workers > 0 and k != a.workers:
+            self.resizes += 1
+            a.busy_until = max(a.busy_until, self.now) + cost_s
+        a.workers, a.since = k, self.now
+        self.schedule(a)
+
+    def new_array(self, workers: int, model: str | None = None) -> Array | None:
+        """A new array of the oldest waiting trial's model (or ``model``), of its chosen size."""
+        if not self.waiting:
+            return None
+        model = self.waiting[0].model if model is None else model
+        members = self.take(model, self.models[model].size)
+        if not members:
+            return None
+        a = Array(f"a{self.seq}", model, members, steps_left=self.spe, last=self.now)
+        self.seq += 1
+        self.arrays[a.name] = a
+        self.set_workers(a, workers, 0.0)
+        return a
+
+    def take(self, model: str, n: int) -> list[Trial]:
+        taken = [t for t in self.waiting if t.model == model][:n]
+        for t in taken:
+            self.waiting.remove(t)
+        return taken
+
+    # --- ASHA at an evaluation boundary -------------------------------------------------------
+    def metric(self, t: Trial) -> float:
+        # the same noise for a trial and epoch in both arms: only the order of arrival differs
+        rng = random.Random(self.seed * 1_000_003 + t.number * 1009 + t.epoch)
+        return t.quality + rng.gauss(0.0, self.noise / math.sqrt(t.epoch))
+
+    def boundary(self, a: Array) -> bool:
+        """One epoch of every member done: rungs, completions, refills. True if members left."""
+        left = []
+        for t in a.members:
+            t.epoch += 1
+            if t.epoch >= self.max_epochs:
+                t.ended, t.completed = self.now, True
+                continue
+            if t.epoch in self.rungs:
+                seen = self.rungs[t.epoch]
+                value = self.metric(t)
+                cut = (
+                    sorted(seen)[int(len(seen) * (1 - 1 / self.eta))]
+                    if len(seen) >= self.eta
+                    else None
+                )
+                seen.append(value)
+                if cut is not None and value < cut:
+                    t.ended = self.now
+                    continue
+            left.append(t)
+        changed = len(left) != len(a.members)
+        if changed:
+            left += self.take(a.model, self.models[a.model].size - len(left))  # refill
+        a.members = left
+        return changed
+
+    # --- the two policies ---------------------------------------------------------------------
+    def free(self) -> int:
+        return self.total - sum(a.workers for a in self.arrays.values())
+
+    def fill_static(self) -> None:
+        while self.free() > 0 and self.new_array(1) is not None:
+            pass
+
+    def remaining_s(self, a: Array) -> float:
+        m = self.models[a.model]
+        epochs = max(self.max_epochs - t.epoch for t in a.members)
+        return (epochs * self.spe - (self.spe - a.steps_left)) * m.step_s(len(a.members))
+
+    def allocate(self, event: str) -> None:
+        busy = self.free() == 0 and all(a.workers <= 1 for a in self.arrays.values())
+        if busy and self.waiting:
+            return  # every worker trains a one-worker array and trials wait: nothing to change
+        states = [
+            ArrayState(
+                a.name,
+                a.model,
+                len(a.members),
+                self.remaining_s(a),
+                self.profile(a.model, len(a.members)),
+                a.workers,
+                a.since,
+            )
+            for a in self.arrays.values()
+        ]
+        pools = []
+        counts: dict[str, int] = {}
+        for t in self.waiting:
+            counts[t.model] = counts.get(t.model, 0) + 1
+        for model, n in counts.items():
+            m = self.models[model]
+            size = min(n, m.size)
+            pools.append(
+                WaitingPool(
+                    model,
+                    min(math.ceil(n / m.size), self.total),
+                    size,
+                    self.max_epochs * self.spe * m.step_s(size),
+                    self.profile(model, size),
+                )
+            )
+        plan = self.alloc.decide(states, pools, self.total, now=self.now, event=event)
+        self.decisions += 1
+        after = plan.workers()
+        for a in list(self.arrays.values()):  # shrink first, so that grows find the workers
+            if after.get(a.name, a.workers) < a.workers:
+                self.set_workers(a, after[a.name], self.alloc.resize_cost_s)
+        for a in list(self.arrays.values()):
+            if after.get(a.name, a.workers) > a.workers:
+                self.set_workers(a, after[a.name], self.alloc.resize_cost_s)
+        for d in plan.decisions:
+            started = d.action == "start" and d.array.startswith("new:")
+            if started and any(t.model == d.key for t in self.waiting):
+                self.new_array(d.after, d.key)
+        assert self.free() >= 0, "the allocator never hands out more workers than exist"
+
+    def run(self) -> Result:
+        if self.elastic:
+            self.allocate("pool filled")
+            timer = self.alloc.resize_every_s
+            self.seq += 1
+            heapq.heappush(self.heap, (timer, self.seq, "", 0))
+        else:
+            self.fill_static()
+        while self.heap:
+            t, _, name, version = heapq.heappop(self.heap)
+            if not self.arrays and not self.waiting:
+                break  # only the elastic timer is left
+            self.idle_s += self.free() * (t - self.now)
+            self.now = t
+            if name == "":  # the elastic timer: a cooldown may have passed
+                if self.arrays:
+                    self.allocate("timer")
+                    self.seq += 1
+                    heapq.heappush(self.heap, (t + self.alloc.resize_every_s, self.seq, "", 0))
+                continue
+            a = self.arrays.get(name)
+            if a is None or version != a.version:
+                continue
+            a.steps_left, a.last = 0.0, t
+            changed = self.boundary(a)
+            a.steps_left = float(self.spe)
+            if not a.members:
+                del self.arrays[name]
+                event = "array ended"
+            else:
+                self.schedule(a)
+                event = "members stopped" if changed else ""
+            if self.elastic:
+                if event:
+                    self.allocate(event)
+            else:
+                self.fill_static()
+        done = [t for t in self.trials if t.ended is not None]
+        assert len(done) == len(self.trials), "every trial ends"
+        complete = [t for t in self.trials if t.completed]
+        best = max(complete, key=lambda t: t.quality)
+        assert best.ended is not None
+        return Result(
+            self.now, self.idle_s, len(done), best.ended, best.number, self.resizes, self.decisions
+        )
+
+
+def make_trials(n: int, mix: dict[str, float], models: dict[str, Model], seed: int) -> list[Trial]:
+    rng = random.Random(seed)
+    names = sorted(mix)
+    weights = [mix[k] for k in names]
+    out = []
+    for i in range(n):
+        model = rng.choices(names, weights)[0]
+        out.append(Trial(i, model, rng.gauss(models[model].mean_quality, 1.0)))
+    return out
+
+
+def simulate(
+    *,
+    workers: int,
+    trials: int,
+    mix: dict[str, float],
+    elastic: bool,
+    seed: int = 0,
+    steps_per_epoch: int = 200,
+    max_epochs: int = 27,
+    eta: int = 3,
+    noise: float = 0.5,
+    resize_every_s: float = 60.0,
+    resize_cost_s: float = 20.0,
+    max_workers: int | None = None,
+    profiles: Path = PROFILES,
+    bandwidth: float | None = None,
+    latency: float | None = None,
+) -> Result:
+    """One arm: the same trials (``seed``) for static and elastic."""
+    models, cost = load_models(profiles, mix)
+    if bandwidth is not None or latency is not None:
+        cost = AllReduceCost(
+            cost.latency_s if latency is None else latency,
+            cost.bandwidth_bytes_per_s if bandwidth is None else bandwidth,
+            "assumed",
+        )
+    allocator = Allocator(
+        resize_every_s=resize_every_s, resize_cost_s=resize_cost_s, max_workers=max_workers
+    )
+    sim = Sim(
+        make_trials(trials, mix, models, seed),
+        models,
+        cost,
+        workers=workers,
+        elastic=elastic,
+        steps_per_epoch=steps_per_epoch,
+        max_epochs=max_epochs,
+        eta=eta,
+        noise=noise,
+        seed=seed + 1,
+        allocator=allocator,
+    )
+    return sim.run()
+
+
+def _fmt_h(s: float) -> str:
+    return f"{s / 3600:.2f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workers", type=int, nargs="+", default=[64, 512])
+    p.add_argument("--trials", type=int, default=2000)
+    p.add_argument("--mix", default="digits_mlp=0.5,token_transformer=0.3,cifar_resnet=0.2")
+    p.add_argument("--steps-per-epoch", type=int, default=200)
+    p.add_argument("--max-epochs", type=int, default=27)
+    p.add_argument("--eta", type=int, default=3)
+    p.add_argument("--resize-every-s", type=float, default=60.0)
+    p.add_argument("--resize-cost-s", type=float, default=20.0)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p.add_argument("--profiles", type=Path, default=PROFILES)
+    p.add_argument("--out", type=Path, default=RESULTS / "elastic_sim")
+    args = p.parse_args(argv)
+    mix = {k: float(v) for k, v in (item.split("=") for item in args.mix.split(","))}
+    rows: list[dict[str, Any]] = []
+    for workers in args.workers:
+        for seed in args.seeds:
+            res = {}
+            for arm in ("static", "elastic"):
+                r = simulate(
+                    workers=workers,
+                    trials=args.trials,
+                    mix=mix,
+                    elastic=arm == "elastic",
+                    seed=seed,
+                    steps_per_epoch=args.steps_per_epoch,
+                    max_epochs=args.max_epochs,
+                    eta=args.eta,
+                    resize_every_s=args.resize_every_s,
+                    resize_cost_s=args.resize_cost_s,
+                    profiles=args.profiles,
+                )
+                res[arm] = r
+                rows.append(
+                    {
+                        "workers": workers,
+                        "seed": seed,
+                        "arm": arm,
+                        "makespan_s": r.makespan_s,
+                        "idle_accelerator_h": r.idle_worker_s / 3600,
+                        "trials_per_h": r.trials_ended / (r.makespan_s / 3600),
+                        "best_trial_s": r.best_time_s,
+                        "best_trial": r.best_trial,
+                        "resizes": r.resizes,
+                        "allocator_decisions": r.decisions,
+                    }
+                )
+                print(rows[-1], flush=True)
+            ratio = res["static"].makespan_s / res["elastic"].makespan_s
+            print(
+                f"workers={workers} seed={seed}: static/elastic makespan {ratio:.2f}x", flush=True
+            )
+    command = "python benchmarks/elastic_sim.py " + " ".join(
+        argv if argv is not None else sys.argv[1:]
+    )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(
+        json.dumps(
+            {
+                "command": command.strip(),
+                "args": vars(args) | {"profiles": str(args.profiles), "out": str(args.out)},
+                "rows": rows,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
+    args.out.with_suffix(".md").write_text(_markdown(rows, args, mix, command.strip()))
+    print(f"wrote {args.out.with_suffix('.json')} and .md")
+    return 0
+
+
+def _measured_on() -> str:
+    """Where the step times in ``profile_tasks_cpu.json`` were measured (machine, date)."""
+    try:
+        meta = json.loads((RESULTS / "profile_tasks_cpu.json").read_text())["meta"]
+    except (OSError, KeyError, ValueError):
+        return "`profile_tasks_cpu.json`"
+    return f"`profile_tasks_cpu.json`: {meta['machine']}, {meta['date']}"
+
+
+def _markdown(
+    rows: list[dict[str, Any]], args: argparse.Namespace, mix: dict[str, float], command: str
+) -> str:
+    """The results table (medians over seeds, per cluster size) and the assumptions."""
+    profiles = json.loads(args.profiles.read_text())
+    cost = AllReduceCost.from_dict(profiles["allreduce"])
+    lines = [
+        "# Elastic vs static arrays: a simulated sweep at cluster scale",
+        "",
+        f"- command: `{command}`",
+        f"- profiles: `{args.profiles.name}` ({profiles.get('command', 'see scaling_profile.py')})",
+        f"- seeds: {', '.join(map(str, args.seeds))} (medians shown; every seed in the JSON)",
+        "",
+        "| accelerators | arm | makespan h | accelerator-h idle | trials ended / h "
+        "| time to final best trial h | resizes | static/elastic makespan |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for workers in args.workers:
+        arms = {}
+        for arm in ("static", "elastic"):
+            sel = [r for r in rows if r["workers"] == workers and r["arm"] == arm]
+            arms[arm] = {
+                k: statistics.median(r[k] for r in sel) for k in sel[0] if k not in ("arm",)
+            }
+        ratios = sorted(
+            s["makespan_s"] / e["makespan_s"]
+            for s, e in zip(
+                [r for r in rows if r["workers"] == workers and r["arm"] == "static"],
+                [r for r in rows if r["workers"] == workers and r["arm"] == "elastic"],
+                strict=True,
+            )
+        )
+        for arm, m in arms.items():
+            ratio = (
+                f"{statistics.median(ratios):.2f}x (seeds: {', '.join(f'{x:.2f}' for x in ratios)})"
+                if arm == "elastic"
+                else ""
+            )
+            lines.append(
+                f"| {workers} | {arm} | {m['makespan_s'] / 3600:.3f} | "
+                f"{m['idle_accelerator_h']:.2f} | {m['trials_per_h']:,.0f} | "
+                f"{m['best_trial_s'] / 3600:.3f} | {m['resizes']:.0f} | {ratio} |"
+            )
+    per_model = ", ".join(
+        f"{t['task']} (batch {t['batch_size']}, "
+        f"{t['gradient_bytes_per_member'] / 1024:.0f} KiB of gradients per member, step "
+        f"{1e3 * t['sizes']['1']:.1f} ms at B=1)"
+        for t in profiles["tasks"]
+        if t["task"] in mix
+    )
+    lines += [
+        "",
+        "## Assumptions",
+        "",
+        f"- {args.trials} trials; model mix {mix} (each trial's model drawn with these weights); "
+        f"{per_model}. Step times are measured ones ({_measured_on()}) at each array size, "
+        "interpolated between sizes.",
+        "- Arrays of the profiler's chosen size per model (`choose_size` on those measurements), "
+        "packed from the oldest waiting trial's model; freed slots refilled from waiting trials "
+        "of the same model at the array's next evaluation (hfsweep's refill).",
+        f"- Each trial trains {args.max_epochs} epochs of {args.steps_per_epoch} steps; ASHA "
+        f"(asynchronous, reduction factor {args.eta}, rungs at 1, {args.eta}, ... epochs): a "
+        "trial stops at a rung if its metric is below the top 1/eta of the values recorded "
+        "there so far. Metrics are synthetic: a trial's quality ~ N(model offset, 1) plus "
+        "noise N(0, 0.5/sqrt(epoch)); same trials and qualities in both arms.",
+        f"- An array on k workers runs at `model_scaling`'s rate: one worker's step / k plus a "
+        f"ring all-reduce of all members' gradients at latency {cost.latency_s * 1e6:.0f} us "
+        f"per hop and {cost.bandwidth_bytes_per_s / 1e9:.2f} GB/s ({cost.source}), no overlap "
+        "with the backward pass. `scaling_profile.py` measured this model "
+        "to be optimistic on this shared 2-core CPU (k = 2 ran slower than k = 1 there), so "
+        "these figures say what the allocator does given profiles, not what this CPU would get.",
+        f"- Elastic: the allocator with resize_every_s={args.resize_every_s:g}, "
+        f"resize_cost_s={args.resize_cost_s:g} (every resize stops the array that long: "
+        "checkpoint and restart), min 1 worker, no max; it runs when an array ends, when members "
+        "stop, and on a timer every resize_every_s. A resize takes effect at once (the real "
+        "design resizes at the next evaluation boundary). Starting an array costs nothing in "
+        "either arm. No node failures.",
+        "- Static: every array gets one accelerator for life; a freed accelerator starts the next "
+        "array at once.",
+        "- Makespan: until the last trial ends. Idle: accelerators without an array, integrated "
+        "over the makespan (resize pauses count as busy). Time to the final best trial: when the "
+        "trial with the best quality among those that trained the full budget completed.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

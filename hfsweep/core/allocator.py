@@ -1,0 +1,423 @@
+"""The elastic allocator: how many workers each array gets, and whether waiting trials start a
+new array, re-decided whenever the set of runnable arrays changes.
+
+The packer decides *which* trials share an array; the allocator decides *how many* workers
+(accelerators, or CPU processes on a CPU cluster) each array trains on, data-parallel. It is
+pure Python with a clock the caller passes in (no Ray, no training), so a fake clock drives it in
+tests and in ``benchmarks/elastic_sim.py``.
+
+**What it maximises.** As in Jayaram et al. 2020 ("Effective Elastic Scaling of Deep Learning
+Workloads"), a dynamic program over arrays and worker counts picks every array's workers at once
+(the paper maximises a sum of per-job speed-ups; its headline gain is mean completion time).
+Here array ``i`` on ``k >= 1`` workers is worth
+
+    value_i(k) = w_i * (2 - 1 / speedup_i(k)),   w_i = members_i * remaining_s_i
+
+``speedup_i`` comes from its :class:`~hfsweep.sizing.ScalingProfile`, ``members_i`` is its live
+trials, ``remaining_s_i`` the seconds it still needs on one worker. Up to a constant, the sum is
+minus the members' remaining completion times, ``sum_i members_i * remaining_s_i /
+speedup_i(k_i)``: a worker goes where it saves the most member-seconds, so arrays far from their
+end get more than arrays about to finish, which is what shortens a sweep's tail (late in an ASHA
+sweep the survivors with most left to train get the most workers, and finish times even out).
+An array not running is worth 0, so starting a new array of waiting trials is credited with its
+whole one-worker time ``w`` (at least what it would otherwise wait): while trials wait, a worker
+starts them rather than growing an array, unless that array has far more member-seconds left.
+
+**Bounds.** Every array gets between its ``min_workers`` and ``max_workers`` (or 0: paused) and
+never more than its profile has a point for (flat beyond: no gain, so not given).
+
+**No starvation.** Every runnable array gets at least ``min_workers`` whenever the workers
+suffice for every array's minimum. When they do not (a node left), arrays are paused; a paused
+array waits at most ``max_wait_s`` (measured from when it was paused): after that it is served
+before any array that has not waited, taking the place of the running array that last
+(re)started. New arrays are not started while an array is paused.
+
+**Cooldown.** A running array is resized at most once per ``resize_every_s`` (its start counts),
+except when it must shrink because workers left; a grow must also save more time than
+``resize_cost_s`` (the checkpoint and restart a resize costs).
+
+Every call of :meth:`Allocator.decide` returns a :class:`Plan`: one :class:`Decision` per array
+and per pool of waiting trials, each with a human-readable reason, and :meth:`Plan.status` for a
+progress line.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+import numpy as np
+
+from ..sizing.scaling import ScalingProfile
+
+__all__ = ["EVENTS", "Allocator", "ArrayState", "Decision", "Plan", "WaitingPool"]
+
+#: What may trigger a decision (free text is accepted too; these are the engine's names).
+EVENTS = ("array ended", "members stopped", "pool filled", "node joined", "node left", "timer")
+
+Action = Literal["keep", "grow", "shrink", "start", "pause", "wait"]
+
+
+@dataclass(frozen=True)
+class ArrayState:
+    """A runnable array as the allocator sees it.
+
+    ``workers`` is what it trains on now (0: paused, or never started); ``remaining_s`` the
+    seconds it still needs on one worker at its current size (its longest-lived member's
+    remaining steps times one worker's step time); ``profile`` its scaling at its current size.
+    ``since`` is when ``workers`` last changed (start, resize or pause) on the allocator's clock.
+    """
+
+    name: str
+    key: str
+    members: int
+    remaining_s: float
+    profile: ScalingProfile
+    workers: int = 0
+    since: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.members < 1:
+            raise ValueError(f"array {self.name!r}: members must be >= 1, got {self.members}")
+        if not (self.remaining_s >= 0 and math.isfinite(self.remaining_s)):
+            raise ValueError(
+                f"array {self.name!r}: remaining_s must be >= 0, got {self.remaining_s}"
+            )
+        if self.workers < 0:
+            raise ValueError(f"array {self.name!r}: workers must be >= 0, got {self.workers}")
+
+
+@dataclass(frozen=True)
+class WaitingPool:
+    """Trials of one compatibility key waiting for an array: ``arrays`` new arrays of
+    ``members`` trials each could start, each needing ``remaining_s`` seconds on one worker,
+    scaling as ``profile``."""
+
+    key: str
+    arrays: int
+    members: int
+    remaining_s: float
+    profile: ScalingProfile
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What happens to one array (or one pool of waiting trials): ``before`` -> ``after``
+    workers, the ``action`` and why (``reason``, one sentence for the log)."""
+
+    array: str
+    key: str
+    action: Action
+    before: int
+    after: int
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.array}: {self.action} {self.before}->{self.after} ({self.reason})"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One decision of the allocator: every :class:`Decision`, the workers left idle, the event
+    that triggered it and the clock time."""
+
+    decisions: tuple[Decision, ...]
+    total: int
+    idle: int
+    event: str
+    now: float
+    notes: tuple[str, ...] = field(default=())
+
+    def workers(self) -> dict[str, int]:
+        """Array name -> workers after this plan (started arrays included, paused ones 0)."""
+        return {d.array: d.after for d in self.decisions if d.action != "wait"}
+
+    def apply(self, arrays: Sequence[ArrayState]) -> list[ArrayState]:
+        """``arrays`` with this plan's workers, ``since`` set to the plan's time where the
+        workers changed (new arrays are the caller's to create, from the ``start`` decisions
+        named ``new:<key>#i``)."""
+        after = self.workers()
+        out = []
+        for a in arrays:
+            k = after.get(a.name, a.workers)
+            out.append(a if k == a.workers else replace(a, workers=k, since=self.now))
+        return out
+
+    def changed(self) -> list[Decision]:
+        """The decisions that change something (not ``keep``)."""
+        return [d for d in self.decisions if d.action != "keep"]
+
+    def status(self) -> str:
+        """A short line for the progress display: ``elastic: 5 arrays on 60/64 workers (+2
+        grown, 1 new, 1 paused) [node left]``."""
+        count = {a: sum(d.action == a for d in self.decisions) for a in ("grow", "shrink")}
+        started = sum(d.action == "start" for d in self.decisions)
+        paused = sum(d.action == "pause" for d in self.decisions)
+        running = sum(1 for d in self.decisions if d.action != "wait" and d.after > 0)
+        parts = [
+            f"+{count['grow']} grown" if count["grow"] else "",
+            f"-{count['shrink']} shrunk" if count["shrink"] else "",
+            f"{started} new" if started else "",
+            f"{paused} paused" if paused else "",
+        ]
+        detail = ", ".join(p for p in parts if p)
+        return (
+            f"elastic: {running} arrays on {self.total - self.idle}/{self.total} workers"
+            + (f" ({detail})" if detail else "")
+            + f" [{self.event}]"
+        )
+
+
+#: every worker count up to this is tried; above it only a profile's points and the bounds
+_EVERY_UP_TO = 32
+
+
+def _choices(profile: ScalingProfile, low: int, high: int, current: int) -> list[int]:
+    """The worker counts tried for one array: every count from ``low`` to 32, and above that
+    its profile's points, the bounds and its current count (a DP over every count up to 512
+    for each of hundreds of arrays would take seconds per decision; past 32 workers a profile
+    is known at powers of two only, straight lines between)."""
+    high = min(high, profile.max_workers)
+    if high < low:
+        return [low]
+    ks = set(range(low, min(high, _EVERY_UP_TO) + 1))
+    ks |= {k for k in profile.points if low <= k <= high} | {low, high}
+    if low <= current <= high:
+        ks.add(current)
+    return sorted(ks)
+
+
+class Allocator:
+    """Decides workers per array; see the module's docstring for the objective and the rules.
+
+    ``min_workers``/``max_workers`` bound every array (``max_workers`` ``None``: the total);
+    ``resize_every_s`` is the cooldown between resizes of one array; ``resize_cost_s`` what a
+    resize costs the array (a grow must save more); ``max_wait_s`` the longest a paused array
+    waits when workers are too few for every array's minimum.
+    """
+
+    def __init__(
+        self,
+        *,
+        min_workers: int = 1,
+        max_workers: int | None = None,
+        resize_every_s: float = 60.0,
+        resize_cost_s: float = 0.0,
+        max_wait_s: float = 600.0,
+    ) -> None:
+        if min_workers < 1:
+            raise ValueError(f"min_workers must be an integer >= 1, got {min_workers!r}")
+        if max_workers is not None and max_workers < min_workers:
+            raise ValueError(
+                f"max_workers ({max_workers}) must be >= min_workers ({min_workers}) or None"
+            )
+        for name, value in (
+            ("resize_every_s", resize_every_s),
+            ("resize_cost_s", resize_cost_s),
+            ("max_wait_s", max_wait_s),
+        ):
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        self.min_workers = min_workers
+        self.max_workers = max_workers
+        self.resize_every_s = resize_every_s
+        self.resize_cost_s = resize_cost_s
+        self.max_wait_s = max_wait_s
+
+    def decide(
+        self,
+        arrays: Sequence[ArrayState],
+        waiting: Sequence[WaitingPool],
+        total: int,
+        *,
+        now: float,
+        event: str = "timer",
+    ) -> Plan:
+        """Workers for every array in ``arrays`` and how many new arrays each pool in
+        ``waiting`` starts, given ``total`` workers in the cluster at clock time ``now``."""
+        if total < 0:
+            raise ValueError(f"total workers must be >= 0, got {total}")
+        names = [a.name for a in arrays]
+        if len(set(names)) != len(names):
+            raise ValueError(
+                f"array names repeat: {sorted(n for n in names if names.count(n) > 1)}"
+            )
+        high = total if self.max_workers is None else min(self.max_workers, total)
+        low = self.min_workers
+        notes: list[str] = []
+
+        # 1. Who is served: every array if the minimums fit; else the longest-waiting first.
+        served, paused = self._served(arrays, total, now, notes)
+        forced = sum(a.workers for a in arrays) > total  # workers left: shrink despite cooldown
+
+        # 2. The options per array, and the new arrays the pools could start.
+        options: list[list[int]] = []
+        weights: list[float] = []
+        profiles: list[ScalingProfile] = []
+        why_fixed: dict[str, str] = {}
+        for a in served:
+            choices = _choices(a.profile, low, high, a.workers)
+            cooling = a.workers > 0 and now - a.since < self.resize_every_s
+            if cooling and not forced:
+                choices = [a.workers]
+                why_fixed[a.name] = (
+                    f"resized {now - a.since:.0f} s ago, cooldown {self.resize_every_s:g} s"
+                )
+            elif a.workers > 0:
+                choices = [k for k in choices if k <= a.workers or self._worth_growing(a, k)]
+            options.append(choices)
+            weights.append(a.members * max(a.remaining_s, 1e-9))
+            profiles.append(a.profile)
+        candidates: list[tuple[WaitingPool, int]] = []
+        if not paused:
+            for pool in waiting:
+                for i in range(pool.arrays):
+                    candidates.append((pool, i))
+                    options.append([0, *_choices(pool.profile, low, high, 0)])
+                    weights.append(pool.members * max(pool.remaining_s, 1e-9))
+                    profiles.append(pool.profile)
+
+        # 3. The dynamic program over arrays x workers.
+        chosen = _best(options, weights, profiles, total)
+        if chosen is None:  # the cooled-down arrays alone exceed the workers: relax the cooldown
+            notes.append("cooldown lifted: the arrays' current workers exceed the cluster")
+            options[: len(served)] = [_choices(a.profile, low, high, a.workers) for a in served]
+            why_fixed.clear()
+            chosen = _best(options, weights, profiles, total)
+            assert chosen is not None, "the minimums were checked to fit"
+
+        decisions = [
+            self._explain(a, k, why_fixed.get(a.name), forced, total)
+            for a, k in zip(served, chosen, strict=False)
+        ]
+        for a, position in paused:
+            decisions.append(
+                Decision(
+                    a.name,
+                    a.key,
+                    "pause" if a.workers > 0 else "keep",
+                    a.workers,
+                    0,
+                    f"{total} workers cannot give every array its minimum of {low}; "
+                    f"paused at position {position} in line, waits at most {self.max_wait_s:g} s",
+                )
+            )
+        started: dict[str, list[int]] = {}
+        for (pool, _), k in zip(candidates, chosen[len(served) :], strict=True):
+            if k > 0:
+                started.setdefault(pool.key, []).append(k)
+        for pool in waiting:
+            ks = started.get(pool.key, [])
+            for i, k in enumerate(ks):
+                decisions.append(
+                    Decision(
+                        f"new:{pool.key}#{i}",
+                        pool.key,
+                        "start",
+                        0,
+                        k,
+                        f"new array of {pool.members} waiting trials on {k} worker(s): "
+                        f"{pool.members} x {pool.remaining_s:.0f} s of training started saves more "
+                        "member-seconds than growing a running array",
+                    )
+                )
+            if len(ks) < pool.arrays:
+                reason = (
+                    "an array is paused; it is served before new arrays"
+                    if paused
+                    else "no free worker is worth more to a new array than where it is"
+                )
+                decisions.append(Decision(f"pool:{pool.key}", pool.key, "wait", 0, 0, reason))
+        used = sum(d.after for d in decisions if d.action != "wait")
+        return Plan(tuple(decisions), total, total - used, event, now, tuple(notes))
+
+    def _served(
+        self, arrays: Sequence[ArrayState], total: int, now: float, notes: list[str]
+    ) -> tuple[list[ArrayState], list[tuple[ArrayState, int]]]:
+        """(arrays that get >= min workers, [(paused array, its place in line)])."""
+        fits = total // self.min_workers
+        if len(arrays) <= fits:
+            return list(arrays), []
+
+        def priority(a: ArrayState) -> tuple[int, float, str]:
+            if a.workers == 0 and now - a.since >= self.max_wait_s:
+                return (0, a.since, a.name)  # waited its longest: first
+            if a.workers > 0:
+                return (1, a.since, a.name)  # running: the earliest (re)started keeps its place
+            return (2, a.since, a.name)  # paused, in order of pausing
+
+        order = sorted(arrays, key=priority)
+        served, rest = order[:fits], order[fits:]
+        rest.sort(key=lambda a: (a.workers == 0, a.since, a.name))
+        notes.append(
+            f"{total} workers for {len(arrays)} arrays at {self.min_workers} each: "
+            f"{len(rest)} paused"
+        )
+        return served, [(a, i + 1) for i, a in enumerate(rest)]
+
+    def _worth_growing(self, a: ArrayState, k: int) -> bool:
+        """Whether growing ``a`` to ``k`` workers saves more than a resize costs."""
+        saved = a.remaining_s / a.profile.speedup(a.workers) - a.remaining_s / a.profile.speedup(k)
+        return saved > self.resize_cost_s
+
+    def _explain(
+        self, a: ArrayState, k: int, fixed: str | None, forced: bool, total: int
+    ) -> Decision:
+        p = a.profile
+        if k == a.workers:
+            reason = fixed or (
+                f"{k} worker(s) is the best share (speed-up {p.speedup(max(k, 1)):.2f}x)"
+            )
+            return Decision(a.name, a.key, "keep", a.workers, k, reason)
+        if a.workers == 0:
+            return Decision(a.name, a.key, "start", 0, k, f"resumes on {k} worker(s) after waiting")
+        eta_before = a.remaining_s / p.speedup(a.workers)
+        eta_after = a.remaining_s / p.speedup(k)
+        times = f"speed-up {p.speedup(a.workers):.2f}x -> {p.speedup(k):.2f}x, " + (
+            f"done in ~{eta_after:.0f} s instead of ~{eta_before:.0f} s"
+        )
+        if k > a.workers:
+            return Decision(a.name, a.key, "grow", a.workers, k, f"workers were free: {times}")
+        why = (
+            f"workers left (the cluster has {total})" if forced else "its workers do more elsewhere"
+        )
+        return Decision(a.name, a.key, "shrink", a.workers, k, f"{why}: {times}")
+
+
+def _best(
+    options: list[list[int]], weights: list[float], profiles: list[ScalingProfile], total: int
+) -> list[int] | None:
+    """The DP: one choice per array from its options, using at most ``total`` workers, with the
+    largest sum of ``weight * (2 - 1 / speedup(k))`` (0 for k = 0); None if even the smallest
+    choices do not fit. Ties go to fewer workers (choices in ascending order, strict >)."""
+    if sum(min(o) for o in options) > total:
+        return None
+    neg = -math.inf
+    best = np.full(total + 1, neg)
+    best[0] = 0.0  # best[w]: the value using exactly w workers
+    picks: list[np.ndarray] = []
+    for choices, weight, profile in zip(options, weights, profiles, strict=True):
+        new = np.full(total + 1, neg)
+        pick = np.zeros(total + 1, dtype=np.int64)
+        for k in choices:
+            value = 0.0 if k == 0 else weight * (2.0 - 1.0 / profile.speedup(k))
+            if k > total:
+                continue
+            shifted = np.full(total + 1, neg)
+            shifted[k:] = best[: total + 1 - k] + value
+            better = shifted > new
+            new[better] = shifted[better]
+            pick[better] = k
+        best = new
+        picks.append(pick)
+    w = int(np.argmax(best))  # argmax returns the first, i.e. fewest workers, among ties
+    if best[w] == neg:
+        return None
+    chosen = []
+    for pick in reversed(picks):
+        k = int(pick[w])
+        chosen.append(k)
+        w -= k
+    return chosen[::-1]
