@@ -253,3 +253,74 @@ def test_lora_bert_classifier_with_its_own_loss_trains_as_alone() -> None:
             grads=step == 0,
         )
     run.assert_states()
+
+
+def _gpt2_member(seed: int, alpha: float) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(1234)  # the "pretrained" causal LM, the same in every member
+    config = transformers.GPT2Config(
+        vocab_size=40,
+        n_embd=16,
+        n_layer=2,
+        n_head=2,
+        n_positions=16,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    base = transformers.GPT2LMHeadModel(config).double()
+    lora = peft.LoraConfig(
+        r=2,
+        lora_alpha=alpha,
+        target_modules=["c_attn"],  # GPT-2's Conv1D: peft sets fan_in_fan_out itself
+        lora_dropout=0.0,
+        task_type="CAUSAL_LM",
+    )
+    torch.manual_seed(seed)
+    model = peft.get_peft_model(base, lora)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            nn.init.normal_(p, std=0.1)
+    return model
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+@pytest.mark.filterwarnings("ignore:fan_in_fan_out is set to False:UserWarning")
+def test_lora_gpt2_causal_lm_with_its_own_loss_trains_as_alone() -> None:
+    """A tiny GPT-2 with LoRA on its fused attention projection (a Conv1D), trained on its own
+    next-token loss (``labels=``), per-member alpha and lr: each member equals the same peft
+    model trained alone with torch.optim, forward, gradients, weights and optimizer state."""
+    models = [_gpt2_member(20 + i, a) for i, a in enumerate([2, 4, 8])]
+    refs = [copy.deepcopy(m) for m in models]
+    array = hs.fuse(models)
+    names = [n for n, _ in array.named_parameters()]
+    assert names and all("lora_" in n for n in names)
+    assert any("wte" in n for n in array.shared_frozen)
+    run = SideBySide(
+        array,
+        hs.optim.AdamW(array, lr=LRS, weight_decay=[0.0, 0.01, 0.1]),
+        refs,
+        [
+            torch.optim.AdamW(trained(r), lr=lr, weight_decay=wd, foreach=False)
+            for r, lr, wd in zip(refs, LRS, [0.0, 0.01, 0.1], strict=True)
+        ],
+        outputs=lambda out: [out.logits, out.loss],
+        # transformers computes the causal LM loss in float32 (it upcasts the logits), so the
+        # losses and everything after them carry float32 rounding: the float32 tolerances
+        rtol=1e-5,
+        atol=1e-7,
+    )
+    array.train()
+    gen = torch.Generator().manual_seed(0)
+    for step in range(10):
+        ids = torch.randint(1, 40, (3, 9), generator=gen)
+        run.step(
+            input_ids=ids,
+            labels=ids,
+            loss=lambda out: out.loss,
+            ref_loss=lambda out: out.loss,
+            grads=step in (0, 9),
+        )
+    run.assert_states()
