@@ -132,6 +132,7 @@ def retrain(
         device=target,
         dtype=DTYPES[sc.fusion.dtype],
         eval_every=sc.fusion.eval_every,
+        share_frozen=sc.fusion.share_frozen,
     )
     wanted = len(recorded)
     seen = 0

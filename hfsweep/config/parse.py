@@ -71,7 +71,7 @@ _TOP_KEYS = (
 )
 _REQUIRED = ("task", "search_space", "budget", "metric", "mode")
 _BUDGET = ("trials", "epochs", "steps", "time_limit")
-_FUSION = ("size", "device", "dtype", "eval_every")
+_FUSION = ("size", "device", "dtype", "eval_every", "share_frozen")
 _RAY = (
     "address",
     "cpus_per_array",
@@ -288,7 +288,16 @@ class _Parser(_Fields):
         every = f.get("eval_every")
         if every is not None:
             every = self.integer(every, "fusion.eval_every", 1)
-        return FusionConfig(size=size, device=device, dtype=dtype, eval_every=every)
+        share = f.get("share_frozen", True)
+        if not isinstance(share, bool):
+            raise self.error(
+                "fusion.share_frozen",
+                f"{share!r} ({type(share).__name__}) is not true or false (keep frozen tensors "
+                "every member holds identically once)",
+            )
+        return FusionConfig(
+            size=size, device=device, dtype=dtype, eval_every=every, share_frozen=share
+        )
 
     def ray(self, raw: object, backend: str) -> RayConfig:
         if raw is None:

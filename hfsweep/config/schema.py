@@ -131,12 +131,15 @@ class Budget:
 class FusionConfig:
     """How trials are fused: array ``size`` (an int, or ``"auto"`` for the profiler's choice),
     ``device`` (``auto``, ``cpu``, ``cuda``, ``cuda:N``), ``dtype`` (one of :data:`DTYPES`) and
-    ``eval_every`` (steps between evaluations; ``None``: one epoch)."""
+    ``eval_every`` (steps between evaluations; ``None``: one epoch) and ``share_frozen``
+    (frozen tensors identical in every member, a fine-tuning sweep's backbone, kept once:
+    ``share_frozen`` of :func:`hfsweep.fuse`)."""
 
     size: int | Literal["auto"] = "auto"
     device: str = "auto"
     dtype: str = "float32"
     eval_every: int | None = None
+    share_frozen: bool = True
 
     def to_dict(self) -> dict[str, Any]:
         """The ``fusion:`` mapping."""

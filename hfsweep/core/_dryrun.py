@@ -87,7 +87,13 @@ def dry_run(
             task, data=lambda _config: (_FirstBatch(train), _FirstBatch(val)), steps_per_epoch=1
         )
         trainer = ArrayTrainer(
-            one, device=where, dtype=dtype, trace=False, keep_states=False, final_states="none"
+            one,
+            device=where,
+            dtype=dtype,
+            trace=False,
+            keep_states=False,
+            final_states="none",
+            share_frozen=sc.fusion.share_frozen,
         )
         results = trainer.run(
             [

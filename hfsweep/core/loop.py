@@ -329,6 +329,7 @@ class _Engine(_Resume, _Hooks, _Outcome, _Tracked):
                     dtype=dtype,
                     eval_every=sc.fusion.eval_every,
                     settings=sc.ray,
+                    share_frozen=sc.fusion.share_frozen,
                 )
             except ExecutorError as exc:
                 raise SweepError(f"backend ray: {exc}") from exc
@@ -343,6 +344,7 @@ class _Engine(_Resume, _Hooks, _Outcome, _Tracked):
                 dtype=dtype,
                 eval_every=sc.fusion.eval_every,
                 data=self._data,
+                share_frozen=sc.fusion.share_frozen,
             )
             self.where = str(self.executor.device)
         try:

@@ -71,6 +71,7 @@ class RayExecutor(Executor):
         dtype: torch.dtype,
         eval_every: int | None,
         settings: RayConfig,
+        share_frozen: bool = True,
     ) -> None:
         import ray
 
@@ -78,6 +79,7 @@ class RayExecutor(Executor):
         self.device = device
         self.dtype = dtype
         self.eval_every = eval_every
+        self.share_frozen = share_frozen
         self.settings = settings
         self._owns_ray = not ray.is_initialized()
         #: threads inside run_array or array_size (close waits for them before ray.shutdown)
@@ -216,6 +218,7 @@ class RayExecutor(Executor):
             dtype=self.dtype,
             eval_every=self.eval_every,
             threads=max(1, int(self.cpus_per_array)),
+            share_frozen=self.share_frozen,
         )
 
     def _acquire(self) -> Any:

@@ -48,6 +48,7 @@ class ArrayWorker:
         dtype: torch.dtype,
         eval_every: int | None,
         threads: int,
+        share_frozen: bool = True,
     ) -> None:
         torch.set_num_threads(max(1, threads))
         device = resolve_device(device)
@@ -56,7 +57,9 @@ class ArrayWorker:
                 f"fusion.device is {device!r} but the Ray worker on {socket.gethostname()} sees "
                 "no CUDA device; give the arrays GPUs (ray.gpus_per_array) or use device: cpu"
             )
-        self.local = LocalExecutor(task, device=device, dtype=dtype, eval_every=eval_every)
+        self.local = LocalExecutor(
+            task, device=device, dtype=dtype, eval_every=eval_every, share_frozen=share_frozen
+        )
         self._events: queue.Queue[Event] = queue.Queue()
         self._answers: queue.Queue[Any] = queue.Queue()
 

@@ -44,6 +44,7 @@ class LocalExecutor(Executor):
         data: _DataCache | None = None,
         final_states: str = "completed",
         trace: bool = True,
+        share_frozen: bool = True,
     ) -> None:
         self.task = task
         self.device = torch.device(device)
@@ -51,6 +52,7 @@ class LocalExecutor(Executor):
         self.eval_every = eval_every
         self.final_states = final_states
         self.trace = trace
+        self.share_frozen = share_frozen
         #: traced forwards shared by every array of this sweep (see ArrayTrainer)
         self._trace_cache: dict[str, dict[Any, Any]] = {}
         #: the loaded data, shared by the profiler and every array of this sweep
@@ -104,6 +106,7 @@ class LocalExecutor(Executor):
             eval_every=self.eval_every,
             checkpoint_dir=checkpoint_dir,
             trace=self.trace,
+            share_frozen=self.share_frozen,
             keep_states=False,
             final_states=self.final_states,
         )

@@ -5,10 +5,13 @@
 ``digits_cnn``            small CNN on the same digits
 ``cifar_resnet``          CIFAR-style ResNet on generated CIFAR-shaped images (3x32x32)
 ``token_transformer``     causal Transformer language model on generated Markov token sequences
+``text_lora``             LoRA (peft) fine-tuning of a tiny BERT encoder pretrained in-process,
+                          on generated keyword texts (4 classes)
 ========================  ==================================================================
 
 ``hfsweep.tasks.get(name)`` returns the :class:`hfsweep.Task`; each task's ``defaults`` lists
-the config keys it understands. The digits tasks need scikit-learn (``hfsweep[examples]``).
+the config keys it understands. The digits tasks need scikit-learn (``hfsweep[examples]``),
+``text_lora`` needs transformers and peft.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 
 from ..training.task import Task, TaskError
 from ._data import TensorBatches, digits, markov_tokens, pattern_images
+from ._lora import text_lora
 from ._models import MLP, DigitsCNN, ResNet, TokenTransformer, _p
 
 __all__ = [
@@ -27,6 +31,7 @@ __all__ = [
     "digits_cnn",
     "digits_mlp",
     "get",
+    "text_lora",
     "token_transformer",
 ]
 
@@ -131,7 +136,7 @@ token_transformer = Task(
 
 #: the ready tasks by name
 TASKS: dict[str, Task] = {
-    t.name: t for t in (digits_mlp, digits_cnn, cifar_resnet, token_transformer)
+    t.name: t for t in (digits_mlp, digits_cnn, cifar_resnet, token_transformer, text_lora)
 }
 
 

@@ -31,9 +31,27 @@ _CHECKPOINT_VERSION = 3
 
 
 def _member_state(
-    array: FusedArray, opt: FusedOptimizer, sched: FusedLRScheduler | None, i: int
+    array: FusedArray,
+    opt: FusedOptimizer,
+    sched: FusedLRScheduler | None,
+    i: int,
+    shared: dict[str, Tensor] | None = None,
 ) -> dict[str, Any]:
+    """Slot ``i``'s model, optimizer, schedule and dropout stream, on the CPU.
+
+    ``shared`` collects the tensors every member holds as one (``array.shared_frozen``, a frozen
+    backbone): the states of several members taken with the same dict hold the same tensor
+    object there, which a checkpoint stores once (:func:`~hfsweep.training.packed.pack`) instead
+    of once per member."""
     model = dict(array.member_state_dict(i, device="cpu"))
+    if shared is not None:
+        for name in array.shared_frozen:
+            mine = model.get(name)
+            if mine is None:
+                continue
+            one = shared.setdefault(name, mine)
+            if one is not mine:  # every entry of this member tied to it, too
+                model = {k: one if v is mine else v for k, v in model.items()}
     optimizer = _to_cpu(opt.member_state_dict(i))
     scheduler = sched.member_state_dict(i) if sched is not None else None
     return {

@@ -63,6 +63,7 @@ class _Live:
     def snapshot(self) -> list[_SlotState | None]:
         """Every slot with its member's current state saved, to go on in another array."""
         sums = self.loss_sum.tolist()
+        shared: dict[str, Tensor] = {}  # the frozen tensors every member shares, kept once
         out: list[_SlotState | None] = []
         for i, s in enumerate(self.state.slots):
             if s is None:
@@ -75,7 +76,7 @@ class _Live:
                     history=list(s.history),
                     since=s.since,
                     loss_sum=sums[i],
-                    saved=self.member_state(i),
+                    saved=_member_state(self.array, self.opt, self.sched, i, shared),
                 )
             )
         return out
@@ -119,7 +120,7 @@ def _build_live(
     filler = live[0]
     models = _models(t, state, filler, built)
     with Phase("fusing the members' models"):
-        array = fuse(models, trace=t.trace).to(t.device)
+        array = fuse(models, trace=t.trace, share_frozen=t.share_frozen).to(t.device)
     for i, s in enumerate(state.slots):
         if s is not None and s.saved is not None:
             array.load_member_state_dict(i, s.saved["model"])
@@ -164,22 +165,25 @@ def _models(
 ) -> list[nn.Module]:
     """One model per slot to fuse: a new member's from ``built``. Slots whose weights
     come from a saved state (loaded into the array afterwards) and idle slots
-    (``filler``'s config) get copies of one model per ``dropout`` value, the one setting
-    besides weights that differs between members' models (``None`` keeps the model's own
-    ``p``): a rebuilt array does not initialise models it overwrites (a copy costs a
-    fraction of an initialisation)."""
+    (``filler``'s config) get copies of one model per ``dropout`` value and values of the
+    task's other model settings (``lora_alpha``, ``lora_dropout``, its ``per_member`` keys:
+    what besides weights differs between members' models and is not in their state dicts;
+    ``None`` keeps the model's own ``p``): a rebuilt array does not initialise models it
+    overwrites (a copy costs a fraction of an initialisation)."""
     shared: dict[Any, nn.Module] = {}
     models: list[nn.Module] = []
+    settings = t.task.model_settings
     for i, s in enumerate(state.slots):
         config = (s or filler).config
         if i in built:
             models.append(built[i])
             continue
-        model = shared.get(config["dropout"])
+        same = (config["dropout"], *(repr(config.get(k)) for k in settings))
+        model = shared.get(same)
         if model is None:
             with Phase("the task's model(config)"):
                 model = t.task.build_model(config).to(t.dtype)
-            shared[config["dropout"]] = model
+            shared[same] = model
             models.append(model)
         else:
             models.append(copy.deepcopy(model))

@@ -8,8 +8,10 @@ tensors (every member's weights, optimizer state and schedule) among 3,000 other
 dtype on the way, in CPU memory (a checkpoint of a GPU array needs no second copy on the GPU);
 :func:`unpack` rebuilds it with a copy of each tensor, of its shape and dtype, on the CPU, where
 the trainer loads its checkpoints anyway. Plain tensors come back (a ``Parameter`` as a tensor
-without grad); a tensor found twice (tied weights) is stored twice and comes back as two, and
-tensors that shared storage come back separate.
+without grad); a tensor object found twice (tied weights, or a frozen backbone every member of a
+fine-tuning array shares, see :meth:`~hfsweep.training.live._Live.snapshot`) is stored once and
+comes back as separate copies (so that writing into one never changes another), and tensors that
+shared storage come back separate.
 
 Loading never runs code from the file (a run directory may be shared, or come from someone
 else): :func:`load` reads the file with ``torch.load(weights_only=True)`` and unpacks the
@@ -66,10 +68,15 @@ class _Packer(pickle.Pickler):
         self.index: dict[torch.dtype, int] = {}  # the buffer of each dtype
         self.parts: list[list[Tensor]] = []
         self.sizes: list[int] = []
+        #: the record of each tensor object already stored (the structure keeps them alive)
+        self.stored: dict[int, tuple[int, int, tuple[int, ...]]] = {}
 
     def persistent_id(self, obj: Any) -> Any:
         if type(obj) not in _DENSE or obj.layout != torch.strided or obj.is_quantized:
             return None
+        known = self.stored.get(id(obj))
+        if known is not None:
+            return known
         index = self.index.setdefault(obj.dtype, len(self.parts))
         if index == len(self.parts):
             self.parts.append([])
@@ -77,7 +84,9 @@ class _Packer(pickle.Pickler):
         offset = self.sizes[index]
         self.parts[index].append(obj.detach().reshape(-1).cpu())
         self.sizes[index] += obj.numel()
-        return (index, offset, tuple(obj.shape))
+        record = (index, offset, tuple(obj.shape))
+        self.stored[id(obj)] = record
+        return record
 
 
 class UnsafeFileError(pickle.UnpicklingError, ValueError):

@@ -32,6 +32,7 @@ from ..optim import lr_scheduler as hs_sched
 
 __all__ = [
     "BASE_DEFAULTS",
+    "LORA_PER_MEMBER_KEYS",
     "OPTIMIZERS",
     "PER_MEMBER_KEYS",
     "SCHEDULES",
@@ -126,6 +127,16 @@ PER_MEMBER_KEYS: frozenset[str] = frozenset(
         "max_steps",
     ]
 )
+#: peft LoRA settings that may differ inside one array (the fused array keeps each member's
+#: ``lora_alpha`` scale and ``lora_dropout`` probability, see ``hfsweep.fusion._peft``): per
+#: member when a task's ``defaults`` name them, so a LoRA sweep over them packs into one array
+#: while the rank, the target modules and the rest of the adapter stay in the compatibility key
+LORA_PER_MEMBER_KEYS: frozenset[str] = frozenset({"lora_alpha", "lora_dropout"})
+#: valid ranges of the LoRA keys (as :data:`_RANGES`), checked when a config has them
+_LORA_RANGES: dict[str, tuple[float, float, bool, bool]] = {
+    "lora_alpha": (0.0, math.inf, True, True),
+    "lora_dropout": (0.0, 1.0, False, True),
+}
 _LOSSES = ("cross_entropy", "sequence_cross_entropy", "mse")
 _METRICS = ("accuracy",)
 
@@ -153,7 +164,10 @@ class Task:
     understands beyond hfsweep's own (:data:`BASE_DEFAULTS`) with its default value, and may
     override hfsweep's defaults (a default hyperparameter applies to whichever optimizer or
     schedule takes it; the others ignore it). ``per_member`` names extra keys that may differ inside one
-    array because they only change the initial values of the model (e.g. an init scale).
+    array because they only change the initial values of the model (e.g. an init scale), or
+    settings the fused array keeps per member. ``lora_alpha`` and ``lora_dropout``
+    (:data:`LORA_PER_MEMBER_KEYS`, for a model wrapped with peft's LoRA) are per member whenever
+    ``defaults`` names them.
     ``steps_per_epoch`` is needed only when the training data has no ``len()``.
     """
 
@@ -202,8 +216,18 @@ class Task:
     # ------------------------------------------------------------------ configs
     @property
     def per_member_keys(self) -> frozenset[str]:
-        """Config keys that may differ between the members of one array."""
-        return PER_MEMBER_KEYS | frozenset(self.per_member)
+        """Config keys that may differ between the members of one array: hfsweep's own, the
+        LoRA settings the task's ``defaults`` name, and the task's ``per_member``."""
+        lora = LORA_PER_MEMBER_KEYS.intersection(self.defaults)
+        return PER_MEMBER_KEYS | lora | frozenset(self.per_member)
+
+    @property
+    def model_settings(self) -> tuple[str, ...]:
+        """Per-member keys that ``model(config)`` reads and the array takes from each member's
+        model, beyond hfsweep's own (``lora_alpha``, ``lora_dropout``, the task's
+        ``per_member``): members that differ in them need models built from their own
+        configs."""
+        return tuple(sorted(self.per_member_keys - PER_MEMBER_KEYS))
 
     @property
     def metric_names(self) -> list[str]:
@@ -264,6 +288,9 @@ class Task:
                 and (key != "dropout" or out[key] is not None)
                 and (key != "grad_clip" or out[key] is not None)
             ):
+                _check_number(out, key, low=low, high=high, strict=low_open, high_open=high_open)
+        for key, (low, high, low_open, high_open) in _LORA_RANGES.items():
+            if key in out and key in self.per_member_keys:
                 _check_number(out, key, low=low, high=high, strict=low_open, high_open=high_open)
         for key, low in (("seed", 0), ("data_seed", 0), ("step_size", 1)):
             if key in out:

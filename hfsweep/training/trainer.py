@@ -67,6 +67,9 @@ class ArrayTrainer:
     ``"all"``, ``"completed"`` (a sweep keeps the weights of its best completed trials only;
     saving every pruned member's cost a sweep of small models a noticeable share of its time)
     or ``"none"``.
+    ``share_frozen`` (``fusion.share_frozen``) keeps frozen tensors that every member holds
+    identically (a fine-tuning sweep's pretrained backbone) once in each array, and its
+    checkpoints store them once (see :func:`hfsweep.fuse`).
     ``float64`` is for exactness tests; models are built on the CPU from their seed, then moved
     to ``device``.
     """
@@ -82,6 +85,7 @@ class ArrayTrainer:
         trace: bool = True,
         keep_states: bool = True,
         final_states: str = "all",
+        share_frozen: bool = True,
     ) -> None:
         if eval_every is not None and (not isinstance(eval_every, int) or eval_every < 1):
             raise ValueError(f"eval_every must be an integer >= 1 (steps), got {eval_every!r}")
@@ -96,6 +100,7 @@ class ArrayTrainer:
         self.eval_every = eval_every
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.trace = trace
+        self.share_frozen = share_frozen
         self.keep_states = keep_states
         self.final_states = final_states
         #: the data of the last compatibility key trained (an executor shares one between

@@ -16,13 +16,12 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from _side_by_side import ATOL, RTOL, SideBySide, trained
 from torch import Tensor, nn
 
 import hfsweep as hs
 
 peft = pytest.importorskip("peft")
-
-RTOL, ATOL = 1e-7, 1e-10
 
 
 class Base(nn.Module):
@@ -72,52 +71,34 @@ BASE_NAMES = [
 ]
 
 
-def _trained(model: nn.Module) -> list[nn.Parameter]:
-    return [p for p in model.parameters() if p.requires_grad]
-
-
 def test_lora_members_train_as_alone_with_the_base_kept_once() -> None:
     models = [lora_member(10 + i, a) for i, a in enumerate(ALPHAS)]
     refs = [copy.deepcopy(m) for m in models]
     array = hs.fuse(models)
     assert array.shared_frozen == BASE_NAMES
     assert all("lora_" in n or "modules_to_save" in n for n, _ in array.named_parameters())
-    opt = hs.optim.AdamW(array, lr=LRS, weight_decay=[0.0, 0.01, 0.1])
-    ref_opts = [
-        torch.optim.AdamW(_trained(r), lr=lr, weight_decay=wd, foreach=False)
-        for r, lr, wd in zip(refs, LRS, [0.0, 0.01, 0.1], strict=True)
-    ]
+    wds = [0.0, 0.01, 0.1]
+    run = SideBySide(
+        array,
+        hs.optim.AdamW(array, lr=LRS, weight_decay=wds),
+        refs,
+        [
+            torch.optim.AdamW(trained(r), lr=lr, weight_decay=wd, foreach=False)
+            for r, lr, wd in zip(refs, LRS, wds, strict=True)
+        ],
+    )
     array.train()
     gen = torch.Generator().manual_seed(0)
     for step in range(40):
         x = torch.randn(6, 8, generator=gen, dtype=torch.float64)
         y = torch.randint(0, 3, (6,), generator=gen)
-        opt.zero_grad()
-        out = array(x)
-        hs.member_losses(out, y).sum().backward()
-        for i, (r, o) in enumerate(zip(refs, ref_opts, strict=True)):
-            r.train()
-            o.zero_grad()
-            expected = r(x)
-            torch.testing.assert_close(out[i], expected, rtol=RTOL, atol=ATOL)
-            F.cross_entropy(expected, y).backward()
-            if step == 0:
-                grads = dict(array.named_parameters())
-                for name, p in r.named_parameters():
-                    if p.requires_grad:
-                        torch.testing.assert_close(
-                            grads[f"module.{name}"].grad[i], p.grad, rtol=RTOL, atol=ATOL
-                        )
-            o.step()
-        opt.step()
-    for i, r in enumerate(refs):
-        mine = array.member_state_dict(i)
-        for k, v in r.state_dict().items():
-            torch.testing.assert_close(mine[k], v, rtol=RTOL, atol=ATOL, msg=f"member {i} {k}")
-        theirs, exported = ref_opts[i].state_dict(), opt.member_state_dict(i)
-        for k, st in theirs["state"].items():
-            for key, value in st.items():
-                torch.testing.assert_close(exported["state"][k][key], value, rtol=RTOL, atol=ATOL)
+        run.step(
+            x,
+            loss=lambda out, y=y: hs.member_losses(out, y),
+            ref_loss=lambda out, y=y: F.cross_entropy(out, y),
+            grads=step == 0,
+        )
+    run.assert_states()
 
 
 def test_lora_dropout_differs_per_member() -> None:
@@ -134,28 +115,22 @@ def test_lora_dropout_differs_per_member() -> None:
     for i, a in enumerate(alone):
         array.manual_seed(i, 100 + i)
         a.manual_seed(0, 100 + i)
-    opt = hs.optim.SGD(array, lr=LRS, momentum=[0.9] * 3)
-    ref_opts = [
-        torch.optim.SGD(_trained(a), lr=lr, momentum=0.9) for a, lr in zip(alone, LRS, strict=True)
-    ]
+    run = SideBySide(
+        array,
+        hs.optim.SGD(array, lr=LRS, momentum=[0.9] * 3),
+        alone,
+        [
+            torch.optim.SGD(trained(a), lr=lr, momentum=0.9)
+            for a, lr in zip(alone, LRS, strict=True)
+        ],
+        alone=True,
+    )
     gen = torch.Generator().manual_seed(0)
-    for _ in range(20):
+    for step in range(20):
         x = torch.randn(6, 8, generator=gen, dtype=torch.float64)
         y = torch.randint(0, 3, (6,), generator=gen)
-        opt.zero_grad()
-        out = array(x)
-        hs.member_losses(out, y).sum().backward()
-        opt.step()
-        for i, (a, o) in enumerate(zip(alone, ref_opts, strict=True)):
-            o.zero_grad()
-            expected = a(x)[0]
-            torch.testing.assert_close(out[i], expected, rtol=RTOL, atol=ATOL)
-            F.cross_entropy(expected, y).backward()
-            o.step()
-    for i, a in enumerate(alone):
-        theirs = a.member_state_dict(0)
-        for k, v in array.member_state_dict(i).items():
-            torch.testing.assert_close(v, theirs[k], rtol=RTOL, atol=ATOL)
+        run.step(x, loss=lambda out, y=y: hs.member_losses(out, y), grads=step == 0)
+    run.assert_states(optimizer=False)
 
 
 def test_a_members_adapter_saves_and_loads_with_peft(tmp_path: Any) -> None:
@@ -248,36 +223,104 @@ def test_lora_bert_classifier_with_its_own_loss_trains_as_alone() -> None:
     models = [_bert_member(10 + i, a) for i, a in enumerate([2, 4, 8])]
     refs = [copy.deepcopy(m) for m in models]
     array = hs.fuse(models)
-    trained = [n for n, _ in array.named_parameters()]
-    assert trained and all("lora_" in n or "modules_to_save" in n for n in trained)
+    names = [n for n, _ in array.named_parameters()]
+    assert names and all("lora_" in n or "modules_to_save" in n for n in names)
     assert any("word_embeddings" in n for n in array.shared_frozen)
-    opt = hs.optim.AdamW(array, lr=LRS)
-    ref_opts = [
-        torch.optim.AdamW(_trained(r), lr=lr, foreach=False)
-        for r, lr in zip(refs, LRS, strict=True)
-    ]
+    run = SideBySide(
+        array,
+        hs.optim.AdamW(array, lr=LRS),
+        refs,
+        [
+            torch.optim.AdamW(trained(r), lr=lr, foreach=False)
+            for r, lr in zip(refs, LRS, strict=True)
+        ],
+        outputs=lambda out: [out.logits, out.loss],
+    )
     array.train()
     gen = torch.Generator().manual_seed(0)
-    for _ in range(8):
+    for step in range(8):
         ids = torch.randint(0, 40, (4, 7), generator=gen)
         mask = torch.ones(4, 7, dtype=torch.long)
         mask[1, 5:] = 0
         mask[3, 3:] = 0
         labels = torch.randint(0, 3, (4,), generator=gen)
-        opt.zero_grad()
-        out = array(input_ids=ids, attention_mask=mask, labels=labels)
-        assert out.loss.shape == (3,)
-        out.loss.sum().backward()
-        opt.step()
-        for i, (r, o) in enumerate(zip(refs, ref_opts, strict=True)):
-            r.train()
-            o.zero_grad()
-            expected = r(input_ids=ids, attention_mask=mask, labels=labels)
-            torch.testing.assert_close(out.logits[i], expected.logits, rtol=RTOL, atol=ATOL)
-            torch.testing.assert_close(out.loss[i], expected.loss, rtol=RTOL, atol=ATOL)
-            expected.loss.backward()
-            o.step()
-    for i, r in enumerate(refs):
-        mine = array.member_state_dict(i)
-        for k, v in r.state_dict().items():
-            torch.testing.assert_close(mine[k], v, rtol=RTOL, atol=ATOL, msg=f"member {i} {k}")
+        run.step(
+            input_ids=ids,
+            attention_mask=mask,
+            labels=labels,
+            loss=lambda out: out.loss,
+            ref_loss=lambda out: out.loss,
+            grads=step == 0,
+        )
+    run.assert_states()
+
+
+def _gpt2_member(seed: int, alpha: float) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(1234)  # the "pretrained" causal LM, the same in every member
+    config = transformers.GPT2Config(
+        vocab_size=40,
+        n_embd=16,
+        n_layer=2,
+        n_head=2,
+        n_positions=16,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    base = transformers.GPT2LMHeadModel(config).double()
+    lora = peft.LoraConfig(
+        r=2,
+        lora_alpha=alpha,
+        target_modules=["c_attn"],  # GPT-2's Conv1D: peft sets fan_in_fan_out itself
+        lora_dropout=0.0,
+        task_type="CAUSAL_LM",
+    )
+    torch.manual_seed(seed)
+    model = peft.get_peft_model(base, lora)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            nn.init.normal_(p, std=0.1)
+    return model
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+@pytest.mark.filterwarnings("ignore:fan_in_fan_out is set to False:UserWarning")
+def test_lora_gpt2_causal_lm_with_its_own_loss_trains_as_alone() -> None:
+    """A tiny GPT-2 with LoRA on its fused attention projection (a Conv1D), trained on its own
+    next-token loss (``labels=``), per-member alpha and lr: each member equals the same peft
+    model trained alone with torch.optim, forward, gradients, weights and optimizer state."""
+    models = [_gpt2_member(20 + i, a) for i, a in enumerate([2, 4, 8])]
+    refs = [copy.deepcopy(m) for m in models]
+    array = hs.fuse(models)
+    names = [n for n, _ in array.named_parameters()]
+    assert names and all("lora_" in n for n in names)
+    assert any("wte" in n for n in array.shared_frozen)
+    run = SideBySide(
+        array,
+        hs.optim.AdamW(array, lr=LRS, weight_decay=[0.0, 0.01, 0.1]),
+        refs,
+        [
+            torch.optim.AdamW(trained(r), lr=lr, weight_decay=wd, foreach=False)
+            for r, lr, wd in zip(refs, LRS, [0.0, 0.01, 0.1], strict=True)
+        ],
+        outputs=lambda out: [out.logits, out.loss],
+        # transformers computes the causal LM loss in float32 (it upcasts the logits), so the
+        # losses and everything after them carry float32 rounding: the float32 tolerances
+        rtol=1e-5,
+        atol=1e-7,
+    )
+    array.train()
+    gen = torch.Generator().manual_seed(0)
+    for step in range(10):
+        ids = torch.randint(1, 40, (3, 9), generator=gen)
+        run.step(
+            input_ids=ids,
+            labels=ids,
+            loss=lambda out: out.loss,
+            ref_loss=lambda out: out.loss,
+            grads=step in (0, 9),
+        )
+    run.assert_states()

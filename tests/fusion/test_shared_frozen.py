@@ -16,12 +16,12 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from _side_by_side import ATOL, RTOL, SideBySide, trained
 from torch import Tensor, nn
 
 import hfsweep as hs
 
 B = 4
-RTOL, ATOL = 1e-7, 1e-10
 
 
 class Backbone(nn.Module):
@@ -143,42 +143,23 @@ def _train_and_compare(
     array = hs.fuse(models)
     assert array.shared_frozen == shared_names
     array.train()
-    opt = fused_cls(array, **_fused_kwargs(per_member))
-    ref_opts = []
-    for r, h in zip(refs, per_member, strict=True):
-        r.train()
-        trained = [p for p in r.parameters() if p.requires_grad]
-        ref_opts.append(torch_cls(trained, **h, foreach=False))
+    run = SideBySide(
+        array,
+        fused_cls(array, **_fused_kwargs(per_member)),
+        refs,
+        [torch_cls(trained(r), **h, foreach=False) for r, h in zip(refs, per_member, strict=True)],
+    )
     gen = torch.Generator().manual_seed(1)
     for step in range(steps):
         x = torch.randn(8, 6, generator=gen, dtype=torch.float64)
         y = torch.randint(0, 3, (8,), generator=gen)
-        opt.zero_grad()
-        out = array(x)
-        hs.member_losses(out, y).sum().backward()
-        for i, (r, o) in enumerate(zip(refs, ref_opts, strict=True)):
-            o.zero_grad()
-            expected = r(x)
-            torch.testing.assert_close(out[i], expected, rtol=RTOL, atol=ATOL)
-            F.cross_entropy(expected, y).backward()
-            if step in (0, steps - 1):
-                torch.testing.assert_close(
-                    array.module.head.weight.grad[i], r.head.weight.grad, rtol=RTOL, atol=ATOL
-                )
-            o.step()
-        opt.step()
-    for i, r in enumerate(refs):
-        mine = array.member(i).state_dict()
-        for k, v in r.state_dict().items():
-            torch.testing.assert_close(mine[k], v, rtol=RTOL, atol=ATOL, msg=f"member {i} {k}")
-        theirs = ref_opts[i].state_dict()
-        exported = opt.member_state_dict(i)
-        assert exported["state"].keys() == theirs["state"].keys()
-        for k, st in theirs["state"].items():
-            for key, value in st.items():
-                torch.testing.assert_close(
-                    exported["state"][k][key], value, rtol=RTOL, atol=ATOL, msg=f"{i} {k} {key}"
-                )
+        run.step(
+            x,
+            loss=lambda out, y=y: hs.member_losses(out, y),
+            ref_loss=lambda out, y=y: F.cross_entropy(out, y),
+            grads=step in (0, steps - 1),
+        )
+    run.assert_states()
     # the frozen backbone did not move, in either
     for i, (m, r) in enumerate(zip(models, refs, strict=True)):
         mine, theirs, before = array.member_state_dict(i), r.state_dict(), m.state_dict()
@@ -388,28 +369,26 @@ def test_bitfit_frozen_weights_shared_trained_biases_per_member() -> None:
     array = hs.fuse(models)
     assert array.shared_frozen == ["0.weight", "2.weight"]
     lrs = [0.05 * (i + 1) for i in range(B)]
-    opt = hs.optim.Adam(array, lr=lrs)
-    ref_opts = [
-        torch.optim.Adam([r[0].bias, r[2].bias], lr=lr, foreach=False)
-        for r, lr in zip(refs, lrs, strict=True)
-    ]
+    run = SideBySide(
+        array,
+        hs.optim.Adam(array, lr=lrs),
+        refs,
+        [
+            torch.optim.Adam(trained(r), lr=lr, foreach=False)
+            for r, lr in zip(refs, lrs, strict=True)
+        ],
+    )
     gen = torch.Generator().manual_seed(2)
-    for _ in range(30):
+    for step in range(30):
         x = torch.randn(7, 6, generator=gen, dtype=torch.float64)
         y = torch.randint(0, 3, (7,), generator=gen)
-        opt.zero_grad()
-        out = array(x)
-        hs.member_losses(out, y).sum().backward()
-        opt.step()
-        for i, (r, o) in enumerate(zip(refs, ref_opts, strict=True)):
-            o.zero_grad()
-            expected = r(x)
-            torch.testing.assert_close(out[i], expected, rtol=RTOL, atol=ATOL)
-            F.cross_entropy(expected, y).backward()
-            o.step()
-    for i, r in enumerate(refs):
-        for k, v in r.state_dict().items():
-            torch.testing.assert_close(array.member_state_dict(i)[k], v, rtol=RTOL, atol=ATOL)
+        run.step(
+            x,
+            loss=lambda out, y=y: hs.member_losses(out, y),
+            ref_loss=lambda out, y=y: F.cross_entropy(out, y),
+            grads=step == 0,
+        )
+    run.assert_states()
 
 
 class RunningAverage(nn.Module):

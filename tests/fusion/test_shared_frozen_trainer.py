@@ -149,7 +149,9 @@ def test_resume_and_refill_keep_the_backbone_shared(
     adamw = [{**c, "optimizer": "adamw"} for c in CONFIGS[:3]]
     first, late = adamw[:2], adamw[2]
 
-    def run(directory: Any, crash_at: int | None = None, resume: bool = False) -> Any:
+    def run(
+        directory: Any, crash_at: int | None = None, resume: bool = False, share: bool = True
+    ) -> Any:
         queue = [] if resume else [hs.Member("late", late)]
         evaluations = 0
 
@@ -159,7 +161,7 @@ def test_resume_and_refill_keep_the_backbone_shared(
             if evaluations == crash_at:
                 raise _Crash
 
-        return _trainer(checkpoint_dir=directory).run(
+        return _trainer(checkpoint_dir=directory, share_frozen=share).run(
             _members(first),
             report=report,
             refill=lambda: queue.pop() if queue else None,
@@ -176,12 +178,8 @@ def test_resume_and_refill_keep_the_backbone_shared(
         _assert_same(a, b)
     assert all(a.shared_frozen == BACKBONE for a in built_arrays)
     # and the whole run, the refilled trial's included, equals the run with every tensor stacked
-    import hfsweep.training.live as live
-
-    fuse = live.fuse
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(live, "fuse", lambda *a, **k: fuse(*a, **k, share_frozen=False))
-        stacked = run(tmp_path / "stacked")
+    # (ArrayTrainer(share_frozen=False), fusion.share_frozen: false in a sweep file)
+    stacked = run(tmp_path / "stacked", share=False)
     assert built_arrays[-1].shared_frozen == []
     for a, b in zip(stacked, full, strict=True):
         _assert_same(a, b)

@@ -102,9 +102,12 @@ def test_gpu_tensors_are_packed_in_cpu_memory_and_come_back_on_the_cpu() -> None
     assert out["gpu"].device.type == "cpu" and torch.equal(out["gpu"], torch.full((3,), 2.0))
 
 
-def test_a_tensor_found_twice_comes_back_as_two() -> None:
+def test_a_tensor_found_twice_is_stored_once_and_comes_back_as_two() -> None:
     shared = torch.arange(4.0)
-    out = unpack(pack({"a": shared, "b": shared}))
+    packed = pack({"a": shared, "b": shared, "c": shared.clone()})
+    assert [b.numel() for b in packed["buffers"]] == [8]  # "a" and "b" once, "c" its own
+    out = unpack(packed)
+    assert torch.equal(out["c"], shared)
     assert torch.equal(out["a"], shared) and torch.equal(out["b"], shared)
     out["a"].zero_()
     assert torch.equal(out["b"], shared)
