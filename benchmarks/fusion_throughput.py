@@ -42,7 +42,9 @@ Writes ``<stem>.md``/``.json`` and the plots ``<stem>_throughput.png`` and ``<st
     python benchmarks/fusion_throughput.py --quick --out /tmp/ft   # smoke run: does it work?
 
 On a CPU the default models leave out ``resnet18`` (seconds per step per model there): name it
-with a few small sizes, ``--models resnet18 --sizes 1 2 4``.
+with a few small sizes, ``--models resnet18 --sizes 1 2 4``. ``lora_bert`` (a LoRA fine-tuning
+member whose frozen base every member shares; needs ``peft`` and ``transformers``) runs only when
+named: ``--models lora_bert --sizes 1 16``.
 """
 
 from __future__ import annotations
@@ -160,6 +162,45 @@ class TransformerClassifier(nn.Module):
         return self.head(self.encoder(h).mean(-2))
 
 
+class LoraBert(nn.Module):
+    """A LoRA fine-tuning member: a BERT-style encoder for sequence classification (hidden 256,
+    4 layers, 4 heads, vocabulary 1000, 64 tokens; 3.4M parameters, built from a config, nothing
+    downloaded) wrapped with peft LoRA (r=8 on query/value, ``lora_dropout`` 0.1), returning
+    the logits. Every member holds the same "pretrained" base (built under a fixed seed, frozen)
+    and its own adapter and classifier head (initialised from the caller's random state), so a
+    fused array keeps the base once (``share_frozen``) where serial models and separate
+    processes hold one each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import peft
+        import transformers
+
+        config = transformers.BertConfig(
+            vocab_size=TransformerClassifier.vocab,
+            hidden_size=256,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            intermediate_size=1024,
+            max_position_embeddings=TransformerClassifier.length,
+            num_labels=10,
+        )
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(1234)
+            base = transformers.BertForSequenceClassification(config)
+        lora = peft.LoraConfig(
+            r=8,
+            lora_alpha=16,
+            target_modules=["query", "value"],
+            lora_dropout=0.1,
+            task_type="SEQ_CLS",
+        )
+        self.model = peft.get_peft_model(base, lora)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.model(input_ids=tokens).logits
+
+
 def _features(*shape: int) -> Callable[[int, torch.Generator], Tensor]:
     def make(batch: int, gen: torch.Generator) -> Tensor:
         return torch.randn(batch, *shape, generator=gen)
@@ -190,6 +231,9 @@ MODELS: dict[str, ModelSpec] = {
     "resnet18": ModelSpec(ResNet18, _features(3, 32, 32), 128, "ResNet-18 (CIFAR form), 3x32x32"),
     "transformer": ModelSpec(
         TransformerClassifier, _tokens, 32, "Transformer encoder, 2 layers d128, 64 tokens"
+    ),
+    "lora_bert": ModelSpec(
+        LoraBert, _tokens, 8, "BERT-style encoder (4 layers d256) with peft LoRA r=8, frozen base"
     ),
 }
 
@@ -821,7 +865,7 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         default=None,
         choices=list(MODELS),
-        help="default: all; on a CPU all but resnet18",
+        help="default: all but lora_bert; on a CPU also not resnet18",
     )
     parser.add_argument("--sizes", nargs="+", type=int, default=None, help="default 1 2 ... 32")
     parser.add_argument(
@@ -843,7 +887,9 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     if device.type == "cpu":
         retain_freed_memory()
-    models = args.models or [m for m in MODELS if device.type == "cuda" or m != "resnet18"]
+    models = args.models or [
+        m for m in MODELS if m != "lora_bert" and (device.type == "cuda" or m != "resnet18")
+    ]
     sizes = args.sizes or ([1, 2] if args.quick else [1, 2, 4, 8, 16, 32])
     rounds = args.rounds or (1 if args.quick else 5)
     min_time = args.min_time or (0.02 if args.quick else 0.2)
