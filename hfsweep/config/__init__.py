@@ -41,6 +41,8 @@ A sweep file is one YAML mapping. Every key, with its default::
       device: auto              # auto (cuda if available, else cpu), cpu, cuda or cuda:N
       dtype: float32            # float32, float64 or bfloat16
       eval_every: null          # evaluate every this many steps (int >= 1); null: every epoch
+      compile: false            # true: torch.compile each array's fused step (CUDA graphs on
+                                #   cuda); auto: the profiler times both, keeps the faster
     backend: local              # local (in-process) or ray (arrays on a Ray cluster)
     ray:                        # only with backend: ray
       address: null             # null: start a local Ray for the run; "auto", "host:6379" or

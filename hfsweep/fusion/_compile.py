@@ -28,11 +28,20 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
 
-__all__ = ["COMPILE_MODES", "CompileFallbackWarning", "check_compile", "compile_graph", "mode_for"]
+__all__ = [
+    "COMPILE_MODES",
+    "CompileFallbackWarning",
+    "check_compile",
+    "compile_graph",
+    "compiling_backward_now",
+    "mode_for",
+    "warn_fallback",
+]
 
 _log = logging.getLogger("hfsweep.fusion")
 
@@ -49,7 +58,7 @@ def check_compile(value: object, where: str = "compile") -> bool | str:
     """``value`` as ``compile=`` takes it: ``False``, ``True`` (a mode per device, see
     :func:`mode_for`) or one of :data:`COMPILE_MODES`; anything else raises naming ``where``."""
     if isinstance(value, bool) or value in COMPILE_MODES:
-        return value  # type: ignore[return-value]
+        return value
     raise ValueError(
         f"{where}={value!r} is not valid: give True, False or a torch.compile mode "
         f"({', '.join(COMPILE_MODES)})"
@@ -72,7 +81,18 @@ def compile_graph(graph: torch.fx.GraphModule, mode: str) -> Callable[..., Any]:
     """``graph`` compiled by inductor in ``mode``: static shapes (each signature has its own
     trace), the whole graph or an error (``fullgraph``). Compiling happens at the first call."""
     compiled = torch.compile(graph, backend="inductor", mode=mode, dynamic=False, fullgraph=True)
-    return compiled  # type: ignore[no-any-return]
+    return compiled
+
+
+def compiling_backward_now() -> AbstractContextManager[object]:
+    """While a compiled graph's first call runs: compile its backward then too, not at the first
+    backward pass (AOTAutograd's default), so that the first call's time is all the compiling
+    (what step timers leave out) and a backward that fails to compile falls back with the
+    forward. A no-op where torch lacks the setting."""
+    config = torch._functorch.config
+    if not hasattr(config, "force_non_lazy_backward_lowering"):
+        return nullcontext()
+    return config.patch(force_non_lazy_backward_lowering=True)
 
 
 def warn_fallback(reason: str, stacklevel: int = 4) -> None:

@@ -24,7 +24,7 @@ from torch.overrides import TorchFunctionMode
 from .._compat import pytree
 from .._errors import FusionError
 from ._check import describe_path
-from ._compile import compile_graph, mode_for, warn_fallback
+from ._compile import compile_graph, compiling_backward_now, mode_for, warn_fallback
 from ._graph import simplify
 from ._random import FunctionalStream, member_randomness
 from ._state import _Slot
@@ -216,7 +216,11 @@ class _Tracing:
             saved = [t.clone() for t in buffers]
         start = time.perf_counter()
         try:
-            out = trace.graph(*state, *tensors)
+            if trace.plain is not None:
+                with compiling_backward_now():
+                    out = trace.graph(*state, *tensors)
+            else:
+                out = trace.graph(*state, *tensors)
         except torch.OutOfMemoryError:
             raise
         except Exception as exc:

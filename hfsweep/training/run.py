@@ -241,7 +241,7 @@ class _Run:
             out_of_memory = ""
             try:
                 smoothing = live.smoothing if live.smoothes else None
-                losses = backward(self.task, array, x, y, smoothing, live.clip)
+                losses = backward(self.task, array, x, y, smoothing, live.clip, self.t._loss)
             except torch.OutOfMemoryError as exc:
                 out_of_memory = describe(exc, limit=300)
             if out_of_memory:

@@ -27,16 +27,23 @@ def any_smoothing(configs: Iterable[Mapping[str, Any]]) -> bool:
 
 
 def backward(
-    task: Task, array: FusedArray, x: Any, y: Any, smoothing: Tensor | None, clip: Tensor | None
+    task: Task,
+    array: FusedArray,
+    x: Any,
+    y: Any,
+    smoothing: Tensor | None,
+    clip: Tensor | None,
+    loss: Callable[[Tensor, Any, Tensor | None], Tensor] | None = None,
 ) -> Tensor:
     """Forward and backward of every member on the shared batch ``(x, y)``, then per-member
     clipping; returns the ``[B]`` losses (``smoothing``: the ``[B]`` label smoothing, or
-    ``None`` for none). Nothing is changed yet, so after an out-of-memory
-    error here the step can be retried by smaller arrays."""
+    ``None`` for none; ``loss``: the task's loss compiled, else ``task.member_loss``). Nothing
+    is changed yet, so after an out-of-memory error here the step can be retried by smaller
+    arrays."""
     with Phase("the forward pass"):
         out = array(x)
     with Phase("the loss"):
-        losses = task.member_loss(out, y, smoothing)
+        losses = (loss or task.member_loss)(out, y, smoothing)
     with Phase("the backward pass"):
         losses.sum().backward()
     if clip is not None:
