@@ -106,8 +106,9 @@ def test_profile_task_measures_compiled_at_the_chosen_size_and_caches_the_choice
 
 
 def test_the_local_executor_trains_as_the_profile_chose(monkeypatch: pytest.MonkeyPatch) -> None:
-    from hfsweep.executors import local
     from _tasks import make_task
+
+    from hfsweep.executors import local
 
     task = make_task()
     made: list[Any] = []
@@ -130,5 +131,5 @@ def test_the_local_executor_trains_as_the_profile_chose(monkeypatch: pytest.Monk
     member = type("M", (), {"config": {}})()
     executor.run_array("d", [member], report=None, refill=None, on_finish=None, resume=False)  # type: ignore[arg-type]
     assert made == [True]
-    with pytest.raises(ValueError, match="fusion.compile='sometimes'"):
+    with pytest.raises(ValueError, match=r"fusion\.compile='sometimes'"):
         local.LocalExecutor(task, device="cpu", dtype=None, eval_every=None, compile="sometimes")  # type: ignore[arg-type]
