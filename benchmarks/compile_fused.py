@@ -19,7 +19,12 @@ backward; ``FusedArray._compile_seconds``), ``first step s`` the whole first com
 steps of every way are not timed.
 
 ``fused / ideal`` is the ideal step's time over the fused step's (1.0: fusion costs nothing over
-one model on a B-times-larger batch). Usage::
+one model on a B-times-larger batch).
+
+``--optimizer`` measures instead what compiling the fused optimizer step itself would give
+(``torch.compile(opt.step)`` of ``hs.optim.AdamW`` over a tiny MLP's array, against the eager
+step; gradients set once, steps timed alone): the reason the compiled path leaves it eager.
+Usage::
 
     python benchmarks/compile_fused.py                    # writes benchmarks/results/compile_fused_cpu.md
     python benchmarks/compile_fused.py --models tiny_mlp --sizes 2 --rounds 1 --out /tmp/cf
@@ -159,6 +164,40 @@ COLUMNS = [
 ]
 
 
+def optimizer_step(size: int, rounds: int) -> dict[str, Any]:
+    """Median seconds of ``hs.optim.AdamW.step`` eager and under ``torch.compile`` (tiny MLP
+    array of ``size``), the compiled step's first call and its graph breaks."""
+    torch.manual_seed(0)
+    models = [MODELS["tiny_mlp"][0]() for _ in range(size)]
+    x, y = _batch("tiny_mlp", BATCH["tiny_mlp"])
+    arrays = [hs.fuse(copy.deepcopy(models)) for _ in range(2)]
+    opts = [hs.optim.AdamW(a, lr=[LR * (1 + i) for i in range(size)]) for a in arrays]
+    for a in arrays:
+        hs.member_losses(a(x), y).sum().backward()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(opts[1].step)
+    began = time.perf_counter()
+    compiled()
+    compiled()  # the optimizer state exists from the second step on: a recompile
+    first_s = time.perf_counter() - began
+    steps = {"eager": opts[0].step, "compiled": compiled}
+    for step in steps.values():
+        for _ in range(3):
+            step()
+    samples: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(rounds):
+        for k, step in steps.items():
+            samples[k].append(_timed(step, 50))
+    breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+    return {
+        "size": size,
+        "eager_s": statistics.median(samples["eager"]),
+        "compiled_s": statistics.median(samples["compiled"]),
+        "first_two_steps_s": first_s,
+        "graph_breaks": breaks,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(BATCH), choices=list(BATCH))
@@ -167,8 +206,41 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--round-s", type=float, default=0.5, help="seconds per way per round")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", type=Path, default=RESULTS / "compile_fused_cpu")
+    parser.add_argument("--optimizer", action="store_true", help="the optimizer step instead")
     args = parser.parse_args(argv)
     retain_freed_memory()  # the allocator setting hfsweep's trainer runs with
+    if args.optimizer:
+        rows = [optimizer_step(size, args.rounds) for size in args.sizes]
+        write_results(
+            args.out,
+            "compile_fused.py",
+            argv,
+            torch.device("cpu"),
+            "The fused optimizer step (hs.optim.AdamW) eager vs torch.compile(opt.step)",
+            [
+                f"- tiny MLP array ({MODELS['tiny_mlp'][2]}), per-member lr; median of "
+                f"{args.rounds} interleaved rounds of 50 steps; the CPU was shared",
+            ],
+            [
+                "B",
+                "eager ms/step",
+                "compiled ms/step",
+                "first two compiled steps s",
+                "graph breaks",
+            ],
+            [
+                [
+                    str(r["size"]),
+                    f"{r['eager_s'] * 1e3:.3f}",
+                    f"{r['compiled_s'] * 1e3:.3f}",
+                    f"{r['first_two_steps_s']:.1f}",
+                    str(r["graph_breaks"]),
+                ]
+                for r in rows
+            ],
+            rows,
+        )
+        return 0
     rows = []
     for name in args.models:
         for size in args.sizes:
