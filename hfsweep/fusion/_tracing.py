@@ -250,6 +250,7 @@ class _Tracing:
             seconds = time.perf_counter() - start
             self._compile_seconds += seconds
             self._tracing_seconds += seconds
+            trace.seconds += seconds  # what an array of another size would pay again
         trace.replayed = True
         return cast(Sequence[Tensor], out)
 

@@ -8,6 +8,7 @@ cannot compile runs eagerly from its first failure on, with one ``CompileFallbac
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -26,10 +27,15 @@ class CompiledLoss:
         self._task = task
         self._compiled: Any = torch.compile(task.member_loss, mode=mode, dynamic=False)
         self._ran = False  #: the compiled loss has run once: a later error is the data's
+        #: seconds the first calls of each compiled shape took (compiling: step timers leave
+        #: them out, as they leave out the array's tracing and compiling)
+        self.seconds = 0.0
 
     def __call__(self, outputs: Tensor, target: Tensor, smoothing: Tensor | None) -> Tensor:
         if self._compiled is None:
             return self._task.member_loss(outputs, target, smoothing)
+        start = time.perf_counter()
+        frames = _compiled_frames()
         try:
             losses: Tensor = self._compiled(outputs, target, smoothing)
         except (TaskError, torch.OutOfMemoryError):
@@ -46,4 +52,15 @@ class CompiledLoss:
             self._compiled = None
             return self._task.member_loss(outputs, target, smoothing)
         self._ran = True
+        if _compiled_frames() != frames:  # this call compiled (a new shape): not a step's time
+            self.seconds += time.perf_counter() - start
         return losses
+
+
+def _compiled_frames() -> int:
+    """How many frames dynamo has compiled in this process (0 where torch does not say)."""
+    counters = getattr(getattr(torch, "_dynamo", None), "utils", None)
+    try:
+        return int(counters.counters["stats"]["unique_graphs"])  # type: ignore[union-attr]
+    except (AttributeError, KeyError, TypeError):
+        return 0
