@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -77,9 +77,20 @@ def mode_for(compile: bool | str, device: torch.device) -> str | None:
     return str(compile)
 
 
-def compile_graph(graph: torch.fx.GraphModule, mode: str) -> Callable[..., Any]:
+def compile_graph(
+    graph: torch.fx.GraphModule, mode: str, state: Sequence[torch.Tensor] = ()
+) -> Callable[..., Any]:
     """``graph`` compiled by inductor in ``mode``: static shapes (each signature has its own
-    trace), the whole graph or an error (``fullgraph``). Compiling happens at the first call."""
+    trace), the whole graph or an error (``fullgraph``). Compiling happens at the first call.
+
+    With CUDA graphs (``"reduce-overhead"``) the stacked ``state`` tensors, which the graph
+    takes as inputs and the optimizers update in place, are marked as living at fixed
+    addresses, so a replay does not copy every parameter into the graph's own buffers first
+    (a new tensor there, after ``.to()`` say, re-records the graph).
+    """
+    if mode == "reduce-overhead":
+        for t in state:
+            torch._dynamo.mark_static_address(t, guard=False)
     compiled = torch.compile(graph, backend="inductor", mode=mode, dynamic=False, fullgraph=True)
     return compiled
 

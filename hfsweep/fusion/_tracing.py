@@ -388,7 +388,7 @@ class _Tracing:
         mode = mode_for(self._compile, _device_of(state, tensors))
         if mode is not None:
             trace.plain = trace.graph
-            trace.graph = compile_graph(graph, mode)
+            trace.graph = compile_graph(graph, mode, state)
         return trace
 
     def _compile_fallback(self, reason: str) -> None:

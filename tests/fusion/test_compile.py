@@ -106,7 +106,7 @@ def test_dropout_masks_and_optimizer_steps_match_the_uncompiled_array() -> None:
 
 
 def test_a_compile_failure_falls_back_to_the_trace_with_one_warning(monkeypatch) -> None:
-    def broken(graph: torch.fx.GraphModule, mode: str):  # type: ignore[no-untyped-def]
+    def broken(graph: torch.fx.GraphModule, mode: str, state: object):  # type: ignore[no-untyped-def]
         def call(*args: Tensor) -> None:
             raise RuntimeError("inductor could not lower op foo\nmore detail")
 
