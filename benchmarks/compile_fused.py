@@ -241,13 +241,19 @@ def main(argv: list[str] | None = None) -> int:
             rows,
         )
         return 0
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name in args.models:
         for size in args.sizes:
             row = measure(name, size, args.rounds, args.round_s, args.warmup)
             rows.append(row)
             print(" | ".join(_cells(row)), flush=True)
-    about = "; ".join(f"{n}: {MODELS[n][2]}, batch {BATCH[n]}" for n in args.models)
+            _write(args, argv, rows)  # after every row: a long run interrupted keeps its rows
+    return 0
+
+
+def _write(args: argparse.Namespace, argv: list[str] | None, rows: list[dict[str, Any]]) -> None:
+    done = list(dict.fromkeys(r["model"] for r in rows))
+    about = "; ".join(f"{n}: {MODELS[n][2]}, batch {BATCH[n]}" for n in done)
     write_results(
         args.out,
         "compile_fused.py",
@@ -260,14 +266,13 @@ def main(argv: list[str] | None = None) -> int:
             "the CPU was shared with other jobs while this ran",
             "- step: forward, hs.member_losses, backward, hs.optim.SGD (per-member lr); ideal: "
             "one model, batch x B, torch.optim.SGD, eager",
-            "- compile s: the compiled array's first forward (forward and backward compiled), "
+            "- compile s: the compiled array's first call (forward and backward compiled), "
             "left out of the step times; first step s: the whole first compiled step",
         ],
         COLUMNS,
         [_cells(r) for r in rows],
         rows,
     )
-    return 0
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ def _compiled_traces(array: hs.FusedArray) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # compiling on a shared 2-core CPU
 def test_compiled_mlp_matches_torch_in_float64() -> None:
     """Forward, backward and three SGD steps in train and eval mode, against B torch MLPs."""
     array = assert_fusion_matches(
@@ -40,6 +41,7 @@ def test_compiled_mlp_matches_torch_in_float64() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # compiling on a shared 2-core CPU
 def test_compiled_cnn_with_batchnorm_matches_torch_in_float32() -> None:
     """Convolutions, pooling, BatchNorm statistics and dropout layers (p=0 for the comparison)
     in float32 with the fusion rules' float32 tolerance."""
@@ -71,6 +73,7 @@ class _DropoutNet(nn.Module):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # compiling on a shared 2-core CPU
 def test_dropout_masks_and_optimizer_steps_match_the_uncompiled_array() -> None:
     """Per-member dropout streams under compile: masks bit for bit (float64 outputs, gradients
     and AdamW steps equal to 1e-12), call counters advanced alike, members with their own p."""

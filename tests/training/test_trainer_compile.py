@@ -35,6 +35,7 @@ def _run(**kw: Any) -> list[hs.MemberResult]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # compiling on a shared 2-core CPU
 def test_compiled_trainer_matches_the_uncompiled_one_in_float64() -> None:
     eager = _run()
     compiled = _run(compile=True)
