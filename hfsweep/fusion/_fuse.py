@@ -43,9 +43,9 @@ def fuse(
             ``torch.compile`` (inductor) at its first call. ``True`` uses
             ``mode="reduce-overhead"`` (CUDA graphs) on CUDA and ``"default"`` elsewhere; a
             ``torch.compile`` mode name picks the mode. Same results as uncompiled within float
-            rounding (dropout masks bit for bit); a call that cannot be compiled runs uncompiled
-            with a ``CompileFallbackWarning`` naming the reason. Needs ``trace=True``. See
-            "Compiled arrays" in docs/fusion.md.
+            rounding (dropout masks bit for bit); a call that cannot be compiled runs
+            uncompiled with a ``hfsweep.fusion.CompileFallbackWarning`` naming the reason.
+            Needs ``trace=True``. See "Compiled arrays" in docs/fusion.md.
 
     Raises:
         FusionError: the models differ in class, parameter names, shapes, dtypes, devices or
