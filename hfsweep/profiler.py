@@ -17,6 +17,10 @@ the other. So B is chosen from measurements, not as "the largest array that fits
    by :func:`cache_key` (architecture :func:`signature`, batch size, dtype, device hardware), so a
    sweep profiles each kind of array once per machine, not once per run.
 
+With ``compile="auto"`` (``fusion: {compile: auto}``) the profiler also times the fused step
+compiled at the chosen B and keeps the faster, compile time amortised (:func:`choose_compile`);
+the :class:`CompileChoice` is stored with the profile.
+
 The code lives in :mod:`hfsweep.sizing`; this module is its public face. Nothing here trains or
 imports the trainer; matplotlib is imported only by :func:`plot`.
 """
@@ -24,11 +28,13 @@ imports the trainer; matplotlib is imported only by :func:`plot`.
 from __future__ import annotations
 
 from .sizing import (
+    CompileChoice,
     Measurement,
     MemoryModel,
     Profile,
     ProfileCache,
     cache_key,
+    choose_compile,
     choose_size,
     device_budget,
     plot,
@@ -37,11 +43,13 @@ from .sizing import (
 )
 
 __all__ = [
+    "CompileChoice",
     "Measurement",
     "MemoryModel",
     "Profile",
     "ProfileCache",
     "cache_key",
+    "choose_compile",
     "choose_size",
     "device_budget",
     "plot",

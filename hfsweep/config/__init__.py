@@ -43,6 +43,8 @@ A sweep file is one YAML mapping. Every key, with its default::
       eval_every: null          # evaluate every this many steps (int >= 1); null: every epoch
       share_frozen: true        # keep frozen tensors every member holds identically (a
                                 #   pretrained backbone) once, not once per member
+      compile: false            # true: torch.compile each array's fused step (CUDA graphs on
+                                #   cuda); auto: the profiler times both, keeps the faster
     backend: local              # local (in-process) or ray (arrays on a Ray cluster)
     ray:                        # only with backend: ray
       address: null             # null: start a local Ray for the run; "auto", "host:6379" or

@@ -71,7 +71,7 @@ _TOP_KEYS = (
 )
 _REQUIRED = ("task", "search_space", "budget", "metric", "mode")
 _BUDGET = ("trials", "epochs", "steps", "time_limit")
-_FUSION = ("size", "device", "dtype", "eval_every", "share_frozen")
+_FUSION = ("size", "device", "dtype", "eval_every", "share_frozen", "compile")
 _RAY = (
     "address",
     "cpus_per_array",
@@ -143,6 +143,12 @@ class _Parser(_Fields):
         if backend == "ray" and importlib.util.find_spec("ray") is None:
             raise self.error("backend", "backend 'ray' needs Ray: pip install 'ray[tune]'")
         ray = self.ray(top.get("ray"), backend)
+        if backend == "ray" and fusion.compile is not False:
+            raise self.error(
+                "fusion.compile",
+                f"{fusion.compile!r} is not supported with backend 'ray' yet (its workers train "
+                "uncompiled); give false, or backend: local",
+            )
         storage = self.storage(top.get("storage"))
         stem = self.source.stem if self.source is not None else "sweep"
         study_name = top.get("study_name")
@@ -295,8 +301,20 @@ class _Parser(_Fields):
                 f"{share!r} ({type(share).__name__}) is not true or false (keep frozen tensors "
                 "every member holds identically once)",
             )
+        compile = f.get("compile", False)
+        if not (isinstance(compile, bool) or compile == "auto"):
+            raise self.error(
+                "fusion.compile",
+                f"{compile!r} is not valid; give true (torch.compile the fused step), false or "
+                "auto (the profiler times both and keeps the faster)",
+            )
         return FusionConfig(
-            size=size, device=device, dtype=dtype, eval_every=every, share_frozen=share
+            size=size,
+            device=device,
+            dtype=dtype,
+            eval_every=every,
+            share_frozen=share,
+            compile=compile,
         )
 
     def ray(self, raw: object, backend: str) -> RayConfig:

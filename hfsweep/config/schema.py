@@ -131,15 +131,18 @@ class Budget:
 class FusionConfig:
     """How trials are fused: array ``size`` (an int, or ``"auto"`` for the profiler's choice),
     ``device`` (``auto``, ``cpu``, ``cuda``, ``cuda:N``), ``dtype`` (one of :data:`DTYPES`) and
-    ``eval_every`` (steps between evaluations; ``None``: one epoch) and ``share_frozen``
+    ``eval_every`` (steps between evaluations; ``None``: one epoch), ``share_frozen``
     (frozen tensors identical in every member, a fine-tuning sweep's backbone, kept once:
-    ``share_frozen`` of :func:`hfsweep.fuse`)."""
+    ``share_frozen`` of :func:`hfsweep.fuse`) and ``compile`` (``True``:
+    arrays compile their traced forward, backward and loss with ``torch.compile``; ``"auto"``:
+    the profiler times both and keeps the faster)."""
 
     size: int | Literal["auto"] = "auto"
     device: str = "auto"
     dtype: str = "float32"
     eval_every: int | None = None
     share_frozen: bool = True
+    compile: bool | Literal["auto"] = False
 
     def to_dict(self) -> dict[str, Any]:
         """The ``fusion:`` mapping."""

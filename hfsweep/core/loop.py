@@ -345,6 +345,7 @@ class _Engine(_Resume, _Hooks, _Outcome, _Tracked):
                 eval_every=sc.fusion.eval_every,
                 data=self._data,
                 share_frozen=sc.fusion.share_frozen,
+                compile=sc.fusion.compile,
             )
             self.where = str(self.executor.device)
         try:

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ..fusion._compile import check_compile
 from ..training.task import Task
 from ..training.trainer import (
     ArrayTrainer,
@@ -31,7 +32,10 @@ class LocalExecutor(Executor):
     ``final_states`` says which ended members' results carry their weights (``"completed"``:
     the engine keeps its best completed trials'; the Tune plugin, which trains each array
     through a local executor in its trial, asks for ``"all"``), ``trace`` whether arrays
-    trace their forwards (see :class:`~hfsweep.trainer.ArrayTrainer`).
+    trace their forwards (see :class:`~hfsweep.trainer.ArrayTrainer`). ``compile``: ``True``
+    or ``False`` for every array, or ``"auto"``: the profiler's choice for each compatibility
+    key (:func:`~hfsweep.profiler.choose_compile`; uncompiled where no profile was taken, a
+    fixed ``fusion.size``).
     """
 
     def __init__(
@@ -45,6 +49,7 @@ class LocalExecutor(Executor):
         final_states: str = "completed",
         trace: bool = True,
         share_frozen: bool = True,
+        compile: bool | str = False,
     ) -> None:
         self.task = task
         self.device = torch.device(device)
@@ -53,6 +58,11 @@ class LocalExecutor(Executor):
         self.final_states = final_states
         self.trace = trace
         self.share_frozen = share_frozen
+        if compile != "auto":
+            check_compile(compile, "fusion.compile")
+        self.compile = compile
+        #: ``compile: auto``: the profiler's choice by compatibility key
+        self._compile_choice: dict[str, bool] = {}
         #: traced forwards shared by every array of this sweep (see ArrayTrainer)
         self._trace_cache: dict[str, dict[Any, Any]] = {}
         #: the loaded data, shared by the profiler and every array of this sweep
@@ -71,7 +81,8 @@ class LocalExecutor(Executor):
         from ..sizing.cache import ProfileCache
         from ..sizing.task import profile_task
 
-        traces = self._trace_cache.setdefault(self.task.compatibility_key(config), {})
+        key = self.task.compatibility_key(config)
+        traces = self._trace_cache.setdefault(key, {})
         profile = profile_task(
             self.task,
             config,
@@ -80,7 +91,10 @@ class LocalExecutor(Executor):
             cache=ProfileCache(),
             traces=traces,
             data=self._data_cache.get(self.task, self.task.resolve(config)),
+            compare_compiled=self.compile == "auto",
         )
+        if profile.compile is not None:
+            self._compile_choice[key] = profile.compile.compiled
         return profile.chosen, profile.reason
 
     def close(self) -> None:
@@ -99,6 +113,10 @@ class LocalExecutor(Executor):
     ) -> None:
         """Train ``members`` (and the trials ``refill`` adds) until every one has ended.
         (``requeue`` is for executors that may hand trials back; this one never does.)"""
+        compile = self.compile
+        if compile == "auto":
+            key = self.task.compatibility_key(members[0].config) if members else ""
+            compile = self._compile_choice.get(key, False)
         trainer = ArrayTrainer(
             self.task,
             device=self.device,
@@ -107,6 +125,7 @@ class LocalExecutor(Executor):
             checkpoint_dir=checkpoint_dir,
             trace=self.trace,
             share_frozen=self.share_frozen,
+            compile=compile,
             keep_states=False,
             final_states=self.final_states,
         )

@@ -29,6 +29,7 @@ from .._checks import is_int
 from .._compat import pytree
 from .._errors import FusionError
 from ._check import check_compatible, per_member_attributes
+from ._compile import check_compile
 from ._peft import load_member_lora, set_member_lora
 from ._plan import unsupported_reason
 from ._random import STREAM_KEY, FunctionalStream
@@ -126,6 +127,11 @@ class FusedArray(_Tracing, nn.Module):
         self._tracing_seconds = 0.0
         self._trace_after = 1  # a signature is traced at this call of it (_defer_tracing)
         self._untraced_calls: dict[Any, int] = {}
+        #: ``compile=`` of :func:`hfsweep.fuse` (see ``_compile``); False: traces replay as they are
+        self._compile: bool | str = False
+        #: seconds this array's first calls of compiled traces took (compiling; in
+        #: ``_tracing_seconds`` too, so step timers leave them out)
+        self._compile_seconds = 0.0
 
     # ------------------------------------------------------------------ public API
     @property
@@ -457,7 +463,22 @@ class FusedArray(_Tracing, nn.Module):
         return self
 
     def extra_repr(self) -> str:
-        return f"size={self._size}, trace={self._trace_enabled}"
+        extra = f", compile={self._compile!r}" if self._compile is not False else ""
+        return f"size={self._size}, trace={self._trace_enabled}{extra}"
+
+    def _set_compile(self, value: bool | str) -> None:
+        """Compile the traced forwards from now on (``value``: see ``compile`` of
+        :func:`hfsweep.fuse`); traces made before are dropped so they are made again."""
+        value = check_compile(value)
+        if value is not False and not self._trace_enabled:
+            raise ValueError(
+                f"compile={value!r} needs the traced forward, but the array was fused with "
+                "trace=False: torch.compile compiles the trace. Drop trace=False, or compile=False."
+            )
+        if value != self._compile:
+            self._compile = value
+            self._traces.clear()
+            self._untraced_calls.clear()
 
     # ------------------------------------------------------------------ internals
     def _index(self, i: int) -> int:

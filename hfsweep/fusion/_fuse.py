@@ -18,6 +18,7 @@ def fuse(
     dropout: Sequence[float] | Mapping[str, Sequence[float]] | None = None,
     trace: bool = True,
     share_frozen: bool = True,
+    compile: bool | str = False,
 ) -> FusedArray:
     """Fuse B models of one architecture into one :class:`FusedArray`.
 
@@ -38,10 +39,19 @@ def fuse(
         trace: replay each input signature's batched forward from a trace (fast). ``False`` runs
             ``torch.func.vmap`` eagerly on every call (use it when forward draws from Python's
             ``random`` module, which a trace would freeze).
+        compile: compile each traced forward (and, through AOTAutograd, its backward) with
+            ``torch.compile`` (inductor) at its first call. ``True`` uses
+            ``mode="reduce-overhead"`` (CUDA graphs) on CUDA and ``"default"`` elsewhere; a
+            ``torch.compile`` mode name picks the mode. Same results as uncompiled within float
+            rounding (dropout masks bit for bit); a call that cannot be compiled runs
+            uncompiled with a ``hfsweep.fusion.CompileFallbackWarning`` naming the reason.
+            Needs ``trace=True``. See "Compiled arrays" in docs/fusion.md.
 
     Raises:
         FusionError: the models differ in class, parameter names, shapes, dtypes, devices or
             non-tensor settings, or contain something that cannot be fused; the message names the
             submodule and what would work.
     """
-    return build_array(list(models), dropout, trace, share_frozen)
+    array = build_array(list(models), dropout, trace, share_frozen)
+    array._set_compile(compile)
+    return array

@@ -25,6 +25,7 @@ from .._compat import pytree
 from .._errors import FusionError
 from ..nn._shard import current_shard
 from ._check import describe_path
+from ._compile import compile_graph, compiling_backward_now, mode_for, warn_fallback
 from ._graph import simplify
 from ._random import FunctionalStream, member_randomness
 from ._state import _Slot
@@ -48,6 +49,8 @@ class _Trace:
     outputs: _Outputs
     seconds: float = 0.0  #: how long tracing took (what a new array size would pay again)
     replayed: bool = False  #: a replay has run to the end (see FusedArray._replay)
+    #: the uncompiled graph while ``graph`` is its ``torch.compile``d version (``compile=``)
+    plain: Callable[..., Any] | None = None
 
 
 _EAGER = object()  # cache value: this signature runs eagerly
@@ -57,7 +60,7 @@ def _self_contained(entry: Any) -> bool:
     """A traced graph that reads no tensor constants: a function of its inputs alone."""
     if not isinstance(entry, _Trace):
         return False
-    graph = getattr(entry.graph, "__self__", None)
+    graph = getattr(entry.plain or entry.graph, "__self__", None)
     nodes = getattr(getattr(graph, "graph", None), "nodes", None)
     return nodes is not None and all(n.op != "get_attr" for n in nodes)
 
@@ -101,6 +104,8 @@ class _Tracing:
     _tracing_seconds: float
     _trace_after: int
     _untraced_calls: dict[Any, int]
+    _compile: bool | str
+    _compile_seconds: float
 
     def _share_traces(self, cache: dict[Any, Any]) -> None:
         """Look traces up in, and add them to, ``cache`` too: a cache shared by arrays of one
@@ -210,14 +215,27 @@ class _Tracing:
         buffers = [t for t, s in zip(state, self._slots, strict=True) if not s.is_param]
         with torch.no_grad():
             saved = [t.clone() for t in buffers]
+        start = time.perf_counter()
         try:
-            out = trace.graph(*state, *tensors)
+            if trace.plain is not None:
+                with compiling_backward_now():
+                    out = trace.graph(*state, *tensors)
+            else:
+                out = trace.graph(*state, *tensors)
         except torch.OutOfMemoryError:
             raise
         except Exception as exc:
             with torch.no_grad():
                 for t, value in zip(buffers, saved, strict=True):
                     t.copy_(value)
+            if trace.plain is not None:  # the compiled graph failed: go on with the trace
+                trace.graph, trace.plain = trace.plain, None
+                first = str(exc).strip().splitlines()
+                warn_fallback(
+                    f"torch.compile failed on the traced forward ({type(exc).__name__}: "
+                    f"{first[0] if first else ''})"
+                )
+                return self._replay(trace, state, tensors)
             self._drop_trace(trace)
             warnings.warn(
                 f"replaying the traced forward of a fused array failed at {_graph_line(exc, trace)} "
@@ -227,6 +245,13 @@ class _Tracing:
                 stacklevel=3,
             )
             return None
+        if trace.plain is not None:
+            # the first call of a compiled graph compiles it (the forward, and with AOTAutograd
+            # the backward's graph): time the steps leave out, as they leave out tracing
+            seconds = time.perf_counter() - start
+            self._compile_seconds += seconds
+            self._tracing_seconds += seconds
+            trace.seconds += seconds  # what an array of another size would pay again
         trace.replayed = True
         return cast(Sequence[Tensor], out)
 
@@ -290,6 +315,7 @@ class _Tracing:
                     for t, d in zip(state, self._dims, strict=True)
                 ),
                 type(self.module),
+                self._compile,
             )
             entry = self._traces.get(key)
             if entry is None and self._shared_traces is not None:
@@ -327,6 +353,7 @@ class _Tracing:
         saved = [(m, dict(m.__dict__)) for m in self._template_modules]
         watch = self._grad_watch = _GradModeWatch()
         graph = None
+        failure = ""
         try:
             with self._locate_errors(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -335,6 +362,8 @@ class _Tracing:
             raise
         except Exception as exc:  # data-dependent control flow and the like: stay eager
             _log.debug("tracing failed, running eagerly: %s", exc)
+            lines = str(exc).strip().splitlines()
+            failure = f"{type(exc).__name__}: {lines[0] if lines else ''}"
         finally:
             self._grad_watch = None
         if self._attributes() != before:
@@ -347,14 +376,27 @@ class _Tracing:
                 "cannot be replayed from a trace; the array runs eagerly (slower, same results)",
                 stacklevel=4,
             )
+            self._compile_fallback("its forward changes Python attributes of its modules")
             return _EAGER
         if graph is None:
+            self._compile_fallback(f"its forward cannot be traced ({failure})")
             return _EAGER
         if watch.changed:
             _log.debug("forward switches grad mode; running eagerly")
+            self._compile_fallback("its forward switches grad mode, so it is not traced")
             return _EAGER
         # the generated forward itself: GraphModule.__call__ adds Module-call machinery per call
-        return _Trace(graph=graph.forward, outputs=rec, seconds=time.perf_counter() - start)
+        trace = _Trace(graph=graph.forward, outputs=rec, seconds=time.perf_counter() - start)
+        mode = mode_for(self._compile, _device_of(state, tensors))
+        if mode is not None:
+            trace.plain = trace.graph
+            trace.graph = compile_graph(graph, mode, state)
+        return trace
+
+    def _compile_fallback(self, reason: str) -> None:
+        """Warn that a call signature of an array asked to compile runs uncompiled."""
+        if self._compile is not False:
+            warn_fallback(reason, stacklevel=6)
 
     @contextmanager
     def _locate_errors(self) -> Iterator[None]:
@@ -403,6 +445,13 @@ class _Tracing:
         finally:
             h1.remove()
             h2.remove()
+
+
+def _device_of(state: Sequence[Tensor], tensors: Sequence[Tensor]) -> torch.device:
+    """The device a call runs on: its first tensor's (the CPU for a call without any)."""
+    for t in (*state, *tensors):
+        return t.device
+    return torch.device("cpu")
 
 
 def _graph_line(exc: BaseException, trace: _Trace) -> str:

@@ -5,6 +5,7 @@ One job per module, each importing only those above it in this list:
 - ``model``: a measured size (:class:`Measurement`), the memory model and the choice of B.
 - ``measure``: which sizes to measure and when to stop (:func:`profile_sizes`).
 - ``device``: what ``device: auto`` means, the dtype names, the memory budget, the hardware's name.
+- ``compiled``: eager or compiled (``compile: auto``), compile time amortised (:func:`choose_compile`).
 - ``cache``: profiles and their JSON cache, keyed by architecture, batch, dtype and hardware.
 - ``plotting``: a PNG of a profile.
 - ``scaling``: an array's member-samples/s on k data-parallel workers (:class:`ScalingProfile`),
@@ -18,6 +19,7 @@ Users import these names from :mod:`hfsweep.profiler` (and ``profile_task`` from
 """
 
 from .cache import Profile, ProfileCache, cache_key, signature
+from .compiled import CompileChoice, choose_compile
 from .device import device_budget
 from .measure import profile_sizes
 from .model import Measurement, MemoryModel, choose_size
@@ -26,12 +28,14 @@ from .scaling import AllReduceCost, ScalingProfile, model_scaling, step_s_at
 
 __all__ = [
     "AllReduceCost",
+    "CompileChoice",
     "Measurement",
     "MemoryModel",
     "Profile",
     "ProfileCache",
     "ScalingProfile",
     "cache_key",
+    "choose_compile",
     "choose_size",
     "device_budget",
     "model_scaling",

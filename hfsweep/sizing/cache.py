@@ -19,6 +19,7 @@ from torch import nn
 
 from .._io import new_temporary
 from ._units import _MIB, _check_budget, _check_int, _fmt_bytes, _fmt_rate
+from .compiled import CompileChoice
 from .device import _describe_device
 from .model import Measurement, MemoryModel, _check_measurements, _fits
 
@@ -119,7 +120,8 @@ class Profile:
 
     ``chosen`` is the array size to use and ``reason`` says why in one sentence. ``key`` is the
     :func:`cache_key`; ``device`` describes the hardware. ``measurements`` may be given as any
-    sequence and is stored as a tuple sorted by size.
+    sequence and is stored as a tuple sorted by size. ``compile`` is the profiler's choice
+    between the eager and the compiled fused step, where it was asked to choose.
     """
 
     key: str
@@ -131,6 +133,8 @@ class Profile:
     budget_bytes: float
     chosen: int
     reason: str
+    #: eager or compiled (``fusion: {compile: auto}``), measured at ``chosen``; ``None``: not asked
+    compile: CompileChoice | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "measurements", tuple(_check_measurements(self.measurements)))
@@ -183,6 +187,8 @@ class Profile:
             f"{_fmt_bytes(self.memory.base_bytes)} + {_fmt_bytes(self.memory.per_member_bytes)} x B"
         )
         lines.append(f"* chosen B={self.chosen}: {self.reason}")
+        if self.compile is not None:
+            lines.append(f"* {self.compile.reason}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
@@ -209,6 +215,7 @@ class Profile:
             "budget_bytes": self.budget_bytes,
             "chosen": self.chosen,
             "reason": self.reason,
+            **({"compile": self.compile.to_dict()} if self.compile is not None else {}),
         }
 
     @classmethod
@@ -240,6 +247,7 @@ class Profile:
                 budget_bytes=d["budget_bytes"],
                 chosen=d["chosen"],
                 reason=d["reason"],
+                compile=CompileChoice.from_dict(d["compile"]) if d.get("compile") else None,
             )
         except KeyError as exc:
             raise ValueError(f"profile is missing the field {exc.args[0]!r}") from exc

@@ -28,9 +28,12 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from .._compat import TorchDispatchMode, pytree
 from .._malloc import retaining_freed_memory
 from ..fusion import fuse
+from ..fusion._compile import check_compile, mode_for
+from ..training._compiled import CompiledLoss
 from ..training.step import any_smoothing, backward, update
 from ..training.task import Task, fork_rng, make_optimizer, make_schedule
 from .cache import Profile, ProfileCache, cache_key, signature
+from .compiled import DEFAULT_HORIZON_STEPS, CompileChoice, choose_compile
 from .device import _describe_device, device_budget
 from .measure import profile_sizes
 from .model import Measurement, choose_size
@@ -147,6 +150,8 @@ def measure_step(
     min_steps: int = 3,
     warmup: int = 2,
     traces: dict[Any, Any] | None = None,
+    compile: bool | str = False,
+    first_step: list[float] | None = None,
 ) -> Measurement:
     """Time the training step of an array of ``size`` members of ``config`` on ``batch``.
 
@@ -154,7 +159,10 @@ def measure_step(
     steps are timed (:func:`time_steps`: ``min_seconds`` at most unless the times settle
     sooner, and at least ``min_steps``); the step time is the median, which other processes'
     interruptions do not move. Then one more step measures peak memory. ``traces``: a trace
-    cache the array shares (see :func:`profile_task`).
+    cache the array shares (see :func:`profile_task`). ``compile``: the array and the loss
+    compiled as the trainer's ``compile`` does; its peak memory is not measured (0: the op by
+    op tracker would not see inside compiled kernels). ``first_step``: a list the first warm-up
+    step's seconds are appended to (tracing and compiling included).
     """
     with _as_the_trainer_runs(device):
         return _measure_step(
@@ -168,6 +176,8 @@ def measure_step(
             min_steps=min_steps,
             warmup=warmup,
             traces=traces,
+            compile=compile,
+            first_step=first_step,
         )
 
 
@@ -188,11 +198,15 @@ def _measure_step(
     min_steps: int,
     warmup: int,
     traces: dict[Any, Any] | None,
+    compile: bool | str = False,
+    first_step: list[float] | None = None,
 ) -> Measurement:
     resolved = task.resolve(config)
     configs = [{**resolved, "seed": i} for i in range(size)]
     models = [task.build_model(c).to(dtype) for c in configs]
-    array = fuse(models).to(device)
+    array = fuse(models, compile=compile).to(device)
+    mode = mode_for(check_compile(compile), device)
+    loss = CompiledLoss(task, mode) if mode is not None else None
     if traces is not None:
         array._share_traces(traces)
     del models
@@ -211,20 +225,24 @@ def _measure_step(
     )
 
     def step() -> None:
-        backward(task, array, x, y, smoothing, None)
+        backward(task, array, x, y, smoothing, None, loss)
         update(opt, sched)
 
     warm_s = 0.0
-    for _ in range(warmup):
+    for k in range(max(warmup, 1 if first_step is not None else 0)):
         began = time.perf_counter()
         step()
         sync()
         warm_s = time.perf_counter() - began
+        if k == 0 and first_step is not None:
+            first_step.append(warm_s)
     # on a GPU, steps are timed in blocks: a synchronize after every step would leave the
     # device idle while the next one is launched
     block = max(1, round(_BLOCK_SECONDS / max(warm_s, 1e-9))) if device.type == "cuda" else 1
     samples = time_steps(step, sync, min_seconds=min_seconds, min_steps=min_steps, block=block)
-    if device.type == "cuda":
+    if mode is not None:
+        peak = 0
+    elif device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         step()
         sync()
@@ -254,6 +272,8 @@ def profile_task(
     on_measure: Callable[[Measurement], None] | None = None,
     traces: dict[Any, Any] | None = None,
     data: tuple[Iterable[Any], Iterable[Any]] | None = None,
+    compare_compiled: bool = False,
+    compile_horizon_steps: int = DEFAULT_HORIZON_STEPS,
 ) -> Profile:
     """Measure ``task`` with ``config`` at several array sizes on ``device`` and choose B.
 
@@ -272,6 +292,11 @@ def profile_task(
 
     ``data``: ``task.build_data(config)`` when the caller has it already (a sweep's arrays
     share it with the profiler); built here otherwise.
+
+    ``compare_compiled`` (``fusion: {compile: auto}``): also time the step compiled at the
+    chosen B and record in ``Profile.compile`` whether it is worth it, the compile time
+    amortised over ``compile_horizon_steps`` steps (:func:`~hfsweep.profiler.choose_compile`).
+    A cached profile without that choice gets it measured and stored.
     """
     device = torch.device(device)
     resolved = task.resolve(config or {})
@@ -287,15 +312,35 @@ def profile_task(
     arch = f"{signature(model)}|{resolved['optimizer']}|in={tuple(x.shape)}"
     key = cache_key(arch, batch_size, dtype, device)
     budget = device_budget(device, budget_fraction)
+
+    def measure_compiled(size: int, first: list[float]) -> Measurement:
+        return measure_step(
+            task,
+            resolved,
+            size,
+            device=device,
+            dtype=dtype,
+            batch=(x, y),
+            min_seconds=min_seconds,
+            compile=True,
+            first_step=first,
+        )
+
     if cache is not None and not refresh:
         hit = cache.get(key)
         measured = {m.size for m in hit.measurements} if hit is not None else set()
         if hit is not None and (sizes is None or set(sizes) <= measured):
             _log.info("profile of %s found in the cache (%s)", task.name, key)
             chosen, reason = choose_size(hit.measurements, budget, knee=knee)
-            return dataclasses.replace(
+            cached = dataclasses.replace(
                 hit, budget_bytes=budget, chosen=chosen, reason=f"{reason} (cached profile)"
             )
+            if not compare_compiled or (hit.compile is not None and hit.compile.size == chosen):
+                return cached
+            step_s = next(m.step_s for m in hit.measurements if m.size == chosen)
+            choice = _compile_choice(chosen, step_s, compile_horizon_steps, measure_compiled)
+            cache.put(dataclasses.replace(hit, compile=choice))
+            return dataclasses.replace(cached, compile=choice)
 
     def measure(size: int) -> Measurement:
         return measure_step(
@@ -330,6 +375,27 @@ def profile_task(
         chosen=chosen,
         reason=reason,
     )
+    if compare_compiled:
+        step_s = next(m.step_s for m in measurements if m.size == chosen)
+        choice = _compile_choice(chosen, step_s, compile_horizon_steps, measure_compiled)
+        profile = dataclasses.replace(profile, compile=choice)
     if cache is not None:
         cache.put(profile)
     return profile
+
+
+def _compile_choice(
+    size: int,
+    eager_step_s: float,
+    horizon_steps: int,
+    measure_compiled: Callable[[int, list[float]], Measurement],
+) -> CompileChoice:
+    """Time the compiled step at ``size`` (``measure_compiled(size, first)`` appends its first
+    step's seconds to ``first``) and choose against ``eager_step_s``. The compile time is the
+    first step's seconds less a steady step's. Compiling that fails outright counts as slower."""
+    first: list[float] = []
+    compiled = measure_compiled(size, first)
+    compile_s = max(first[0] - compiled.step_s, 0.0) if first else 0.0
+    choice = choose_compile(size, eager_step_s, compiled.step_s, compile_s, horizon_steps)
+    _log.info("compile: auto: %s", choice.reason)
+    return choice

@@ -110,6 +110,7 @@ def assert_fusion_matches(
     seed: int = 0,
     trace: bool = True,
     device: str | torch.device = "cpu",
+    compile: bool | str = False,
 ) -> FusedArray:
     """Assert that a fused array of ``size`` models trains exactly like the models alone.
 
@@ -122,6 +123,8 @@ def assert_fusion_matches(
         zero_dropout: set every dropout probability to 0 on both sides (random masks cannot
             match); eval-mode comparisons are exact either way.
         rtol, atol: tolerances for outputs, gradients and buffers.
+        trace, compile: passed to :func:`hfsweep.fuse` (the compiled path is checked against
+            the same plain modules).
 
     Returns the array after the checks, for further assertions.
     """
@@ -134,7 +137,7 @@ def assert_fusion_matches(
         for m in models:
             _zero_dropout(m)
     refs = [copy.deepcopy(m) for m in models]
-    array = fuse(models, trace=trace)
+    array = fuse(models, trace=trace, compile=compile)
     gen = torch.Generator().manual_seed(seed + 17)
 
     def cast(x: Any) -> Any:

@@ -120,7 +120,9 @@ def _build_live(
     filler = live[0]
     models = _models(t, state, filler, built)
     with Phase("fusing the members' models"):
-        array = fuse(models, trace=t.trace, share_frozen=t.share_frozen).to(t.device)
+        array = fuse(models, trace=t.trace, share_frozen=t.share_frozen, compile=t.compile).to(
+            t.device
+        )
     for i, s in enumerate(state.slots):
         if s is not None and s.saved is not None:
             array.load_member_state_dict(i, s.saved["model"])

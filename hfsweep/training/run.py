@@ -203,7 +203,7 @@ class _Run:
         started = time.perf_counter()
         live = self._build(state, built)
         build_s = models_s + time.perf_counter() - started
-        timer = _StepTimer(self.t.device, live.array)
+        timer = _StepTimer(self.t.device, live.array, self.t._loss)
         _log.info("training an array of %d members (%d steps per epoch)", len(state.slots), spe)
         counts = _StepCounts(state.slots, eval_every)
         try:
@@ -298,7 +298,7 @@ class _Run:
         """Forward and backward of one training step on the batch ``(x, y)``; the ``[B]``
         losses (a data-parallel worker reduces its shard's with the others')."""
         smoothing = live.smoothing if live.smoothes else None
-        return backward(self.task, live.array, x, y, smoothing, live.clip)
+        return backward(self.task, live.array, x, y, smoothing, live.clip, self.t._loss)
 
     def _at_boundary(self) -> None:
         """Called at every evaluation boundary once the checkpoint is written and the ended

@@ -27,16 +27,23 @@ def any_smoothing(configs: Iterable[Mapping[str, Any]]) -> bool:
 
 
 def backward(
-    task: Task, array: FusedArray, x: Any, y: Any, smoothing: Tensor | None, clip: Tensor | None
+    task: Task,
+    array: FusedArray,
+    x: Any,
+    y: Any,
+    smoothing: Tensor | None,
+    clip: Tensor | None,
+    loss: Callable[[Tensor, Any, Tensor | None], Tensor] | None = None,
 ) -> Tensor:
     """Forward and backward of every member on the shared batch ``(x, y)``, then per-member
     clipping; returns the ``[B]`` losses (``smoothing``: the ``[B]`` label smoothing, or
-    ``None`` for none). Nothing is changed yet, so after an out-of-memory
-    error here the step can be retried by smaller arrays."""
+    ``None`` for none; ``loss``: the task's loss compiled, else ``task.member_loss``). Nothing
+    is changed yet, so after an out-of-memory error here the step can be retried by smaller
+    arrays."""
     with Phase("the forward pass"):
         out = array(x)
     with Phase("the loss"):
-        losses = task.member_loss(out, y, smoothing)
+        losses = (loss or task.member_loss)(out, y, smoothing)
     with Phase("the backward pass"):
         losses.sum().backward()
     if clip is not None:
@@ -80,12 +87,13 @@ def _next_power_of_two(n: int) -> int:
 
 class _StepTimer:
     """Seconds per training step of one array, over the stretches of steps between
-    evaluations, with the time spent tracing left out. On CUDA the clock stops after a
-    synchronize, so queued kernels count in the steps that launched them."""
+    evaluations, with the time spent tracing and compiling left out. On CUDA the clock stops
+    after a synchronize, so queued kernels count in the steps that launched them."""
 
-    def __init__(self, device: torch.device, array: FusedArray) -> None:
+    def __init__(self, device: torch.device, array: FusedArray, loss: Any = None) -> None:
         self._device = device
         self._array = array
+        self._loss = loss  #: a CompiledLoss, whose compiling is left out too
         self._seconds = 0.0
         self._steps = 0
         self._stretch = 0
@@ -96,8 +104,12 @@ class _StepTimer:
     def resume(self) -> None:
         """Start a stretch of training steps."""
         self._start = time.perf_counter()
-        self._traced = self._array._tracing_seconds
+        self._traced = self._left_out()
         self._stretch = 0
+
+    def _left_out(self) -> float:
+        """Seconds spent tracing and compiling so far (the array's, and the compiled loss's)."""
+        return self._array._tracing_seconds + float(getattr(self._loss, "seconds", 0.0))
 
     def step(self) -> None:
         """One training step of the stretch is done."""
@@ -107,7 +119,7 @@ class _StepTimer:
         """End the stretch; the mean seconds per step over every stretch so far."""
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
-        traced = self._array._tracing_seconds - self._traced
+        traced = self._left_out() - self._traced
         self._seconds += max(time.perf_counter() - self._start - traced, 0.0)
         self._steps += self._stretch
         self._stretch = 0

@@ -121,6 +121,13 @@ def test_every_key_given(tmp_path: Path) -> None:
     assert sweep.output == tmp_path / "out" / "here"
 
 
+@pytest.mark.parametrize("value", [True, False, "auto"])
+def test_fusion_compile(value: Any) -> None:
+    parsed = parse_sweep(with_(fusion={"compile": value})).fusion.compile
+    assert parsed == value and type(parsed) is type(value)
+    assert parse_sweep(with_()).fusion.compile is False
+
+
 @pytest.mark.parametrize(
     ("limit", "seconds"), [(90, 90.0), (2.5, 2.5), ("90s", 90.0), ("30m", 1800.0), ("2h", 7200.0)]
 )
@@ -527,6 +534,19 @@ ERRORS: list[tuple[str, dict[str, Any], str, str]] = [
         "float32, float64, bfloat16",
     ),
     ("fusion-eval", with_(fusion={"eval_every": 0}), "fusion.eval_every", "integer >= 1"),
+    (
+        "fusion-compile",
+        with_(fusion={"compile": "yes"}),
+        "fusion.compile",
+        "'yes' is not valid; give true (torch.compile the fused step), false or auto",
+    ),
+    ("fusion-compile-int", with_(fusion={"compile": 1}), "fusion.compile", "1 is not valid"),
+    (
+        "fusion-compile-ray",
+        with_(backend="ray", fusion={"compile": "auto"}),
+        "fusion.compile",
+        "not supported with backend 'ray' yet",
+    ),
     ("backend", with_(backend="slurm"), "backend", "local, ray"),
     ("storage", with_(storage="study.db"), "storage", "sqlite:///study.db"),
     ("output", with_(output=3), "output", "3 (int) is not a non-empty string"),

@@ -1,0 +1,279 @@
+"""The fused training step eager and compiled (``hs.fuse(..., compile=True)``), against ideal.
+
+For each model and array size B this times one full training step of three ways, side by side
+in one run:
+
+* ``eager``: ``hs.fuse`` of B models (its traced forward replayed as is), per-member losses
+  (``hs.member_losses``) summed, backward, one ``hs.optim.SGD`` step over the stacked
+  parameters with per-member learning rates: the trainer's step;
+* ``compiled``: the same with ``hs.fuse(..., compile=True)``: the traced forward and its
+  backward compiled by ``torch.compile`` (inductor); loss and optimizer step as above;
+* ``ideal``: one plain model trained on a batch B times larger with ``torch.optim.SGD`` (eager):
+  the same arithmetic without any fusion overhead.
+
+Rounds interleave the three ways (each way runs enough steps for about ``--round-s`` seconds per
+round) and each way's median round is reported, so a slow moment of a shared machine hits all of
+them alike. Compile time is reported separately and kept out of the step times: ``compile s`` is
+the compiled array's first call (dynamo, AOTAutograd and inductor compiling the forward and its
+backward; ``FusedArray._compile_seconds``), ``first step s`` the whole first compiled step. Warm-up
+steps of every way are not timed.
+
+``fused / ideal`` is the ideal step's time over the fused step's (1.0: fusion costs nothing over
+one model on a B-times-larger batch).
+
+``--optimizer`` measures instead what compiling the fused optimizer step itself would give
+(``torch.compile(opt.step)`` of ``hs.optim.AdamW`` over a tiny MLP's array, against the eager
+step; gradients set once, steps timed alone): the reason the compiled path leaves it eager.
+Usage::
+
+    python benchmarks/compile_fused.py                    # writes benchmarks/results/compile_fused_cpu.md
+    python benchmarks/compile_fused.py --models tiny_mlp --sizes 2 --rounds 1 --out /tmp/cf
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from _results import RESULTS, write_results
+from op_counts import MODELS
+from torch import Tensor
+
+import hfsweep as hs
+from hfsweep._malloc import retain_freed_memory
+
+#: samples per batch by model (the larger models get smaller batches, so that B = 32 steps stay
+#: within seconds on a 2-core CPU)
+BATCH = {"tiny_mlp": 64, "medium_mlp": 64, "small_cnn": 32, "cifar_resnet": 16, "transformer": 4}
+WAYS = ("eager", "compiled", "ideal")
+LR = 0.01
+
+
+def _batch(name: str, batch: int) -> tuple[Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    x = MODELS[name][1](batch, gen)
+    y = torch.randint(0, 10, (batch,), generator=gen)
+    return x, y
+
+
+def make_steps(name: str, size: int, batch: int) -> tuple[dict[str, Callable[[], None]], Any]:
+    """One training step of each way, and the compiled array (for its compile time)."""
+    build = MODELS[name][0]
+    torch.manual_seed(0)
+    models = [build() for _ in range(size)]
+    x, y = _batch(name, batch)
+    lrs = [LR * (1 + i / size) for i in range(size)]
+
+    def fused_step(array: hs.FusedArray) -> Callable[[], None]:
+        opt = hs.optim.SGD(array, lr=lrs)
+
+        def step() -> None:
+            hs.member_losses(array(x), y).sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        return step
+
+    eager = hs.fuse(models)
+    compiled = hs.fuse([copy.deepcopy(m) for m in models], compile=True)
+    big = build()
+    big_opt = torch.optim.SGD(big.parameters(), lr=LR)
+    xb = x.repeat(size, *([1] * (x.dim() - 1)))
+    yb = y.repeat(size)
+
+    def ideal() -> None:
+        F.cross_entropy(big(xb), yb).backward()
+        big_opt.step()
+        big_opt.zero_grad(set_to_none=True)
+
+    steps = {"eager": fused_step(eager), "compiled": fused_step(compiled), "ideal": ideal}
+    return steps, compiled
+
+
+def _timed(step: Callable[[], None], iters: int) -> float:
+    start = time.perf_counter()
+    for _ in range(iters):
+        step()
+    return (time.perf_counter() - start) / iters
+
+
+def measure(name: str, size: int, rounds: int, round_s: float, warmup: int) -> dict[str, Any]:
+    """The median seconds per step of every way, the compile time and the first step's."""
+    batch = BATCH[name]
+    steps, compiled = make_steps(name, size, batch)
+    began = time.perf_counter()
+    steps["compiled"]()
+    first_s = time.perf_counter() - began
+    iters: dict[str, int] = {}
+    for way in WAYS:
+        for _ in range(warmup):
+            steps[way]()
+        iters[way] = max(1, round(round_s / max(_timed(steps[way], 1), 1e-6)))
+    samples: dict[str, list[float]] = {way: [] for way in WAYS}
+    for _ in range(rounds):
+        for way in WAYS:
+            samples[way].append(_timed(steps[way], iters[way]))
+    row: dict[str, Any] = {"model": name, "size": size, "batch": batch}
+    for way in WAYS:
+        row[f"{way}_s"] = statistics.median(samples[way])
+        row[f"{way}_rounds"] = samples[way]
+    row["compile_s"] = compiled._compile_seconds
+    row["first_step_s"] = first_s
+    row["compiled_traces"] = sum(
+        1 for t in compiled._traces.values() if getattr(t, "plain", None) is not None
+    )
+    return row
+
+
+def _cells(row: dict[str, Any]) -> list[str]:
+    e, c, i = row["eager_s"], row["compiled_s"], row["ideal_s"]
+    return [
+        row["model"],
+        str(row["size"]),
+        str(row["batch"]),
+        f"{e * 1e3:.2f}",
+        f"{c * 1e3:.2f}",
+        f"{e / c:.2f}x",
+        f"{i * 1e3:.2f}",
+        f"{i / e:.2f}",
+        f"{i / c:.2f}",
+        f"{row['compile_s']:.1f}",
+        f"{row['first_step_s']:.1f}",
+    ]
+
+
+COLUMNS = [
+    "model",
+    "B",
+    "batch",
+    "eager ms/step",
+    "compiled ms/step",
+    "compiled speed-up",
+    "ideal ms/step",
+    "eager fused / ideal",
+    "compiled fused / ideal",
+    "compile s",
+    "first step s",
+]
+
+
+def optimizer_step(size: int, rounds: int) -> dict[str, Any]:
+    """Median seconds of ``hs.optim.AdamW.step`` eager and under ``torch.compile`` (tiny MLP
+    array of ``size``), the compiled step's first call and its graph breaks."""
+    torch.manual_seed(0)
+    models = [MODELS["tiny_mlp"][0]() for _ in range(size)]
+    x, y = _batch("tiny_mlp", BATCH["tiny_mlp"])
+    arrays = [hs.fuse(copy.deepcopy(models)) for _ in range(2)]
+    opts = [hs.optim.AdamW(a, lr=[LR * (1 + i) for i in range(size)]) for a in arrays]
+    for a in arrays:
+        hs.member_losses(a(x), y).sum().backward()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(opts[1].step)
+    began = time.perf_counter()
+    compiled()
+    compiled()  # the optimizer state exists from the second step on: a recompile
+    first_s = time.perf_counter() - began
+    steps = {"eager": opts[0].step, "compiled": compiled}
+    for step in steps.values():
+        for _ in range(3):
+            step()
+    samples: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(rounds):
+        for k, step in steps.items():
+            samples[k].append(_timed(step, 50))
+    breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+    return {
+        "size": size,
+        "eager_s": statistics.median(samples["eager"]),
+        "compiled_s": statistics.median(samples["compiled"]),
+        "first_two_steps_s": first_s,
+        "graph_breaks": breaks,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=list(BATCH), choices=list(BATCH))
+    parser.add_argument("--sizes", nargs="+", type=int, default=[8, 32])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--round-s", type=float, default=0.5, help="seconds per way per round")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=RESULTS / "compile_fused_cpu")
+    parser.add_argument("--optimizer", action="store_true", help="the optimizer step instead")
+    args = parser.parse_args(argv)
+    retain_freed_memory()  # the allocator setting hfsweep's trainer runs with
+    if args.optimizer:
+        rows = [optimizer_step(size, args.rounds) for size in args.sizes]
+        write_results(
+            args.out,
+            "compile_fused.py",
+            argv,
+            torch.device("cpu"),
+            "The fused optimizer step (hs.optim.AdamW) eager vs torch.compile(opt.step)",
+            [
+                f"- tiny MLP array ({MODELS['tiny_mlp'][2]}), per-member lr; median of "
+                f"{args.rounds} interleaved rounds of 50 steps; the CPU was shared",
+            ],
+            [
+                "B",
+                "eager ms/step",
+                "compiled ms/step",
+                "first two compiled steps s",
+                "graph breaks",
+            ],
+            [
+                [
+                    str(r["size"]),
+                    f"{r['eager_s'] * 1e3:.3f}",
+                    f"{r['compiled_s'] * 1e3:.3f}",
+                    f"{r['first_two_steps_s']:.1f}",
+                    str(r["graph_breaks"]),
+                ]
+                for r in rows
+            ],
+            rows,
+        )
+        return 0
+    rows: list[dict[str, Any]] = []
+    for name in args.models:
+        for size in args.sizes:
+            row = measure(name, size, args.rounds, args.round_s, args.warmup)
+            rows.append(row)
+            print(" | ".join(_cells(row)), flush=True)
+            _write(args, argv, rows)  # after every row: a long run interrupted keeps its rows
+    return 0
+
+
+def _write(args: argparse.Namespace, argv: list[str] | None, rows: list[dict[str, Any]]) -> None:
+    done = list(dict.fromkeys(r["model"] for r in rows))
+    about = "; ".join(f"{n}: {MODELS[n][2]}, batch {BATCH[n]}" for n in done)
+    write_results(
+        args.out,
+        "compile_fused.py",
+        argv,
+        torch.device("cpu"),
+        "Fused training step: eager vs compiled (torch.compile, inductor) vs ideal",
+        [
+            f"- models: {about}",
+            f"- median of {args.rounds} interleaved rounds per way (about {args.round_s} s each); "
+            "the CPU was shared with other jobs while this ran",
+            "- step: forward, hs.member_losses, backward, hs.optim.SGD (per-member lr); ideal: "
+            "one model, batch x B, torch.optim.SGD, eager",
+            "- compile s: the compiled array's first call (forward and backward compiled), "
+            "left out of the step times; first step s: the whole first compiled step",
+        ],
+        COLUMNS,
+        [_cells(r) for r in rows],
+        rows,
+    )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,74 @@
+"""``hs.ArrayTrainer(..., compile=True)``: the compiled fused step (forward, backward and the
+task's loss compiled; the fused optimizer as it is) trains every member exactly as the
+uncompiled trainer does, per-member dropout, label smoothing, clipping and schedules included."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from _tasks import make_task
+
+import hfsweep as hs
+from hfsweep.fusion._compile import CompileFallbackWarning
+from hfsweep.training import _compiled
+
+CONFIGS: list[dict[str, Any]] = [
+    {
+        "seed": i,
+        "lr": 0.05 + 0.02 * i,
+        "momentum": 0.3 * i,
+        "dropout": 0.1 * i,
+        "label_smoothing": 0.05 * i,
+        "grad_clip": None if i % 2 else 0.5,
+        "epochs": 1 + i % 2,
+        "lr_schedule": "cosine",
+    }
+    for i in range(3)
+]
+
+
+def _run(**kw: Any) -> list[hs.MemberResult]:
+    trainer = hs.ArrayTrainer(make_task(), dtype=torch.float64, eval_every=3, **kw)
+    return trainer.run([hs.Member(f"m{i}", c) for i, c in enumerate(CONFIGS)])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # compiling on a shared 2-core CPU
+def test_compiled_trainer_matches_the_uncompiled_one_in_float64() -> None:
+    eager = _run()
+    compiled = _run(compile=True)
+    for a, b in zip(compiled, eager, strict=True):
+        assert (a.status, a.steps) == (b.status, b.steps)
+        for ra, rb in zip(a.history, b.history, strict=True):
+            for k in rb:
+                assert ra[k] == pytest.approx(rb[k], rel=1e-9, abs=1e-12), (a.id, k)
+        assert a.state is not None and b.state is not None
+        for k, v in b.state["model"].items():
+            torch.testing.assert_close(a.state["model"][k], v, rtol=1e-9, atol=1e-12, msg=k)
+        assert a.state["rng"] == b.state["rng"]  # dropout streams advanced alike
+
+
+def test_a_loss_that_does_not_compile_runs_uncompiled_with_one_warning(monkeypatch) -> None:
+    def broken(fn: Any, **kw: Any) -> Any:
+        def call(*args: Any) -> Any:
+            raise RuntimeError("dynamo cannot trace this loss")
+
+        return call
+
+    monkeypatch.setattr(_compiled.torch, "compile", broken)
+    task = make_task()
+    loss = _compiled.CompiledLoss(task, "default")
+    out, y = torch.randn(2, 5, 4), torch.tensor([0, 1, 2, 3, 0])
+    with pytest.warns(CompileFallbackWarning, match="dynamo cannot trace this loss"):
+        got = loss(out, y, None)
+    torch.testing.assert_close(got, task.member_loss(out, y, None))
+    torch.testing.assert_close(loss(out, y, None), got)  # eager from now on, no new warning
+
+
+def test_compile_needs_the_trace_and_a_valid_value() -> None:
+    with pytest.raises(ValueError, match="trace=True"):
+        hs.ArrayTrainer(make_task(), trace=False, compile=True)
+    with pytest.raises(ValueError, match="compile='on' is not valid"):
+        hs.ArrayTrainer(make_task(), compile="on")
