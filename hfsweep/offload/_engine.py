@@ -153,9 +153,7 @@ class OffloadedArray:
         """Every member's output on the shared input ``x`` (``[B, N, ...]``), as ``array(x)``.
         With autograd on, ``backward`` through the result runs the engine's backward."""
         if not isinstance(x, Tensor):
-            raise OffloadError(
-                f"an offloaded array takes one tensor input, got {type(x).__name__}"
-            )
+            raise OffloadError(f"an offloaded array takes one tensor input, got {type(x).__name__}")
         if torch.is_grad_enabled():
             out = _Sharded.apply(self, x, self._anchor)
             return out  # type: ignore[no-any-return]
@@ -174,8 +172,8 @@ class OffloadedArray:
                 d, name = slot.places[0]
                 t = d[name]
                 host = self.transfer.host_storage(t.detach().to("cpu"))
-                if host is t:
-                    continue
+                if host.data_ptr() == t.data_ptr() and t.device == host.device:
+                    continue  # already host storage
                 if isinstance(t, torch.nn.Parameter):
                     t.data = host  # the optimizer's references stay valid
                 else:
@@ -183,8 +181,10 @@ class OffloadedArray:
                         place[key] = host
 
     def _host(self, shard: Shard) -> list[Tensor]:
-        return [self.array._slots[j].places[0][0][self.array._slots[j].places[0][1]]
-                for j in shard.slots]
+        return [
+            self.array._slots[j].places[0][0][self.array._slots[j].places[0][1]]
+            for j in shard.slots
+        ]
 
     def _buffers(self, shard: Shard) -> list[int]:
         """Positions, within the shard's tensors, of its buffers (what a forward may write)."""
@@ -301,7 +301,8 @@ class OffloadedArray:
         params = [self.array._slots[j] for j in shard.slots]
         host = self._host(shard)
         trained = [
-            i for i, (slot, h) in enumerate(zip(params, host, strict=True))
+            i
+            for i, (slot, h) in enumerate(zip(params, host, strict=True))
             if slot.is_param and h.requires_grad
         ]
         for i in trained:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from torch import Tensor, fx, nn
 
 from ..fusion import FusedArray
+from ..fusion._random import _REFUSED, _ROUTES, draws_functionally
 from ._errors import OffloadError
 
 __all__ = ["Shard", "plan_shards"]
@@ -74,12 +75,6 @@ def plan_shards(array: FusedArray, limit: int, *, strict: bool = True) -> list[S
     """The shards of ``array``, each holding at most ``limit`` bytes of stacked state where the
     model's graph can be cut that finely; where it cannot, :class:`OffloadError` naming the
     layers (``strict``) or a larger shard (``strict=False``: ``limit`` is only a target)."""
-    if array.functional is not None:
-        raise OffloadError(
-            "offload cannot split a model whose forward code draws random numbers itself "
-            "(F.dropout, torch.rand...): each shard would advance the member's stream. Use "
-            "nn.Dropout layers, or offload: none"
-        )
     if any(s.shared for s in array._slots):
         raise OffloadError(
             f"offload keeps every tensor per member; this array shares {array.shared_frozen} "
@@ -93,6 +88,8 @@ def plan_shards(array: FusedArray, limit: int, *, strict: bool = True) -> list[S
             f"{type(array._prototype).__name__}.forward takes {[n.target for n in inputs]}"
         )
     body = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
+    if array.functional is not None:
+        _check_no_random_calls(array, body)
     output = next(n for n in graph.nodes if n.op == "output")
     if not body:
         raise OffloadError("offload needs a model with at least one layer")
@@ -111,7 +108,13 @@ def plan_shards(array: FusedArray, limit: int, *, strict: bool = True) -> list[S
         else:
             node_slots.append(set())
     covered = set().union(*node_slots)
-    missing = [array._slots[j].name for j in range(len(sizes)) if j not in covered]
+    # the functional stream's counters are no layer's: no random call uses them (checked)
+    stream = array.functional._buffers if array.functional is not None else None
+    missing = [
+        s.name
+        for j, s in enumerate(array._slots)
+        if j not in covered and s.places[0][0] is not stream
+    ]
     if missing:
         raise OffloadError(
             f"offload: the model's forward never calls the layers holding {missing[:3]}; "
@@ -158,12 +161,39 @@ def plan_shards(array: FusedArray, limit: int, *, strict: bool = True) -> list[S
         result = output.args[0] if b == len(body) else crossing[b - 1][0]
         module = _shard_module(template, source, body[a:b], result)
         prototype = _shard_module(array._prototype, source, body[a:b], result)
+        # no functional stream: the check above found no random call in forward code
         shard_array = FusedArray(
             module, prototype, array.size, [array._slots[j] for j in slots], array._trace_enabled
         )
         shard_array._defer_tracing(array._trace_after)
         shards.append(Shard(shard_array, slots, nbytes, names))
     return shards
+
+
+def _check_no_random_calls(array: FusedArray, body: Sequence[fx.Node]) -> None:
+    """Refuse forward code that draws random numbers itself (``F.dropout``, ``torch.rand``...):
+    the array routes those through one stream per member that counts the array's forwards, and
+    each shard would count one. Layers (``nn.Dropout``, attention) keep their own streams and
+    are fine; a random op this check misses is still refused when the shard runs (``vmap``'s
+    ``randomness="error"``), never drawn wrongly."""
+    random = {*_ROUTES, *_REFUSED}
+    for n in body:
+        drawn = None
+        if n.op == "call_function" and n.target in random:
+            drawn = getattr(n.target, "__name__", str(n.target))
+        elif n.op == "call_method" and getattr(Tensor, str(n.target), None) in random:
+            drawn = f"Tensor.{n.target}"
+        elif n.op == "call_module" and draws_functionally(
+            array._prototype.get_submodule(str(n.target))
+        ):
+            drawn = type(array._prototype.get_submodule(str(n.target))).__name__
+        if drawn is not None:
+            raise OffloadError(
+                f"offload cannot split a model whose forward code draws random numbers itself: "
+                f"{type(array._prototype).__name__}'s forward calls {drawn} (at {n.name}), which "
+                "would advance the member's stream once per shard. Use nn.Dropout layers, or "
+                "offload: none"
+            )
 
 
 def _shard_module(
@@ -182,5 +212,3 @@ def _shard_module(
 def stacked_bytes(tensors: Sequence[Tensor]) -> int:
     """Bytes of ``tensors``."""
     return sum(t.numel() * t.element_size() for t in tensors)
-
-

@@ -210,6 +210,7 @@ class _Run:
             return self._train_steps(state, live, counts, timer, ref, eval_every, build_s)
         finally:
             counts.flush(state.slots, eval_every)  # whatever ends the steps: counts up to date
+            live.close()
 
     def _train_steps(
         self,
@@ -241,7 +242,7 @@ class _Run:
             out_of_memory = ""
             try:
                 smoothing = live.smoothing if live.smoothes else None
-                losses = backward(self.task, array, x, y, smoothing, live.clip)
+                losses = backward(self.task, array, x, y, smoothing, live.clip, live.forward)
             except torch.OutOfMemoryError as exc:
                 out_of_memory = describe(exc, limit=300)
             if out_of_memory:
@@ -388,7 +389,7 @@ class _Run:
             for batch in val:
                 x, y = self.t._to_device(batch)
                 with Phase("the forward pass (evaluation)"):
-                    out = array(x)
+                    out = live.forward(x)
                 with Phase("the validation loss and metrics"):
                     batch_values = self.task.member_metrics(out, y)
                     n = int(y.shape[0]) if isinstance(y, Tensor) and y.dim() else 1

@@ -27,14 +27,21 @@ def any_smoothing(configs: Iterable[Mapping[str, Any]]) -> bool:
 
 
 def backward(
-    task: Task, array: FusedArray, x: Any, y: Any, smoothing: Tensor | None, clip: Tensor | None
+    task: Task,
+    array: FusedArray,
+    x: Any,
+    y: Any,
+    smoothing: Tensor | None,
+    clip: Tensor | None,
+    forward: Callable[[Any], Any] | None = None,
 ) -> Tensor:
     """Forward and backward of every member on the shared batch ``(x, y)``, then per-member
     clipping; returns the ``[B]`` losses (``smoothing``: the ``[B]`` label smoothing, or
-    ``None`` for none). Nothing is changed yet, so after an out-of-memory
+    ``None`` for none). ``forward`` runs the array (default: calling it; an offloaded array's
+    engine otherwise). Nothing is changed yet, so after an out-of-memory
     error here the step can be retried by smaller arrays."""
     with Phase("the forward pass"):
-        out = array(x)
+        out = array(x) if forward is None else forward(x)
     with Phase("the loss"):
         losses = task.member_loss(out, y, smoothing)
     with Phase("the backward pass"):

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from .._malloc import retaining_freed_memory
 from .._usercode import Phase
+from ..offload import check_offload
 from .checkpoint import _DELIVERED, _FINAL_STATES, _read_delivered, _result_from_record
 from .packed import load as load_packed
 from .results import Evaluation, Member, MemberResult, RefillHook, ReportHook
@@ -69,6 +70,13 @@ class ArrayTrainer:
     or ``"none"``.
     ``float64`` is for exactness tests; models are built on the CPU from their seed, then moved
     to ``device``.
+
+    ``offload`` (``"none"``, ``"host"``, ``"auto"``) keeps an array's stacked parameters and
+    optimizer state in host memory and runs it on ``device`` shard by shard (see
+    :mod:`hfsweep.offload` and docs/offload.md; same results as without). ``device_memory``
+    (bytes) is the budget on the compute side: what the engine may hold there with ``"host"``,
+    and what ``"auto"`` compares the array's estimated state with (``None``: a CUDA device's free
+    memory; on the CPU ``"auto"`` then keeps arrays as they are).
     """
 
     def __init__(
@@ -82,6 +90,8 @@ class ArrayTrainer:
         trace: bool = True,
         keep_states: bool = True,
         final_states: str = "all",
+        offload: str = "none",
+        device_memory: int | None = None,
     ) -> None:
         if eval_every is not None and (not isinstance(eval_every, int) or eval_every < 1):
             raise ValueError(f"eval_every must be an integer >= 1 (steps), got {eval_every!r}")
@@ -90,6 +100,17 @@ class ArrayTrainer:
                 f"final_states must be one of {', '.join(map(repr, _FINAL_STATES))}, got "
                 f"{final_states!r}"
             )
+        check_offload(offload, "ArrayTrainer(offload=...)")
+        if device_memory is not None and (
+            isinstance(device_memory, bool)
+            or not isinstance(device_memory, int)
+            or device_memory < 1
+        ):
+            raise ValueError(
+                f"device_memory must be a number of bytes >= 1 or None, got {device_memory!r}"
+            )
+        self.offload = offload
+        self.device_memory = device_memory
         self.task = task
         self.device = torch.device(device)
         self.dtype = dtype
