@@ -92,11 +92,13 @@ class _Sharded(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, engine: OffloadedArray, x: Tensor, anchor: Tensor) -> Tensor:
         ctx.engine = engine
-        return engine._forward(x, keep=True)
+        out = engine._forward(x, keep=True)
+        ctx.generation = engine._generation
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[None, Tensor | None, None]:
-        return None, ctx.engine._backward(grad), None
+        return None, ctx.engine._backward(grad, ctx.generation), None
 
 
 class OffloadedArray:
@@ -147,6 +149,10 @@ class OffloadedArray:
         self._saved: list[_Held] = []
         self._before: list[list[Tensor]] = []
         self._last: _Resident | None = None
+        #: every shard fetched since the last release (released ones included)
+        self._outstanding: list[_Resident] = []
+        #: counts the forwards kept for backward: a backward must be the latest one's
+        self._generation = 0
 
     # ------------------------------------------------------------------ public
     def __call__(self, x: Tensor) -> Tensor:
@@ -197,7 +203,9 @@ class OffloadedArray:
         if buffers is not None:
             for i, value in zip(self._buffers(shard), buffers, strict=True):
                 host[i] = value
-        return _Resident(self.transfer.fetch(host), shard.nbytes, self.ledger, "shard state")
+        resident = _Resident(self.transfer.fetch(host), shard.nbytes, self.ledger, "shard state")
+        self._outstanding.append(resident)
+        return resident
 
     def _run(self, shard: Shard, tensors: Sequence[Tensor], x: Tensor, first: bool) -> Tensor:
         """Shard ``shard``'s forward with ``tensors`` in place of its host tensors."""
@@ -221,9 +229,10 @@ class OffloadedArray:
 
     def _release(self) -> None:
         """Let go of what an earlier forward kept (its backward never came, or it is done)."""
-        if self._last is not None:
-            self._last.release()
-            self._last = None
+        for resident in self._outstanding:  # after an error too: nothing stays counted
+            resident.release()
+        self._outstanding = []
+        self._last = None
         for held in self._saved:
             held.release()
         self._saved = []
@@ -233,6 +242,13 @@ class OffloadedArray:
     def _forward(self, x: Tensor, keep: bool) -> Tensor:
         """Run every shard on ``x``; with ``keep``, save what the backward needs."""
         self._release()
+        try:
+            return self._forward_shards(x, keep)
+        except BaseException:
+            self._release()
+            raise
+
+    def _forward_shards(self, x: Tensor, keep: bool) -> Tensor:
         n = len(self.shards)
         with torch.no_grad(), self.ledger.phase("forward"):
             pending = self._fetch(0)
@@ -263,13 +279,29 @@ class OffloadedArray:
                     pending = self._fetch(k + 1)
         if keep:
             self._input = x
+            self._generation += 1
         return value
 
-    def _backward(self, grad: Tensor) -> Tensor | None:
+    def _backward(self, grad: Tensor, generation: int) -> Tensor | None:
         """Shard by shard from the last: recompute, backward, gradients to the host. Returns the
         gradient of the input (``None`` when it needs none)."""
+        if generation != self._generation or self._input is None:
+            raise OffloadError(
+                "an offloaded array keeps one forward for backward at a time: backward went "
+                "through the output of an earlier forward, released by a later one"
+            )
+        try:
+            return self._backward_shards(grad)
+        finally:
+            self._release()
+
+    def _backward_shards(self, grad: Tensor) -> Tensor | None:
         x = self._input
-        assert x is not None and self._last is not None, "backward without a forward"
+        if x is None or self._last is None:
+            raise OffloadError(
+                "an offloaded array keeps one forward for backward at a time: backward went "
+                "through the output of an earlier forward, released by a later one"
+            )
         n = len(self.shards)
         resident: _Resident | None = self._last
         self._last = None
@@ -289,7 +321,6 @@ class OffloadedArray:
                 elif x.requires_grad:
                     x_grad = grad
                 resident = pending
-        self._release()
         return x_grad
 
     def _shard_backward(
