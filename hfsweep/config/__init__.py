@@ -41,6 +41,8 @@ A sweep file is one YAML mapping. Every key, with its default::
       device: auto              # auto (cuda if available, else cpu), cpu, cuda or cuda:N
       dtype: float32            # float32, float64 or bfloat16
       eval_every: null          # evaluate every this many steps (int >= 1); null: every epoch
+      offload: none             # none, host (state in host memory, run shard by shard) or
+                                #   auto (host only where the array does not fit the device)
     backend: local              # local (in-process) or ray (arrays on a Ray cluster)
     ray:                        # only with backend: ray
       address: null             # null: start a local Ray for the run; "auto", "host:6379" or

@@ -22,6 +22,7 @@ from typing import Any, Literal
 from .._checks import is_int
 from .._dburl import mask
 from .._journal_url import is_journal, resolve
+from ..offload import OFFLOAD_MODES
 from ..search_spaces import SearchSpace, SpaceError, load_space
 from ..search_spaces._yaml import load_yaml
 from ..training.task import Task, TaskError
@@ -70,7 +71,7 @@ _TOP_KEYS = (
 )
 _REQUIRED = ("task", "search_space", "budget", "metric", "mode")
 _BUDGET = ("trials", "epochs", "steps", "time_limit")
-_FUSION = ("size", "device", "dtype", "eval_every")
+_FUSION = ("size", "device", "dtype", "eval_every", "offload")
 _RAY = (
     "address",
     "cpus_per_array",
@@ -141,6 +142,12 @@ class _Parser(_Fields):
         if backend == "ray" and importlib.util.find_spec("ray") is None:
             raise self.error("backend", "backend 'ray' needs Ray: pip install 'ray[tune]'")
         ray = self.ray(top.get("ray"), backend)
+        if backend == "ray" and fusion.offload != "none":
+            raise self.error(
+                "fusion.offload",
+                f"{fusion.offload!r} is for backend: local (the Ray workers do not offload "
+                "yet); set offload: none or backend: local",
+            )
         storage = self.storage(top.get("storage"))
         stem = self.source.stem if self.source is not None else "sweep"
         study_name = top.get("study_name")
@@ -286,7 +293,10 @@ class _Parser(_Fields):
         every = f.get("eval_every")
         if every is not None:
             every = self.integer(every, "fusion.eval_every", 1)
-        return FusionConfig(size=size, device=device, dtype=dtype, eval_every=every)
+        offload = self.choice(f.get("offload", "none"), OFFLOAD_MODES, "fusion.offload")
+        return FusionConfig(
+            size=size, device=device, dtype=dtype, eval_every=every, offload=offload
+        )
 
     def ray(self, raw: object, backend: str) -> RayConfig:
         if raw is None:

@@ -130,13 +130,16 @@ class Budget:
 @dataclass(frozen=True)
 class FusionConfig:
     """How trials are fused: array ``size`` (an int, or ``"auto"`` for the profiler's choice),
-    ``device`` (``auto``, ``cpu``, ``cuda``, ``cuda:N``), ``dtype`` (one of :data:`DTYPES`) and
-    ``eval_every`` (steps between evaluations; ``None``: one epoch)."""
+    ``device`` (``auto``, ``cpu``, ``cuda``, ``cuda:N``), ``dtype`` (one of :data:`DTYPES`),
+    ``eval_every`` (steps between evaluations; ``None``: one epoch) and ``offload`` (``none``,
+    ``host``: an array's state in host memory, streamed through the device shard by shard, or
+    ``auto``: ``host`` only when the array does not fit the device; see docs/offload.md)."""
 
     size: int | Literal["auto"] = "auto"
     device: str = "auto"
     dtype: str = "float32"
     eval_every: int | None = None
+    offload: str = "none"
 
     def to_dict(self) -> dict[str, Any]:
         """The ``fusion:`` mapping."""

@@ -343,6 +343,7 @@ class _Engine(_Resume, _Hooks, _Outcome, _Tracked):
                 dtype=dtype,
                 eval_every=sc.fusion.eval_every,
                 data=self._data,
+                offload=sc.fusion.offload,
             )
             self.where = str(self.executor.device)
         try:

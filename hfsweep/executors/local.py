@@ -31,7 +31,8 @@ class LocalExecutor(Executor):
     ``final_states`` says which ended members' results carry their weights (``"completed"``:
     the engine keeps its best completed trials'; the Tune plugin, which trains each array
     through a local executor in its trial, asks for ``"all"``), ``trace`` whether arrays
-    trace their forwards (see :class:`~hfsweep.trainer.ArrayTrainer`).
+    trace their forwards and ``offload`` whether they keep their state in host memory (see
+    :class:`~hfsweep.trainer.ArrayTrainer`).
     """
 
     def __init__(
@@ -44,6 +45,7 @@ class LocalExecutor(Executor):
         data: _DataCache | None = None,
         final_states: str = "completed",
         trace: bool = True,
+        offload: str = "none",
     ) -> None:
         self.task = task
         self.device = torch.device(device)
@@ -51,6 +53,7 @@ class LocalExecutor(Executor):
         self.eval_every = eval_every
         self.final_states = final_states
         self.trace = trace
+        self.offload = offload
         #: traced forwards shared by every array of this sweep (see ArrayTrainer)
         self._trace_cache: dict[str, dict[Any, Any]] = {}
         #: the loaded data, shared by the profiler and every array of this sweep
@@ -106,6 +109,7 @@ class LocalExecutor(Executor):
             trace=self.trace,
             keep_states=False,
             final_states=self.final_states,
+            offload=self.offload,
         )
         trainer._trace_cache = self._trace_cache
         trainer._data_cache = self._data_cache

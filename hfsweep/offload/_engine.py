@@ -115,7 +115,8 @@ class OffloadedArray:
 
     ``transfer`` moves tensors (default: :func:`~hfsweep.offload.default_transfer` for
     ``device``); ``prefetch=False`` fetches each shard only when it is needed (no overlap; the
-    benchmark's baseline). Exactly the array's results: same outputs, gradients and buffer
+    benchmark's baseline). ``shard_bytes`` sets the shard limit itself (a hard limit when a
+    budget is given). Exactly the array's results: same outputs, gradients and buffer
     updates, within float rounding.
     """
 
@@ -127,6 +128,7 @@ class OffloadedArray:
         budget_bytes: int | None = None,
         transfer: Transfer | None = None,
         prefetch: bool = True,
+        shard_bytes: int | None = None,
     ) -> None:
         if not isinstance(array, FusedArray):
             raise OffloadError(f"offload needs a FusedArray (hs.fuse), got {type(array).__name__}")
@@ -141,7 +143,14 @@ class OffloadedArray:
         self.ledger = ResidentLedger(budget_bytes)
         self._to_host_storage()
         total = stacked_bytes(array._state())
-        limit = budget_bytes // 4 if budget_bytes is not None else max(math.ceil(total / 4), 1)
+        if shard_bytes is not None:
+            if isinstance(shard_bytes, bool) or not isinstance(shard_bytes, int) or shard_bytes < 1:
+                raise OffloadError(f"shard_bytes must be an int >= 1, got {shard_bytes!r}")
+            limit = shard_bytes
+        elif budget_bytes is not None:
+            limit = budget_bytes // 4
+        else:
+            limit = max(math.ceil(total / 4), 1)
         #: the shards, in forward order
         self.shards: list[Shard] = plan_shards(array, limit, strict=budget_bytes is not None)
         self._anchor = torch.zeros((), requires_grad=True)
