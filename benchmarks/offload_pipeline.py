@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", type=int, default=4, help="array size B")
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per arm and round")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--factors", type=float, nargs="+", default=[0.5, 1.0, 2.0])
     parser.add_argument("--out", type=Path, default=RESULTS / "offload_pipeline_cpu")
     args = parser.parse_args(argv)
@@ -75,30 +75,42 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.steps):
             plain(x)
         compute = (time.perf_counter() - start) / args.steps / n
-    _step_s(plain, x, 1)  # warm-up (traces)
-    step0 = statistics.median(_step_s(plain, x, args.steps) for _ in range(args.rounds))
+    plain.close()
     fetches = 2 * n - 1  # every shard in forward, all but the last again in backward
 
     rows, cells = [], []
     for factor in args.factors:
         delay = factor * compute
-        engines = {p: _engine(n, args.width, args.size, delay, p) for p in (False, True)}
-        for e in engines.values():
+        # arms: no delay (the compute alone), delay without prefetch, delay with prefetch
+        arms = {
+            "compute": _engine(n, args.width, args.size, 0.0, True),
+            "off": _engine(n, args.width, args.size, delay, False),
+            "on": _engine(n, args.width, args.size, delay, True),
+        }
+        for e in arms.values():
             _step_s(e, x, 1)  # warm-up (traces)
-        times: dict[bool, list[float]] = {False: [], True: []}
+        times: dict[str, list[float]] = {name: [] for name in arms}
         for _ in range(args.rounds):
-            for p in (False, True):
-                times[p].append(_step_s(engines[p], x, args.steps))
-        for e in engines.values():
+            for name, e in arms.items():
+                times[name].append(_step_s(e, x, args.steps))
+        for e in arms.values():
             e.close()
-        off, on = statistics.median(times[False]), statistics.median(times[True])
+        step0 = statistics.median(times["compute"])
+        off, on = statistics.median(times["off"]), statistics.median(times["on"])
         injected = fetches * delay
+        # the max model: each fetch overlapped with the compute of the shard before it
+        # (forward: c_f per shard; backward: the rest of the no-delay step, per shard); the
+        # first fetch of the forward has nothing to hide behind
+        c_b = max(step0 - n * compute, 0.0) / n
+        max_model = delay + (n - 1) * max(compute, delay) + compute
+        max_model += (n - 1) * max(c_b, delay) + c_b
         row = {
             "delay_over_shard_forward": factor,
             "delay_ms": delay * 1e3,
             "compute_step_ms": step0 * 1e3,
             "injected_ms": injected * 1e3,
             "sum_model_ms": (step0 + injected) * 1e3,
+            "max_model_ms": max_model * 1e3,
             "prefetch_off_ms": off * 1e3,
             "prefetch_on_ms": on * 1e3,
             "on/off": on / off,
@@ -112,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{step0 * 1e3:.0f}",
                 f"{injected * 1e3:.0f}",
                 f"{(step0 + injected) * 1e3:.0f}",
+                f"{max_model * 1e3:.0f}",
                 f"{off * 1e3:.0f}",
                 f"{on * 1e3:.0f}",
                 f"{on / off:.2f}",
@@ -126,8 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.rounds} alternating rounds",
         f"- load average while it ran (1, 5, 15 min): {', '.join(f'{v:.1f}' for v in os.getloadavg())}"
         " (other jobs shared the cores: compute times are noisy, the injected delays are not)",
-        "- sum model: the step without delay plus every fetch's delay (no overlap); "
-        "hidden: the share of the injected delay that prefetch took off the step",
+        "- no-delay step: the same engine without delay, timed in the same rounds; sum model: the step without delay plus every fetch's delay (no overlap); "
+        "max model: per shard the larger of its fetch and the compute it overlaps (forward: one shard's forward; backward: the rest of the no-delay step per shard) plus the first fetch; hidden: the share of the injected delay that prefetch took off the step",
     ]
     columns = [
         "delay / shard forward",
@@ -135,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         "no-delay step ms",
         "injected ms",
         "sum model ms",
+        "max model ms",
         "prefetch off ms",
         "prefetch on ms",
         "on / off",
