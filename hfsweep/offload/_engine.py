@@ -170,8 +170,8 @@ class OffloadedArray:
         if not isinstance(x, Tensor):
             raise OffloadError(f"an offloaded array takes one tensor input, got {type(x).__name__}")
         if torch.is_grad_enabled():
-            out = _Sharded.apply(self, x, self._anchor)
-            return out  # type: ignore[no-any-return]
+            out: Tensor = _Sharded.apply(self, x, self._anchor)
+            return out
         return self._forward(x, keep=False)
 
     def close(self) -> None:

@@ -124,7 +124,7 @@ def plan_shards(array: FusedArray, limit: int, *, strict: bool = True) -> list[S
     position.update({n: -1 for n in inputs})
     # a cut after body[i] is allowed when one value crosses it and no tensor is used on both sides
     last_use = {n: max((position.get(u, len(body)) for u in n.users), default=-1) for n in position}
-    span = {}
+    span: dict[int, tuple[int, int]] = {}
     for i, uses in enumerate(node_slots):
         for j in uses:
             first, _ = span.get(j, (i, i))
@@ -205,7 +205,7 @@ def _shard_module(
     env: dict[fx.Node, fx.Node] = {source: graph.placeholder("x")}
     for n in nodes:
         env[n] = graph.node_copy(n, lambda m: env[m])
-    graph.output(fx.map_arg(result, lambda m: env[m]))  # type: ignore[arg-type]
+    graph.output(fx.map_arg(result, lambda m: env[m]))  # type: ignore[arg-type,type-var]
     return fx.GraphModule(root, graph)
 
 
