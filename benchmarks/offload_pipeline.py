@@ -52,6 +52,16 @@ def _step_s(engine: OffloadedArray, x: torch.Tensor, steps: int) -> float:
     return statistics.median(times)
 
 
+def _forward_s(engine: OffloadedArray, x: torch.Tensor, steps: int) -> float:
+    times = []
+    with torch.no_grad():
+        for _ in range(steps):
+            start = time.perf_counter()
+            engine(x)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=6)
@@ -66,21 +76,18 @@ def main(argv: list[str] | None = None) -> int:
     x = torch.randn(args.batch, args.width)
     n = args.layers
 
-    # one shard's forward compute: the no-grad forward of the whole array, per shard
+    # one shard's forward compute (the no-grad forward through the engine, per shard), to set
+    # the delays; measured again in every round, where the table's ratios come from
     plain = _engine(n, args.width, args.size, 0.0, True)
     assert len(plain.shards) == n
-    with torch.no_grad():
-        plain(x)
-        start = time.perf_counter()
-        for _ in range(args.steps):
-            plain(x)
-        compute = (time.perf_counter() - start) / args.steps / n
+    _forward_s(plain, x, 1)
+    calibrated = _forward_s(plain, x, args.steps) / n
     plain.close()
     fetches = 2 * n - 1  # every shard in forward, all but the last again in backward
 
     rows, cells = [], []
     for factor in args.factors:
-        delay = factor * compute
+        delay = factor * calibrated
         # arms: no delay (the compute alone), delay without prefetch, delay with prefetch
         arms = {
             "compute": _engine(n, args.width, args.size, 0.0, True),
@@ -89,13 +96,15 @@ def main(argv: list[str] | None = None) -> int:
         }
         for e in arms.values():
             _step_s(e, x, 1)  # warm-up (traces)
-        times: dict[str, list[float]] = {name: [] for name in arms}
+        times: dict[str, list[float]] = {name: [] for name in [*arms, "forward"]}
         for _ in range(args.rounds):
+            times["forward"].append(_forward_s(arms["compute"], x, args.steps) / n)
             for name, e in arms.items():
                 times[name].append(_step_s(e, x, args.steps))
         for e in arms.values():
             e.close()
         step0 = statistics.median(times["compute"])
+        compute = statistics.median(times["forward"])  # one shard's forward, in these rounds
         off, on = statistics.median(times["off"]), statistics.median(times["on"])
         injected = fetches * delay
         # the max model: each fetch overlapped with the compute of the shard before it
@@ -105,7 +114,9 @@ def main(argv: list[str] | None = None) -> int:
         max_model = delay + (n - 1) * max(compute, delay) + compute
         max_model += (n - 1) * max(c_b, delay) + c_b
         row = {
-            "delay_over_shard_forward": factor,
+            "factor": factor,
+            "shard_forward_ms": compute * 1e3,
+            "delay_over_shard_forward": delay / compute,
             "delay_ms": delay * 1e3,
             "compute_step_ms": step0 * 1e3,
             "injected_ms": injected * 1e3,
@@ -120,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         cells.append(
             [
                 f"{factor:g}",
+                f"{compute * 1e3:.1f}",
+                f"{delay / compute:.2f}",
                 f"{delay * 1e3:.1f}",
                 f"{step0 * 1e3:.0f}",
                 f"{injected * 1e3:.0f}",
@@ -133,7 +146,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     notes = [
         f"- model: {n} x Linear({args.width}, {args.width}), one layer per shard, B = "
-        f"{args.size}, batch {args.batch}, float32; one shard's forward: {compute * 1e3:.1f} ms",
+        f"{args.size}, batch {args.batch}, float32; delays set to the factor times one shard's "
+        f"forward as measured first ({calibrated * 1e3:.1f} ms); the shard forward column is "
+        "measured again in the rounds",
         f"- a step = forward + backward through the engine ({fetches} fetches: {n} in forward, "
         f"{n - 1} in backward, the last shard stays); medians of {args.steps} steps, "
         f"{args.rounds} alternating rounds",
@@ -143,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         "max model: per shard the larger of its fetch and the compute it overlaps (forward: one shard's forward; backward: the rest of the no-delay step per shard) plus the first fetch; hidden: the share of the injected delay that prefetch took off the step",
     ]
     columns = [
+        "factor",
+        "shard forward ms",
         "delay / shard forward",
         "delay ms",
         "no-delay step ms",
