@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per arm and round")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--factors", type=float, nargs="+", default=[0.5, 1.0, 2.0])
+    parser.add_argument("--factors", type=float, nargs="+", default=[0.25, 0.5, 1.0, 2.0])
     parser.add_argument("--out", type=Path, default=RESULTS / "offload_pipeline_cpu")
     args = parser.parse_args(argv)
     x = torch.randn(args.batch, args.width)

@@ -183,3 +183,29 @@ def test_offload_arguments_are_checked() -> None:
         hs.ArrayTrainer(_task(), offload="gpu")
     with pytest.raises(ValueError, match="device_memory must be a number of bytes"):
         hs.ArrayTrainer(_task(), device_memory=-5)
+
+
+@pytest.mark.slow
+def test_out_of_memory_under_offload_splits_and_loses_nothing(monkeypatch, tmp_path) -> None:
+    """An out-of-memory error in an offloaded step splits the array as without offload; every
+    member ends as in an uninterrupted run without offload."""
+    from hfsweep.offload import OffloadedArray
+
+    task = _task()
+    reference = hs.ArrayTrainer(task, dtype=torch.float64).run(_members(SGD))
+    forward = OffloadedArray._forward
+    calls = {"n": 0}
+
+    def small_memory(self: OffloadedArray, x: torch.Tensor, keep: bool) -> torch.Tensor:
+        calls["n"] += 1
+        if keep and self.array.size > 2 and calls["n"] >= 3:
+            raise torch.OutOfMemoryError("simulated: CUDA out of memory")
+        return forward(self, x, keep)
+
+    monkeypatch.setattr(OffloadedArray, "_forward", small_memory)
+    results = hs.ArrayTrainer(
+        task, dtype=torch.float64, offload="host", checkpoint_dir=tmp_path
+    ).run(_members(SGD))
+    assert calls["n"] > 3
+    for a, b in zip(results, reference, strict=True):
+        _assert_same(a, b)
