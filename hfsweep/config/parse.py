@@ -22,6 +22,7 @@ from typing import Any, Literal
 from .._checks import is_int
 from .._dburl import mask
 from .._journal_url import is_journal, resolve
+from ..offload import OFFLOAD_MODES
 from ..search_spaces import SearchSpace, SpaceError, load_space
 from ..search_spaces._yaml import load_yaml
 from ..training.task import Task, TaskError
@@ -71,7 +72,7 @@ _TOP_KEYS = (
 )
 _REQUIRED = ("task", "search_space", "budget", "metric", "mode")
 _BUDGET = ("trials", "epochs", "steps", "time_limit")
-_FUSION = ("size", "device", "dtype", "eval_every", "share_frozen", "compile")
+_FUSION = ("size", "device", "dtype", "eval_every", "share_frozen", "compile", "offload")
 _RAY = (
     "address",
     "cpus_per_array",
@@ -148,6 +149,12 @@ class _Parser(_Fields):
                 "fusion.compile",
                 f"{fusion.compile!r} is not supported with backend 'ray' yet (its workers train "
                 "uncompiled); give false, or backend: local",
+            )
+        if backend == "ray" and fusion.offload != "none":
+            raise self.error(
+                "fusion.offload",
+                f"{fusion.offload!r} is for backend: local (the Ray workers do not offload "
+                "yet); set offload: none or backend: local",
             )
         storage = self.storage(top.get("storage"))
         stem = self.source.stem if self.source is not None else "sweep"
@@ -308,6 +315,14 @@ class _Parser(_Fields):
                 f"{compile!r} is not valid; give true (torch.compile the fused step), false or "
                 "auto (the profiler times both and keeps the faster)",
             )
+        offload = self.choice(f.get("offload", "none"), OFFLOAD_MODES, "fusion.offload")
+        if offload != "none" and compile is not False:
+            raise self.error(
+                "fusion.compile",
+                f"{compile!r} together with offload: {offload} is not supported yet (an "
+                "offloaded array runs its shards uncompiled); give compile: false, or "
+                "offload: none",
+            )
         return FusionConfig(
             size=size,
             device=device,
@@ -315,6 +330,7 @@ class _Parser(_Fields):
             eval_every=every,
             share_frozen=share,
             compile=compile,
+            offload=offload,
         )
 
     def ray(self, raw: object, backend: str) -> RayConfig:

@@ -130,12 +130,14 @@ class Budget:
 @dataclass(frozen=True)
 class FusionConfig:
     """How trials are fused: array ``size`` (an int, or ``"auto"`` for the profiler's choice),
-    ``device`` (``auto``, ``cpu``, ``cuda``, ``cuda:N``), ``dtype`` (one of :data:`DTYPES`) and
+    ``device`` (``auto``, ``cpu``, ``cuda``, ``cuda:N``), ``dtype`` (one of :data:`DTYPES`),
     ``eval_every`` (steps between evaluations; ``None``: one epoch), ``share_frozen``
     (frozen tensors identical in every member, a fine-tuning sweep's backbone, kept once:
-    ``share_frozen`` of :func:`hfsweep.fuse`) and ``compile`` (``True``:
-    arrays compile their traced forward, backward and loss with ``torch.compile``; ``"auto"``:
-    the profiler times both and keeps the faster)."""
+    ``share_frozen`` of :func:`hfsweep.fuse`), ``compile`` (``True``: arrays compile their
+    traced forward, backward and loss with ``torch.compile``; ``"auto"``: the profiler times
+    both and keeps the faster) and ``offload`` (``none``, ``host``: an array's state in host
+    memory, streamed through the device shard by shard, or ``auto``: ``host`` only when the
+    array does not fit the device; see docs/offload.md)."""
 
     size: int | Literal["auto"] = "auto"
     device: str = "auto"
@@ -143,6 +145,7 @@ class FusionConfig:
     eval_every: int | None = None
     share_frozen: bool = True
     compile: bool | Literal["auto"] = False
+    offload: str = "none"
 
     def to_dict(self) -> dict[str, Any]:
         """The ``fusion:`` mapping."""

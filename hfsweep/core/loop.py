@@ -346,6 +346,7 @@ class _Engine(_Resume, _Hooks, _Outcome, _Tracked):
                 data=self._data,
                 share_frozen=sc.fusion.share_frozen,
                 compile=sc.fusion.compile,
+                offload=sc.fusion.offload,
             )
             self.where = str(self.executor.device)
         try:

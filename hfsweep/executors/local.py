@@ -32,10 +32,11 @@ class LocalExecutor(Executor):
     ``final_states`` says which ended members' results carry their weights (``"completed"``:
     the engine keeps its best completed trials'; the Tune plugin, which trains each array
     through a local executor in its trial, asks for ``"all"``), ``trace`` whether arrays
-    trace their forwards (see :class:`~hfsweep.trainer.ArrayTrainer`). ``compile``: ``True``
-    or ``False`` for every array, or ``"auto"``: the profiler's choice for each compatibility
-    key (:func:`~hfsweep.profiler.choose_compile`; uncompiled where no profile was taken, a
-    fixed ``fusion.size``).
+    trace their forwards and ``offload`` whether they keep their state in host memory (see
+    :class:`~hfsweep.trainer.ArrayTrainer`). ``compile``: ``True`` or ``False`` for every
+    array, or ``"auto"``: the profiler's choice for each compatibility key
+    (:func:`~hfsweep.profiler.choose_compile`; uncompiled where no profile was taken, a fixed
+    ``fusion.size``).
     """
 
     def __init__(
@@ -50,6 +51,7 @@ class LocalExecutor(Executor):
         trace: bool = True,
         share_frozen: bool = True,
         compile: bool | str = False,
+        offload: str = "none",
     ) -> None:
         self.task = task
         self.device = torch.device(device)
@@ -63,6 +65,7 @@ class LocalExecutor(Executor):
         self.compile = compile
         #: ``compile: auto``: the profiler's choice by compatibility key
         self._compile_choice: dict[str, bool] = {}
+        self.offload = offload
         #: traced forwards shared by every array of this sweep (see ArrayTrainer)
         self._trace_cache: dict[str, dict[Any, Any]] = {}
         #: the loaded data, shared by the profiler and every array of this sweep
@@ -128,6 +131,7 @@ class LocalExecutor(Executor):
             compile=compile,
             keep_states=False,
             final_states=self.final_states,
+            offload=self.offload,
         )
         trainer._trace_cache = self._trace_cache
         trainer._data_cache = self._data_cache

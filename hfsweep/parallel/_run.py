@@ -206,7 +206,8 @@ class _DataParallelRun(_Run):
         return self.group.share(choice)
 
     # ------------------------------------------------------------------ evaluation
-    def _validation_sums(self, array: FusedArray, val: Any) -> tuple[dict[str, Tensor], int]:
+    def _validation_sums(self, live: _Live, val: Any) -> tuple[dict[str, Tensor], int]:
+        array = live.array
         sums: dict[str, Tensor] = {}
         count = 0
         for batch in val:

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from .._usercode import Phase
 from ..fusion import FusedArray, fuse
+from ..offload import OffloadedArray, choose_offload, state_bytes
 from ..optim import FusedOptimizer
 from ..optim.lr_scheduler import FusedLRScheduler
 from .checkpoint import _member_state
@@ -50,6 +51,18 @@ class _Live:
     loss_sum: Tensor
     clip: Tensor | None = None
     smoothes: bool = False  #: whether any member smoothes labels (else the loss skips the term)
+    #: the offload engine running ``array`` shard by shard (``offload: host``), else ``None``
+    engine: OffloadedArray | None = None
+
+    def forward(self, x: Any) -> Any:
+        """Every member's output on the shared input ``x``: the array's call, or its offload
+        engine's (same values)."""
+        return self.array(x) if self.engine is None else self.engine(x)
+
+    def close(self) -> None:
+        """Release the offload engine's compute-side state and threads (after training)."""
+        if self.engine is not None:
+            self.engine.close()
 
     def refresh(self) -> None:
         """Read the per-member settings of the slots again, after members joined."""
@@ -119,10 +132,22 @@ def _build_live(
     live = [s for s in state.slots if s is not None]
     filler = live[0]
     models = _models(t, state, filler, built)
-    with Phase("fusing the members' models"):
-        array = fuse(models, trace=t.trace, share_frozen=t.share_frozen, compile=t.compile).to(
-            t.device
+    offload = t.offload
+    if offload == "auto":
+        offload, why = choose_offload(
+            "auto",
+            state=len(models) * state_bytes(models[0]),
+            device=t.device,
+            device_memory=t.device_memory,
         )
+        _log.info("%s", why)
+    with Phase("fusing the members' models"):
+        if offload == "host":  # stays in host storage; every tensor per member (see offload)
+            array = fuse(models, trace=t.trace, share_frozen=False)
+        else:
+            array = fuse(models, trace=t.trace, share_frozen=t.share_frozen, compile=t.compile).to(
+                t.device
+            )
     for i, s in enumerate(state.slots):
         if s is not None and s.saved is not None:
             array.load_member_state_dict(i, s.saved["model"])
@@ -149,6 +174,14 @@ def _build_live(
         array.set_rng_state(i, s.saved["rng"])
         s.saved = None
     array.train()
+    engine = None
+    if offload == "host":
+        engine = OffloadedArray(array, device=t.device, budget_bytes=t.device_memory)
+        _log.info(
+            "offload: host, %d shards of at most %d bytes",
+            len(engine.shards),
+            max(s.nbytes for s in engine.shards),
+        )
     smoothing = torch.tensor(
         [s.config["label_smoothing"] if s else 0.0 for s in state.slots],
         dtype=t.dtype,
@@ -157,7 +190,7 @@ def _build_live(
     loss_sum = torch.tensor(
         [s.loss_sum if s else 0.0 for s in state.slots], dtype=torch.float64, device=t.device
     )
-    result = _Live(state, array, opt, sched, smoothing, loss_sum)
+    result = _Live(state, array, opt, sched, smoothing, loss_sum, engine=engine)
     result.refresh()
     return result
 

@@ -210,6 +210,7 @@ class _Run:
             return self._train_steps(state, live, counts, timer, ref, eval_every, build_s)
         finally:
             counts.flush(state.slots, eval_every)  # whatever ends the steps: counts up to date
+            live.close()
 
     def _train_steps(
         self,
@@ -298,7 +299,9 @@ class _Run:
         """Forward and backward of one training step on the batch ``(x, y)``; the ``[B]``
         losses (a data-parallel worker reduces its shard's with the others')."""
         smoothing = live.smoothing if live.smoothes else None
-        return backward(self.task, live.array, x, y, smoothing, live.clip, self.t._loss)
+        return backward(
+            self.task, live.array, x, y, smoothing, live.clip, self.t._loss, live.forward
+        )
 
     def _at_boundary(self) -> None:
         """Called at every evaluation boundary once the checkpoint is written and the ended
@@ -393,7 +396,7 @@ class _Run:
         _, val = self.t._dataset(state.slots[due[0]].config)  # type: ignore[union-attr]
         array.eval()
         with torch.no_grad(), Phase("drawing a validation batch"):
-            sums, count = self._validation_sums(array, val)
+            sums, count = self._validation_sums(live, val)
         array.train()
         if count == 0:
             raise TaskError(f"task {self.task.name!r}: the validation data yielded no batch")
@@ -432,7 +435,7 @@ class _Run:
             elif not decisions.get(e.member, True):
                 self._finish(live, i, "stopped", None)
 
-    def _validation_sums(self, array: FusedArray, val: Any) -> tuple[dict[str, Tensor], int]:
+    def _validation_sums(self, live: _Live, val: Any) -> tuple[dict[str, Tensor], int]:
         """Each validation metric summed over the samples of ``val`` (``[B]`` float64 per
         name; a batch's mean weighted by its rows), and the number of samples."""
         sums: dict[str, Tensor] = {}
@@ -440,7 +443,7 @@ class _Run:
         for batch in val:
             x, y = self.t._to_device(batch)
             with Phase("the forward pass (evaluation)"):
-                out = array(x)
+                out = live.forward(x)
             with Phase("the validation loss and metrics"):
                 batch_values = self.task.member_metrics(out, y)
                 n = int(y.shape[0]) if isinstance(y, Tensor) and y.dim() else 1

@@ -34,14 +34,16 @@ def backward(
     smoothing: Tensor | None,
     clip: Tensor | None,
     loss: Callable[[Tensor, Any, Tensor | None], Tensor] | None = None,
+    forward: Callable[[Any], Any] | None = None,
 ) -> Tensor:
     """Forward and backward of every member on the shared batch ``(x, y)``, then per-member
     clipping; returns the ``[B]`` losses (``smoothing``: the ``[B]`` label smoothing, or
-    ``None`` for none; ``loss``: the task's loss compiled, else ``task.member_loss``). Nothing
-    is changed yet, so after an out-of-memory error here the step can be retried by smaller
-    arrays."""
+    ``None`` for none; ``loss``: the task's loss compiled, else ``task.member_loss``).
+    ``forward`` runs the array (default: calling it; an offloaded array's engine otherwise).
+    Nothing is changed yet, so after an out-of-memory error here the step can be retried by
+    smaller arrays."""
     with Phase("the forward pass"):
-        out = array(x)
+        out = array(x) if forward is None else forward(x)
     with Phase("the loss"):
         losses = (loss or task.member_loss)(out, y, smoothing)
     with Phase("the backward pass"):

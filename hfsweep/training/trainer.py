@@ -23,6 +23,7 @@ from torch import Tensor
 from .._malloc import retaining_freed_memory
 from .._usercode import Phase
 from ..fusion._compile import check_compile, mode_for
+from ..offload import check_offload
 from ._compiled import CompiledLoss
 from .checkpoint import _DELIVERED, _FINAL_STATES, _read_delivered, _result_from_record
 from .packed import load as load_packed
@@ -76,6 +77,15 @@ class ArrayTrainer:
     to ``device``. ``compile`` compiles each array's traced forward and backward and the task's
     loss with ``torch.compile`` (see ``compile`` of :func:`hfsweep.fuse`; ``True``: CUDA graphs
     on CUDA); the time compiling takes is left out of the measured step times.
+
+    ``offload`` (``"none"``, ``"host"``, ``"auto"``) keeps an array's stacked parameters and
+    optimizer state in host memory and runs it on ``device`` shard by shard (see
+    :mod:`hfsweep.offload` and docs/offload.md; same results as without). ``device_memory``
+    (bytes) is the budget on the compute side: what the engine may hold there with ``"host"``,
+    and what ``"auto"`` compares the array's estimated state with (``None``: a CUDA device's free
+    memory; on the CPU ``"auto"`` then keeps arrays as they are). An offloaded array keeps its
+    frozen tensors per member and runs uncompiled: ``compile`` with ``offload`` other than
+    ``"none"`` is refused.
     """
 
     def __init__(
@@ -91,6 +101,8 @@ class ArrayTrainer:
         final_states: str = "all",
         share_frozen: bool = True,
         compile: bool | str = False,
+        offload: str = "none",
+        device_memory: int | None = None,
     ) -> None:
         if eval_every is not None and (not isinstance(eval_every, int) or eval_every < 1):
             raise ValueError(f"eval_every must be an integer >= 1 (steps), got {eval_every!r}")
@@ -99,6 +111,17 @@ class ArrayTrainer:
                 f"final_states must be one of {', '.join(map(repr, _FINAL_STATES))}, got "
                 f"{final_states!r}"
             )
+        check_offload(offload, "ArrayTrainer(offload=...)")
+        if device_memory is not None and (
+            isinstance(device_memory, bool)
+            or not isinstance(device_memory, int)
+            or device_memory < 1
+        ):
+            raise ValueError(
+                f"device_memory must be a number of bytes >= 1 or None, got {device_memory!r}"
+            )
+        self.offload = offload
+        self.device_memory = device_memory
         self.task = task
         self.device = torch.device(device)
         self.dtype = dtype
@@ -111,6 +134,11 @@ class ArrayTrainer:
             raise ValueError(
                 f"compile={compile!r} needs trace=True: torch.compile compiles the arrays' traced "
                 "forwards"
+            )
+        if self.compile is not False and offload != "none":
+            raise ValueError(
+                f"compile={compile!r} with offload={offload!r} is not supported yet: an offloaded "
+                "array runs its shards uncompiled; give compile=False or offload='none'"
             )
         mode = mode_for(self.compile, self.device)
         #: the task's loss compiled (``compile``), or ``None``: ``task.member_loss`` as it is

@@ -1,0 +1,40 @@
+"""Offload: a fused array whose stacked state lives in host memory and streams through the
+compute device shard by shard (issue 22; Hydra's parameter spilling and double buffering).
+
+- ``_errors``: :class:`OffloadError`, :class:`OffloadBudgetError`.
+- ``_ledger``: :class:`ResidentLedger`, the bytes held on the compute side against a budget.
+- ``_transfer``: :class:`Transfer` with :class:`CpuTransfer` (copies; an injected delay in a
+  background thread stands in for a slow link) and :class:`CudaTransfer` (pinned memory, a side
+  stream, events, ``non_blocking`` copies).
+- ``_shards``: cutting the model into runs of consecutive layers (:func:`plan_shards`).
+- ``_engine``: :class:`OffloadedArray`, the shard-by-shard forward and backward.
+- ``_policy``: the ``offload`` values and what ``auto`` decides (:func:`choose_offload`).
+
+Users reach it through ``hs.ArrayTrainer(..., offload="host")`` or ``fusion: {offload: host}``
+in a sweep file; see docs/offload.md.
+"""
+
+from ._engine import OffloadedArray
+from ._errors import OffloadBudgetError, OffloadError
+from ._ledger import ResidentLedger
+from ._policy import OFFLOAD_MODES, check_offload, choose_offload, state_bytes
+from ._shards import Shard, plan_shards
+from ._transfer import CpuTransfer, CudaTransfer, Fetch, Transfer, default_transfer
+
+__all__ = [
+    "OFFLOAD_MODES",
+    "CpuTransfer",
+    "CudaTransfer",
+    "Fetch",
+    "OffloadBudgetError",
+    "OffloadError",
+    "OffloadedArray",
+    "ResidentLedger",
+    "Shard",
+    "Transfer",
+    "check_offload",
+    "choose_offload",
+    "default_transfer",
+    "plan_shards",
+    "state_bytes",
+]

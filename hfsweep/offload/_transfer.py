@@ -1,0 +1,181 @@
+"""Moving tensors between host storage and the compute side: :class:`Transfer` and its two
+implementations.
+
+A transfer is started (:meth:`Transfer.fetch`) and waited for later (:meth:`Fetch.wait`), so the
+engine can start copying the next shard in while the current one computes (double buffering).
+
+- :class:`CpuTransfer`: host and compute side are one memory, so a transfer is a copy. An
+  optional ``delay`` (seconds per fetch) is spent in a background thread before the copy, to
+  stand in for a slow link: the pipeline's overlap can then be seen and measured on a CPU
+  (``benchmarks/offload_pipeline.py``). PyTorch ops release the GIL, so compute in the calling
+  thread runs while the background thread sleeps or copies.
+- :class:`CudaTransfer`: pinned host memory, ``non_blocking`` copies issued on a side stream, and
+  an event per fetch that the compute stream waits on (``record_stream`` keeps the caching
+  allocator from reusing a copy's memory before the compute stream is done with it).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+from torch import Tensor
+
+__all__ = ["CpuTransfer", "CudaTransfer", "Fetch", "Transfer", "default_transfer"]
+
+
+class Fetch(ABC):
+    """A transfer under way; :meth:`wait` returns its tensors once they can be used."""
+
+    @abstractmethod
+    def wait(self) -> list[Tensor]:
+        """The copied tensors, ready for the compute stream."""
+
+
+class _Done(Fetch):
+    def __init__(self, tensors: list[Tensor]) -> None:
+        self._tensors = tensors
+
+    def wait(self) -> list[Tensor]:
+        return self._tensors
+
+
+class _Threaded(Fetch):
+    def __init__(self, future: Future[list[Tensor]]) -> None:
+        self._future = future
+
+    def wait(self) -> list[Tensor]:
+        return self._future.result()
+
+
+class Transfer(ABC):
+    """Copies between host storage and the compute device ``device``."""
+
+    device: torch.device
+
+    @abstractmethod
+    def fetch(self, tensors: Sequence[Tensor]) -> Fetch:
+        """Start copying host ``tensors`` to the compute side (new tensors)."""
+
+    @abstractmethod
+    def to_host(self, tensors: Sequence[Tensor]) -> list[Tensor]:
+        """Copies of compute-side ``tensors`` in host storage, complete when this returns."""
+
+    def host_storage(self, t: Tensor) -> Tensor:
+        """``t`` as host storage keeps it (pinned where that makes copies asynchronous)."""
+        return t
+
+    def close(self) -> None:  # noqa: B027 - a transfer with nothing to release keeps this one
+        """Release what the transfer holds (threads, streams)."""
+
+
+class CpuTransfer(Transfer):
+    """Host and compute side are both the CPU: a transfer is a copy. ``delay`` seconds are
+    spent per :meth:`fetch` in a background thread before it copies (0: copy at once, in the
+    calling thread). Returns to the host are copies without delay."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        if isinstance(delay, bool) or not isinstance(delay, int | float) or not delay >= 0:
+            raise ValueError(f"delay must be a number of seconds >= 0, got {delay!r}")
+        self.device = torch.device("cpu")
+        self.delay = float(delay)
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def fetch(self, tensors: Sequence[Tensor]) -> Fetch:
+        items = list(tensors)
+        if self.delay == 0:
+            return _Done(_copies(items))
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="hfsweep-offload")
+            return _Threaded(self._pool.submit(_after(self.delay, lambda: _copies(items))))
+
+    def to_host(self, tensors: Sequence[Tensor]) -> list[Tensor]:
+        return _copies(list(tensors))
+
+    def close(self) -> None:
+        with self._lock:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+
+
+def _copies(tensors: list[Tensor]) -> list[Tensor]:
+    with torch.no_grad():
+        return [t.detach().clone() for t in tensors]
+
+
+def _after(delay: float, job: Callable[[], list[Tensor]]) -> Callable[[], list[Tensor]]:
+    def run() -> list[Tensor]:
+        time.sleep(delay)
+        return job()
+
+    return run
+
+
+class _CudaFetch(Fetch):
+    def __init__(self, tensors: list[Tensor], done: torch.cuda.Event, device: torch.device) -> None:
+        self._tensors = tensors
+        self._done = done
+        self._device = device
+
+    def wait(self) -> list[Tensor]:
+        current = torch.cuda.current_stream(self._device)
+        current.wait_event(self._done)
+        for t in self._tensors:
+            t.record_stream(current)  # freed later: not reused before the compute stream is done
+        return self._tensors
+
+
+class CudaTransfer(Transfer):
+    """Host storage pinned, copies on a side stream of ``device`` with ``non_blocking=True``,
+    one event per fetch for the compute stream to wait on."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        if self.device.type != "cuda":
+            raise ValueError(f"CudaTransfer needs a CUDA device, got {self.device}")
+        self.stream = torch.cuda.Stream(self.device)
+
+    def fetch(self, tensors: Sequence[Tensor]) -> Fetch:
+        with torch.no_grad(), torch.cuda.stream(self.stream):
+            out = [t.detach().to(self.device, non_blocking=True) for t in tensors]
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return _CudaFetch(out, done, self.device)
+
+    def to_host(self, tensors: Sequence[Tensor]) -> list[Tensor]:
+        computed = torch.cuda.current_stream(self.device).record_event()
+        with torch.no_grad(), torch.cuda.stream(self.stream):
+            self.stream.wait_event(computed)
+            out = []
+            for t in tensors:
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                host.copy_(t, non_blocking=True)
+                t.record_stream(self.stream)
+                out.append(host)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        done.synchronize()
+        return out
+
+    def host_storage(self, t: Tensor) -> Tensor:
+        return t if t.is_pinned() else t.pin_memory()
+
+    def close(self) -> None:
+        self.stream.synchronize()
+
+
+def default_transfer(device: torch.device | str) -> Transfer:
+    """:class:`CudaTransfer` for a CUDA device, else :class:`CpuTransfer` without delay."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return CudaTransfer(device)
+    if device.type != "cpu":
+        raise ValueError(f"offload supports cpu and cuda devices, got {device}")
+    return CpuTransfer()

@@ -1,0 +1,99 @@
+"""A small task for the offload tests: a custom module class around layers (not an
+``nn.Sequential`` itself, so offload traces its forward), with BatchNorm and dropout, and the
+configs and comparison the tests share."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import hfsweep as hs
+from hfsweep.tasks import TensorBatches
+
+
+class Net(nn.Module):
+    """A custom class around layers (not an nn.Sequential itself): offload traces its forward."""
+
+    def __init__(self, hidden: int, dropout: float) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Linear(12, hidden), nn.BatchNorm1d(hidden), nn.Tanh(), nn.Linear(hidden, hidden)
+        )
+        self.head = nn.Sequential(nn.ReLU(), nn.Dropout(dropout), nn.Linear(hidden, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x.view(-1, 12)))
+
+
+def data(config: Mapping[str, Any]) -> tuple[TensorBatches, TensorBatches]:
+    gen = torch.Generator().manual_seed(config["data_seed"])
+    x = torch.randn(120, 12, generator=gen)
+    y = (x @ torch.randn(12, 4, generator=gen)).argmax(1)
+    b = config["batch_size"]
+    return TensorBatches(x[:96], y[:96], b, shuffle=True), TensorBatches(
+        x[96:], y[96:], 12, shuffle=False
+    )
+
+
+def toy_task() -> hs.Task:
+    return hs.Task(
+        name="offload_toy",
+        model=lambda c: Net(16, float(c["dropout"] or 0.0)),
+        data=data,
+        defaults={"batch_size": 24, "epochs": 2},
+    )
+
+
+SGD = [
+    {
+        "seed": i,
+        "lr": 0.05 + 0.02 * i,
+        "momentum": 0.3 * i,
+        "weight_decay": 1e-3 * i,
+        "dropout": 0.1 * i,
+        "label_smoothing": 0.05 * i,
+        "grad_clip": None if i % 2 else 0.5,
+        "lr_schedule": "cosine",
+        "eta_min": 1e-3 * i,
+    }
+    for i in range(3)
+]
+ADAMW = [
+    {
+        "optimizer": "adamw",
+        "lr": 1e-3 * (i + 1),
+        "beta1": 0.8 + 0.05 * i,
+        "weight_decay": 0.01 * i,
+        "lr_schedule": "step",
+        "step_size": 1,
+        "gamma": 0.5 + 0.1 * i,
+        "seed": 10 + i,
+        "dropout": 0.2,
+    }
+    for i in range(3)
+]
+
+
+def members(configs: list[dict[str, Any]]) -> list[hs.Member]:
+    return [hs.Member(f"t{i}", c) for i, c in enumerate(configs)]
+
+
+def assert_same(a: hs.MemberResult, b: hs.MemberResult) -> None:
+    assert (a.status, a.steps) == (b.status, b.steps)
+    assert len(a.history) == len(b.history)
+    for ra, rb in zip(a.history, b.history, strict=True):
+        for k in ra:
+            assert ra[k] == pytest.approx(rb[k], rel=1e-7, abs=1e-12), (a.id, k)
+    assert a.state is not None and b.state is not None
+    for k, v in a.state["model"].items():
+        torch.testing.assert_close(v, b.state["model"][k], rtol=1e-7, atol=1e-12, msg=k)
+    for k, st in a.state["optimizer"]["state"].items():
+        for name, v in st.items():
+            torch.testing.assert_close(
+                v, b.state["optimizer"]["state"][k][name], rtol=1e-7, atol=1e-12
+            )
+    assert a.state["rng"] == b.state["rng"]

@@ -1,0 +1,27 @@
+"""``benchmarks/offload_pipeline.py`` runs at its smallest scale and writes its table: every arm
+gives a finite, positive time (no timing is asserted)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.mark.slow
+def test_offload_pipeline_quick_runs(tmp_path, monkeypatch) -> None:
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    script = importlib.import_module("offload_pipeline")
+    stem = tmp_path / "offload_pipeline_test"
+    argv = ["--layers", "3", "--width", "16", "--size", "2", "--batch", "8", "--steps", "1"]
+    argv += ["--rounds", "1", "--factors", "1", "--out", str(stem)]
+    assert script.main(argv) == 0
+    (row,) = json.loads(stem.with_suffix(".json").read_text())["rows"]
+    for key in ("compute_step_ms", "prefetch_off_ms", "prefetch_on_ms", "max_model_ms"):
+        assert math.isfinite(row[key]) and row[key] > 0, key
+    assert "| 1 |" in stem.with_suffix(".md").read_text()

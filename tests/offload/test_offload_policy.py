@@ -1,0 +1,55 @@
+"""``offload: auto``: on the CPU without a device memory limit it keeps arrays as they are; with
+``device_memory`` it offloads exactly when the array's estimated state exceeds it."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from _offload_toy import SGD, assert_same, members, toy_task
+from torch import nn
+
+import hfsweep as hs
+from hfsweep.offload import check_offload, choose_offload, state_bytes
+
+
+def test_state_bytes_counts_parameters_four_times_and_buffers_once() -> None:
+    model = nn.Sequential(nn.Linear(3, 5), nn.BatchNorm1d(5)).double()
+    params = (3 * 5 + 5 + 5 + 5) * 8
+    buffers = (5 + 5) * 8 + 8  # running mean, var, num_batches_tracked (int64)
+    assert state_bytes(model) == 4 * params + buffers
+
+
+def test_auto_decides_by_memory() -> None:
+    mode, why = choose_offload("auto", state=10**9, device="cpu")
+    assert mode == "none" and "one memory" in why
+    mode, why = choose_offload("auto", state=1001, device="cpu", device_memory=1000)
+    assert mode == "host" and "1001 bytes exceeds the 1000 bytes" in why
+    assert choose_offload("auto", state=1000, device="cpu", device_memory=1000)[0] == "none"
+    assert choose_offload("host", state=1, device="cpu")[0] == "host"
+    assert choose_offload("none", state=10**12, device="cpu", device_memory=1)[0] == "none"
+    with pytest.raises(ValueError, match="offload must be one of 'none', 'host', 'auto', got 'on'"):
+        check_offload("on")
+
+
+@pytest.mark.slow
+def test_the_trainer_with_auto(caplog: pytest.LogCaptureFixture) -> None:
+    task = toy_task()
+    trials = members(SGD[:2])
+    reference = hs.ArrayTrainer(task, dtype=torch.float64).run(trials)
+    with caplog.at_level(logging.INFO, logger="hfsweep.trainer"):
+        kept = hs.ArrayTrainer(task, dtype=torch.float64, offload="auto").run(trials)
+    assert any("auto keeps the array on cpu" in r.getMessage() for r in caplog.records)
+    assert not any(r.getMessage().startswith("offload: host") for r in caplog.records)
+    estimate = 2 * state_bytes(task.build_model(task.resolve(SGD[0])).double())
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="hfsweep.trainer"):
+        spilled = hs.ArrayTrainer(
+            task, dtype=torch.float64, offload="auto", device_memory=estimate - 1
+        ).run(trials)
+    assert any("auto spills the array to the host" in r.getMessage() for r in caplog.records)
+    assert any(r.getMessage().startswith("offload: host") for r in caplog.records)
+    for a, b, c in zip(kept, spilled, reference, strict=True):
+        assert_same(a, c)
+        assert_same(b, c)
