@@ -36,7 +36,9 @@ class ConvBN(nn.Module):
         return torch.relu(self.bn2(self.conv2(h)) + h)
 
 
-CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[torch.Generator], tuple[torch.Tensor]]]] = {
+CASES: dict[
+    str, tuple[Callable[[], nn.Module], Callable[[torch.Generator], tuple[torch.Tensor]]]
+] = {
     "conv-bn-momentum-0.1": (ConvBN, _randn(5, 3, 6, 6)),
     "conv-bn-momentum-0.7": (lambda: ConvBN(momentum=0.7), _randn(5, 3, 6, 6)),
     "conv-bn-momentum-None": (lambda: ConvBN(momentum=None), _randn(5, 3, 6, 6)),
@@ -100,7 +102,9 @@ def test_a_fused_batchnorm_is_one_native_call_forward_and_backward(size: int) ->
     decomposition into products and sums (what the generic batching rule dispatched) and no
     copy: behind a convolution the members already sit next to the channels."""
     torch.manual_seed(0)
-    array = hs.fuse([nn.Sequential(nn.Conv2d(4, 4, 1, bias=False), nn.BatchNorm2d(4)) for _ in range(size)])
+    array = hs.fuse(
+        [nn.Sequential(nn.Conv2d(4, 4, 1, bias=False), nn.BatchNorm2d(4)) for _ in range(size)]
+    )
     x = torch.randn(6, 4, 3, 3)
     for _ in range(2):  # traced on the first call
         array(x).sum().backward()
