@@ -131,7 +131,7 @@ class FusedBatchNormMixin(nn.Module):
         mean = self.running_mean if running else None
         var = self.running_var if running else None
         momentum = 0.0 if self.momentum is None else self.momentum
-        if _is_batched(input):
+        if any(t is not None and _is_batched(t) for t in (input, self.weight, mean)):
             return _batch_norm_op(
                 input, self.weight, self.bias, mean, var, use_batch_stats, momentum, self.eps
             )
