@@ -109,7 +109,7 @@ class FusedConvMixin(nn.Module):
         padding = self.padding
         batched = _is_batched(input) or _is_batched(weight)
         if not batched or input.dim() != weight.dim() or padding == "same":
-            return super()._conv_forward(input, weight, bias)  # type: ignore[misc, no-any-return]
+            return super()._conv_forward(input, weight, bias)  # type: ignore[misc]
         if self.padding_mode != "zeros":
             input = F.pad(input, self._reversed_padding_repeated_twice, mode=self.padding_mode)
             padding = (0,) * len(self.stride)
