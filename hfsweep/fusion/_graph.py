@@ -272,7 +272,7 @@ def _pointwise_of_permutes(graph: fx.Graph, node: fx.Node) -> bool:
         permuted.meta["val"] = val
     node.replace_all_uses_with(permuted)
     graph.erase_node(node)
-    for a in inputs:
+    for a in dict.fromkeys(inputs):  # x + x reads one permute twice
         graph.erase_node(a)
     return True
 

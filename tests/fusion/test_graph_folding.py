@@ -72,6 +72,13 @@ def test_permutes_around_an_elementwise_op_of_two_tensors_cancel() -> None:
     assert "permute" not in " ".join(_targets(gm))
 
 
+def test_an_elementwise_op_reading_one_permute_twice() -> None:
+    a = torch.randn(3, 2, 4, dtype=torch.float64)
+    gm = _check(lambda x: (x.permute(1, 0, 2) * x.permute(1, 0, 2)).permute(1, 0, 2), a)
+    _check(lambda x: torch.relu(x.permute(1, 0, 2) + x.permute(1, 0, 2)).permute(1, 0, 2), a)
+    assert "permute" not in " ".join(_targets(gm))
+
+
 def test_permutes_that_differ_are_kept() -> None:
     a = torch.randn(3, 3, 4, dtype=torch.float64)
     b = torch.randn(3, 3, 4, dtype=torch.float64)
