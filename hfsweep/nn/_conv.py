@@ -54,12 +54,16 @@ def _conv_vmap(
         bias = bias.movedim(b_dim, 0)
     if w_dim is None:
         # one weight for all members (shared frozen state): the members go into the batch
-        xb = x if x_dim is None else (x.movedim(x_dim, 0) if x_dim != 0 else x).flatten(0, 1)
+        xm = x if x_dim is None or x_dim == 0 else x.movedim(x_dim, 0)
+        xb = xm if x_dim is None else xm.flatten(0, 1)
         shared_bias = bias if b_dim is None else None
         out = torch.convolution(
             xb, weight, shared_bias, stride, padding, dilation, False, zeros, groups
         )
-        out = out.expand(size, *out.shape) if x_dim is None else out.view(size, -1, *out.shape[1:])
+        if x_dim is None:
+            out = out.expand(size, *out.shape)
+        else:
+            out = out.view(size, xm.shape[1], *out.shape[1:])
         if b_dim is not None and bias is not None:
             out = out + bias.view(size, 1, -1, *([1] * (out.dim() - 3)))
         return out, 0
@@ -88,7 +92,7 @@ def _conv_vmap(
         zeros,
         total_groups,
     )
-    return out.view(out.shape[0], size, -1, *out.shape[2:]), 1
+    return out.view(out.shape[0], size, w.shape[1], *out.shape[2:]), 1
 
 
 _conv_op.register_vmap(_conv_vmap)
