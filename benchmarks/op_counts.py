@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         models = list(dict.fromkeys(r["model"] for r in saved["rows"]))
         rows = saved["rows"]
         if args.before is not None:
-            rows = with_before(rows, json.loads(args.before.read_text()))
+            rows = with_before(rows, args.before)
         render(rows, models, command, args.out or args.render.with_suffix(""))
         return 0
     rows: list[dict[str, Any]] = []
@@ -279,15 +279,17 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
     if args.before is not None:
-        rows = with_before(rows, json.loads(args.before.read_text()))
+        rows = with_before(rows, args.before)
     render(rows, args.models, argv, args.out or RESULTS / "op_counts_cpu")
     return 0
 
 
-def with_before(rows: list[dict[str, Any]], before: dict[str, Any]) -> list[dict[str, Any]]:
-    """``rows`` with ``ops_before`` (and the revision's ``before`` note) from an earlier run."""
+def with_before(rows: list[dict[str, Any]], path: Path) -> list[dict[str, Any]]:
+    """``rows`` with ``ops_before`` (and a ``before`` note naming the file) from the results
+    .json of an earlier run at ``path``."""
+    before = json.loads(path.read_text())
     earlier = {(r["model"], r["path"], r["B"]): r["ops"] for r in before["rows"]}
-    note = f"{before['meta']['date']}, `{before['meta']['command']}`"
+    note = f"`{path.name}`, {before['meta']['date']}, `{before['meta']['command']}`"
     return [
         {**r, "ops_before": earlier.get((r["model"], r["path"], r["B"])), "before": note}
         for r in rows
@@ -312,8 +314,9 @@ def render(
     before = any(r.get("ops_before") is not None for r in rows)
     if before:
         notes.append(
-            "- before: the operators the same step dispatched in the table committed before "
-            f"issue 21's changes ({rows[0]['before']}); after: this revision"
+            "- ops before: what the same step dispatched before issue 21's batching rules for "
+            f"BatchNorm and convolutions and the view folding ({rows[0]['before']}, in "
+            "benchmarks/results/); ops: this revision"
         )
     columns = [
         "model",
