@@ -67,28 +67,34 @@ REASONS: dict[str, str] = {
         "of the 27 more: the non-finite check, 10 (one sum per parameter, 3 to combine them, "
         "one scalar read; hfsweep/optim); the weight gradients copied into the weights' layout, "
         "6 (new_empty_strided + copy_ per weight: the fused Linear's gradient comes back "
-        "transposed; hfsweep/nn/_linear.py, hfsweep/fusion); views and transposes, about 9; "
-        "the per-member cross-entropy (gather, scatter_add, mean instead of nll_loss), 5; "
-        "the optimizer 4 fewer (two foreach operators for all parameters)"
+        "transposed against the stacked [B, out, in] weight; hfsweep/nn/_linear.py); views, "
+        "transposes and the bias's unsqueeze, about 9; the trainer's per-member cross-entropy "
+        "(gather, scatter_add, mean instead of nll_loss), 5; the optimizer 4 fewer (two "
+        "foreach operators for all parameters). Within 1.2x (70) only without the non-finite "
+        "check's sums and the gradient copies"
     ),
     "medium_mlp": "as the tiny MLP (the same layers, wider)",
     "small_cnn": (
-        "as the MLPs, plus the convolutions' member folding (view, permute, clone around a "
-        "grouped convolution, forward and backward)"
+        "as the MLPs (non-finite check 14, the Linear layers' gradient copies 6, the loss), "
+        "plus the max pooling the model's forward calls (F.max_pool2d, batched by vmap with the "
+        "member first: a permute and a copy around each pool, forward and backward: permute, "
+        "clone, _unsafe_view). The convolutions are one grouped convolution each, bias "
+        "included (hfsweep/nn/_conv.py)"
     ),
     "cifar_resnet": (
-        "BatchNorm: under vmap torch's batch_norm with per-member weights decomposes into "
-        "view/permute/mul/sum (about 40 operators per layer, 9 layers), and the per-member "
-        "running statistics take a mean and a var more (hfsweep/nn/_batchnorm.py; a batching "
-        "rule folding the member into the channels would make it one batch_norm); plus the "
-        "non-finite check (one sum per parameter)"
+        "BatchNorm is one native batch_norm per layer now (hfsweep/nn/_batchnorm.py; was about "
+        "40 operators). What remains: views of the per-member parameters, 72 (BatchNorm's "
+        "weight, bias and statistics viewed as [B * C], 4 forward and 2 backward per layer; "
+        "each convolution's weight viewed as [B * C_out, ...], forward and backward; 9 layers), "
+        "and the non-finite check, 33 (one sum per parameter); the optimizer 28 fewer"
     ),
     "transformer": (
         "the non-finite check (one sum per parameter); weight gradients copied into the "
         "weights' layout (10 new_empty_strided + copy_); attention as batched products, "
-        "masked_fill and softmax per member instead of torch's fused CPU attention kernel; "
-        "fewer for dropout (one hfsweep::dropout_multiplier per layer against torch's "
-        "bernoulli_ + div_) and the optimizer (foreach)"
+        "masked_fill and softmax per member in training (the path that takes per-member "
+        "attention dropout) instead of torch's fused CPU attention kernel; fewer for dropout "
+        "(one hfsweep::dropout_multiplier per layer against torch's bernoulli_ + div_) and the "
+        "optimizer (foreach)"
     ),
 }
 
@@ -228,12 +234,22 @@ def main(argv: list[str] | None = None) -> int:
         help="write the tables again from a results .json (its rows and command), measuring "
         "nothing: after a change to the reasons or the layout",
     )
+    parser.add_argument(
+        "--before",
+        type=Path,
+        default=None,
+        help="a results .json of an earlier revision: its operator counts go into the table as "
+        "the 'before' columns (rows matched by model, path and B)",
+    )
     args = parser.parse_args(argv)
     if args.render is not None:
         saved = json.loads(args.render.read_text())
         command = saved["meta"]["command"].split()[2:]
         models = list(dict.fromkeys(r["model"] for r in saved["rows"]))
-        render(saved["rows"], models, command, args.out or args.render.with_suffix(""))
+        rows = saved["rows"]
+        if args.before is not None:
+            rows = with_before(rows, args.before)
+        render(rows, models, command, args.out or args.render.with_suffix(""))
         return 0
     rows: list[dict[str, Any]] = []
     for name in args.models:
@@ -262,8 +278,22 @@ def main(argv: list[str] | None = None) -> int:
                     f"host reads {len(c.host_reads)}",
                     flush=True,
                 )
+    if args.before is not None:
+        rows = with_before(rows, args.before)
     render(rows, args.models, argv, args.out or RESULTS / "op_counts_cpu")
     return 0
+
+
+def with_before(rows: list[dict[str, Any]], path: Path) -> list[dict[str, Any]]:
+    """``rows`` with ``ops_before`` (and a ``before`` note naming the file) from the results
+    .json of an earlier run at ``path``."""
+    before = json.loads(path.read_text())
+    earlier = {(r["model"], r["path"], r["B"]): r["ops"] for r in before["rows"]}
+    note = f"`{path.name}`, {before['meta']['date']}, `{before['meta']['command']}`"
+    return [
+        {**r, "ops_before": earlier.get((r["model"], r["path"], r["B"])), "before": note}
+        for r in rows
+    ]
 
 
 def render(
@@ -281,10 +311,18 @@ def render(
         "(each a synchronisation on a GPU)",
         "- device-independent: counted, not timed; the same on any machine with this torch",
     ]
+    before = any(r.get("ops_before") is not None for r in rows)
+    if before:
+        notes.append(
+            "- ops before: what the same step dispatched before issue 21's batching rules for "
+            f"BatchNorm and convolutions and the view folding ({rows[0]['before']}, in "
+            "benchmarks/results/); ops: this revision"
+        )
     columns = [
         "model",
         "path",
         "B",
+        *(["ops before", "ops / one before"] if before else []),
         "ops",
         "one member's ops",
         "ops / one",
@@ -297,6 +335,14 @@ def render(
             r["model"],
             r["path"],
             str(r["B"]),
+            *(
+                [
+                    str(r.get("ops_before", "-")),
+                    _ratio(r["ops_before"], r["one_ops"]) if r.get("ops_before") else "-",
+                ]
+                if before
+                else []
+            ),
             str(r["ops"]),
             str(r["one_ops"]),
             _ratio(r["ops"], r["one_ops"]),

@@ -7,6 +7,7 @@ from torch.nn.utils.parametrizations import _SpectralNorm, _WeightNorm
 
 from ..nn import (
     FusedBatchNormMixin,
+    FusedConvMixin,
     FusedDropoutMixin,
     FusedEmbeddingMixin,
     FusedLinearMixin,
@@ -28,6 +29,7 @@ _DROPOUTS: dict[type[nn.Module], int] = {
 }
 _BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 _RNNS = (nn.LSTM, nn.GRU, nn.RNN)
+_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
 def dropout_feature_dims(module: nn.Module) -> int | None:
@@ -67,6 +69,7 @@ _FUSED: dict[type[nn.Module], type[nn.Module]] = {
     nn.RReLU: _fused(FusedRReLUMixin, nn.RReLU),
     nn.MultiheadAttention: _fused(FusedMultiheadAttentionMixin, nn.MultiheadAttention),
     **{cls: _fused(FusedBatchNormMixin, cls) for cls in _BATCHNORMS},
+    **{cls: _fused(FusedConvMixin, cls) for cls in _CONVS},
     **{cls: _fused(FusedDropoutMixin, cls) for cls in _DROPOUTS},
     **{cls: _fused(FusedRNNMixin, cls) for cls in _RNNS},
     _SpectralNorm: _fused(FusedSpectralNormMixin, _SpectralNorm),
@@ -78,12 +81,12 @@ def fused_class(module: nn.Module, size: int) -> type[nn.Module] | None:
     """The class to give ``module`` in an array of ``size`` members, or ``None`` to keep its own.
 
     Only exact torch classes are swapped: a user subclass may override ``forward``. An array of
-    one member runs without ``vmap``, where torch's own Linear is the fast one
+    one member runs without ``vmap``, where torch's own Linear and convolutions are the fast ones
     (MultiheadAttention stays fused there: its attention dropout must come from the member's
     stream, as in larger arrays).
     """
     cls = type(module)
-    if cls is nn.Linear and size == 1:
+    if (cls is nn.Linear or cls in _CONVS) and size == 1:
         return None
     return _FUSED.get(cls)
 

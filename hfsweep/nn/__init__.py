@@ -1,7 +1,8 @@
 """Fused layers for the places where ``torch.func.vmap`` alone is slow, inexact or impossible.
 
 ``hs.fuse`` swaps these in automatically (in its private copy of the model, never in the user's
-modules): Linear gets a one-kernel batching rule, MultiheadAttention one batched product per
+modules): Linear gets a one-kernel batching rule, Conv1d/2d/3d one grouped convolution with
+the bias folded in, MultiheadAttention one batched product per
 projection and per-member attention dropout, BatchNorm per-member running statistics (also with
 ``momentum=None``), Dropout a per-member probability, LSTM/GRU/RNN a step-by-step recurrence
 that ``vmap`` can batch, Embedding a ``padding_idx`` that holds per member, RReLU (which ``vmap`` does not support) its own random slopes, and the weight_norm and spectral_norm parametrizations batched ops. Each is a mixin placed in front of the torch class, so parameter names,
@@ -11,6 +12,7 @@ that ``vmap`` can batch, Embedding a ``padding_idx`` that holds per member, RReL
 from ._activation import FusedRReLUMixin
 from ._attention import FusedMultiheadAttentionMixin
 from ._batchnorm import FusedBatchNormMixin
+from ._conv import FusedConvMixin
 from ._dropout import FusedDropoutMixin
 from ._embedding import FusedEmbeddingMixin
 from ._linear import FusedLinearMixin, fused_linear
@@ -19,6 +21,7 @@ from ._rnn import FusedRNNMixin
 
 __all__ = [
     "FusedBatchNormMixin",
+    "FusedConvMixin",
     "FusedDropoutMixin",
     "FusedEmbeddingMixin",
     "FusedLinearMixin",

@@ -108,6 +108,18 @@ def test_a_copy_from_the_cpu_to_a_device_is_no_host_read() -> None:
 # ------------------------------------------------------------------------------ B does not matter
 MODEL_NAMES = ["tiny_mlp", "medium_mlp", "small_cnn", "cifar_resnet", "transformer"]
 
+#: operators per fused step / one member's step, at most (issue 21's goal is 1.2): measured
+#: 1.46-1.47 (MLPs), 1.63-1.64 (CNN), 1.66 (ResNet), 1.30 (Transformer) for both paths at B=2;
+#: before BatchNorm's and the convolution's batching rules and the view folding of traced
+#: graphs the CNN was at 1.80 and the ResNet at 3.34
+MAX_RATIO = {
+    "tiny_mlp": 1.49,
+    "medium_mlp": 1.49,
+    "small_cnn": 1.66,
+    "cifar_resnet": 1.69,
+    "transformer": 1.32,
+}
+
 
 @pytest.mark.parametrize("path", ["trainer", "plain"])
 @pytest.mark.parametrize("name", MODEL_NAMES)
@@ -122,10 +134,9 @@ def test_operators_per_fused_step_do_not_grow_with_b(
     assert two.host_reads == eight.host_reads == STEP_HOST_READS
     one = bench.one_step(name)
     assert one.host_reads == []
-    # the measured ratio to one member's step (benchmarks/results/op_counts_cpu.md gives it per
-    # model); 1.2x is the goal, not met yet: the fused forward's layout copies and the backward's
-    # gradient-layout copies (fusion) and the non-finite check are the difference
-    assert two.total <= 4 * one.total
+    # the measured ratio to one member's step, with a small margin (benchmarks/results/
+    # op_counts_cpu.md gives it per model and says what the remaining operators are)
+    assert two.total <= MAX_RATIO[name] * one.total, (two.total, one.total)
 
 
 @pytest.mark.slow
