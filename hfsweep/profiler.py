@@ -23,18 +23,11 @@ imports the trainer; matplotlib is imported only by :func:`plot`.
 
 from __future__ import annotations
 
-from .sizing import (
-    Measurement,
-    MemoryModel,
-    Profile,
-    ProfileCache,
-    cache_key,
-    choose_size,
-    device_budget,
-    plot,
-    profile_sizes,
-    signature,
-)
+from .sizing.cache import Profile, ProfileCache, cache_key, signature
+from .sizing.device import device_budget
+from .sizing.measure import profile_sizes
+from .sizing.model import Measurement, MemoryModel, choose_size
+from .sizing.plotting import plot
 
 __all__ = [
     "Measurement",
