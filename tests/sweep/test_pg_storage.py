@@ -44,7 +44,8 @@ def _tells(log: Path) -> Counter[int]:
     """How many times the sweep log says each trial ended."""
     text = log.read_text(encoding="utf-8")
     return Counter(
-        int(n) for n in re.findall(r"hfsweep\.sweep: trial (\d+) (?:complete|pruned|fail)", text)
+        int(n)
+        for n in re.findall(r"hfsweep\.sweep: trial (\d+) (?:completed|stopped|failed)", text)
     )
 
 
