@@ -1,5 +1,5 @@
 """How well the scaling model predicts data-parallel throughput: real k = 1 and k = 2 training
-of small models with a plain torch DDP/gloo loop, against ``hfsweep.sizing.model_scaling``'s
+of small models with a plain torch DDP/gloo loop, against ``hfsweep.profiler.model_scaling``'s
 prediction for k = 2 from the measured k = 1 step and this machine's measured all-reduce cost.
 
 Each worker is one process with one torch thread (k = 1: one process, no DDP; k = 2: two
@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import RESULTS, write_results
 
 from hfsweep import tasks
-from hfsweep.sizing import model_scaling
+from hfsweep.profiler import model_scaling
 from hfsweep.sizing.allreduce import _free_port, measure_allreduce
 
 #: name -> (layer widths, global batch)

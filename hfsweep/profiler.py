@@ -22,37 +22,35 @@ compiled at the chosen B and keeps the faster, compile time amortised (:func:`ch
 the :class:`CompileChoice` is stored with the profile.
 
 The code lives in :mod:`hfsweep.sizing`; this module is its public face. Nothing here trains or
-imports the trainer; matplotlib is imported only by :func:`plot`.
+imports the trainer; the data-parallel scaling profiles (:class:`ScalingProfile`, the elastic
+allocator's input) are here too; matplotlib is imported only by :func:`plot`.
 """
 
 from __future__ import annotations
 
-from .sizing import (
-    CompileChoice,
-    Measurement,
-    MemoryModel,
-    Profile,
-    ProfileCache,
-    cache_key,
-    choose_compile,
-    choose_size,
-    device_budget,
-    plot,
-    profile_sizes,
-    signature,
-)
+from .sizing.cache import Profile, ProfileCache, cache_key, signature
+from .sizing.compiled import CompileChoice, choose_compile
+from .sizing.device import device_budget
+from .sizing.measure import profile_sizes
+from .sizing.model import Measurement, MemoryModel, choose_size
+from .sizing.plotting import plot
+from .sizing.scaling import AllReduceCost, ScalingProfile, model_scaling, step_s_at
 
 __all__ = [
+    "AllReduceCost",
     "CompileChoice",
     "Measurement",
     "MemoryModel",
     "Profile",
     "ProfileCache",
+    "ScalingProfile",
     "cache_key",
     "choose_compile",
     "choose_size",
     "device_budget",
+    "model_scaling",
     "plot",
     "profile_sizes",
     "signature",
+    "step_s_at",
 ]

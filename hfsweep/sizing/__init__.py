@@ -15,32 +15,9 @@ One job per module, each importing only those above it in this list:
 - ``task``: measuring a task's real training step through the trainer (:func:`profile_task`); the
   one module here that imports the trainer, so it is not imported by this package itself.
 
-Users import these names from :mod:`hfsweep.profiler` (and ``profile_task`` from :mod:`hfsweep`).
+Users import the public names from :mod:`hfsweep.profiler`, which gathers them from these
+modules (and ``profile_task`` from :mod:`hfsweep`); the package itself re-exports nothing, so
+that the list of public names stands in one place.
 """
 
-from .cache import Profile, ProfileCache, cache_key, signature
-from .compiled import CompileChoice, choose_compile
-from .device import device_budget
-from .measure import profile_sizes
-from .model import Measurement, MemoryModel, choose_size
-from .plotting import plot
-from .scaling import AllReduceCost, ScalingProfile, model_scaling, step_s_at
-
-__all__ = [
-    "AllReduceCost",
-    "CompileChoice",
-    "Measurement",
-    "MemoryModel",
-    "Profile",
-    "ProfileCache",
-    "ScalingProfile",
-    "cache_key",
-    "choose_compile",
-    "choose_size",
-    "device_budget",
-    "model_scaling",
-    "plot",
-    "profile_sizes",
-    "signature",
-    "step_s_at",
-]
+__all__: list[str] = []

@@ -4,7 +4,7 @@
 (gloo on 127.0.0.1 by default), times ``all_reduce`` of a few tensor sizes in each, and fits an
 :class:`~hfsweep.sizing.scaling.AllReduceCost` to the medians. :class:`ScalingCache` keeps
 measured costs and scaling profiles in one JSON file beside the array-size profiles
-(``scaling.json`` next to :class:`~hfsweep.sizing.ProfileCache`'s ``profiles.json``), written
+(``scaling.json`` next to :class:`~hfsweep.profiler.ProfileCache`'s ``profiles.json``), written
 atomically like it, so a machine measures them once, not once per sweep.
 """
 
@@ -132,7 +132,7 @@ def allreduce_key(backend: str = "gloo", device: str = "cpu") -> str:
 class ScalingCache:
     """All-reduce costs and scaling profiles in one JSON file, ``scaling.json`` beside the
     array-size profiles (``$HFSWEEP_CACHE_DIR``, ``$XDG_CACHE_HOME/hfsweep`` or
-    ``~/.cache/hfsweep``). Like :class:`~hfsweep.sizing.ProfileCache` it only saves time: an
+    ``~/.cache/hfsweep``). Like :class:`~hfsweep.profiler.ProfileCache` it only saves time: an
     unreadable file or entry reads as missing with a warning, a failed write is logged and
     skipped, and writes replace the file atomically."""
 

@@ -4,7 +4,7 @@ An elastic array trains on k workers, each holding every member and 1/k of every
 gradients averaged by an all-reduce. :class:`ScalingProfile` is what the allocator needs to know
 about one compatibility key: member-samples/s at k = 1, 2, 4, ... workers, each point either
 *measured* or *modelled*. :func:`model_scaling` models the points from what the sizing code
-already measures (the one-worker step time of the array, :class:`~hfsweep.sizing.Measurement`)
+already measures (the one-worker step time of the array, :class:`~hfsweep.profiler.Measurement`)
 and an :class:`AllReduceCost` measured on this machine (:mod:`hfsweep.sizing.allreduce`)::
 
     step(k) = serial_s + (step_s - serial_s) / k + allreduce(gradient_bytes, k)

@@ -13,6 +13,7 @@ temporaries; allocator slack and Python objects are not counted).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import statistics
@@ -313,18 +314,18 @@ def profile_task(
     key = cache_key(arch, batch_size, dtype, device)
     budget = device_budget(device, budget_fraction)
 
+    step = functools.partial(
+        measure_step,
+        task,
+        resolved,
+        device=device,
+        dtype=dtype,
+        batch=(x, y),
+        min_seconds=min_seconds,
+    )
+
     def measure_compiled(size: int, first: list[float]) -> Measurement:
-        return measure_step(
-            task,
-            resolved,
-            size,
-            device=device,
-            dtype=dtype,
-            batch=(x, y),
-            min_seconds=min_seconds,
-            compile=True,
-            first_step=first,
-        )
+        return step(size, compile=True, first_step=first)
 
     if cache is not None and not refresh:
         hit = cache.get(key)
@@ -343,16 +344,7 @@ def profile_task(
             return dataclasses.replace(cached, compile=choice)
 
     def measure(size: int) -> Measurement:
-        return measure_step(
-            task,
-            resolved,
-            size,
-            device=device,
-            dtype=dtype,
-            batch=(x, y),
-            min_seconds=min_seconds,
-            traces=traces,
-        )
+        return step(size, traces=traces)
 
     with _as_the_trainer_runs(device):  # one block for every size measured
         measurements, memory = profile_sizes(

@@ -68,7 +68,7 @@ def _tells(log: str) -> int:
         text = Path(log).read_text()
     except FileNotFoundError:
         return 0
-    return len(re.findall(r"hfsweep\.sweep: trial \d+ (?:complete|pruned|fail)", text))
+    return len(re.findall(r"hfsweep\.sweep: trial \d+ (?:completed|stopped|failed)", text))
 
 
 def _held_data(config: Mapping[str, Any]) -> tuple[TensorBatches, TensorBatches]:

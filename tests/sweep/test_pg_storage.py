@@ -44,7 +44,8 @@ def _tells(log: Path) -> Counter[int]:
     """How many times the sweep log says each trial ended."""
     text = log.read_text(encoding="utf-8")
     return Counter(
-        int(n) for n in re.findall(r"hfsweep\.sweep: trial (\d+) (?:complete|pruned|fail)", text)
+        int(n)
+        for n in re.findall(r"hfsweep\.sweep: trial (\d+) (?:completed|stopped|failed)", text)
     )
 
 
@@ -250,7 +251,7 @@ def test_a_database_restart_mid_sweep_is_ridden_out(
     shown = capsys.readouterr().err  # the progress line says why the sweep stalls
     assert "trying again for up to 60 s" in shown and "reachable again after" in shown
     assert (gate / "go").exists()  # the server was down while the sweep trained
-    assert result.counts == {"COMPLETE": 8, "PRUNED": 0, "FAIL": 0, "RUNNING": 0}
+    assert result.counts == {"completed": 8, "stopped": 0, "failed": 0, "running": 0}
     assert _tells(tmp_path / "run" / "sweep.log") == Counter(range(8))
     log = (tmp_path / "run" / "sweep.log").read_text(encoding="utf-8")
     assert "trying again for up to 60 s" in log and "reachable again after" in log

@@ -176,7 +176,7 @@ _STARTS = (
 _ENDS = (
     re.compile(r"^member (trial-\d+) \w+ after \d+ steps"),
     re.compile(r"^member (trial-\d+) failed before training"),
-    re.compile(r"^trial (\d+) (?:complete|pruned|fail)"),
+    re.compile(r"^trial (\d+) (?:completed|stopped|failed)"),
 )
 
 
@@ -224,7 +224,7 @@ def _check(storage: Any, *drivers: _Driver, elsewhere: int | None = None) -> Non
     told = Counter(
         n
         for d in drivers
-        for n in re.findall(r"hfsweep\.sweep: trial (\d+) (?:complete|pruned|fail)", d.log())
+        for n in re.findall(r"hfsweep\.sweep: trial (\d+) (?:completed|stopped|failed)", d.log())
     )
     # told at most once; a trial's log line can be missing where a SIGKILL came between its
     # tell and the line (the study, checked above, has every trial ended)
