@@ -57,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import RESULTS, write_results
 
 import hfsweep as hs
+from hfsweep.core.status import FINAL
 from hfsweep.tasks import TensorBatches
 
 ARMS = ("plain", "hfsweep", "baseline")
@@ -132,7 +133,7 @@ def run_hfsweep(trials: int, folder: Path, size: int) -> float:
     start = time.perf_counter()
     result = hs.sweep(config, progress=False)
     wall = time.perf_counter() - start
-    done = sum(result.counts.get(s, 0) for s in ("COMPLETE", "PRUNED", "FAIL"))
+    done = sum(result.counts.get(s, 0) for s in FINAL)
     if done != trials:
         raise RuntimeError(f"hfsweep finished {done} of {trials} trials: {result.counts}")
     return wall

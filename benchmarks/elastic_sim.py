@@ -5,7 +5,7 @@ Nothing trains: a fake clock advances from one array's evaluation boundary to th
 per-step costs are this machine's measured ones (``results/elastic_profiles_cpu.json``, written
 by ``scaling_profile.py`` from ``profile_tasks_cpu.json``: seconds per step at each array size,
 gradient bytes per member, and the measured gloo all-reduce cost); the time of an array on k
-workers is ``hfsweep.sizing.model_scaling``'s. ASHA (asynchronous successive halving) stops
+workers is ``hfsweep.profiler.model_scaling``'s. ASHA (asynchronous successive halving) stops
 trials at its rungs from synthetic learning curves. Both arms see the same trials, the same
 curves and the same packing (arrays of the profiler's chosen size per model, freed slots refilled
 from waiting trials of the same model); only the number of workers per array differs.
@@ -28,7 +28,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from hfsweep.core.allocator import Allocator, ArrayState, WaitingPool
-from hfsweep.sizing import (
+from hfsweep.profiler import (
     AllReduceCost,
     Measurement,
     ScalingProfile,

@@ -1,5 +1,5 @@
 """How well the scaling model predicts data-parallel throughput: real k = 1 and k = 2 training
-of small models with a plain torch DDP/gloo loop, against ``hfsweep.sizing.model_scaling``'s
+of small models with a plain torch DDP/gloo loop, against ``hfsweep.profiler.model_scaling``'s
 prediction for k = 2 from the measured k = 1 step and this machine's measured all-reduce cost.
 
 Each worker is one process with one torch thread (k = 1: one process, no DDP; k = 2: two

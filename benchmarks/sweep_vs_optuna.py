@@ -56,6 +56,7 @@ from _results import RESULTS, write_results
 from hfsweep import Task
 from hfsweep._malloc import retain_freed_memory
 from hfsweep.config import SweepConfig, make_sampler, parse_sweep
+from hfsweep.core.status import Status
 from hfsweep.sizing.device import resolve_device
 from hfsweep.training.step import _epoch_seed
 from hfsweep.training.task import OPTIMIZERS
@@ -299,7 +300,8 @@ def run_hfsweep(
                 del os.environ["HFSWEEP_CACHE_DIR"]
             else:
                 os.environ["HFSWEEP_CACHE_DIR"] = saved
-    counts = {s: int(result.counts.get(s, 0)) for s in ("COMPLETE", "PRUNED", "FAIL", "RUNNING")}
+    # Optuna's state names, as the plain Optuna arm's counts beside it are read from its study
+    counts = {Status(s).optuna_name: int(n) for s, n in result.counts.items()}
     log(
         f"[{tag}] done in {wall:.1f} s ({result.arrays} arrays; engine's wall {result.wall_s:.1f} s): "
         f"best {result.best_value}, {counts}"

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ._status import Status
 from .sizing.device import DTYPES, resolve_device
 from .training import ArrayTrainer, Evaluation, Member, MemberResult
 from .training.task import Task
@@ -110,8 +111,9 @@ def retrain(
             f"0 to {len(trials) - 1}"
         )
     trial = trials[number]
-    if trial.state.name not in ("COMPLETE", "PRUNED", "FAIL"):
-        raise ValueError(f"{run}: trial {number} is {trial.state.name}, not finished")
+    status = Status.of_trial_state(trial.state)
+    if not status.final:
+        raise ValueError(f"{run}: trial {number} is {status.value}, not finished")
     recorded = _read_history(run / "histories" / f"trial-{number}.csv")
     if not recorded:
         raise ValueError(

@@ -57,7 +57,7 @@ def _parse_sets(items: list[str]) -> dict[str, object]:
 def _profile(args: argparse.Namespace) -> int:
     import torch
 
-    from . import sizing
+    from . import profiler
     from .config.entry import load_task
     from .sizing.device import resolve_device
     from .sizing.task import profile_task
@@ -98,10 +98,10 @@ def _profile(args: argparse.Namespace) -> int:
     except (TaskError, ValueError, RuntimeError) as e:
         print(f"hfsweep profile: {e}", file=sys.stderr)
         return 2
-    cache = None if args.no_cache else sizing.ProfileCache(args.cache)
+    cache = None if args.no_cache else profiler.ProfileCache(args.cache)
     print(f"Profiling task {task.name!r} on {device} ({args.dtype})", flush=True)
 
-    def progress(m: sizing.Measurement) -> None:
+    def progress(m: profiler.Measurement) -> None:
         print(
             f"  B={m.size:<4d} {m.step_s * 1e3:8.2f} ms/step  "
             f"{m.samples_per_s:12,.0f} member-samples/s  peak {m.peak_bytes / 2**20:9.1f} MiB",
@@ -131,7 +131,7 @@ def _profile(args: argparse.Namespace) -> int:
     print(f"\nchosen B = {profile.chosen}: {profile.reason}")
     if args.plot is not None:
         try:
-            sizing.plot(profile, args.plot)
+            profiler.plot(profile, args.plot)
             print(f"plot: {args.plot}")
         except ImportError as e:
             print(f"no plot: {e}", file=sys.stderr)
@@ -179,6 +179,7 @@ def _run(args: argparse.Namespace) -> int:
     from .core._storage import StorageUnavailable
     from .core.loop import SweepError, TrainingError, sweep
     from .core.result import RunDirUnwritable
+    from .core.status import Status
     from .searchers._source import SearcherError
 
     try:
@@ -217,7 +218,7 @@ def _run(args: argparse.Namespace) -> int:
         return 130
     if not args.quiet:
         print(result.summary())
-        if result.counts.get("COMPLETE") or result.counts.get("PRUNED"):
+        if result.counts.get(Status.COMPLETED) or result.counts.get(Status.STOPPED):
             print(
                 f"Look at the results: {_report_command(result.run_dir)} (PNG plots into "
                 f"{_shown(result.run_dir / 'report')})"

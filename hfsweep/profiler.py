@@ -18,33 +18,32 @@ the other. So B is chosen from measurements, not as "the largest array that fits
    sweep profiles each kind of array once per machine, not once per run.
 
 The code lives in :mod:`hfsweep.sizing`; this module is its public face. Nothing here trains or
-imports the trainer; matplotlib is imported only by :func:`plot`.
+imports the trainer; the data-parallel scaling profiles (:class:`ScalingProfile`, the elastic
+allocator's input) are here too; matplotlib is imported only by :func:`plot`.
 """
 
 from __future__ import annotations
 
-from .sizing import (
-    Measurement,
-    MemoryModel,
-    Profile,
-    ProfileCache,
-    cache_key,
-    choose_size,
-    device_budget,
-    plot,
-    profile_sizes,
-    signature,
-)
+from .sizing.cache import Profile, ProfileCache, cache_key, signature
+from .sizing.device import device_budget
+from .sizing.measure import profile_sizes
+from .sizing.model import Measurement, MemoryModel, choose_size
+from .sizing.plotting import plot
+from .sizing.scaling import AllReduceCost, ScalingProfile, model_scaling, step_s_at
 
 __all__ = [
+    "AllReduceCost",
     "Measurement",
     "MemoryModel",
     "Profile",
     "ProfileCache",
+    "ScalingProfile",
     "cache_key",
     "choose_size",
     "device_budget",
+    "model_scaling",
     "plot",
     "profile_sizes",
     "signature",
+    "step_s_at",
 ]

@@ -10,11 +10,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from hfsweep._checks import is_finite, is_int, is_number
+from hfsweep._status import Status
 
 __all__ = ["STATUSES", "Decision", "Report", "TrialScheduler"]
 
-#: How a trial can end, as :meth:`TrialScheduler.on_trial_end` is told (the trainer's statuses).
-STATUSES = ("completed", "stopped", "failed")
+#: How a trial can end, as :meth:`TrialScheduler.on_trial_end` is told: the final members of the
+#: sweep core's one status vocabulary (:class:`hfsweep.core.status.Status`), which compare equal
+#: to their values ``"completed"``, ``"stopped"``, ``"failed"``.
+STATUSES: tuple[Status, ...] = tuple(s for s in Status if s.final)
 
 MODES = ("min", "max")
 
@@ -93,7 +96,7 @@ class TrialScheduler(ABC):
         check_positive("max_resource", max_resource)
         self._mode = mode
         self._max_resource = float(max_resource)
-        self._ended: dict[str, str] = {}
+        self._ended: dict[str, Status] = {}
 
     # -- public API -------------------------------------------------------------------------
 
@@ -125,22 +128,28 @@ class TrialScheduler(ABC):
         the study and which overrides this)."""
         self.decide(reports)
 
-    def on_trial_end(self, trial: str, status: str) -> None:
-        """Tell the scheduler that ``trial`` ended with ``status`` (one of :data:`STATUSES`).
+    def on_trial_end(self, trial: str, status: Status | str) -> None:
+        """Tell the scheduler that ``trial`` ended with ``status`` (one of :data:`STATUSES`, or
+        its value).
 
         What a trial reported stays part of the record the others are compared with: the
         values were observed, and forgetting them would change past rungs and medians after
         the fact. A trial ends once; ending it again raises ``ValueError``.
         """
         if status not in STATUSES:
-            raise ValueError(f"status must be one of {list(STATUSES)}, got {status!r}")
+            valid = [s.value for s in STATUSES]
+            raise ValueError(f"status must be one of {valid}, got {status!r}")
         if trial in self._ended:
             raise ValueError(f"trial {trial!r} already ended ({self._ended[trial]})")
-        self._ended[trial] = status
+        self._ended[trial] = Status(status)
 
     def state_dict(self) -> dict[str, Any]:
         """Everything the scheduler knows, as JSON-serialisable data."""
-        return {"type": type(self).__name__, "config": self._config(), "ended": dict(self._ended)}
+        return {
+            "type": type(self).__name__,
+            "config": self._config(),
+            "ended": {k: s.value for k, s in self._ended.items()},
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output into a scheduler built with the same arguments."""
@@ -155,7 +164,7 @@ class TrialScheduler(ABC):
                 f"{type(self).__name__} state was saved with other arguments: "
                 + ", ".join(f"{k}={theirs.get(k)!r} (here {ours.get(k)!r})" for k in diff)
             )
-        self._ended = {str(k): str(v) for k, v in state["ended"].items()}
+        self._ended = {str(k): Status(v) for k, v in state["ended"].items()}
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self._config().items())

@@ -8,6 +8,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from hfsweep._status import Status
+
 from ._base import Decision, Report, TrialScheduler, check_positive
 
 if TYPE_CHECKING:
@@ -217,7 +219,7 @@ class OptunaPruner(TrialScheduler):
             step = self.step_of(r.resource)
             self._last_step[r.trial] = max(step, self._last_step.get(r.trial, step))
 
-    def on_trial_end(self, trial: str, status: str) -> None:
+    def on_trial_end(self, trial: str, status: Status | str) -> None:
         """Forget ``trial``'s Optuna trial; the study keeps its record."""
         super().on_trial_end(trial, status)
         self._trials.pop(trial, None)

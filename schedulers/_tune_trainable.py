@@ -42,7 +42,7 @@ import torch
 from hfsweep._checks import is_finite
 from hfsweep._io import atomic_save
 from hfsweep.core.status import Status
-from hfsweep.executors import LocalExecutor
+from hfsweep.executors import ArrayHooks, LocalExecutor
 from hfsweep.sizing.device import DTYPES, resolve_device
 from hfsweep.training import Evaluation, Member, MemberResult
 from hfsweep.training.task import Task
@@ -125,14 +125,10 @@ def train_array(config: Mapping[str, Any], spec: TrainSpec) -> None:
         )
         members = [Member(str(m["id"]), dict(m["config"])) for m in meta["members"]]
         with executor:
-            executor.run_array(
-                work,
-                members,
-                report=channel.report,
-                refill=channel.refill,
-                on_finish=channel.on_finish,
-                resume=resume,
+            hooks = ArrayHooks(
+                report=channel.report, refill=channel.refill, on_finish=channel.on_finish
             )
+            executor.run_array(work, members, hooks, resume=resume)
         channel.close()
     finally:
         shutil.rmtree(work, ignore_errors=True)

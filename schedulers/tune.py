@@ -128,14 +128,8 @@ from hfsweep.config import MAX_TRIALS
 from hfsweep.core.packer import limit_for_learning
 from hfsweep.training.task import Task
 
-from ._tune_results import (
-    TunedMember,
-    best_member,
-    member_history,
-    member_results,
-    sweep_state,
-    tuned_members,
-)
+from . import _tune_results
+from ._tune_results import *  # noqa: F403 - reading a finished sweep, as _tune_results.__all__ lists
 from ._tune_state import SweepState, restored_state
 from ._tune_trainable import DTYPES, TRAINABLE_NAME, TrainSpec, make_trainable
 from ._tune_wrappers import SUPPORTED_SCHEDULERS, FusedScheduler, FusedSearcher
@@ -146,12 +140,7 @@ __all__ = [
     "FusedScheduler",
     "FusedSearcher",
     "Fusion",
-    "TunedMember",
-    "best_member",
-    "member_history",
-    "member_results",
-    "sweep_state",
-    "tuned_members",
+    *_tune_results.__all__,
 ]
 
 _log = logging.getLogger("hfsweep.tune")

@@ -147,7 +147,7 @@ def _sweep(run: Path, **overrides: Any) -> hs.SweepResult:
         **overrides,
     )
     result = hs.sweep(config, progress=False)
-    assert result.counts["RUNNING"] == 0
+    assert result.counts["running"] == 0
     return result
 
 

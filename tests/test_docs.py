@@ -47,7 +47,7 @@ def _run(code: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str
 # ------------------------------------------------------------------ what some blocks must do
 def _quick_start_sweep(scope: dict[str, Any], tmp_path: Path) -> None:
     result = scope["result"]
-    assert sum(result.counts.values()) == 8 and result.counts["RUNNING"] == 0
+    assert sum(result.counts.values()) == 8 and result.counts["running"] == 0
     assert (tmp_path / "runs" / "python_sweep" / "trials.csv").exists()
 
 

@@ -90,7 +90,7 @@ class _Hooks(_Parts):
         value = result.metrics.get(self.sc.metric)
         status, why = Status.parse(result.status).settle(value, self.sc.metric)
         error = why if why is not None else result.error
-        trial.set_user_attr("status", result.status)
+        trial.set_user_attr("status", status.value)  # settled: a nan metric's trial failed
         trial.set_user_attr("steps", result.steps)
         if result.start_step is not None:  # where in its array's data it started (a refill's)
             trial.set_user_attr("start_step", result.start_step)
@@ -117,7 +117,7 @@ class _Hooks(_Parts):
         _log.info(
             "trial %d %s after %d steps: %s=%s",
             number,
-            status.optuna_name.lower(),
+            status.value,
             result.steps,
             self.sc.metric,
             value,

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 
 from ._parts import _Parts
-from .result import SweepResult, TrainingError, _Failed
+from .result import StatusCounts, SweepResult, TrainingError, _Failed
 
 __all__: list[str] = []
 
@@ -106,7 +106,7 @@ class _Outcome(_Parts):
                 f"{'the ' if not hit else ''}{others}{other} unfinished trial" + "s" * (others > 1)
             )
         marked = (
-            f"{' and '.join(told)} {'are' if len(hit) + others > 1 else 'is'} marked FAIL with "
+            f"{' and '.join(told)} {'are' if len(hit) + others > 1 else 'is'} marked failed with "
             "this error (user attr 'error'); no trial is left running"
             if told
             else "no trial was running"
@@ -200,14 +200,15 @@ class _Outcome(_Parts):
         return self.sc.space.sample(optuna.trial.FixedTrial(t.params))
 
     def _result(self) -> SweepResult:
-        from optuna.trial import TrialState
-
         trials = self.study.get_trials(deepcopy=False)
-        counts = {s.name: 0 for s in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)}
-        counts["RUNNING"] = 0
+        # a trial waiting in a pool is RUNNING in the study; one enqueued and not yet asked
+        # (Optuna's WAITING) has not started and is not counted
+        shown = [*(s for s in Status if s.final), Status.RUNNING]
+        counts = StatusCounts(dict.fromkeys(shown, 0))
         for t in trials:
-            if t.state.name in counts:
-                counts[t.state.name] += 1
+            status = Status.of_trial_state(t.state)
+            if status in counts:
+                counts[status] += 1
         top = self._ranked()
         best = top[0] if top else None
         record = self._best_record(best)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Mapping
 from typing import TextIO
 
 from .status import FINAL, Status
@@ -44,8 +45,8 @@ class Progress:
         self._width = 0
 
     def finished(self, status: Status | str) -> None:
-        """A trial ended with ``status`` (a :class:`~hfsweep.core.status.Status`, or its value
-        or Optuna state name: ``COMPLETE``, ``PRUNED``, ``FAIL``)."""
+        """A trial ended with ``status`` (a :class:`~hfsweep.core.status.Status`, or its value:
+        ``completed``, ``stopped``, ``failed``)."""
         status = Status.parse(status)
         self.states[status] = self.states.get(status, 0) + 1
         self.update()
@@ -78,9 +79,7 @@ class Progress:
         elapsed = time.perf_counter() - self.start
         done = sum(self.states.values())
         parts = [
-            f"[{_clock(elapsed)}] trials {done}/{self.total} done "
-            f"({self.states[Status.COMPLETED]} complete, {self.states[Status.STOPPED]} pruned, "
-            f"{self.states[Status.FAILED]} failed)",
+            f"[{_clock(elapsed)}] trials {done}/{self.total} done ({_counted(self.states)})",
         ]
         if self.array:
             parts.append(self.array)
@@ -114,6 +113,12 @@ class Progress:
         if self.tty:
             self.stream.write("\n")
             self.stream.flush()
+
+
+def _counted(counts: Mapping[Status, int]) -> str:
+    """``"3 completed, 1 stopped, 0 failed"``: the ended trials by status, in the status words
+    (the progress line's and the end-of-sweep summary's)."""
+    return ", ".join(f"{counts.get(s, 0)} {s.value}" for s in Status if s.final)
 
 
 def _clock(seconds: float) -> str:

@@ -7,8 +7,9 @@ Layout (``RunDir`` names every path)::
     state.json             the engine's own state (its ledger): scheduler, decisions, arrays,
                            sizes, as of its last compaction
     state.jsonl            the ledger's changes since state.json, one line per save
-    trials.csv             one row per trial (Optuna's trials_dataframe() columns + array),
-                           rewritten at most every few seconds and at the end
+    trials.csv             one row per trial (Optuna's trials_dataframe() columns, then
+                           status and array), rewritten at most every few seconds and at
+                           the end
     histories/trial-N.csv  each finished trial's evaluations
     checkpoints/trial-N.pt the best completed trials' model state_dicts
     best.json              the best trial: number, value, params and full config
@@ -38,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._io import atomic_write_text
 from ._ledger_file import STATE_VERSION, LedgerFile, StateVersionError
+from .status import Status
 
 if TYPE_CHECKING:
     import optuna
@@ -206,7 +208,11 @@ class RunDir:
     def write_trials(self, trials: Sequence[optuna.trial.FrozenTrial]) -> None:
         """``trials.csv`` in the column convention of Optuna's ``trials_dataframe()``
         (``number, value, datetime_start, datetime_complete, duration, params_*,
-        user_attrs_*, state``) plus ``array``, the array each trial trained in."""
+        user_attrs_*, state``: ``state`` is Optuna's name, ``COMPLETE``, ``PRUNED``...) plus
+        ``status``, the trial's :class:`~hfsweep.core.status.Status` (``completed``,
+        ``stopped``, ``failed``, ``running``, ``waiting``), and ``array``, the array it trained
+        in. The columns are read by name: ``status`` was added after ``state``, which readers
+        of the older files keep finding."""
         params = sorted({p for t in trials for p in t.params})
         attrs = sorted({a for t in trials for a in t.user_attrs})
         columns = [
@@ -218,6 +224,7 @@ class RunDir:
             *(f"params_{p}" for p in params),
             *(f"user_attrs_{a}" for a in attrs),
             "state",
+            "status",
             "array",
         ]
         buf = io.StringIO()
@@ -239,6 +246,7 @@ class RunDir:
                     *(_cell(t.params.get(p)) for p in params),
                     *(_cell(t.user_attrs.get(a)) for a in attrs),
                     t.state.name,
+                    Status.of_trial_state(t.state).value,
                     _cell(t.user_attrs.get("array")),
                 ]
             )

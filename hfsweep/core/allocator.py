@@ -13,7 +13,7 @@ Here array ``i`` on ``k >= 1`` workers is worth
 
     value_i(k) = w_i * (2 - 1 / speedup_i(k)),   w_i = members_i * remaining_s_i
 
-``speedup_i`` comes from its :class:`~hfsweep.sizing.ScalingProfile`, ``members_i`` is its live
+``speedup_i`` comes from its :class:`~hfsweep.profiler.ScalingProfile`, ``members_i`` is its live
 trials, ``remaining_s_i`` the seconds it still needs on one worker. Up to a constant, the sum is
 minus the members' remaining completion times, ``sum_i members_i * remaining_s_i /
 speedup_i(k_i)``: a worker goes where it saves the most member-seconds, so arrays far from their

@@ -43,7 +43,7 @@ from .._io import grouped_sync
 from .._usercode import HOOK, label, unwrap
 from ..config import SweepConfig, load_sweep, make_searcher, parse_sweep
 from ..config.tracking import check_trackers
-from ..executors import Executor, ExecutorError, LocalExecutor, Stopped
+from ..executors import ArrayHooks, Executor, ExecutorError, LocalExecutor, Stopped
 from ..schedulers import OptunaPruner, make_scheduler
 from ..search_spaces import FixedParam
 from ..searchers import Searcher
@@ -533,15 +533,13 @@ class _Engine(_Resume, _Hooks, _Outcome, _Tracked):
                     ", ".join(ids),
                 )
             try:
-                self.executor.run_array(
-                    folder,
-                    members,
+                hooks = ArrayHooks(
                     report=self._locked(self._report),
                     refill=self._locked(lambda: self._refill(array)),
                     on_finish=self._locked(self._on_finish),
-                    resume=resume,
                     requeue=self._locked(lambda member: self._requeue(array, member)),
                 )
+                self.executor.run_array(folder, members, hooks, resume=resume)
             except Stopped:
                 return
             except (ExecutorError, _Failed):

@@ -7,6 +7,7 @@ import contextlib
 import errno
 import os
 import shutil
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,11 +17,13 @@ import torch
 
 from .._usercode import NOT_TRAINING, OPTIMIZER_STEP, describe, phase_of, unwrap
 from ..training.task import TaskError
+from ._progress import _counted
+from .status import FINAL, Status
 
 if TYPE_CHECKING:
     import optuna
 
-__all__ = ["SweepError", "SweepResult", "TrainingError"]
+__all__ = ["StatusCounts", "SweepError", "SweepResult", "TrainingError"]
 
 
 class SweepError(Exception):
@@ -56,13 +59,58 @@ class _Failed(SweepError):
         self.array = array
 
 
+class StatusCounts(dict[Status, int]):
+    """A sweep's trials counted by :class:`~hfsweep.core.status.Status` (a plain ``dict`` whose
+    keys are ``Status`` members, so ``counts["completed"]`` and ``counts[Status.COMPLETED]``
+    read the same entry, and ``counts == {"completed": 8, ...}`` compares as a dict does).
+
+    Looking up an Optuna state name (``"COMPLETE"``, ``"PRUNED"``, ``"FAIL"``, ``"RUNNING"``),
+    the keys of :attr:`SweepResult.counts` before the one status vocabulary, reads the count of
+    its status and warns (``DeprecationWarning``): code written for those keys keeps working.
+    """
+
+    def __missing__(self, key: object) -> int:
+        status = self._translated(key)
+        if status is None:
+            raise KeyError(key)
+        return dict.get(self, status, 0)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        """The count of ``key`` (a status, its value or a deprecated Optuna state name), else
+        ``default``."""
+        status = key if key in self.keys() else self._translated(key)
+        return super().get(status, default) if status is not None else default
+
+    @staticmethod
+    def _translated(key: object) -> Status | None:
+        """The status an Optuna state name ``key`` stands for (warning that it is deprecated),
+        or ``None`` for any other key."""
+        if not isinstance(key, str) or key in {s.value for s in Status}:
+            return None
+        try:
+            status = Status.parse(key)
+        except ValueError:
+            return None
+        warnings.warn(
+            f"SweepResult.counts[{key!r}]: counts are keyed by status now; use "
+            f"counts[{status.value!r}] (Optuna's state names are deprecated here)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        return status
+
+
 @dataclass
 class SweepResult:
     """What a finished (or interrupted) sweep produced.
 
     ``study`` is the Optuna study (every trial with its params, intermediate values, state and
     user attrs ``array``, ``status``, ``steps``); ``best_*`` describe the best completed trial
-    (``None``/empty when none completed); ``counts`` the trials by Optuna state name.
+    (``None``/empty when none completed); ``counts`` the trials by
+    :class:`~hfsweep.core.status.Status` (``completed``, ``stopped``, ``failed``, ``running``:
+    a ``Status`` is a ``str`` equal to its value, so ``counts["completed"]`` reads it). An
+    Optuna state name (``counts["COMPLETE"]``, hfsweep 0.x's keys) still reads the same count,
+    with a ``DeprecationWarning``.
     """
 
     run_dir: Path
@@ -73,7 +121,7 @@ class SweepResult:
     best_value: float | None
     best_params: dict[str, Any]
     best_config: dict[str, Any]
-    counts: dict[str, int]
+    counts: StatusCounts
     wall_s: float
     arrays: int
     best_checkpoint: Path | None = None
@@ -82,14 +130,17 @@ class SweepResult:
     def summary(self, top: int = 5) -> str:
         """The end-of-sweep report: counts, the best trial and a table of the top trials."""
         c = self.counts
-        done = c.get("COMPLETE", 0) + c.get("PRUNED", 0) + c.get("FAIL", 0)
+        done = sum(c.get(s, 0) for s in FINAL)
+        running = c.get(Status.RUNNING, 0)
         lines = [
-            f"Sweep finished in {self.wall_s:.1f} s: {done} trials ({c.get('COMPLETE', 0)} "
-            f"complete, {c.get('PRUNED', 0)} pruned, {c.get('FAIL', 0)} failed) in "
-            f"{self.arrays} fused array(s)"
-            + (f", {c['RUNNING']} still running" if c.get("RUNNING") else "")
+            f"Sweep finished in {self.wall_s:.1f} s: {done} trials ({_counted(c)}) in "
+            f"{self.arrays} fused array(s)" + (f", {running} still running" if running else "")
         ]
-        failed = [t for t in self.study.get_trials(deepcopy=False) if t.state.name == "FAIL"]
+        failed = [
+            t
+            for t in self.study.get_trials(deepcopy=False)
+            if Status.of_trial_state(t.state) is Status.FAILED
+        ]
         if failed:
             reasons = Counter(str(t.user_attrs.get("error", "no error recorded")) for t in failed)
             shown = "; ".join(f"{n} x {why}" for why, n in reasons.most_common(2))

@@ -5,7 +5,7 @@ a :class:`RayExecutor` is made)."""
 
 from ._errors import ExecutorError, Stopped
 from ._ray import RayExecutor
-from .base import Executor
+from .base import ArrayHooks, Executor
 from .local import LocalExecutor
 
-__all__ = ["Executor", "ExecutorError", "LocalExecutor", "RayExecutor", "Stopped"]
+__all__ = ["ArrayHooks", "Executor", "ExecutorError", "LocalExecutor", "RayExecutor", "Stopped"]

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import sys
 import threading
 import time
@@ -27,12 +26,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..training.task import Task
-from ..training.trainer import ArrayTrainer, Member, MemberResult, RefillHook, ReportHook
+from ..training.trainer import ArrayTrainer, Member
 from ._connect import ClusterUnreachable, connect, on_loopback, reach
 from ._errors import ExecutorError, Stopped
 from ._raypool import ActorPool
 from ._worker import ArrayWorker
-from .base import Executor
+from .base import ArrayHooks, Executor, Folder
 
 if TYPE_CHECKING:
     from ..config import RayConfig
@@ -303,15 +302,7 @@ class RayExecutor(Executor):
                 return int(size), str(reason)
 
     def run_array(
-        self,
-        checkpoint_dir: str | os.PathLike[str],
-        members: Sequence[Member],
-        *,
-        report: ReportHook,
-        refill: RefillHook,
-        on_finish: Callable[[MemberResult], None],
-        resume: bool,
-        requeue: Callable[[Member], None] | None = None,
+        self, checkpoint_dir: Folder, members: Sequence[Member], hooks: ArrayHooks, *, resume: bool
     ) -> None:
         """Train ``members`` (and the trials ``refill`` adds) in an actor until every one has
         ended; the hooks run in this thread. A dead actor's array restarts from its checkpoint
@@ -329,11 +320,11 @@ class RayExecutor(Executor):
                 actor = self._acquire()
                 _log.info("%s trains on %s", folder, self._pool.where(actor))
                 try:
-                    self._drive(actor, folder, start, resume, active, report, refill, on_finish)
+                    self._drive(actor, folder, start, resume, active, hooks)
                 except RayActorError as exc:
                     self._release(actor, dead=True)
                     failures = self._died(exc, failures, f"training {folder}")
-                    start = self._restart_members(folder, start, active, requeue)
+                    start = self._restart_members(folder, start, active, hooks.requeue)
                     resume = True
                     continue
                 except BaseException:
@@ -397,9 +388,7 @@ class RayExecutor(Executor):
         members: list[Member],
         resume: bool,
         active: dict[str, Member],
-        report: ReportHook,
-        refill: RefillHook,
-        on_finish: Callable[[MemberResult], None],
+        hooks: ArrayHooks,
     ) -> None:
         """Answer ``actor``'s hook events until its array is done."""
         import ray
@@ -408,13 +397,13 @@ class RayExecutor(Executor):
         while kind != "done":
             answer: Any = None
             if kind == "report":
-                answer = report(payload)
+                answer = hooks.report(payload)
             elif kind == "refill":
-                answer = refill()
+                answer = hooks.refill()
                 if answer is not None:
                     active[answer.id] = answer
             elif kind == "finish":
-                on_finish(payload)
+                hooks.on_finish(payload)
                 active.pop(payload.id, None)
             elif kind == "error":
                 exc, text = payload

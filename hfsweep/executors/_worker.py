@@ -23,6 +23,7 @@ from .._usercode import describe, keep_traceback, label, phase_of, remote_traceb
 from ..sizing.device import resolve_device
 from ..training.task import Task
 from ..training.trainer import Member
+from .base import ArrayHooks
 from .local import LocalExecutor
 
 __all__ = ["ArrayWorker", "Event"]
@@ -92,14 +93,12 @@ class ArrayWorker:
 
     def _train(self, folder: str, members: list[Member], resume: bool) -> None:
         try:
-            self.local.run_array(
-                folder,
-                members,
+            hooks = ArrayHooks(
                 report=lambda evaluations: self._hook("report", evaluations),
                 refill=lambda: self._hook("refill", None),
                 on_finish=lambda result: self._hook("finish", result),
-                resume=resume,
             )
+            self.local.run_array(folder, members, hooks, resume=resume)
         except BaseException as exc:  # handed to the driver, which raises it
             text = traceback.format_exc()
             keep_traceback(exc, text)

@@ -27,11 +27,11 @@ Subclass :class:`Executor` and implement its four members:
     the arrays of that key will train (the local executor runs the profiler on its device).
     Called once per key, only with ``fusion.size: auto``, before the first array of that key.
 
-``run_array(checkpoint_dir, members, *, report, refill, on_finish, resume, requeue)``
+``run_array(checkpoint_dir, members, hooks, *, resume)``
     Train ``members`` as one array until every member has ended, the ones ``refill`` adds
-    included, and return. The array's whole life goes through the hooks, each called in the
-    thread that called ``run_array`` (the engine's hooks take its lock, so hook calls from
-    arrays that train at once never interleave):
+    included, and return. The array's whole life goes through the :class:`ArrayHooks`, each
+    called in the thread that called ``run_array`` (the engine's hooks take its lock, so hook
+    calls from arrays that train at once never interleave):
 
     - ``report(evaluations)`` after each evaluation, with every member evaluated at that step.
       Its answer, ``{member id: go on?}``, is how members are **stopped**: a member answered
@@ -76,11 +76,28 @@ from __future__ import annotations
 import abc
 import os
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ..training.results import Member, MemberResult, RefillHook, ReportHook
 
-__all__ = ["Executor"]
+__all__ = ["ArrayHooks", "Executor"]
+
+#: an array's folder in the run directory (its checkpoints go there)
+Folder = str | os.PathLike[str]
+
+
+@dataclass(frozen=True)
+class ArrayHooks:
+    """How an array talks to the driver while it trains (see :meth:`Executor.run_array`):
+    ``report(evaluations)`` answers which members go on, ``refill()`` gives a new member for a
+    free slot (or ``None``), ``on_finish(result)`` takes each member's end, and ``requeue(member)``
+    (optional) takes back a member unstarted."""
+
+    report: ReportHook
+    refill: RefillHook
+    on_finish: Callable[[MemberResult], None]
+    requeue: Callable[[Member], None] | None = None
 
 
 class Executor(abc.ABC):
@@ -111,15 +128,7 @@ class Executor(abc.ABC):
 
     @abc.abstractmethod
     def run_array(
-        self,
-        checkpoint_dir: str | os.PathLike[str],
-        members: Sequence[Member],
-        *,
-        report: ReportHook,
-        refill: RefillHook,
-        on_finish: Callable[[MemberResult], None],
-        resume: bool,
-        requeue: Callable[[Member], None] | None = None,
+        self, checkpoint_dir: Folder, members: Sequence[Member], hooks: ArrayHooks, *, resume: bool
     ) -> None:
         """Train ``members`` (and the trials ``refill`` adds) as one array until every one of
         them has ended, calling the hooks in this thread; with ``resume``, continue from the

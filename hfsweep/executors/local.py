@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -12,12 +11,9 @@ from ..training.task import Task
 from ..training.trainer import (
     ArrayTrainer,
     Member,
-    MemberResult,
-    RefillHook,
-    ReportHook,
     _DataCache,
 )
-from .base import Executor
+from .base import ArrayHooks, Executor, Folder
 
 __all__ = ["LocalExecutor"]
 
@@ -85,15 +81,7 @@ class LocalExecutor(Executor):
         """Nothing to release: the arrays trained in this process."""
 
     def run_array(
-        self,
-        checkpoint_dir: str | os.PathLike[str],
-        members: Sequence[Member],
-        *,
-        report: ReportHook,
-        refill: RefillHook,
-        on_finish: Callable[[MemberResult], None],
-        resume: bool,
-        requeue: Callable[[Member], None] | None = None,
+        self, checkpoint_dir: Folder, members: Sequence[Member], hooks: ArrayHooks, *, resume: bool
     ) -> None:
         """Train ``members`` (and the trials ``refill`` adds) until every one has ended.
         (``requeue`` is for executors that may hand trials back; this one never does.)"""
@@ -109,4 +97,10 @@ class LocalExecutor(Executor):
         )
         trainer._trace_cache = self._trace_cache
         trainer._data_cache = self._data_cache
-        trainer.run(members, report=report, refill=refill, on_finish=on_finish, resume=resume)
+        trainer.run(
+            members,
+            report=hooks.report,
+            refill=hooks.refill,
+            on_finish=hooks.on_finish,
+            resume=resume,
+        )

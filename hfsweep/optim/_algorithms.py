@@ -14,14 +14,49 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from ._base import FusedOptimizer, HyperParameter, ParamsT, check_range
+from ._base import (
+    Flags,
+    FusedOptimizer,
+    Group,
+    HyperParameter,
+    ParamsT,
+    State,
+    Views,
+    Work,
+    check_range,
+)
 
 __all__ = ["SGD", "Adagrad", "Adam", "AdamW", "RMSprop"]
+
+#: what torch's ``_foreach_*`` operators take and return
+_Tensors = tuple[Tensor, ...] | list[Tensor]
 
 
 def _as_member_view(values: Tensor, like: Tensor) -> Tensor:
     """``[B]`` values as ``[B, 1, ...]`` for broadcasting against ``like`` (in its dtype)."""
     return values.to(like.dtype).view(values.shape[0], *([1] * (like.dim() - 1)))
+
+
+def _gradient(
+    p: Tensor, grad: Tensor, hp: Views, group: Group, flags: Flags, *, l2: bool = True
+) -> Tensor:
+    """The gradient an update follows, as torch's optimizers form it: negated with
+    ``maximize``, plus ``weight_decay * p`` (L2 decay) where any member decays and ``l2`` (AdamW
+    decays the parameters instead). ``grad`` itself is never changed."""
+    g = grad.neg() if group["maximize"] else grad
+    if l2 and flags["any_weight_decay"]:
+        g = torch.addcmul(g, p, hp["weight_decay"])
+    return g
+
+
+def _gradients(work: Work, group: Group, flags: Flags, *, l2: bool = True) -> _Tensors:
+    """:func:`_gradient` of every parameter of ``work`` with ``torch._foreach_*`` operations."""
+    params, _, hps = work
+    grads = [cast(Tensor, p.grad) for p in params]
+    g = torch._foreach_neg(grads) if group["maximize"] else grads
+    if l2 and flags["any_weight_decay"]:
+        g = torch._foreach_addcmul(g, params, [hp["weight_decay"] for hp in hps])
+    return g
 
 
 class SGD(FusedOptimizer):
@@ -43,15 +78,7 @@ class SGD(FusedOptimizer):
         *,
         maximize: bool = False,
     ) -> None:
-        defaults = dict(
-            lr=lr,
-            momentum=momentum,
-            dampening=dampening,
-            weight_decay=weight_decay,
-            nesterov=nesterov,
-            maximize=maximize,
-        )
-        super().__init__(params, defaults)
+        super().__init__(params, self._defaults(locals()))
 
     def _validate(self, group: dict[str, Any], index: int) -> None:
         check_range(group, "lr", index, 0.0)
@@ -71,17 +98,9 @@ class SGD(FusedOptimizer):
         return flags
 
     def _update(
-        self,
-        p: Tensor,
-        grad: Tensor,
-        state: dict[str, Any],
-        hp: dict[str, Tensor],
-        group: dict[str, Any],
-        flags: dict[str, bool],
+        self, p: Tensor, grad: Tensor, state: State, hp: Views, group: Group, flags: Flags
     ) -> None:
-        g = grad.neg() if group["maximize"] else grad
-        if flags["any_weight_decay"]:
-            g = torch.addcmul(g, p, hp["weight_decay"])
+        g = _gradient(p, grad, hp, group, flags)
         if flags["any_momentum"]:
             buf = state["momentum_buffer"]
             if flags["first_step_rule"]:
@@ -96,24 +115,15 @@ class SGD(FusedOptimizer):
             g = torch.addcmul(g, buf, hp["momentum"]) if group["nesterov"] else buf
         p.addcmul_(g, hp["neg_lr"])
 
-    def _update_group(
-        self,
-        params: list[Tensor],
-        states: list[dict[str, Any]],
-        hps: list[dict[str, Tensor]],
-        group: dict[str, Any],
-        flags: dict[str, bool],
-    ) -> None:
+    def _update_group(self, work: Work, group: Group, flags: Flags) -> None:
         """:meth:`_update` on all parameters at once with ``torch._foreach_*`` operations (the
         same op per tensor, hyperparameters broadcast per tensor). The per-member first-step
         rule needs each parameter's step counts, so it keeps the per-parameter path."""
         if flags["any_momentum"] and flags["first_step_rule"]:
-            super()._update_group(params, states, hps, group, flags)
+            super()._update_group(work, group, flags)
             return
-        grads = [cast(Tensor, p.grad) for p in params]
-        g = torch._foreach_neg(grads) if group["maximize"] else grads
-        if flags["any_weight_decay"]:
-            g = torch._foreach_addcmul(g, params, [hp["weight_decay"] for hp in hps])
+        params, states, hps = work
+        g: _Tensors = _gradients(work, group, flags)
         if flags["any_momentum"]:
             momentum = [hp["momentum"] for hp in hps]
             bufs = [state["momentum_buffer"] for state in states]
@@ -156,16 +166,8 @@ class _AdamBase(FusedOptimizer):
         *,
         maximize: bool = False,
     ) -> None:
-        defaults = dict(
-            lr=lr,
-            beta1=betas[0],
-            beta2=betas[1],
-            eps=eps,
-            weight_decay=weight_decay,
-            amsgrad=amsgrad,
-            maximize=maximize,
-        )
-        super().__init__(params, defaults)
+        beta1, beta2 = betas
+        super().__init__(params, self._defaults(locals()))
 
     @property
     def state_keys(self) -> tuple[str, ...]:  # type: ignore[override]
@@ -180,20 +182,11 @@ class _AdamBase(FusedOptimizer):
         check_range(group, "weight_decay", index, 0.0)
 
     def _update(
-        self,
-        p: Tensor,
-        grad: Tensor,
-        state: dict[str, Any],
-        hp: dict[str, Tensor],
-        group: dict[str, Any],
-        flags: dict[str, bool],
+        self, p: Tensor, grad: Tensor, state: State, hp: Views, group: Group, flags: Flags
     ) -> None:
-        g = grad.neg() if group["maximize"] else grad
-        if flags["any_weight_decay"]:
-            if self.decoupled:
-                p.mul_(1 - hp["lr"] * hp["weight_decay"])
-            else:
-                g = torch.addcmul(g, p, hp["weight_decay"])
+        if flags["any_weight_decay"] and self.decoupled:
+            p.mul_(1 - hp["lr"] * hp["weight_decay"])
+        g = _gradient(p, grad, hp, group, flags, l2=not self.decoupled)
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
         exp_avg.lerp_(g, 1 - hp["beta1"])
         if flags["shared_beta2"]:
@@ -217,29 +210,19 @@ class _AdamBase(FusedOptimizer):
         denom.mul_(_as_member_view(inv, p)).add_(_as_member_view(eps, p))
         p.addcdiv_(exp_avg, denom, value=-1)
 
-    def _update_group(
-        self,
-        params: list[Tensor],
-        states: list[dict[str, Any]],
-        hps: list[dict[str, Tensor]],
-        group: dict[str, Any],
-        flags: dict[str, bool],
-    ) -> None:
+    def _update_group(self, work: Work, group: Group, flags: Flags) -> None:
         """:meth:`_update` on all parameters at once: the same arithmetic, each elementwise
         step one ``torch._foreach_*`` operator for every parameter, and the per-member bias
         corrections computed once for all parameters (``[P, B]``) instead of per parameter.
         Parameters of several dtypes keep the per-parameter path."""
+        params, states, hps = work
         if len({p.dtype for p in params}) != 1:
-            super()._update_group(params, states, hps, group, flags)
+            super()._update_group(work, group, flags)
             return
-        grads = [cast(Tensor, p.grad) for p in params]
-        g = torch._foreach_neg(grads) if group["maximize"] else grads
-        if flags["any_weight_decay"]:
-            if self.decoupled:
-                decay = {id(hp): 1 - hp["lr"] * hp["weight_decay"] for hp in hps}
-                torch._foreach_mul_(params, [decay[id(hp)] for hp in hps])
-            else:
-                g = torch._foreach_addcmul(g, params, [hp["weight_decay"] for hp in hps])
+        if flags["any_weight_decay"] and self.decoupled:
+            decay = {id(hp): 1 - hp["lr"] * hp["weight_decay"] for hp in hps}
+            torch._foreach_mul_(params, [decay[id(hp)] for hp in hps])
+        g = _gradients(work, group, flags, l2=not self.decoupled)
         exp_avgs = [st["exp_avg"] for st in states]
         exp_avg_sqs = [st["exp_avg_sq"] for st in states]
         one_minus = {id(hp): (1 - hp["beta1"], 1 - hp["beta2"]) for hp in hps}
@@ -341,16 +324,7 @@ class RMSprop(FusedOptimizer):
         *,
         maximize: bool = False,
     ) -> None:
-        defaults = dict(
-            lr=lr,
-            alpha=alpha,
-            eps=eps,
-            weight_decay=weight_decay,
-            momentum=momentum,
-            centered=centered,
-            maximize=maximize,
-        )
-        super().__init__(params, defaults)
+        super().__init__(params, self._defaults(locals()))
 
     @property
     def state_keys(self) -> tuple[str, ...]:  # type: ignore[override]
@@ -364,17 +338,9 @@ class RMSprop(FusedOptimizer):
             check_range(group, name, index, 0.0)
 
     def _update(
-        self,
-        p: Tensor,
-        grad: Tensor,
-        state: dict[str, Any],
-        hp: dict[str, Tensor],
-        group: dict[str, Any],
-        flags: dict[str, bool],
+        self, p: Tensor, grad: Tensor, state: State, hp: Views, group: Group, flags: Flags
     ) -> None:
-        g = grad.neg() if group["maximize"] else grad
-        if flags["any_weight_decay"]:
-            g = torch.addcmul(g, p, hp["weight_decay"])
+        g = _gradient(p, grad, hp, group, flags)
         square_avg = state["square_avg"]
         square_avg.mul_(hp["alpha"]).addcmul_(g, g * (1 - hp["alpha"]))
         if group["centered"]:
@@ -419,15 +385,7 @@ class Adagrad(FusedOptimizer):
         *,
         maximize: bool = False,
     ) -> None:
-        defaults = dict(
-            lr=lr,
-            lr_decay=lr_decay,
-            weight_decay=weight_decay,
-            initial_accumulator_value=initial_accumulator_value,
-            eps=eps,
-            maximize=maximize,
-        )
-        super().__init__(params, defaults)
+        super().__init__(params, self._defaults(locals()))
         # torch creates the accumulators eagerly, filled with the initial value
         for group in self.param_groups:
             for p in group["params"]:
@@ -450,17 +408,9 @@ class Adagrad(FusedOptimizer):
         return True  # torch creates Adagrad's state with the optimizer
 
     def _update(
-        self,
-        p: Tensor,
-        grad: Tensor,
-        state: dict[str, Any],
-        hp: dict[str, Tensor],
-        group: dict[str, Any],
-        flags: dict[str, bool],
+        self, p: Tensor, grad: Tensor, state: State, hp: Views, group: Group, flags: Flags
     ) -> None:
-        g = grad.neg() if group["maximize"] else grad
-        if flags["any_weight_decay"]:
-            g = torch.addcmul(g, p, hp["weight_decay"])
+        g = _gradient(p, grad, hp, group, flags)
         step = state["step"].to(torch.float64) + 1
         clr = _as_member_view(group["lr"] / (1 + (step - 1) * group["lr_decay"]), p)
         state["sum"].addcmul_(g, g)

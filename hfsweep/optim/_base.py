@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, cast
 
 import torch
@@ -35,6 +35,17 @@ _SUM_DTYPES = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
 HyperParameter = float | int | Sequence[float] | Tensor
 ParamsT = FusedArray | Iterable[Tensor] | Iterable[dict[str, Any]]
 
+#: one parameter's optimizer state (``step`` and the state tensors), by name
+State = dict[str, Any]
+#: one parameter's hyperparameters as ``[B, 1, ...]`` tensors in its dtype (and ``neg_lr``)
+Views = dict[str, Tensor]
+#: a param group (``[B]`` float64 hyperparameters, shared options, ``params``)
+Group = dict[str, Any]
+#: which optional terms any member of a group needs (``any_weight_decay``...)
+Flags = dict[str, bool]
+#: a group's parameters that have gradients, with their states and hyperparameter views
+Work = tuple[list[Tensor], list[State], list[Views]]
+
 
 class FusedOptimizer(torch.optim.Optimizer):
     """Base class of the ``hs.optim`` optimizers (see the module docstring).
@@ -48,6 +59,12 @@ class FusedOptimizer(torch.optim.Optimizer):
     options: ClassVar[tuple[str, ...]] = ()
     state_keys: ClassVar[tuple[str, ...]] = ()
     torch_class: ClassVar[type[torch.optim.Optimizer]]
+
+    @classmethod
+    def _defaults(cls, arguments: Mapping[str, Any]) -> dict[str, Any]:
+        """A subclass constructor's defaults from its ``arguments`` (``locals()``): the value of
+        each hyperparameter in ``numeric`` and each option in ``options``, by that name."""
+        return {name: arguments[name] for name in (*cls.numeric, *cls.options)}
 
     def __init__(self, params: ParamsT, defaults: dict[str, Any]) -> None:
         groups, size = _param_groups(params)
@@ -111,13 +128,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
     def _update(
-        self,
-        p: Tensor,
-        grad: Tensor,
-        state: dict[str, Any],
-        hp: dict[str, Tensor],
-        group: dict[str, Any],
-        flags: dict[str, bool],
+        self, p: Tensor, grad: Tensor, state: State, hp: Views, group: Group, flags: Flags
     ) -> None:
         """Update ``p`` and its state in place, for all members.
 
@@ -173,21 +184,20 @@ class FusedOptimizer(torch.optim.Optimizer):
                 rows = left_out.nonzero().flatten()
                 inactive = rows if rows.numel() else None
         for index, group in enumerate(self.param_groups):
-            params, states, hps = self._group_work(index, group)
+            work = self._group_work(index, group)
+            params, states, _ = work
             if not params:
                 continue
             # The update runs in place for all members; inactive members get their slices
             # back afterwards (their gradients may even be non-finite).
             saved = _inactive_rows(params, states, inactive)
-            self._update_group(params, states, hps, group, self._flags[index])
+            self._update_group(work, group, self._flags[index])
             torch._foreach_add_([state["step"] for state in states], 1)
             for t, rows, values in saved:
                 t.index_copy_(0, rows, values)
         return loss
 
-    def _group_work(
-        self, index: int, group: dict[str, Any]
-    ) -> tuple[list[Tensor], list[dict[str, Any]], list[dict[str, Tensor]]]:
+    def _group_work(self, index: int, group: Group) -> Work:
         """The group's parameters that have gradients, their (initialised) states and their
         hyperparameter views."""
         views = self._member_views(index, group)
@@ -211,17 +221,10 @@ class FusedOptimizer(torch.optim.Optimizer):
             hps.append(hp)
         return params, states, hps
 
-    def _update_group(
-        self,
-        params: list[Tensor],
-        states: list[dict[str, Any]],
-        hps: list[dict[str, Tensor]],
-        group: dict[str, Any],
-        flags: dict[str, bool],
-    ) -> None:
+    def _update_group(self, work: Work, group: Group, flags: Flags) -> None:
         """Update every parameter of a group (see :meth:`_update`); subclasses may do it with
         multi-tensor operations, which run the same kernel on each tensor with less overhead."""
-        for p, state, hp in zip(params, states, hps, strict=True):
+        for p, state, hp in zip(*work, strict=True):
             self._update(p, cast(Tensor, p.grad), state, hp, group, flags)
 
     def _member_views(

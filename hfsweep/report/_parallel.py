@@ -116,7 +116,7 @@ def _axes(done: Sequence[tuple[FrozenTrial, float]]) -> list[_Axis]:
 def _plot_parallel(
     trials: Sequence[FrozenTrial], sweep: _Sweep, title: str, path: Path
 ) -> Path | None:
-    """One line per COMPLETE trial through its parameters' axes and its value, colored by value.
+    """One line per completed trial through its parameters' axes and its value, colored by value.
 
     The value is the rightmost axis, scaled to the range observed; the color map runs so that
     better trials are always the bright end (reversed for mode min), and they are drawn last, on

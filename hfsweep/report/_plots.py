@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..core.status import Status
 from ._histories import _Curve, _read_histories
 from ._read import _Sweep
 from ._trials import _STATUS_COLORS, _best, _best_so_far, _completed, _status, _value
@@ -54,39 +55,44 @@ def _save(fig: Figure, path: Path) -> Path:
 def _plot_history(
     trials: Sequence[FrozenTrial], sweep: _Sweep, title: str, path: Path
 ) -> Path | None:
-    """Each trial's value by trial number, marked by state, and the best COMPLETE value so far.
+    """Each trial's value by trial number, marked by status, and the best completed value so far.
 
-    Pruned (stopped) trials carry their last reported value, as Optuna records them; failed and
-    still running trials have none and are marked along the bottom edge instead.
+    Stopped trials carry their last reported value, as Optuna records its pruned ones; failed
+    and still running trials have none and are marked along the bottom edge instead.
     """
     from matplotlib.ticker import MaxNLocator
 
+    status = {t.number: Status.of_trial_state(t.state) for t in trials}
     complete = sorted(((t.number, v) for t, v in _completed(trials)))
-    pruned = sorted(
-        (t.number, v) for t in trials if t.state.name == "PRUNED" and (v := _value(t)) is not None
+    stopped = sorted(
+        (t.number, v)
+        for t in trials
+        if status[t.number] is Status.STOPPED and (v := _value(t)) is not None
     )
-    if not complete and not pruned:
+    if not complete and not stopped:
         _log.info("history.png skipped: no trial has a value yet")
         return None
-    failed = sorted(t.number for t in trials if t.state.name == "FAIL")
-    running = sorted(t.number for t in trials if t.state.name in ("RUNNING", "WAITING"))
+    failed = sorted(n for n, s in status.items() if s is Status.FAILED)
+    running = sorted(n for n, s in status.items() if not s.final)
 
     fig = _new_figure(8.5, 4.5)
     ax = fig.subplots()
     if complete:
         ax.plot(
-            [n for n, _ in complete], [v for _, v in complete], "o", color="tab:blue",
-            label=f"complete ({len(complete)})",
+            [n for n, _ in complete], [v for _, v in complete], "o",
+            color=_STATUS_COLORS[Status.COMPLETED],
+            label=f"completed ({len(complete)})",
         )  # fmt: skip
-    if pruned:
+    if stopped:
         ax.plot(
-            [n for n, _ in pruned], [v for _, v in pruned], "v", color="tab:orange", alpha=0.8,
-            label=f"pruned ({len(pruned)}, last reported value)",
+            [n for n, _ in stopped], [v for _, v in stopped], "v",
+            color=_STATUS_COLORS[Status.STOPPED], alpha=0.8,
+            label=f"stopped ({len(stopped)}, last reported value)",
         )  # fmt: skip
     # x in data coordinates, y in axes coordinates: a rug along the bottom edge.
     for numbers, marker, color, label in (
-        (failed, "x", "tab:red", f"failed ({len(failed)}, no value)"),
-        (running, "|", "tab:gray", f"running ({len(running)})"),
+        (failed, "x", _STATUS_COLORS[Status.FAILED], f"failed ({len(failed)}, no value)"),
+        (running, "|", _STATUS_COLORS[Status.RUNNING], f"running ({len(running)})"),
     ):
         if numbers:
             ax.plot(
@@ -125,7 +131,7 @@ def _varying_params(done: Sequence[tuple[FrozenTrial, float]]) -> list[str]:
 def _plot_importance(study: optuna.Study, sweep: _Sweep, title: str, path: Path) -> Path | None:
     """Bars of ``optuna.importance.get_param_importances`` over the parameters that vary.
 
-    Needs two or more COMPLETE trials and two or more varying parameters: with fewer, Optuna's
+    Needs two or more completed trials and two or more varying parameters: with fewer, Optuna's
     evaluator returns equal or trivial importances, which a plot would present as a finding.
     """
     import optuna
@@ -174,7 +180,7 @@ def _plot_curves(
     run: Path, trials: Sequence[FrozenTrial], sweep: _Sweep, title: str, path: Path
 ) -> Path | None:
     """The metric against epoch (step for a budget in steps) for every trial with a history,
-    colored by how the trial ended, the best COMPLETE trial drawn last in black."""
+    colored by how the trial ended, the best completed trial drawn last in black."""
     from matplotlib.ticker import MaxNLocator
 
     curves = _read_histories(run, sweep.resource, sweep.metric)

@@ -45,17 +45,17 @@ def _value(trial: FrozenTrial) -> float | None:
 
 
 def _completed(trials: Sequence[FrozenTrial]) -> list[tuple[FrozenTrial, float]]:
-    """The COMPLETE trials that have a finite value, with that value."""
+    """The completed trials that have a finite value, with that value."""
     out = []
     for t in trials:
         value = _value(t)
-        if t.state.name == "COMPLETE" and value is not None:
+        if Status.of_trial_state(t.state) is Status.COMPLETED and value is not None:
             out.append((t, value))
     return out
 
 
 def _best(trials: Sequence[FrozenTrial], mode: str) -> tuple[FrozenTrial, float] | None:
-    """The best COMPLETE trial and its value (the lowest number on ties), or None."""
+    """The best completed trial and its value (the lowest number on ties), or None."""
     done = _completed(trials)
     if not done:
         return None

@@ -7,36 +7,12 @@ One job per module, each importing only those above it in this list:
 - ``device``: what ``device: auto`` means, the dtype names, the memory budget, the hardware's name.
 - ``cache``: profiles and their JSON cache, keyed by architecture, batch, dtype and hardware.
 - ``plotting``: a PNG of a profile.
-- ``scaling``: an array's member-samples/s on k data-parallel workers (:class:`ScalingProfile`),
-  measured or modelled from one worker's step time and the all-reduce cost (elastic arrays).
-- ``allreduce``: measuring this machine's all-reduce cost with local processes, and the cache of
-  costs and scaling profiles; it imports ``torch.distributed``, so it is imported where used.
 - ``task``: measuring a task's real training step through the trainer (:func:`profile_task`); the
   one module here that imports the trainer, so it is not imported by this package itself.
 
-Users import these names from :mod:`hfsweep.profiler` (and ``profile_task`` from :mod:`hfsweep`).
+Users import the public names from :mod:`hfsweep.profiler`, which gathers them from these
+modules (and ``profile_task`` from :mod:`hfsweep`); the package itself re-exports nothing, so
+that the list of public names stands in one place.
 """
 
-from .cache import Profile, ProfileCache, cache_key, signature
-from .device import device_budget
-from .measure import profile_sizes
-from .model import Measurement, MemoryModel, choose_size
-from .plotting import plot
-from .scaling import AllReduceCost, ScalingProfile, model_scaling, step_s_at
-
-__all__ = [
-    "AllReduceCost",
-    "Measurement",
-    "MemoryModel",
-    "Profile",
-    "ProfileCache",
-    "ScalingProfile",
-    "cache_key",
-    "choose_size",
-    "device_budget",
-    "model_scaling",
-    "plot",
-    "profile_sizes",
-    "signature",
-    "step_s_at",
-]
+__all__: list[str] = []

@@ -156,19 +156,33 @@ def measure_step(
     interruptions do not move. Then one more step measures peak memory. ``traces``: a trace
     cache the array shares (see :func:`profile_task`).
     """
+    sync: Callable[[], None] = (
+        (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    )
     with _as_the_trainer_runs(device):
-        return _measure_step(
-            task,
-            config,
-            size,
-            device=device,
-            dtype=dtype,
-            batch=batch,
-            min_seconds=min_seconds,
-            min_steps=min_steps,
-            warmup=warmup,
-            traces=traces,
-        )
+        configs = [{**task.resolve(config), "seed": i} for i in range(size)]
+        step, live, n = _array_step(task, configs, device, dtype, batch, traces)
+        warm_s = 0.0
+        for _ in range(warmup):
+            began = time.perf_counter()
+            step()
+            sync()
+            warm_s = time.perf_counter() - began
+        # on a GPU, steps are timed in blocks: a synchronize after every step would leave the
+        # device idle while the next one is launched
+        block = max(1, round(_BLOCK_SECONDS / max(warm_s, 1e-9))) if device.type == "cuda" else 1
+        samples = time_steps(step, sync, min_seconds=min_seconds, min_steps=min_steps, block=block)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            step()
+            sync()
+            peak = int(torch.cuda.max_memory_allocated(device))
+        else:
+            with _LiveTensorBytes(live()) as tracker:
+                step()
+            peak = tracker.peak
+    step_s = statistics.median(samples)
+    return Measurement(size=size, samples_per_s=size * n / step_s, peak_bytes=peak, step_s=step_s)
 
 
 def _as_the_trainer_runs(device: torch.device) -> AbstractContextManager[object]:
@@ -176,21 +190,18 @@ def _as_the_trainer_runs(device: torch.device) -> AbstractContextManager[object]
     return retaining_freed_memory() if device.type == "cpu" else nullcontext()
 
 
-def _measure_step(
+def _array_step(
     task: Task,
-    config: Mapping[str, Any],
-    size: int,
-    *,
+    configs: list[dict[str, Any]],
     device: torch.device,
     dtype: torch.dtype,
     batch: Any,
-    min_seconds: float,
-    min_steps: int,
-    warmup: int,
     traces: dict[Any, Any] | None,
-) -> Measurement:
-    resolved = task.resolve(config)
-    configs = [{**resolved, "seed": i} for i in range(size)]
+) -> tuple[Callable[[], None], Callable[[], list[Any]], int]:
+    """An array of one member per resolved config on ``device``: its training step on
+    ``batch`` as the trainer takes it, what it holds alive between steps (parameters, optimizer
+    state, the batch: what a step's peak adds to), and the batch's sample count."""
+    size = len(configs)
     models = [task.build_model(c).to(dtype) for c in configs]
     array = fuse(models).to(device)
     if traces is not None:
@@ -206,36 +217,15 @@ def _measure_step(
     )
     x, y = batch
     n = int(y.shape[0]) if isinstance(y, Tensor) and y.dim() else 1
-    sync: Callable[[], None] = (
-        (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    )
 
     def step() -> None:
         backward(task, array, x, y, smoothing, None)
         update(opt, sched)
 
-    warm_s = 0.0
-    for _ in range(warmup):
-        began = time.perf_counter()
-        step()
-        sync()
-        warm_s = time.perf_counter() - began
-    # on a GPU, steps are timed in blocks: a synchronize after every step would leave the
-    # device idle while the next one is launched
-    block = max(1, round(_BLOCK_SECONDS / max(warm_s, 1e-9))) if device.type == "cuda" else 1
-    samples = time_steps(step, sync, min_seconds=min_seconds, min_steps=min_steps, block=block)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        step()
-        sync()
-        peak = int(torch.cuda.max_memory_allocated(device))
-    else:
-        existing = [dict(array.state_dict(keep_vars=True)), opt.state, x, y]
-        with _LiveTensorBytes(existing) as tracker:
-            step()
-        peak = tracker.peak
-    step_s = statistics.median(samples)
-    return Measurement(size=size, samples_per_s=size * n / step_s, peak_bytes=peak, step_s=step_s)
+    def live() -> list[Any]:
+        return [dict(array.state_dict(keep_vars=True)), opt.state, x, y]
+
+    return step, live, n
 
 
 def profile_task(

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import pytest
 
 from hfsweep.core.allocator import Allocator, ArrayState, Plan, WaitingPool, _best
-from hfsweep.sizing import AllReduceCost, ScalingProfile, model_scaling
+from hfsweep.profiler import AllReduceCost, ScalingProfile, model_scaling
 
 #: a profile that scales well: 1.9x at 2, 3.4x at 4, 5.6x at 8, 8x at 16
 GOOD = ScalingProfile("good", {1: 100.0, 2: 190.0, 4: 340.0, 8: 560.0, 16: 800.0})

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch.distributed as dist
 
-from hfsweep.sizing import AllReduceCost, Measurement, ScalingProfile, model_scaling, step_s_at
+from hfsweep.profiler import AllReduceCost, Measurement, ScalingProfile, model_scaling, step_s_at
 from hfsweep.sizing.allreduce import ScalingCache, allreduce_key, measure_allreduce
 
 

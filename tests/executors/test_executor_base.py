@@ -3,6 +3,7 @@ engine drives any executor through that interface alone."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections import Counter
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 
 import hfsweep as hs
 from hfsweep.core import loop as _engine
-from hfsweep.executors import Executor, LocalExecutor, RayExecutor
+from hfsweep.executors import ArrayHooks, Executor, LocalExecutor, RayExecutor
 
 
 def test_the_local_and_ray_executors_implement_the_base() -> None:
@@ -27,7 +28,9 @@ def test_an_executor_missing_a_method_cannot_be_made() -> None:
         def array_size(self, config: Any) -> tuple[int, str]:
             return 1, "one"
 
-        def run_array(self, checkpoint_dir: Any, members: Any, **hooks: Any) -> None:
+        def run_array(
+            self, checkpoint_dir: Any, members: Any, hooks: ArrayHooks, *, resume: bool
+        ) -> None:
             pass
 
     with pytest.raises(TypeError, match="close"):
@@ -50,9 +53,11 @@ class _Recording(Executor):
     def array_size(self, config: Any) -> tuple[int, str]:
         return self.inner.array_size(config)
 
-    def run_array(self, checkpoint_dir: Any, members: Any, **hooks: Any) -> None:
+    def run_array(
+        self, checkpoint_dir: Any, members: Any, hooks: ArrayHooks, *, resume: bool
+    ) -> None:
         caller = threading.get_ident()
-        report, on_finish = hooks["report"], hooks["on_finish"]
+        report, on_finish = hooks.report, hooks.on_finish
 
         def reporting(evaluations: Any) -> Any:
             assert threading.get_ident() == caller
@@ -65,9 +70,8 @@ class _Recording(Executor):
             self.finished[result.id] += 1
             on_finish(result)
 
-        self.inner.run_array(
-            checkpoint_dir, members, **{**hooks, "report": reporting, "on_finish": finishing}
-        )
+        hooks = dataclasses.replace(hooks, report=reporting, on_finish=finishing)
+        self.inner.run_array(checkpoint_dir, members, hooks, resume=resume)
 
     def close(self) -> None:
         self.closed += 1
@@ -93,5 +97,5 @@ def test_the_engine_drives_a_third_executor_through_the_base(
     )
     (executor,) = made
     assert executor.finished == Counter({f"trial-{n}": 1 for n in range(6)})
-    assert executor.stopped and result.counts["PRUNED"] == len(executor.stopped)
+    assert executor.stopped and result.counts["stopped"] == len(executor.stopped)
     assert executor.closed == 1

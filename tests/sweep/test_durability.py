@@ -335,7 +335,7 @@ def test_a_sweep_groups_its_flushes_and_leaves_every_file_flushed(
     start = time.monotonic()
     result = hs.sweep(sweep_config(run), progress=False)
     elapsed = time.monotonic() - start
-    assert result.counts["COMPLETE"] == 8
+    assert result.counts["completed"] == 8
     journal = str(run / "optuna.journal")
     lines = len((run / "optuna.journal").read_text().splitlines())
     assert 0 < fsyncs.count(journal) <= 2 + elapsed / interval

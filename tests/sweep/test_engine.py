@@ -44,7 +44,7 @@ def test_fifo_sweep_fills_the_run_directory(tmp_path: Path) -> None:
     trials = result.study.get_trials()
     assert [t.number for t in trials] == list(range(8))
     assert all(t.state == TrialState.COMPLETE for t in trials)
-    assert result.counts == {"COMPLETE": 8, "PRUNED": 0, "FAIL": 0, "RUNNING": 0}
+    assert result.counts == {"completed": 8, "stopped": 0, "failed": 0, "running": 0}
     # one array of four slots: the second four trials took the slots the first four freed
     assert result.arrays == 1
     assert Counter(t.user_attrs["array"] for t in trials) == {0: 8}
@@ -55,8 +55,10 @@ def test_fifo_sweep_fills_the_run_directory(tmp_path: Path) -> None:
     run = tmp_path / "run"
     rows = _csv(run / "trials.csv")
     assert [int(r["number"]) for r in rows] == list(range(8))
-    assert {"params_lr", "params_momentum", "user_attrs_array", "state", "array"} <= set(rows[0])
-    assert {r["state"] for r in rows} == {"COMPLETE"}
+    columns = {"params_lr", "params_momentum", "user_attrs_array", "state", "status", "array"}
+    assert columns <= set(rows[0])
+    assert {r["state"] for r in rows} == {"COMPLETE"}  # Optuna's name
+    assert {r["status"] for r in rows} == {"completed"}  # the sweep core's word
     for t, r in zip(trials, rows, strict=True):
         assert float(r["value"]) == t.value and int(r["array"]) == t.user_attrs["array"]
         history = _csv(run / "histories" / f"trial-{t.number}.csv")
@@ -75,7 +77,7 @@ def test_fifo_sweep_fills_the_run_directory(tmp_path: Path) -> None:
     model.load_state_dict(torch.load(run / "checkpoints" / f"trial-{best.number}.pt"))
     assert json.loads((run / "sweep.json").read_text())["budget"]["trials"] == 8
     assert not list((run / "arrays").iterdir())  # finished arrays leave no checkpoint behind
-    assert "trial 0 complete" in (run / "sweep.log").read_text()
+    assert "trial 0 completed" in (run / "sweep.log").read_text()
     assert "Best val_accuracy" in result.summary()
 
 
@@ -496,7 +498,7 @@ def test_auto_size_leaves_a_learning_searcher_half_the_trials_to_draw(
         fusion={"size": "auto", "device": "cpu"},
     )
     result = hs.sweep(config, progress=False)
-    assert result.counts["COMPLETE"] == 7
+    assert result.counts["completed"] == 7
     state = json.loads((tmp_path / "run" / "state.json").read_text())
     assert list(state["sizes"].values()) == [size]
     log = (tmp_path / "run" / "sweep.log").read_text()
@@ -534,5 +536,5 @@ def test_the_profiler_and_the_arrays_share_the_loaded_data(
         fusion={"size": "auto", "device": "cpu"},
     )
     result = hs.sweep(config, progress=False)
-    assert result.counts["COMPLETE"] == 6
+    assert result.counts["completed"] == 6
     assert len(loads) == 1 and len(given) == 1 and given[0] is not None

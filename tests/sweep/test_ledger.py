@@ -116,7 +116,7 @@ def test_saves_append_and_the_snapshot_is_rewritten_rarely(
     monkeypatch.setattr("hfsweep.core._ledger_file.atomic_write_text", count)
     config = sweep_config(tmp_path / "run", budget={"trials": 12, "epochs": 2})
     result = hs.sweep(config, progress=False)
-    assert result.counts["COMPLETE"] == 12
+    assert result.counts["completed"] == 12
     assert written.count("state.json") == 2  # the start and the end
     state = RunDir(tmp_path / "run").read_state()
     assert state is not None and state["version"] == 2 and state["changes"] == []
@@ -139,7 +139,7 @@ def test_a_version_1_run_directory_resumes(tmp_path: Path) -> None:
     (run / "state.json").write_text(json.dumps(state))
     (run / "state.jsonl").unlink()
     result = hs.sweep({**config, "budget": {"trials": 8, "epochs": 2}}, resume=True, progress=False)
-    assert result.counts["COMPLETE"] == 8
+    assert result.counts["completed"] == 8
     again = RunDir(run).read_state()
     assert again is not None and again["version"] == 2 and len(again["ended"]) == 8
     assert again["scheduler"]["ended"] == again["ended"]

@@ -250,7 +250,7 @@ def test_a_database_restart_mid_sweep_is_ridden_out(
     shown = capsys.readouterr().err  # the progress line says why the sweep stalls
     assert "trying again for up to 60 s" in shown and "reachable again after" in shown
     assert (gate / "go").exists()  # the server was down while the sweep trained
-    assert result.counts == {"COMPLETE": 8, "PRUNED": 0, "FAIL": 0, "RUNNING": 0}
+    assert result.counts == {"completed": 8, "stopped": 0, "failed": 0, "running": 0}
     assert _tells(tmp_path / "run" / "sweep.log") == Counter(range(8))
     log = (tmp_path / "run" / "sweep.log").read_text(encoding="utf-8")
     assert "trying again for up to 60 s" in log and "reachable again after" in log

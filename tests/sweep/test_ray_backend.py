@@ -116,7 +116,7 @@ def test_two_arrays_at_once_end_every_budgeted_trial_once(
     assert [t.number for t in trials] == list(range(16))
     assert all(t.state.is_finished() for t in trials)
     assert told == Counter(range(16))
-    assert result.counts["COMPLETE"] >= 1 and result.counts["PRUNED"] >= 1
+    assert result.counts["completed"] >= 1 and result.counts["stopped"] >= 1
     arrays = {t.user_attrs["array"] for t in trials}
     assert len(arrays) >= 2
     log = (result.run_dir / "sweep.log").read_text()
@@ -164,7 +164,7 @@ def test_a_worker_that_keeps_dying_ends_the_sweep_with_a_clear_error(
         hs.sweep(config, progress=False)
     # the trials are still running in the study: the sweep resumes from the checkpoints
     resumed = hs.sweep(config, resume=True, progress=False)
-    assert resumed.counts == {"COMPLETE": 4, "PRUNED": 0, "FAIL": 0, "RUNNING": 0}
+    assert resumed.counts == {"completed": 4, "stopped": 0, "failed": 0, "running": 0}
 
 
 def test_a_cluster_too_small_for_one_array_is_refused(local_ray: None, tmp_path: Path) -> None:
@@ -197,7 +197,7 @@ def test_an_actor_ray_cannot_place_lowers_the_arrays_at_once(
         )
     finally:
         ray.kill(other)
-    assert result.counts == {"COMPLETE": 8, "PRUNED": 0, "FAIL": 0, "RUNNING": 0}
+    assert result.counts == {"completed": 8, "stopped": 0, "failed": 0, "running": 0}
     assert "going on with up to 1 array(s) at once" in (result.run_dir / "sweep.log").read_text()
 
 

@@ -97,7 +97,7 @@ def test_a_sweep_trains_across_a_loopback_cluster(
         ),
         progress=False,
     )
-    assert result.counts == {"COMPLETE": 16, "PRUNED": 0, "FAIL": 0, "RUNNING": 0}
+    assert result.counts == {"completed": 16, "stopped": 0, "failed": 0, "running": 0}
     assert told == Counter(range(16))
     log = _log(result.run_dir)
     # on 127.0.0.1, not rewritten to another address of this machine, driver included
@@ -178,7 +178,7 @@ def test_a_local_ray_started_for_the_run_listens_on_loopback(
         sweep_config(tmp_path / "run", backend="ray", budget={"trials": 4, "epochs": 1}),
         progress=False,
     )
-    assert result.counts["COMPLETE"] == 4
+    assert result.counts["completed"] == 4
     assert re.search(r"started a local Ray on 127\.0\.0\.1:\d+\n", _log(result.run_dir))
     assert not ray.is_initialized()
 
@@ -197,7 +197,7 @@ def test_a_lost_node_s_array_continues_at_once_on_a_worker_that_becomes_idle(
     finally:
         Path(os.environ[GATE_ENV]).unlink()
     result = sweep.result()
-    assert result.counts == {"COMPLETE": 24, "PRUNED": 0, "FAIL": 0, "RUNNING": 0}
+    assert result.counts == {"completed": 24, "stopped": 0, "failed": 0, "running": 0}
     assert told == Counter(range(24))
     log = _log(run)
     assert log.count("died") == 1 and "restarting it (1 of 3 restarts)" in log
@@ -226,7 +226,7 @@ def test_a_node_that_joins_after_a_loss_trains_arrays_again(
     finally:
         Path(os.environ[GATE_ENV]).unlink()
     result = sweep.result()
-    assert result.counts == {"COMPLETE": 24, "PRUNED": 0, "FAIL": 0, "RUNNING": 0}
+    assert result.counts == {"completed": 24, "stopped": 0, "failed": 0, "running": 0}
     assert told == Counter(range(24))
     assert _log(run).count("died") == 1
 

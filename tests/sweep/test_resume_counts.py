@@ -39,7 +39,7 @@ def test_a_resumed_array_counts_the_trials_it_resumes(
 
     result = hs.sweep(config, resume=True, progress=False)
 
-    assert result.counts["RUNNING"] == 0 and sum(result.counts.values()) == 4
+    assert result.counts["running"] == 0 and sum(result.counts.values()) == 4
     log = (tmp_path / "run" / "sweep.log").read_text()
     resumed = re.findall(r"array 0 \([^)]*\): resuming with (\d+) trials: (.*)", log)
     assert resumed == [("4", "trial-0, trial-1, trial-2, trial-3")]

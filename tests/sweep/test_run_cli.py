@@ -27,6 +27,10 @@ def test_run_an_example_end_to_end_then_report(
         rows = list(csv.DictReader(f))
     assert len(rows) == 16 and {r["state"] for r in rows} <= {"COMPLETE", "PRUNED"}
     assert "COMPLETE" in {r["state"] for r in rows}
+    # the status column says the core's word for the same end, as the trial's user attr does
+    for r in rows:
+        assert r["status"] == {"COMPLETE": "completed", "PRUNED": "stopped"}[r["state"]]
+        assert r["status"] == r["user_attrs_status"]
 
     # the same command again is refused: the directory holds a sweep
     assert main(["run", str(EXAMPLES / "digits_quick.yaml"), "--output", str(run)]) == 2

@@ -96,7 +96,7 @@ def test_a_restored_older_ledger_gets_the_ends_it_lacks_from_the_study(tmp_path:
             result = hs.sweep(config, resume=True, progress=False)
     assert heard[:2] == ["trial-2", "trial-3"]
     assert "older copy restored from a backup" in str(w[0].message)
-    assert result.counts["COMPLETE"] == 6
+    assert result.counts["completed"] == 6
     # array 1 (trials 2 and 3) is recorded again, done; the new trials trained in array 2
     assert result.arrays == 3
     saved = json.loads((run / "state.json").read_text())
@@ -158,7 +158,7 @@ def test_a_sweep_killed_while_it_stops_resumes_with_every_failed_trial_ended(
     monkeypatch.setattr(_broken, "BATCH_16_FIXED", True)
     with pytest.warns(UserWarning, match="state.json"):
         result = hs.sweep(config, resume=True, progress=False)
-    assert result.counts["FAIL"] == len(failed) and result.counts["RUNNING"] == 0
+    assert result.counts["failed"] == len(failed) and result.counts["running"] == 0
     assert _ended(run) == _finished(run)
 
 
@@ -209,5 +209,5 @@ def test_a_torn_last_line_of_the_ledgers_log_loses_an_end_the_study_kept(
 
     with pytest.warns(UserWarning, match="state.json"):
         result = hs.sweep(config, resume=True, progress=False)
-    assert result.counts == {"COMPLETE": 4, "PRUNED": 0, "FAIL": 0, "RUNNING": 0}
+    assert result.counts == {"completed": 4, "stopped": 0, "failed": 0, "running": 0}
     assert _ended(run) == _finished(run)

@@ -164,7 +164,7 @@ def test_a_torn_last_trial_is_trained_again_and_told_once(copy: Path, cut: str) 
         assert messages == [] and not list(run.glob("optuna.journal.torn-*"))
     _check_whole(run, values)
     resumed = (run / "sweep.log").read_text().split("sweep sweep:")[-1]
-    assert "trial 3 complete" in resumed and "trial 2 complete" not in resumed
+    assert "trial 3 completed" in resumed and "trial 2 completed" not in resumed
     assert main(["report", str(run), "--out", str(copy / "report")]) == 0
 
 

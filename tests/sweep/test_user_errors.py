@@ -189,10 +189,10 @@ def test_the_python_api_raises_a_training_error_chained_to_the_tasks(
     monkeypatch.setattr(_broken, "BATCH_16_FIXED", True)
     fixed = hs.sweep(config, resume=True, progress=False)
     assert fixed.counts == {
-        "COMPLETE": 6 - len(study),
-        "PRUNED": 0,
-        "FAIL": len(study),
-        "RUNNING": 0,
+        "completed": 6 - len(study),
+        "stopped": 0,
+        "failed": len(study),
+        "running": 0,
     }
 
 
@@ -204,8 +204,8 @@ def test_a_config_the_model_rejects_fails_its_trial_alone(tmp_path: Path) -> Non
     result = hs.sweep(config, progress=False)
     low, high = _broken.REJECTED_LR
     failed = [t for t in result.study.trials if t.state.name == "FAIL"]
-    assert failed and result.counts["COMPLETE"] + len(failed) == 10
-    assert result.counts["RUNNING"] == 0
+    assert failed and result.counts["completed"] + len(failed) == 10
+    assert result.counts["running"] == 0
     summary = result.summary().splitlines()
     assert summary[1].startswith("Failed: 1 x the task's model(config) raised ValueError: lr=")
     assert summary[1].endswith(
@@ -298,7 +298,7 @@ def test_a_failure_while_profiling_ends_the_same_way(tmp_path: Path) -> None:
         "training stopped: profiling the array size for small_arrays_only raised in the loss of "
         "task 'small_arrays_only': RuntimeError: this loss takes arrays of up to 2 members, got 4"
     )
-    assert "the 1 unfinished trial is marked FAIL" in str(info.value)
+    assert "the 1 unfinished trial is marked failed" in str(info.value)
     trials = _states(tmp_path / "run")
     assert len(trials) == 1 and trials[0].state.name == "FAIL"
     assert "got 4" in trials[0].user_attrs["error"]
@@ -329,7 +329,7 @@ def test_the_runs_own_errors_are_not_the_arrays(
     assert "RUNNING" in {t.state.name for t in _states(tmp_path / "run")}
     monkeypatch.undo()
     resumed = hs.sweep(_config(tmp_path, _broken.TASK), resume=True, progress=False)
-    assert resumed.counts == {"COMPLETE": 4, "PRUNED": 0, "FAIL": 0, "RUNNING": 0}
+    assert resumed.counts == {"completed": 4, "stopped": 0, "failed": 0, "running": 0}
 
 
 def test_a_full_disk_is_one_paragraph_with_the_resume_command(
@@ -374,7 +374,7 @@ def test_an_error_in_hfsweeps_own_code_leaves_the_trials_for_a_resume(
     assert "FAIL" not in states and "RUNNING" in states
     monkeypatch.undo()
     resumed = hs.sweep(_config(tmp_path, _broken.TASK), resume=True, progress=False)
-    assert resumed.counts == {"COMPLETE": 4, "PRUNED": 0, "FAIL": 0, "RUNNING": 0}
+    assert resumed.counts == {"completed": 4, "stopped": 0, "failed": 0, "running": 0}
 
 
 def test_an_unpicklable_exception_from_a_worker_is_described() -> None:

@@ -104,7 +104,7 @@ def test_a_failing_callback_warns_once_and_the_sweep_goes_on(tmp_path: Path) -> 
         result = hs.sweep(
             small_sweep(tmp_path / "run"), progress=False, callbacks=[broken, recorder]
         )
-    assert result.counts["COMPLETE"] == 6
+    assert result.counts["completed"] == 6
     (message,) = _tracking_warnings(caught)
     assert "broken failed in on_evaluation: RuntimeError: the tracking server has gone" in message
     assert broken.calls == 1  # dropped after its first failure
@@ -128,7 +128,7 @@ def test_a_tracking_server_that_is_gone_costs_one_warning(
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         result = hs.sweep(config, progress=False, callbacks=[recorder])
-    assert result.counts["COMPLETE"] == 6
+    assert result.counts["completed"] == 6
     (message,) = _tracking_warnings(caught)
     assert message.startswith("tracker mlflow failed in on_sweep_start")
     assert sum(e[0] == "end" for e in recorder.events) == 6

@@ -171,6 +171,6 @@ def test_trackers_may_be_added_on_resume(tmp_path: Path) -> None:
     hs.sweep(config, progress=False)
     config["budget"] = {"trials": 3, "epochs": 1}
     result = hs.sweep({**config, "tracking": ["tensorboard"]}, progress=False, resume=True)
-    assert result.counts["COMPLETE"] == 3
+    assert result.counts["completed"] == 3
     # only the trial trained after the resume is tracked
     assert [p.name for p in (tmp_path / "run" / "tensorboard").iterdir()] == ["trial-2"]
