@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import RESULTS, write_results
 
 from hfsweep import tasks
-from hfsweep.sizing import model_scaling
+from hfsweep.profiler import model_scaling
 from hfsweep.sizing.allreduce import _free_port, measure_allreduce
 
 #: name -> (layer widths, global batch)
