@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ..training import Member, MemberResult
-from ..training.results import ReportHook
+from ..training.results import RefillHook, ReportHook
 from ..training.task import Task
 from ._launch import WorkerError, _Job, elastic_loop, free_port, train_worker
 
@@ -49,13 +49,17 @@ def train_data_parallel_ray(
     threads: int = 1,
     timeout_s: float = 120.0,
     place_timeout_s: float = 120.0,
+    target: Callable[[int, int], int] | None = None,
+    refill: RefillHook | None = None,
     **trainer_options: Any,
 ) -> list[MemberResult]:
     """Train ``members`` as one array on ``workers`` Ray actors (Ray initialised by the
     caller) and return rank 0's results. The arguments are
     :func:`~hfsweep.parallel.train_data_parallel`'s, and each worker's resources;
     ``place_timeout_s`` bounds the wait for the placement group (a :class:`WorkerError` says
-    the cluster cannot hold the array)."""
+    the cluster cannot hold the array); ``target(workers, lost)`` has the last word on the
+    workers of each relaunch (see :func:`~hfsweep.parallel._launch.elastic_loop`); ``refill``
+    (run in rank 0's process, like ``report``) gives members for free slots."""
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
     directory = Path(checkpoint_dir)
@@ -70,8 +74,8 @@ def train_data_parallel_ray(
     def launch(job: _Job) -> tuple[str, Any]:
         return _launch(job, bundle, threads, timeout_s, place_timeout_s, trainer_options)
 
-    job = _Job(task, list(members), workers, directory, resume, report, on_finish, backend)
-    return elastic_loop(job, launch)
+    job = _Job(task, list(members), workers, directory, resume, report, on_finish, backend, refill)
+    return elastic_loop(job, launch, target)
 
 
 class _Worker:
