@@ -117,7 +117,9 @@ def run_elastic_array(
     from ..parallel import train_data_parallel_ray
 
     key = task.compatibility_key(members[0].config) if members else f"resumed {folder}"
-    live = {m.id for m in members} or set(ArrayTrainer.checkpointed_members(folder))
+    live = {m.id for m in members} or (
+        ArrayTrainer.checkpointed_members(folder) - set(ArrayTrainer.delivered_results(folder))
+    )
     workers = policy.started(folder, key, max(1, len(live)), total())
     _log.info("%s trains data-parallel on %d worker(s)", folder, workers)
     events = Queue(actor_options={"num_cpus": 0})

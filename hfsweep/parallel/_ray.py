@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from ..training import Member, MemberResult
 from ..training.results import RefillHook, ReportHook
 from ..training.task import Task
 from ._launch import WorkerError, _Job, elastic_loop, free_port, train_worker
+from ._run import read_resize
 
 __all__ = ["train_data_parallel_ray"]
 
@@ -32,6 +34,8 @@ _log = logging.getLogger("hfsweep.parallel")
 
 #: seconds the other actors get to end on their own after one failed
 _GRACE_S = 2.0
+#: seconds between looks for a resize request while the placement group waits
+_POLL_S = 0.5
 
 
 def train_data_parallel_ray(
@@ -78,6 +82,32 @@ def train_data_parallel_ray(
     return elastic_loop(job, launch, target)
 
 
+def _place(group: Any, job: _Job, place_timeout_s: float) -> int | None:
+    """Wait until Ray placed ``group``: ``None``, or the workers a resize asked for meanwhile
+    (:func:`~hfsweep.parallel.request_resize`; an allocator that gave the workers this launch
+    waits for to another array must not wait for that array to end). A :class:`WorkerError`
+    after ``place_timeout_s``."""
+    import ray
+
+    deadline = time.monotonic() + place_timeout_s
+    while not ray.wait([group.ready()], timeout=min(_POLL_S, place_timeout_s))[0]:
+        asked = read_resize(job.directory)
+        if asked is not None and asked != job.workers:
+            _log.info(
+                "array in %s: resized to %d workers while waiting for %d to be placed",
+                job.directory,
+                asked,
+                job.workers,
+            )
+            return asked
+        if time.monotonic() >= deadline:
+            raise WorkerError(
+                f"Ray could not place {job.workers} workers of {job.directory}'s array "
+                f"within {place_timeout_s} s"
+            )
+    return None
+
+
 class _Worker:
     """One worker of a data-parallel array, in a Ray actor."""
 
@@ -119,11 +149,9 @@ def _launch(
     group = placement_group([dict(bundle)] * job.workers, strategy="PACK")
     actors: list[Any] = []
     try:
-        if not ray.wait([group.ready()], timeout=place_timeout_s)[0]:
-            raise WorkerError(
-                f"Ray could not place {job.workers} workers of {bundle} for the array in "
-                f"{job.directory} within {place_timeout_s} s"
-            )
+        asked = _place(group, job, place_timeout_s)
+        if asked is not None:  # resized while it waited: relaunch without having trained
+            return "resize", asked
         remote = ray.remote(_Worker)
         actors = [
             remote.options(
