@@ -23,7 +23,7 @@ from optuna.trial import TrialState
 from ._toy import _tells
 
 #: a line of the sweep's log per trial told (flushed as it is written)
-TOLD_LINE = r"hfsweep\.sweep: trial (\d+) (?:complete|pruned|fail)"
+TOLD_LINE = r"hfsweep\.sweep: trial (\d+) (?:complete|pruned|stopped|fail)"
 
 
 def start_cli(sweep: Path, *extra: str, session: bool = False) -> subprocess.Popen[str]:
