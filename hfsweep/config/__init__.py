@@ -58,8 +58,8 @@ A sweep file is one YAML mapping. Every key, with its default::
       max_failures: 3           # restarts of an array from its checkpoint after its worker died
       connect_timeout_s: 30     # seconds the cluster at address has to answer (a number > 0)
       elastic:                  # arrays on several workers, resized while they run
-        enabled: false          #   true is refused for now: the allocator is not yet connected
-                                #   to backend: ray (docs/elastic-allocator.md)
+        enabled: false          #   true: arrays train data-parallel on the workers the
+                                #   allocator gives them (docs/elastic-allocator.md)
         min_workers_per_array: 1    # an integer >= 1
         max_workers_per_array: null # an integer >= min_workers_per_array; null: the cluster
         resize_every_s: 60      #   an array is resized at most this often (seconds or "1m")

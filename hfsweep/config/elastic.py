@@ -1,11 +1,11 @@
 """``ray.elastic:``, the elastic-array settings of a sweep on ``backend: ray``.
 
 Elastic arrays train on several workers and are resized while they run by the allocator
-(:mod:`hfsweep.core.allocator`). The settings are validated here like every other section; the
-allocator is not yet connected to ``backend: ray``, so ``enabled: true`` is refused with a
-:class:`~hfsweep.config.ConfigError` at ``ray.elastic.enabled`` (``hfsweep validate`` and
-``hfsweep run`` exit with status 2) instead of being silently ignored. :data:`WIRED` turns the
-refusal off once the Ray backend runs elastic arrays.
+(:mod:`hfsweep.core.allocator`, carried out by :mod:`hfsweep.core._elastic`). The settings are
+validated here like every other section. :data:`WIRED` says whether ``backend: ray`` runs
+elastic arrays; while it is False (it was, before the allocator was connected), ``enabled:
+true`` is refused with a :class:`~hfsweep.config.ConfigError` at ``ray.elastic.enabled``
+(``hfsweep validate`` and ``hfsweep run`` exit with status 2) instead of being silently ignored.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from .fields import _Fields
 from .schema import ElasticConfig
 
 #: Whether ``backend: ray`` runs elastic arrays yet; while False, ``enabled: true`` is an error.
-WIRED = False
+WIRED = True
 
 _KEYS = (
     "enabled",

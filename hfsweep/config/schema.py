@@ -159,8 +159,8 @@ class ElasticConfig:
     ``enabled`` (default off); every array trains on ``min_workers_per_array`` to
     ``max_workers_per_array`` workers (``None``: up to the cluster); an array is resized at most
     once per ``resize_every_s`` seconds, a grow must save more than ``resize_cost_s`` seconds,
-    and an array paused because workers are short waits at most ``max_wait_s`` seconds. Not yet
-    connected to ``backend: ray``: ``enabled: true`` is refused while validating.
+    and an array paused because workers are short waits at most ``max_wait_s`` seconds
+    (:mod:`hfsweep.core._elastic` carries the allocator's plans out on ``backend: ray``).
     """
 
     enabled: bool = False

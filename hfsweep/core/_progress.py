@@ -39,6 +39,8 @@ class Progress:
         self.start = time.perf_counter()
         self.states: dict[Status, int] = {s: 0 for s in Status if s in FINAL}
         self.array: str = ""
+        #: the elastic allocator's last plan (Plan.status), or ""
+        self.elastic: str = ""
         self.member_steps = 0
         self.best: tuple[float, int] | None = None
         self._last = -float("inf")
@@ -75,6 +77,11 @@ class Progress:
         self.array = description
         self.update(force=True)
 
+    def elastic_plan(self, status: str) -> None:
+        """The elastic allocator decided: ``status`` (its plan's line) joins the status line."""
+        self.elastic = status
+        self.update(force=True)
+
     def line(self) -> str:
         elapsed = time.perf_counter() - self.start
         done = sum(self.states.values())
@@ -83,6 +90,8 @@ class Progress:
         ]
         if self.array:
             parts.append(self.array)
+        if self.elastic:
+            parts.append(self.elastic)
         if elapsed > 0 and self.member_steps:
             parts.append(f"{self.member_steps / elapsed:,.0f} member-steps/s")
         if self.best is not None:

@@ -55,6 +55,7 @@ from ..tracking._dispatch import Tracking
 from ..training.packed import UnsafeFileError
 from ..training.trainer import ArrayTrainer, Member, _DataCache
 from ._drivers import Drivers
+from ._elastic import ElasticPolicy
 from ._hooks import _Hooks
 from ._outcome import _Outcome
 from ._parts import _Array
@@ -334,6 +335,8 @@ class _Engine(_Resume, _Hooks, _Outcome, _Tracked):
             except ExecutorError as exc:
                 raise SweepError(f"backend ray: {exc}") from exc
             self.where = f"a Ray worker (up to {self.executor.slots} array(s) at once)"
+            if sc.ray.elastic.enabled:
+                self.executor.policy = self._elastic_policy()
         else:
             device = resolve_device(sc.fusion.device)
             if device.startswith("cuda") and not torch.cuda.is_available():
@@ -353,6 +356,19 @@ class _Engine(_Resume, _Hooks, _Outcome, _Tracked):
             yield
         finally:
             self.executor.close()
+
+    def _elastic_policy(self) -> ElasticPolicy:
+        """The allocator's policy for the Ray executor's elastic arrays; its plans go to the
+        progress line."""
+
+        def show(line: str) -> None:
+            with self._lock:
+                self.progress.elastic_plan(line)
+
+        budget = self.sc.budget
+        return ElasticPolicy(
+            self.sc.ray.elastic, budget=budget.max_resource, by=budget.resource, show=show
+        )
 
     def _save_state(self) -> None:
         """Save what changed since the last save (one line appended to the ledger's log)."""

@@ -28,6 +28,7 @@ import torch
 from ..training.task import Task
 from ..training.trainer import ArrayTrainer, Member
 from ._connect import ClusterUnreachable, connect, on_loopback, reach
+from ._elastic import WorkerPolicy, run_elastic_array
 from ._errors import ExecutorError, Stopped
 from ._raypool import ActorPool
 from ._worker import ArrayWorker
@@ -85,6 +86,8 @@ class RayExecutor(Executor):
         self._inside = 0
         self._calls = threading.Condition()
         self._closed = False
+        #: how many workers each elastic array gets (set by the engine with ray.elastic)
+        self.policy: WorkerPolicy | None = None
         if self._owns_ray:
             if settings.address is None:
                 self._start_local()
@@ -191,8 +194,22 @@ class RayExecutor(Executor):
     @property
     def slots(self) -> int:
         """Arrays to train at once now: what the cluster's alive nodes hold, at most
-        ``ray.max_concurrent`` (see :meth:`ActorPool.width`)."""
+        ``ray.max_concurrent`` (see :meth:`ActorPool.width`); with ``ray.elastic``, as many
+        arrays as the workers give each its ``min_workers_per_array``."""
+        if self.elastic:
+            most = self.settings.max_concurrent
+            fit = self.workers() // self.settings.elastic.min_workers_per_array
+            return max(1, min(fit, most or fit))
         return self._pool.width()
+
+    @property
+    def elastic(self) -> bool:
+        """Whether arrays train data-parallel on the workers ``policy`` gives (``ray.elastic``)."""
+        return self.settings.elastic.enabled
+
+    def workers(self) -> int:
+        """Data-parallel workers (each one array's actor's resources) the cluster holds now."""
+        return self._pool.fit()
 
     @property
     def max_slots(self) -> int:
@@ -301,7 +318,8 @@ class RayExecutor(Executor):
                 except BaseException:
                     self._release(actor, dead=True)
                     raise
-                self._release(actor)
+                # an elastic array's workers are actors of their own: free the resources
+                self._release(actor, dead=self.elastic)
                 return int(size), str(reason)
 
     def run_array(
@@ -314,6 +332,9 @@ class RayExecutor(Executor):
         from ray.exceptions import RayActorError
 
         folder = str(checkpoint_dir)
+        if self.elastic:
+            self._run_elastic(folder, members, hooks, resume=resume)
+            return
         #: members this array trains that have not ended: given, or added by refill
         active = {m.id: m for m in members}
         failures = 0
@@ -335,6 +356,38 @@ class RayExecutor(Executor):
                     raise
                 self._release(actor)
                 return
+
+    def _run_elastic(
+        self, folder: str, members: Sequence[Member], hooks: ArrayHooks, *, resume: bool
+    ) -> None:
+        """Train the array data-parallel on the workers the policy gives it (see
+        :mod:`hfsweep.executors._elastic`)."""
+        if self.policy is None:
+            raise ExecutorError("ray.elastic is on but no allocator was given to the executor")
+        bundle = {"CPU": self.cpus_per_array, "GPU": self.gpus_per_array}
+        device = "cuda" if self.gpus_per_array else "cpu"
+        options: dict[str, Any] = {
+            "dtype": self.dtype,
+            "eval_every": self.eval_every,
+            "keep_states": False,
+            "final_states": "completed",
+        }
+        if device == "cpu":
+            options["device"] = "cpu"
+        with self._call():
+            run_elastic_array(
+                self.task,
+                folder,
+                members,
+                hooks,
+                resume=resume,
+                policy=self.policy,
+                total=self.workers,
+                closed=lambda: self._closed,
+                bundle=bundle,
+                threads=max(1, int(self.cpus_per_array)),
+                options=options,
+            )
 
     def _died(self, exc: BaseException, failures: int, doing: str) -> int:
         """A worker died while ``doing``: the new failure count, or an error when the sweep is

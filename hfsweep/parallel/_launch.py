@@ -36,7 +36,7 @@ import torch
 
 from .._io import atomic_save, atomic_write_text
 from ..training import Member, MemberResult
-from ..training.results import ReportHook
+from ..training.results import RefillHook, ReportHook
 from ..training.task import Task
 from ._run import RESIZE_FILE, DataParallelTrainer, ResizeRequested
 
@@ -101,11 +101,18 @@ def train_data_parallel(
     return elastic_loop(job, launch)
 
 
-def elastic_loop(job: _Job, launch: Callable[[_Job], tuple[str, Any]]) -> list[MemberResult]:
+def elastic_loop(
+    job: _Job,
+    launch: Callable[[_Job], tuple[str, Any]],
+    target: Callable[[int, int], int] | None = None,
+) -> list[MemberResult]:
     """Launch ``job`` until it is done: again with the workers asked for after a resize, and
     with the workers left after some were lost, each time resuming from the checkpoint.
     ``launch(job)`` runs one launch and says how it ended: ``("done", results)``,
-    ``("resize", workers)`` or ``("lost", how many workers died)``."""
+    ``("resize", workers)`` or ``("lost", how many workers died)``. ``target(workers, lost)``,
+    where given, has the last word on each relaunch's workers (an allocator whose decision
+    changed since it asked for the resize; ``lost`` is 0 for a resize); a target above the
+    workers left after a loss is capped at them."""
     directory = job.directory
     while True:
         outcome, value = launch(job)
@@ -115,7 +122,7 @@ def elastic_loop(job: _Job, launch: Callable[[_Job], tuple[str, Any]]) -> list[M
         if outcome == "resize":
             (directory / RESIZE_FILE).unlink(missing_ok=True)
             _log.info("array in %s: %d -> %d workers (asked for)", directory, k, value)
-            job = job.again(value)
+            job = job.again(_targeted(target, value, 0))
             continue
         if k - value < 1:
             raise WorkerError(f"array in {directory}: every one of its {k} workers was lost")
@@ -126,7 +133,17 @@ def elastic_loop(job: _Job, launch: Callable[[_Job], tuple[str, Any]]) -> list[M
             k,
             k - value,
         )
-        job = job.again(k - value)
+        job = job.again(min(k - value, _targeted(target, k - value, value)))
+
+
+def _targeted(target: Callable[[int, int], int] | None, workers: int, lost: int) -> int:
+    """``target(workers, lost)`` checked (an integer >= 1), or ``workers`` without one."""
+    if target is None:
+        return workers
+    k = target(workers, lost)
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"the relaunch target must be an integer >= 1, got {k!r}")
+    return k
 
 
 class _Job:
@@ -142,9 +159,11 @@ class _Job:
         report: ReportHook | None,
         on_finish: Callable[[MemberResult], None] | None,
         backend: str,
+        refill: RefillHook | None = None,
     ) -> None:
         self.task, self.members, self.workers, self.directory = task, members, workers, directory
         self.resume, self.report, self.on_finish, self.backend = resume, report, on_finish, backend
+        self.refill = refill
 
     def again(self, workers: int) -> _Job:
         """This job on ``workers`` workers, resuming from the checkpoint."""
@@ -157,6 +176,7 @@ class _Job:
             self.report,
             self.on_finish,
             self.backend,
+            self.refill,
         )
 
 
@@ -274,7 +294,11 @@ def train_worker(
         trainer = DataParallelTrainer(job.task, checkpoint_dir=job.directory, **options)
         try:
             results = trainer.run(
-                job.members, report=job.report, on_finish=job.on_finish, resume=job.resume
+                job.members,
+                report=job.report,
+                refill=job.refill,
+                on_finish=job.on_finish,
+                resume=job.resume,
             )
             return "done", results
         except ResizeRequested as asked:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,9 +23,10 @@ from typing import Any
 import torch
 
 from ..training import Member, MemberResult
-from ..training.results import ReportHook
+from ..training.results import RefillHook, ReportHook
 from ..training.task import Task
 from ._launch import WorkerError, _Job, elastic_loop, free_port, train_worker
+from ._run import read_resize
 
 __all__ = ["train_data_parallel_ray"]
 
@@ -32,6 +34,8 @@ _log = logging.getLogger("hfsweep.parallel")
 
 #: seconds the other actors get to end on their own after one failed
 _GRACE_S = 2.0
+#: seconds between looks for a resize request while the placement group waits
+_POLL_S = 0.5
 
 
 def train_data_parallel_ray(
@@ -49,13 +53,17 @@ def train_data_parallel_ray(
     threads: int = 1,
     timeout_s: float = 120.0,
     place_timeout_s: float = 120.0,
+    target: Callable[[int, int], int] | None = None,
+    refill: RefillHook | None = None,
     **trainer_options: Any,
 ) -> list[MemberResult]:
     """Train ``members`` as one array on ``workers`` Ray actors (Ray initialised by the
     caller) and return rank 0's results. The arguments are
     :func:`~hfsweep.parallel.train_data_parallel`'s, and each worker's resources;
     ``place_timeout_s`` bounds the wait for the placement group (a :class:`WorkerError` says
-    the cluster cannot hold the array)."""
+    the cluster cannot hold the array); ``target(workers, lost)`` has the last word on the
+    workers of each relaunch (see :func:`~hfsweep.parallel._launch.elastic_loop`); ``refill``
+    (run in rank 0's process, like ``report``) gives members for free slots."""
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
     directory = Path(checkpoint_dir)
@@ -70,8 +78,34 @@ def train_data_parallel_ray(
     def launch(job: _Job) -> tuple[str, Any]:
         return _launch(job, bundle, threads, timeout_s, place_timeout_s, trainer_options)
 
-    job = _Job(task, list(members), workers, directory, resume, report, on_finish, backend)
-    return elastic_loop(job, launch)
+    job = _Job(task, list(members), workers, directory, resume, report, on_finish, backend, refill)
+    return elastic_loop(job, launch, target)
+
+
+def _place(group: Any, job: _Job, place_timeout_s: float) -> int | None:
+    """Wait until Ray placed ``group``: ``None``, or the workers a resize asked for meanwhile
+    (:func:`~hfsweep.parallel.request_resize`; an allocator that gave the workers this launch
+    waits for to another array must not wait for that array to end). A :class:`WorkerError`
+    after ``place_timeout_s``."""
+    import ray
+
+    deadline = time.monotonic() + place_timeout_s
+    while not ray.wait([group.ready()], timeout=min(_POLL_S, place_timeout_s))[0]:
+        asked = read_resize(job.directory)
+        if asked is not None and asked != job.workers:
+            _log.info(
+                "array in %s: resized to %d workers while waiting for %d to be placed",
+                job.directory,
+                asked,
+                job.workers,
+            )
+            return asked
+        if time.monotonic() >= deadline:
+            raise WorkerError(
+                f"Ray could not place {job.workers} workers of {job.directory}'s array "
+                f"within {place_timeout_s} s"
+            )
+    return None
 
 
 class _Worker:
@@ -115,11 +149,9 @@ def _launch(
     group = placement_group([dict(bundle)] * job.workers, strategy="PACK")
     actors: list[Any] = []
     try:
-        if not ray.wait([group.ready()], timeout=place_timeout_s)[0]:
-            raise WorkerError(
-                f"Ray could not place {job.workers} workers of {bundle} for the array in "
-                f"{job.directory} within {place_timeout_s} s"
-            )
+        asked = _place(group, job, place_timeout_s)
+        if asked is not None:  # resized while it waited: relaunch without having trained
+            return "resize", asked
         remote = ray.remote(_Worker)
         actors = [
             remote.options(

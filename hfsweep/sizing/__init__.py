@@ -8,10 +8,6 @@ One job per module, each importing only those above it in this list:
 - ``compiled``: eager or compiled (``compile: auto``), compile time amortised (:func:`choose_compile`).
 - ``cache``: profiles and their JSON cache, keyed by architecture, batch, dtype and hardware.
 - ``plotting``: a PNG of a profile.
-- ``scaling``: an array's member-samples/s on k data-parallel workers (:class:`ScalingProfile`),
-  measured or modelled from one worker's step time and the all-reduce cost (elastic arrays).
-- ``allreduce``: measuring this machine's all-reduce cost with local processes, and the cache of
-  costs and scaling profiles; it imports ``torch.distributed``, so it is imported where used.
 - ``task``: measuring a task's real training step through the trainer (:func:`profile_task`); the
   one module here that imports the trainer, so it is not imported by this package itself.
 

@@ -1,6 +1,6 @@
 """``ray.elastic:`` in a sweep file: defaults, validation errors that name the YAML path, the
-value and what is valid, and the refusal of ``enabled: true`` (exit 2) while the allocator is
-not connected to ``backend: ray``."""
+value and what is valid, ``enabled: true`` accepted, and its refusal (exit 2) while ``WIRED``
+says the allocator is not connected to ``backend: ray``."""
 
 from __future__ import annotations
 
@@ -56,7 +56,6 @@ def test_off_by_default_and_round_trips() -> None:
         ),
         ({"resize_every_s": -5}, "ray.elastic.resize_every_s", "positive number of seconds"),
         ({"max_wait_s": "soon"}, "ray.elastic.max_wait_s", "is not a duration"),
-        ({"enabled": True}, "ray.elastic.enabled", "not connected to backend: ray"),
     ],
 )
 def test_errors_name_the_path_the_value_and_what_is_valid(
@@ -68,7 +67,23 @@ def test_errors_name_the_path_the_value_and_what_is_valid(
     assert text in str(info.value)
 
 
-def test_validate_and_run_refuse_enabled_with_exit_2(tmp_path: Path, capsys) -> None:
+def test_enabled_is_accepted_now_that_the_backend_runs_elastic_arrays() -> None:
+    from hfsweep.config import elastic
+
+    assert elastic.WIRED
+    sc = parse_sweep(_with({"enabled": True, "max_workers_per_array": 2}))
+    assert sc.ray.elastic.enabled and sc.ray.elastic.max_workers_per_array == 2
+
+
+def test_validate_and_run_refuse_enabled_with_exit_2_while_not_wired(
+    tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hfsweep.config import elastic
+
+    monkeypatch.setattr(elastic, "WIRED", False)
+    with pytest.raises(ConfigError, match="not connected to backend: ray") as info:
+        parse_sweep(_with({"enabled": True}))
+    assert info.value.path == "ray.elastic.enabled"
     sweep = tmp_path / "sweep.yaml"
     sweep.write_text(yaml.safe_dump({**_with({"enabled": True}), "output": str(tmp_path / "r")}))
     for command in (["validate", str(sweep)], ["run", str(sweep)]):

@@ -41,18 +41,23 @@ budget: {{trials: {TRIALS}, epochs: 4}}
 metric: val_accuracy
 mode: max
 fusion: {{size: 4, device: cpu}}
-backend: {backend}
+backend: {backend.split("-")[0]}
 output: run
 """
+        + (_ELASTIC if backend == "ray-elastic" else "")
     )
     return sweep
 
 
-@pytest.mark.parametrize("backend", ["local", "ray"])
+#: elastic arrays: data-parallel on 1 or 2 workers, resized as arrays start and end
+_ELASTIC = "ray: {elastic: {enabled: true, max_workers_per_array: 2, resize_every_s: 0}}\n"
+
+
+@pytest.mark.parametrize("backend", ["local", "ray", "ray-elastic"])
 def test_sigkill_then_resume_finishes_the_sweep(tmp_path: Path, backend: str) -> None:
     """With ``backend: ray`` the resumed run starts a new local Ray and continues two arrays at
-    once from their checkpoints."""
-    if backend == "ray":
+    once from their checkpoints; with elastic arrays too, whatever workers each had."""
+    if backend.startswith("ray"):
         pytest.importorskip("ray")
     sweep = _write_sweep(tmp_path, backend)
     run = tmp_path / "run"

@@ -1,0 +1,198 @@
+"""The allocator in ``hfsweep run``: how many workers each elastic array of a Ray sweep gets.
+
+:class:`ElasticPolicy` is the Ray executor's :class:`~hfsweep.executors._elastic.WorkerPolicy`
+when ``ray.elastic.enabled``: it keeps every running array's state (members, progress through
+the budget, workers), asks the :class:`~hfsweep.core.allocator.Allocator` at every event (an
+array starts or resumes, an array ends, members stop, workers are lost, the cluster's workers
+change, i.e. a node joined or left) and carries out its plan: the starting array gets its
+workers, a running array whose workers change is asked to resize at its next evaluation
+boundary (:func:`~hfsweep.parallel.request_resize`, the checkpoint the trainer writes there is
+what it resumes from). Every decision goes to ``sweep.log`` with its reason, and the plan's
+one-line summary to the progress line.
+
+What the allocator is given:
+
+- ``remaining_s``: the budget still ahead of the array's furthest member, in the budget's units
+  (epochs or steps), times the seconds one unit took the array on one worker, measured between
+  its reports (time per unit on k workers times the profile's speed-up at k). Before its second
+  report an array's unit counts as one second.
+- the scaling profile: *assumed* perfect scaling (k workers are k times one) up to
+  ``max_workers_per_array`` or the cluster; no profile is measured during the sweep yet.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from ..config.schema import ElasticConfig
+from ..parallel import request_resize
+from ..sizing.scaling import ScalingProfile
+from ..training.results import Evaluation
+from .allocator import Allocator, ArrayState, Plan
+
+__all__ = ["ElasticPolicy"]
+
+_log = logging.getLogger("hfsweep.elastic")
+
+
+@dataclass
+class _Running:
+    """What the policy knows of one running array."""
+
+    folder: str
+    key: str
+    members: int
+    #: the workers it trains on, or will after the resize asked for
+    workers: int = 0
+    #: when ``workers`` last changed, on the policy's clock
+    since: float = 0.0
+    #: budget units its furthest member has trained, and when that was seen
+    done: float = 0.0
+    seen: float | None = None
+    #: seconds one budget unit took on one worker (measured), or None
+    unit_s: float | None = None
+
+
+class ElasticPolicy:
+    """Workers per elastic array, from the allocator (see the module docstring).
+
+    ``budget`` is a trial's budget in ``by`` units (``"epochs"`` or ``"steps"``); ``show``
+    gets each plan's status line (the progress display); ``clock`` is seconds (tests pass a
+    fake one).
+    """
+
+    def __init__(
+        self,
+        settings: ElasticConfig,
+        *,
+        budget: float,
+        by: str,
+        show: Callable[[str], None] = lambda line: None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self.allocator = Allocator(
+            min_workers=settings.min_workers_per_array,
+            max_workers=settings.max_workers_per_array,
+            resize_every_s=settings.resize_every_s,
+            resize_cost_s=settings.resize_cost_s,
+            max_wait_s=settings.max_wait_s,
+        )
+        self.budget = float(budget)
+        self.by = by
+        self.show = show
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._arrays: dict[str, _Running] = {}
+        self._total: int | None = None
+        #: every plan, in order (for tests and the log)
+        self.plans: list[Plan] = []
+
+    # ------------------------------------------------------------------ the executor's events
+    def started(self, folder: str, key: str, members: int, total: int) -> int:
+        with self._lock:
+            entry = _Running(folder, key, max(1, members), since=self.clock())
+            self._arrays[folder] = entry
+            self._decide("array started", total, fresh=folder)
+            if entry.workers < 1:  # the cluster shrank below every array's minimum
+                entry.workers = self.settings.min_workers_per_array
+            return entry.workers
+
+    def relaunch(self, folder: str, workers: int, lost: int, total: int) -> int:
+        with self._lock:
+            entry = self._arrays[folder]
+            if lost:
+                entry.workers, entry.since = workers, self.clock()
+                self._decide(f"{lost} worker(s) lost", total)
+            if entry.workers != workers:
+                _log.info(
+                    "elastic: %s relaunches on %d worker(s) (the latest plan), not %d",
+                    self._name(folder),
+                    max(1, entry.workers),
+                    workers,
+                )
+            return max(1, entry.workers)
+
+    def reported(self, folder: str, evaluations: Sequence[Evaluation], live: int) -> None:
+        with self._lock:
+            entry = self._arrays.get(folder)
+            if entry is None or not evaluations:
+                return
+            now = self.clock()
+            done = max(e.epoch if self.by == "epochs" else float(e.step) for e in evaluations)
+            if entry.seen is not None and done > entry.done:
+                per_unit = (now - entry.seen) / (done - entry.done)
+                entry.unit_s = per_unit * self._profile(entry.key).speedup(max(1, entry.workers))
+            entry.done, entry.seen = done, now
+            if 0 < live < entry.members:
+                entry.members = live
+                self._decide("members stopped", self._total or 1)
+
+    def ended(self, folder: str, total: int) -> None:
+        with self._lock:
+            if self._arrays.pop(folder, None) is not None and self._arrays:
+                self._decide("array ended", total)
+
+    # ------------------------------------------------------------------ deciding
+    def _decide(self, event: str, total: int, fresh: str | None = None) -> None:
+        """Ask the allocator, log every decision with its reason, and carry the plan out."""
+        if self._total is not None and total != self._total:
+            event = f"{'node joined' if total > self._total else 'node left'}, {event}"
+        self._total = total
+        now = self.clock()
+        states = [
+            ArrayState(
+                name=self._name(e.folder),
+                key=e.key,
+                members=e.members,
+                remaining_s=self._remaining_s(e),
+                profile=self._profile(e.key, total),
+                workers=e.workers,
+                since=e.since,
+            )
+            for e in self._arrays.values()
+        ]
+        plan = self.allocator.decide(states, [], total, now=now, event=event)
+        self.plans.append(plan)
+        after = plan.workers()
+        new = self._name(fresh) if fresh is not None else None
+        for decision in plan.decisions:
+            if decision.array == new and decision.action == "start":  # not a paused one's
+                k, members = decision.after, self._arrays[str(fresh)].members
+                decision = replace(
+                    decision,
+                    reason=f"a new array of {members} trials; {k} worker(s) is its best share "
+                    f"of the {total} now",
+                )
+            _log.info("elastic [%s]: %s", event, decision)
+        for note in plan.notes:
+            _log.info("elastic [%s]: %s", event, note)
+        for e in self._arrays.values():
+            k = after.get(self._name(e.folder), e.workers)
+            if k == e.workers:
+                continue
+            if e.workers > 0 and k > 0:  # running: at its next evaluation boundary
+                request_resize(e.folder, k)
+            e.workers, e.since = k, now
+        status = plan.status()
+        _log.info("%s", status)
+        self.show(status)
+
+    def _remaining_s(self, e: _Running) -> float:
+        """Seconds ``e`` still needs on one worker (see the module docstring)."""
+        left = max(0.0, self.budget - e.done)
+        return left * (e.unit_s if e.unit_s is not None else 1.0)
+
+    def _profile(self, key: str, total: int | None = None) -> ScalingProfile:
+        """The assumed profile: perfect scaling up to the most workers an array may have."""
+        most = self.settings.max_workers_per_array or total or self._total or 1
+        return ScalingProfile(key, {k: float(k) for k in range(1, max(1, most) + 1)})
+
+    @staticmethod
+    def _name(folder: str) -> str:
+        return f"array {Path(folder).name}"

@@ -1,0 +1,200 @@
+"""Elastic arrays on the Ray backend: an array trained data-parallel on the workers a policy
+(the engine's allocator) gives it, its hooks relayed to the driver.
+
+With ``ray.elastic.enabled`` every array of ``hfsweep run`` trains through
+:func:`~hfsweep.parallel.train_data_parallel_ray`: k Ray actors in one placement group, k
+chosen by a :class:`WorkerPolicy` when the array starts and again before every relaunch (a
+resize the policy asked for at an evaluation boundary, or workers lost). Rank 0's actor calls
+the engine's hooks; they must run in the driver (it holds the searcher, the scheduler and the
+study), so rank 0 gets :class:`_Relay` hooks that put each call in a Ray queue and wait for the
+driver's answer, which :func:`run_elastic_array` gives from the thread that called
+``run_array``, as :mod:`hfsweep.executors._worker` does for a pooled actor. The driver therefore
+sees the same sequence of hook calls as with one worker, and the engine's crash safety holds
+unchanged (every array resumes from the checkpoint the trainer writes, whatever its k).
+
+An elastic array is refilled as on one worker (rank 0 asks the driver, every worker gets the
+member). A worker lost between a refill and the checkpoint written at the same evaluation
+boundary would lose the members that refill added (the trainer resumes without them), a window
+of one checkpoint write; the pooled-actor path hands such members back (``requeue``), this one
+does not yet.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from ..training.results import Evaluation, MemberResult
+from ..training.task import Task
+from ..training.trainer import ArrayTrainer, Member
+from ._errors import Stopped
+from .base import ArrayHooks
+
+__all__ = ["WorkerPolicy", "run_elastic_array"]
+
+_log = logging.getLogger("hfsweep.ray")
+
+#: seconds between the driver's looks at the relay queue (and at a stopping executor)
+_POLL_S = 0.2
+
+
+class WorkerPolicy(Protocol):
+    """Who decides how many workers each elastic array trains on (the engine's allocator,
+    :mod:`hfsweep.core._elastic`). ``total`` is how many workers the cluster holds now; every
+    method may ask other arrays to resize (:func:`~hfsweep.parallel.request_resize`)."""
+
+    def started(self, folder: str, key: str, members: int, total: int) -> int:
+        """An array starts (or resumes) in ``folder``: the workers it starts on."""
+        ...
+
+    def relaunch(self, folder: str, workers: int, lost: int, total: int) -> int:
+        """The array in ``folder`` restarts from its checkpoint (a resize to ``workers``, or
+        ``lost`` workers lost): the workers it goes on with."""
+        ...
+
+    def reported(self, folder: str, evaluations: Sequence[Evaluation], live: int) -> None:
+        """The array reported ``evaluations``; ``live`` members go on (fewer: members
+        stopped)."""
+        ...
+
+    def ended(self, folder: str, total: int) -> None:
+        """The array in ``folder`` has ended (or stopped): its workers are free."""
+        ...
+
+
+class _Relay:
+    """A hook of rank 0's actor that runs in the driver: the call goes through ``events`` (a
+    Ray queue), the answer comes back through ``answers``. An answer ``_ABORT`` (the driver is
+    stopping, or its hook raised) makes the hook raise, which ends the array's workers."""
+
+    def __init__(self, kind: str, events: Any, answers: Any) -> None:
+        self.kind, self.events, self.answers = kind, events, answers
+
+    def __call__(self, payload: Any) -> Any:
+        self.events.put((self.kind, payload))
+        answer = self.answers.get()
+        if isinstance(answer, str) and answer == _ABORT:
+            raise RuntimeError("the driver stopped this data-parallel array")
+        return answer
+
+
+_ABORT = "hfsweep: abort"
+
+
+class _Refill(_Relay):
+    """The refill hook relayed (it takes no argument)."""
+
+    def __init__(self, events: Any, answers: Any) -> None:
+        super().__init__("refill", events, answers)
+
+    def __call__(self) -> Any:  # type: ignore[override]
+        return super().__call__(None)
+
+
+def run_elastic_array(
+    task: Task,
+    folder: str,
+    members: Sequence[Member],
+    hooks: ArrayHooks,
+    *,
+    resume: bool,
+    policy: WorkerPolicy,
+    total: Callable[[], int],
+    closed: Callable[[], bool],
+    bundle: dict[str, float],
+    threads: int,
+    options: dict[str, Any],
+) -> None:
+    """Train ``members`` in ``folder`` data-parallel on the workers ``policy`` gives (see the
+    module docstring); the hooks run in this thread. ``total()`` is the workers the cluster
+    holds now; ``closed()`` says the executor is stopping (the array's workers are then ended
+    and :class:`Stopped` raised); ``options`` are the trainer's."""
+    from ray.util.queue import Empty, Queue
+
+    from ..parallel import train_data_parallel_ray
+
+    key = task.compatibility_key(members[0].config) if members else f"resumed {folder}"
+    live = {m.id for m in members} or (
+        ArrayTrainer.checkpointed_members(folder) - set(ArrayTrainer.delivered_results(folder))
+    )
+    workers = policy.started(folder, key, max(1, len(live)), total())
+    _log.info("%s trains data-parallel on %d worker(s)", folder, workers)
+    events = Queue(actor_options={"num_cpus": 0})
+    answers = Queue(actor_options={"num_cpus": 0})
+    outcome: dict[str, Any] = {}
+
+    def target(k: int, lost: int) -> int:
+        return policy.relaunch(folder, k, lost, total())
+
+    def train() -> None:
+        try:
+            train_data_parallel_ray(
+                task,
+                members,
+                workers=workers,
+                checkpoint_dir=folder,
+                resume=resume,
+                report=_Relay("report", events, answers),
+                refill=_Refill(events, answers),
+                on_finish=_Relay("finish", events, answers),
+                cpus_per_worker=bundle.get("CPU", 1.0),
+                gpus_per_worker=bundle.get("GPU", 0.0),
+                threads=threads,
+                target=target,
+                **options,
+            )
+        except BaseException as exc:  # raised in this thread by the driver's loop below
+            outcome["error"] = exc
+        finally:
+            outcome["done"] = True
+
+    thread = threading.Thread(target=train, name=f"hfsweep-elastic {Path(folder).name}")
+    thread.start()
+    try:
+        while not outcome.get("done"):
+            if closed():
+                answers.put(_ABORT)
+                raise Stopped
+            try:
+                kind, payload = events.get(timeout=_POLL_S)
+            except Empty:
+                continue
+            try:
+                answer = _answer(kind, payload, hooks, live)
+            except BaseException:
+                answers.put(_ABORT)
+                raise
+            if kind == "report":
+                policy.reported(folder, payload, len(live))
+            answers.put(answer)
+        thread.join()
+        if "error" in outcome:
+            raise outcome["error"]
+    finally:
+        policy.ended(folder, total())
+        thread.join(timeout=30.0)
+        for q in (events, answers):
+            q.shutdown(force=True)
+
+
+def _answer(kind: str, payload: Any, hooks: ArrayHooks, live: set[str]) -> Any:
+    """The driver's hook for one relayed call; ``live`` loses the members that stopped or
+    ended."""
+    if kind == "report":
+        decisions = hooks.report(payload)
+        live.difference_update(m for m, go_on in (decisions or {}).items() if not go_on)
+        return decisions
+    if kind == "refill":
+        member = hooks.refill()
+        if member is not None:
+            live.add(member.id)
+        return member
+    if kind == "finish":
+        assert isinstance(payload, MemberResult)
+        hooks.on_finish(payload)
+        live.discard(payload.id)
+        return None
+    raise RuntimeError(f"unknown event {kind!r} from a data-parallel array's rank 0")

@@ -1,0 +1,91 @@
+"""The allocator as ``hfsweep run`` uses it (hfsweep.core._elastic.ElasticPolicy), on a fake
+clock with no Ray: arrays starting and ending, members stopping, workers lost and the cluster
+shrinking; each change of a running array's workers is a resize request in its folder."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from hfsweep.config.schema import ElasticConfig
+from hfsweep.core._elastic import ElasticPolicy
+from hfsweep.parallel import read_resize
+from hfsweep.training.results import Evaluation
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _policy(clock: _Clock, shown: list[str], **settings: object) -> ElasticPolicy:
+    config = ElasticConfig(enabled=True, **{"resize_every_s": 0.0, **settings})  # type: ignore[arg-type]
+    return ElasticPolicy(config, budget=10, by="epochs", show=shown.append, clock=clock)
+
+
+def _evals(epoch: float, members: int = 4) -> list[Evaluation]:
+    return [Evaluation(f"trial-{i}", int(epoch * 5), epoch, {}, False) for i in range(members)]
+
+
+def test_arrays_share_the_workers_and_running_ones_are_asked_to_resize(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    clock, shown = _Clock(), []
+    policy = _policy(clock, shown)
+    a, b = str(tmp_path / "0"), str(tmp_path / "1")
+    for folder in (a, b):
+        Path(folder).mkdir()
+    with caplog.at_level(logging.INFO, logger="hfsweep.elastic"):
+        assert policy.started(a, "k", 4, total=4) == 4  # alone: every worker
+        assert read_resize(a) is None
+        clock.now = 10.0
+        assert policy.started(b, "k", 4, total=4) == 2  # the first shrinks to make room
+    assert read_resize(a) == 2
+    assert policy.relaunch(a, 2, 0, total=4) == 2
+    assert "elastic [array started]: array 1: start 0->2 (a new array of 4 trials" in caplog.text
+    assert "array 0: shrink 4->2" in caplog.text
+    assert shown[-1] == "elastic: 2 arrays on 4/4 workers (-1 shrunk, 1 new) [array started]"
+    # array 1 ends: array 0 gets its workers back
+    clock.now = 20.0
+    policy.ended(b, total=4)
+    assert read_resize(a) == 4 and shown[-1].endswith("(+1 grown) [array ended]")
+
+
+def test_members_stopping_and_measured_progress_move_workers(tmp_path: Path) -> None:
+    clock, shown = _Clock(), []
+    policy = _policy(clock, shown)
+    a, b = str(tmp_path / "0"), str(tmp_path / "1")
+    for folder in (a, b):
+        Path(folder).mkdir()
+    policy.started(a, "k", 4, total=4)
+    policy.started(b, "k", 4, total=4)
+    assert [policy._arrays[f].workers for f in (a, b)] == [2, 2]
+    # array 1 is nearly done, and three of its members stop: array 0 is worth more workers
+    for t, epoch in ((1.0, 1.0), (2.0, 9.0)):
+        clock.now = t
+        policy.reported(a, _evals(epoch / 9.0), live=4)
+        policy.reported(b, _evals(epoch), live=4 if t < 2 else 1)
+    plan = policy.plans[-1]
+    assert plan.event == "members stopped"
+    assert plan.workers() == {"array 0": 3, "array 1": 1}
+    assert read_resize(a) == 3 and read_resize(b) == 1
+
+
+def test_lost_workers_and_a_smaller_cluster_are_named_in_the_decision(tmp_path: Path) -> None:
+    clock, shown = _Clock(), []
+    policy = _policy(clock, shown, max_workers_per_array=2)
+    a, b = str(tmp_path / "0"), str(tmp_path / "1")
+    for folder in (a, b):
+        Path(folder).mkdir()
+    assert policy.started(a, "k", 4, total=4) == 2  # at most 2 per array
+    assert policy.started(b, "k", 4, total=4) == 2
+    clock.now = 5.0
+    # a node with two workers left while array 0 trained on it: one worker each
+    assert policy.relaunch(a, 1, 1, total=2) == 1
+    assert policy.plans[-1].event == "node left, 1 worker(s) lost"
+    assert read_resize(b) == 1

@@ -1,0 +1,86 @@
+"""`backend: ray` with `ray.elastic` on: every array trains data-parallel (tests/parallel checks
+the numbers of one array) on the workers the allocator gives it, on a local Ray (2 CPUs,
+loopback, no dashboard). The run must end as on the local backend, trial for trial, with
+every decision of the allocator in sweep.log; a resize and a relaunch on two workers happen."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import hfsweep as hs
+
+from ._toy import sweep_config
+from .test_ray_backend import _same_trials
+
+ray = pytest.importorskip("ray")
+
+pytestmark = pytest.mark.slow  # one worker runs this module under xdist: tests/conftest.py
+
+_ELASTIC = {"elastic": {"enabled": True, "resize_every_s": 0, "max_workers_per_array": 2}}
+
+
+@pytest.fixture
+def local_ray(shared_ray: Any) -> None:
+    """The shared local Ray of tests/conftest.py (tests/ on the workers' PYTHONPATH)."""
+    shared_ray.start()
+
+
+#: float64: a data-parallel step sums the workers' shares of the gradient, which equals the
+#: one-worker gradient within rounding; in float32 that rounding can flip one of the 40
+#: validation predictions of a trial with a large learning rate, and so its accuracy
+_FUSION = {"size": 4, "device": "cpu", "dtype": "float64"}
+
+
+def test_one_elastic_array_at_a_time_reproduces_the_local_backend(
+    local_ray: None, tmp_path: Path, told: Counter[int]
+) -> None:
+    """One array at a time, as the local backend trains them: the allocator gives each array
+    both workers, and the trials refilled into it train data-parallel too."""
+    kw: dict[str, Any] = {"budget": {"trials": 8, "epochs": 3}, "fusion": _FUSION}
+    local = hs.sweep(sweep_config(tmp_path / "local", **kw), progress=False)
+    told.clear()
+    ray_settings = {**_ELASTIC, "max_concurrent": 1}
+    elastic = hs.sweep(
+        sweep_config(tmp_path / "elastic", backend="ray", ray=ray_settings, **kw), progress=False
+    )
+    _same_trials(elastic, local)
+    assert told == Counter(range(8))
+    assert elastic.best_trial is not None and elastic.best_checkpoint is not None
+    for name in ("trials.csv", "best.json", "sweep.json", "state.json", "optuna.journal"):
+        assert (elastic.run_dir / name).is_file(), name
+    assert sorted(p.name for p in (elastic.run_dir / "histories").iterdir()) == sorted(
+        p.name for p in (local.run_dir / "histories").iterdir()
+    )
+    assert not list((elastic.run_dir / "arrays").glob("*"))
+    log = (elastic.run_dir / "sweep.log").read_text()
+    assert "elastic [array started]: array 0: start 0->2 (a new array of 4 trials" in log
+    assert "trains data-parallel on 2 worker(s)" in log
+    # trials 4-7 were refilled into array 0 after 15 steps, as on the local backend
+    trials = elastic.study.get_trials()
+    assert {t.user_attrs["array"] for t in trials} == {0}
+    assert [t.user_attrs["start_step"] for t in trials] == [0] * 4 + [15] * 4
+
+
+def test_two_elastic_arrays_share_the_workers_and_resize_exactly(
+    local_ray: None, tmp_path: Path, told: Counter[int]
+) -> None:
+    """Two arrays at once: the first starts on both workers, shrinks to one when the second
+    starts, and grows back when the second ends; the trials end as with one pooled actor per
+    array (the Ray backend without elastic), whose arrays hold the same trials."""
+    kw: dict[str, Any] = {"budget": {"trials": 8, "epochs": 3}, "fusion": _FUSION}
+    pooled = hs.sweep(sweep_config(tmp_path / "pooled", backend="ray", **kw), progress=False)
+    told.clear()
+    elastic = hs.sweep(
+        sweep_config(tmp_path / "elastic", backend="ray", ray=_ELASTIC, **kw), progress=False
+    )
+    _same_trials(elastic, pooled)
+    assert told == Counter(range(8))
+    log = (elastic.run_dir / "sweep.log").read_text()
+    assert "elastic [array started]: array 0: shrink 2->1" in log
+    assert "elastic: 2 arrays on 2/2 workers (-1 shrunk, 1 new) [array started]" in log
+    assert "-> 1 workers (asked for)" in log  # the resize happened at an evaluation boundary
+    assert "elastic [array ended]: array " in log and "grow 1->2" in log
