@@ -29,7 +29,11 @@ __all__ = [
     "TORCH_BINDING_OWNERS",
     "OpOverload",
     "TorchDispatchMode",
+    "compile_backward_eagerly",
     "distribution_contains",
+    "flatten_dense_tensors",
+    "is_batched_tensor",
+    "mark_static_address",
     "pytree",
     "ray_auto_address",
     "ray_is_localhost",
@@ -43,12 +47,52 @@ __all__ = [
     "trial_id",
     "tune_scheduler_attr",
     "tune_searcher_sampler",
+    "unflatten_dense_tensors",
 ]
 
 # ---------------------------------------------------------------- torch
 # torch.utils._pytree: flattening nested outputs (no public pytree API in torch 2.4-2.13);
 # TorchDispatchMode: counting and intercepting dispatched operators; OpOverload: the type of
 # an ATen operator in a traced graph (torch.fx graphs hold them as node targets).
+
+
+#: whether a tensor is a functorch ``BatchedTensor`` (inside ``vmap``): the fused layers' own
+#: batching rules (BatchNorm, convolutions) take over only there; no public predicate exists.
+is_batched_tensor: Callable[[torch.Tensor], bool] = torch._C._functorch.is_batchedtensor
+
+
+def flatten_dense_tensors(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors' values in one flat tensor (torch's own bucket helper, as DDP uses), so a
+    data-parallel array sums all its gradients with one collective."""
+    from torch._utils import _flatten_dense_tensors
+
+    return _flatten_dense_tensors(tensors)
+
+
+def unflatten_dense_tensors(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The inverse of :func:`flatten_dense_tensors`: views of ``flat`` shaped as ``like``."""
+    from torch._utils import _unflatten_dense_tensors
+
+    return list(_unflatten_dense_tensors(flat, like))
+
+
+def mark_static_address(t: torch.Tensor) -> None:
+    """Tell torch.compile (CUDA graphs) that ``t`` keeps its address between calls, so a replay
+    does not copy it into the graph's own buffer first (no ``torch.compiler`` equivalent)."""
+    import torch._dynamo
+
+    torch._dynamo.mark_static_address(t, guard=False)
+
+
+def compile_backward_eagerly() -> Any | None:
+    """A context manager that makes AOTAutograd compile a graph's backward with its forward
+    (at the first call, not at the first backward pass), or ``None`` where this torch lacks the
+    setting."""
+    import torch._functorch.config as config
+
+    if not hasattr(config, "force_non_lazy_backward_lowering"):
+        return None
+    return config.patch(force_non_lazy_backward_lowering=True)
 
 
 #: where torch's generated C bindings live: the functions of ``torch`` and the methods of tensors

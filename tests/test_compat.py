@@ -153,3 +153,33 @@ def test_optuna_private_classes() -> None:
     assert all(isinstance(s, FrozenStudy) for s in storage.get_all_studies())
     rdb = optuna.storages.RDBStorage("sqlite:///:memory:", heartbeat_interval=60)
     assert isinstance(rdb, BaseHeartbeat) and rdb.get_heartbeat_interval() == 60
+
+
+def test_torch_private_names_of_the_fused_layers_and_compile() -> None:
+    """The functorch batched-tensor predicate, torch's flat bucket helpers (data-parallel
+    arrays) and the two torch.compile settings (CUDA-graph static addresses, eager backward
+    compilation) still exist and do what hfsweep relies on."""
+    seen: list[bool] = []
+
+    def probe(t: torch.Tensor) -> torch.Tensor:
+        seen.append(_compat.is_batched_tensor(t))
+        return t * 2
+
+    torch.vmap(probe)(torch.ones(3, 2))
+    assert seen == [True]
+    assert not _compat.is_batched_tensor(torch.ones(2))
+
+    tensors = [torch.arange(3.0), torch.ones(2, 2)]
+    flat = _compat.flatten_dense_tensors(tensors)
+    assert flat.tolist() == [0.0, 1.0, 2.0, 1.0, 1.0, 1.0, 1.0]
+    back = _compat.unflatten_dense_tensors(flat * 2, tensors)
+    assert [t.shape for t in back] == [(3,), (2, 2)]
+    assert torch.equal(back[0], torch.arange(3.0) * 2)
+
+    _compat.mark_static_address(torch.zeros(2))  # no error: the setting exists
+    patch = _compat.compile_backward_eagerly()
+    assert patch is not None  # torch 2.13 has it; None on a release that drops it
+    import torch._functorch.config as config
+
+    with patch:
+        assert config.force_non_lazy_backward_lowering is True

@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from .._compat import compile_backward_eagerly, mark_static_address
+
 __all__ = [
     "COMPILE_MODES",
     "CompileFallbackWarning",
@@ -90,7 +92,7 @@ def compile_graph(
     """
     if mode == "reduce-overhead":
         for t in state:
-            torch._dynamo.mark_static_address(t, guard=False)
+            mark_static_address(t)
     compiled = torch.compile(graph, backend="inductor", mode=mode, dynamic=False, fullgraph=True)
     return compiled
 
@@ -100,10 +102,8 @@ def compiling_backward_now() -> AbstractContextManager[object]:
     backward pass (AOTAutograd's default), so that the first call's time is all the compiling
     (what step timers leave out) and a backward that fails to compile falls back with the
     forward. A no-op where torch lacks the setting."""
-    config = torch._functorch.config
-    if not hasattr(config, "force_non_lazy_backward_lowering"):
-        return nullcontext()
-    return config.patch(force_non_lazy_backward_lowering=True)
+    patch = compile_backward_eagerly()
+    return nullcontext() if patch is None else patch
 
 
 def warn_fallback(reason: str, stacklevel: int = 4) -> None:

@@ -23,9 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .._compat import is_batched_tensor
+
 __all__ = ["FusedBatchNormMixin"]
 
-_is_batched = torch._C._functorch.is_batchedtensor
+_is_batched = is_batched_tensor
 
 
 @torch.library.custom_op("hfsweep::batch_norm", mutates_args=("running_mean", "running_var"))

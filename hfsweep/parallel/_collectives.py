@@ -19,7 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from .._compat import flatten_dense_tensors, unflatten_dense_tensors
 
 __all__ = ["Group"]
 
@@ -44,18 +45,18 @@ class Group:
         one ``all_reduce`` of their flat concatenation."""
         if self.size == 1 or not tensors:
             return
-        flat = _flatten_dense_tensors(list(tensors))
+        flat = flatten_dense_tensors(list(tensors))
         dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        for t, reduced in zip(tensors, _unflatten_dense_tensors(flat, list(tensors)), strict=True):
+        for t, reduced in zip(tensors, unflatten_dense_tensors(flat, list(tensors)), strict=True):
             t.copy_(reduced)
 
     def broadcast_(self, tensors: Sequence[Tensor]) -> None:
         """Give every worker rank 0's values of ``tensors`` (one dtype and device)."""
         if self.size == 1 or not tensors:
             return
-        flat = _flatten_dense_tensors(list(tensors))
+        flat = flatten_dense_tensors(list(tensors))
         dist.broadcast(flat, src=0)
-        for t, value in zip(tensors, _unflatten_dense_tensors(flat, list(tensors)), strict=True):
+        for t, value in zip(tensors, unflatten_dense_tensors(flat, list(tensors)), strict=True):
             t.copy_(value)
 
     def share(self, value: Any) -> Any:

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from hfsweep.executors import ArrayHooks
 from hfsweep.profiler import (
     CompileChoice,
     Measurement,
@@ -129,7 +130,8 @@ def test_the_local_executor_trains_as_the_profile_chose(monkeypatch: pytest.Monk
     executor = local.LocalExecutor(task, device="cpu", dtype=None, eval_every=None, compile="auto")  # type: ignore[arg-type]
     assert executor.array_size({}) == (2, "r")
     member = type("M", (), {"config": {}})()
-    executor.run_array("d", [member], report=None, refill=None, on_finish=None, resume=False)  # type: ignore[arg-type]
+    hooks = ArrayHooks(report=None, refill=None, on_finish=None)  # type: ignore[arg-type]
+    executor.run_array("d", [member], hooks, resume=False)  # type: ignore[arg-type]
     assert made == [True]
     with pytest.raises(ValueError, match=r"fusion\.compile='sometimes'"):
         local.LocalExecutor(task, device="cpu", dtype=None, eval_every=None, compile="sometimes")  # type: ignore[arg-type]
