@@ -69,7 +69,7 @@ def test_two_elastic_arrays_share_the_workers_and_resize_exactly(
     local_ray: None, tmp_path: Path, told: Counter[int]
 ) -> None:
     """Two arrays at once: the first starts on both workers, shrinks to one when the second
-    starts, and grows back when the second ends; the trials end as with one pooled actor per
+    starts, and is decided again when the second ends; the trials end as with one pooled actor per
     array (the Ray backend without elastic), whose arrays hold the same trials."""
     kw: dict[str, Any] = {"budget": {"trials": 8, "epochs": 3}, "fusion": _FUSION}
     pooled = hs.sweep(sweep_config(tmp_path / "pooled", backend="ray", **kw), progress=False)
@@ -83,4 +83,9 @@ def test_two_elastic_arrays_share_the_workers_and_resize_exactly(
     assert "elastic [array started]: array 0: shrink 2->1" in log
     assert "elastic: 2 arrays on 2/2 workers (-1 shrunk, 1 new) [array started]" in log
     assert "-> 1 workers (asked for)" in log  # the resize happened at an evaluation boundary
-    assert "elastic [array ended]: array " in log and "grow 1->2" in log
+    # when one array ends the other is decided again: it grows back to 2 workers, or keeps 1
+    # where its remaining steps no longer pay for a resize (which ends first, and how far the
+    # other has got by then, is up to the scheduling; the choice itself is tested on a fake
+    # clock in tests/elastic)
+    ended = [line for line in log.splitlines() if "elastic [array ended]: array " in line]
+    assert ended and any("grow 1->2" in line or "keep 1->1" in line for line in ended), ended
