@@ -2,15 +2,17 @@
 
 The engine (:class:`~hfsweep.core.loop._Engine`) is one object whose jobs live in separate
 modules, each a mixin of :class:`_Parts`: opening and resuming the study
-(:mod:`~hfsweep.core._resume`), the executor's hooks (:mod:`~hfsweep.core._hooks`: decisions,
-trial ends, refill) and the sweep's outcome (:mod:`~hfsweep.core._outcome`: stopping on a
-failure, publishing results, the best trials). :class:`_Parts` declares the state they share
+(:mod:`~hfsweep.core._resume`), the executor for the backend (:mod:`~hfsweep.core._backend`),
+the executor's hooks (:mod:`~hfsweep.core._hooks`: decisions, trial ends, refill) and the
+sweep's outcome (:mod:`~hfsweep.core._outcome`: stopping on a failure, publishing results, the
+best trials). :class:`_Parts` declares the state they share
 and the methods one part calls on another, so each module reads, and type-checks, alone.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -24,7 +26,7 @@ from ..searchers._source import TrialSource
 from ..tracking import TrialInfo
 from ..tracking._dispatch import Tracking
 from ..training.task import Task
-from ..training.trainer import MemberResult
+from ..training.trainer import MemberResult, _DataCache
 from ._drivers import Drivers
 from ._rundir import RunDir
 from .ledger import Ledger
@@ -83,6 +85,10 @@ class _Parts:
     arrays: list[_Array]
     best: list[tuple[float, int]]
     tracking: Tracking
+    #: where arrays train, for messages (a device, or the Ray workers)
+    where: str
+    _data: _DataCache
+    _lock: threading.RLock
 
     # the engine's (hfsweep/core/loop.py)
     def _journal_held(self) -> AbstractContextManager[None]:

@@ -37,25 +37,21 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from .._io import grouped_sync
 from .._usercode import HOOK, label, unwrap
 from ..config import SweepConfig, load_sweep, make_searcher, parse_sweep
 from ..config.tracking import check_trackers
-from ..executors import ArrayHooks, Executor, ExecutorError, LocalExecutor, Stopped
+from ..executors import ArrayHooks, Executor, ExecutorError, Stopped
 from ..schedulers import OptunaPruner, make_scheduler
 from ..search_spaces import FixedParam
 from ..searchers import Searcher
 from ..searchers._source import CustomSource, OptunaSource, TrialSource
-from ..sizing.device import DTYPES as _DTYPES
-from ..sizing.device import resolve_device
 from ..tracking import Callback, make_tracker
 from ..tracking._dispatch import Tracking
 from ..training.packed import UnsafeFileError
 from ..training.trainer import ArrayTrainer, Member, _DataCache
+from ._backend import _Backend
 from ._drivers import Drivers
-from ._elastic import ElasticPolicy
 from ._hooks import _Hooks
 from ._outcome import _Outcome
 from ._parts import _Array
@@ -163,7 +159,7 @@ class _InLedger:
         setattr(engine.ledger, self.name, value)
 
 
-class _Engine(_Resume, _Hooks, _Outcome, _Tracked):
+class _Engine(_Resume, _Hooks, _Outcome, _Tracked, _Backend):
     """One run of one sweep (see the module docstring); its parts are the mixins it is made
     of (see :mod:`hfsweep.core._parts`)."""
 
@@ -315,61 +311,6 @@ class _Engine(_Resume, _Hooks, _Outcome, _Tracked):
         return result
 
     # ------------------------------------------------------------------ set-up and resume
-    @contextmanager
-    def _executor(self) -> Iterator[None]:
-        """The executor for the config's backend while the sweep runs, closed after."""
-        sc = self.sc
-        dtype = _DTYPES[sc.fusion.dtype]
-        if sc.backend == "ray":
-            from ..executors._ray import RayExecutor
-
-            try:
-                self.executor = RayExecutor(
-                    self.task,
-                    device=sc.fusion.device,
-                    dtype=dtype,
-                    eval_every=sc.fusion.eval_every,
-                    settings=sc.ray,
-                    share_frozen=sc.fusion.share_frozen,
-                )
-            except ExecutorError as exc:
-                raise SweepError(f"backend ray: {exc}") from exc
-            self.where = f"a Ray worker (up to {self.executor.slots} array(s) at once)"
-            if sc.ray.elastic.enabled:
-                self.executor.policy = self._elastic_policy()
-        else:
-            device = resolve_device(sc.fusion.device)
-            if device.startswith("cuda") and not torch.cuda.is_available():
-                raise SweepError(f"fusion.device is {device!r} but torch sees no CUDA device")
-            self.executor = LocalExecutor(
-                self.task,
-                device=device,
-                dtype=dtype,
-                eval_every=sc.fusion.eval_every,
-                data=self._data,
-                share_frozen=sc.fusion.share_frozen,
-                compile=sc.fusion.compile,
-                offload=sc.fusion.offload,
-            )
-            self.where = str(self.executor.device)
-        try:
-            yield
-        finally:
-            self.executor.close()
-
-    def _elastic_policy(self) -> ElasticPolicy:
-        """The allocator's policy for the Ray executor's elastic arrays; its plans go to the
-        progress line."""
-
-        def show(line: str) -> None:
-            with self._lock:
-                self.progress.elastic_plan(line)
-
-        budget = self.sc.budget
-        return ElasticPolicy(
-            self.sc.ray.elastic, budget=budget.max_resource, by=budget.resource, show=show
-        )
-
     def _save_state(self) -> None:
         """Save what changed since the last save (one line appended to the ledger's log)."""
         self.ledger.save()

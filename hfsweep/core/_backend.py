@@ -1,0 +1,79 @@
+"""The sweep engine's part that sets up where arrays train: the executor for the sweep file's
+backend (local, or Ray with its elastic allocator when ``ray.elastic`` is on), closed when the
+sweep ends; see :mod:`hfsweep.core._parts`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from ..executors import ExecutorError, LocalExecutor
+from ..sizing.device import DTYPES as _DTYPES
+from ..sizing.device import resolve_device
+from ._elastic import ElasticPolicy
+from ._parts import _Parts
+from .result import SweepError
+
+__all__: list[str] = []
+
+
+class _Backend(_Parts):
+    """The executor's side of the engine: which one, built how, and its elastic policy."""
+
+    @contextmanager
+    def _executor(self) -> Iterator[None]:
+        """The executor for the config's backend while the sweep runs, closed after."""
+        sc = self.sc
+        dtype = _DTYPES[sc.fusion.dtype]
+        if sc.backend == "ray":
+            from ..executors._ray import RayExecutor
+
+            try:
+                self.executor = RayExecutor(
+                    self.task,
+                    device=sc.fusion.device,
+                    dtype=dtype,
+                    eval_every=sc.fusion.eval_every,
+                    settings=sc.ray,
+                    share_frozen=sc.fusion.share_frozen,
+                )
+            except ExecutorError as exc:
+                raise SweepError(f"backend ray: {exc}") from exc
+            self.where = f"a Ray worker (up to {self.executor.slots} array(s) at once)"
+            if sc.ray.elastic.enabled:
+                self.executor.policy = self._elastic_policy()
+        else:
+            device = resolve_device(sc.fusion.device)
+            if device.startswith("cuda") and not torch.cuda.is_available():
+                raise SweepError(f"fusion.device is {device!r} but torch sees no CUDA device")
+            self.executor = LocalExecutor(
+                self.task,
+                device=device,
+                dtype=dtype,
+                eval_every=sc.fusion.eval_every,
+                data=self._data,
+                share_frozen=sc.fusion.share_frozen,
+                compile=sc.fusion.compile,
+                offload=sc.fusion.offload,
+            )
+            self.where = str(self.executor.device)
+        try:
+            yield
+        finally:
+            self.executor.close()
+
+    def _elastic_policy(self) -> ElasticPolicy:
+        """The allocator's policy for the Ray executor's elastic arrays; its plans go to the
+        progress line."""
+
+        def show(line: str) -> None:
+            with self._lock:
+                self.progress.elastic_plan(line)
+
+        budget = self.sc.budget
+        return ElasticPolicy(
+            self.sc.ray.elastic, budget=budget.max_resource, by=budget.resource, show=show
+        )
