@@ -6,6 +6,7 @@ end."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,34 @@ def _reference(members: list[hs.Member], tmp_path: Path) -> list[hs.MemberResult
         make_task(), dtype=torch.float64, eval_every=3, checkpoint_dir=tmp_path / "reference"
     )
     return trainer.run(members)
+
+
+def _killed_worker_run(launch: Callable[..., Any], optimizer: str, tmp_path: Path) -> None:
+    """Two workers through ``launch`` (the process or the Ray launcher), worker 1 SIGKILLed as it
+    draws the 8th batch: the evaluations at steps 3 and 6 come from 2 workers, those at 9 and 12
+    from 1, every member ends once, and the results equal the unkilled 1-worker array's."""
+    members = [hs.Member(m.id, {**m.config, "kill_after": 7}) for m in _members(optimizer)]
+    expected = _reference(members, tmp_path)  # one process: nobody is killed
+    directory = tmp_path / "dp"
+    recorder = Recorder(str(tmp_path / "log.txt"), str(directory))
+    got = launch(
+        make_task(),
+        members,
+        workers=2,
+        checkpoint_dir=directory,
+        report=recorder,
+        on_finish=recorder.finished,
+        dtype=torch.float64,
+        eval_every=3,
+        timeout_s=30,
+    )
+    _same_results(expected, got)
+    lines = recorder.lines()
+    first = f"{optimizer}0"
+    workers = [(int(line[2]), int(line[3])) for line in lines if line[:2] == ["eval", first]]
+    assert workers == [(3, 2), (6, 2), (9, 1), (12, 1)]
+    done = sorted(line[1] for line in lines if line[0] == "done")
+    assert done == [f"{optimizer}{i}" for i in range(3)]
 
 
 def test_shards_differ_by_at_most_one_row_and_cover_the_batch() -> None:
@@ -147,23 +176,4 @@ def test_a_killed_worker_leaves_the_array_on_fewer_workers_from_its_checkpoint(
 ) -> None:
     """Worker 1 SIGKILLs itself as it draws the 8th batch (step 8; checkpoints at steps 3 and
     6): the array goes on from step 6 on one worker and ends as the unkilled array does."""
-    members = [hs.Member(m.id, {**m.config, "kill_after": 7}) for m in _members("adamw")]
-    expected = _reference(members, tmp_path)  # one process: nobody is killed
-    directory = tmp_path / "dp"
-    recorder = Recorder(str(tmp_path / "log.txt"), str(directory))
-    got = train_data_parallel(
-        make_task(),
-        members,
-        workers=2,
-        checkpoint_dir=directory,
-        report=recorder,
-        on_finish=recorder.finished,
-        dtype=torch.float64,
-        eval_every=3,
-        timeout_s=30,
-    )
-    _same_results(expected, got)
-    lines = recorder.lines()
-    workers = [(int(line[2]), int(line[3])) for line in lines if line[:2] == ["eval", "adamw0"]]
-    assert workers == [(3, 2), (6, 2), (9, 1), (12, 1)]
-    assert sorted(line[1] for line in lines if line[0] == "done") == ["adamw0", "adamw1", "adamw2"]
+    _killed_worker_run(train_data_parallel, "adamw", tmp_path)
