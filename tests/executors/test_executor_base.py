@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 import hfsweep as hs
-from hfsweep.core import loop as _engine
+from hfsweep.core import _backend
 from hfsweep.executors import ArrayHooks, Executor, LocalExecutor, RayExecutor
 
 
@@ -89,7 +89,7 @@ def test_the_engine_drives_a_third_executor_through_the_base(
         made.append(_Recording(LocalExecutor(*args, **kwargs)))
         return made[-1]
 
-    monkeypatch.setattr(_engine, "LocalExecutor", recording)
+    monkeypatch.setattr(_backend, "LocalExecutor", recording)
     asha = {"name": "asha", "options": {"grace_period": 1, "reduction_factor": 2}}
     result = hs.sweep(
         sweep_config(tmp_path / "run", scheduler=asha, budget={"trials": 6, "epochs": 3}),
