@@ -28,7 +28,14 @@ A driver trains only the running trials it owns and those whose owner is gone, w
 setting ``driver`` to its own id; another live driver's trials are left alone and counted.
 ``budget.trials`` counts every trial of the study, whichever driver asked it: each ask counts
 the study's trials and creates one under the study lock, so drivers together ask exactly the
-budget.
+budget. A database server restart ends a database lock with its connection while its holder is
+between counting and creating: the ask then takes the lock again and counts again (a lost
+connection inside it is not retried in place, see :meth:`StudyLock.fenced`), and before an ask
+counts as done the lock's own connection must still hold it (:meth:`StudyLock.intact`). A trial
+that was created all the same (its answer lost with the connection, or created while the lock
+was lost and found past the budget) is *void*: ended ``FAIL`` with the user attr
+:data:`VOID_ATTR` and the reason in ``error``, never trained, and not counted in
+``budget.trials``.
 
 ``HFSWEEP_DRIVER_HEARTBEAT_S`` and ``HFSWEEP_DRIVER_GRACE_S`` set the two periods (seconds).
 """
@@ -50,12 +57,21 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from .._compat import study_id, study_storage, trial_for
 from .._io import atomic_write_text
-from ._study_lock import StudyLock
+from ._study_lock import LockLost, StudyLock
 
 if TYPE_CHECKING:
     import optuna
 
-__all__ = ["DRIVER_ATTR", "GRACE_S", "HEARTBEAT_S", "Beat", "Drivers", "driver_id"]
+__all__ = [
+    "DRIVER_ATTR",
+    "GRACE_S",
+    "HEARTBEAT_S",
+    "VOID_ATTR",
+    "Beat",
+    "Drivers",
+    "countable",
+    "driver_id",
+]
 
 _log = logging.getLogger("hfsweep.sweep")
 _T = TypeVar("_T")
@@ -65,6 +81,10 @@ _wall: Callable[[], float] = time.time
 _monotonic: Callable[[], float] = time.monotonic
 #: the trial user attr naming the driver that trains the trial
 DRIVER_ATTR = "driver"
+#: the trial user attr of a void trial (asked twice across a lost database lock; not counted)
+VOID_ATTR = "void"
+#: times an ask takes the study lock again after losing it before the sweep gives up
+_ASK_TRIES = 8
 #: study system attr prefix of each driver's heartbeat
 _BEAT = "hfsweep:driver:"
 #: the file in a run directory that keeps its driver's id
@@ -88,6 +108,11 @@ def _seconds(name: str, default: float) -> float:
 HEARTBEAT_S = _seconds("HFSWEEP_DRIVER_HEARTBEAT_S", 10.0)
 #: seconds without a heartbeat after which another host's driver counts as gone
 GRACE_S = _seconds("HFSWEEP_DRIVER_GRACE_S", 60.0)
+
+
+def countable(trials: Iterable[optuna.trial.FrozenTrial]) -> int:
+    """How many of ``trials`` count in ``budget.trials``: all but void ones."""
+    return sum(1 for t in trials if not t.user_attrs.get(VOID_ATTR))
 
 
 def driver_id(run_dir: str | os.PathLike[str]) -> str:
@@ -188,7 +213,7 @@ class Drivers:
         self.host = socket.gethostname()
         self.node = _node()
         #: trials in the study as of the last count (every driver's)
-        self.count = len(study.get_trials(deepcopy=False))
+        self.count = countable(study.get_trials(deepcopy=False))
         #: running trials of live other drivers, as of the last look
         self.foreign = 0
         self._seq = 0
@@ -405,17 +430,101 @@ class Drivers:
     # ------------------------------------------------------------------ budget
     def ask(self, ask: Callable[[int], Sequence[_T]], total: int) -> list[_T]:
         """``ask(1)``'s trials (pairs whose first item is an ``optuna.Trial``), each marked as
-        this driver's, unless the study already holds ``total`` trials (every driver's):
-        then none. Counting and asking are one step under the study lock."""
+        this driver's, unless the study already holds ``total`` trials (every driver's, void
+        ones not counted): then none. Counting and asking are one step under the study lock,
+        taken again and the step looked at again where the lock was lost meanwhile (see the
+        module docstring)."""
+        unsure: list[_T] = []  # asked while the lock may have been lost
+        lost_from: int | None = None  # a try cut off may have created trials from this number
         with self.lock:
-            self.count = len(self.study.get_trials(deepcopy=False))
-            if self.count >= total:
-                return []
-            asked = list(ask(1))
-            for pair in asked:
-                pair[0].set_user_attr(DRIVER_ATTR, self.id)  # type: ignore[index]
-            self.count += len(asked)
+            for attempt in range(_ASK_TRIES):
+                if attempt:
+                    self.lock.renew()
+                try:
+                    with self.lock.fenced():
+                        trials = self.study.get_trials(deepcopy=False)
+                        if unsure:
+                            return self._settle(unsure, trials, total)
+                        if lost_from is not None:
+                            trials = self._void_cut_off(trials, lost_from)
+                        self.count = countable(trials)
+                        if self.count >= total:
+                            return []
+                        lost_from = len(trials)  # trial numbers are 0, 1, ... per study
+                        asked = list(ask(1))
+                        for pair in asked:
+                            pair[0].set_user_attr(DRIVER_ATTR, self.id)  # type: ignore[index]
+                        if self.lock.intact():
+                            self.count += len(asked)
+                            return asked
+                        unsure = asked
+                        _log.warning(
+                            "the study lock (%s) was lost while trial(s) %s were asked: "
+                            "checking the budget again",
+                            self.lock.kind,
+                            [pair[0].number for pair in asked],  # type: ignore[index]
+                        )
+                except LockLost:
+                    continue
+        from ._storage import StorageUnavailable  # _storage imports the study lock
+
+        raise StorageUnavailable(
+            f"the study lock ({self.lock.kind}) of study {self.study.study_name!r} was lost "
+            f"{_ASK_TRIES} times in a row while asking a trial (the database keeps closing "
+            "connections); the sweep stopped with every finished trial recorded: resume it "
+            "once the database is stable"
+        )
+
+    def _settle(self, asked: list[_T], trials: list[Any], total: int) -> list[_T]:
+        """``asked`` (created while the lock was lost), unless the study now holds more than
+        ``total`` counted trials: another driver asked meanwhile under the lock, counting
+        without them, so they are the surplus and void. Decided once: a try cut off while
+        making them void is finished by the next."""
+        mine = {pair[0].number for pair in asked}  # type: ignore[index]
+        already = any(t.user_attrs.get(VOID_ATTR) for t in trials if t.number in mine)
+        if not already and countable(trials) <= total:
+            self.count = countable(trials)
             return asked
+        for t in trials:
+            if t.number in mine:
+                self._void(t._trial_id, t.number, "asked past budget.trials")
+        self.count = countable(self.study.get_trials(deepcopy=False))
+        return []
+
+    def _void_cut_off(self, trials: list[Any], first: int) -> list[Any]:
+        """``trials`` with those a cut-off ask of this driver created made void: running, from
+        trial ``first`` on, named by no driver or by this one (the ask was not answered, so
+        nothing trains them). Re-read after."""
+        from optuna.trial import TrialState
+
+        cut_off = [
+            t
+            for t in trials
+            if t.number >= first
+            and t.state == TrialState.RUNNING
+            and t.user_attrs.get(DRIVER_ATTR) in (None, self.id)
+            and "array" not in t.user_attrs
+        ]
+        for t in cut_off:
+            self._void(t._trial_id, t.number, "its ask lost the connection to the storage")
+        return self.study.get_trials(deepcopy=False) if cut_off else trials
+
+    def _void(self, trial_id: int, number: int, why: str) -> None:
+        """End trial ``number`` as void (see the module docstring)."""
+        from optuna.trial import TrialState
+
+        storage = study_storage(self.study)
+        if storage.get_trial(trial_id).state != TrialState.RUNNING:
+            return  # made void by an earlier try
+        reason = (
+            f"void: {why} while the study lock was lost (a database restart); never trained, "
+            "not counted in budget.trials"
+        )
+        storage.set_trial_user_attr(trial_id, VOID_ATTR, True)
+        storage.set_trial_user_attr(trial_id, "status", "failed")
+        storage.set_trial_user_attr(trial_id, "error", reason)
+        storage.set_trial_state_values(trial_id, TrialState.FAIL)
+        _log.warning("trial %d: %s", number, reason)
 
     @property
     def seed_offset(self) -> int:

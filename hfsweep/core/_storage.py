@@ -23,6 +23,7 @@ from optuna.storages import BaseStorage
 
 from .._compat_optuna import BaseHeartbeat, FrozenStudy
 from .._dburl import expand, mask, scrub
+from ._study_lock import LockLost
 from .result import SweepError
 
 if TYPE_CHECKING:
@@ -190,6 +191,18 @@ class _Retrier:
         self.sleep = sleep
         self.clock = clock
         self.gave_up: StorageUnavailable | None = None
+        self._local = threading.local()
+
+    @contextlib.contextmanager
+    def fenced(self) -> Iterator[None]:
+        """A block of this thread in which a lost connection raises
+        :class:`~hfsweep.core._study_lock.LockLost` at once instead of being tried again (see
+        :meth:`~hfsweep.core._study_lock.StudyLock.fenced`)."""
+        self._local.fenced = getattr(self._local, "fenced", 0) + 1
+        try:
+            yield
+        finally:
+            self._local.fenced -= 1
 
     def run(
         self,
@@ -217,6 +230,15 @@ class _Retrier:
                     if done is not None:
                         return done
                     raise
+                if getattr(self._local, "fenced", 0):
+                    if reset is not None:
+                        reset()
+                    _log.warning(
+                        "storage %s: %s, while holding the study lock; taking the lock again",
+                        self.where,
+                        server_message(exc, self.url),
+                    )
+                    raise LockLost(server_message(exc, self.url)) from exc
                 now = self.clock()
                 if first is None:
                     first = now

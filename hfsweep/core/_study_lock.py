@@ -15,6 +15,14 @@ storage's own kind, which the storage's server (or file system) releases when a 
 
 Inside the process a re-entrant mutex comes first, so threads of one driver never wait on the
 database for each other.
+
+A database lock lives as long as its connection: a server restart ends it while its holder
+still counts on it, and the connection pool then reconnects the holder's next call without an
+error. So a step that must not run twice (asking a trial under the budget) runs
+:meth:`StudyLock.fenced`: a lost connection inside it raises :class:`LockLost` instead of being
+retried, the step takes the lock again with :meth:`StudyLock.renew` and looks again; and before
+the step counts as done, :meth:`StudyLock.intact` checks that the lock's own connection held it
+throughout.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ import os
 import threading
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +42,7 @@ try:
 except ImportError:  # pragma: no cover - only where fcntl is missing (Windows)
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["StudyLock", "find_backend"]
+__all__ = ["LockLost", "StudyLock", "find_backend"]
 
 _log = logging.getLogger("hfsweep.sweep")
 #: attributes under which storage wrappers (Optuna's cache, retrying wrappers) keep the storage
@@ -58,6 +66,12 @@ def find_backend(storage: Any, test: Callable[[Any], bool]) -> Any | None:
     return None
 
 
+class LockLost(Exception):
+    """A connection to the database was lost inside :meth:`StudyLock.fenced`: the study lock,
+    held by a connection of the same server, may have been released meanwhile, so whatever was
+    counted under it must be counted again under a renewed lock."""
+
+
 def _advisory_key(name: str) -> int:
     """A signed 64-bit key for ``pg_advisory_lock``, the same in every process."""
     digest = hashlib.sha256(f"hfsweep study {name}".encode()).digest()
@@ -73,6 +87,9 @@ class StudyLock:
         self._mutex = threading.RLock()
         self._depth = 0
         self._held: AbstractContextManager[Any] | None = None
+        #: the connection holding a database lock, while it is held (see :meth:`intact`)
+        self._conn: Any = None
+        self._check: Callable[[Any], bool] | None = None
         self.kind, self._take = self._choose(storage)
         #: the retrier of a storage that rides out a database restart (hfsweep.core._storage): the
         #: lock is taken through it too, else a restart would end the sweep at the next hook
@@ -116,6 +133,35 @@ class StudyLock:
             raise
         return self
 
+    def fenced(self) -> AbstractContextManager[None]:
+        """A block (under the lock) in which a lost database connection raises
+        :class:`LockLost` instead of being tried again: the lock may have died with it. Only
+        for a storage that retries lost connections; elsewhere the block is plain."""
+        return self._retrier.fenced() if self._retrier is not None else nullcontext()
+
+    def intact(self) -> bool:
+        """Whether the lock is still held by the connection that took it (a database lock
+        dies with its connection, and a server restart ends every connection). Call it while
+        holding the lock; always true for locks that are no database connection's."""
+        if self._conn is None or self._check is None:
+            return True
+        try:
+            return bool(self._check(self._conn))
+        except Exception:
+            return False
+
+    def renew(self) -> None:
+        """Take the lock again while holding it (after :class:`LockLost`, or when
+        :meth:`intact` says it was lost), waiting for the storage as taking it does."""
+        with self._mutex:
+            if self._depth == 0:
+                raise RuntimeError("StudyLock.renew() outside a `with lock:` block")
+            held, self._held = self._held, None
+            if held is not None:
+                with suppress(Exception):  # its connection is gone, and so is the lock
+                    held.__exit__(None, None, None)
+            self._held = self._retrier.run(self._enter) if self._retrier else self._enter()
+
     def _enter(self) -> AbstractContextManager[Any]:
         held = self._take()  # a new one on every try: a failed __enter__ cannot be retried
         held.__enter__()
@@ -138,14 +184,28 @@ class StudyLock:
             self._mutex.release()
 
     @contextmanager
+    def _holding(self, conn: Any, check: Callable[[Any], bool]) -> Iterator[None]:
+        """Keep ``conn`` (holding the lock) and how to ask it whether it still does."""
+        self._conn, self._check = conn, check
+        try:
+            yield
+        finally:
+            self._conn = self._check = None
+
+    @contextmanager
     def _advisory(self, engine: Any) -> Iterator[None]:
         from sqlalchemy import text
 
         key = _advisory_key(self._name)
+        held = text(
+            "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' "
+            "AND pid = pg_backend_pid() AND granted)"
+        )
         with engine.connect() as conn:
             conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": key})
             try:
-                yield
+                with self._holding(conn, lambda c: c.execute(held).scalar()):
+                    yield
             finally:
                 conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": key})
                 conn.commit()
@@ -155,10 +215,12 @@ class StudyLock:
         from sqlalchemy import text
 
         name = f"hfsweep:{hashlib.sha256(self._name.encode()).hexdigest()[:40]}"
+        held = text("SELECT IS_USED_LOCK(:n) = CONNECTION_ID()")
         with engine.connect() as conn:
             conn.execute(text("SELECT GET_LOCK(:n, -1)"), {"n": name})
             try:
-                yield
+                with self._holding(conn, lambda c: c.execute(held, {"n": name}).scalar()):
+                    yield
             finally:
                 conn.execute(text("SELECT RELEASE_LOCK(:n)"), {"n": name})
                 conn.commit()
