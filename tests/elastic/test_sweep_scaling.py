@@ -110,3 +110,32 @@ def test_a_resumed_array_without_a_config_and_nothing_cached_has_no_profile(
 ) -> None:
     profile, how = _scaling(ScalingCache(tmp_path / "scaling.json"))("k", None, 2)
     assert profile is None and "no trial's config is known" in how
+
+
+def test_a_resumed_array_names_its_key_and_a_trials_config_from_its_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """An elastic array resumed without members (a driver restarted) gets its compatibility
+    key and a live trial's config from the checkpoint, so the policy finds the key's profile."""
+    from hfsweep.executors._elastic import _checkpointed
+
+    class Stop(Exception):
+        pass
+
+    seen: list[int] = []
+
+    def report(evaluations: list[hs.Evaluation]) -> dict[str, bool]:
+        seen.append(1)
+        if len(seen) > 1:  # the checkpoint of the first evaluation is written
+            raise Stop
+        return {}
+
+    members = [hs.Member(f"m{i}", {"lr": 0.1 * (i + 1), "seed": i}) for i in range(2)]
+    trainer = hs.ArrayTrainer(_task(), eval_every=2, checkpoint_dir=tmp_path / "0")
+    with pytest.raises(Stop):
+        trainer.run(members, report=report)
+    key, config, held = _checkpointed(str(tmp_path / "0"))
+    assert key == _task().compatibility_key(members[0].config)
+    assert config is not None and _task().compatibility_key(config) == key
+    assert held == {"m0", "m1"}
+    assert _checkpointed(str(tmp_path / "none"))[1:] == (None, set())
