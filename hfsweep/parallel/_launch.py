@@ -69,10 +69,11 @@ class WorkerError(RuntimeError):
 def raise_worker_error(message: str, raised: dict[int, BaseException]) -> NoReturn:
     """Raise the exception of the workers that raised (``raised``: rank -> exception), as the
     single-worker path raises the task's: the lowest rank's among those a phase of the task's
-    training labelled (the task's code raised it), else among those not raised by a failing
-    collective (:data:`~hfsweep._usercode.COLLECTIVE`: mostly the other workers' collectives
-    failing because the first one left), else the lowest rank's; ``WorkerError(message)`` as
-    its cause. Without any exception, ``WorkerError(message)``."""
+    training labelled (the task's code raised it), else the lowest rank's among those not
+    raised by a failing collective, with ``WorkerError(message)`` as its cause. When only
+    collectives failed (:data:`~hfsweep._usercode.COLLECTIVE`: the other workers' view of a
+    worker that left, or whose own exception did not pickle back), or nothing was raised,
+    ``WorkerError(message)`` itself."""
     error = WorkerError(message)
     if not raised:
         raise error
@@ -84,6 +85,8 @@ def raise_worker_error(message: str, raised: dict[int, BaseException]) -> NoRetu
         return (2 if phase == COLLECTIVE else 1, rank)
 
     rank = min(raised, key=rank_order)
+    if phase_of(raised[rank]) == COLLECTIVE:
+        raise error
     exc = raised[rank]
     _log.info("worker %d of a data-parallel array raised %s: %s", rank, type(exc).__name__, exc)
     raise exc from error

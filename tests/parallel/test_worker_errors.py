@@ -70,3 +70,28 @@ def test_a_worker_that_raises_surfaces_the_tasks_exception(
     assert text is not None and "in forward" in text and "BadWidth" in text
     assert isinstance(exc.__cause__, WorkerError)  # every failed worker's traceback
     assert "width 16 is not allowed" in str(exc.__cause__)
+
+
+def test_the_exception_raised_is_the_tasks_not_a_broken_collectives() -> None:
+    """Which worker's exception is raised (no processes): a training phase's first, then one
+    with no phase, and a WorkerError when only collectives failed (the worker that left did not
+    send its own back)."""
+    from hfsweep._usercode import COLLECTIVE, label
+    from hfsweep.parallel._launch import raise_worker_error
+
+    def labelled(exc: Exception, phase: str | None) -> Exception:
+        if phase is not None:
+            label(exc, phase)
+        return exc
+
+    broken = labelled(RuntimeError("Connection closed by peer"), COLLECTIVE)
+    task = labelled(BadWidth("width 16"), "the model's forward")
+    other = KeyError("x")
+    with pytest.raises(BadWidth):
+        raise_worker_error("m", {0: broken, 1: other, 2: task})
+    with pytest.raises(KeyError):
+        raise_worker_error("m", {0: broken, 1: other})
+    with pytest.raises(WorkerError, match="every traceback"):
+        raise_worker_error("every traceback", {0: broken})
+    with pytest.raises(WorkerError):
+        raise_worker_error("no exception came back", {})
