@@ -20,6 +20,7 @@ from types import TracebackType
 
 __all__ = [
     "CHECKPOINT",
+    "COLLECTIVE",
     "HOOK",
     "NOT_TRAINING",
     "OPTIMIZER_STEP",
@@ -41,9 +42,12 @@ CHECKPOINT = "the array's checkpoint"
 #: the phase label of an exception raised by hfsweep's fused optimizer and schedule step (the
 #: task names them, hfsweep's code runs them): an error there is hfsweep's, not the task's
 OPTIMIZER_STEP = "the optimizer step"
+#: the phase label of an exception raised by a collective of a data-parallel array's workers
+#: (an all-reduce or broadcast failing, mostly because another worker left): the machine's
+COLLECTIVE = "the workers' collectives"
 #: the phases whose exceptions are not the task's training failing: they end the sweep as
 #: they are, leaving its trials for a resume
-NOT_TRAINING = (HOOK, CHECKPOINT, OPTIMIZER_STEP)
+NOT_TRAINING = (HOOK, CHECKPOINT, OPTIMIZER_STEP, COLLECTIVE)
 _PHASE = "_hfsweep_phase"
 _REMOTE = "_hfsweep_traceback"
 

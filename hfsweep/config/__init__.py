@@ -65,6 +65,8 @@ A sweep file is one YAML mapping. Every key, with its default::
         resize_every_s: 60      #   an array is resized at most this often (seconds or "1m")
         resize_cost_s: 0        #   a grow must save more seconds than this (checkpoint+restart)
         max_wait_s: 600         #   longest wait of an array paused when workers are too few
+        scaling: model          #   model: each key's scaling modelled (measured step and
+                                #   all-reduce, cached); perfect: k workers = k times one
     storage: null               # null: an Optuna journal file in the run directory; or an Optuna
                                 #   RDB URL (sqlite:///study.db, postgresql+psycopg2://user@host/db
                                 #   with hfsweep[postgres], ...) whose driver is installed;

@@ -25,7 +25,10 @@ _KEYS = (
     "resize_every_s",
     "resize_cost_s",
     "max_wait_s",
+    "scaling",
 )
+#: ``ray.elastic.scaling``: the scaling profiles the allocator decides with
+SCALING = ("model", "perfect")
 _EXAMPLE = "{enabled: false, max_workers_per_array: 8, resize_every_s: 60}"
 
 
@@ -53,6 +56,14 @@ def _elastic(fields: _Fields, raw: object) -> ElasticConfig:
     every = _seconds(fields, e.get("resize_every_s", 60.0), "ray.elastic.resize_every_s")
     cost = _seconds(fields, e.get("resize_cost_s", 0.0), "ray.elastic.resize_cost_s")
     wait = _seconds(fields, e.get("max_wait_s", 600.0), "ray.elastic.max_wait_s")
+    scaling = e.get("scaling", "model")
+    if scaling not in SCALING:
+        raise fields.error(
+            "ray.elastic.scaling",
+            f"{scaling!r} is not one of {', '.join(SCALING)} (model: each key's profile modelled "
+            "from a measured one-worker step and all-reduce; perfect: k workers assumed k times "
+            "one)",
+        )
     if enabled and not WIRED:
         raise fields.error(
             "ray.elastic.enabled",
@@ -67,6 +78,7 @@ def _elastic(fields: _Fields, raw: object) -> ElasticConfig:
         resize_every_s=every,
         resize_cost_s=cost,
         max_wait_s=wait,
+        scaling=str(scaling),
     )
 
 

@@ -161,6 +161,9 @@ class ElasticConfig:
     once per ``resize_every_s`` seconds, a grow must save more than ``resize_cost_s`` seconds,
     and an array paused because workers are short waits at most ``max_wait_s`` seconds
     (:mod:`hfsweep.core._elastic` carries the allocator's plans out on ``backend: ray``).
+    ``scaling`` is how the allocator knows what more workers give an array: ``"model"`` (each
+    compatibility key's profile modelled from a measured one-worker step and this machine's
+    measured all-reduce cost, cached) or ``"perfect"`` (assumed: k workers are k times one).
     """
 
     enabled: bool = False
@@ -169,6 +172,7 @@ class ElasticConfig:
     resize_every_s: float = 60.0
     resize_cost_s: float = 0.0
     max_wait_s: float = 600.0
+    scaling: str = "model"
 
     def to_dict(self) -> dict[str, Any]:
         """The ``ray.elastic`` mapping."""
@@ -179,7 +183,7 @@ class ElasticConfig:
         most = self.max_workers_per_array or "the cluster"
         settings = (
             f"{self.min_workers_per_array} to {most} workers per array, resized at most every "
-            f"{self.resize_every_s:g} s"
+            f"{self.resize_every_s:g} s, {self.scaling} scaling"
         )
         return f"elastic {'on' if self.enabled else 'off'} ({settings})"
 

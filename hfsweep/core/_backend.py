@@ -15,6 +15,7 @@ from ..sizing.device import DTYPES as _DTYPES
 from ..sizing.device import resolve_device
 from ._elastic import ElasticPolicy
 from ._parts import _Parts
+from ._scaling import SweepScaling
 from .result import SweepError
 
 __all__: list[str] = []
@@ -67,13 +68,25 @@ class _Backend(_Parts):
 
     def _elastic_policy(self) -> ElasticPolicy:
         """The allocator's policy for the Ray executor's elastic arrays; its plans go to the
-        progress line."""
+        progress line. With ``ray.elastic.scaling: model`` it gets each compatibility key's
+        scaling profile from a :class:`SweepScaling` (cached, or modelled in this process on the
+        sweep's device and cached); with ``perfect``, perfect scaling is assumed."""
 
         def show(line: str) -> None:
             with self._lock:
                 self.progress.elastic_plan(line)
 
-        budget = self.sc.budget
+        budget, settings = self.sc.budget, self.sc.ray.elastic
+        scaling = None
+        if settings.scaling == "model":
+            device = resolve_device(self.sc.fusion.device)
+            scaling = SweepScaling(
+                self.task,
+                device=device,
+                dtype=_DTYPES[self.sc.fusion.dtype],
+                backend="nccl" if device.startswith("cuda") else "gloo",
+                max_workers=settings.max_workers_per_array or 64,
+            )
         return ElasticPolicy(
-            self.sc.ray.elastic, budget=budget.max_resource, by=budget.resource, show=show
+            settings, budget=budget.max_resource, by=budget.resource, show=show, scaling=scaling
         )

@@ -16,8 +16,14 @@ What the allocator is given:
   (epochs or steps), times the seconds one unit took the array on one worker, measured between
   its reports (time per unit on k workers times the profile's speed-up at k). Before its second
   report an array's unit counts as one second.
-- the scaling profile: *assumed* perfect scaling (k workers are k times one) up to
-  ``max_workers_per_array`` or the cluster; no profile is measured during the sweep yet.
+- the scaling profile of the array's compatibility key: when the first array of a key is
+  placed, the policy asks its ``scaling`` source (the engine's
+  :class:`~hfsweep.core._scaling.SweepScaling` with ``ray.elastic.scaling: model``: the cached
+  profile, else one modelled from a measured one-worker step and the measured all-reduce cost,
+  then cached) once, outside its lock, and logs which it got. Without a source (``scaling:
+  perfect``), or when the source has none or fails (logged with the reason), the profile is
+  *assumed*: perfect scaling (k workers are k times one) up to ``max_workers_per_array`` or the
+  cluster.
 """
 
 from __future__ import annotations
@@ -25,9 +31,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from ..config.schema import ElasticConfig
 from ..parallel import request_resize
@@ -35,9 +42,13 @@ from ..sizing.scaling import ScalingProfile
 from ..training.results import Evaluation
 from .allocator import Allocator, ArrayState, Plan
 
-__all__ = ["ElasticPolicy"]
+__all__ = ["ElasticPolicy", "ScalingSource"]
 
 _log = logging.getLogger("hfsweep.elastic")
+
+#: ``(compatibility key, a trial's config of it or None, members) -> (profile or None, how)``:
+#: where the policy gets a key's scaling profile (:class:`~hfsweep.core._scaling.SweepScaling`)
+ScalingSource = Callable[[str, Mapping[str, Any] | None, int], tuple[ScalingProfile | None, str]]
 
 
 @dataclass
@@ -63,7 +74,8 @@ class ElasticPolicy:
 
     ``budget`` is a trial's budget in ``by`` units (``"epochs"`` or ``"steps"``); ``show``
     gets each plan's status line (the progress display); ``clock`` is seconds (tests pass a
-    fake one).
+    fake one); ``scaling`` gives each compatibility key's scaling profile (None: perfect
+    scaling assumed).
     """
 
     def __init__(
@@ -74,8 +86,15 @@ class ElasticPolicy:
         by: str,
         show: Callable[[str], None] = lambda line: None,
         clock: Callable[[], float] = time.monotonic,
+        scaling: ScalingSource | None = None,
     ) -> None:
         self.settings = settings
+        self.scaling = scaling
+        #: the profile of each compatibility key the source gave (keys it was asked about and
+        #: had none for are in ``_asked`` only: they are assumed perfect)
+        self.profiles: dict[str, ScalingProfile] = {}
+        self._asked: set[str] = set()
+        self._scaling_lock = threading.Lock()
         self.allocator = Allocator(
             min_workers=settings.min_workers_per_array,
             max_workers=settings.max_workers_per_array,
@@ -94,7 +113,15 @@ class ElasticPolicy:
         self.plans: list[Plan] = []
 
     # ------------------------------------------------------------------ the executor's events
-    def started(self, folder: str, key: str, members: int, total: int) -> int:
+    def started(
+        self,
+        folder: str,
+        key: str,
+        members: int,
+        total: int,
+        config: Mapping[str, Any] | None = None,
+    ) -> int:
+        self._learn(folder, key, config, max(1, members))
         with self._lock:
             entry = _Running(folder, key, max(1, members), since=self.clock())
             self._arrays[folder] = entry
@@ -137,6 +164,38 @@ class ElasticPolicy:
         with self._lock:
             if self._arrays.pop(folder, None) is not None and self._arrays:
                 self._decide("array ended", total)
+
+    # ------------------------------------------------------------------ scaling profiles
+    def _learn(self, folder: str, key: str, config: Mapping[str, Any] | None, members: int) -> None:
+        """Ask the scaling source for ``key``'s profile, once per key (the first array of the
+        key placed), outside the policy's lock (modelling measures a few training steps), and
+        log what it gave."""
+        if self.scaling is None or key in self._asked:
+            return
+        with self._scaling_lock:
+            if key in self._asked:
+                return
+            try:
+                profile, how = self.scaling(key, config, members)
+            except Exception as exc:  # a failed measurement must not stop the sweep
+                profile, how = None, f"modelling it failed ({type(exc).__name__}: {exc})"
+            with self._lock:
+                self._asked.add(key)
+                if profile is not None:
+                    self.profiles[key] = profile
+        name = self._name(folder)
+        if profile is None:
+            _log.warning("elastic: scaling of %s's kind of array assumed perfect: %s", name, how)
+            return
+        k2 = f"; 2 workers {profile.speedup(2):.2f}x one" if profile.max_workers >= 2 else ""
+        _log.info(
+            "elastic: scaling profile of %s's kind of array (key %s): %s: %s%s",
+            name,
+            _short(key),
+            how,
+            profile.describe(),
+            k2,
+        )
 
     # ------------------------------------------------------------------ deciding
     def _decide(self, event: str, total: int, fresh: str | None = None) -> None:
@@ -189,10 +248,19 @@ class ElasticPolicy:
         return left * (e.unit_s if e.unit_s is not None else 1.0)
 
     def _profile(self, key: str, total: int | None = None) -> ScalingProfile:
-        """The assumed profile: perfect scaling up to the most workers an array may have."""
+        """``key``'s profile from the scaling source, else the assumed one: perfect scaling up
+        to the most workers an array may have."""
+        known = self.profiles.get(key)
+        if known is not None:
+            return known
         most = self.settings.max_workers_per_array or total or self._total or 1
         return ScalingProfile(key, {k: float(k) for k in range(1, max(1, most) + 1)})
 
     @staticmethod
     def _name(folder: str) -> str:
         return f"array {Path(folder).name}"
+
+
+def _short(key: str, limit: int = 120) -> str:
+    """A compatibility key cut for the log."""
+    return key if len(key) <= limit else key[: limit - 3] + "..."

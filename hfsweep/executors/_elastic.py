@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -46,8 +46,17 @@ class WorkerPolicy(Protocol):
     :mod:`hfsweep.core._elastic`). ``total`` is how many workers the cluster holds now; every
     method may ask other arrays to resize (:func:`~hfsweep.parallel.request_resize`)."""
 
-    def started(self, folder: str, key: str, members: int, total: int) -> int:
-        """An array starts (or resumes) in ``folder``: the workers it starts on."""
+    def started(
+        self,
+        folder: str,
+        key: str,
+        members: int,
+        total: int,
+        config: Mapping[str, Any] | None = None,
+    ) -> int:
+        """An array of compatibility key ``key`` starts (or resumes) in ``folder``: the workers
+        it starts on. ``config`` is one of its trials' configs (None where not known), from
+        which the policy may model the key's scaling."""
         ...
 
     def relaunch(self, folder: str, workers: int, lost: int, total: int) -> int:
@@ -116,11 +125,13 @@ def run_elastic_array(
 
     from ..parallel import train_data_parallel_ray
 
-    key = task.compatibility_key(members[0].config) if members else f"resumed {folder}"
-    live = {m.id for m in members} or (
-        ArrayTrainer.checkpointed_members(folder) - set(ArrayTrainer.delivered_results(folder))
-    )
-    workers = policy.started(folder, key, max(1, len(live)), total())
+    if members:
+        config: Mapping[str, Any] | None = members[0].config
+        key, live = task.compatibility_key(members[0].config), {m.id for m in members}
+    else:
+        key, config, held = _checkpointed(folder)
+        live = held - set(ArrayTrainer.delivered_results(folder))
+    workers = policy.started(folder, key, max(1, len(live)), total(), config=config)
     _log.info("%s trains data-parallel on %d worker(s)", folder, workers)
     events = Queue(actor_options={"num_cpus": 0})
     answers = Queue(actor_options={"num_cpus": 0})
@@ -178,6 +189,28 @@ def run_elastic_array(
         thread.join(timeout=30.0)
         for q in (events, answers):
             q.shutdown(force=True)
+
+
+def _checkpointed(folder: str) -> tuple[str, Mapping[str, Any] | None, set[str]]:
+    """``(compatibility key, a live member's resolved config or None, every member id)`` of
+    the checkpoint in ``folder`` that an array resumes from without being given members."""
+    from ..training.packed import load as load_packed
+
+    path = Path(folder) / "array.pt"
+    if not path.exists():
+        return f"resumed {folder}", None, set()
+    payload = load_packed(path)
+    config = next(
+        (
+            slot["resolved"]
+            for array in payload.get("arrays", [])
+            for slot in array.get("slots", [])
+            if slot is not None and "resolved" in slot
+        ),
+        None,
+    )
+    key = payload.get("key") or f"resumed {folder}"
+    return str(key), config, set(payload.get("order", []))
 
 
 def _answer(kind: str, payload: Any, hooks: ArrayHooks, live: set[str]) -> Any:

@@ -7,7 +7,8 @@ per-member loss, backward, per-member clipping of the *global* gradient, the fus
 with its per-member non-finite checks), the loss weights per shard (which DDP's fixed averaging
 by the world size does not know) are applied before the backward, the evaluation forwards need
 no wrapper, and DDP's buffer broadcast from rank 0 would overwrite the row-weighted BatchNorm
-statistics. What this gives up is DDP's overlap of communication with the backward (its
+statistics. A collective that fails (mostly: another worker left) labels its exception
+:data:`~hfsweep._usercode.COLLECTIVE`, the machine's phase, not the task's. What this gives up is DDP's overlap of communication with the backward (its
 buckets are reduced while later layers still compute): one collective after the backward.
 """
 
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .._compat import flatten_dense_tensors, unflatten_dense_tensors
+from .._usercode import COLLECTIVE, Phase
 
 __all__ = ["Group"]
 
@@ -46,7 +48,8 @@ class Group:
         if self.size == 1 or not tensors:
             return
         flat = flatten_dense_tensors(list(tensors))
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        with Phase(COLLECTIVE):
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
         for t, reduced in zip(tensors, unflatten_dense_tensors(flat, list(tensors)), strict=True):
             t.copy_(reduced)
 
@@ -55,7 +58,8 @@ class Group:
         if self.size == 1 or not tensors:
             return
         flat = flatten_dense_tensors(list(tensors))
-        dist.broadcast(flat, src=0)
+        with Phase(COLLECTIVE):
+            dist.broadcast(flat, src=0)
         for t, value in zip(tensors, unflatten_dense_tensors(flat, list(tensors)), strict=True):
             t.copy_(value)
 
@@ -66,7 +70,8 @@ class Group:
         if self.size == 1:
             return value
         box = [value if self.leader else None]
-        dist.broadcast_object_list(box, src=0)
+        with Phase(COLLECTIVE):
+            dist.broadcast_object_list(box, src=0)
         return box[0]
 
     def rows_total(self, rows: int) -> int:
@@ -74,7 +79,8 @@ class Group:
         if self.size == 1:
             return rows
         t = torch.tensor([rows], dtype=torch.int64, device=self._device())
-        dist.all_reduce(t)
+        with Phase(COLLECTIVE):
+            dist.all_reduce(t)
         return int(t.item())
 
     def _device(self) -> torch.device:

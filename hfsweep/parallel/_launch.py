@@ -14,8 +14,12 @@ evaluation (whose layout does not depend on k):
   trained again, from the same state and data, so they give the same values; the members the
   leader already delivered (``delivered.log``) are not delivered again.
 
-A worker that raises (a bug, a bad config) is not a lost worker: the error is raised here with
-the worker's traceback.
+A worker that raises (a bug, a bad config) is not a lost worker: the worker's own exception is
+raised here, as the single-worker trainer (or a Ray actor, through :func:`~hfsweep._usercode.unwrap`)
+raises it: its type, its message and its phase label (so the engine fails the trials as with one
+worker), with the worker's traceback text kept on it (:func:`~hfsweep._usercode.remote_traceback`)
+and a :class:`WorkerError` naming every worker that failed as its ``__cause__``. Only an exception
+that cannot be pickled back is raised as the :class:`WorkerError` itself.
 """
 
 from __future__ import annotations
@@ -30,17 +34,25 @@ import traceback
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
 from .._io import atomic_save, atomic_write_text
+from .._usercode import COLLECTIVE, NOT_TRAINING, keep_traceback, phase_of
 from ..training import Member, MemberResult
 from ..training.results import RefillHook, ReportHook
 from ..training.task import Task
 from ._run import RESIZE_FILE, DataParallelTrainer, ResizeRequested
 
-__all__ = ["WorkerError", "elastic_loop", "free_port", "train_data_parallel", "train_worker"]
+__all__ = [
+    "WorkerError",
+    "elastic_loop",
+    "free_port",
+    "raise_worker_error",
+    "train_data_parallel",
+    "train_worker",
+]
 
 _log = logging.getLogger("hfsweep.parallel")
 
@@ -49,7 +61,35 @@ _GRACE_S = 2.0
 
 
 class WorkerError(RuntimeError):
-    """A worker of a data-parallel array raised; the message holds its traceback."""
+    """A worker of a data-parallel array failed; the message holds every failed worker's
+    traceback. A worker's own exception, where it could be brought back, is raised instead,
+    with this error as its cause (:func:`raise_worker_error`)."""
+
+
+def raise_worker_error(message: str, raised: dict[int, BaseException]) -> NoReturn:
+    """Raise the exception of the workers that raised (``raised``: rank -> exception), as the
+    single-worker path raises the task's: the lowest rank's among those a phase of the task's
+    training labelled (the task's code raised it), else the lowest rank's among those not
+    raised by a failing collective, with ``WorkerError(message)`` as its cause. When only
+    collectives failed (:data:`~hfsweep._usercode.COLLECTIVE`: the other workers' view of a
+    worker that left, or whose own exception did not pickle back), or nothing was raised,
+    ``WorkerError(message)`` itself."""
+    error = WorkerError(message)
+    if not raised:
+        raise error
+
+    def rank_order(rank: int) -> tuple[int, int]:
+        phase = phase_of(raised[rank])
+        if phase is not None and phase not in NOT_TRAINING:
+            return (0, rank)
+        return (2 if phase == COLLECTIVE else 1, rank)
+
+    rank = min(raised, key=rank_order)
+    if phase_of(raised[rank]) == COLLECTIVE:
+        raise error
+    exc = raised[rank]
+    _log.info("worker %d of a data-parallel array raised %s: %s", rank, type(exc).__name__, exc)
+    raise exc from error
 
 
 def train_data_parallel(
@@ -238,10 +278,27 @@ def _run_workers(
         for rank in range(job.workers)
         if (scratch / f"error-{rank}.txt").exists()
     ]
-    raise WorkerError(
+    raise_worker_error(
         f"a worker of the data-parallel array in {job.directory} failed (exit codes {codes}):\n"
-        + ("\n".join(errors) or "no traceback was written")
+        + ("\n".join(errors) or "no traceback was written"),
+        _raised(scratch, job.workers),
     )
+
+
+def _raised(scratch: Path, workers: int) -> dict[int, BaseException]:
+    """The exceptions the workers saved (rank -> exception); those that do not load back are
+    left out (their traceback text is in the :class:`WorkerError`)."""
+    out: dict[int, BaseException] = {}
+    for rank in range(workers):
+        path = scratch / f"error-{rank}.pt"
+        if path.exists():
+            try:
+                exc = torch.load(path, weights_only=False)
+            except Exception:  # an exception class the parent cannot import or rebuild
+                continue
+            if isinstance(exc, BaseException):
+                out[rank] = exc
+    return out
 
 
 def _worker(
@@ -254,13 +311,18 @@ def _worker(
     options: dict[str, Any],
 ) -> None:
     """One worker process: train, and (rank 0) write the outcome; a worker that raises
-    writes its traceback."""
+    writes its traceback, and its exception (the traceback text kept on it) where it pickles."""
     try:
         outcome = train_worker(rank, f"127.0.0.1:{port}", job, threads, timeout_s, options)
         if rank == 0:
             atomic_save(outcome, scratch / "outcome.pt")
-    except BaseException:
-        atomic_write_text(scratch / f"error-{rank}.txt", traceback.format_exc())
+    except BaseException as exc:
+        text = traceback.format_exc()
+        atomic_write_text(scratch / f"error-{rank}.txt", text)
+        if isinstance(exc, Exception):
+            keep_traceback(exc, text)
+            with contextlib.suppress(Exception):  # an exception that does not pickle
+                atomic_save(exc, scratch / f"error-{rank}.pt")
         raise
 
 

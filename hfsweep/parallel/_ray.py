@@ -22,10 +22,11 @@ from typing import Any
 
 import torch
 
+from .._usercode import unwrap
 from ..training import Member, MemberResult
 from ..training.results import RefillHook, ReportHook
 from ..training.task import Task
-from ._launch import WorkerError, _Job, elastic_loop, free_port, train_worker
+from ._launch import WorkerError, _Job, elastic_loop, free_port, raise_worker_error, train_worker
 from ._run import read_resize
 
 __all__ = ["train_data_parallel_ray"]
@@ -170,7 +171,7 @@ def _launch(
         ]
         outcomes: dict[int, Any] = {}
         died: set[int] = set()
-        raised: dict[int, BaseException] = {}
+        raised: dict[int, Exception] = {}
         pending = list(refs)
         failed = False
         while pending:
@@ -190,9 +191,10 @@ def _launch(
         if died:
             return "lost", len(died)
         if raised:
-            first, error = min(raised.items())
-            raise WorkerError(
-                f"worker {first} of the data-parallel array in {job.directory} raised: {error}"
+            text = "\n".join(f"worker {rank}: {error}" for rank, error in sorted(raised.items()))
+            raise_worker_error(
+                f"a worker of the data-parallel array in {job.directory} raised:\n{text}",
+                {rank: unwrap(error) for rank, error in raised.items()},
             )
         return outcomes[0]
     finally:

@@ -39,7 +39,12 @@ def test_off_by_default_and_round_trips() -> None:
     e = sc.ray.elastic
     assert (e.min_workers_per_array, e.max_workers_per_array, e.resize_every_s) == (2, 8, 120.0)
     assert parse_sweep(sc.to_dict()).ray.elastic == e
-    assert "elastic off (2 to 8 workers per array, resized at most every 120 s)" in sc.summary()
+    assert (
+        "elastic off (2 to 8 workers per array, resized at most every 120 s, model scaling)"
+        in sc.summary()
+    )
+    assert e.scaling == "model"
+    assert parse_sweep(_with({"scaling": "perfect"})).ray.elastic.scaling == "perfect"
 
 
 @pytest.mark.parametrize(
@@ -56,6 +61,7 @@ def test_off_by_default_and_round_trips() -> None:
         ),
         ({"resize_every_s": -5}, "ray.elastic.resize_every_s", "positive number of seconds"),
         ({"max_wait_s": "soon"}, "ray.elastic.max_wait_s", "is not a duration"),
+        ({"scaling": "measured"}, "ray.elastic.scaling", "'measured' is not one of model, perfect"),
     ],
 )
 def test_errors_name_the_path_the_value_and_what_is_valid(

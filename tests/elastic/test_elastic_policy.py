@@ -89,3 +89,85 @@ def test_lost_workers_and_a_smaller_cluster_are_named_in_the_decision(tmp_path: 
     assert policy.relaunch(a, 1, 1, total=2) == 1
     assert policy.plans[-1].event == "node left, 1 worker(s) lost"
     assert read_resize(b) == 1
+
+
+# ---------------------------------------------------------------------- scaling profiles
+def _scaled(speedups: dict[str, float], asked: list[str]):
+    """A scaling source: key -> a profile whose speed-up at 2 workers is ``speedups[key]``
+    (3 workers: 1.5 times that gain); ``asked`` records each key asked for."""
+    from hfsweep.sizing.scaling import ScalingProfile
+
+    def source(key: str, config: object, members: int) -> tuple[ScalingProfile, str]:
+        asked.append(key)
+        s2 = speedups[key]
+        points = {1: 100.0, 2: 100.0 * s2, 3: 100.0 * (1 + 1.5 * (s2 - 1))}
+        return ScalingProfile(key, points), "given by the test"
+
+    return source
+
+
+@pytest.mark.parametrize(("speedup", "grown"), [(0.8, False), (1.9, True)])
+def test_an_array_grows_only_where_its_profile_says_more_workers_help(
+    tmp_path: Path, speedup: float, grown: bool
+) -> None:
+    """Alone on 3 workers: an array whose profile says 2 workers are slower than one keeps one
+    worker (the others idle); one that scales well gets all three."""
+    clock, shown, asked = _Clock(), [], []
+    config = ElasticConfig(enabled=True, resize_every_s=0.0)
+    policy = ElasticPolicy(
+        config,
+        budget=10,
+        by="epochs",
+        show=shown.append,
+        clock=clock,
+        scaling=_scaled({"k": speedup}, asked),
+    )
+    a = str(tmp_path / "0")
+    Path(a).mkdir()
+    assert policy.started(a, "k", 4, total=3) == (3 if grown else 1)
+    assert asked == ["k"]
+
+
+def test_the_worker_goes_to_the_array_that_scales_better(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two arrays with the same members and work left on 3 workers: the third worker goes to
+    the array whose profile gains more from a second worker, whichever started first; each key's
+    profile is asked for once and logged."""
+    for poor, good in (("a", "b"), ("b", "a")):
+        clock, shown, asked = _Clock(), [], []
+        config = ElasticConfig(enabled=True, resize_every_s=0.0)
+        policy = ElasticPolicy(
+            config,
+            budget=10,
+            by="epochs",
+            show=shown.append,
+            clock=clock,
+            scaling=_scaled({poor: 1.1, good: 1.9}, asked),
+        )
+        first, second = str(tmp_path / f"{poor}0"), str(tmp_path / f"{poor}1")
+        for folder in (first, second):
+            Path(folder).mkdir(exist_ok=True)
+        with caplog.at_level(logging.INFO, logger="hfsweep.elastic"):
+            policy.started(first, "a", 4, total=3)
+            policy.started(second, "b", 4, total=3)
+            policy.started(str(tmp_path / "x"), "a", 4, total=3)  # a known key: not asked again
+            policy.ended(str(tmp_path / "x"), total=3)
+        workers = {k: policy._arrays[f].workers for k, f in (("a", first), ("b", second))}
+        assert workers == {poor: 1, good: 2}
+        assert asked == ["a", "b"]
+        assert "2 workers 1.10x one" in caplog.text and "2 workers 1.90x one" in caplog.text
+
+
+def test_a_failing_scaling_source_leaves_perfect_scaling_assumed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(key: str, config: object, members: int) -> tuple[None, str]:
+        raise RuntimeError("no all-reduce here")
+
+    config = ElasticConfig(enabled=True, resize_every_s=0.0)
+    policy = ElasticPolicy(config, budget=10, by="epochs", clock=_Clock(), scaling=broken)
+    Path(tmp_path / "0").mkdir()
+    with caplog.at_level(logging.INFO, logger="hfsweep.elastic"):
+        assert policy.started(str(tmp_path / "0"), "k", 4, total=2) == 2
+    assert "assumed perfect: modelling it failed (RuntimeError: no all-reduce here)" in caplog.text

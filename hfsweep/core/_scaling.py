@@ -1,0 +1,135 @@
+"""The scaling profiles an elastic sweep's allocator decides with: one per compatibility key,
+read from the scaling cache, else modelled once and cached.
+
+With ``ray.elastic.scaling: model`` (the default) the engine gives the elastic policy a
+:class:`SweepScaling`. When the first array of a compatibility key is placed, the policy asks it
+for that key's :class:`~hfsweep.profiler.ScalingProfile`:
+
+- **cached**: a profile stored in the scaling cache (``scaling.json`` beside the array-size
+  profiles' ``profiles.json``, :class:`~hfsweep.sizing.allreduce.ScalingCache`) under the key,
+  the driver's device and dtype and the collective backend is used as it is, measuring nothing
+  (a resumed sweep, a second sweep of the same kind of array);
+- **modelled** otherwise, by :func:`~hfsweep.profiler.model_scaling`: the one-worker step time
+  of an array of that many members is *measured* in the driver process on its device (a few
+  steps, :func:`~hfsweep.sizing.task.measure_step`, about ``min_seconds``), the gradient bytes
+  are every member's trainable parameters, and the all-reduce cost is this machine's, cached
+  (measured once per machine with two local processes, :meth:`ScalingCache.allreduce`). The
+  profile is cached before it is used.
+
+The model's points are member-samples/s of an array of the first array's size; the allocator uses
+only their ratios (speed-ups), which an array's size barely changes (compute and gradient bytes
+both grow with the members). The model assumes compute divides by k and no overlap of the
+all-reduce with the backward (``benchmarks/scaling_profile.py`` measured it 2.5-2.9x optimistic
+at k = 2 on a loaded 2-core CPU). The driver measures on *its* device: on a cluster whose driver
+has no accelerator the step is the CPU's, not the workers' (the cached profile can be replaced
+with :meth:`ScalingCache.put_profile`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..sizing.allreduce import ScalingCache
+from ..sizing.device import _describe_device
+from ..sizing.scaling import ScalingProfile, model_scaling
+from ..sizing.task import measure_step
+from ..training.task import Task, fork_rng
+
+__all__: list[str] = []
+
+
+class SweepScaling:
+    """Scaling profiles by compatibility key for :class:`~hfsweep.core._elastic.ElasticPolicy`
+    (see the module docstring). ``device``/``dtype`` are where the one-worker step is measured
+    (the sweep's ``fusion`` settings, resolved in the driver); ``backend`` the collective
+    (``"gloo"`` or ``"nccl"``) whose all-reduce cost the model uses; ``max_workers`` the
+    largest worker count modelled; ``cache`` the scaling cache (default: beside the array-size
+    profiles)."""
+
+    def __init__(
+        self,
+        task: Task,
+        *,
+        device: str | torch.device,
+        dtype: torch.dtype,
+        backend: str,
+        max_workers: int,
+        cache: ScalingCache | None = None,
+        min_seconds: float = 0.2,
+    ) -> None:
+        self.task = task
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.backend = backend
+        self.max_workers = max_workers
+        self.cache = cache if cache is not None else ScalingCache()
+        self.min_seconds = min_seconds
+
+    def cache_key(self, key: str) -> str:
+        """Where ``key``'s profile is cached: the compatibility key, the dtype, the device's
+        hardware and the collective backend."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"{key}|{dtype}|{_describe_device(self.device)}|{self.backend}"
+
+    def __call__(
+        self, key: str, config: Mapping[str, Any] | None, members: int
+    ) -> tuple[ScalingProfile | None, str]:
+        """``(profile, how it was obtained)`` for the compatibility key ``key``: the cached one,
+        else modelled from ``config`` (a trial's config of that key) at ``members`` members and
+        cached; ``(None, why)`` when nothing is cached and ``config`` is None (an array resumed
+        from a checkpoint that holds no live member's config)."""
+        where = self.cache_key(key)
+        cached = self.cache.get_profile(where)
+        if cached is not None:
+            return cached, f"cached in {self.cache.path} (nothing measured)"
+        if config is None:
+            return None, f"none is cached in {self.cache.path} and no trial's config is known"
+        profile, how = self._model(where, config, max(1, members))
+        self.cache.put_profile(profile)
+        return profile, f"{how}; cached in {self.cache.path}"
+
+    def _model(
+        self, where: str, config: Mapping[str, Any], members: int
+    ) -> tuple[ScalingProfile, str]:
+        """The modelled profile (see the module docstring) and how it was made."""
+        resolved = self.task.resolve(config)
+        with fork_rng():
+            model = self.task.build_model(resolved).to(self.dtype)
+            train, _ = self.task.build_data(resolved)
+            first = next(iter(train))
+        x, y = (t.to(self.device) for t in first)
+        if x.is_floating_point():
+            x = x.to(self.dtype)
+        batch_size = int(y.shape[0])
+        step = measure_step(
+            self.task,
+            resolved,
+            members,
+            device=self.device,
+            dtype=self.dtype,
+            batch=(x, y),
+            min_seconds=self.min_seconds,
+        )
+        per_member = sum(
+            p.numel() * p.element_size() for p in model.parameters() if p.requires_grad
+        )
+        allreduce = self.cache.allreduce(self.backend)
+        profile = model_scaling(
+            where,
+            step_s=step.step_s,
+            members=members,
+            batch_size=batch_size,
+            gradient_bytes=float(per_member * members),
+            allreduce=allreduce,
+            max_workers=self.max_workers,
+        )
+        how = (
+            f"modelled from a one-worker step measured here ({step.step_s * 1e3:.2f} ms, "
+            f"{members} members, batch {batch_size}, {self.device}) and the all-reduce cost "
+            f"({allreduce.source}; {allreduce.bandwidth_bytes_per_s / 1e9:.2f} GB/s, "
+            f"{allreduce.latency_s * 1e6:.0f} us per hop)"
+        )
+        return profile, how
