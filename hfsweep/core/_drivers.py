@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from .._compat import study_id, study_storage, trial_for
+from .._compat import study_id, study_storage, trial_for, trial_id
 from .._io import atomic_write_text
 from ._study_lock import LockLost, StudyLock
 
@@ -487,7 +487,7 @@ class Drivers:
             return asked
         for t in trials:
             if t.number in mine:
-                self._void(t._trial_id, t.number, "asked past budget.trials")
+                self._void(trial_id(t), t.number, "asked past budget.trials")
         self.count = countable(self.study.get_trials(deepcopy=False))
         return []
 
@@ -506,24 +506,24 @@ class Drivers:
             and "array" not in t.user_attrs
         ]
         for t in cut_off:
-            self._void(t._trial_id, t.number, "its ask lost the connection to the storage")
+            self._void(trial_id(t), t.number, "its ask lost the connection to the storage")
         return self.study.get_trials(deepcopy=False) if cut_off else trials
 
-    def _void(self, trial_id: int, number: int, why: str) -> None:
+    def _void(self, ident: int, number: int, why: str) -> None:
         """End trial ``number`` as void (see the module docstring)."""
         from optuna.trial import TrialState
 
         storage = study_storage(self.study)
-        if storage.get_trial(trial_id).state != TrialState.RUNNING:
+        if storage.get_trial(ident).state != TrialState.RUNNING:
             return  # made void by an earlier try
         reason = (
             f"void: {why} while the study lock was lost (a database restart); never trained, "
             "not counted in budget.trials"
         )
-        storage.set_trial_user_attr(trial_id, VOID_ATTR, True)
-        storage.set_trial_user_attr(trial_id, "status", "failed")
-        storage.set_trial_user_attr(trial_id, "error", reason)
-        storage.set_trial_state_values(trial_id, TrialState.FAIL)
+        storage.set_trial_user_attr(ident, VOID_ATTR, True)
+        storage.set_trial_user_attr(ident, "status", "failed")
+        storage.set_trial_user_attr(ident, "error", reason)
+        storage.set_trial_state_values(ident, TrialState.FAIL)
         _log.warning("trial %d: %s", number, reason)
 
     @property
