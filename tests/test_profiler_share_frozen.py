@@ -84,3 +84,30 @@ def test_profiles_with_and_without_sharing_are_cached_apart(tmp_path: Path) -> N
     assert profile_task(TASK, {}, share_frozen=False, **kw).measurements == unshared.measurements
     with pytest.raises(ValueError, match=r"share_frozen='no'.*True"):
         profile_task(TASK, {}, share_frozen="no", **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_hfsweep_profile_of_a_sweep_file_measures_with_its_share_frozen(
+    share: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import hfsweep.sizing.task as sizing
+    from hfsweep.cli import main
+
+    seen: list[bool] = []
+    real = sizing.profile_task
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        seen.append(kwargs["share_frozen"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sizing, "profile_task", recording)
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(
+        "task: digits_mlp\nconfig: {hidden: 8}\n"
+        "search_space: {lr: {type: float, low: 0.01, high: 0.1, log: true}}\n"
+        "budget: {trials: 2, epochs: 1}\nmetric: val_accuracy\nmode: max\n"
+        f"fusion: {{device: cpu, share_frozen: {str(share).lower()}}}\n"
+    )
+    args = ["profile", str(sweep), "--sizes", "1", "--seconds", "0.01", "--no-plot", "--no-cache"]
+    assert main(args) == 0, capsys.readouterr().err
+    assert seen == [share]
