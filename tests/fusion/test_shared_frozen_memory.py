@@ -50,7 +50,10 @@ def member(seed: int) -> nn.Module:
     torch.manual_seed(1234)  # the same base for every member
     base = Encoder()
     config = peft.LoraConfig(
-        r=4, lora_alpha=8, target_modules=["up", "down"], lora_dropout=0.1,
+        r=4,
+        lora_alpha=8,
+        target_modules=["up", "down"],
+        lora_dropout=0.1,
         modules_to_save=["head"],
     )
     torch.manual_seed(seed)
@@ -100,7 +103,9 @@ def test_no_op_makes_a_per_member_copy_of_a_frozen_tensor() -> None:
     _step(array, opt)  # the trace is recorded; the second step replays it
     with _Outputs() as seen:
         _step(array, opt)
-    copies = [(op, s) for op, shapes in seen.ops for s in shapes if s[:1] == (b,) and s[1:] in shared]
+    copies = [
+        (op, s) for op, shapes in seen.ops for s in shapes if s[:1] == (b,) and s[1:] in shared
+    ]
     assert copies == []
     embedding = [shapes for op, shapes in seen.ops if op == "embedding"]
     assert embedding == [[(BATCH, TOKENS, DIM)]]  # once, on the shared batch

@@ -15,11 +15,12 @@ from torch import Tensor, nn
 
 pytest.importorskip("ray")
 
+from hfsweep.schedulers._tune_trainable import make_executor
+from hfsweep.schedulers.tune import Fusion
+
 import hfsweep as hs
 from hfsweep.executors import ArrayHooks
 from hfsweep.fusion import FusedArray
-from hfsweep.schedulers._tune_trainable import make_executor
-from hfsweep.schedulers.tune import Fusion
 from hfsweep.tasks import TensorBatches
 
 
@@ -98,7 +99,9 @@ def test_the_auto_array_size_profiles_arrays_built_the_same_way(
 
     def recording(*args: Any, **kwargs: Any) -> Any:
         calls.append(kwargs)
-        return profile_task(*args, **{**kwargs, "cache": None, "sizes": [1, 2], "min_seconds": 0.01})
+        return profile_task(
+            *args, **{**kwargs, "cache": None, "sizes": [1, 2], "min_seconds": 0.01}
+        )
 
     monkeypatch.setattr(sizing, "profile_task", recording)
     fusion = Fusion(TASK, members=4, array_size="auto", device="cpu", share_frozen=share)
