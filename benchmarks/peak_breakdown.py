@@ -18,7 +18,7 @@ shape, and reports:
   peak - its frozen tensors.
 
 It also lists any tensor made during the step whose shape is ``[B, *shape of a shared frozen
-tensor]`` (a per-member copy of a frozen weight; expected: none). Writes
+tensor]`` for B > 1 (a per-member copy of a frozen weight; expected: none). Writes
 ``results/peak_breakdown_cpu_<model>.{md,json}``, or ``STEM.{md,json}`` with ``--out``.
 """
 
@@ -129,8 +129,14 @@ def measure(model: str, size: int) -> dict[str, Any]:
         groups[(op, shape)][0] += 1
         groups[(op, shape)][1] += nbytes
     members = max(size, 1)
+    # at B = 1 a leading 1 is no member dimension (BERT's position embedding lookup is
+    # [1, tokens, hidden] by itself): copies are looked for where B > 1
     copies = sorted(
-        {f"{op} {list(s)}" for op, s in tracker.made if s[:1] == (size,) and s[1:] in frozen_shapes}
+        {
+            f"{op} {list(s)}"
+            for op, s in tracker.made
+            if size > 1 and s[:1] == (size,) and s[1:] in frozen_shapes
+        }
     )
     return {
         "members": size,
@@ -167,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{(r['peak_bytes'] - r['frozen_bytes'] - r['other_state_bytes']) / _MIB:.1f}",
             f"{r['per_member_bytes'] / _MIB:.1f}",
             r["peak_at_op"],
-            str(len(r["frozen_copies"])),
+            str(len(r["frozen_copies"])) if r["members"] > 1 else "-",
         ]
         for r in rows
     ]
@@ -207,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
             "model, its tensors that do not require grad); other state: trainable parameters, "
             "optimizer state and the batch; step: tensors made during the step alive at the peak; "
             "per member: (peak - frozen) / B; frozen copies: tensors made during the step shaped "
-            "[B, *a shared frozen tensor's shape]",
+            "[B, *a shared frozen tensor's shape], B > 1",
         ],
         [
             "way",
