@@ -65,6 +65,7 @@ def _profile(args: argparse.Namespace) -> int:
 
     try:
         device_name, dtype_name = args.device, args.dtype
+        share_frozen = True
         if args.task.endswith((".yaml", ".yml")):
             from .config import load_sweep
 
@@ -74,6 +75,7 @@ def _profile(args: argparse.Namespace) -> int:
             config = {**sweep.config, **sweep.space.fixed, **_parse_sets(args.set)}
             device_name = device_name or sweep.fusion.device
             dtype_name = dtype_name or sweep.fusion.dtype
+            share_frozen = sweep.fusion.share_frozen  # its arrays' memory, as the sweep builds them
         else:
             task = load_task(args.task)
             config = _parse_sets(args.set)
@@ -122,6 +124,7 @@ def _profile(args: argparse.Namespace) -> int:
             refresh=args.refresh,
             min_seconds=args.seconds,
             on_measure=progress,
+            share_frozen=share_frozen,
         )
     except (TaskError, ValueError) as e:
         print(f"hfsweep profile: {e}", file=sys.stderr)

@@ -50,7 +50,7 @@ from hfsweep.training.task import Task
 from ._tune_hub import await_answer, connect
 from ._tune_state import META, WEIGHTS_DIR, weights_file
 
-__all__ = ["DTYPES", "TrainSpec", "make_trainable"]
+__all__ = ["DTYPES", "TrainSpec", "make_executor", "make_trainable"]
 
 #: the file in the trainer's checkpoint directory that holds the channel's own state
 _CHANNEL_FILE = "hfsweep_channel.json"
@@ -62,13 +62,16 @@ TRAINABLE_NAME = "hfsweep_array"
 class TrainSpec:
     """How a worker trains an array: the task (an :class:`hfsweep.Task`, or a name that
     ``hfsweep`` resolves: a ready task, ``module:attribute``, ``/abs/path.py:attribute``),
-    device (``"auto"``: CUDA when the worker sees a GPU), dtype name, evaluation period."""
+    device (``"auto"``: CUDA when the worker sees a GPU), dtype name, evaluation period, and
+    whether arrays keep frozen tensors every member holds identically once (``share_frozen``,
+    as in :func:`hfsweep.fuse`)."""
 
     task: Task | str
     device: str = "auto"
     dtype: str = "float32"
     eval_every: int | None = None
     trace: bool = True
+    share_frozen: bool = True
 
     def load_task(self) -> Task:
         """The task object (loaded in the worker when given by name)."""
@@ -113,16 +116,7 @@ def train_array(config: Mapping[str, Any], spec: TrainSpec) -> None:
             checkpoint.to_directory(str(work))
             resume = (work / "array.pt").exists()
         channel = _Channel(connect(str(meta["hub"])), meta, work, resumed=resume)
-        executor = LocalExecutor(
-            task,
-            device=spec.torch_device(),
-            dtype=DTYPES[spec.dtype],
-            eval_every=spec.eval_every,
-            trace=spec.trace,
-            # a stopped member may be one the driver counts complete (at the scheduler's
-            # budget): the channel keeps the weights of those and of the completed ones
-            final_states="all",
-        )
+        executor = make_executor(spec, task)
         members = [Member(str(m["id"]), dict(m["config"])) for m in meta["members"]]
         with executor:
             hooks = ArrayHooks(
@@ -132,6 +126,21 @@ def train_array(config: Mapping[str, Any], spec: TrainSpec) -> None:
         channel.close()
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def make_executor(spec: TrainSpec, task: Task) -> LocalExecutor:
+    """The executor that trains a trial's array in the worker, as ``spec`` says."""
+    return LocalExecutor(
+        task,
+        device=spec.torch_device(),
+        dtype=DTYPES[spec.dtype],
+        eval_every=spec.eval_every,
+        trace=spec.trace,
+        share_frozen=spec.share_frozen,
+        # a stopped member may be one the driver counts complete (at the scheduler's
+        # budget): the channel keeps the weights of those and of the completed ones
+        final_states="all",
+    )
 
 
 class _Channel:

@@ -167,6 +167,11 @@ class Fusion:
         eval_every: evaluate every this many of a member's steps (default: once per epoch).
         refill: give a freed slot a new member of the same key at once (default); without,
             an array shrinks as its members end.
+        share_frozen: keep frozen tensors that every member of an array holds identically
+            (a fine-tuning sweep's pretrained backbone) once per array (default), as
+            ``share_frozen`` of :func:`hfsweep.fuse` and a sweep file's
+            ``fusion.share_frozen``; ``False`` gives every member its own copy. The profiler's
+            ``"auto"`` array size measures arrays built the same way.
     """
 
     def __init__(
@@ -179,6 +184,7 @@ class Fusion:
         dtype: str = "float32",
         eval_every: int | None = None,
         refill: bool = True,
+        share_frozen: bool = True,
     ) -> None:
         if not is_int(members) or not in_range(members, 1, MAX_TRIALS):
             raise ValueError(
@@ -196,10 +202,20 @@ class Fusion:
             raise ValueError(f"Fusion(device={device!r}): choose 'auto', 'cpu' or 'cuda[:N]'")
         if eval_every is not None and not (is_int(eval_every) and eval_every >= 1):
             raise ValueError(f"Fusion(eval_every={eval_every!r}): give an integer >= 1 (steps)")
+        if not isinstance(share_frozen, bool):
+            raise ValueError(
+                f"Fusion(share_frozen={share_frozen!r}): {type(share_frozen).__name__} is not "
+                "True or False (True keeps frozen tensors every member holds identically once)"
+            )
         loaded, ref = _task(task)
         self.task = loaded
         self._spec = TrainSpec(
-            task=ref, device=device, dtype=dtype, eval_every=eval_every, trace=True
+            task=ref,
+            device=device,
+            dtype=dtype,
+            eval_every=eval_every,
+            trace=True,
+            share_frozen=share_frozen,
         )
         size: int | Callable[[Mapping[str, Any]], int]
         size = self._profiled_size if array_size == "auto" else int(array_size)
@@ -261,7 +277,12 @@ class Fusion:
 
         device = self._spec.torch_device()
         profile = profile_task(
-            self.task, config, device=device, dtype=DTYPES[self._spec.dtype], cache=ProfileCache()
+            self.task,
+            config,
+            device=device,
+            dtype=DTYPES[self._spec.dtype],
+            cache=ProfileCache(),
+            share_frozen=self._spec.share_frozen,
         )
         size, reason = limit_for_learning(
             int(profile.chosen),

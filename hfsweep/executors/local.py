@@ -75,7 +75,8 @@ class LocalExecutor(Executor):
 
     def array_size(self, config: Mapping[str, Any]) -> tuple[int, str]:
         """The profiler's array size for ``config`` on this device, and why (profiles are
-        cached by architecture, optimizer, input, dtype and hardware). The profile's arrays
+        cached by architecture, optimizer, input, dtype and hardware). Its arrays share
+        frozen tensors as this executor's arrays do (``share_frozen``). The profile's arrays
         trace into this sweep's trace cache, so the arrays trained next replay those traces."""
         from ..sizing.cache import ProfileCache
         from ..sizing.task import profile_task
@@ -91,6 +92,9 @@ class LocalExecutor(Executor):
             traces=traces,
             data=self._data_cache.get(self.task, self.task.resolve(config)),
             compare_compiled=self.compile == "auto",
+            # measured as the trainer builds them: an array offloaded to the host keeps its
+            # frozen tensors per member (see ArrayTrainer)
+            share_frozen=self.share_frozen and self.offload != "host",
         )
         if profile.compile is not None:
             self._compile_choice[key] = profile.compile.compiled

@@ -153,6 +153,7 @@ def measure_step(
     traces: dict[Any, Any] | None = None,
     compile: bool | str = False,
     first_step: list[float] | None = None,
+    share_frozen: bool = True,
 ) -> Measurement:
     """Time the training step of an array of ``size`` members of ``config`` on ``batch``.
 
@@ -163,7 +164,10 @@ def measure_step(
     cache the array shares (see :func:`profile_task`). ``compile``: the array and the loss
     compiled as the trainer's ``compile`` does; its peak memory is not measured (0: the op by
     op tracker would not see inside compiled kernels). ``first_step``: a list the first warm-up
-    step's seconds are appended to (tracing and compiling included).
+    step's seconds are appended to (tracing and compiling included). ``share_frozen``: the
+    array keeps frozen tensors every member holds identically once, as the trainer's arrays
+    do with ``fusion.share_frozen`` (``False``: B copies, so the peak counts the frozen
+    backbone B times).
     """
     with _as_the_trainer_runs(device):
         return _measure_step(
@@ -179,6 +183,7 @@ def measure_step(
             traces=traces,
             compile=compile,
             first_step=first_step,
+            share_frozen=share_frozen,
         )
 
 
@@ -201,11 +206,12 @@ def _measure_step(
     traces: dict[Any, Any] | None,
     compile: bool | str = False,
     first_step: list[float] | None = None,
+    share_frozen: bool = True,
 ) -> Measurement:
     resolved = task.resolve(config)
     configs = [{**resolved, "seed": i} for i in range(size)]
     models = [task.build_model(c).to(dtype) for c in configs]
-    array = fuse(models, compile=compile).to(device)
+    array = fuse(models, compile=compile, share_frozen=share_frozen).to(device)
     mode = mode_for(check_compile(compile), device)
     loss = CompiledLoss(task, mode) if mode is not None else None
     if traces is not None:
@@ -275,6 +281,7 @@ def profile_task(
     data: tuple[Iterable[Any], Iterable[Any]] | None = None,
     compare_compiled: bool = False,
     compile_horizon_steps: int = DEFAULT_HORIZON_STEPS,
+    share_frozen: bool = True,
 ) -> Profile:
     """Measure ``task`` with ``config`` at several array sizes on ``device`` and choose B.
 
@@ -298,7 +305,17 @@ def profile_task(
     chosen B and record in ``Profile.compile`` whether it is worth it, the compile time
     amortised over ``compile_horizon_steps`` steps (:func:`~hfsweep.profiler.choose_compile`).
     A cached profile without that choice gets it measured and stored.
+
+    ``share_frozen``: measure arrays as the trainer builds them with the same
+    ``fusion.share_frozen`` (see :func:`hfsweep.fuse`): ``True`` keeps a frozen backbone that
+    every member holds identically once, ``False`` stacks it B times, so each member's memory
+    includes it. Profiles without sharing are cached under their own key.
     """
+    if not isinstance(share_frozen, bool):
+        raise ValueError(
+            f"profile_task(share_frozen={share_frozen!r}): give True (keep identical frozen "
+            "tensors once, as hfsweep.fuse does by default) or False (one copy per member)"
+        )
     device = torch.device(device)
     resolved = task.resolve(config or {})
     with fork_rng():
@@ -311,6 +328,8 @@ def profile_task(
     batch_size = int(y.shape[0])
     # the optimizer (its state) and the input shape change time and memory as much as the model
     arch = f"{signature(model)}|{resolved['optimizer']}|in={tuple(x.shape)}"
+    if not share_frozen:  # frozen tensors per member: another memory model (sharing keeps old keys)
+        arch += "|share_frozen=False"
     key = cache_key(arch, batch_size, dtype, device)
     budget = device_budget(device, budget_fraction)
 
@@ -322,6 +341,7 @@ def profile_task(
         dtype=dtype,
         batch=(x, y),
         min_seconds=min_seconds,
+        share_frozen=share_frozen,
     )
 
     def measure_compiled(size: int, first: list[float]) -> Measurement:
