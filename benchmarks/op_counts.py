@@ -64,37 +64,37 @@ MODELS["cifar_resnet"] = (
 #: of the largest differences this script writes (``fused - one`` by operator)
 REASONS: dict[str, str] = {
     "tiny_mlp": (
-        "of the 27 more: the non-finite check, 10 (one sum per parameter, 3 to combine them, "
-        "one scalar read; hfsweep/optim); the weight gradients copied into the weights' layout, "
-        "6 (new_empty_strided + copy_ per weight: the fused Linear's gradient comes back "
-        "transposed against the stacked [B, out, in] weight; hfsweep/nn/_linear.py); views, "
-        "transposes and the bias's unsqueeze, about 9; the trainer's per-member cross-entropy "
-        "(gather, scatter_add, mean instead of nll_loss), 5; the optimizer 4 fewer (two "
-        "foreach operators for all parameters). Within 1.2x (70) only without the non-finite "
-        "check's sums and the gradient copies"
+        "within 1.2x. Of the 9 more: the batched Linear's transposes, bias unsqueezes and the "
+        "input's expand, about 10; the per-member cross-entropy (trainer: gather, scatter_add, "
+        "mean instead of nll_loss); the non-finite check, 3 (one multi-tensor check over all "
+        "gradients, zeros, one scalar read; hfsweep/optim); the optimizer 4 fewer (foreach). "
+        "Was 1.46: one sum per parameter for the check (10) and each weight gradient copied "
+        "into the weight's layout (new_empty_strided + copy_ and a transpose per weight; the "
+        "stacked Linear now computes it in place, hfsweep/fusion/_graph_linear.py)"
     ),
     "medium_mlp": "as the tiny MLP (the same layers, wider)",
     "small_cnn": (
-        "as the MLPs (non-finite check 14, the Linear layers' gradient copies 6, the loss), "
-        "plus the max pooling the model's forward calls (F.max_pool2d, batched by vmap with the "
-        "member first: a permute and a copy around each pool, forward and backward: permute, "
-        "clone, _unsafe_view). The convolutions are one grouped convolution each, bias "
-        "included (hfsweep/nn/_conv.py)"
+        "as the MLPs, plus the max pooling the model's forward calls (F.max_pool2d, batched "
+        "by vmap with the member first: a permute and a copy around each pool, forward and "
+        "backward: permute, clone, _unsafe_view, about 18) and the views of each "
+        "convolution's weight and bias as [B * C_out, ...]. The convolutions are one grouped "
+        "convolution each, bias included (hfsweep/nn/_conv.py)"
     ),
     "cifar_resnet": (
-        "BatchNorm is one native batch_norm per layer now (hfsweep/nn/_batchnorm.py; was about "
-        "40 operators). What remains: views of the per-member parameters, 72 (BatchNorm's "
-        "weight, bias and statistics viewed as [B * C], 4 forward and 2 backward per layer; "
-        "each convolution's weight viewed as [B * C_out, ...], forward and backward; 9 layers), "
-        "and the non-finite check, 33 (one sum per parameter); the optimizer 28 fewer"
+        "views of the per-member parameters, 96: BatchNorm's weight, bias and statistics "
+        "viewed as [B * C], 4 forward and 2 backward per layer, each convolution's weight "
+        "viewed as [B * C_out, ...], forward and backward; 9 layers (views launch no kernel "
+        "on a GPU but are dispatched). BatchNorm is one native batch_norm per layer "
+        "(hfsweep/nn/_batchnorm.py). The non-finite check is 3 operators (was 33, one sum "
+        "per parameter); the optimizer 28 fewer"
     ),
     "transformer": (
-        "the non-finite check (one sum per parameter); weight gradients copied into the "
-        "weights' layout (10 new_empty_strided + copy_); attention as batched products, "
-        "masked_fill and softmax per member in training (the path that takes per-member "
-        "attention dropout) instead of torch's fused CPU attention kernel; fewer for dropout "
-        "(one hfsweep::dropout_multiplier per layer against torch's bernoulli_ + div_) and the "
-        "optimizer (foreach)"
+        "attention as batched products, masked_fill and softmax per member in training (the "
+        "path that takes per-member attention dropout) instead of torch's fused CPU attention "
+        "kernel; the batched Linear's transposes; fewer for dropout (one "
+        "hfsweep::dropout_multiplier per layer against torch's bernoulli_ + div_) and the "
+        "optimizer (foreach). Was 1.30 with one sum per parameter for the non-finite check "
+        "and a gradient copy per Linear weight"
     ),
 }
 
@@ -315,7 +315,8 @@ def render(
     if before:
         notes.append(
             "- ops before: what the same step dispatched before issue 21's batching rules for "
-            f"BatchNorm and convolutions and the view folding ({rows[0]['before']}, in "
+            "BatchNorm and convolutions, the view folding, the one-operator non-finite check "
+            f"and the stacked Linear's gradient in place ({rows[0]['before']}, in "
             "benchmarks/results/); ops: this revision"
         )
     columns = [

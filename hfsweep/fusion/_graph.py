@@ -19,6 +19,7 @@ import torch
 from torch import fx
 
 from .._compat import TORCH_BINDING_OWNERS, OpOverload
+from ._graph_linear import use_stacked_linear
 
 __all__ = ["PUBLIC_FUNCTIONS", "simplify"]
 
@@ -314,8 +315,9 @@ def _fold_views(graph: fx.Graph) -> None:
 
 
 def simplify(gm: fx.GraphModule) -> fx.GraphModule:
-    """Remove no-op and dead nodes of a traced forward, merge chains of views and retarget
-    calls to public functions."""
+    """Remove no-op and dead nodes of a traced forward, merge chains of views, compute stacked
+    weights' gradients in their layout (:func:`use_stacked_linear`) and retarget calls to
+    public functions."""
     graph = gm.graph
     for node in list(graph.nodes):
         if _is_identity_permute(node) or _is_same_shape_view(node):
@@ -329,6 +331,7 @@ def simplify(gm: fx.GraphModule) -> fx.GraphModule:
             if _removable(node):
                 graph.erase_node(node)
                 changed = True
+    use_stacked_linear(graph)
     for node in graph.nodes:
         if node.op == "call_function" and not node.kwargs:
             fn = PUBLIC_FUNCTIONS.get(node.target)

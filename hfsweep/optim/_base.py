@@ -31,6 +31,8 @@ _log = logging.getLogger("hfsweep.optim")
 
 #: the dtype gradients are summed in for the non-finite check (at least float32)
 _SUM_DTYPES = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
+#: gradient dtypes the one-operator check (:meth:`FusedOptimizer._any_nonfinite`) takes
+_CHECK_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
 HyperParameter = float | int | Sequence[float] | Tensor
 ParamsT = FusedArray | Iterable[Tensor] | Iterable[dict[str, Any]]
@@ -84,8 +86,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._host_values: dict[str, list[list[float]]] = {}
         self._generation = 0
         #: check gradients for inf/NaN at every step and deactivate the members that have them
-        #: (one reduction per parameter and one scalar read into Python per step; off, a step
-        #: reads nothing back from the device)
+        #: (one multi-tensor operator over all gradients and one scalar read into Python per
+        #: step, per-member sums only when a value is non-finite; off, a step reads nothing
+        #: back from the device)
         self.isolate_nonfinite = True
         #: members deactivated because their loss or gradients were not finite, in order
         self.nonfinite_members: list[int] = []
@@ -281,16 +284,59 @@ class FusedOptimizer(torch.optim.Optimizer):
             return torch.zeros(self.size, dtype=torch.float32, device=self.active.device)
         return sums[0] if len(sums) == 1 else torch.stack(sums).sum(0)
 
+    def _any_nonfinite(self) -> bool:
+        """Whether any gradient holds an inf or NaN, with one multi-tensor operator per device
+        (torch's AMP check, ``_amp_foreach_non_finite_check_and_unscale_``, with a scale of 1:
+        it multiplies by 1.0, which leaves every value as it is) and one read of a scalar,
+        instead of one reduction per parameter. Gradients of other dtypes than the floating
+        ones it takes are checked one by one (``isfinite``)."""
+        by_device: dict[torch.device, list[Tensor]] = {}
+        rest: list[Tensor] = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                g = p.grad
+                if g is None or g.is_sparse:  # sparse: the step raises after the check
+                    continue
+                if g.dtype in _CHECK_DTYPES and g.layout == torch.strided:
+                    by_device.setdefault(g.device, []).append(g)
+                else:
+                    rest.append(g)
+        if not by_device and not rest:
+            return False
+        found: Tensor | None = None
+        for device, grads in by_device.items():
+            flag = torch.zeros(1, dtype=torch.float32, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, self._unit(device))
+            found = flag if found is None else found + flag.to(found.device)
+        for g in rest:
+            flag = (~torch.isfinite(g).all()).to(torch.float32).reshape(1)
+            found = flag if found is None else found + flag.to(found.device)
+        assert found is not None
+        return cast(float, found.item()) != 0
+
+    def _unit(self, device: torch.device) -> Tensor:
+        """A float32 scalar 1.0 on ``device``, made once (the AMP check's inverse scale)."""
+        units: dict[torch.device, Tensor] = self.__dict__.setdefault("_units", {})
+        unit = units.get(device)
+        if unit is None:
+            unit = units[device] = torch.ones((), dtype=torch.float32, device=device)
+        return unit
+
     def _nonfinite_members(self, inactive: Tensor | None) -> list[int]:
         """The members outside ``inactive`` whose gradients hold an inf or NaN, with one read
         of a scalar on the host per step: their sums' total is finite in the usual case, and
         only otherwise is each member looked at (inactive members' values are left out: a
         deactivated member's gradients may stay non-finite)."""
-        total = self._nonfinite_total()
-        if inactive is not None:
-            total = total.index_fill(0, inactive, 0)
-        if math.isfinite(float(total.sum())):
-            return []
+        if inactive is None:
+            # all members active (the usual case): one operator over every gradient says
+            # whether any value is non-finite; the per-member sums only when one is
+            if not self._any_nonfinite():
+                return []
+            total = self._nonfinite_total()
+        else:
+            total = self._nonfinite_total().index_fill(0, inactive, 0)
+            if math.isfinite(float(total.sum())):
+                return []
         # x * 0 is 0 for finite x and NaN for inf and NaN
         return cast(list[int], total.mul(0).ne(0).nonzero().flatten().tolist())
 
