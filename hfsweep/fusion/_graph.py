@@ -20,6 +20,7 @@ from torch import fx
 
 from .._compat import TORCH_BINDING_OWNERS, OpOverload
 from ._graph_linear import use_stacked_linear
+from ._graph_pool import drop_contiguous_copy, pool_members_with_channels
 
 __all__ = ["PUBLIC_FUNCTIONS", "simplify"]
 
@@ -298,7 +299,7 @@ def _merge_permutes(graph: fx.Graph, node: fx.Node) -> bool:
 
 def _fold_views(graph: fx.Graph) -> None:
     """Merge chains of views and of permutes, moving elementwise ops out from between them
-    (see above)."""
+    (see above), and drop copies of what those merges left contiguous."""
     changed = True
     while changed:
         changed = False
@@ -310,12 +311,14 @@ def _fold_views(graph: fx.Graph) -> None:
                 or _merge_views(graph, node)
                 or _pointwise_of_permutes(graph, node)
                 or _merge_permutes(graph, node)
+                or drop_contiguous_copy(graph, node)
             ):
                 changed = True
 
 
 def simplify(gm: fx.GraphModule) -> fx.GraphModule:
-    """Remove no-op and dead nodes of a traced forward, merge chains of views, compute stacked
+    """Remove no-op and dead nodes of a traced forward, pool with the members next to the
+    channels (:func:`pool_members_with_channels`), merge chains of views, compute stacked
     weights' gradients in their layout (:func:`use_stacked_linear`) and retarget calls to
     public functions."""
     graph = gm.graph
@@ -323,6 +326,7 @@ def simplify(gm: fx.GraphModule) -> fx.GraphModule:
         if _is_identity_permute(node) or _is_same_shape_view(node):
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
+    pool_members_with_channels(graph)
     _fold_views(graph)
     changed = True
     while changed:
