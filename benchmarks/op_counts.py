@@ -74,11 +74,13 @@ REASONS: dict[str, str] = {
     ),
     "medium_mlp": "as the tiny MLP (the same layers, wider)",
     "small_cnn": (
-        "as the MLPs, plus the max pooling the model's forward calls (F.max_pool2d, batched "
-        "by vmap with the member first: a permute and a copy around each pool, forward and "
-        "backward: permute, clone, _unsafe_view, about 18) and the views of each "
-        "convolution's weight and bias as [B * C_out, ...]. The convolutions are one grouped "
-        "convolution each, bias included (hfsweep/nn/_conv.py)"
+        "within 1.2x. As the MLPs, plus the views of each convolution's weight and bias as "
+        "[B * C_out, ...] and one copy where the second pool's output is flattened for the "
+        "first Linear, which reads the members first (clone forward; clone and _unsafe_view "
+        "backward). The convolutions are one grouped convolution each, bias included "
+        "(hfsweep/nn/_conv.py), and the pools run on their output as [N, B * C, H, W] "
+        "(hfsweep/fusion/_graph_pool.py). Was 1.37: vmap's permute and copy (permute, clone, "
+        "_unsafe_view) before each pool and before the next convolution, forward and backward"
     ),
     "cifar_resnet": (
         "views of the per-member parameters, 96: BatchNorm's weight, bias and statistics "
