@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,9 +24,13 @@ class _Clock:
         return self.now
 
 
-def _policy(clock: _Clock, shown: list[str], **settings: object) -> ElasticPolicy:
+def _policy(
+    clock: _Clock, shown: list[str], *, scaling: Any = None, **settings: object
+) -> ElasticPolicy:
     config = ElasticConfig(enabled=True, **{"resize_every_s": 0.0, **settings})  # type: ignore[arg-type]
-    return ElasticPolicy(config, budget=10, by="epochs", show=shown.append, clock=clock)
+    return ElasticPolicy(
+        config, budget=10, by="epochs", show=shown.append, clock=clock, scaling=scaling
+    )
 
 
 def _evals(epoch: float, members: int = 4) -> list[Evaluation]:
@@ -112,16 +117,8 @@ def test_an_array_grows_only_where_its_profile_says_more_workers_help(
 ) -> None:
     """Alone on 3 workers: an array whose profile says 2 workers are slower than one keeps one
     worker (the others idle); one that scales well gets all three."""
-    clock, shown, asked = _Clock(), [], []
-    config = ElasticConfig(enabled=True, resize_every_s=0.0)
-    policy = ElasticPolicy(
-        config,
-        budget=10,
-        by="epochs",
-        show=shown.append,
-        clock=clock,
-        scaling=_scaled({"k": speedup}, asked),
-    )
+    asked: list[str] = []
+    policy = _policy(_Clock(), [], scaling=_scaled({"k": speedup}, asked))
     a = str(tmp_path / "0")
     Path(a).mkdir()
     assert policy.started(a, "k", 4, total=3) == (3 if grown else 1)
@@ -135,16 +132,8 @@ def test_the_worker_goes_to_the_array_that_scales_better(
     the array whose profile gains more from a second worker, whichever started first; each key's
     profile is asked for once and logged."""
     for poor, good in (("a", "b"), ("b", "a")):
-        clock, shown, asked = _Clock(), [], []
-        config = ElasticConfig(enabled=True, resize_every_s=0.0)
-        policy = ElasticPolicy(
-            config,
-            budget=10,
-            by="epochs",
-            show=shown.append,
-            clock=clock,
-            scaling=_scaled({poor: 1.1, good: 1.9}, asked),
-        )
+        asked: list[str] = []
+        policy = _policy(_Clock(), [], scaling=_scaled({poor: 1.1, good: 1.9}, asked))
         first, second = str(tmp_path / f"{poor}0"), str(tmp_path / f"{poor}1")
         for folder in (first, second):
             Path(folder).mkdir(exist_ok=True)
@@ -165,8 +154,7 @@ def test_a_failing_scaling_source_leaves_perfect_scaling_assumed(
     def broken(key: str, config: object, members: int) -> tuple[None, str]:
         raise RuntimeError("no all-reduce here")
 
-    config = ElasticConfig(enabled=True, resize_every_s=0.0)
-    policy = ElasticPolicy(config, budget=10, by="epochs", clock=_Clock(), scaling=broken)
+    policy = _policy(_Clock(), [], scaling=broken)
     Path(tmp_path / "0").mkdir()
     with caplog.at_level(logging.INFO, logger="hfsweep.elastic"):
         assert policy.started(str(tmp_path / "0"), "k", 4, total=2) == 2
