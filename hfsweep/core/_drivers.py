@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from .._compat import study_id, study_storage, trial_for, trial_id
 from .._io import atomic_write_text
 from ._study_lock import LockLost, StudyLock
+from .status import Status
 
 if TYPE_CHECKING:
     import optuna
@@ -521,7 +522,7 @@ class Drivers:
             "not counted in budget.trials"
         )
         storage.set_trial_user_attr(ident, VOID_ATTR, True)
-        storage.set_trial_user_attr(ident, "status", "failed")
+        storage.set_trial_user_attr(ident, "status", Status.FAILED.value)
         storage.set_trial_user_attr(ident, "error", reason)
         storage.set_trial_state_values(ident, TrialState.FAIL)
         _log.warning("trial %d: %s", number, reason)
