@@ -35,8 +35,8 @@ import torch
 from ..sizing.allreduce import ScalingCache
 from ..sizing.device import _describe_device
 from ..sizing.scaling import ScalingProfile, model_scaling
-from ..sizing.task import measure_step
-from ..training.task import Task, fork_rng
+from ..sizing.task import _model_and_batch, measure_step
+from ..training.task import Task
 
 __all__: list[str] = []
 
@@ -96,13 +96,7 @@ class SweepScaling:
     ) -> tuple[ScalingProfile, str]:
         """The modelled profile (see the module docstring) and how it was made."""
         resolved = self.task.resolve(config)
-        with fork_rng():
-            model = self.task.build_model(resolved).to(self.dtype)
-            train, _ = self.task.build_data(resolved)
-            first = next(iter(train))
-        x, y = (t.to(self.device) for t in first)
-        if x.is_floating_point():
-            x = x.to(self.dtype)
+        model, x, y = _model_and_batch(self.task, resolved, self.device, self.dtype)
         batch_size = int(y.shape[0])
         step = measure_step(
             self.task,

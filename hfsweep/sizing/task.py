@@ -263,6 +263,27 @@ def _measure_step(
     return Measurement(size=size, samples_per_s=size * n / step_s, peak_bytes=peak, step_s=step_s)
 
 
+def _model_and_batch(
+    task: Task,
+    resolved: Mapping[str, Any],
+    device: torch.device,
+    dtype: torch.dtype,
+    data: tuple[Any, Any] | None = None,
+) -> tuple[torch.nn.Module, Tensor, Tensor]:
+    """One model of the task's resolved config in ``dtype`` and its first training batch on
+    ``device`` (floating inputs in ``dtype``), built with the global RNG left as it was:
+    what a measurement of the config's step starts from. ``data``: the task's
+    ``(train, eval)`` loaders where already built."""
+    with fork_rng():
+        model = task.build_model(resolved).to(dtype)
+        train, _ = data if data is not None else task.build_data(resolved)
+        first = next(iter(train))
+    x, y = (t.to(device) for t in first)
+    if x.is_floating_point():
+        x = x.to(dtype)
+    return model, x, y
+
+
 def profile_task(
     task: Task,
     config: Mapping[str, Any] | None = None,
@@ -318,13 +339,7 @@ def profile_task(
         )
     device = torch.device(device)
     resolved = task.resolve(config or {})
-    with fork_rng():
-        model = task.build_model(resolved).to(dtype)
-        train, _ = data if data is not None else task.build_data(resolved)
-        first = next(iter(train))
-    x, y = (t.to(device) for t in first)
-    if x.is_floating_point():
-        x = x.to(dtype)
+    model, x, y = _model_and_batch(task, resolved, device, dtype, data)
     batch_size = int(y.shape[0])
     # the optimizer (its state) and the input shape change time and memory as much as the model
     arch = f"{signature(model)}|{resolved['optimizer']}|in={tuple(x.shape)}"
