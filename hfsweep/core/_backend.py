@@ -88,5 +88,10 @@ class _Backend(_Parts):
                 max_workers=settings.max_workers_per_array or 64,
             )
         return ElasticPolicy(
-            settings, budget=budget.max_resource, by=budget.resource, show=show, scaling=scaling
+            settings,
+            budget=budget.max_resource,
+            by=budget.resource,
+            show=show,
+            scaling=scaling,
+            remember=scaling.remember if scaling is not None else None,
         )

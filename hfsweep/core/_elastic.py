@@ -24,11 +24,24 @@ What the allocator is given:
   perfect``), or when the source has none or fails (logged with the reason), the profile is
   *assumed*: perfect scaling (k workers are k times one) up to ``max_workers_per_array`` or the
   cluster.
+- measured feedback: with a scaling source, every interval between two reports of one launch of
+  an array (never one across a relaunch, which holds the restart) gives that array's key a
+  measured rate at the worker count it trained on, in member-units/s (its live members over the
+  seconds per budget unit). Once a key has rates at two or more worker counts, their medians
+  replace the profile's points there, anchored at the smallest measured count (whose point stays
+  the profile's unless it is 1 worker), so the allocator's speed-ups become measured ones; a
+  point not measured above a measured one keeps the profile's error there (it is scaled by the
+  measured/profile ratio of the nearest measured count below it: a model 2.5x optimistic at 2
+  workers is not believed at 4). The change is logged against what the profile said, and the
+  key's profile is handed to the
+  source's ``remember`` (the scaling cache) when an array of it ends, so the next sweep starts
+  from the measured points.
 """
 
 from __future__ import annotations
 
 import logging
+import statistics
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -45,6 +58,10 @@ from .allocator import Allocator, ArrayState, Plan
 __all__ = ["ElasticPolicy", "ScalingSource"]
 
 _log = logging.getLogger("hfsweep.elastic")
+
+#: measured rates kept per key and worker count (the latest ones: an array's speed changes as
+#: its members stop)
+_KEEP_RATES = 20
 
 #: ``(compatibility key, a trial's config of it or None, members) -> (profile or None, how)``:
 #: where the policy gets a key's scaling profile (:class:`~hfsweep.core._scaling.SweepScaling`)
@@ -67,6 +84,8 @@ class _Running:
     seen: float | None = None
     #: seconds one budget unit took on one worker (measured), or None
     unit_s: float | None = None
+    #: the workers its current launch trains on (``workers`` may be a resize not yet made)
+    launched: int = 0
 
 
 class ElasticPolicy:
@@ -87,9 +106,17 @@ class ElasticPolicy:
         show: Callable[[str], None] = lambda line: None,
         clock: Callable[[], float] = time.monotonic,
         scaling: ScalingSource | None = None,
+        remember: Callable[[ScalingProfile], None] | None = None,
     ) -> None:
         self.settings = settings
         self.scaling = scaling
+        self.remember = remember
+        #: each key's profile as the source gave it, before measured points replaced any
+        self._given: dict[str, ScalingProfile] = {}
+        #: measured rates by key and worker count (member-units/s, the latest _KEEP_RATES)
+        self._rates: dict[str, dict[int, list[float]]] = {}
+        #: the speed-ups last logged per key, so that only a change is logged again
+        self._logged: dict[str, dict[int, float]] = {}
         #: the profile of each compatibility key the source gave (keys it was asked about and
         #: had none for are in ``_asked`` only: they are assumed perfect)
         self.profiles: dict[str, ScalingProfile] = {}
@@ -128,6 +155,7 @@ class ElasticPolicy:
             self._decide("array started", total, fresh=folder)
             if entry.workers < 1:  # the cluster shrank below every array's minimum
                 entry.workers = self.settings.min_workers_per_array
+            entry.launched = entry.workers
             return entry.workers
 
     def relaunch(self, folder: str, workers: int, lost: int, total: int) -> int:
@@ -143,7 +171,8 @@ class ElasticPolicy:
                     max(1, entry.workers),
                     workers,
                 )
-            return max(1, entry.workers)
+            entry.launched, entry.seen = max(1, entry.workers), None
+            return entry.launched
 
     def reported(self, folder: str, evaluations: Sequence[Evaluation], live: int) -> None:
         with self._lock:
@@ -154,7 +183,10 @@ class ElasticPolicy:
             done = max(e.epoch if self.by == "epochs" else float(e.step) for e in evaluations)
             if entry.seen is not None and done > entry.done:
                 per_unit = (now - entry.seen) / (done - entry.done)
-                entry.unit_s = per_unit * self._profile(entry.key).speedup(max(1, entry.workers))
+                if per_unit > 0:
+                    self._measured(entry, entry.members / per_unit)
+                k = max(1, entry.launched or entry.workers)
+                entry.unit_s = per_unit * self._profile(entry.key).speedup(k)
             entry.done, entry.seen = done, now
             if 0 < live < entry.members:
                 entry.members = live
@@ -162,8 +194,15 @@ class ElasticPolicy:
 
     def ended(self, folder: str, total: int) -> None:
         with self._lock:
-            if self._arrays.pop(folder, None) is not None and self._arrays:
+            entry = self._arrays.pop(folder, None)
+            if entry is not None and self._arrays:
                 self._decide("array ended", total)
+            learnt = self.profiles.get(entry.key) if entry is not None else None
+        if learnt is not None and learnt.measured and self.remember is not None:
+            try:
+                self.remember(learnt)
+            except Exception as exc:  # a cache that cannot be written must not stop the sweep
+                _log.warning("elastic: the measured scaling was not cached: %s", exc)
 
     # ------------------------------------------------------------------ scaling profiles
     def _learn(self, folder: str, key: str, config: Mapping[str, Any] | None, members: int) -> None:
@@ -182,7 +221,8 @@ class ElasticPolicy:
             with self._lock:
                 self._asked.add(key)
                 if profile is not None:
-                    self.profiles[key] = profile
+                    self.profiles[key] = self._given[key] = profile
+                    self._apply_measured(key)
         name = self._name(folder)
         if profile is None:
             _log.warning("elastic: scaling of %s's kind of array assumed perfect: %s", name, how)
@@ -195,6 +235,57 @@ class ElasticPolicy:
             how,
             profile.describe(),
             k2,
+        )
+
+    def _measured(self, entry: _Running, rate: float) -> None:
+        """Record ``rate`` (member-units/s) of ``entry``'s key at the workers its launch trains
+        on, and update the key's profile (called under the lock)."""
+        if self.scaling is None or entry.launched < 1:
+            return
+        rates = self._rates.setdefault(entry.key, {}).setdefault(entry.launched, [])
+        rates.append(rate)
+        del rates[:-_KEEP_RATES]
+        self._apply_measured(entry.key)
+
+    def _apply_measured(self, key: str) -> None:
+        """Replace ``key``'s profile points by the measured ones (see the module docstring)
+        and log the speed-ups that changed; nothing before two worker counts are measured or
+        before the source gave a profile (called under the lock)."""
+        given, rates = self._given.get(key), self._rates.get(key, {})
+        if given is None or len(rates) < 2:
+            return
+        median = {k: statistics.median(r) for k, r in rates.items()}
+        k0 = min(median)
+        anchor = given.rate(k0)
+        points = {**given.points, **{k: anchor * m / median[k0] for k, m in median.items()}}
+        for k in given.points:
+            below = [m for m in median if m < k]
+            if k not in median and below:  # the model's error at the nearest measured count
+                kb = max(below)
+                points[k] = given.rate(k) * points[kb] / given.rate(kb)
+        measured = {k for k in median if k != k0 or k0 == 1}
+        learnt = ScalingProfile(given.key, points, frozenset(given.measured | measured))
+        self.profiles[key] = learnt
+        logged = self._logged.setdefault(key, {})
+        changed = [
+            k
+            for k in sorted(points)
+            if k > 1 and abs(learnt.speedup(k) - logged.get(k, 0.0)) > 0.1 * learnt.speedup(k)
+        ]
+        if not changed:
+            return
+        for k in changed:
+            logged[k] = learnt.speedup(k)
+        said = ", ".join(
+            f"{k} workers {learnt.speedup(k):.2f}x one (the profile said {given.speedup(k):.2f}x)"
+            for k in changed
+        )
+        _log.info(
+            "elastic: measured scaling of key %s (median of the arrays' intervals at %s "
+            "worker(s)): %s",
+            _short(key),
+            "/".join(str(k) for k in sorted(median)),
+            said,
         )
 
     # ------------------------------------------------------------------ deciding

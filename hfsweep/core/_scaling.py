@@ -16,6 +16,10 @@ for that key's :class:`~hfsweep.profiler.ScalingProfile`:
   (measured once per machine with two local processes, :meth:`ScalingCache.allreduce`). The
   profile is cached before it is used.
 
+While the sweep runs, the policy replaces the profile's points by the speed-ups its arrays
+measured at two or more worker counts and hands the result back to :meth:`SweepScaling.remember`,
+which caches it (the measured points are marked as such).
+
 The model's points are member-samples/s of an array of the first array's size; the allocator uses
 only their ratios (speed-ups), which an array's size barely changes (compute and gradient bytes
 both grow with the members). The model assumes compute divides by k and no overlap of the
@@ -84,12 +88,21 @@ class SweepScaling:
         where = self.cache_key(key)
         cached = self.cache.get_profile(where)
         if cached is not None:
-            return cached, f"cached in {self.cache.path} (nothing measured)"
+            earlier = ""
+            if cached.measured:
+                earlier = "; the points marked (m) were measured by earlier arrays"
+            return cached, f"cached in {self.cache.path} (nothing measured now{earlier})"
         if config is None:
             return None, f"none is cached in {self.cache.path} and no trial's config is known"
         profile, how = self._model(where, config, max(1, members))
         self.cache.put_profile(profile)
         return profile, f"{how}; cached in {self.cache.path}"
+
+    def remember(self, profile: ScalingProfile) -> None:
+        """Cache ``profile`` (a key's profile with the points the running arrays measured, under
+        the cache key it was given with), so that the next sweep of that kind of array starts
+        from them."""
+        self.cache.put_profile(profile)
 
     def _model(
         self, where: str, config: Mapping[str, Any], members: int

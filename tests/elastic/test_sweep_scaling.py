@@ -91,7 +91,7 @@ def test_modelled_once_cached_and_reused_on_resume(
     with caplog.at_level(logging.INFO, logger="hfsweep.elastic"):
         assert again.started(str(tmp_path / "1"), key, 3, total=4, config=None) == 1
     assert again.profiles[key] == profile
-    assert "(nothing measured)" in caplog.text
+    assert "(nothing measured now)" in caplog.text
 
 
 def test_a_fast_network_makes_more_workers_worth_it(tmp_path: Path) -> None:
