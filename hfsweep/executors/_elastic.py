@@ -13,10 +13,12 @@ sees the same sequence of hook calls as with one worker, and the engine's crash 
 unchanged (every array resumes from the checkpoint the trainer writes, whatever its k).
 
 An elastic array is refilled as on one worker (rank 0 asks the driver, every worker gets the
-member). A worker lost between a refill and the checkpoint written at the same evaluation
-boundary would lose the members that refill added (the trainer resumes without them), a window
-of one checkpoint write; the pooled-actor path hands such members back (``requeue``), this one
-does not yet.
+member). A relaunch (a resize, or workers lost) is decided in the driver too: the launcher's
+``target`` is relayed like a hook, so the driver can hand back, through ``requeue``, every live
+member that the relaunch will not train: one a refill added after the checkpoint the relaunch
+resumes from (a worker lost between the refill and the checkpoint written at that evaluation
+boundary), which the trainer resumes without. It waits in its key's pool for a refill or a
+later array, as with the pooled actors, instead of staying unfinished.
 """
 
 from __future__ import annotations
@@ -136,9 +138,12 @@ def run_elastic_array(
     events = Queue(actor_options={"num_cpus": 0})
     answers = Queue(actor_options={"num_cpus": 0})
     outcome: dict[str, Any] = {}
+    refilled: dict[str, Member] = {}
+
+    relaunch = _Relay("relaunch", events, answers)
 
     def target(k: int, lost: int) -> int:
-        return policy.relaunch(folder, k, lost, total())
+        return int(relaunch((k, lost)))
 
     def train() -> None:
         try:
@@ -174,7 +179,12 @@ def run_elastic_array(
             except Empty:
                 continue
             try:
-                answer = _answer(kind, payload, hooks, live)
+                if kind == "relaunch":
+                    _hand_back_unkept(folder, members, refilled, live, hooks)
+                    k, lost = payload
+                    answer = policy.relaunch(folder, k, lost, total())
+                else:
+                    answer = _answer(kind, payload, hooks, live, refilled)
             except BaseException:
                 answers.put(_ABORT)
                 raise
@@ -213,9 +223,31 @@ def _checkpointed(folder: str) -> tuple[str, Mapping[str, Any] | None, set[str]]
     return str(key), config, set(payload.get("order", []))
 
 
-def _answer(kind: str, payload: Any, hooks: ArrayHooks, live: set[str]) -> Any:
+def _hand_back_unkept(
+    folder: str,
+    members: Sequence[Member],
+    refilled: Mapping[str, Member],
+    live: set[str],
+    hooks: ArrayHooks,
+) -> None:
+    """Before a relaunch: the live members that ``refill`` added (``refilled``) and the relaunch
+    will not train (beyond its checkpoint, or, before the first checkpoint, beyond the members
+    the array started with) go back to the engine through ``hooks.requeue`` and leave
+    ``live``. Without a ``requeue`` hook they stay."""
+    if hooks.requeue is None:
+        return
+    kept = ArrayTrainer.checkpointed_members(folder) or {m.id for m in members}
+    for member in [m for m in refilled.values() if m.id in live and m.id not in kept]:
+        _log.info("%s relaunches without %s (refilled after its checkpoint)", folder, member.id)
+        live.discard(member.id)
+        hooks.requeue(member)
+
+
+def _answer(
+    kind: str, payload: Any, hooks: ArrayHooks, live: set[str], refilled: dict[str, Member]
+) -> Any:
     """The driver's hook for one relayed call; ``live`` loses the members that stopped or
-    ended."""
+    ended, and gains (as ``refilled`` does) those a refill added."""
     if kind == "report":
         decisions = hooks.report(payload)
         live.difference_update(m for m, go_on in (decisions or {}).items() if not go_on)
@@ -224,6 +256,7 @@ def _answer(kind: str, payload: Any, hooks: ArrayHooks, live: set[str]) -> Any:
         member = hooks.refill()
         if member is not None:
             live.add(member.id)
+            refilled[member.id] = member
         return member
     if kind == "finish":
         assert isinstance(payload, MemberResult)
