@@ -20,6 +20,7 @@ from ..fusion import FusedArray, fuse
 from ..offload import OffloadedArray, choose_offload, state_bytes
 from ..optim import FusedOptimizer
 from ..optim.lr_scheduler import FusedLRScheduler
+from ._frozen import share_frozen_storage
 from .checkpoint import _member_state
 from .spec import _ArrayState, _SlotState
 from .step import _set_member_dropout, any_smoothing
@@ -204,7 +205,9 @@ def _models(
     task's other model settings (``lora_alpha``, ``lora_dropout``, its ``per_member`` keys:
     what besides weights differs between members' models and is not in their state dicts;
     ``None`` keeps the model's own ``p``): a rebuilt array does not initialise models it
-    overwrites (a copy costs a fraction of an initialisation)."""
+    overwrites (a copy costs a fraction of an initialisation). With ``share_frozen``, each
+    model's frozen tensors equal to the first model's share its storage as soon as it is made
+    (:mod:`._frozen`)."""
     shared: dict[Any, nn.Module] = {}
     models: list[nn.Module] = []
     settings = t.task.model_settings
@@ -219,9 +222,11 @@ def _models(
             with Phase("the task's model(config)"):
                 model = t.task.build_model(config).to(t.dtype)
             shared[same] = model
-            models.append(model)
         else:
-            models.append(copy.deepcopy(model))
+            model = copy.deepcopy(model)
+        if models and t.share_frozen:  # one backbone alive, not one per slot
+            share_frozen_storage(model, models[0])
+        models.append(model)
     return models
 
 

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from .._io import append_lines, atomic_save
 from .._usercode import CHECKPOINT, OPTIMIZER_STEP, Phase, describe
 from ..fusion import FusedArray
+from ._frozen import share_frozen_storage
 from .checkpoint import (
     _CHECKPOINT_VERSION,
     _DELIVERED,
@@ -350,17 +351,24 @@ class _Run:
 
     def _new_models(self, state: _ArrayState) -> dict[int, nn.Module]:
         """The models of the members that start training in ``state`` (no saved state), by
-        slot, each built from its config (its seeded initialisation). A member whose
+        slot, each built from its config (its seeded initialisation); with ``share_frozen``,
+        each one's frozen tensors equal to the first one's share its storage as soon as it is
+        built (:mod:`._frozen`), so the build holds one backbone, not one per member. A member whose
         ``model(config)`` raises fails alone: its config is one the model rejects, which says
         nothing about the others (see :meth:`_member_model`)."""
         built: dict[int, nn.Module] = {}
+        first: nn.Module | None = None
         for i, s in enumerate(state.slots):
             if s is not None and s.saved is None:
                 model = self._member_model(s)
                 if model is None:
                     state.slots[i] = None
-                else:
-                    built[i] = model
+                    continue
+                if first is None:
+                    first = model
+                elif self.t.share_frozen:  # one backbone alive while the members are built
+                    share_frozen_storage(model, first)
+                built[i] = model
         return built
 
     def _member_model(self, slot: _SlotState) -> nn.Module | None:
