@@ -1,4 +1,4 @@
-"""Convolutions and BatchNorms of a traced graph that read the stacked state without a view per call.
+"""A traced graph's convolutions and BatchNorms, reading the stacked state without a view per call.
 
 The batching rules of ``hfsweep/nn/_conv.py`` and ``_batchnorm.py`` fold the members into the
 channels: a convolution's stacked weight ``[B, C_out, C_in, k, ...]`` is read as
@@ -14,7 +14,10 @@ reads what the tensor holds as long as the tensor keeps that memory, which the o
 in place; a tensor given new memory (``.data = ...``, ``.to()``, offload's moves) gets a new view,
 checked on every call by identity, data pointer, shape, strides and dtype, none of which
 dispatches anything. The views share the tensor's version counter, so autograd's checks of
-saved tensors written in place still apply.
+saved tensors written in place still apply. The trade-off: a kept view holds the memory it was
+made of until its tensor goes or is read again with new memory; a fused array's ``.to()`` and
+the like drop the views of its state first (:func:`forget_views`), so moving an array leaves
+no copy of its old memory behind.
 
 Forward and backward call the kernels autograd would call (``convolution`` and
 ``convolution_backward``, ``native_batch_norm`` and ``native_batch_norm_backward``) on the same
@@ -106,6 +109,9 @@ def _as(grad: Tensor | None, t: Tensor | None, shape: Shape | None) -> Tensor | 
 
 
 class _FoldedConvolution(torch.autograd.Function):
+    """``torch.convolution`` of kept views of ``w`` (and ``bias``); the backward is autograd's
+    ``convolution_backward`` call, each parameter's gradient viewed as the parameter."""
+
     @staticmethod
     def forward(
         ctx: Any,
@@ -151,6 +157,9 @@ def folded_convolution(
 
 
 class _FoldedBatchNorm(torch.autograd.Function):
+    """``torch.native_batch_norm`` of kept views of the weight, bias and running statistics;
+    the backward is autograd's ``native_batch_norm_backward`` call."""
+
     @staticmethod
     def forward(
         ctx: Any,
@@ -230,6 +239,7 @@ def folded_batch_norm(
 
 
 def _shape(shape: Sequence[int] | None) -> Shape | None:
+    """A graph's shape argument (a list) as a hashable tuple."""
     return None if shape is None else tuple(int(n) for n in shape)
 
 
@@ -250,12 +260,15 @@ def _state_view(node: Any) -> tuple[Any, Shape | None]:
 
 
 def _drop_dead(graph: fx.Graph, nodes: Sequence[Any]) -> None:
+    """Erase those of ``nodes`` that nothing reads any more."""
     for n in nodes:
         if isinstance(n, fx.Node) and not n.users:
             graph.erase_node(n)
 
 
 def _fold_convolution(graph: fx.Graph, node: fx.Node) -> bool:
+    """Replace ``node`` (a ``convolution``) by :func:`folded_convolution` where its weight or
+    bias is a view of a graph input."""
     x, w_arg, b_arg, *settings = node.args
     w, w_shape = _state_view(w_arg)
     b, b_shape = _state_view(b_arg)
@@ -281,6 +294,8 @@ def _fold_convolution(graph: fx.Graph, node: fx.Node) -> bool:
 
 
 def _fold_batch_norm(graph: fx.Graph, node: fx.Node) -> bool:
+    """Replace ``node`` (a ``native_batch_norm`` of which only the output is read) by
+    :func:`folded_batch_norm` where one of its tensors is a view of a graph input."""
     x, *state_args = node.args[:5]
     training, momentum, eps = node.args[5:8]
     # only the output is read (the saved statistics are the backward's, kept inside)
