@@ -235,3 +235,27 @@ def test_moving_an_array_drops_the_views_of_its_old_memory() -> None:
     out = array(x.double())
     assert out.dtype == torch.float64 and array._last_call_traced
     torch.testing.assert_close(out, array.float()(x).double(), rtol=1e-5, atol=1e-6)
+
+
+def test_views_kept_from_inference_mode_serve_training() -> None:
+    """Views first made in an evaluation under ``torch.inference_mode`` are those a later
+    training forward updates the running statistics through: allowed, and exact."""
+    torch.manual_seed(0)
+    refs = [_Block().double() for _ in range(B)]
+    array = hs.fuse(copy.deepcopy(refs))
+    x = torch.randn(4, 3, 6, 6, dtype=torch.float64)
+    array.eval()
+    with torch.inference_mode():
+        for _ in range(3):
+            array(x)
+    assert array._last_call_traced
+    array.train()
+    for _ in range(3):
+        array(x).sum().backward()
+        for r in refs:
+            r(x)
+    assert array._last_call_traced
+    for i, r in enumerate(refs):
+        mine = array.member_state_dict(i)
+        for name in ("bn1.running_mean", "bn2.running_var", "bn3.running_mean"):
+            torch.testing.assert_close(mine[name], r.state_dict()[name], rtol=1e-7, atol=1e-10)
