@@ -73,7 +73,7 @@ from torch import Tensor, nn
 import hfsweep as hs
 from hfsweep._malloc import retain_freed_memory
 from hfsweep.sizing.task import _LiveTensorBytes
-from hfsweep.tasks._models import BasicBlock
+from hfsweep.tasks._models import BasicBlock, ResNet
 
 # --------------------------------------------------------------------------------------------
 # models
@@ -229,6 +229,12 @@ MODELS: dict[str, ModelSpec] = {
     "medium_mlp": ModelSpec(medium_mlp, _features(64), 64, "MLP 64-128-128-10"),
     "small_cnn": ModelSpec(SmallCNN, _features(1, 28, 28), 64, "LeNet-style CNN, 1x28x28"),
     "resnet18": ModelSpec(ResNet18, _features(3, 32, 32), 128, "ResNet-18 (CIFAR form), 3x32x32"),
+    "cifar_resnet": ModelSpec(
+        lambda: ResNet(8, 1, 10, 0.0),
+        _features(3, 32, 32),
+        64,
+        "the cifar_resnet task's ResNet (width 8, 1 block per stage, BatchNorm), 3x32x32",
+    ),
     "transformer": ModelSpec(
         TransformerClassifier, _tokens, 32, "Transformer encoder, 2 layers d128, 64 tokens"
     ),

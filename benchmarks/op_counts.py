@@ -74,21 +74,28 @@ REASONS: dict[str, str] = {
     ),
     "medium_mlp": "as the tiny MLP (the same layers, wider)",
     "small_cnn": (
-        "within 1.2x. As the MLPs, plus the views of each convolution's weight and bias as "
-        "[B * C_out, ...] and one copy where the second pool's output is flattened for the "
-        "first Linear, which reads the members first (clone forward; clone and _unsafe_view "
-        "backward). The convolutions are one grouped convolution each, bias included "
-        "(hfsweep/nn/_conv.py), and the pools run on their output as [N, B * C, H, W] "
-        "(hfsweep/fusion/_graph_pool.py). Was 1.37: vmap's permute and copy (permute, clone, "
-        "_unsafe_view) before each pool and before the next convolution, forward and backward"
+        "within 1.2x. As the MLPs, plus one view per convolution weight and bias gradient in "
+        "the backward (the stacked parameter's shape; the forward reads them through views "
+        "made once, hfsweep/fusion/_graph_fold.py) and one copy where the second pool's output "
+        "is flattened for the first Linear, which reads the members first (clone forward; "
+        "clone and _unsafe_view backward). The convolutions are one grouped convolution each, "
+        "bias included (hfsweep/nn/_conv.py), and the pools run on their output as "
+        "[N, B * C, H, W] (hfsweep/fusion/_graph_pool.py). Was 1.18 with a view of each "
+        "convolution's weight and bias per forward, 1.37 with vmap's permute and copy "
+        "(permute, clone, _unsafe_view) before each pool and before the next convolution"
     ),
     "cifar_resnet": (
-        "views of the per-member parameters, 96: BatchNorm's weight, bias and statistics "
-        "viewed as [B * C], 4 forward and 2 backward per layer, each convolution's weight "
-        "viewed as [B * C_out, ...], forward and backward; 9 layers (views launch no kernel "
-        "on a GPU but are dispatched). BatchNorm is one native batch_norm per layer "
-        "(hfsweep/nn/_batchnorm.py). The non-finite check is 3 operators (was 33, one sum "
-        "per parameter); the optimizer 28 fewer"
+        "within 1.2x. Of the 33 more views: the backward views each folded parameter's "
+        "gradient as the stacked parameter, 27 (9 convolution weights, 9 BatchNorm weights and "
+        "9 biases; a view launches no kernel on a GPU); the rest are the head's (the last "
+        "block's output split by member, the pooled output and the dropout multiplier as "
+        "[B, N, C]). The forward reads every convolution weight and BatchNorm weight, bias and "
+        "running statistic through views made once per tensor's memory "
+        "(hfsweep/fusion/_graph_fold.py), and a residual add of two [N, B * C, H, W] tensors "
+        "runs on them as they are: the array's forward dispatches 3 views (was 57: 45 of the "
+        "stacked state, 10 around the residual adds), its backward 30 (was 39). BatchNorm is "
+        "one native batch_norm per layer (hfsweep/nn/_batchnorm.py); the non-finite check 3 "
+        "operators; the optimizer 28 fewer (foreach). Was 1.46"
     ),
     "transformer": (
         "attention as batched products, masked_fill and softmax per member in training (the "
@@ -317,9 +324,10 @@ def render(
     if before:
         notes.append(
             "- ops before: what the same step dispatched before issue 21's batching rules for "
-            "BatchNorm and convolutions, the view folding, the one-operator non-finite check "
-            f"and the stacked Linear's gradient in place ({rows[0]['before']}, in "
-            "benchmarks/results/); ops: this revision"
+            "BatchNorm and convolutions, the view folding, the one-operator non-finite check, "
+            "the stacked Linear's gradient in place, the pooling rule and the stacked state "
+            f"read through views made once ({rows[0]['before']}, in benchmarks/results/); "
+            "ops: this revision"
         )
     columns = [
         "model",

@@ -30,6 +30,7 @@ from .._compat import pytree
 from .._errors import FusionError
 from ._check import check_compatible, per_member_attributes
 from ._compile import check_compile
+from ._graph_fold import forget_views
 from ._peft import load_member_lora, set_member_lora
 from ._plan import unsupported_reason
 from ._random import STREAM_KEY, FunctionalStream
@@ -548,4 +549,5 @@ class FusedArray(_Tracing, nn.Module):
 
     def _apply(self, fn: Any, recurse: bool = True) -> FusedArray:
         self._traces.clear()
+        forget_views(self._state())  # views kept of the memory this may replace
         return super()._apply(fn, recurse)

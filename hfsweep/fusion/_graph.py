@@ -19,6 +19,7 @@ import torch
 from torch import fx
 
 from .._compat import TORCH_BINDING_OWNERS, OpOverload
+from ._graph_fold import fold_state_views
 from ._graph_linear import use_stacked_linear
 from ._graph_pool import drop_contiguous_copy, pool_members_with_channels
 
@@ -279,6 +280,53 @@ def _pointwise_of_permutes(graph: fx.Graph, node: fx.Node) -> bool:
     return True
 
 
+def _pointwise_of_views(graph: fx.Graph, node: fx.Node) -> bool:
+    """``f(view(a, s), view(b, s))`` -> ``view(f(a, b), s)`` for an elementwise ``f`` of
+    contiguous same-shaped ``a, b``: ``vmap`` splits the members
+    out of the channels of two ``[N, B * C, ...]`` tensors (a BatchNorm's output and a residual
+    connection) to add them, and the next convolution folds them back in. One view is left,
+    which then meets the next layer's and cancels (:func:`_hoist_pointwise`, :func:`_merge_views`);
+    the backward loses the views' too."""
+    if not _pointwise(node):
+        return False
+    inputs = [a for a in node.args if isinstance(a, fx.Node)]
+    if len(inputs) < 2 or any(a.target is not _aten.view.default for a in inputs):
+        return False
+    bases = [a.args[0] for a in inputs]
+    vals = [_layout(b) for b in bases]
+    views = [_layout(a) for a in inputs]
+    val = _layout(node)
+    if val is None or any(v is None or not v.is_contiguous() for v in (*vals, *views)):
+        return False
+    shape, view_shape = vals[0].shape, views[0].shape  # type: ignore[union-attr]
+    if any(v.shape != shape for v in vals) or any(v.shape != view_shape for v in views):  # type: ignore[union-attr]
+        return False
+    if not val.is_contiguous() or val.shape != view_shape:
+        return False
+    with graph.inserting_before(node):
+        args = tuple(a.args[0] if isinstance(a, fx.Node) else a for a in node.args)
+        whole = graph.call_function(node.target, args)  # type: ignore[arg-type]
+        whole.meta["val"] = torch.empty(shape, dtype=val.dtype, device="meta")
+        viewed = graph.call_function(_aten.view.default, (whole, list(view_shape)))
+        viewed.meta["val"] = val
+    node.replace_all_uses_with(viewed)
+    graph.erase_node(node)
+    for a in dict.fromkeys(inputs):
+        if not a.users:  # a view read elsewhere too stays for that reader
+            graph.erase_node(a)
+    return True
+
+
+def _pointwise(node: fx.Node) -> bool:
+    """An elementwise op without keyword arguments and with no effect besides its result."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, OpOverload) or node.kwargs:
+        return False
+    if torch.Tag.pointwise not in target.tags or target._schema.is_mutable:
+        return False
+    return torch.Tag.nondeterministic_seeded not in target.tags
+
+
 def _merge_permutes(graph: fx.Graph, node: fx.Node) -> bool:
     """``permute(permute(x, p), q)`` -> ``x`` where ``q`` undoes ``p``."""
     if node.target is not _aten.permute.default:
@@ -310,17 +358,20 @@ def _fold_views(graph: fx.Graph) -> None:
                 _hoist_pointwise(graph, node)
                 or _merge_views(graph, node)
                 or _pointwise_of_permutes(graph, node)
+                or _pointwise_of_views(graph, node)
                 or _merge_permutes(graph, node)
                 or drop_contiguous_copy(graph, node)
             ):
                 changed = True
 
 
-def simplify(gm: fx.GraphModule) -> fx.GraphModule:
+def simplify(gm: fx.GraphModule, fold_state: bool = True) -> fx.GraphModule:
     """Remove no-op and dead nodes of a traced forward, pool with the members next to the
     channels (:func:`pool_members_with_channels`), merge chains of views, compute stacked
-    weights' gradients in their layout (:func:`use_stacked_linear`) and retarget calls to
-    public functions."""
+    weights' gradients in their layout (:func:`use_stacked_linear`), read the stacked state of
+    convolutions and BatchNorms through views made once (:func:`fold_state_views`; not with
+    ``fold_state=False``: a graph ``torch.compile`` traces, whose inductor does its own) and
+    retarget calls to public functions."""
     graph = gm.graph
     for node in list(graph.nodes):
         if _is_identity_permute(node) or _is_same_shape_view(node):
@@ -336,6 +387,8 @@ def simplify(gm: fx.GraphModule) -> fx.GraphModule:
                 graph.erase_node(node)
                 changed = True
     use_stacked_linear(graph)
+    if fold_state:
+        fold_state_views(graph)
     for node in graph.nodes:
         if node.op == "call_function" and not node.kwargs:
             fn = PUBLIC_FUNCTIONS.get(node.target)

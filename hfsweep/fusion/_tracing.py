@@ -354,10 +354,14 @@ class _Tracing:
         watch = self._grad_watch = _GradModeWatch()
         graph = None
         failure = ""
+        mode = mode_for(self._compile, _device_of(state, tensors))
         try:
             with self._locate_errors(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                graph = simplify(make_fx(call(rec), tracing_mode="fake")(*state, *tensors))
+                graph = simplify(
+                    make_fx(call(rec), tracing_mode="fake")(*state, *tensors),
+                    fold_state=mode is None,
+                )
         except FusionError:
             raise
         except Exception as exc:  # data-dependent control flow and the like: stay eager
@@ -387,7 +391,6 @@ class _Tracing:
             return _EAGER
         # the generated forward itself: GraphModule.__call__ adds Module-call machinery per call
         trace = _Trace(graph=graph.forward, outputs=rec, seconds=time.perf_counter() - start)
-        mode = mode_for(self._compile, _device_of(state, tensors))
         if mode is not None:
             trace.plain = trace.graph
             trace.graph = compile_graph(graph, mode, state)

@@ -116,3 +116,33 @@ def test_a_fused_conv_bn_block_replays_without_round_trips() -> None:
     with OpCounter() as c:
         array(x).sum().backward()
     assert c.ops["permute"] == 2  # the output's, forward and backward
+
+
+def test_views_around_an_elementwise_op_of_two_tensors_cancel() -> None:
+    """A residual add of two ``[N, B * C, ...]`` tensors that ``vmap`` viewed as
+    ``[N, B, C, ...]``: added as they are, the one view left cancels against the next layer's."""
+    a = torch.randn(2, 6, 5, dtype=torch.float64)
+    b = torch.randn(2, 6, 5, dtype=torch.float64)
+
+    def fn(x: Tensor, y: Tensor) -> Tensor:
+        s = torch.relu(x.view(2, 3, 2, 5) + y.view(2, 3, 2, 5))
+        return s.view(2, 6, 5) * 3
+
+    gm = _check(fn, a, b)
+    assert "view" not in " ".join(_targets(gm))
+    gm = _check(lambda x: (x.view(2, 3, 2, 5) * x.view(2, 3, 2, 5)).view(2, 6, 5), a)
+    assert "view" not in " ".join(_targets(gm))
+
+
+def test_views_of_two_shapes_or_read_elsewhere_are_kept() -> None:
+    a = torch.randn(2, 6, 5, dtype=torch.float64)
+    b = torch.randn(2, 5, 6, dtype=torch.float64)
+    # different base shapes: the op cannot run on the bases
+    _check(lambda x, y: (x.view(2, 3, 2, 5) + y.view(2, 3, 2, 5)).view(2, 6, 5), a, b)
+
+    def read_twice(x: Tensor, y: Tensor) -> Tensor:
+        v = y.view(2, 3, 2, 5)
+        return (x.view(2, 3, 2, 5) + v).view(2, 6, 5) + v.sum()
+
+    gm = _check(read_twice, a, a.clone())
+    assert " ".join(_targets(gm)).count("view") == 1  # y's, for its other reader
