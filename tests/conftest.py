@@ -17,6 +17,8 @@ import torch
 RAY_TESTS = (
     "tests/sweep/test_ray_backend.py::",
     "tests/tune/test_tune_ray.py::",
+    # the LoRA task through the Tune plugin, on the shared Ray
+    "tests/tune/test_tune_lora.py::",
     # experiment trackers on the driver of a sweep with backend: ray, on the shared Ray
     "tests/tracking/test_ray.py::",
     # a three-node Ray cluster on loopback (ray.cluster_utils.Cluster) per test
@@ -24,7 +26,9 @@ RAY_TESTS = (
     # the Tune plugin on such a cluster, a worker node removed mid-experiment
     "tests/tune/test_tune_cluster.py::",
     # `hfsweep run` with backend: ray in subprocesses, each with a local Ray of its own
-    "tests/sweep/test_kill_resume.py::test_sigkill_then_resume_finishes_the_sweep[ray]",
+    "tests/sweep/test_kill_resume.py::test_sigkill_then_resume_finishes_the_sweep[ray",
+    # elastic arrays on the shared Ray: data-parallel workers as actors, two sweeps per test
+    "tests/sweep/test_ray_elastic.py::",
     # the lifecycle over the Ray executor and the Tune plugin, each process with a Ray of its own
     "tests/test_lifecycle.py::test_a_killed_sweep_resumes_to_the_same_end[ray-",
     # a data-parallel array's workers as actors in a placement group, on the shared Ray
@@ -34,6 +38,19 @@ RAY_TESTS = (
     # the README's Tune quick start, on the shared Ray
     "tests/test_docs.py::test_python_block_with_ray_runs",
 )
+
+
+def _ray_tests_together(items: list[pytest.Item]) -> None:
+    """Within :data:`RAY_TESTS`, the tests on the shared Ray (``shared_ray``) first, then those
+    that start a Ray of their own, each part in collection order; the other tests keep their
+    places. The shared Ray then starts once for the lot instead of once per run of its users
+    between the others (each start is seconds of a worker's time)."""
+    places = [i for i, item in enumerate(items) if item.nodeid.startswith(RAY_TESTS)]
+    ray_items = [items[i] for i in places]
+    ray_items.sort(key=lambda item: "shared_ray" not in getattr(item, "fixturenames", ()))
+    for i, item in zip(places, ray_items, strict=True):
+        items[i] = item
+
 
 _TESTS = Path(__file__).resolve().parent
 
@@ -55,6 +72,7 @@ def _deterministic_torch():
 
 
 def pytest_collection_modifyitems(config, items):
+    _ray_tests_together(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -65,9 +65,11 @@ def test_fusion_throughput_quick_runs(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_sweep_end_to_end_quick_runs(tmp_path, monkeypatch):
-    """``sweep_end_to_end.py --quick`` (8 trials of 2 epochs): every arm, plain Optuna, both Ray
-    Tune arms and both hfsweep arms, finishes all 8 trials with a finite best value, and the
-    table and JSON are written. (Runs with the Ray tests: it starts a local Ray of its own.)"""
+    """``sweep_end_to_end.py --quick --trials 4`` (4 trials of 2 epochs): every arm, plain
+    Optuna, both Ray Tune arms and both hfsweep arms, finishes all 4 trials with a finite best
+    value, and the table and JSON are written. (Runs with the Ray tests: it starts a local Ray
+    of its own.) Four trials, not --quick's eight: every arm still runs its whole path (the Tune
+    arms start a trial process per trial, most of this test's time on 2 CPUs)."""
     pytest.importorskip("ray")
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     # Ray's workers import the benchmark modules as `python benchmarks/...` lets them
@@ -75,13 +77,13 @@ def test_sweep_end_to_end_quick_runs(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(BENCHMARKS) + (os.pathsep + path if path else ""))
     script = importlib.import_module("sweep_end_to_end")
     stem = tmp_path / "sweep_end_to_end_test"
-    script.main(["--quick", "--num-cpus", "2", "--out", str(stem)])
+    script.main(["--quick", "--trials", "4", "--num-cpus", "2", "--out", str(stem)])
 
     rows = json.loads(stem.with_suffix(".json").read_text())["rows"]
     assert [r["arm"] for r in rows] == list(script.ARMS)
     for row in rows:
         assert _positive(row["wall_s"]), row
-        assert sum(row["counts"].get(s, 0) for s in ("COMPLETE", "PRUNED", "FAIL")) == 8, row
+        assert sum(row["counts"].get(s, 0) for s in ("COMPLETE", "PRUNED", "FAIL")) == 4, row
         assert row["counts"].get("FAIL", 0) == 0 and _positive(row["best_value"]), row
     md = stem.with_suffix(".md").read_text()
     assert all(label in md for label in script.LABELS.values())

@@ -1,4 +1,8 @@
-"""`hfsweep run` killed mid-sweep (SIGKILL, or Ctrl-C) and run again with --resume."""
+"""`hfsweep run` killed mid-sweep (SIGKILL, or Ctrl-C) and run again with --resume.
+
+The plain SIGKILL of `hfsweep run` on the Ray backend is tests/test_lifecycle.py's ``ray-cli``
+case (the same kill and resume, checked further: refills, resumed arrays, every trial as alone);
+here: the refusal to run again without --resume, elastic arrays, and Ctrl-C."""
 
 from __future__ import annotations
 
@@ -19,7 +23,8 @@ from ._killed import (
 from ._toy import HOLD_AFTER
 
 TOY = Path(__file__).resolve().parent / "_toy.py"
-TRIALS = 24
+#: as tests/test_lifecycle.py: three arrays of 4 at first, ASHA stops some and refills their slots
+TRIALS = 12
 
 pytestmark = [
     pytest.mark.slow,
@@ -31,7 +36,7 @@ def _write_sweep(folder: Path, backend: str = "local") -> Path:
     sweep = folder / "sweep.yaml"
     sweep.write_text(
         f"""
-task: "{TOY}:TASK"
+task: "{TOY}:HELD_TASK"
 search_space:
   lr: {{type: float, low: 1.0e-3, high: 0.5, log: true}}
   momentum: {{type: float, low: 0.0, high: 0.9}}
@@ -53,20 +58,26 @@ output: run
 _ELASTIC = "ray: {elastic: {enabled: true, max_workers_per_array: 2, resize_every_s: 0}}\n"
 
 
-@pytest.mark.parametrize("backend", ["local", "ray", "ray-elastic"])
-def test_sigkill_then_resume_finishes_the_sweep(tmp_path: Path, backend: str) -> None:
-    """With ``backend: ray`` the resumed run starts a new local Ray and continues two arrays at
-    once from their checkpoints; with elastic arrays too, whatever workers each had."""
+@pytest.mark.parametrize("backend", ["local", "ray-elastic"])
+def test_sigkill_then_resume_finishes_the_sweep(
+    tmp_path: Path, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The killed run trains HELD_TASK, which stops drawing batches after two tells, so the
+    SIGKILL lands mid-sweep however late it is sent. With elastic arrays the resumed run starts
+    a new local Ray and continues two arrays at once from their checkpoints, whatever workers
+    each had. (Plain ``backend: ray``: tests/test_lifecycle.py's ``ray-cli`` case.)"""
     if backend.startswith("ray"):
         pytest.importorskip("ray")
     sweep = _write_sweep(tmp_path, backend)
     run = tmp_path / "run"
+    monkeypatch.setenv("HFSWEEP_TEST_HOLD_LOG", str(run / "sweep.log"))
     # in a session of its own: a killed driver's local Ray leaves processes behind, ended here
     with reaped(start_cli(sweep, session=True)) as proc:
-        interrupt_after(proc, run, 3, signal.SIGKILL)
+        interrupt_after(proc, run, HOLD_AFTER, signal.SIGKILL)
         proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL
     assert finished(run) < TRIALS  # killed mid-sweep
+    monkeypatch.delenv("HFSWEEP_TEST_HOLD_LOG")  # the runs after this one are not held
 
     again = start_cli(sweep)
     _out, err = again.communicate(timeout=300)
@@ -81,7 +92,6 @@ def test_ctrl_c_stops_cleanly_and_resumes(tmp_path: Path, monkeypatch: pytest.Mo
     """The interrupted run trains HELD_TASK, which stops drawing batches after two tells, so the
     sweep is still running when Ctrl-C reaches it however late the test sends it."""
     sweep = _write_sweep(tmp_path)
-    sweep.write_text(sweep.read_text().replace(":TASK", ":HELD_TASK"))
     run = tmp_path / "run"
     monkeypatch.setenv("HFSWEEP_TEST_HOLD_LOG", str(run / "sweep.log"))
     proc = start_cli(sweep)

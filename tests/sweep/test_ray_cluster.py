@@ -231,6 +231,10 @@ def test_a_node_that_joins_after_a_loss_trains_arrays_again(
     assert _log(run).count("died") == 1
 
 
+#: the Ctrl-C tests' budget: two arrays of 4, so that with two at once both are waiting for a node
+_CTRL_C_TRIALS = 8
+
+
 def _write_sweep(folder: Path, address: str, at_once: int) -> Path:
     sweep = folder / "sweep.yaml"
     sweep.write_text(
@@ -241,7 +245,7 @@ search_space:
   momentum: {{type: float, low: 0.0, high: 0.9}}
 searcher: random
 scheduler: fifo
-budget: {{trials: 16, epochs: 3}}
+budget: {{trials: {_CTRL_C_TRIALS}, epochs: 3}}
 metric: val_accuracy
 mode: max
 fusion: {{size: 4, device: cpu}}
@@ -311,8 +315,8 @@ def test_ctrl_c_with_every_worker_node_gone_ends_the_run_and_resume_finishes(
         optuna.storages.journal.JournalFileBackend(str(run / "optuna.journal"))
     )
     trials = optuna.load_study(study_name="sweep", storage=storage).get_trials()
-    assert [t.state.name for t in trials] == ["COMPLETE"] * 16
+    assert [t.state.name for t in trials] == ["COMPLETE"] * _CTRL_C_TRIALS
     # each trial told once over both runs (the study refuses a second tell anyway)
     ends = re.findall(r"hfsweep\.sweep: trial (\d+) complete", _log(run))
-    assert Counter(ends) == Counter({str(n): 1 for n in range(16)})
+    assert Counter(ends) == Counter({str(n): 1 for n in range(_CTRL_C_TRIALS)})
     assert len(re.findall(r"array \d \([^)]*\): resuming with 4 trials", _log(run))) == at_once
