@@ -100,7 +100,7 @@ def _slow_data(config: Mapping[str, Any]) -> tuple[TensorBatches, TensorBatches]
 SLOW_TASK = hs.Task(name="toy", model=_model, data=_slow_data, defaults=dict(TASK.defaults))
 
 
-class _GatedBatches(TensorBatches):
+class _StartGatedBatches(TensorBatches):
     """Training batches that wait while the file named by ``HFSWEEP_TEST_GATE`` exists, once
     the sweep log named by ``HFSWEEP_TEST_GATE_LOG`` exists (the dry run, before the sweep
     starts, is not held): a sweep that has asked its trials and waits for the test."""
@@ -114,12 +114,15 @@ class _GatedBatches(TensorBatches):
             yield batch
 
 
-def _gated_data(config: Mapping[str, Any]) -> tuple[TensorBatches, TensorBatches]:
+def _start_gated_data(config: Mapping[str, Any]) -> tuple[TensorBatches, TensorBatches]:
     train, val = _data(config)
-    return _GatedBatches(train.x, train.y, train.batch_size, shuffle=True), val
+    return _StartGatedBatches(train.x, train.y, train.batch_size, shuffle=True), val
 
 
-GATED_TASK = hs.Task(name="toy", model=_model, data=_gated_data, defaults=dict(TASK.defaults))
+#: held from its first batch while ``HFSWEEP_TEST_GATE`` exists, once the sweep has started
+START_GATED_TASK = hs.Task(
+    name="toy", model=_model, data=_start_gated_data, defaults=dict(TASK.defaults)
+)
 
 
 def sweep_config(output: Any, **overrides: Any) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from ._toy import HOLD_AFTER, _tells
 HERE = Path(__file__).resolve().parent
 SLOW = f"{HERE / '_toy.py'}:SLOW_TASK"
 HELD = f"{HERE / '_toy.py'}:HELD_TASK"
-GATED = f"{HERE / '_toy.py'}:GATED_TASK"
+GATED = f"{HERE / '_toy.py'}:START_GATED_TASK"
 TRIALS = 12
 STUDY = "shared"
 #: fast heartbeats, so that a killed driver's pid or heartbeat gives it away within seconds
