@@ -288,9 +288,20 @@ def test_the_dry_run_refuses_a_model_that_does_not_fit_alone(
     assert "fails a dry run: an array of 2 of the config {lr: 0.001}: out of memory on cpu " in err
 
 
-def test_a_failure_while_profiling_ends_the_same_way(tmp_path: Path) -> None:
+def test_a_failure_while_profiling_ends_the_same_way(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The loss takes arrays of up to 2 members: the dry run's array passes, the profiler's
-    array of 4 (fusion.size: auto) does not."""
+    array of 4 (fusion.size: auto) does not. The profiler measures 1, 2 and 4 whatever their
+    timings (on a loaded machine a slower B=2 would end its doubling before 4: past the knee)."""
+    import hfsweep.sizing.task as sizing_task
+
+    real = sizing_task.profile_sizes
+    monkeypatch.setattr(
+        sizing_task,
+        "profile_sizes",
+        lambda measure, **kw: real(measure, **{**kw, "sizes": [1, 2, 4]}),
+    )
     config = _config(tmp_path, _broken.SMALL_ARRAYS_ONLY, fusion={"size": "auto", "device": "cpu"})
     with pytest.raises(hs.TrainingError) as info:
         hs.sweep(config, progress=False)
