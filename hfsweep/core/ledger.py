@@ -29,7 +29,7 @@ plugin's, whose Tune schedulers decide on result dicts and are pickled whole.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from ..schedulers import Decision, Report, TrialScheduler
 from ..schedulers._base import decode_float, encode_float
@@ -37,6 +37,8 @@ from ._ledger_file import LedgerFile
 from .status import Status
 
 __all__ = ["ArrayLike", "Ledger", "decision_key"]
+
+_T = TypeVar("_T")
 
 
 def decision_key(member: str, step: int) -> str:
@@ -141,12 +143,11 @@ class Ledger:
         return self.ended.get(member)
 
     def _scheduler(self) -> TrialScheduler:
-        if self.scheduler is None:
-            raise RuntimeError(
-                "this ledger has no trial scheduler to decide (Ledger(scheduler=None)); its "
-                "owner decides and logs each decision with Ledger.log"
-            )
-        return self.scheduler
+        return _given(
+            self.scheduler,
+            "this ledger has no trial scheduler to decide (Ledger(scheduler=None)); its owner "
+            "decides and logs each decision with Ledger.log",
+        )
 
     def _record(self, change: list[Any]) -> None:
         """Keep ``change`` for the next :meth:`save`; a ledger without a file keeps nothing
@@ -207,12 +208,11 @@ class Ledger:
         }
 
     def _file(self) -> LedgerFile:
-        if self.file is None:
-            raise RuntimeError(
-                "this ledger has no file to save to (Ledger(file=None)); its owner saves "
-                "Ledger.state_dict()"
-            )
-        return self.file
+        return _given(
+            self.file,
+            "this ledger has no file to save to (Ledger(file=None)); its owner saves "
+            "Ledger.state_dict()",
+        )
 
     def _mark_saved(self) -> None:
         """Mark everything as saved (the snapshot about to be written, or just read, holds it)."""
@@ -297,6 +297,13 @@ class Ledger:
             self.best = [(float(v), int(n)) for v, n in args[0]]
         else:
             raise ValueError(f"unknown change {kind!r}")
+
+
+def _given(part: _T | None, missing: str) -> _T:
+    """``part`` of the ledger (its file, its scheduler); ``RuntimeError(missing)`` if it has none."""
+    if part is None:
+        raise RuntimeError(missing)
+    return part
 
 
 def _make(array: Callable[..., ArrayLike] | None) -> Callable[..., ArrayLike]:

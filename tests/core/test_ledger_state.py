@@ -6,23 +6,15 @@ from __future__ import annotations
 
 import json
 import pickle
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from hfsweep.schedulers import Report, TrialScheduler, make_scheduler
 
 from hfsweep.core._ledger_file import LedgerFile
+from hfsweep.core._parts import _Array  # the engine's record of an array
 from hfsweep.core.ledger import Ledger
 from hfsweep.core.status import Status
-
-
-@dataclass
-class _Array:
-    index: int
-    key: str
-    size: int
-    done: bool = False
 
 
 def _asha() -> TrialScheduler:
