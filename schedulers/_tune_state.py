@@ -38,8 +38,8 @@ engine starts one as soon as the searcher has no trial to give.
 Tune checkpoints only the searcher, so this state is saved through the searcher wrapper
 (:meth:`state_dict`) and is the source of truth after ``Tuner.restore``. A trainable that resumes
 from a checkpoint replays the evaluations since that checkpoint; they get the decisions logged the
-first time (the ledger's log) and are never told again. A report reaches this state through whichever
-wrapper Tune calls first, and processing it twice changes nothing.
+first time (in the ledger) and are never told again. A report reaches this state through
+whichever wrapper Tune calls first, and processing it twice changes nothing.
 
 Member statuses are the sweep core's :class:`~hfsweep.core.status.Status`, as in ``hfsweep
 run``'s ledger: ``WAITING`` (asked, waiting in its key's pool), ``RUNNING`` (in an array), then
