@@ -4,9 +4,10 @@ refill, and the end of an array (a part of :class:`~._tune_state.SweepState`, se
 Every report of an array trainable (one JSON payload under :data:`META`) is checked, then each
 evaluated member is decided on jointly with its array-mates (through a
 :class:`~._tune_joint.Decider`); a replayed evaluation after a retry or restore gets the decision
-logged the first time, under the sweep core's key (:func:`hfsweep.core.ledger.decision_key`). A
-member ends once, recorded by the core's rule (:meth:`hfsweep.core.status.Status.settle`), and is
-told to the inner searcher in Tune's terms. Freed slots are refilled by the core's packer
+logged the first time in the sweep core's ledger (:meth:`hfsweep.core.ledger.Ledger.log`,
+:meth:`~hfsweep.core.ledger.Ledger.logged`). A member ends once, recorded in the ledger
+(:meth:`~hfsweep.core.ledger.Ledger.end`) by the core's rule
+(:meth:`hfsweep.core.status.Status.settle`), and is told to the inner searcher in Tune's terms. Freed slots are refilled by the core's packer
 (:meth:`hfsweep.core.packer.Packer.refill`, :meth:`~hfsweep.core.packer.Packer.requeue`).
 
 This module imports neither Ray nor Optuna.
@@ -20,7 +21,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from hfsweep._checks import is_finite
-from hfsweep.core.ledger import decision_key
+from hfsweep.core.ledger import Ledger
 from hfsweep.core.packer import Packer
 from hfsweep.core.status import Status
 
@@ -34,13 +35,13 @@ _log = logging.getLogger("hfsweep.tune")
 
 class Reports:
     """The report-handling part of :class:`~._tune_state.SweepState` (which sets these
-    attributes): the sweep's members and arrays, its packer, decision log and inner searcher
-    and scheduler, the metric, and ``post`` (the hub's answer to a trainable)."""
+    attributes): the sweep's members and arrays, its packer, ledger (decision log and ends) and
+    inner searcher and scheduler, the metric, and ``post`` (the hub's answer to a trainable)."""
 
     members: dict[str, MemberRecord]
     arrays: dict[str, ArrayRecord]
     packer: Packer[str]
-    decisions: dict[str, bool]
+    ledger: Ledger
     decider: Decider
     searcher: Any
     metric: str | None
@@ -142,7 +143,7 @@ class Reports:
         elapsed = float(payload.get("elapsed", 0.0))
         for ev in payload.get("evaluations", []):
             rec = self.members[ev["member"]]
-            logged = self.decisions.get(decision_key(rec.id, int(ev["step"])))
+            logged = self.ledger.logged(rec.id, int(ev["step"]))
             reported = float(ev.get("time", elapsed))
             if logged is not None:
                 go[rec.id] = logged  # a replay after a resume: the decision already taken
@@ -192,10 +193,10 @@ class Reports:
             if _finite(result[metric]):
                 self.searcher.on_trial_result(rec.id, dict(result))
             keep = final or decided.get(rec.id, True)
-            self.decisions[decision_key(rec.id, result["step"])] = keep
+            self.ledger.log(rec.id, result["step"], keep)
             go[rec.id] = keep
         for rec, result, _ in diverged:
-            self.decisions[decision_key(rec.id, result["step"])] = False
+            self.ledger.log(rec.id, result["step"], False)
             go[rec.id] = False
             self._end(rec, Status.FAILED, None, error="non-finite loss")
         for rec, result, final in judged:
@@ -268,7 +269,8 @@ class Reports:
         *,
         error: str | None = None,
     ) -> None:
-        """Record how ``rec`` ended and tell the scheduler and the inner searcher, once.
+        """Record how ``rec`` ended (in the ledger, which holds it once, and in its record) and
+        tell the scheduler and the inner searcher, once.
 
         ``COMPLETED``: ``on_trial_complete(id, result)``; a non-finite metric makes it
         ``FAILED``. ``STOPPED``: ``on_trial_complete(id, result without the metric)``, which
@@ -279,6 +281,8 @@ class Reports:
         metric = self._require_metric()
         value = rec.history[-1].get(metric) if rec.history else None
         status, why = status.settle(value, metric)
+        if not self.ledger.end(rec.id, status):
+            raise AssertionError(f"member {rec.id} ended twice: the ledger holds its end")
         rec.status, rec.error = status, error or why
         rec.value = float(value) if is_finite(value) else None
         self.decider.end(

@@ -9,30 +9,37 @@ here; the handling of reports (decisions, ends, refill) is its part in :mod:`._t
 
 **What is the sweep core's.** The pools, array sizes, the asking loop of a new array and of a
 refill (at most :data:`~hfsweep.core.packer.REFILL_ASKS` asks per refill) and the requeue of
-members an array never started are :class:`hfsweep.core.packer.Packer`'s, as for ``hfsweep run``;
-the status vocabulary is :class:`hfsweep.core.status.Status`, a completed member with a
-non-finite metric fails by :meth:`~hfsweep.core.status.Status.settle`, and decisions are logged
-under :func:`hfsweep.core.ledger.decision_key`. **What is not, and why.** The core's
-:class:`~hfsweep.core.ledger.Ledger` object itself is not used: (1) it persists into a run
-directory (``state.json`` and an append-only ``state.jsonl``), where a Tune sweep's state must
-live in the searcher checkpoint that Tune pickles whole whenever it chooses, the only state Tune
-restores; (2) it drives an hfsweep :class:`~hfsweep.schedulers.TrialScheduler` (joint
-``decide`` on :class:`~hfsweep.schedulers.Report` s, ``state_dict`` and ``replay``), where Tune's
-schedulers decide one trial at a time on result dicts and are saved by pickling (the
-:class:`~._tune_joint.Decider` makes them joint); (3) the engine keeps each trial's config,
-intermediate values and end in the Optuna study it owns, where here the inner searcher is any
-Tune searcher, opaque to hfsweep, so each member's config, history and value are kept in this
-state's own :class:`~._tune_records.MemberRecord`. And the packer is driven Tune's way: Tune
-asks the searcher for one trial at a time and again later, so an array smaller than its size
-starts only when nothing more can be asked or nothing runs (``partial`` of
-:meth:`~hfsweep.core.packer.Packer.next_array`), where the engine starts one as soon as the
-searcher has no trial to give.
+members an array never started are :class:`hfsweep.core.packer.Packer`'s, as for ``hfsweep run``.
+The decision log, how each member ended (and so whether it was told) and each key's array size
+are the core's :class:`~hfsweep.core.ledger.Ledger` (:attr:`SweepState.ledger`), the one
+``hfsweep run`` saves in ``state.json``: a replayed evaluation is answered by
+:meth:`~hfsweep.core.ledger.Ledger.logged`, a member is told only if
+:meth:`~hfsweep.core.ledger.Ledger.end` records its end (once), and the packer's sizes are the
+ledger's dict. The status vocabulary is :class:`hfsweep.core.status.Status`, and a completed
+member with a non-finite metric fails by :meth:`~hfsweep.core.status.Status.settle`.
+
+**What is still the plugin's own, and why.** (1) The ledger has no file and no scheduler here:
+Tune restores only the searcher checkpoint it pickles whenever it chooses, so the ledger is saved
+as its :meth:`~hfsweep.core.ledger.Ledger.state_dict` inside this state's; and Tune's schedulers
+decide one trial at a time on result dicts and are pickled whole, so they run through a
+:class:`~._tune_joint.Decider` (which makes them joint) and the ledger logs what it decided
+(:meth:`~hfsweep.core.ledger.Ledger.log`). (2) Each member's config, key, array, history and
+value are its :class:`~._tune_records.MemberRecord`: ``hfsweep run`` keeps those in the Optuna
+study it owns, where here the inner searcher is any Tune searcher, opaque to hfsweep; a record's
+final status is the ledger's, as a trial's end is both the study's and the ledger's in
+``hfsweep run`` (:meth:`load_state_dict` brings the two to agree). (3) The arrays are Tune trials
+(string ids, members given and returned by refill, the last report's token): their
+:class:`~._tune_records.ArrayRecord` s, where the ledger's arrays are ``hfsweep run``'s
+numbered ones. And the packer is driven Tune's way: Tune asks the searcher for one trial at a
+time and again later, so an array smaller than its size starts only when nothing more can be
+asked or nothing runs (``partial`` of :meth:`~hfsweep.core.packer.Packer.next_array`), where the
+engine starts one as soon as the searcher has no trial to give.
 
 Tune checkpoints only the searcher, so this state is saved through the searcher wrapper
 (:meth:`state_dict`) and is the source of truth after ``Tuner.restore``. A trainable that resumes
 from a checkpoint replays the evaluations since that checkpoint; they get the decisions logged the
-first time (``decisions``) and are never told again. A report reaches this state through whichever
-wrapper Tune calls first, and processing it twice changes nothing.
+first time (in the ledger) and are never told again. A report reaches this state through
+whichever wrapper Tune calls first, and processing it twice changes nothing.
 
 Member statuses are the sweep core's :class:`~hfsweep.core.status.Status`, as in ``hfsweep
 run``'s ledger: ``WAITING`` (asked, waiting in its key's pool), ``RUNNING`` (in an array), then
@@ -50,6 +57,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from typing import Any
 
+from hfsweep.core.ledger import Ledger
 from hfsweep.core.packer import Packer, Pools
 from hfsweep.core.status import Status
 from hfsweep.training.task import Task
@@ -132,11 +140,13 @@ class SweepState(Reports):
     def _reset(self) -> None:
         self.members: dict[str, MemberRecord] = {}
         self.arrays: dict[str, ArrayRecord] = {}
+        #: the decision log, the members' ends and the array sizes: the sweep core's ledger
+        self.ledger = Ledger()
         #: the pools of waiting members (by id), the array size per key, and refill
         self.packer: Packer[str] = Packer(
             ask=self._ask, size=self._size, may_ask=self._can_ask, budget=self.budget
         )
-        self.decisions: dict[str, bool] = {}
+        self.packer.sizes = self.ledger.sizes  # one dict: the packer sizes, the ledger saves
         self.counters: dict[str, int] = {}
         self.asked = 0
         self.inner_finished = False
@@ -147,6 +157,11 @@ class SweepState(Reports):
         state = self.__dict__.copy()
         state.update(post=None, _trials={})
         return state
+
+    @property
+    def decisions(self) -> dict[str, bool]:
+        """The decision log (``"<member>@<step>"`` -> go on): the ledger's."""
+        return self.ledger.decisions
 
     @property
     def hub_name(self) -> str:
@@ -262,15 +277,15 @@ class SweepState(Reports):
             "members": {m: r.as_dict() for m, r in self.members.items()},
             "arrays": {a: asdict(r) for a, r in self.arrays.items()},
             "pools": self.packer.pools.as_dict(),
-            "sizes": dict(self.packer.sizes),
-            "decisions": dict(self.decisions),
+            "ledger": self.ledger.state_dict(),
             "counters": dict(self.counters),
             "decider": self.decider,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output (after ``Tuner.restore``); a state saved in
-        the previous format (``hfsweep.tune/1``) is read too, any other is refused naming it."""
+        an earlier format (``hfsweep.tune/2`` or ``/1``, see :func:`~._tune_records.upgraded`)
+        is read too, any other is refused naming it."""
         state = upgraded(state)
         self._reset()
         self.uid = str(state["uid"])
@@ -283,12 +298,23 @@ class SweepState(Reports):
         self.arrays = {a: ArrayRecord(**r) for a, r in state["arrays"].items()}
         self.packer.budget = self.budget
         self.packer.pools = Pools({str(k): [str(m) for m in v] for k, v in state["pools"].items()})
-        self.packer.sizes = {str(k): int(v) for k, v in state["sizes"].items()}
-        self.decisions = {k: bool(v) for k, v in state["decisions"].items()}
+        self.ledger.load_state_dict(state["ledger"])  # its sizes: the packer's dict, in place
+        self._agree()
         self.counters = {k: int(v) for k, v in state["counters"].items()}
         self.decider = state["decider"]
         self._trials = {}
         _RESTORED[self.uid] = self
+
+    def _agree(self) -> None:
+        """Bring the members' records and the ledger to agree after a restore, as ``hfsweep
+        run`` catches its ledger up to the study: an end only a record holds is recorded in the
+        ledger, and a record whose member the ledger ended takes the ledger's status."""
+        for rec in self.members.values():
+            ended = self.ledger.status(rec.id)
+            if ended is not None:
+                rec.status = ended
+            elif rec.status.final:
+                self.ledger.end(rec.id, rec.status)
 
     # ------------------------------------------------------------------ summaries
     def counts(self) -> dict[Status, int]:

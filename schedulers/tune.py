@@ -58,7 +58,8 @@ which members trained in which array (column ``array``). Pruned and failed membe
 not kept.
 
 **Restore and retries.** Tune saves the searcher with the experiment, and with it every
-member's state and the log of decisions taken. Each array report carries a Tune checkpoint of
+member's state and the sweep core's ledger (:class:`hfsweep.core.ledger.Ledger`: the log of
+decisions taken and how each member ended, as ``hfsweep run`` keeps them in ``state.json``). Each array report carries a Tune checkpoint of
 the array trainer, so ``FailureConfig(max_failures=...)`` retries an array from its last report
 and ``Tuner.restore(path, fusion.trainable)`` continues an interrupted experiment: replayed
 evaluations get the decisions already taken, and no member is told twice. "Told once" is

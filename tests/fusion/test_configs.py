@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+from _tiny_hf import BERT, GPT2, LLAMA, VOCAB
 from torch import Tensor, nn
 
 import hfsweep as hs
@@ -15,20 +16,9 @@ from hfsweep.testing import assert_fusion_matches
 
 transformers = pytest.importorskip("transformers")
 
-VOCAB = 40
-
 
 def _bert(**changes: object) -> nn.Module:
-    settings: dict[str, object] = {
-        "vocab_size": VOCAB,
-        "hidden_size": 16,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 2,
-        "intermediate_size": 24,
-        "max_position_embeddings": 16,
-    }
-    settings.update(changes)
-    return transformers.BertModel(transformers.BertConfig(**settings))
+    return transformers.BertModel(transformers.BertConfig(**{**BERT, **changes}))
 
 
 def test_configs_differing_in_a_setting_are_refused_naming_the_field() -> None:
@@ -51,10 +41,7 @@ def test_configs_differing_in_a_dropout_probability_point_to_dropout_argument() 
 
 def test_gpt2_dropout_fields_are_recognised_and_other_differences_counted() -> None:
     def gpt2(**changes: object) -> nn.Module:
-        config = transformers.GPT2Config(
-            vocab_size=VOCAB, n_embd=16, n_layer=1, n_head=2, n_positions=16, **changes
-        )
-        return transformers.GPT2Model(config)
+        return transformers.GPT2Model(transformers.GPT2Config(**GPT2, **changes))
 
     with pytest.raises(hs.FusionError, match=r"field 'resid_pdrop'.*dropout="):
         hs.fuse([gpt2(), gpt2(resid_pdrop=0.2)])
@@ -120,16 +107,7 @@ def test_methods_of_one_function_bound_to_corresponding_submodules_are_equal() -
 
 def _lora_llama() -> nn.Module:
     peft = pytest.importorskip("peft")
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=24,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=16,
-    )
-    base = transformers.AutoModelForCausalLM.from_config(config)
+    base = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**LLAMA))
     lora = peft.LoraConfig(
         r=2,
         lora_alpha=4,

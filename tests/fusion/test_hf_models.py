@@ -13,70 +13,29 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from _tiny_hf import BERT, GPT2, LLAMA, NO_DROPOUT, T5, VOCAB
 from torch import Tensor, nn
 
 from hfsweep.testing import assert_fusion_matches
 
 transformers = pytest.importorskip("transformers")
 
-VOCAB = 40
-
 
 def _bert() -> nn.Module:
-    config = transformers.BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=24,
-        max_position_embeddings=16,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-    return transformers.BertModel(config)
+    return transformers.BertModel(transformers.BertConfig(**BERT, **NO_DROPOUT["bert"]))
 
 
 def _gpt2() -> nn.Module:
-    config = transformers.GPT2Config(
-        vocab_size=VOCAB,
-        n_embd=16,
-        n_layer=1,
-        n_head=2,
-        n_positions=16,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
+    config = transformers.GPT2Config(**GPT2, **NO_DROPOUT["gpt2"], bos_token_id=0, eos_token_id=0)
     return transformers.GPT2LMHeadModel(config)
 
 
 def _t5() -> nn.Module:
-    config = transformers.T5Config(
-        vocab_size=VOCAB,
-        d_model=16,
-        d_kv=8,
-        d_ff=24,
-        num_layers=1,
-        num_heads=2,
-        dropout_rate=0.0,
-    )
-    return transformers.T5Model(config)
+    return transformers.T5Model(transformers.T5Config(**T5, **NO_DROPOUT["t5"]))
 
 
 def _llama() -> nn.Module:
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=24,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=16,
-        attention_dropout=0.0,
-    )
-    return transformers.LlamaForCausalLM(config)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA, **NO_DROPOUT["llama"]))
 
 
 class _FirstOutput(nn.Module):

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _side_by_side import ATOL, RTOL, SideBySide, trained
+from _tiny_hf import BERT, GPT2, NO_DROPOUT, VOCAB
 from torch import Tensor, nn
 
 import hfsweep as hs
@@ -186,27 +187,13 @@ def test_a_refill_brings_its_own_lora_alpha() -> None:
     assert array.member(1).peft_config["default"].lora_alpha == 32
 
 
-def _bert_member(seed: int, alpha: float) -> nn.Module:
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(1234)  # the "pretrained" encoder, the same in every member
-    config = transformers.BertConfig(
-        vocab_size=40,
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=24,
-        max_position_embeddings=16,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        num_labels=3,
-    )
-    base = transformers.BertForSequenceClassification(config).double()
+def _lora_member(
+    base: nn.Module, seed: int, alpha: float, targets: list[str], task_type: str
+) -> nn.Module:
+    """``base`` (the same "pretrained" model in every member) with a rank-2 LoRA adapter on
+    ``targets``, drawn from ``seed``; its ``lora_B`` drawn too, so that the adapter acts."""
     lora = peft.LoraConfig(
-        r=2,
-        lora_alpha=alpha,
-        target_modules=["query", "value"],
-        lora_dropout=0.0,
-        task_type="SEQ_CLS",
+        r=2, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0, task_type=task_type
     )
     torch.manual_seed(seed)
     model = peft.get_peft_model(base, lora)
@@ -214,6 +201,14 @@ def _bert_member(seed: int, alpha: float) -> nn.Module:
         if "lora_B" in name:
             nn.init.normal_(p, std=0.1)
     return model
+
+
+def _bert_member(seed: int, alpha: float) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(1234)  # the "pretrained" encoder, the same in every member
+    config = transformers.BertConfig(**BERT, **NO_DROPOUT["bert"], num_labels=3)
+    base = transformers.BertForSequenceClassification(config).double()
+    return _lora_member(base, seed, alpha, ["query", "value"], "SEQ_CLS")
 
 
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
@@ -239,7 +234,7 @@ def test_lora_bert_classifier_with_its_own_loss_trains_as_alone() -> None:
     array.train()
     gen = torch.Generator().manual_seed(0)
     for step in range(8):
-        ids = torch.randint(0, 40, (4, 7), generator=gen)
+        ids = torch.randint(0, VOCAB, (4, 7), generator=gen)
         mask = torch.ones(4, 7, dtype=torch.long)
         mask[1, 5:] = 0
         mask[3, 3:] = 0
@@ -258,32 +253,10 @@ def test_lora_bert_classifier_with_its_own_loss_trains_as_alone() -> None:
 def _gpt2_member(seed: int, alpha: float) -> nn.Module:
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(1234)  # the "pretrained" causal LM, the same in every member
-    config = transformers.GPT2Config(
-        vocab_size=40,
-        n_embd=16,
-        n_layer=2,
-        n_head=2,
-        n_positions=16,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    base = transformers.GPT2LMHeadModel(config).double()
-    lora = peft.LoraConfig(
-        r=2,
-        lora_alpha=alpha,
-        target_modules=["c_attn"],  # GPT-2's Conv1D: peft sets fan_in_fan_out itself
-        lora_dropout=0.0,
-        task_type="CAUSAL_LM",
-    )
-    torch.manual_seed(seed)
-    model = peft.get_peft_model(base, lora)
-    for name, p in model.named_parameters():
-        if "lora_B" in name:
-            nn.init.normal_(p, std=0.1)
-    return model
+    settings = {**GPT2, **NO_DROPOUT["gpt2"], "n_layer": 2, "bos_token_id": 0, "eos_token_id": 0}
+    base = transformers.GPT2LMHeadModel(transformers.GPT2Config(**settings)).double()
+    # GPT-2's Conv1D: peft sets fan_in_fan_out itself
+    return _lora_member(base, seed, alpha, ["c_attn"], "CAUSAL_LM")
 
 
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
@@ -315,7 +288,7 @@ def test_lora_gpt2_causal_lm_with_its_own_loss_trains_as_alone() -> None:
     array.train()
     gen = torch.Generator().manual_seed(0)
     for step in range(10):
-        ids = torch.randint(1, 40, (3, 9), generator=gen)
+        ids = torch.randint(1, VOCAB, (3, 9), generator=gen)
         run.step(
             input_ids=ids,
             labels=ids,

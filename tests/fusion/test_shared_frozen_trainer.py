@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from _same_results import Crash, assert_same, crashing_report, members
 from torch import Tensor, nn
 
 import hfsweep as hs
@@ -75,27 +76,8 @@ SGD_CONFIGS = [c for c in CONFIGS if c["optimizer"] == "sgd"]
 BACKBONE = [f"backbone.{k}" for k in FineTune().backbone.state_dict()]
 
 
-def _members(configs: list[dict[str, Any]], prefix: str = "t") -> list[hs.Member]:
-    return [hs.Member(f"{prefix}{i}", c) for i, c in enumerate(configs)]
-
-
 def _trainer(**kw: Any) -> hs.ArrayTrainer:
     return hs.ArrayTrainer(TASK, dtype=torch.float64, **kw)
-
-
-def _assert_same(a: hs.MemberResult, b: hs.MemberResult) -> None:
-    assert a.status == b.status and a.steps == b.steps
-    assert len(a.history) == len(b.history)
-    for ra, rb in zip(a.history, b.history, strict=True):
-        for k in ra:
-            assert ra[k] == pytest.approx(rb[k], rel=1e-7, abs=1e-12), (a.id, k)
-    assert a.state is not None and b.state is not None
-    assert a.state["model"].keys() == b.state["model"].keys()
-    for k, v in a.state["model"].items():
-        torch.testing.assert_close(v, b.state["model"][k], rtol=1e-7, atol=1e-12, msg=k)
-    for k, st in b.state["optimizer"]["state"].items():
-        for name, v in st.items():
-            torch.testing.assert_close(a.state["optimizer"]["state"][k][name], v, rtol=1e-7, atol=0)
 
 
 @pytest.fixture
@@ -117,7 +99,7 @@ def built_arrays(monkeypatch: pytest.MonkeyPatch) -> list[FusedArray]:
 
 def test_members_with_a_frozen_backbone_train_as_alone(built_arrays: list[FusedArray]) -> None:
     configs = SGD_CONFIGS
-    fused = _trainer().run(_members(configs))
+    fused = _trainer().run(members(configs))
     array = built_arrays[0]
     assert array.size == len(configs) and array.shared_frozen == BACKBONE
     assert [n for n, _ in array.named_parameters()] == [
@@ -126,7 +108,7 @@ def test_members_with_a_frozen_backbone_train_as_alone(built_arrays: list[FusedA
     ]
     for i, config in enumerate(configs):
         alone = _trainer().run([hs.Member(f"t{i}", config)])[0]
-        _assert_same(fused[i], alone)
+        assert_same(fused[i], alone, optimizer_atol=0)
     # the saved state is the whole model: it loads into the user's class and torch's optimizer
     state = fused[1].state
     assert state is not None and set(BACKBONE) <= set(state["model"])
@@ -135,10 +117,6 @@ def test_members_with_a_frozen_backbone_train_as_alone(built_arrays: list[FusedA
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     opt.load_state_dict(state["optimizer"])
     assert torch.equal(model.backbone[0].weight, FineTune().double().backbone[0].weight)
-
-
-class _Crash(Exception):
-    pass
 
 
 def test_resume_and_refill_keep_the_backbone_shared(
@@ -153,33 +131,25 @@ def test_resume_and_refill_keep_the_backbone_shared(
         directory: Any, crash_at: int | None = None, resume: bool = False, share: bool = True
     ) -> Any:
         queue = [] if resume else [hs.Member("late", late)]
-        evaluations = 0
-
-        def report(evals: list[hs.Evaluation]) -> None:
-            nonlocal evaluations
-            evaluations += 1
-            if evaluations == crash_at:
-                raise _Crash
-
         return _trainer(checkpoint_dir=directory, share_frozen=share).run(
-            _members(first),
-            report=report,
+            members(first),
+            report=crashing_report(crash_at),
             refill=lambda: queue.pop() if queue else None,
             resume=resume,
         )
 
     full = run(tmp_path / "full")
     assert all(a.shared_frozen == BACKBONE for a in built_arrays)
-    with pytest.raises(_Crash):
+    with pytest.raises(Crash):
         run(tmp_path / "crashed", crash_at=3)
     resumed = run(tmp_path / "crashed", resume=True)
     assert [r.id for r in resumed] == [r.id for r in full]
     for a, b in zip(resumed, full, strict=True):
-        _assert_same(a, b)
+        assert_same(a, b, optimizer_atol=0)
     assert all(a.shared_frozen == BACKBONE for a in built_arrays)
     # and the whole run, the refilled trial's included, equals the run with every tensor stacked
     # (ArrayTrainer(share_frozen=False), fusion.share_frozen: false in a sweep file)
     stacked = run(tmp_path / "stacked", share=False)
     assert built_arrays[-1].shared_frozen == []
     for a, b in zip(stacked, full, strict=True):
-        _assert_same(a, b)
+        assert_same(a, b, optimizer_atol=0)

@@ -1,13 +1,12 @@
 """A small task for the offload tests: a custom module class around layers (not an
 ``nn.Sequential`` itself, so offload traces its forward), with BatchNorm and dropout, and the
-configs and comparison the tests share."""
+configs the tests share (the comparison of results: tests/_same_results.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
-import pytest
 import torch
 from torch import nn
 
@@ -76,24 +75,3 @@ ADAMW = [
     }
     for i in range(3)
 ]
-
-
-def members(configs: list[dict[str, Any]]) -> list[hs.Member]:
-    return [hs.Member(f"t{i}", c) for i, c in enumerate(configs)]
-
-
-def assert_same(a: hs.MemberResult, b: hs.MemberResult) -> None:
-    assert (a.status, a.steps) == (b.status, b.steps)
-    assert len(a.history) == len(b.history)
-    for ra, rb in zip(a.history, b.history, strict=True):
-        for k in ra:
-            assert ra[k] == pytest.approx(rb[k], rel=1e-7, abs=1e-12), (a.id, k)
-    assert a.state is not None and b.state is not None
-    for k, v in a.state["model"].items():
-        torch.testing.assert_close(v, b.state["model"][k], rtol=1e-7, atol=1e-12, msg=k)
-    for k, st in a.state["optimizer"]["state"].items():
-        for name, v in st.items():
-            torch.testing.assert_close(
-                v, b.state["optimizer"]["state"][k][name], rtol=1e-7, atol=1e-12
-            )
-    assert a.state["rng"] == b.state["rng"]

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 import torch
-from _offload_toy import ADAMW, SGD, assert_same, members, toy_task
+from _offload_toy import ADAMW, SGD, toy_task
+from _same_results import assert_same, members
 
 import hfsweep as hs
 from hfsweep.offload import OffloadError
@@ -30,7 +31,7 @@ def test_offloaded_members_train_as_without_offload(
     assert shards and shards[0] >= 3
     assert [r.status for r in plain] == ["completed"] * 3
     for a, b in zip(off, plain, strict=True):
-        assert_same(a, b)
+        assert_same(a, b, rng=True)
 
 
 def test_a_budget_is_kept_and_results_do_not_change() -> None:
@@ -41,7 +42,7 @@ def test_a_budget_is_kept_and_results_do_not_change() -> None:
         members(SGD)
     )
     for a, b in zip(off, plain, strict=True):
-        assert_same(a, b)
+        assert_same(a, b, rng=True)
 
 
 def test_a_budget_too_small_for_one_layer_is_refused() -> None:
@@ -85,7 +86,7 @@ def test_resume_under_offload_equals_an_uninterrupted_run(tmp_path) -> None:
     ).run(members(SGD), resume=True)
     again = hs.ArrayTrainer(task, dtype=torch.float64, eval_every=2).run(members(SGD))
     for a, b in zip(resumed, again, strict=True):
-        assert_same(a, b)
+        assert_same(a, b, rng=True)
     assert [r.steps for r in reference] == [r.steps for r in again]
 
 
@@ -122,4 +123,4 @@ def test_out_of_memory_under_offload_splits_and_loses_nothing(monkeypatch, tmp_p
     ).run(members(SGD))
     assert calls["n"] > 3
     for a, b in zip(results, reference, strict=True):
-        assert_same(a, b)
+        assert_same(a, b, rng=True)

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from _same_results import Crash, assert_same, crashing_report, members
 
 import hfsweep as hs
 from hfsweep.tasks import get, text_lora
@@ -53,21 +54,6 @@ def _trainer(**kw: Any) -> hs.ArrayTrainer:
     return hs.ArrayTrainer(text_lora, dtype=torch.float64, eval_every=2, **kw)
 
 
-def _members() -> list[hs.Member]:
-    return [hs.Member(f"t{i}", c) for i, c in enumerate(CONFIGS)]
-
-
-def _assert_same(a: hs.MemberResult, b: hs.MemberResult) -> None:
-    assert a.status == b.status and a.steps == b.steps
-    assert len(a.history) == len(b.history)
-    for ra, rb in zip(a.history, b.history, strict=True):
-        for k in ra:
-            assert ra[k] == pytest.approx(rb[k], rel=1e-7, abs=1e-12), (a.id, k)
-    assert a.state is not None and b.state is not None
-    for k, v in a.state["model"].items():
-        torch.testing.assert_close(v, b.state["model"][k], rtol=1e-7, atol=1e-12, msg=k)
-
-
 def test_the_encoder_is_shared_and_the_adapters_are_trained() -> None:
     configs = [text_lora.resolve(c) for c in CONFIGS]
     array = hs.fuse([text_lora.build_model(c) for c in configs])
@@ -92,7 +78,7 @@ def test_lora_members_train_as_alone_and_their_adapters_load_with_peft(
 ) -> None:
     for i, config in enumerate(CONFIGS):
         alone = _trainer().run([hs.Member(f"t{i}", config)])[0]
-        _assert_same(full[i], alone)
+        assert_same(full[i], alone)
     # a member's saved state is the whole model; its adapter saves and loads with peft
     config = text_lora.resolve(CONFIGS[1])
     model = text_lora.build_model(config).double()
@@ -124,23 +110,11 @@ def _pretrained(config: dict[str, Any]) -> Any:
     return model.double()
 
 
-class _Crash(Exception):
-    pass
-
-
 def _run(
     directory: Path, *, crash_at: int | None = None, resume: bool = False, share: bool = True
 ) -> Any:
-    evaluations = 0
-
-    def report(evals: list[hs.Evaluation]) -> None:
-        nonlocal evaluations
-        evaluations += 1
-        if evaluations == crash_at:
-            raise _Crash
-
     return _trainer(checkpoint_dir=directory, share_frozen=share).run(
-        _members(), report=report, resume=resume
+        members(CONFIGS), report=crashing_report(crash_at), resume=resume
     )
 
 
@@ -155,9 +129,9 @@ def _buffer_bytes(path: Path) -> int:
 def test_checkpoints_store_the_shared_encoder_once_and_resume_exactly(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], full: list[hs.MemberResult]
 ) -> None:
-    with pytest.raises(_Crash):
+    with pytest.raises(Crash):
         _run(tmp_path / "crashed", crash_at=2)
-    with pytest.raises(_Crash):
+    with pytest.raises(Crash):
         _run(tmp_path / "stacked", crash_at=2, share=False)
     shared = _buffer_bytes(tmp_path / "crashed" / "array.pt")
     stacked = _buffer_bytes(tmp_path / "stacked" / "array.pt")
@@ -171,7 +145,7 @@ def test_checkpoints_store_the_shared_encoder_once_and_resume_exactly(
         )
     resumed = _run(tmp_path / "crashed", resume=True)
     for a, b in zip(resumed, full, strict=True):
-        _assert_same(a, b)
+        assert_same(a, b)
 
 
 def _encoder_bytes() -> int:

@@ -116,6 +116,9 @@ _FORMAT_1_MEMBER = {
 
 
 def _format_1(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` as format 1 held it: the decision log and sizes beside the members, no ledger."""
+    ledger = state.pop("ledger")
+    state.update(decisions=ledger["decisions"], sizes=ledger["sizes"])
     return {**state, "format": "hfsweep.tune/1", "members": {"m0": dict(_FORMAT_1_MEMBER)}}
 
 
@@ -124,7 +127,7 @@ def test_the_table_says_the_cores_status_words_and_optunas_names_beside(tmp_path
     table = member_results(folder)
     assert list(table["status"]) == ["completed"] and list(table["state"]) == ["COMPLETE"]
     assert sweep_state(folder)["members"]["m0"]["status"] == "completed"  # as state.json says
-    assert sweep_state(folder)["format"] == "hfsweep.tune/2"
+    assert sweep_state(folder)["format"] == "hfsweep.tune/3"
     assert member_results(fusion)[["status", "state"]].equals(table[["status", "state"]])
 
 
@@ -139,7 +142,7 @@ def test_a_state_saved_in_the_previous_format_is_read_and_restored(tmp_path: Pat
     searcher.set_state(old)  # Tuner.restore of an experiment the previous hfsweep saved
     assert fusion.state.members["m0"].status is Status.STOPPED and fusion.state.members["m0"].told
     saved = searcher.get_state()
-    assert saved["format"] == "hfsweep.tune/2" and saved["members"]["m0"]["status"] == "stopped"
+    assert saved["format"] == "hfsweep.tune/3" and saved["members"]["m0"]["status"] == "stopped"
     assert "state" not in saved["members"]["m0"]
 
 
@@ -147,7 +150,7 @@ def test_a_format_this_version_does_not_read_is_refused_by_name(tmp_path: Path) 
     fusion = Fusion(TASK, members=2, array_size=2)
     searcher = fusion.searcher(_Inner(metric="val_accuracy", mode="max"))
     newer = {**searcher.get_state(), "format": "hfsweep.tune/9"}
-    with pytest.raises(ValueError, match=r"format 'hfsweep\.tune/9'.*reads 'hfsweep\.tune/2'"):
+    with pytest.raises(ValueError, match=r"format 'hfsweep\.tune/9'.*reads 'hfsweep\.tune/3'"):
         searcher.set_state(newer)
     folder, _ = _experiment(tmp_path / "exp", saved=newer)
     (path,) = folder.glob("search_gen_state-*.json")

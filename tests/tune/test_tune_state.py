@@ -355,12 +355,15 @@ def test_a_member_that_completes_with_a_nonfinite_metric_fails_as_in_the_engine(
 
 def _as_format_1(saved: dict[str, Any]) -> dict[str, Any]:
     """``saved`` as hfsweep wrote it before the one status vocabulary (format 1): each member's
-    Optuna state name under ``"state"``, no ``"status"``."""
+    Optuna state name under ``"state"``, no ``"status"``; the decision log and sizes beside the
+    members, no ledger (as up to format 2)."""
     members = {}
     for mid, record in saved["members"].items():
         old = {k: v for k, v in record.items() if k != "status"}
         old["state"] = Status(record["status"]).optuna_name  # "PRUNED" for "stopped"...
         members[mid] = old
+    ledger = saved.pop("ledger")
+    saved.update(decisions=ledger["decisions"], sizes=ledger["sizes"])
     return {**saved, "format": "hfsweep.tune/1", "members": members}
 
 
@@ -377,7 +380,7 @@ def test_a_sweep_saved_in_the_previous_format_goes_on_after_a_restore() -> None:
     restored.on_result("A", _report("t10", [("A-0", 4, 0.95)], final=True))
     assert searcher2.outcome == {"A-0": "COMPLETE"}
     assert restored.members["A-0"].status is Status.COMPLETED
-    assert restored.state_dict()["format"] == "hfsweep.tune/2"
+    assert restored.state_dict()["format"] == "hfsweep.tune/3"
     assert restored.state_dict()["members"]["A-1"]["status"] == "stopped"
 
 
