@@ -1,4 +1,5 @@
-"""Writing benchmark results: the JSON rows and a Markdown table, with machine and command."""
+"""Writing benchmark results: the JSON rows and a Markdown table, with machine and command; and
+the byte count the memory benchmarks share."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import json
 import os
 import platform
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,16 @@ import torch
 import hfsweep as hs
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a storage shared by several counts
+    once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
 
 
 def machine(device: torch.device) -> str:

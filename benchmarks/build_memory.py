@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _results import RESULTS, write_results
+from _results import RESULTS, storage_bytes, write_results
 from torch import Tensor, nn
 
 import hfsweep as hs
@@ -44,14 +44,6 @@ SETTINGS = {
 }
 
 
-def _bytes(tensors: Iterable[Tensor]) -> int:
-    seen: dict[int, int] = {}
-    for t in tensors:
-        storage = t.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
-
-
 def _state(models: Iterable[nn.Module]) -> list[Tensor]:
     return [t for m in models for t in [*m.parameters(), *m.buffers()]]
 
@@ -62,9 +54,9 @@ def measure(members: int, share_frozen: bool) -> dict[str, Any]:
     fuse = live.fuse
 
     def recording(models: list[nn.Module], *args: Any, **kwargs: Any) -> Any:
-        seen["models"] = _bytes(_state(models))
+        seen["models"] = storage_bytes(_state(models))
         array = fuse(models, *args, **kwargs)
-        seen["array"] = _bytes(_state([array]))
+        seen["array"] = storage_bytes(_state([array]))
         return array
 
     live.fuse = recording  # type: ignore[assignment]

@@ -21,23 +21,14 @@ from __future__ import annotations
 import argparse
 import copy
 import warnings
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
-from _results import RESULTS, write_results
+from _results import RESULTS, storage_bytes, write_results
 from torch import Tensor, nn
 
 import hfsweep as hs
-
-
-def _bytes(tensors: Iterable[Tensor]) -> int:
-    seen: dict[int, int] = {}
-    for t in tensors:
-        storage = t.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
 
 
 def _members(count: int, device: torch.device) -> list[nn.Module]:
@@ -71,7 +62,7 @@ def _members(count: int, device: torch.device) -> list[nn.Module]:
 
 def _measure(size: int, share: bool, device: torch.device) -> dict[str, Any]:
     models = _members(size, device)
-    inputs = _bytes(t for m in models for t in [*m.parameters(), *m.buffers()])
+    inputs = storage_bytes(t for m in models for t in [*m.parameters(), *m.buffers()])
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -84,7 +75,7 @@ def _measure(size: int, share: bool, device: torch.device) -> dict[str, Any]:
     out = array(input_ids=ids, labels=labels)
     out.loss.sum().backward()
     opt.step()
-    state = _bytes(
+    state = storage_bytes(
         [
             *array.parameters(),
             *array.buffers(),

@@ -194,14 +194,7 @@ def _merge_views(graph: fx.Graph, node: fx.Node) -> bool:
 
 def _unary_pointwise(node: fx.Node) -> bool:
     """An elementwise op of one tensor that has no effect besides its result (``relu``)."""
-    target = node.target
-    if node.op != "call_function" or not isinstance(target, OpOverload) or node.kwargs:
-        return False
-    if torch.Tag.pointwise not in target.tags or target._schema.is_mutable:
-        return False
-    if torch.Tag.nondeterministic_seeded in target.tags:
-        return False
-    return not any(isinstance(a, fx.Node) for a in node.args[1:])
+    return _pointwise(node) and not any(isinstance(a, fx.Node) for a in node.args[1:])
 
 
 def _hoist_pointwise(graph: fx.Graph, node: fx.Node) -> bool:
