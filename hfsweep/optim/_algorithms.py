@@ -23,8 +23,8 @@ from ._base import (
     State,
     Views,
     Work,
-    check_range,
 )
+from ._groups import check_range
 
 __all__ = ["SGD", "Adagrad", "Adam", "AdamW", "RMSprop"]
 

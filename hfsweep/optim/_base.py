@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, cast
 
 import torch
 from torch import Tensor, nn
 
-from .._checks import is_int, is_number
-from ..fusion import FusedArray
+from .._checks import is_int
+from ._groups import HyperParameter as HyperParameter
+from ._groups import ParamsT as ParamsT
+from ._groups import member_values, param_groups
 
 __all__ = ["FusedOptimizer", "HyperParameter"]
 
@@ -34,8 +36,6 @@ _SUM_DTYPES = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
 #: gradient dtypes the one-operator check (:meth:`FusedOptimizer._any_nonfinite`) takes
 _CHECK_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
-HyperParameter = float | int | Sequence[float] | Tensor
-ParamsT = FusedArray | Iterable[Tensor] | Iterable[dict[str, Any]]
 
 #: one parameter's optimizer state (``step`` and the state tensors), by name
 State = dict[str, Any]
@@ -69,7 +69,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         return {name: arguments[name] for name in (*cls.numeric, *cls.options)}
 
     def __init__(self, params: ParamsT, defaults: dict[str, Any]) -> None:
-        groups, size = _param_groups(params)
+        groups, size = param_groups(params)
         self.size = size
         super().__init__(groups, defaults)
         device = self.param_groups[0]["params"][0].device
@@ -110,7 +110,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             )
         device = group["params"][0].device
         for name in self.numeric:
-            group[name] = _member_values(name, group[name], self.size, device, index)
+            group[name] = member_values(name, group[name], self.size, device, index)
         for name in self.options:
             if not isinstance(group[name], bool):
                 raise ValueError(
@@ -572,78 +572,3 @@ def _same_stamp(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
 
 def _tensors(state: dict[str, Any]) -> list[Tensor]:
     return [v for v in state.values() if isinstance(v, Tensor)]
-
-
-def _member_values(name: str, value: Any, size: int, device: torch.device, group: int) -> Tensor:
-    where = f"{name} (param group {group})"
-    if isinstance(value, Tensor):
-        values = value.detach().to(torch.float64).flatten()
-        if value.dim() == 0:
-            values = values.expand(size)
-    elif is_number(value):
-        values = torch.full((size,), float(value), dtype=torch.float64)
-    else:
-        try:
-            values = torch.tensor([float(v) for v in value], dtype=torch.float64)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(
-                f"{where} must be a number or one number per member, got {value!r}"
-            ) from exc
-    if values.numel() != size:
-        raise ValueError(f"{where} has {values.numel()} values for {size} members")
-    if torch.isnan(values).any():
-        bad = int(torch.isnan(values).nonzero()[0])
-        raise ValueError(f"{where}[{bad}] is NaN; give a number")
-    return values.to(device).clone()
-
-
-def _param_groups(params: ParamsT) -> tuple[list[dict[str, Any]], int]:
-    if isinstance(params, FusedArray):
-        groups: list[dict[str, Any]] = [
-            {"params": [p for p in params.parameters() if p.requires_grad]}
-        ]
-    else:
-        items = list(params)
-        if not items:
-            raise ValueError("optimizer got an empty parameter list")
-        if all(isinstance(x, dict) for x in items):
-            groups = [dict(cast(dict[str, Any], x)) for x in items]
-            for g in groups:
-                g["params"] = list(
-                    g["params"].parameters() if isinstance(g["params"], FusedArray) else g["params"]
-                )
-        else:
-            groups = [{"params": items}]
-    sizes = {int(p.shape[0]) for g in groups for p in g["params"] if p.dim() > 0}
-    if any(p.dim() == 0 for g in groups for p in g["params"]):
-        raise ValueError("fused optimizers need stacked [B, ...] parameters; got a 0-d tensor")
-    if len(sizes) != 1:
-        raise ValueError(
-            f"parameters disagree on the member count (dimension 0): {sorted(sizes)}; pass the "
-            "parameters of one fused array"
-        )
-    return groups, sizes.pop()
-
-
-def check_range(
-    group: dict[str, Any],
-    name: str,
-    index: int,
-    low: float,
-    high: float | None = None,
-    low_open: bool = False,
-    high_open: bool = False,
-) -> None:
-    """Raise ``ValueError`` naming the first member whose value is outside the range."""
-    values = group[name]
-    bad = values < low if not low_open else values <= low
-    if high is not None:
-        bad = bad | (values >= high if high_open else values > high)
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0])
-        lo = "(" if low_open else "["
-        hi = ")" if high_open else "]"
-        bounds = f"{lo}{low}, {high if high is not None else 'inf'}{hi}"
-        raise ValueError(
-            f"{name}[{i}] = {float(values[i])} (param group {index}) is outside {bounds}"
-        )
