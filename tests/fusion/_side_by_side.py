@@ -14,8 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
+import hfsweep as hs
 from hfsweep.fusion import FusedArray
 
 RTOL, ATOL = 1e-7, 1e-10
@@ -124,3 +126,37 @@ class SideBySide:
                         atol=self.atol,
                         msg=f"member {i} optimizer {k} {key}",
                     )
+
+
+def with_optimizer(
+    array: FusedArray, refs: Sequence[nn.Module], lrs: Sequence[float], optimizer: str, **sgd: float
+) -> SideBySide:
+    """``array`` beside ``refs`` with ``optimizer``: ``"sgd"`` (``hs.optim.SGD`` and
+    ``torch.optim.SGD`` with ``sgd``'s options) or ``"adam"``, at member ``i``'s ``lrs[i]``."""
+    if optimizer == "sgd":
+        opt: Any = hs.optim.SGD(array, lr=list(lrs), **sgd)
+        ref_opts: list[Any] = [
+            torch.optim.SGD(r.parameters(), lr=lr, **sgd) for r, lr in zip(refs, lrs, strict=True)
+        ]
+    else:
+        opt = hs.optim.Adam(array, lr=list(lrs))
+        ref_opts = [
+            torch.optim.Adam(r.parameters(), lr=lr) for r, lr in zip(refs, lrs, strict=True)
+        ]
+    return SideBySide(array, opt, list(refs), ref_opts)
+
+
+def classification_steps(
+    run: SideBySide, gen: torch.Generator, shape: Sequence[int], classes: int, steps: int
+) -> None:
+    """``steps`` steps of ``run`` on float64 inputs of ``shape`` and labels of ``classes`` drawn
+    from ``gen``, with the cross-entropy loss; every gradient compared."""
+    for _ in range(steps):
+        x = torch.randn(*shape, generator=gen, dtype=torch.float64)
+        y = torch.randint(0, classes, (shape[0],), generator=gen)
+        run.step(
+            x,
+            loss=lambda out, y=y: hs.member_losses(out, y),
+            ref_loss=lambda out, y=y: F.cross_entropy(out, y),
+            grads=True,
+        )

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from _side_by_side import SideBySide, trained
+from _side_by_side import SideBySide, classification_steps, trained
 from torch import Tensor, nn
 
 import hfsweep as hs
@@ -179,16 +179,7 @@ def test_adam_steps_match_torch() -> None:
             for r, lr in zip(refs, lrs, strict=True)
         ],
     )
-    gen = torch.Generator().manual_seed(3)
-    for _ in range(5):
-        x = torch.randn(4, 2, 9, 9, generator=gen, dtype=torch.float64)
-        y = torch.randint(0, 5, (4,), generator=gen)
-        run.step(
-            x,
-            loss=lambda out, y=y: hs.member_losses(out, y),
-            ref_loss=lambda out, y=y: F.cross_entropy(out, y),
-            grads=True,
-        )
+    classification_steps(run, torch.Generator().manual_seed(3), (4, 2, 9, 9), 5, steps=5)
     run.assert_states()
     assert _aten._unsafe_view.default not in _traced_targets(array)
 

@@ -13,8 +13,7 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
-from _side_by_side import SideBySide
+from _side_by_side import classification_steps, with_optimizer
 from torch import nn
 
 import hfsweep as hs
@@ -68,31 +67,8 @@ def test_a_fused_mlp_trains_as_its_members_alone(bias: bool, optimizer: str) -> 
     torch.manual_seed(0)
     refs = [_mlp(bias) for _ in range(B)]
     array = hs.fuse(copy.deepcopy(refs))
-    lrs = [0.05, 0.1, 0.2]
-    if optimizer == "sgd":
-        opt = hs.optim.SGD(array, lr=lrs, momentum=0.9)
-        ref_opts = [
-            torch.optim.SGD(r.parameters(), lr=lr, momentum=0.9)
-            for r, lr in zip(refs, lrs, strict=True)
-        ]
-    else:
-        opt = hs.optim.Adam(array, lr=lrs)
-        ref_opts = [
-            torch.optim.Adam(r.parameters(), lr=lr) for r, lr in zip(refs, lrs, strict=True)
-        ]
-    run = SideBySide(array, opt, refs, ref_opts)
-    gen = torch.Generator().manual_seed(1)
-    for _ in range(5):
-        x, y = (
-            torch.randn(5, 6, generator=gen, dtype=torch.float64),
-            torch.randint(0, 4, (5,), generator=gen),
-        )
-        run.step(
-            x,
-            loss=lambda out, y=y: hs.member_losses(out, y),
-            ref_loss=lambda out, y=y: F.cross_entropy(out, y),
-            grads=True,
-        )
+    run = with_optimizer(array, refs, [0.05, 0.1, 0.2], optimizer, momentum=0.9)
+    classification_steps(run, torch.Generator().manual_seed(1), (5, 6), 4, steps=5)
     run.assert_states()
     assert "stacked_linear" in _graph_targets(array)
     for p in array.parameters():

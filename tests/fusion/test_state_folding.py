@@ -15,8 +15,7 @@ import gc
 
 import pytest
 import torch
-import torch.nn.functional as F
-from _side_by_side import SideBySide
+from _side_by_side import classification_steps, with_optimizer
 from torch import Tensor, nn
 
 import hfsweep as hs
@@ -166,29 +165,9 @@ def test_a_fused_resnet_block_trains_as_its_members_alone(optimizer: str) -> Non
     torch.manual_seed(0)
     refs = [_Block().double() for _ in range(B)]
     array = hs.fuse(copy.deepcopy(refs))
-    lrs = [0.05, 0.1, 0.2]
-    if optimizer == "sgd":
-        opt = hs.optim.SGD(array, lr=lrs, momentum=0.9, weight_decay=1e-3)
-        ref_opts = [
-            torch.optim.SGD(r.parameters(), lr=lr, momentum=0.9, weight_decay=1e-3)
-            for r, lr in zip(refs, lrs, strict=True)
-        ]
-    else:
-        opt = hs.optim.Adam(array, lr=lrs)
-        ref_opts = [
-            torch.optim.Adam(r.parameters(), lr=lr) for r, lr in zip(refs, lrs, strict=True)
-        ]
-    run = SideBySide(array, opt, refs, ref_opts)
+    run = with_optimizer(array, refs, [0.05, 0.1, 0.2], optimizer, momentum=0.9, weight_decay=1e-3)
     gen = torch.Generator().manual_seed(1)
-    for _ in range(4):
-        x = torch.randn(4, 3, 6, 6, generator=gen, dtype=torch.float64)
-        y = torch.randint(0, 5, (4,), generator=gen)
-        run.step(
-            x,
-            loss=lambda out, y=y: hs.member_losses(out, y),
-            ref_loss=lambda out, y=y: F.cross_entropy(out, y),
-            grads=True,
-        )
+    classification_steps(run, gen, (4, 3, 6, 6), 5, steps=4)
     assert array._last_call_traced
     run.assert_states()
     code = _graph_code(array)
