@@ -30,7 +30,6 @@ import os
 import sys
 import threading
 import time
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager, nullcontext
@@ -53,6 +52,7 @@ from ..training.trainer import ArrayTrainer, Member, _DataCache
 from ._backend import _Backend
 from ._drivers import Drivers
 from ._hooks import _Hooks
+from ._logs import logged_to, quiet_optuna
 from ._outcome import _Outcome
 from ._parts import _Array
 from ._preflight import preflight
@@ -265,8 +265,8 @@ class _Engine(_Resume, _Hooks, _Outcome, _Tracked, _Backend):
         saved = self._prepare_dir()
         with (
             grouped_sync(),
-            self._logging(),
-            _quiet_optuna(),
+            logged_to(self.dir.log),
+            quiet_optuna(),
             self._executor(),
             self._tracked(resumed=saved is not None),
         ):
@@ -567,37 +567,3 @@ class _Engine(_Resume, _Hooks, _Outcome, _Tracked, _Backend):
         _log.info("%s", text)
         if self.progress.enabled:
             self.progress.note(text)
-
-    @contextmanager
-    def _logging(self) -> Iterator[None]:
-        """Log hfsweep's INFO messages to ``sweep.log`` in the run directory."""
-        logger = logging.getLogger("hfsweep")
-        handler = logging.FileHandler(self.dir.log, encoding="utf-8")
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        handler.setLevel(logging.INFO)
-        level = logger.level
-        logger.addHandler(handler)
-        if logger.getEffectiveLevel() > logging.INFO:
-            logger.setLevel(logging.INFO)
-        try:
-            yield
-        finally:
-            logger.removeHandler(handler)
-            logger.setLevel(level)
-            handler.close()
-
-
-@contextmanager
-def _quiet_optuna() -> Iterator[None]:
-    """Optuna's per-trial INFO lines and experimental-feature warnings would drown the progress
-    line; the run directory's log and trials.csv hold the same information."""
-    import optuna
-
-    verbosity = optuna.logging.get_verbosity()
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            yield
-    finally:
-        optuna.logging.set_verbosity(verbosity)
