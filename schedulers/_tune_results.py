@@ -24,7 +24,7 @@ from hfsweep._checks import is_finite
 from hfsweep.core.status import Status
 from hfsweep.training.packed import UnsafeFileError, load_inert, unloaded_in
 
-from ._tune_records import FORMAT_PREFIX, WEIGHTS_DIR, upgraded, weights_file
+from ._tune_format import FORMAT_PREFIX, WEIGHTS_DIR, upgraded, weights_file
 
 if TYPE_CHECKING:
     import pandas

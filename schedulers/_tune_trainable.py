@@ -47,8 +47,8 @@ from hfsweep.sizing.device import DTYPES, resolve_device
 from hfsweep.training import Evaluation, Member, MemberResult
 from hfsweep.training.task import Task
 
+from ._tune_format import META, WEIGHTS_DIR, weights_file
 from ._tune_hub import await_answer, connect
-from ._tune_state import META, WEIGHTS_DIR, weights_file
 
 __all__ = ["DTYPES", "TrainSpec", "make_executor", "make_trainable"]
 

@@ -1,7 +1,7 @@
 """The two objects Tune sees: a ``Searcher`` that packs members into arrays, and a
 ``TrialScheduler`` that applies an inner scheduler to each member.
 
-Both share one :class:`~._tune_state.SweepState`. Tune checkpoints only its searcher, so
+Both share one :class:`~._tune_sweep.SweepState` (the sweep core's state, adapted). Tune checkpoints only its searcher, so
 :class:`FusedSearcher` saves that state (``get_state``) and restores it in place
 (``set_state``); :class:`FusedScheduler` reads the inner scheduler from it, so after
 ``Tuner.restore`` both see the restored state. The inner searcher is the wrapper's ``searcher``
@@ -25,9 +25,10 @@ from ray.tune.search import Searcher
 from ray.tune.search.sample import Domain
 
 from ._base import TrialScheduler
+from ._tune_format import FINISHED, META
 from ._tune_hub import HubLink
 from ._tune_joint import NativeDecider, TuneDecider
-from ._tune_state import FINISHED, META, SweepState
+from ._tune_sweep import SweepState
 
 __all__ = ["SUPPORTED_SCHEDULERS", "FusedScheduler", "FusedSearcher"]
 

@@ -131,7 +131,7 @@ from hfsweep.training.task import Task
 
 from . import _tune_results
 from ._tune_results import *  # noqa: F403 - reading a finished sweep, as _tune_results.__all__ lists
-from ._tune_state import SweepState, restored_state
+from ._tune_sweep import SweepState, restored_state
 from ._tune_trainable import DTYPES, TRAINABLE_NAME, TrainSpec, make_trainable
 from ._tune_wrappers import SUPPORTED_SCHEDULERS, FusedScheduler, FusedSearcher
 

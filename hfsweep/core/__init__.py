@@ -1,5 +1,9 @@
 """The one sweep core: the loop that asks, pools, packs, trains and reports, the packer and the
-ledger. Every front door (``hfsweep run``, ``hs.sweep``, the Ray Tune plugin) drives it.
+ledger. Every front door (``hfsweep run``, ``hs.sweep``, the Ray Tune plugin) drives it: the
+first two through the engine (:mod:`~hfsweep.core.loop`), which keeps its trials in the Optuna
+study it owns, the Tune plugin through :class:`~hfsweep.core.member_sweep.MemberSweep`, the same
+packer and ledger with member records (:mod:`~hfsweep.core.members`) for a searcher hfsweep
+cannot read back.
 
 Named ``core`` rather than ``sweep``: a subpackage ``hfsweep.sweep`` would shadow the public
 function ``hs.sweep`` once imported.

@@ -40,7 +40,7 @@ class _Hooks(_Parts):
             if trial_number(e.member) not in self.live:  # ended elsewhere: another driver's
                 answer[e.member] = False
                 continue
-            logged = self.decisions.get(f"{e.member}@{e.step}")
+            logged = self.ledger.logged(e.member, e.step)
             if logged is not None:
                 answer[e.member] = logged
                 continue
@@ -85,10 +85,13 @@ class _Hooks(_Parts):
         trial = self.live.get(number)
         if trial is None or self._lost(number):
             return  # told before a crash (the trainer delivers at least once), or adopted
-        self.ledger.end(result.id, result.status)
-        self.dir.write_history(number, result.history)
         value = result.metrics.get(self.sc.metric)
-        status, why = Status.parse(result.status).settle(value, self.sc.metric)
+        # ended once in the ledger by the core's rule, as the Tune plugin ends its members (a
+        # completed trial whose metric is not finite failed); an end told again after a torn
+        # journal is in the ledger already
+        settled = self.ledger.settle(result.id, result.status, value, self.sc.metric)
+        status, why = settled or Status.parse(result.status).settle(value, self.sc.metric)
+        self.dir.write_history(number, result.history)
         error = why if why is not None else result.error
         trial.set_user_attr("status", status.value)  # settled: a nan metric's trial failed
         trial.set_user_attr("steps", result.steps)

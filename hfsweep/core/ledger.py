@@ -138,6 +138,17 @@ class Ledger:
         self._record(["end", member, status.value])
         return True
 
+    def settle(
+        self, member: str, status: Status | str, value: object, metric: str
+    ) -> tuple[Status, str | None] | None:
+        """End ``member`` by the core's rule, once: ``status`` settled against its last
+        ``metric`` value (:meth:`Status.settle`: a completed member whose value is not a finite
+        number failed) and recorded by :meth:`end`. Returns the settled status and why it
+        changed (``None`` if it did not); ``None`` for a member that had ended (nothing done).
+        Every front door ends its members through this."""
+        settled, why = Status.parse(status).settle(value, metric)
+        return (settled, why) if self.end(member, settled) else None
+
     def status(self, member: str) -> Status | None:
         """How ``member`` ended (a final :class:`Status`); ``None`` while it has not."""
         return self.ended.get(member)

@@ -98,3 +98,22 @@ def test_a_restore_brings_the_records_and_the_ledger_to_agree() -> None:
     assert restored.members["A-0"].status is Status.FAILED and restored.members["A-0"].told
     restored.on_complete("A", None, error=True)
     assert not searcher2.told
+
+
+def test_a_state_pickled_under_the_earlier_module_names_unpickles() -> None:
+    """Tune pickles the searcher, and with it the sweep state, into the experiment's tuner.pkl:
+    an experiment an hfsweep before the one sweep core started names the state's classes by
+    their old modules (``_tune_state``, ``_tune_records``), and ``Tuner.restore`` finds them."""
+    state, _ = _asha_state_after_one_report()
+    data = pickle.dumps(state, protocol=0)  # protocol 0 names each class as "module\nname\n"
+    old = data.replace(b"hfsweep.schedulers._tune_sweep\n", b"hfsweep.schedulers._tune_state\n")
+    old = old.replace(b"hfsweep.core.members\n", b"hfsweep.schedulers._tune_records\n")
+    assert b"_tune_state\nSweepState\n" in old and b"_tune_records\nMemberRecord\n" in old
+    loaded = pickle.loads(old)
+    assert type(loaded) is type(state)
+    assert type(loaded.members["A-0"]) is type(state.members["A-0"])
+
+    def plain(s: Any) -> dict[str, Any]:
+        return {k: v for k, v in s.state_dict().items() if k != "decider"}
+
+    assert plain(loaded) == plain(state)

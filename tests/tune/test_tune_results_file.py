@@ -12,12 +12,12 @@ import pytest
 pytest.importorskip("ray.tune")
 
 from _tune_toy import TASK
-from hfsweep.schedulers._tune_state import MemberRecord
 from hfsweep.schedulers.tune import Fusion, member_results, sweep_state
 from ray import cloudpickle
 from ray.tune.schedulers import ASHAScheduler
 from ray.tune.search import Searcher, SearchGenerator
 
+from hfsweep.core.members import MemberRecord
 from hfsweep.core.status import Status
 from hfsweep.training.packed import UnsafeFileError
 

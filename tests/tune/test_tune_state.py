@@ -21,13 +21,14 @@ pytest.importorskip("ray.tune")
 from _tune_toy import TASK
 from hfsweep.schedulers import ASHAScheduler as HfASHA
 from hfsweep.schedulers import Report
+from hfsweep.schedulers._tune_format import FINISHED
 from hfsweep.schedulers._tune_joint import (
     MemberController,
     MemberTrial,
     NativeDecider,
     TuneDecider,
 )
-from hfsweep.schedulers._tune_state import FINISHED, SweepState
+from hfsweep.schedulers._tune_sweep import SweepState
 from hfsweep.schedulers.tune import Fusion
 from ray import tune
 from ray.tune.schedulers import ASHAScheduler, HyperBandScheduler

@@ -17,7 +17,7 @@ pytest.importorskip("ray.tune")
 
 import torch
 from hfsweep.schedulers import _tune_trainable
-from hfsweep.schedulers._tune_state import WEIGHTS_DIR
+from hfsweep.schedulers._tune_format import WEIGHTS_DIR
 from hfsweep.schedulers._tune_trainable import _Channel
 
 from hfsweep.training import Evaluation, MemberResult

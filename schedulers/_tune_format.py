@@ -1,12 +1,6 @@
-"""The Tune plugin's records: one per member and one per array (Tune trial), the names its
-files and results use, and the saved format of its state. :mod:`schedulers._tune_state` keeps
-them for the whole sweep (see there).
-
-A member's ``status`` is the sweep core's :class:`~hfsweep.core.status.Status`, the vocabulary of
-``hfsweep run``'s ``state.json`` and of trials.csv's ``user_attrs_status`` (``waiting``,
-``running``, ``completed``, ``stopped``, ``failed``); its Optuna name (``COMPLETE``, ``PRUNED``,
-``FAIL``...: trials.csv's ``state`` column) is :attr:`MemberRecord.state`, translated by
-``Status`` and nowhere else.
+"""The names the Tune plugin's trial configs, results and checkpoint files use, and the format
+its sweep state is saved in inside Tune's searcher checkpoint (the state itself is the sweep
+core's :class:`~hfsweep.core.member_sweep.MemberSweep`, adapted in :mod:`._tune_sweep`).
 
 The state is saved as plain data (Tune pickles it with the searcher; the result readers load it
 without running code, so no enum or class of hfsweep's is in it): format
@@ -21,7 +15,6 @@ member's Optuna state name under ``"state"``.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
 from typing import Any
 from urllib.parse import quote
 
@@ -33,8 +26,6 @@ __all__ = [
     "META",
     "STATE_FORMAT",
     "WEIGHTS_DIR",
-    "ArrayRecord",
-    "MemberRecord",
     "upgraded",
     "weights_file",
 ]
@@ -54,74 +45,6 @@ _FORMAT_1 = "hfsweep.tune/1"
 #: the folder of an array trial's Tune checkpoint that holds its completed members' weights:
 #: one ``state_dict`` per member, saved with ``torch.save``, named by :func:`weights_file`
 WEIGHTS_DIR = "weights"
-
-
-@dataclass
-class MemberRecord:
-    """One member: its config, compatibility key, array, status and evaluations."""
-
-    id: str
-    config: dict[str, Any]
-    key: str
-    array: str | None = None
-    #: ``WAITING`` in its key's pool, ``RUNNING`` in an array, then how it was told
-    #: (``COMPLETED``, ``STOPPED``, ``FAILED``; final)
-    status: Status = Status.WAITING
-    #: one row per evaluation: training_iteration, step, epoch, the task's metrics and
-    #: time_total_s (the member's own training time since it joined its array)
-    history: list[dict[str, Any]] = field(default_factory=list)
-    value: float | None = None
-    error: str | None = None
-    #: added to the clock its array reports for it: after a retry or restore, the array's
-    #: clock goes on from its checkpoint's, not from the member's last evaluation (see
-    #: :meth:`SweepState.on_result`)
-    clock_shift: float = 0.0
-
-    @property
-    def told(self) -> bool:
-        """Whether the inner searcher was told how the member ended (its status is final)."""
-        return self.status.final
-
-    @property
-    def state(self) -> str:
-        """The Optuna name of :attr:`status` (``COMPLETE``, ``PRUNED``, ``FAIL``, ``RUNNING``,
-        ``WAITING``), as trials.csv's ``state`` column and OptunaSearch's study say it."""
-        return self.status.optuna_name
-
-    def as_dict(self) -> dict[str, Any]:
-        """The record as plain data (the status as its value, ``"completed"``...)."""
-        data = asdict(self)
-        data["status"] = self.status.value
-        return data
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> MemberRecord:
-        """The record :meth:`as_dict` wrote (the status given by value or Optuna name)."""
-        fields = dict(data)
-        return cls(**{**fields, "status": Status.parse(fields["status"])})
-
-
-@dataclass
-class ArrayRecord:
-    """One array (one Tune trial): its members, those it got through refill, and its end."""
-
-    id: str
-    key: str
-    size: int
-    members: list[str]
-    given: list[str] = field(default_factory=list)
-    returned: list[str] = field(default_factory=list)
-    done: bool = False
-    last_token: str | None = None
-    #: how many times the array's trainable resumed from a Tune checkpoint (retry, restore)
-    resumes: int = 0
-    #: evaluations it reported again after a retry or restore (answered from the decision log)
-    replayed: int = 0
-
-    def all_members(self) -> list[str]:
-        """Every member that trains (or trained) in this array, in the order they joined."""
-        back = set(self.returned)
-        return [m for m in (*self.members, *self.given) if m not in back]
 
 
 def upgraded(saved: Mapping[str, Any]) -> dict[str, Any]:
