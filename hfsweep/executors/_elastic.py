@@ -219,25 +219,25 @@ def run_elastic_array(
 
 
 def _checkpointed(folder: str) -> tuple[str, Mapping[str, Any] | None, set[str]]:
-    """``(compatibility key, a live member's resolved config or None, every member id)`` of
-    the checkpoint in ``folder`` that an array resumes from without being given members."""
+    """``(compatibility key, a live member's resolved config or None, the members in training)``
+    of the checkpoint in ``folder`` that an array resumes from without being given members:
+    those in its slots, not the members that ended before it was written (delivered or not:
+    a resume delivers the latter), so that the policy counts only the members that train on."""
     from ..training.packed import load as load_packed
 
     path = Path(folder) / "array.pt"
     if not path.exists():
         return f"resumed {folder}", None, set()
     payload = load_packed(path)
-    config = next(
-        (
-            slot["resolved"]
-            for array in payload.get("arrays", [])
-            for slot in array.get("slots", [])
-            if slot is not None and "resolved" in slot
-        ),
-        None,
-    )
+    slots = [
+        slot
+        for array in payload.get("arrays", [])
+        for slot in array.get("slots", [])
+        if slot is not None
+    ]
+    config = next((slot["resolved"] for slot in slots if "resolved" in slot), None)
     key = payload.get("key") or f"resumed {folder}"
-    return str(key), config, set(payload.get("order", []))
+    return str(key), config, {str(slot["id"]) for slot in slots}
 
 
 def _hand_back_unkept(
