@@ -10,6 +10,16 @@ boundary (:func:`~hfsweep.parallel.request_resize`, the checkpoint the trainer w
 what it resumes from). Every decision goes to ``sweep.log`` with its reason, and the plan's
 one-line summary to the progress line.
 
+A ``pause`` (fewer workers than the arrays' minimums, after a node left) is carried out: a
+running array the plan pauses is asked to stop at its next evaluation boundary (a resize to 0
+workers); its workers are ended there and given back, and :meth:`ElasticPolicy.relaunch`
+answers 0. The executor then asks :meth:`ElasticPolicy.waiting` until a later plan gives the
+array workers again (another array ended, the cluster grew, or it waited ``max_wait_s`` and
+takes the place of the array that last (re)started); the array resumes from the checkpoint
+written at that boundary, so nothing is lost or trained twice. While it waits,
+:meth:`~ElasticPolicy.waiting` re-plans when the cluster's workers change and once when its
+wait reaches ``max_wait_s``.
+
 What the allocator is given:
 
 - ``remaining_s``: the budget still ahead of the array's furthest member, in the budget's units
@@ -84,8 +94,11 @@ class _Running:
     seen: float | None = None
     #: seconds one budget unit took on one worker (measured), or None
     unit_s: float | None = None
-    #: the workers its current launch trains on (``workers`` may be a resize not yet made)
+    #: the workers its current launch trains on (``workers`` may be a resize not yet made);
+    #: 0 while no launch runs (paused at a checkpoint, its workers given back)
     launched: int = 0
+    #: whether the plan after its wait reached ``max_wait_s`` was made (once per pause)
+    overdue: bool = False
 
 
 class ElasticPolicy:
@@ -159,11 +172,22 @@ class ElasticPolicy:
             return entry.workers
 
     def relaunch(self, folder: str, workers: int, lost: int, total: int) -> int:
+        """The workers the array in ``folder`` relaunches on; 0: it is paused (its workers are
+        given back; ask :meth:`waiting` until it may go on)."""
         with self._lock:
             entry = self._arrays[folder]
             if lost:
                 entry.workers, entry.since = workers, self.clock()
                 self._decide(f"{lost} worker(s) lost", total)
+            if entry.workers == 0:
+                entry.launched, entry.seen, entry.overdue = 0, None, False
+                _log.info(
+                    "elastic: %s paused at its checkpoint; its workers are given back until "
+                    "a plan gives it workers again (at most %g s unless others waited longer)",
+                    self._name(folder),
+                    self.settings.max_wait_s,
+                )
+                return 0
             if entry.workers != workers:
                 _log.info(
                     "elastic: %s relaunches on %d worker(s) (the latest plan), not %d",
@@ -172,6 +196,32 @@ class ElasticPolicy:
                     workers,
                 )
             entry.launched, entry.seen = max(1, entry.workers), None
+            return entry.launched
+
+    def waiting(self, folder: str, total: int) -> int:
+        """The paused array in ``folder`` asks whether it may go on: the workers it relaunches
+        on, or 0 (still paused). Re-plans when the cluster's workers changed since the last
+        plan (``node joined``/``node left``), and once when the array's wait reached
+        ``max_wait_s``."""
+        with self._lock:
+            entry = self._arrays[folder]
+            if entry.workers == 0:
+                overdue = self.clock() - entry.since >= self.settings.max_wait_s
+                if total != self._total:
+                    self._decide("paused array waiting", total)
+                elif overdue and not entry.overdue:
+                    entry.overdue = True
+                    self._decide(
+                        f"{self._name(folder)} waited {self.settings.max_wait_s:g} s", total
+                    )
+            if entry.workers == 0:
+                return 0
+            entry.launched, entry.seen = entry.workers, None
+            _log.info(
+                "elastic: %s resumes on %d worker(s) from its checkpoint",
+                self._name(folder),
+                entry.workers,
+            )
             return entry.launched
 
     def reported(self, folder: str, evaluations: Sequence[Evaluation], live: int) -> None:
@@ -326,7 +376,7 @@ class ElasticPolicy:
             k = after.get(self._name(e.folder), e.workers)
             if k == e.workers:
                 continue
-            if e.workers > 0 and k > 0:  # running: at its next evaluation boundary
+            if e.launched > 0:  # training: resized (0: paused) at its next evaluation boundary
                 request_resize(e.folder, k)
             e.workers, e.since = k, now
         status = plan.status()

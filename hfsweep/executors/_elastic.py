@@ -19,12 +19,19 @@ member that the relaunch will not train: one a refill added after the checkpoint
 resumes from (a worker lost between the refill and the checkpoint written at that evaluation
 boundary), which the trainer resumes without. It waits in its key's pool for a refill or a
 later array, as with the pooled actors, instead of staying unfinished.
+
+A pause (the policy's plan gives a running array no workers, after a node left) is a resize to
+0 workers: the array stops at its next evaluation boundary, its actors and placement group are
+given back, and the relayed ``target`` is not answered until the policy gives the array workers
+again (:meth:`WorkerPolicy.waiting`, asked every ``_POLL_S``); it then resumes from the
+checkpoint written at that boundary.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -62,8 +69,13 @@ class WorkerPolicy(Protocol):
         ...
 
     def relaunch(self, folder: str, workers: int, lost: int, total: int) -> int:
-        """The array in ``folder`` restarts from its checkpoint (a resize to ``workers``, or
-        ``lost`` workers lost): the workers it goes on with."""
+        """The array in ``folder`` restarts from its checkpoint (a resize to ``workers``, 0 for
+        a pause, or ``lost`` workers lost): the workers it goes on with, or 0 while it is
+        paused (its workers given back; :meth:`waiting` says when it goes on)."""
+        ...
+
+    def waiting(self, folder: str, total: int) -> int:
+        """The paused array in ``folder`` asks again: the workers it goes on with, or 0."""
         ...
 
     def reported(self, folder: str, evaluations: Sequence[Evaluation], live: int) -> None:
@@ -183,6 +195,11 @@ def run_elastic_array(
                     _hand_back_unkept(folder, members, refilled, live, hooks)
                     k, lost = payload
                     answer = policy.relaunch(folder, k, lost, total())
+                    while answer == 0:  # paused: its workers are ended, it waits here
+                        if closed():
+                            raise Stopped
+                        time.sleep(_POLL_S)
+                        answer = policy.waiting(folder, total())
                 else:
                     answer = _answer(kind, payload, hooks, live, refilled)
             except BaseException:
@@ -202,25 +219,25 @@ def run_elastic_array(
 
 
 def _checkpointed(folder: str) -> tuple[str, Mapping[str, Any] | None, set[str]]:
-    """``(compatibility key, a live member's resolved config or None, every member id)`` of
-    the checkpoint in ``folder`` that an array resumes from without being given members."""
+    """``(compatibility key, a live member's resolved config or None, the members in training)``
+    of the checkpoint in ``folder`` that an array resumes from without being given members:
+    those in its slots, not the members that ended before it was written (delivered or not:
+    a resume delivers the latter), so that the policy counts only the members that train on."""
     from ..training.packed import load as load_packed
 
     path = Path(folder) / "array.pt"
     if not path.exists():
         return f"resumed {folder}", None, set()
     payload = load_packed(path)
-    config = next(
-        (
-            slot["resolved"]
-            for array in payload.get("arrays", [])
-            for slot in array.get("slots", [])
-            if slot is not None and "resolved" in slot
-        ),
-        None,
-    )
+    slots = [
+        slot
+        for array in payload.get("arrays", [])
+        for slot in array.get("slots", [])
+        if slot is not None
+    ]
+    config = next((slot["resolved"] for slot in slots if "resolved" in slot), None)
     key = payload.get("key") or f"resumed {folder}"
-    return str(key), config, set(payload.get("order", []))
+    return str(key), config, {str(slot["id"]) for slot in slots}
 
 
 def _hand_back_unkept(

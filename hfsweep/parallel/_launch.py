@@ -152,7 +152,9 @@ def elastic_loop(
     ``("resize", workers)`` or ``("lost", how many workers died)``. ``target(workers, lost)``,
     where given, has the last word on each relaunch's workers (an allocator whose decision
     changed since it asked for the resize; ``lost`` is 0 for a resize); a target above the
-    workers left after a loss is capped at them."""
+    workers left after a loss is capped at them. A resize to 0 workers is a pause: the workers
+    are ended at the checkpoint, and ``target(0, 0)`` returns when the array may go on (it
+    waits meanwhile), with the workers it goes on with."""
     directory = job.directory
     while True:
         outcome, value = launch(job)
@@ -161,7 +163,11 @@ def elastic_loop(
         k = job.workers
         if outcome == "resize":
             (directory / RESIZE_FILE).unlink(missing_ok=True)
-            _log.info("array in %s: %d -> %d workers (asked for)", directory, k, value)
+            if value == 0 and target is None:
+                raise WorkerError(f"array in {directory}: paused, but nothing can resume it")
+            _log.info(
+                "array in %s: %d -> %s workers (asked for)", directory, k, value or "0 (paused)"
+            )
             job = job.again(_targeted(target, value, 0))
             continue
         if k - value < 1:

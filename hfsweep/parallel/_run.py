@@ -59,9 +59,10 @@ class ResizeRequested(Exception):
 def request_resize(checkpoint_dir: str | Path, workers: int) -> None:
     """Ask the data-parallel array training in ``checkpoint_dir`` to go on with ``workers``
     workers from its next evaluation boundary (written atomically; the launcher that restarts
-    the array removes it)."""
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
+    the array removes it). ``workers=0`` pauses it: it stops at that boundary, its workers are
+    released, and the launcher's ``target`` says when, and on how many workers, it goes on."""
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+        raise ValueError(f"workers must be an integer >= 0 (0: pause), got {workers!r}")
     atomic_write_text(Path(checkpoint_dir) / RESIZE_FILE, json.dumps({"workers": workers}))
 
 
@@ -72,8 +73,8 @@ def read_resize(checkpoint_dir: str | Path) -> int | None:
         value = json.loads(path.read_text())["workers"]
     except FileNotFoundError:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{path}: workers must be an integer >= 1, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{path}: workers must be an integer >= 0 (0: pause), got {value!r}")
     return value
 
 
@@ -270,8 +271,8 @@ class _DataParallelRun(_Run):
                 (Path(d) / RESIZE_FILE).unlink(missing_ok=True)
             return
         _log.info(
-            "stopping at an evaluation boundary to go on with %d workers instead of %d",
-            asked,
+            "stopping at an evaluation boundary to go on with %s instead of %d",
+            f"{asked} workers" if asked else "none (paused)",
             self.group.size,
         )
         raise ResizeRequested(asked)

@@ -116,7 +116,8 @@ def test_a_resumed_array_names_its_key_and_a_trials_config_from_its_checkpoint(
     tmp_path: Path,
 ) -> None:
     """An elastic array resumed without members (a driver restarted) gets its compatibility
-    key and a live trial's config from the checkpoint, so the policy finds the key's profile."""
+    key and a live trial's config from the checkpoint, so the policy finds the key's profile,
+    and counts the members still in training (not those that ended before the checkpoint)."""
     from hfsweep.executors._elastic import _checkpointed
 
     class Stop(Exception):
@@ -128,14 +129,24 @@ def test_a_resumed_array_names_its_key_and_a_trials_config_from_its_checkpoint(
         seen.append(1)
         if len(seen) > 1:  # the checkpoint of the first evaluation is written
             raise Stop
-        return {}
+        return {"m2": False}  # stopped at the first evaluation
 
-    members = [hs.Member(f"m{i}", {"lr": 0.1 * (i + 1), "seed": i}) for i in range(2)]
+    def on_finish(result: hs.MemberResult) -> None:
+        raise Stop  # killed after the checkpoint, before m2's end was delivered
+
+    members = [hs.Member(f"m{i}", {"lr": 0.1 * (i + 1), "seed": i}) for i in range(3)]
     trainer = hs.ArrayTrainer(_task(), eval_every=2, checkpoint_dir=tmp_path / "0")
     with pytest.raises(Stop):
         trainer.run(members, report=report)
     key, config, held = _checkpointed(str(tmp_path / "0"))
     assert key == _task().compatibility_key(members[0].config)
     assert config is not None and _task().compatibility_key(config) == key
-    assert held == {"m0", "m1"}
+    assert held == {"m0", "m1"}  # the members in training: m2 stopped
+    seen.clear()
+    trainer = hs.ArrayTrainer(_task(), eval_every=2, checkpoint_dir=tmp_path / "1")
+    with pytest.raises(Stop):
+        trainer.run(members, report=report, on_finish=on_finish)
+    # m2's end is in the checkpoint but was not delivered: the resume delivers it, and the
+    # array goes on with the two others
+    assert _checkpointed(str(tmp_path / "1"))[2] == {"m0", "m1"}
     assert _checkpointed(str(tmp_path / "none"))[1:] == (None, set())

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import hfsweep as hs
 
@@ -99,3 +100,87 @@ def test_two_elastic_arrays_share_the_workers_and_resize_exactly(
     # clock in tests/elastic)
     ended = [line for line in log.splitlines() if "elastic [array ended]: array " in line]
     assert ended and any("grow 1->2" in line or "keep 1->1" in line for line in ended), ended
+
+
+class _PauseOnce:
+    """A worker policy that pauses the array's relaunch and lets it go on, on 2 workers, at the
+    fifth look (the allocator's part is tested on a fake clock in tests/elastic)."""
+
+    def __init__(self) -> None:
+        self.looks = 0
+
+    def started(self, folder: str, key: str, members: int, total: int, config: Any = None) -> int:
+        return 1
+
+    def relaunch(self, folder: str, workers: int, lost: int, total: int) -> int:
+        return 0
+
+    def waiting(self, folder: str, total: int) -> int:
+        self.looks += 1
+        return 2 if self.looks == 5 else 0
+
+    def reported(self, folder: str, evaluations: Any, live: int) -> None:
+        pass
+
+    def ended(self, folder: str, total: int) -> None:
+        pass
+
+
+def test_a_paused_elastic_array_gives_its_workers_back_and_resumes_exactly(
+    local_ray: None, tmp_path: Path
+) -> None:
+    """Paused at its first evaluation boundary (a resize to 0 workers), the array's actors and
+    placement group are given back while the driver waits; it resumes from that checkpoint on
+    two workers and its members end as on one worker without a pause."""
+    from hfsweep.executors import _elastic
+    from hfsweep.executors.base import ArrayHooks
+    from hfsweep.parallel import request_resize
+    from hfsweep.training.results import Member, MemberResult
+
+    from ._toy import TASK
+
+    members = [
+        Member(f"trial-{i}", {"lr": lr, "momentum": 0.5, "data_seed": 0, "seed": i})
+        for i, lr in enumerate([0.05, 0.3])
+    ]
+    alone = {r.id: r for r in hs.ArrayTrainer(TASK, dtype=torch.float64).run(members)}
+    folder = tmp_path / "arrays" / "0"
+    steps: list[int] = []
+    free: list[float] = []  # the local Ray's CPUs free while the array is paused
+    finished: list[MemberResult] = []
+
+    def report(evaluations: Any) -> dict[str, bool]:
+        steps.append(evaluations[0].step)
+        if len(steps) == 1:
+            request_resize(folder, 0)
+        return {}
+
+    policy = _PauseOnce()
+
+    def total() -> int:
+        if policy.looks >= 1:  # paused: its actors and placement group were given back
+            free.append(ray.available_resources().get("CPU", 0.0))
+        return 2
+
+    _elastic.run_elastic_array(
+        TASK,
+        str(folder),
+        members,
+        ArrayHooks(report=report, refill=lambda: None, on_finish=finished.append),
+        resume=False,
+        policy=policy,
+        total=total,
+        closed=lambda: False,
+        bundle={"CPU": 1.0},
+        threads=1,
+        options={"dtype": torch.float64, "keep_states": False, "final_states": "completed"},
+    )
+    assert steps == [5, 10, 15] and policy.looks == 5
+    assert max(free) == 2.0  # the array held none of the local Ray's 2 CPUs while paused
+    for result in finished:
+        want = alone[result.id]
+        assert result.steps == want.steps == 15
+        for got, ref in zip(result.history, want.history, strict=True):
+            for name in ref:
+                assert got[name] == pytest.approx(ref[name], rel=1e-9, abs=1e-12), name
+    assert sorted(r.id for r in finished) == ["trial-0", "trial-1"]
