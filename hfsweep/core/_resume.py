@@ -364,13 +364,19 @@ class _Resume(_Parts):
 
     def _resume_or_drop(self, a: _Array, known: dict[int, set[str]], taken: set[str]) -> None:
         """Resume unfinished array ``a`` if its checkpoint holds a running trial of this driver;
-        else (every trial it held has ended, or other drivers adopted them while this one was
-        away) drop it."""
+        else (it wrote no checkpoint yet, every trial it held has ended, or other drivers adopted
+        them while this one was away) drop it: its running trials go back to their pools."""
         mine = sorted(known[a.index] & taken, key=trial_number)
         if mine:
             _log.info("array %d: resuming %s from its checkpoint", a.index, ", ".join(mine))
             return
-        _log.info("array %d: none of its trials is left to this driver; dropped", a.index)
+        if not known[a.index]:  # stopped before its first evaluation boundary
+            _log.info(
+                "array %d: stopped before its first checkpoint; its running trials start again",
+                a.index,
+            )
+        else:
+            _log.info("array %d: none of its trials is left to this driver; dropped", a.index)
         del known[a.index]
         a.done = True
         self.dir.remove_array(a.index)
