@@ -49,6 +49,7 @@ __all__ = [
     "WorkerError",
     "elastic_loop",
     "free_port",
+    "prepare_launch",
     "raise_worker_error",
     "train_data_parallel",
     "train_worker",
@@ -122,12 +123,7 @@ def train_data_parallel(
     ``trainer_options`` are
     :class:`~hfsweep.ArrayTrainer`'s (``dtype``, ``eval_every``, ``device``...).
     """
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
-    directory = Path(checkpoint_dir)
-    directory.mkdir(parents=True, exist_ok=True)
-    device = torch.device(trainer_options.get("device", "cpu"))
-    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    directory, device, backend = prepare_launch(workers, checkpoint_dir, backend, trainer_options)
     if start_method is None:
         forks = "fork" in torch.multiprocessing.get_all_start_methods()
         start_method = "fork" if forks and device.type == "cpu" else "spawn"
@@ -139,6 +135,24 @@ def train_data_parallel(
 
     job = _Job(task, list(members), workers, directory, resume, report, on_finish, backend)
     return elastic_loop(job, launch)
+
+
+def prepare_launch(
+    workers: int,
+    checkpoint_dir: str | os.PathLike[str],
+    backend: str | None,
+    trainer_options: dict[str, Any],
+) -> tuple[Path, torch.device, str]:
+    """What every launcher of a data-parallel array does first: refuse a ``workers`` count that
+    is not an integer >= 1, create ``checkpoint_dir``, and choose the collective ``backend``
+    (``nccl`` for a CUDA ``device`` in ``trainer_options``, else ``gloo``) unless one is given.
+    Returns the directory, the device and the backend."""
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
+    directory = Path(checkpoint_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    device = torch.device(trainer_options.get("device", "cpu"))
+    return directory, device, backend or ("nccl" if device.type == "cuda" else "gloo")
 
 
 def elastic_loop(

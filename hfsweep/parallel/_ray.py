@@ -17,16 +17,21 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
-
-import torch
 
 from .._usercode import unwrap
 from ..training import Member, MemberResult
 from ..training.results import RefillHook, ReportHook
 from ..training.task import Task
-from ._launch import WorkerError, _Job, elastic_loop, free_port, raise_worker_error, train_worker
+from ._launch import (
+    WorkerError,
+    _Job,
+    elastic_loop,
+    free_port,
+    prepare_launch,
+    raise_worker_error,
+    train_worker,
+)
 from ._run import read_resize
 
 __all__ = ["train_data_parallel_ray"]
@@ -65,14 +70,9 @@ def train_data_parallel_ray(
     the cluster cannot hold the array); ``target(workers, lost)`` has the last word on the
     workers of each relaunch (see :func:`~hfsweep.parallel._launch.elastic_loop`); ``refill``
     (run in rank 0's process, like ``report``) gives members for free slots."""
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
-    directory = Path(checkpoint_dir)
-    directory.mkdir(parents=True, exist_ok=True)
     if gpus_per_worker:
         trainer_options = {"device": "cuda", **trainer_options}
-    device = torch.device(trainer_options.get("device", "cpu"))
-    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    directory, _, backend = prepare_launch(workers, checkpoint_dir, backend, trainer_options)
     bundle = {"CPU": float(cpus_per_worker), "GPU": float(gpus_per_worker)}
     bundle = {k: v for k, v in bundle.items() if v}
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,13 +24,13 @@ import torch
 from torch import Tensor
 
 from .._io import atomic_write_text
-from .._malloc import retaining_freed_memory
 from .._usercode import Phase
 from ..fusion import FusedArray
 from ..nn import FusedBatchNormMixin
 from ..nn._shard import batch_shard
 from ..optim import clip_grad_norm_
 from ..training import ArrayTrainer, Evaluation, Member, MemberResult
+from ..training._evaluation import add_metrics
 from ..training.live import _Live
 from ..training.results import RefillHook, ReportHook
 from ..training.run import _Run
@@ -76,43 +76,6 @@ def read_resize(checkpoint_dir: str | Path) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{path}: workers must be an integer >= 0 (0: pause), got {value!r}")
     return value
-
-
-class DataParallelTrainer(ArrayTrainer):
-    """An :class:`~hfsweep.ArrayTrainer` for one worker of a data-parallel array.
-
-    Build one per worker after ``torch.distributed.init_process_group`` (gloo on CPUs, NCCL on
-    GPUs; :func:`~hfsweep.parallel.train_data_parallel` does all of it) with the same task,
-    members and settings on every worker. Rank 0 calls the hooks (``report``, ``refill``,
-    ``on_finish``: they run in its process) and writes the checkpoint, which has the layout of
-    the one-worker trainer's: any number of workers resumes it. ``run`` returns the results on
-    rank 0 (the others return theirs too, without calling the hooks) and raises
-    :class:`ResizeRequested` at an evaluation boundary where :func:`request_resize` asked for
-    another number of workers.
-    """
-
-    def __init__(self, task: Task, **options: Any) -> None:
-        super().__init__(task, **options)
-        self.group = Group()
-
-    def run(
-        self,
-        members: Sequence[Member],
-        *,
-        report: ReportHook | None = None,
-        refill: RefillHook | None = None,
-        on_finish: Callable[[MemberResult], None] | None = None,
-        resume: bool = False,
-        start_step: int = 0,
-    ) -> list[MemberResult]:
-        """:meth:`ArrayTrainer.run <hfsweep.ArrayTrainer.run>` on this worker's shards."""
-        if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
-            raise ValueError(f"start_step must be an int >= 0, got {start_step!r}")
-        run = _DataParallelRun(self, report, refill, on_finish)
-        if self.device.type != "cpu":
-            return run.execute(members, resume, start_step)
-        with retaining_freed_memory():
-            return run.execute(members, resume, start_step)
 
 
 class _DataParallelRun(_Run):
@@ -220,9 +183,7 @@ class _DataParallelRun(_Run):
             with Phase("the forward pass (evaluation)"), batch_shard(start, stop - start, total):
                 out = array(x)
             with Phase("the validation loss and metrics"):
-                for name, value in self.task.member_metrics(out, y).items():
-                    add = value.detach().to(torch.float64) * (stop - start)
-                    sums[name] = sums[name] + add if name in sums else add
+                add_metrics(sums, self.task.member_metrics(out, y), stop - start)
             count += stop - start
         names: list[str] = self.group.share(sorted(sums))
         device = self.t.device
@@ -276,3 +237,23 @@ class _DataParallelRun(_Run):
             self.group.size,
         )
         raise ResizeRequested(asked)
+
+
+class DataParallelTrainer(ArrayTrainer):
+    """An :class:`~hfsweep.ArrayTrainer` for one worker of a data-parallel array.
+
+    Build one per worker after ``torch.distributed.init_process_group`` (gloo on CPUs, NCCL on
+    GPUs; :func:`~hfsweep.parallel.train_data_parallel` does all of it) with the same task,
+    members and settings on every worker. Rank 0 calls the hooks (``report``, ``refill``,
+    ``on_finish``: they run in its process) and writes the checkpoint, which has the layout of
+    the one-worker trainer's: any number of workers resumes it. ``run`` returns the results on
+    rank 0 (the others return theirs too, without calling the hooks) and raises
+    :class:`ResizeRequested` at an evaluation boundary where :func:`request_resize` asked for
+    another number of workers.
+    """
+
+    _run_class = _DataParallelRun
+
+    def __init__(self, task: Task, **options: Any) -> None:
+        super().__init__(task, **options)
+        self.group = Group()

@@ -17,12 +17,15 @@ the config keys it understands. The digits tasks need scikit-learn (``hfsweep[ex
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..training.task import Task, TaskError
 from ._data import TensorBatches, digits, markov_tokens, pattern_images
 from ._lora import text_lora
 from ._models import MLP, DigitsCNN, ResNet, TokenTransformer, _p
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 __all__ = [
     "TASKS",
@@ -71,14 +74,19 @@ digits_cnn = Task(
 )
 
 
-def _image_data(config: Mapping[str, Any]) -> tuple[TensorBatches, TensorBatches]:
-    n_train, n_val = config["n_train"], config["n_val"]
-    x, y = pattern_images(config["data_seed"], n_train + n_val)
-    batch = config["batch_size"]
+def _split(x: Tensor, y: Tensor, config: Mapping[str, Any]) -> tuple[TensorBatches, TensorBatches]:
+    """The first ``config["n_train"]`` samples as the shuffled training batches of the config's
+    ``batch_size``, the rest as validation batches of 256 in order."""
+    n_train = config["n_train"]
     return (
-        TensorBatches(x[:n_train], y[:n_train], batch, shuffle=True),
+        TensorBatches(x[:n_train], y[:n_train], config["batch_size"], shuffle=True),
         TensorBatches(x[n_train:], y[n_train:], 256, shuffle=False),
     )
+
+
+def _image_data(config: Mapping[str, Any]) -> tuple[TensorBatches, TensorBatches]:
+    x, y = pattern_images(config["data_seed"], config["n_train"] + config["n_val"])
+    return _split(x, y, config)
 
 
 cifar_resnet = Task(
@@ -104,12 +112,7 @@ def _token_data(config: Mapping[str, Any]) -> tuple[TensorBatches, TensorBatches
     tokens = markov_tokens(
         config["data_seed"], n_train + n_val, vocab=config["vocab"], length=config["length"] + 1
     )
-    x, y = tokens[:, :-1], tokens[:, 1:]
-    batch = config["batch_size"]
-    return (
-        TensorBatches(x[:n_train], y[:n_train], batch, shuffle=True),
-        TensorBatches(x[n_train:], y[n_train:], 256, shuffle=False),
-    )
+    return _split(tokens[:, :-1], tokens[:, 1:], config)
 
 
 token_transformer = Task(

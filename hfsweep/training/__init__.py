@@ -4,6 +4,7 @@ One job per module, each importing only those below it in this list:
 
 - ``trainer``: :class:`ArrayTrainer`, what a caller builds and runs.
 - ``run``: one run of it: the arrays it trains, evaluations, ends, refills, checkpoints.
+- ``_evaluation``: what one evaluation computes: validation sums, history records, endings.
 - ``live``: the array in training (model, optimizer, schedule, per-member tensors): how it is
   built from slots, and the snapshots that go on in two halves or a smaller array.
 - ``step``: the fused training step and the per-step helpers (dropout, data seed, timing).

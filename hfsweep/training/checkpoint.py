@@ -1,12 +1,14 @@
-"""The trainer's files: a member's state, a slot and a result as plain records, the log of
-members whose ``on_finish`` was called, the final states of members that ended, and the random
-generators' state; written atomically and read back as plain data only (see ``packed``)."""
+"""The trainer's files: a member's state, a slot and a result as plain records, a run's
+``array.pt`` (written and read back whole), the log of members whose ``on_finish`` was called,
+the final states of members that ended, and the random generators' state; written atomically
+and read back as plain data only (see ``packed``)."""
 
 from __future__ import annotations
 
 import base64
 import pickle
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
@@ -19,7 +21,7 @@ from .packed import UnsafeFileError
 from .packed import load as load_packed
 from .packed import loads as loads_plain
 from .results import Member, MemberResult
-from .spec import TrialSpec, _SlotState
+from .spec import TrialSpec, _ArrayState, _SlotState
 
 if TYPE_CHECKING:
     from ..fusion import FusedArray
@@ -177,6 +179,69 @@ def _read_delivered(path: Path) -> list[dict[str, Any]]:
         if isinstance(record, dict) and "id" in record:
             records.append(record)
     return records
+
+
+def _run_payload(
+    settings: Mapping[str, Any],
+    key: str | None,
+    order: Sequence[str],
+    undelivered: Sequence[MemberResult],
+    arrays: Sequence[tuple[_ArrayState, Sequence[_SlotState | None]]],
+) -> dict[str, Any]:
+    """The contents of ``array.pt``: a run's ``settings``, compatibility ``key`` and member
+    ``order``, the results of members that ended but whose ``on_finish`` was not called yet (a
+    resume calls it, with the state), and each queued array's data position with its slots
+    (``arrays``: the array and its slots' current states)."""
+    return {
+        "version": _CHECKPOINT_VERSION,
+        "settings": dict(settings),
+        "key": key,
+        "order": list(order),
+        "undelivered": {r.id: {**_result_record(r), "state": r.state} for r in undelivered},
+        "arrays": [
+            {"epoch": a.epoch, "batch": a.batch, "slots": [_slot_dict(s) for s in slots]}
+            for a, slots in arrays
+        ],
+    }
+
+
+@dataclass
+class _SavedRun:
+    """A run as :func:`_read_run` reads it back from its checkpoint directory."""
+
+    key: str | None
+    order: list[str]
+    results: dict[str, MemberResult]  #: every member that ended, by id
+    delivered: set[str]  #: those whose ``on_finish`` was called
+    pending: list[str]  #: those whose ``on_finish`` is still to be called
+    queue: list[_ArrayState]
+
+
+def _read_run(
+    path: Path, settings: Mapping[str, Any], directory: Path, keep_states: bool
+) -> _SavedRun:
+    """The run saved in ``path`` (``array.pt`` in ``directory``), refused if it was written with
+    other ``settings``; with ``keep_states``, delivered members' results carry their saved final
+    states."""
+    payload = load_packed(path)
+    _checked(path, payload, settings)
+    results: dict[str, MemberResult] = {}
+    delivered: set[str] = set()
+    for record in _read_delivered(directory / _DELIVERED):
+        member_id = record["id"]
+        state = _read_member_state(directory, member_id) if keep_states else None
+        results[member_id] = _result_from_record(record, state)
+        delivered.add(member_id)
+    pending = []
+    for member_id, record in payload["undelivered"].items():
+        if member_id not in delivered:
+            results[member_id] = _result_from_record(record, record["state"])
+            pending.append(member_id)
+    queue = [
+        _ArrayState([_slot_from_dict(d) for d in a["slots"]], a["epoch"], a["batch"])
+        for a in payload["arrays"]
+    ]
+    return _SavedRun(payload["key"], list(payload["order"]), results, delivered, pending, queue)
 
 
 def _write_member(directory: Path, result: MemberResult, state: dict[str, Any]) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -19,24 +18,19 @@ from torch import Tensor, nn
 from .._io import append_lines, atomic_save
 from .._usercode import CHECKPOINT, OPTIMIZER_STEP, Phase, describe
 from ..fusion import FusedArray
+from ._evaluation import endings, record_evaluations, validation_sums
 from ._frozen import share_frozen_storage
 from .checkpoint import (
-    _CHECKPOINT_VERSION,
     _DELIVERED,
-    _checked,
     _encode_record,
-    _read_delivered,
-    _read_member_state,
-    _result_from_record,
+    _read_run,
     _result_record,
     _rng_state,
+    _run_payload,
     _set_rng_state,
-    _slot_dict,
-    _slot_from_dict,
     _write_member,
 )
 from .live import _build_live, _Live
-from .packed import load as load_packed
 from .packed import pack
 from .results import Evaluation, Member, MemberResult, RefillHook, ReportHook
 from .spec import TrialSpec, _ArrayState, _SlotState
@@ -400,66 +394,23 @@ class _Run:
 
     # ------------------------------------------------------------------ evaluation
     def _evaluate(self, live: _Live, due: list[int], spe: int) -> None:
-        state, array, loss_sum = live.state, live.array, live.loss_sum
-        _, val = self.t._dataset(state.slots[due[0]].config)  # type: ignore[union-attr]
-        array.eval()
+        """Evaluate the members in slots ``due`` (see :mod:`._evaluation`), report them and end
+        those whose results or the report hook's decisions end."""
+        _, val = self.t._dataset(live.state.slots[due[0]].config)  # type: ignore[union-attr]
+        live.array.eval()
         with torch.no_grad(), Phase("drawing a validation batch"):
             sums, count = self._validation_sums(live, val)
-        array.train()
+        live.array.train()
         if count == 0:
             raise TaskError(f"task {self.task.name!r}: the validation data yielded no batch")
-        host = {name: (v / count).tolist() for name, v in sums.items()}
-        train_loss = loss_sum.tolist()
-        evaluations: list[Evaluation] = []
-        for i in due:
-            s = state.slots[i]
-            assert s is not None
-            record = {
-                "step": float(s.steps),
-                "epoch": s.steps / spe,
-                "train_loss": train_loss[i] / max(s.since, 1),
-            }
-            record.update({name: values[i] for name, values in host.items()})
-            s.history.append(record)
-            s.since = 0
-            loss_sum[i] = 0.0
-            metrics = {k: v for k, v in record.items() if k not in ("step", "epoch")}
-            evaluations.append(
-                Evaluation(s.member.id, s.steps, s.steps / spe, metrics, s.steps >= s.budget)
-            )
-        decisions = self._report(evaluations)
-        if decisions:
-            unknown = sorted(set(decisions) - {e.member for e in evaluations})
-            if unknown:
-                raise ValueError(
-                    f"report hook answered for member {unknown[0]!r}, which was not evaluated "
-                    f"now; evaluated: {[e.member for e in evaluations]}"
-                )
-        for i, e in zip(due, evaluations, strict=True):
-            if not all(math.isfinite(v) for v in (e.metrics["train_loss"], e.metrics["val_loss"])):
-                self._finish(live, i, "failed", "non-finite loss")
-            elif e.final:
-                self._finish(live, i, "completed", None)
-            elif not decisions.get(e.member, True):
-                self._finish(live, i, "stopped", None)
+        evaluations = record_evaluations(live.state, due, spe, sums, count, live.loss_sum)
+        for i, status, error in endings(due, evaluations, self._report(evaluations)):
+            self._finish(live, i, status, error)
 
     def _validation_sums(self, live: _Live, val: Any) -> tuple[dict[str, Tensor], int]:
         """Each validation metric summed over the samples of ``val`` (``[B]`` float64 per
-        name; a batch's mean weighted by its rows), and the number of samples."""
-        sums: dict[str, Tensor] = {}
-        count = 0
-        for batch in val:
-            x, y = self.t._to_device(batch)
-            with Phase("the forward pass (evaluation)"):
-                out = live.forward(x)
-            with Phase("the validation loss and metrics"):
-                batch_values = self.task.member_metrics(out, y)
-                n = int(y.shape[0]) if isinstance(y, Tensor) and y.dim() else 1
-                for name, value in batch_values.items():
-                    add = value.detach().to(torch.float64) * n
-                    sums[name] = sums[name] + add if name in sums else add
-            count += n
-        return sums, count
+        name), and the number of samples."""
+        return validation_sums(self.task, val, self.t._to_device, live.forward)
 
     def _report(self, evaluations: list[Evaluation]) -> Mapping[str, bool]:
         """The report hook's decisions on ``evaluations`` (``{}`` without a hook)."""
@@ -546,56 +497,27 @@ class _Run:
         path = self._checkpoint_path()
         if path is None:
             return
-        arrays = []
-        for n, a in enumerate(self.queue):
-            slots = running.snapshot() if n == 0 and running is not None else a.slots
-            arrays.append(
-                {"epoch": a.epoch, "batch": a.batch, "slots": [_slot_dict(s) for s in slots]}
-            )
-        payload = {
-            "version": _CHECKPOINT_VERSION,
-            "settings": self._settings(),
-            "key": self.key,
-            "order": list(self.order),
-            # ended, on_finish not called yet: a resume calls it, with the state
-            "undelivered": {
-                i: {**_result_record(self.results[i]), "state": self.results[i].state}
-                for i in self.pending
-            },
-            "arrays": arrays,
-        }
+        arrays = [
+            (a, running.snapshot() if n == 0 and running is not None else a.slots)
+            for n, a in enumerate(self.queue)
+        ]
+        undelivered = [self.results[i] for i in self.pending]
+        payload = _run_payload(self._settings(), self.key, self.order, undelivered, arrays)
         with Phase(CHECKPOINT):
             atomic_save(pack(payload), path)
 
     def _settings(self) -> dict[str, Any]:
         """What must not change between a run and its resume."""
-        return {
-            "task": self.task.name,
-            "dtype": str(self.t.dtype),
-            "eval_every": self.t.eval_every,
-        }
+        return {"task": self.task.name, "dtype": str(self.t.dtype), "eval_every": self.t.eval_every}
 
     def _load_checkpoint(self, path: Path, members: Sequence[Member]) -> None:
-        payload = load_packed(path)
-        _checked(path, payload, self._settings())
-        self.key = payload["key"]
-        self.order = list(payload["order"])
+        """Take up the run saved at ``path`` (see :func:`._read_run`); ``members`` it does not
+        know yet join its last array, in free slots first."""
         d = self.t.checkpoint_dir
         assert d is not None
-        for record in _read_delivered(d / _DELIVERED):
-            member_id = record["id"]
-            state = _read_member_state(d, member_id) if self.t.keep_states else None
-            self.results[member_id] = _result_from_record(record, state)
-            self.delivered.add(member_id)
-        self.pending = []
-        for member_id, record in payload["undelivered"].items():
-            if member_id not in self.delivered:
-                self.results[member_id] = _result_from_record(record, record["state"])
-                self.pending.append(member_id)
-        self.queue = [
-            _ArrayState([_slot_from_dict(d) for d in a["slots"]], a["epoch"], a["batch"])
-            for a in payload["arrays"]
-        ]
+        saved = _read_run(path, self._settings(), d, self.t.keep_states)
+        self.key, self.order, self.queue = saved.key, saved.order, saved.queue
+        self.results, self.delivered, self.pending = saved.results, saved.delivered, saved.pending
         known = set(self.order)
         fresh = [m for m in members if m.id not in known]
         if fresh:

@@ -17,7 +17,7 @@ import inspect
 import json
 import logging
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -258,22 +258,12 @@ class Task:
         if name not in OPTIMIZERS:
             raise TaskError(f"config optimizer={name!r} is not one of {sorted(OPTIMIZERS)}")
         takes = OPTIMIZERS[name][1]
-        for key in _OPTIMIZER_KEYS:
-            if key in config and key not in takes:
-                raise TaskError(
-                    f"config key {key!r} is not a hyperparameter of optimizer {name!r}; it takes "
-                    f"{list(takes)}"
-                )
+        _check_taken(config, _OPTIMIZER_KEYS, takes, f"a hyperparameter of optimizer {name!r}")
         schedule = {**known, **config}["lr_schedule"]
         if schedule not in SCHEDULES:
             raise TaskError(f"config lr_schedule={schedule!r} is not one of {sorted(SCHEDULES)}")
         uses = SCHEDULES[schedule]
-        for key in _SCHEDULE_KEYS:
-            if key in config and key not in uses:
-                raise TaskError(
-                    f"config key {key!r} is not an argument of lr_schedule {schedule!r}; it takes "
-                    f"{list(uses) or 'none'}"
-                )
+        _check_taken(config, _SCHEDULE_KEYS, uses, f"an argument of lr_schedule {schedule!r}")
         # defaults of hyperparameters the chosen optimizer or schedule does not take are dropped,
         # so that resolving a resolved config gives it back unchanged
         out = {**optimizer_defaults(name), **_SCHEDULE_DEFAULTS[schedule], **known, **config}
@@ -554,6 +544,16 @@ def _check_number(
         if high < math.inf:
             bound += f" and {'<' if high_open else '<='} {high}"
         raise TaskError(f"config {key}={value!r} must be a finite number {bound}")
+
+
+def _check_taken(
+    config: Mapping[str, Any], keys: Iterable[str], takes: Collection[str], what: str
+) -> None:
+    """Refuse a key of ``keys`` (an optimizer's or a schedule's, of any) that ``config`` sets but
+    the chosen one does not take (``takes``; ``what`` the chosen one's role, in the message)."""
+    for key in keys:
+        if key in config and key not in takes:
+            raise TaskError(f"config key {key!r} is not {what}; it takes {list(takes) or 'none'}")
 
 
 def _check_int(config: Mapping[str, Any], key: str, *, low: int) -> None:

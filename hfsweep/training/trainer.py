@@ -88,6 +88,9 @@ class ArrayTrainer:
     ``"none"`` is refused.
     """
 
+    #: what :meth:`run` executes (a data-parallel worker's trainer sets its own, on shards)
+    _run_class: type[_Run] = _Run
+
     def __init__(
         self,
         task: Task,
@@ -178,7 +181,7 @@ class ArrayTrainer:
         """
         if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
             raise ValueError(f"start_step must be an int >= 0, got {start_step!r}")
-        run = _Run(self, report, refill, on_finish)
+        run = self._run_class(self, report, refill, on_finish)
         if self.device.type != "cpu":
             return run.execute(members, resume, start_step)
         with retaining_freed_memory():
