@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .._io import new_temporary
+from ..offload import OffloadChoice
 from ._units import _MIB, _check_budget, _check_int, _fmt_bytes, _fmt_rate
 from .compiled import CompileChoice
 from .device import _describe_device
@@ -135,6 +136,8 @@ class Profile:
     reason: str
     #: eager or compiled (``fusion: {compile: auto}``), measured at ``chosen``; ``None``: not asked
     compile: CompileChoice | None = None
+    #: offloaded or split (``offload: auto``, :func:`~hfsweep.sizing.offloading.profile_offload`)
+    offload: OffloadChoice | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "measurements", tuple(_check_measurements(self.measurements)))
@@ -189,6 +192,8 @@ class Profile:
         lines.append(f"* chosen B={self.chosen}: {self.reason}")
         if self.compile is not None:
             lines.append(f"* {self.compile.reason}")
+        if self.offload is not None:
+            lines.append(f"* {self.offload.reason}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
@@ -216,6 +221,7 @@ class Profile:
             "chosen": self.chosen,
             "reason": self.reason,
             **({"compile": self.compile.to_dict()} if self.compile is not None else {}),
+            **({"offload": self.offload.to_dict()} if self.offload is not None else {}),
         }
 
     @classmethod
@@ -248,6 +254,7 @@ class Profile:
                 chosen=d["chosen"],
                 reason=d["reason"],
                 compile=CompileChoice.from_dict(d["compile"]) if d.get("compile") else None,
+                offload=OffloadChoice.from_dict(d["offload"]) if d.get("offload") else None,
             )
         except KeyError as exc:
             raise ValueError(f"profile is missing the field {exc.args[0]!r}") from exc

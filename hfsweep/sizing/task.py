@@ -28,8 +28,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .._compat import TorchDispatchMode, pytree
 from .._malloc import retaining_freed_memory
-from ..fusion import fuse
+from ..fusion import FusedArray, fuse
 from ..fusion._compile import check_compile, mode_for
+from ..offload import OffloadedArray
 from ..training._compiled import CompiledLoss
 from ..training.step import any_smoothing, backward, update
 from ..training.task import Task, fork_rng, make_optimizer, make_schedule
@@ -38,6 +39,7 @@ from .compiled import DEFAULT_HORIZON_STEPS, CompileChoice, choose_compile
 from .device import _describe_device, device_budget
 from .measure import profile_sizes
 from .model import Measurement, choose_size
+from .offloading import profile_offload  # noqa: F401  (registers it with the trainer)
 
 __all__ = ["measure_step", "profile_task", "settled", "time_steps"]
 
@@ -154,6 +156,8 @@ def measure_step(
     compile: bool | str = False,
     first_step: list[float] | None = None,
     share_frozen: bool = True,
+    offload: bool = False,
+    device_memory: int | None = None,
 ) -> Measurement:
     """Time the training step of an array of ``size`` members of ``config`` on ``batch``.
 
@@ -167,7 +171,10 @@ def measure_step(
     step's seconds are appended to (tracing and compiling included). ``share_frozen``: the
     array keeps frozen tensors every member holds identically once, as the trainer's arrays
     do with ``fusion.share_frozen`` (``False``: B copies, so the peak counts the frozen
-    backbone B times).
+    backbone B times). ``offload``: the array kept in host memory and run shard by shard by
+    :class:`~hfsweep.offload.OffloadedArray` with ``device_memory`` bytes on ``device``, as the
+    trainer's ``offload="host"`` runs it (frozen tensors per member); its peak is the engine's
+    ledger peak, the bytes it held on the compute side.
     """
     with _as_the_trainer_runs(device):
         return _measure_step(
@@ -184,6 +191,8 @@ def measure_step(
             compile=compile,
             first_step=first_step,
             share_frozen=share_frozen,
+            offload=offload,
+            device_memory=device_memory,
         )
 
 
@@ -207,16 +216,53 @@ def _measure_step(
     compile: bool | str = False,
     first_step: list[float] | None = None,
     share_frozen: bool = True,
+    offload: bool = False,
+    device_memory: int | None = None,
 ) -> Measurement:
     resolved = task.resolve(config)
     configs = [{**resolved, "seed": i} for i in range(size)]
     models = [task.build_model(c).to(dtype) for c in configs]
-    array = fuse(models, compile=compile, share_frozen=share_frozen).to(device)
+    engine: OffloadedArray | None = None
+    if offload:  # in host storage, every tensor per member, as the trainer offloads
+        array = fuse(models, share_frozen=False)
+        engine = OffloadedArray(array, device=device, budget_bytes=device_memory)
+    else:
+        array = fuse(models, compile=compile, share_frozen=share_frozen).to(device)
+    del models
+    try:
+        return _time_array(
+            task, array, engine, configs, device=device, dtype=dtype, batch=batch,
+            min_seconds=min_seconds, min_steps=min_steps, warmup=warmup, traces=traces,
+            compile=compile, first_step=first_step,
+        )  # fmt: skip
+    finally:
+        if engine is not None:
+            engine.close()
+
+
+def _time_array(
+    task: Task,
+    array: FusedArray,
+    engine: OffloadedArray | None,
+    configs: list[dict[str, Any]],
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    batch: Any,
+    min_seconds: float,
+    min_steps: int,
+    warmup: int,
+    traces: dict[Any, Any] | None,
+    compile: bool | str,
+    first_step: list[float] | None,
+) -> Measurement:
+    """The timing of :func:`measure_step` on the built ``array`` (run by ``engine`` where it
+    is offloaded) of the members ``configs``."""
+    size = len(configs)
     mode = mode_for(check_compile(compile), device)
     loss = CompiledLoss(task, mode) if mode is not None else None
     if traces is not None:
         array._share_traces(traces)
-    del models
     array.train()
     opt = make_optimizer(array, configs)
     sched = make_schedule(opt, configs, [10**9] * size, 1)
@@ -232,7 +278,7 @@ def _measure_step(
     )
 
     def step() -> None:
-        backward(task, array, x, y, smoothing, None, loss)
+        backward(task, array, x, y, smoothing, None, loss, engine)
         update(opt, sched)
 
     warm_s = 0.0
@@ -247,7 +293,9 @@ def _measure_step(
     # device idle while the next one is launched
     block = max(1, round(_BLOCK_SECONDS / max(warm_s, 1e-9))) if device.type == "cuda" else 1
     samples = time_steps(step, sync, min_seconds=min_seconds, min_steps=min_steps, block=block)
-    if mode is not None:
+    if engine is not None:
+        peak = engine.ledger.peak
+    elif mode is not None:
         peak = 0
     elif device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

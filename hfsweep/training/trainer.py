@@ -23,7 +23,7 @@ from torch import Tensor
 from .._malloc import retaining_freed_memory
 from .._usercode import Phase
 from ..fusion._compile import check_compile, mode_for
-from ..offload import check_offload
+from ..offload import OffloadChoice, check_offload
 from ._compiled import CompiledLoss
 from .checkpoint import _DELIVERED, _FINAL_STATES, _read_delivered, _result_from_record
 from .packed import load as load_packed
@@ -122,6 +122,8 @@ class ArrayTrainer:
             )
         self.offload = offload
         self.device_memory = device_memory
+        #: ``offload="auto"``'s choices by compatibility key and array size (see _offload_auto)
+        self._offload_plans: dict[tuple[str, int], OffloadChoice] = {}
         self.task = task
         self.device = torch.device(device)
         self.dtype = dtype
