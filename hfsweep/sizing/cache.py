@@ -352,25 +352,31 @@ class ProfileCache:
         """Store ``profile`` under its key, replacing an older one; the file is written atomically."""
         if not isinstance(profile, Profile):
             raise ValueError(f"put() needs a Profile, got {type(profile).__name__}")
-        tmp_name: str | None = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with self._locked():
                 profiles = self._read()
                 profiles[profile.key] = profile.to_dict()
-                text = json.dumps(
-                    {"format": _FORMAT, "profiles": profiles}, indent=1, sort_keys=True
+                _replace_file(
+                    self.path,
+                    json.dumps({"format": _FORMAT, "profiles": profiles}, indent=1, sort_keys=True),
                 )
-                fd, tmp_name = new_temporary(self.path.parent, self.path.name + ".", ".tmp")
-                with os.fdopen(fd, "w", encoding="utf-8") as f:
-                    f.write(text)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp_name, self.path)
-                tmp_name = None
         except OSError as exc:
             _log.warning("could not write the profile cache %s (%s); not cached", self.path, exc)
-        finally:
-            if tmp_name is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp_name)
+
+
+def _replace_file(path: Path, text: str) -> None:
+    """Write ``text`` to a temporary file beside ``path`` and put it in ``path``'s place in one
+    ``os.replace`` (a crash leaves the old file or the new one, never half of one); the
+    temporary file is removed if that fails, and the ``OSError`` raised."""
+    fd, tmp_name = new_temporary(path.parent, path.name + ".", ".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp_name, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp_name)
+        raise

@@ -21,7 +21,6 @@ the figures measured there prove the mechanism, not what a GPU would choose.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -31,7 +30,7 @@ import torch
 from ..offload import OffloadChoice, OffloadError, choose_by_rate, fit_size, state_bytes
 from ..training._offload_auto import use_offload_profiler
 from ..training.task import Task
-from .cache import Profile, ProfileCache, cache_key, signature
+from .cache import Profile, ProfileCache, cache_key
 from .device import _describe_device
 from .model import Measurement, MemoryModel
 
@@ -70,7 +69,7 @@ def profile_offload(
     ``refresh``. ``measure(size, offloaded)`` replaces the timing (tests). ``data``: the task's
     ``(train, eval)`` loaders where already built.
     """
-    from .task import _model_and_batch, measure_step  # task imports this module first
+    from .task import _arch, _model_and_batch, _step_of  # task imports this module first
 
     device = torch.device(device)
     resolved = task.resolve(config or {})
@@ -79,10 +78,7 @@ def profile_offload(
     fit = fit_size(member, device_memory)
     if fit >= size or fit == 0:
         return _unmeasured(size, fit, member, device_memory)
-    arch = (
-        f"{signature(model)}|{resolved['optimizer']}|in={tuple(x.shape)}|share_frozen=False"
-        f"|offload=auto|device_memory={device_memory}|B={size}"
-    )
+    arch = f"{_arch(model, resolved, x, False)}|offload=auto|device_memory={device_memory}|B={size}"
     key = cache_key(arch, int(y.shape[0]), dtype, device)
     if cache is not None and not refresh:
         hit = cache.get(key)
@@ -90,17 +86,10 @@ def profile_offload(
             _log.info("offload choice of %s found in the cache (%s)", task.name, key)
             return dataclasses.replace(hit.offload, reason=f"{hit.offload.reason} (cached)")
     if measure is None:
-        step = functools.partial(
-            measure_step,
-            task,
-            resolved,
-            device=device,
-            dtype=dtype,
-            batch=(x, y),
-            min_seconds=min_seconds,
-            share_frozen=False,
-            device_memory=device_memory,
-        )
+        step = _step_of(
+            task, resolved, (x, y), device, dtype, min_seconds,
+            share_frozen=False, device_memory=device_memory,
+        )  # fmt: skip
 
         def measure(n: int, offloaded: bool) -> Measurement:
             return step(n, offload=offloaded)
@@ -168,27 +157,11 @@ def _unmeasured(size: int, fit: int, member: int, budget: int) -> OffloadChoice:
 
 
 def _profile_offload_cached(
-    task: Task,
-    config: Mapping[str, Any] | None,
-    size: int,
-    *,
-    device_memory: int,
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype = torch.float32,
-    data: tuple[Iterable[Any], Iterable[Any]] | None = None,
+    task: Task, config: Mapping[str, Any] | None, size: int, **kwargs: Any
 ) -> OffloadChoice:
     """:func:`profile_offload` with the default profile cache (``$HFSWEEP_CACHE_DIR`` and so
     on, read at each call), as the trainer asks for it."""
-    return profile_offload(
-        task,
-        config,
-        size,
-        device_memory=device_memory,
-        device=device,
-        dtype=dtype,
-        data=data,
-        cache=ProfileCache(),
-    )
+    return profile_offload(task, config, size, cache=ProfileCache(), **kwargs)
 
 
 use_offload_profiler(_profile_offload_cached)

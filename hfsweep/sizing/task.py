@@ -177,67 +177,30 @@ def measure_step(
     ledger peak, the bytes it held on the compute side.
     """
     with _as_the_trainer_runs(device):
-        return _measure_step(
-            task,
-            config,
-            size,
-            device=device,
-            dtype=dtype,
-            batch=batch,
-            min_seconds=min_seconds,
-            min_steps=min_steps,
-            warmup=warmup,
-            traces=traces,
-            compile=compile,
-            first_step=first_step,
-            share_frozen=share_frozen,
-            offload=offload,
-            device_memory=device_memory,
-        )
+        resolved = task.resolve(config)
+        configs = [{**resolved, "seed": i} for i in range(size)]
+        models = [task.build_model(c).to(dtype) for c in configs]
+        engine: OffloadedArray | None = None
+        if offload:  # in host storage, every tensor per member, as the trainer offloads
+            array = fuse(models, share_frozen=False)
+            engine = OffloadedArray(array, device=device, budget_bytes=device_memory)
+        else:
+            array = fuse(models, compile=compile, share_frozen=share_frozen).to(device)
+        del models
+        try:
+            return _time_array(
+                task, array, engine, configs, device=device, dtype=dtype, batch=batch,
+                min_seconds=min_seconds, min_steps=min_steps, warmup=warmup, traces=traces,
+                compile=compile, first_step=first_step,
+            )  # fmt: skip
+        finally:
+            if engine is not None:
+                engine.close()
 
 
 def _as_the_trainer_runs(device: torch.device) -> AbstractContextManager[object]:
     """On the CPU, glibc keeps freed memory for reuse, as while the trainer runs."""
     return retaining_freed_memory() if device.type == "cpu" else nullcontext()
-
-
-def _measure_step(
-    task: Task,
-    config: Mapping[str, Any],
-    size: int,
-    *,
-    device: torch.device,
-    dtype: torch.dtype,
-    batch: Any,
-    min_seconds: float,
-    min_steps: int,
-    warmup: int,
-    traces: dict[Any, Any] | None,
-    compile: bool | str = False,
-    first_step: list[float] | None = None,
-    share_frozen: bool = True,
-    offload: bool = False,
-    device_memory: int | None = None,
-) -> Measurement:
-    resolved = task.resolve(config)
-    configs = [{**resolved, "seed": i} for i in range(size)]
-    models = [task.build_model(c).to(dtype) for c in configs]
-    engine: OffloadedArray | None = None
-    if offload:  # in host storage, every tensor per member, as the trainer offloads
-        array = fuse(models, share_frozen=False)
-        engine = OffloadedArray(array, device=device, budget_bytes=device_memory)
-    else:
-        array = fuse(models, compile=compile, share_frozen=share_frozen).to(device)
-    del models
-    try:
-        return _time_array(
-            task, array, engine, configs, device=device, dtype=dtype, batch=batch,
-            min_seconds=min_seconds, min_steps=min_steps, warmup=warmup, traces=traces,
-            compile=compile, first_step=first_step,
-        )  # fmt: skip
-    finally:
-        if engine is not None:
-            engine.close()
 
 
 def _time_array(
@@ -332,6 +295,34 @@ def _model_and_batch(
     return model, x, y
 
 
+def _arch(
+    model: torch.nn.Module, resolved: Mapping[str, Any], x: Tensor, share_frozen: bool
+) -> str:
+    """The architecture part of a profile's cache key: the model's :func:`signature`, the
+    optimizer (its state) and the input shape, which change time and memory as much as the
+    model; ``share_frozen=False`` (frozen tensors per member: another memory model) is added,
+    sharing keeps the keys cached before the option existed."""
+    arch = f"{signature(model)}|{resolved['optimizer']}|in={tuple(x.shape)}"
+    return arch if share_frozen else f"{arch}|share_frozen=False"
+
+
+def _step_of(
+    task: Task,
+    resolved: Mapping[str, Any],
+    batch: tuple[Tensor, Tensor],
+    device: torch.device,
+    dtype: torch.dtype,
+    min_seconds: float,
+    **fixed: Any,
+) -> Callable[..., Measurement]:
+    """:func:`measure_step` of ``resolved``'s arrays on ``batch``, with the ``fixed`` keyword
+    arguments; called with the size (and any others)."""
+    return functools.partial(
+        measure_step, task, resolved, device=device, dtype=dtype, batch=batch,
+        min_seconds=min_seconds, **fixed,
+    )  # fmt: skip
+
+
 def profile_task(
     task: Task,
     config: Mapping[str, Any] | None = None,
@@ -389,23 +380,9 @@ def profile_task(
     resolved = task.resolve(config or {})
     model, x, y = _model_and_batch(task, resolved, device, dtype, data)
     batch_size = int(y.shape[0])
-    # the optimizer (its state) and the input shape change time and memory as much as the model
-    arch = f"{signature(model)}|{resolved['optimizer']}|in={tuple(x.shape)}"
-    if not share_frozen:  # frozen tensors per member: another memory model (sharing keeps old keys)
-        arch += "|share_frozen=False"
-    key = cache_key(arch, batch_size, dtype, device)
+    key = cache_key(_arch(model, resolved, x, share_frozen), batch_size, dtype, device)
     budget = device_budget(device, budget_fraction)
-
-    step = functools.partial(
-        measure_step,
-        task,
-        resolved,
-        device=device,
-        dtype=dtype,
-        batch=(x, y),
-        min_seconds=min_seconds,
-        share_frozen=share_frozen,
-    )
+    step = _step_of(task, resolved, (x, y), device, dtype, min_seconds, share_frozen=share_frozen)
 
     def measure_compiled(size: int, first: list[float]) -> Measurement:
         return step(size, compile=True, first_step=first)

@@ -83,7 +83,10 @@ class ArrayTrainer:
     :mod:`hfsweep.offload` and docs/offload.md; same results as without). ``device_memory``
     (bytes) is the budget on the compute side: what the engine may hold there with ``"host"``,
     and what ``"auto"`` compares the array's estimated state with (``None``: a CUDA device's free
-    memory; on the CPU ``"auto"`` then keeps arrays as they are). An offloaded array keeps its
+    memory; on the CPU ``"auto"`` then keeps arrays as they are): an array that fits stays, one
+    of which not even one member fits is offloaded, and otherwise the profiler measures it
+    offloaded against arrays of the members that fit and the faster is trained (see
+    docs/offload.md). An offloaded array keeps its
     frozen tensors per member and runs uncompiled: ``compile`` with ``offload`` other than
     ``"none"`` is refused.
     """
