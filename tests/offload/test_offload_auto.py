@@ -17,7 +17,7 @@ from _same_results import Crash, assert_same, crashing_report, members
 
 import hfsweep as hs
 from hfsweep.offload import OffloadChoice, choose_by_rate, state_bytes
-from hfsweep.sizing.cache import ProfileCache
+from hfsweep.sizing.cache import Profile, ProfileCache
 from hfsweep.sizing.model import Measurement
 from hfsweep.sizing.offloading import profile_offload
 
@@ -86,7 +86,11 @@ def test_profile_offload_measures_both_ways_and_caches(tmp_path: Path) -> None:
     fake.rates[True] = 100.0
     other = profile_offload(task, SGD[0], 3, device_memory=budget + 1, **kwargs)
     assert other.mode == "split" and len(fake.calls) == 4
-    assert len(cache._read()) == 2  # both choices, each under its budget's key
+    entries = cache._read()
+    assert len(entries) == 2  # both choices, each under its budget's key
+    stored = [Profile.from_dict(e) for e in entries.values()]
+    assert sorted(p.offload.mode for p in stored if p.offload is not None) == ["host", "split"]
+    assert all(f"* {p.offload.reason}" in p.table() for p in stored if p.offload is not None)
     # nothing to measure: the array fits, or not one member does
     fits = profile_offload(task, SGD[0], 2, device_memory=budget, **kwargs)
     alone = profile_offload(task, SGD[0], 3, device_memory=member - 1, **kwargs)
