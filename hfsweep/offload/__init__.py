@@ -8,7 +8,8 @@ compute device shard by shard (issue 22; Hydra's parameter spilling and double b
   stream, events, ``non_blocking`` copies).
 - ``_shards``: cutting the model into runs of consecutive layers (:func:`plan_shards`).
 - ``_engine``: :class:`OffloadedArray`, the shard-by-shard forward and backward.
-- ``_policy``: the ``offload`` values and what ``auto`` decides (:func:`choose_offload`).
+- ``_policy``: the ``offload`` values and what ``auto`` decides: by memory
+  (:func:`choose_offload`), and by measured throughput where both ways fit (:func:`choose_by_rate`).
 
 Users reach it through ``hs.ArrayTrainer(..., offload="host")`` or ``fusion: {offload: host}``
 in a sweep file; see docs/offload.md.
@@ -17,7 +18,16 @@ in a sweep file; see docs/offload.md.
 from ._engine import OffloadedArray
 from ._errors import OffloadBudgetError, OffloadError
 from ._ledger import ResidentLedger
-from ._policy import OFFLOAD_MODES, check_offload, choose_offload, state_bytes
+from ._policy import (
+    OFFLOAD_MODES,
+    OffloadChoice,
+    check_offload,
+    choose_by_rate,
+    choose_offload,
+    fit_size,
+    offload_budget,
+    state_bytes,
+)
 from ._shards import Shard, plan_shards
 from ._transfer import CpuTransfer, CudaTransfer, Fetch, Transfer, default_transfer
 
@@ -27,14 +37,18 @@ __all__ = [
     "CudaTransfer",
     "Fetch",
     "OffloadBudgetError",
+    "OffloadChoice",
     "OffloadError",
     "OffloadedArray",
     "ResidentLedger",
     "Shard",
     "Transfer",
     "check_offload",
+    "choose_by_rate",
     "choose_offload",
     "default_transfer",
+    "fit_size",
+    "offload_budget",
     "plan_shards",
     "state_bytes",
 ]

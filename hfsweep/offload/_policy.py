@@ -1,24 +1,40 @@
 """``offload: none | host | auto``: checking the value and deciding what ``auto`` means.
 
-The rule for ``auto`` is one comparison: offload when the array's estimated training state does
-not fit the device's memory budget, else keep it on the device. The estimate is the stacked
-parameters four times over (the parameters, their gradients, and two optimizer moments: Adam's
-and AdamW's, the largest state the fused optimizers keep) plus the buffers. The budget is the
-``device_memory`` given; without one, a CUDA device's free memory (``torch.cuda.mem_get_info``),
-and on the CPU none at all: there the host and the device are one memory, so moving state from
-one to the other cannot make room, and ``auto`` stays ``none``.
+``auto`` first compares the array's estimated training state with the device's memory budget.
+The estimate is the stacked parameters four times over (the parameters, their gradients, and two
+optimizer moments: Adam's and AdamW's, the largest state the fused optimizers keep) plus the
+buffers. The budget is the ``device_memory`` given; without one, a CUDA device's free memory
+(``torch.cuda.mem_get_info``), and on the CPU none at all: there the host and the device are one
+memory, so moving state from one to the other cannot make room, and ``auto`` stays ``none``.
 
-What is not measured (yet): the issue asks ``auto`` to compare the throughput of an offloaded
-array with that of splitting it into smaller arrays on the device, from the profiler's
-measurements. That needs a device to measure on; this rule only decides by memory.
+- The array of B members fits: it stays on the device (``none``), nothing is measured.
+- Not even one member fits: offload (``host``) is the only way to train it, nothing is measured.
+- Otherwise B' = the most members that fit (1 <= B' < B), and the choice is by throughput
+  (:func:`choose_by_rate`): the profiler measures the member-samples/s of the array offloaded at
+  B and of an array of B' on the device, and ``auto`` keeps the faster: ``host``, or ``split``
+  (the B members train as ceil(B / B') arrays of at most B', one after another).
+  The measuring is :func:`hfsweep.sizing.offloading.profile_offload`'s; this module only decides.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
 import torch
 from torch import nn
 
-__all__ = ["OFFLOAD_MODES", "check_offload", "choose_offload", "state_bytes"]
+__all__ = [
+    "OFFLOAD_MODES",
+    "OffloadChoice",
+    "check_offload",
+    "choose_by_rate",
+    "choose_offload",
+    "fit_size",
+    "offload_budget",
+    "state_bytes",
+]
 
 #: the values ``offload`` takes
 OFFLOAD_MODES = ("none", "host", "auto")
@@ -41,6 +57,18 @@ def state_bytes(module: nn.Module) -> int:
     return 4 * params + buffers
 
 
+def offload_budget(device: torch.device | str, device_memory: int | None = None) -> int | None:
+    """The bytes ``auto`` compares an array's state with on ``device``: ``device_memory`` when
+    given, else a CUDA device's free memory, else ``None`` (the CPU: one memory with the host)."""
+    if device_memory is not None:
+        return device_memory
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free)
+
+
 def choose_offload(
     mode: str,
     *,
@@ -48,21 +76,20 @@ def choose_offload(
     device: torch.device | str,
     device_memory: int | None = None,
 ) -> tuple[str, str]:
-    """``("none" | "host", reason)`` for an array of ``state`` estimated bytes (:func:`state_bytes`)
-    trained on ``device`` with ``device_memory`` bytes for it (``None``: see the module's rule)."""
+    """``("none" | "host", reason)`` by memory alone, for an array of ``state`` estimated bytes
+    (:func:`state_bytes`) trained on ``device`` with ``device_memory`` bytes for it (``None``:
+    see the module's rule). The trainer asks this only where no throughput comparison is
+    possible (the array fits, or not one member does); :func:`choose_by_rate` decides the rest."""
     mode = check_offload(mode)
     if mode != "auto":
         return mode, f"offload: {mode} was asked for"
     device = torch.device(device)
-    budget = device_memory
+    budget = offload_budget(device, device_memory)
     if budget is None:
-        if device.type != "cuda":
-            return "none", (
-                f"offload: auto keeps the array on {device}: host and device are one memory there "
-                "and no device_memory limit was given"
-            )
-        free, _ = torch.cuda.mem_get_info(device)
-        budget = int(free)
+        return "none", (
+            f"offload: auto keeps the array on {device}: host and device are one memory there "
+            "and no device_memory limit was given"
+        )
     if state > budget:
         return "host", (
             f"offload: auto spills the array to the host: its estimated state of {state} bytes "
@@ -72,3 +99,77 @@ def choose_offload(
         f"offload: auto keeps the array on {device}: its estimated state of {state} bytes fits "
         f"the {budget} bytes of device memory"
     )
+
+
+@dataclass(frozen=True)
+class OffloadChoice:
+    """What ``offload: auto`` trains an array of ``size`` members as, and why.
+
+    ``mode`` is ``"none"`` (it fits: on the device as it is), ``"host"`` (offloaded at ``size``)
+    or ``"split"`` (arrays of at most ``fit_size`` members on the device, one after another).
+    ``fit_size`` is B', the most members whose estimated state fits ``budget_bytes`` (0: not
+    one). ``offloaded_rate`` and ``split_rate`` are the measured member-samples/s of the array
+    offloaded at ``size`` and of an array of ``fit_size`` on the device; ``None`` where nothing
+    was measured (the array fits, or offload is the only way). ``reason``: one sentence for
+    the log, with both figures where they were measured."""
+
+    size: int
+    fit_size: int
+    budget_bytes: int | None
+    mode: str
+    reason: str
+    offloaded_rate: float | None = None
+    split_rate: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("none", "host", "split"):
+            raise ValueError(
+                f"OffloadChoice.mode must be 'none', 'host' or 'split', got {self.mode!r}"
+            )
+
+    @property
+    def arrays(self) -> int:
+        """How many arrays the ``size`` members train as: ceil(size / fit_size) for a split,
+        else 1."""
+        return math.ceil(self.size / self.fit_size) if self.mode == "split" else 1
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain numbers and strings, as the profile cache stores them."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> OffloadChoice:
+        """The choice :meth:`to_dict` wrote."""
+        return cls(**d)
+
+
+def fit_size(member_state: int, budget: int) -> int:
+    """B': the most members of ``member_state`` estimated bytes each that fit ``budget`` bytes."""
+    if member_state < 1:
+        raise ValueError(f"member_state must be a number of bytes >= 1, got {member_state!r}")
+    return budget // member_state
+
+
+def choose_by_rate(
+    size: int, fit: int, budget: int, offloaded_rate: float, split_rate: float
+) -> OffloadChoice:
+    """``host`` when the array offloaded at ``size`` trains more member-samples/s
+    (``offloaded_rate``) than arrays of ``fit`` members on the device (``split_rate``), else
+    ``split``; a tie goes to the split (no transfers, the known path). ``1 <= fit < size``."""
+    if not 1 <= fit < size:
+        raise ValueError(f"choose_by_rate needs 1 <= fit < size, got fit={fit}, size={size}")
+    arrays = math.ceil(size / fit)
+    figures = (
+        f"measured {offloaded_rate:,.1f} member-samples/s offloaded at B={size} against "
+        f"{split_rate:,.1f} for arrays of B'={fit} that fit the {budget} bytes of device memory"
+    )
+    if offloaded_rate > split_rate:
+        mode = "host"
+        reason = f"offload: auto spills the array of {size} to the host: {figures}"
+    else:
+        mode = "split"
+        reason = (
+            f"offload: auto splits the array of {size} into {arrays} arrays of at most {fit} "
+            f"on the device, one after another: {figures}"
+        )
+    return OffloadChoice(size, fit, budget, mode, reason, offloaded_rate, split_rate)

@@ -8,8 +8,11 @@ One job per module, each importing only those above it in this list:
 - ``compiled``: eager or compiled (``compile: auto``), compile time amortised (:func:`choose_compile`).
 - ``cache``: profiles and their JSON cache, keyed by architecture, batch, dtype and hardware.
 - ``plotting``: a PNG of a profile.
-- ``task``: measuring a task's real training step through the trainer (:func:`profile_task`); the
-  one module here that imports the trainer, so it is not imported by this package itself.
+- ``offloading``: ``offload: auto`` where some members fit, by measured throughput
+  (:func:`~hfsweep.sizing.offloading.profile_offload`): it measures through ``task`` (imported
+  when called) and hands itself to the trainer, which cannot import it.
+- ``task``: measuring a task's real training step through the trainer (:func:`profile_task`).
+  ``task`` and ``offloading`` import the trainer, so this package itself imports neither.
 
 Users import the public names from :mod:`hfsweep.profiler`, which gathers them from these
 modules (and ``profile_task`` from :mod:`hfsweep`); the package itself re-exports nothing, so

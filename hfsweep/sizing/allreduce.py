@@ -10,7 +10,6 @@ atomically like it, so a machine measures them once, not once per sweep.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -25,9 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .._io import new_temporary
 from ._units import _check_int
-from .cache import ProfileCache, _default_cache_path
+from .cache import ProfileCache, _default_cache_path, _replace_file
 from .device import _describe_device
 from .scaling import AllReduceCost, ScalingProfile
 
@@ -161,24 +159,17 @@ class ScalingCache:
         return entries if isinstance(entries, dict) else {}
 
     def _put(self, key: str, value: dict[str, Any]) -> None:
-        tmp: str | None = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with ProfileCache(self.path)._locked():  # the same <path>.lock protocol
                 entries = self._read()
                 entries[key] = value
-                text = json.dumps({"format": _FORMAT, "entries": entries}, indent=1, sort_keys=True)
-                fd, tmp = new_temporary(self.path.parent, self.path.name + ".", ".tmp")
-                with os.fdopen(fd, "w", encoding="utf-8") as f:
-                    f.write(text)
-                os.replace(tmp, self.path)
-                tmp = None
+                _replace_file(
+                    self.path,
+                    json.dumps({"format": _FORMAT, "entries": entries}, indent=1, sort_keys=True),
+                )
         except OSError as exc:
             _log.warning("could not write the scaling cache %s (%s); not cached", self.path, exc)
-        finally:
-            if tmp is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
 
     def get_allreduce(self, key: str) -> AllReduceCost | None:
         """The all-reduce cost cached under ``key`` (:func:`allreduce_key`), or None."""

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .._io import new_temporary
+from ..offload import OffloadChoice
 from ._units import _MIB, _check_budget, _check_int, _fmt_bytes, _fmt_rate
 from .compiled import CompileChoice
 from .device import _describe_device
@@ -135,6 +136,8 @@ class Profile:
     reason: str
     #: eager or compiled (``fusion: {compile: auto}``), measured at ``chosen``; ``None``: not asked
     compile: CompileChoice | None = None
+    #: offloaded or split (``offload: auto``, :func:`~hfsweep.sizing.offloading.profile_offload`)
+    offload: OffloadChoice | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "measurements", tuple(_check_measurements(self.measurements)))
@@ -189,6 +192,8 @@ class Profile:
         lines.append(f"* chosen B={self.chosen}: {self.reason}")
         if self.compile is not None:
             lines.append(f"* {self.compile.reason}")
+        if self.offload is not None:
+            lines.append(f"* {self.offload.reason}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
@@ -216,6 +221,7 @@ class Profile:
             "chosen": self.chosen,
             "reason": self.reason,
             **({"compile": self.compile.to_dict()} if self.compile is not None else {}),
+            **({"offload": self.offload.to_dict()} if self.offload is not None else {}),
         }
 
     @classmethod
@@ -248,6 +254,7 @@ class Profile:
                 chosen=d["chosen"],
                 reason=d["reason"],
                 compile=CompileChoice.from_dict(d["compile"]) if d.get("compile") else None,
+                offload=OffloadChoice.from_dict(d["offload"]) if d.get("offload") else None,
             )
         except KeyError as exc:
             raise ValueError(f"profile is missing the field {exc.args[0]!r}") from exc
@@ -345,25 +352,31 @@ class ProfileCache:
         """Store ``profile`` under its key, replacing an older one; the file is written atomically."""
         if not isinstance(profile, Profile):
             raise ValueError(f"put() needs a Profile, got {type(profile).__name__}")
-        tmp_name: str | None = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with self._locked():
                 profiles = self._read()
                 profiles[profile.key] = profile.to_dict()
-                text = json.dumps(
-                    {"format": _FORMAT, "profiles": profiles}, indent=1, sort_keys=True
+                _replace_file(
+                    self.path,
+                    json.dumps({"format": _FORMAT, "profiles": profiles}, indent=1, sort_keys=True),
                 )
-                fd, tmp_name = new_temporary(self.path.parent, self.path.name + ".", ".tmp")
-                with os.fdopen(fd, "w", encoding="utf-8") as f:
-                    f.write(text)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp_name, self.path)
-                tmp_name = None
         except OSError as exc:
             _log.warning("could not write the profile cache %s (%s); not cached", self.path, exc)
-        finally:
-            if tmp_name is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp_name)
+
+
+def _replace_file(path: Path, text: str) -> None:
+    """Write ``text`` to a temporary file beside ``path`` and put it in ``path``'s place in one
+    ``os.replace`` (a crash leaves the old file or the new one, never half of one); the
+    temporary file is removed if that fails, and the ``OSError`` raised."""
+    fd, tmp_name = new_temporary(path.parent, path.name + ".", ".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp_name, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp_name)
+        raise

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._units import _check_int, _check_real
+from .measure import _doubling_sizes
 from .model import Measurement, _check_measurements
 
 __all__ = ["AllReduceCost", "ScalingProfile", "model_scaling", "step_s_at"]
@@ -230,16 +231,6 @@ def step_s_at(measurements: Sequence[Measurement], size: int) -> float:
     return lo.step_s + f * (hi.step_s - lo.step_s)
 
 
-def _doubling(max_workers: int) -> list[int]:
-    ks, k = [], 1
-    while k <= max_workers:
-        ks.append(k)
-        k *= 2
-    if ks[-1] != max_workers:
-        ks.append(max_workers)
-    return ks
-
-
 def model_scaling(
     key: str,
     *,
@@ -269,7 +260,7 @@ def model_scaling(
         raise ValueError(f"serial_s ({serial_s}) must not exceed step_s ({step_s})")
     max_workers = _check_int("max_workers", max_workers, 1)
     points: dict[int, float] = {}
-    for k in _doubling(min(max_workers, batch_size)):
+    for k in _doubling_sizes(min(max_workers, batch_size)):
         step_k = serial_s + (step_s - serial_s) / k + allreduce.time(gradient_bytes, k)
         points[k] = members * batch_size / step_k if step_k > 0 else math.inf
     profile = ScalingProfile(key, points)

@@ -28,8 +28,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .._compat import TorchDispatchMode, pytree
 from .._malloc import retaining_freed_memory
-from ..fusion import fuse
+from ..fusion import FusedArray, fuse
 from ..fusion._compile import check_compile, mode_for
+from ..offload import OffloadedArray
 from ..training._compiled import CompiledLoss
 from ..training.step import any_smoothing, backward, update
 from ..training.task import Task, fork_rng, make_optimizer, make_schedule
@@ -38,6 +39,7 @@ from .compiled import DEFAULT_HORIZON_STEPS, CompileChoice, choose_compile
 from .device import _describe_device, device_budget
 from .measure import profile_sizes
 from .model import Measurement, choose_size
+from .offloading import profile_offload  # noqa: F401  (registers it with the trainer)
 
 __all__ = ["measure_step", "profile_task", "settled", "time_steps"]
 
@@ -154,6 +156,8 @@ def measure_step(
     compile: bool | str = False,
     first_step: list[float] | None = None,
     share_frozen: bool = True,
+    offload: bool = False,
+    device_memory: int | None = None,
 ) -> Measurement:
     """Time the training step of an array of ``size`` members of ``config`` on ``batch``.
 
@@ -167,24 +171,31 @@ def measure_step(
     step's seconds are appended to (tracing and compiling included). ``share_frozen``: the
     array keeps frozen tensors every member holds identically once, as the trainer's arrays
     do with ``fusion.share_frozen`` (``False``: B copies, so the peak counts the frozen
-    backbone B times).
+    backbone B times). ``offload``: the array kept in host memory and run shard by shard by
+    :class:`~hfsweep.offload.OffloadedArray` with ``device_memory`` bytes on ``device``, as the
+    trainer's ``offload="host"`` runs it (frozen tensors per member); its peak is the engine's
+    ledger peak, the bytes it held on the compute side.
     """
     with _as_the_trainer_runs(device):
-        return _measure_step(
-            task,
-            config,
-            size,
-            device=device,
-            dtype=dtype,
-            batch=batch,
-            min_seconds=min_seconds,
-            min_steps=min_steps,
-            warmup=warmup,
-            traces=traces,
-            compile=compile,
-            first_step=first_step,
-            share_frozen=share_frozen,
-        )
+        resolved = task.resolve(config)
+        configs = [{**resolved, "seed": i} for i in range(size)]
+        models = [task.build_model(c).to(dtype) for c in configs]
+        engine: OffloadedArray | None = None
+        if offload:  # in host storage, every tensor per member, as the trainer offloads
+            array = fuse(models, share_frozen=False)
+            engine = OffloadedArray(array, device=device, budget_bytes=device_memory)
+        else:
+            array = fuse(models, compile=compile, share_frozen=share_frozen).to(device)
+        del models
+        try:
+            return _time_array(
+                task, array, engine, configs, device=device, dtype=dtype, batch=batch,
+                min_seconds=min_seconds, min_steps=min_steps, warmup=warmup, traces=traces,
+                compile=compile, first_step=first_step,
+            )  # fmt: skip
+        finally:
+            if engine is not None:
+                engine.close()
 
 
 def _as_the_trainer_runs(device: torch.device) -> AbstractContextManager[object]:
@@ -192,10 +203,11 @@ def _as_the_trainer_runs(device: torch.device) -> AbstractContextManager[object]
     return retaining_freed_memory() if device.type == "cpu" else nullcontext()
 
 
-def _measure_step(
+def _time_array(
     task: Task,
-    config: Mapping[str, Any],
-    size: int,
+    array: FusedArray,
+    engine: OffloadedArray | None,
+    configs: list[dict[str, Any]],
     *,
     device: torch.device,
     dtype: torch.dtype,
@@ -204,19 +216,16 @@ def _measure_step(
     min_steps: int,
     warmup: int,
     traces: dict[Any, Any] | None,
-    compile: bool | str = False,
-    first_step: list[float] | None = None,
-    share_frozen: bool = True,
+    compile: bool | str,
+    first_step: list[float] | None,
 ) -> Measurement:
-    resolved = task.resolve(config)
-    configs = [{**resolved, "seed": i} for i in range(size)]
-    models = [task.build_model(c).to(dtype) for c in configs]
-    array = fuse(models, compile=compile, share_frozen=share_frozen).to(device)
+    """The timing of :func:`measure_step` on the built ``array`` (run by ``engine`` where it
+    is offloaded) of the members ``configs``."""
+    size = len(configs)
     mode = mode_for(check_compile(compile), device)
     loss = CompiledLoss(task, mode) if mode is not None else None
     if traces is not None:
         array._share_traces(traces)
-    del models
     array.train()
     opt = make_optimizer(array, configs)
     sched = make_schedule(opt, configs, [10**9] * size, 1)
@@ -232,7 +241,7 @@ def _measure_step(
     )
 
     def step() -> None:
-        backward(task, array, x, y, smoothing, None, loss)
+        backward(task, array, x, y, smoothing, None, loss, engine)
         update(opt, sched)
 
     warm_s = 0.0
@@ -247,7 +256,9 @@ def _measure_step(
     # device idle while the next one is launched
     block = max(1, round(_BLOCK_SECONDS / max(warm_s, 1e-9))) if device.type == "cuda" else 1
     samples = time_steps(step, sync, min_seconds=min_seconds, min_steps=min_steps, block=block)
-    if mode is not None:
+    if engine is not None:
+        peak = engine.ledger.peak
+    elif mode is not None:
         peak = 0
     elif device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -282,6 +293,34 @@ def _model_and_batch(
     if x.is_floating_point():
         x = x.to(dtype)
     return model, x, y
+
+
+def _arch(
+    model: torch.nn.Module, resolved: Mapping[str, Any], x: Tensor, share_frozen: bool
+) -> str:
+    """The architecture part of a profile's cache key: the model's :func:`signature`, the
+    optimizer (its state) and the input shape, which change time and memory as much as the
+    model; ``share_frozen=False`` (frozen tensors per member: another memory model) is added,
+    sharing keeps the keys cached before the option existed."""
+    arch = f"{signature(model)}|{resolved['optimizer']}|in={tuple(x.shape)}"
+    return arch if share_frozen else f"{arch}|share_frozen=False"
+
+
+def _step_of(
+    task: Task,
+    resolved: Mapping[str, Any],
+    batch: tuple[Tensor, Tensor],
+    device: torch.device,
+    dtype: torch.dtype,
+    min_seconds: float,
+    **fixed: Any,
+) -> Callable[..., Measurement]:
+    """:func:`measure_step` of ``resolved``'s arrays on ``batch``, with the ``fixed`` keyword
+    arguments; called with the size (and any others)."""
+    return functools.partial(
+        measure_step, task, resolved, device=device, dtype=dtype, batch=batch,
+        min_seconds=min_seconds, **fixed,
+    )  # fmt: skip
 
 
 def profile_task(
@@ -341,23 +380,9 @@ def profile_task(
     resolved = task.resolve(config or {})
     model, x, y = _model_and_batch(task, resolved, device, dtype, data)
     batch_size = int(y.shape[0])
-    # the optimizer (its state) and the input shape change time and memory as much as the model
-    arch = f"{signature(model)}|{resolved['optimizer']}|in={tuple(x.shape)}"
-    if not share_frozen:  # frozen tensors per member: another memory model (sharing keeps old keys)
-        arch += "|share_frozen=False"
-    key = cache_key(arch, batch_size, dtype, device)
+    key = cache_key(_arch(model, resolved, x, share_frozen), batch_size, dtype, device)
     budget = device_budget(device, budget_fraction)
-
-    step = functools.partial(
-        measure_step,
-        task,
-        resolved,
-        device=device,
-        dtype=dtype,
-        batch=(x, y),
-        min_seconds=min_seconds,
-        share_frozen=share_frozen,
-    )
+    step = _step_of(task, resolved, (x, y), device, dtype, min_seconds, share_frozen=share_frozen)
 
     def measure_compiled(size: int, first: list[float]) -> Measurement:
         return step(size, compile=True, first_step=first)

@@ -17,10 +17,11 @@ from torch import Tensor, nn
 
 from .._usercode import Phase
 from ..fusion import FusedArray, fuse
-from ..offload import OffloadedArray, choose_offload, state_bytes
+from ..offload import OffloadedArray
 from ..optim import FusedOptimizer
 from ..optim.lr_scheduler import FusedLRScheduler
 from ._frozen import share_frozen_storage
+from ._offload_auto import offload_mode
 from .checkpoint import _member_state
 from .spec import _ArrayState, _SlotState
 from .step import _set_member_dropout, any_smoothing
@@ -133,15 +134,7 @@ def _build_live(
     live = [s for s in state.slots if s is not None]
     filler = live[0]
     models = _models(t, state, filler, built)
-    offload = t.offload
-    if offload == "auto":
-        offload, why = choose_offload(
-            "auto",
-            state=len(models) * state_bytes(models[0]),
-            device=t.device,
-            device_memory=t.device_memory,
-        )
-        _log.info("%s", why)
+    offload = offload_mode(t, key, filler.config, len(state.slots))
     with Phase("fusing the members' models"):
         if offload == "host":  # stays in host storage; every tensor per member (see offload)
             array = fuse(models, trace=t.trace, share_frozen=False)

@@ -20,6 +20,7 @@ from .._usercode import CHECKPOINT, OPTIMIZER_STEP, Phase, describe
 from ..fusion import FusedArray
 from ._evaluation import endings, record_evaluations, validation_sums
 from ._frozen import share_frozen_storage
+from ._offload_auto import split_for_offload
 from .checkpoint import (
     _DELIVERED,
     _encode_record,
@@ -186,6 +187,9 @@ class _Run:
         every member's current state, when it must change shape: two halves after an
         out-of-memory error, or a compact array once at most half of the slots are busy and no
         refill came."""
+        parts = split_for_offload(self.t, self.key or "", state)  # offload="auto" chose arrays
+        if parts is not None:  # that fit over one offloaded array
+            return parts
         started = time.perf_counter()
         built = self._new_models(state)
         models_s = time.perf_counter() - started

@@ -23,7 +23,7 @@ from torch import Tensor
 from .._malloc import retaining_freed_memory
 from .._usercode import Phase
 from ..fusion._compile import check_compile, mode_for
-from ..offload import check_offload
+from ..offload import OffloadChoice, check_offload
 from ._compiled import CompiledLoss
 from .checkpoint import _DELIVERED, _FINAL_STATES, _read_delivered, _result_from_record
 from .packed import load as load_packed
@@ -83,7 +83,10 @@ class ArrayTrainer:
     :mod:`hfsweep.offload` and docs/offload.md; same results as without). ``device_memory``
     (bytes) is the budget on the compute side: what the engine may hold there with ``"host"``,
     and what ``"auto"`` compares the array's estimated state with (``None``: a CUDA device's free
-    memory; on the CPU ``"auto"`` then keeps arrays as they are). An offloaded array keeps its
+    memory; on the CPU ``"auto"`` then keeps arrays as they are): an array that fits stays, one
+    of which not even one member fits is offloaded, and otherwise the profiler measures it
+    offloaded against arrays of the members that fit and the faster is trained (see
+    docs/offload.md). An offloaded array keeps its
     frozen tensors per member and runs uncompiled: ``compile`` with ``offload`` other than
     ``"none"`` is refused.
     """
@@ -125,6 +128,8 @@ class ArrayTrainer:
             )
         self.offload = offload
         self.device_memory = device_memory
+        #: ``offload="auto"``'s choices by compatibility key and array size (see _offload_auto)
+        self._offload_plans: dict[tuple[str, int], OffloadChoice] = {}
         self.task = task
         self.device = torch.device(device)
         self.dtype = dtype

@@ -1,5 +1,6 @@
-"""``benchmarks/offload_pipeline.py`` runs at its smallest scale and writes its table: every arm
-gives a finite, positive time (no timing is asserted)."""
+"""The offload benchmarks run at their smallest scale and write their tables:
+``benchmarks/offload_pipeline.py`` (every arm gives a finite, positive time) and
+``benchmarks/offload_auto.py`` (both rates measured, a choice made); no timing is asserted."""
 
 from __future__ import annotations
 
@@ -25,3 +26,18 @@ def test_offload_pipeline_quick_runs(tmp_path, monkeypatch) -> None:
     for key in ("compute_step_ms", "prefetch_off_ms", "prefetch_on_ms", "max_model_ms"):
         assert math.isfinite(row[key]) and row[key] > 0, key
     assert "| 1 |" in stem.with_suffix(".md").read_text()
+
+
+@pytest.mark.slow
+def test_offload_auto_quick_runs(tmp_path, monkeypatch) -> None:
+    """``benchmarks/offload_auto.py`` at its smallest: both ways measured, a choice made."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    script = importlib.import_module("offload_auto")
+    stem = tmp_path / "offload_auto_test"
+    argv = ["--size", "2", "--fits", "1", "--seconds", "0.05", "--out", str(stem)]
+    assert script.main(argv) == 0
+    (row,) = json.loads(stem.with_suffix(".json").read_text())["rows"]
+    assert row["fit_size"] == 1 and row["mode"] in ("host", "split")
+    for key in ("offloaded_rate", "split_rate"):
+        assert math.isfinite(row[key]) and row[key] > 0, key
+    assert f"| {row['budget_bytes']} | 1 |" in stem.with_suffix(".md").read_text()

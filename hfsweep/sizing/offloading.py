@@ -1,0 +1,167 @@
+"""``offload: auto`` by measured throughput (:func:`profile_offload`): an array of B members whose
+estimated state does not fit the device's memory budget, but B' < B members do, is measured both
+ways, offloaded at B and on the device at B', and trains the faster way.
+
+The rule itself (what fits, when there is nothing to measure, which rate wins) is
+:mod:`hfsweep.offload`'s (:func:`~hfsweep.offload.choose_by_rate`); this module measures the two
+rates through :func:`~hfsweep.sizing.task.measure_step` (the trainer's own training step, on the
+task's first batch) and keeps the choice in the profile cache under a key of its own: the
+architecture, optimizer and input as :func:`~hfsweep.profile_task`'s, plus ``offload=auto``, the
+budget in bytes and B, so that a resumed or repeated run reads it back instead of measuring again.
+
+The trainer asks for this choice, but the profiler imports the trainer (it measures the trainer's
+step), so the trainer cannot import the profiler: this module hands :func:`profile_offload` to the
+trainer when it is imported (``use_offload_profiler`` of ``hfsweep.training._offload_auto``), and ``import
+hfsweep`` imports it.
+
+On a CPU the "device" and the host are one memory and a shard's transfer is a copy in memory, so
+the figures measured there prove the mechanism, not what a GPU would choose.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+from ..offload import OffloadChoice, OffloadError, choose_by_rate, fit_size, state_bytes
+from ..training._offload_auto import use_offload_profiler
+from ..training.task import Task
+from .cache import Profile, ProfileCache, cache_key
+from .device import _describe_device
+from .model import Measurement, MemoryModel
+
+__all__ = ["profile_offload"]
+
+_log = logging.getLogger("hfsweep.profiler")
+
+#: ``measure(size, offloaded)``: one :class:`Measurement` of an array of ``size`` members,
+#: offloaded (with the budget) or on the device
+MeasureFn = Callable[[int, bool], Measurement]
+
+
+def profile_offload(
+    task: Task,
+    config: Mapping[str, Any] | None,
+    size: int,
+    *,
+    device_memory: int,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    cache: ProfileCache | None = None,
+    refresh: bool = False,
+    min_seconds: float = 0.5,
+    data: tuple[Iterable[Any], Iterable[Any]] | None = None,
+    measure: MeasureFn | None = None,
+) -> OffloadChoice:
+    """How an array of ``size`` members of ``config`` trains on ``device`` with ``device_memory``
+    bytes there under ``offload: auto``: on the device as it is (``"none"``: its estimated state,
+    :func:`~hfsweep.offload.state_bytes` per member, fits), offloaded (``"host"``: not one member
+    fits, or offloaded at ``size`` was measured faster), or as arrays of B' members that fit, one
+    after another (``"split"``: measured faster).
+
+    Where both ways are possible, each is timed for ``min_seconds`` (or less once its step times
+    settle) and the member-samples/s of both and the choice are logged on ``hfsweep.profiler``.
+    With a ``cache``, the choice is stored with the B' measurement and read back unless
+    ``refresh``. ``measure(size, offloaded)`` replaces the timing (tests). ``data``: the task's
+    ``(train, eval)`` loaders where already built.
+    """
+    from .task import _arch, _model_and_batch, _step_of  # task imports this module first
+
+    device = torch.device(device)
+    resolved = task.resolve(config or {})
+    model, x, y = _model_and_batch(task, resolved, device, dtype, data)
+    member = state_bytes(model)
+    fit = fit_size(member, device_memory)
+    if fit >= size or fit == 0:
+        return _unmeasured(size, fit, member, device_memory)
+    arch = f"{_arch(model, resolved, x, False)}|offload=auto|device_memory={device_memory}|B={size}"
+    key = cache_key(arch, int(y.shape[0]), dtype, device)
+    if cache is not None and not refresh:
+        hit = cache.get(key)
+        if hit is not None and hit.offload is not None:
+            _log.info("offload choice of %s found in the cache (%s)", task.name, key)
+            return dataclasses.replace(hit.offload, reason=f"{hit.offload.reason} (cached)")
+    if measure is None:
+        step = _step_of(
+            task, resolved, (x, y), device, dtype, min_seconds,
+            share_frozen=False, device_memory=device_memory,
+        )  # fmt: skip
+
+        def measure(n: int, offloaded: bool) -> Measurement:
+            return step(n, offload=offloaded)
+
+    split = measure(fit, False)
+    try:
+        offloaded = measure(size, True)
+    except OffloadError as exc:  # the budget cannot hold the shards of an array this large
+        _log.info("offload: auto cannot offload B=%d in %d bytes: %s", size, device_memory, exc)
+        choice = OffloadChoice(
+            size, fit, device_memory, "split",
+            f"offload: auto splits the array of {size} into arrays of at most {fit} on the "
+            f"device: offloaded at B={size} it cannot run in {device_memory} bytes ({exc}); "
+            f"measured {split.samples_per_s:,.1f} member-samples/s at B'={fit}",
+            None, split.samples_per_s,
+        )  # fmt: skip
+    else:
+        choice = choose_by_rate(
+            size, fit, device_memory, offloaded.samples_per_s, split.samples_per_s
+        )
+    _log.info(
+        "offload: auto measured B'=%d on the device: %.1f member-samples/s (%.2f ms a step); "
+        "B=%d offloaded: %s; chose %s",
+        fit,
+        split.samples_per_s,
+        split.step_s * 1e3,
+        size,
+        "could not run" if choice.offloaded_rate is None else f"{choice.offloaded_rate:.1f}",
+        choice.mode,
+    )
+    if cache is not None:
+        cache.put(
+            Profile(
+                key=key,
+                device=_describe_device(device),
+                batch_size=int(y.shape[0]),
+                dtype=str(dtype).removeprefix("torch."),
+                measurements=(split,),
+                memory=MemoryModel.fit([split]),
+                budget_bytes=float(device_memory),
+                chosen=size if choice.mode == "host" else fit,
+                reason=choice.reason,
+                offload=choice,
+            )
+        )
+    return choice
+
+
+def _unmeasured(size: int, fit: int, member: int, budget: int) -> OffloadChoice:
+    """The choice where there is nothing to compare: ``fit >= size`` (the array fits) or
+    ``fit == 0`` (not one member does)."""
+    state = f"{member} bytes of estimated state per member"
+    if fit >= size:
+        return OffloadChoice(
+            size, fit, budget, "none",
+            f"offload: auto keeps the array of {size} on the device: {size} x {state} fit the "
+            f"{budget} bytes of device memory",
+        )  # fmt: skip
+    return OffloadChoice(
+        size, 0, budget, "host",
+        f"offload: auto spills the array of {size} to the host: not one member fits the {budget} "
+        f"bytes of device memory ({state}), so offload is the only way to train it (nothing "
+        "measured)",
+    )  # fmt: skip
+
+
+def _profile_offload_cached(
+    task: Task, config: Mapping[str, Any] | None, size: int, **kwargs: Any
+) -> OffloadChoice:
+    """:func:`profile_offload` with the default profile cache (``$HFSWEEP_CACHE_DIR`` and so
+    on, read at each call), as the trainer asks for it."""
+    return profile_offload(task, config, size, cache=ProfileCache(), **kwargs)
+
+
+use_offload_profiler(_profile_offload_cached)

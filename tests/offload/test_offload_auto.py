@@ -1,0 +1,158 @@
+"""``offload: auto`` by measured throughput: where some but not all of an array's members fit the
+device memory budget, the array is measured offloaded at B and on the device at B', and the faster
+wins. The measurements are injected (the tests prove which way each branch goes, never timings);
+the choice is cached with the profile and read back on resume without measuring again; whichever
+way an array trains, its members end exactly as in one array without offload."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _offload_toy import SGD, toy_task
+from _same_results import Crash, assert_same, crashing_report, members
+
+import hfsweep as hs
+from hfsweep.offload import OffloadChoice, choose_by_rate, state_bytes
+from hfsweep.sizing.cache import Profile, ProfileCache
+from hfsweep.sizing.model import Measurement
+from hfsweep.sizing.offloading import profile_offload
+
+
+def test_choose_by_rate_keeps_the_faster_way() -> None:
+    host = choose_by_rate(8, 3, 1000, offloaded_rate=120.0, split_rate=100.0)
+    assert (host.mode, host.arrays) == ("host", 1)
+    assert "spills the array of 8 to the host" in host.reason
+    assert "120.0 member-samples/s offloaded at B=8 against 100.0" in host.reason
+    split = choose_by_rate(8, 3, 1000, offloaded_rate=90.0, split_rate=100.0)
+    assert (split.mode, split.arrays) == ("split", 3)
+    assert "splits the array of 8 into 3 arrays of at most 3" in split.reason
+    assert choose_by_rate(8, 3, 1000, 100.0, 100.0).mode == "split"  # a tie: no transfers
+    assert OffloadChoice.from_dict(split.to_dict()) == split
+    with pytest.raises(ValueError, match="1 <= fit < size, got fit=8, size=8"):
+        choose_by_rate(8, 8, 1000, 1.0, 1.0)
+    with pytest.raises(ValueError, match="mode must be 'none', 'host' or 'split', got 'gpu'"):
+        OffloadChoice(2, 1, 10, "gpu", "")
+
+
+class FakeRates:
+    """``measure_step`` standing in for the timing: member-samples/s by whether the array is
+    offloaded; counts its calls."""
+
+    def __init__(self, offloaded: float, on_device: float) -> None:
+        self.rates = {True: offloaded, False: on_device}
+        self.calls: list[tuple[int, bool]] = []
+
+    def __call__(self, task: Any, config: Any, size: int, **kwargs: Any) -> Measurement:
+        offload = bool(kwargs.get("offload", False))
+        self.calls.append((size, offload))
+        rate = self.rates[offload]
+        return Measurement(size=size, samples_per_s=rate, peak_bytes=0, step_s=size * 24 / rate)
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[hs.MemberResult]:
+    """The members of ``SGD`` trained in one array without offload."""
+    return hs.ArrayTrainer(toy_task(), dtype=torch.float64).run(members(SGD))
+
+
+def _member_state() -> int:
+    task = toy_task()
+    return state_bytes(task.build_model(task.resolve(SGD[0])).double())
+
+
+def test_profile_offload_measures_both_ways_and_caches(tmp_path: Path) -> None:
+    task, member = toy_task(), _member_state()
+    cache = ProfileCache(tmp_path / "profiles.json")
+    budget = 2 * member + 5  # B' = 2 of B = 3
+    fake = FakeRates(offloaded=300.0, on_device=200.0)
+    kwargs: dict[str, Any] = {"dtype": torch.float64, "cache": cache, "measure": None}
+
+    def measure(size: int, offloaded: bool) -> Measurement:
+        return fake(task, SGD[0], size, offload=offloaded)
+
+    kwargs["measure"] = measure
+    choice = profile_offload(task, SGD[0], 3, device_memory=budget, **kwargs)
+    assert (choice.mode, choice.fit_size, choice.offloaded_rate, choice.split_rate) == (
+        "host", 2, 300.0, 200.0,
+    )  # fmt: skip
+    assert sorted(fake.calls) == [(2, False), (3, True)]
+    again = profile_offload(task, SGD[0], 3, device_memory=budget, **kwargs)
+    assert len(fake.calls) == 2 and again.mode == "host" and again.reason.endswith("(cached)")
+    # the key holds the budget: another budget is measured again (and here splits)
+    fake.rates[True] = 100.0
+    other = profile_offload(task, SGD[0], 3, device_memory=budget + 1, **kwargs)
+    assert other.mode == "split" and len(fake.calls) == 4
+    entries = cache._read()
+    assert len(entries) == 2  # both choices, each under its budget's key
+    stored = [Profile.from_dict(e) for e in entries.values()]
+    assert sorted(p.offload.mode for p in stored if p.offload is not None) == ["host", "split"]
+    assert all(f"* {p.offload.reason}" in p.table() for p in stored if p.offload is not None)
+    # nothing to measure: the array fits, or not one member does
+    fits = profile_offload(task, SGD[0], 2, device_memory=budget, **kwargs)
+    alone = profile_offload(task, SGD[0], 3, device_memory=member - 1, **kwargs)
+    assert (fits.mode, alone.mode, alone.fit_size, len(fake.calls)) == ("none", "host", 0, 4)
+
+
+@pytest.mark.slow
+def test_the_trainer_splits_when_that_is_faster(
+    reference: list[hs.MemberResult],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    task = toy_task()
+    trials = members(SGD)
+    fake = FakeRates(offloaded=100.0, on_device=150.0)
+    monkeypatch.setattr("hfsweep.sizing.task.measure_step", fake)
+    with caplog.at_level(logging.INFO, logger="hfsweep.trainer"):
+        split = hs.ArrayTrainer(
+            task, dtype=torch.float64, offload="auto", device_memory=2 * _member_state()
+        ).run(trials)
+    assert sorted(fake.calls) == [(2, False), (3, True)]
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("splits the array of 3 into 2 arrays of at most 2" in m for m in messages)
+    assert any("100.0 member-samples/s offloaded at B=3 against 150.0" in m for m in messages)
+    assert "offload: auto trains the 3 members as arrays of 2, 1, one after another" in messages
+    assert not any(m.startswith("offload: host") for m in messages)
+    for a, b in zip(split, reference, strict=True):
+        assert_same(a, b, rng=True)
+
+
+@pytest.mark.slow
+def test_the_trainer_offloads_when_that_is_faster_and_resumes_without_measuring(
+    reference: list[hs.MemberResult],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    task = toy_task()
+    trials = members(SGD[:2])  # an array of 2 members trains them as one of 3 would
+    fake = FakeRates(offloaded=150.0, on_device=100.0)
+    monkeypatch.setattr("hfsweep.sizing.task.measure_step", fake)
+
+    def trainer() -> hs.ArrayTrainer:
+        return hs.ArrayTrainer(
+            task,
+            dtype=torch.float64,
+            offload="auto",
+            device_memory=2 * _member_state() - 1,  # B' = 1 of B = 2
+            checkpoint_dir=tmp_path / "ckpt",
+        )
+
+    with caplog.at_level(logging.INFO, logger="hfsweep.trainer"), pytest.raises(Crash):
+        trainer().run(trials, report=crashing_report(2))
+    assert sorted(fake.calls) == [(1, False), (2, True)]
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("spills the array of 2 to the host: measured 150.0" in m for m in messages)
+    assert any(m.startswith("offload: host") for m in messages)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="hfsweep.trainer"):
+        resumed = trainer().run(trials, resume=True)
+    assert len(fake.calls) == 2  # the choice came from the profile cache
+    assert any(r.getMessage().endswith("(cached)") for r in caplog.records)
+    assert any(r.getMessage().startswith("offload: host") for r in caplog.records)
+    for a, b in zip(resumed, reference[:2], strict=True):
+        assert_same(a, b, rng=True)
