@@ -137,6 +137,7 @@ def test_bench_bookkeeping_quick_runs(tmp_path, monkeypatch):
     assert "| 64 |" in stem.with_suffix(".md").read_text()
 
 
+@pytest.mark.slow
 def test_before_after_compares_two_trees(tmp_path, monkeypatch):
     """``before_after.py`` runs a script in two checkouts (here the same one) alternately and
     writes each row's median timing per side and their ratio."""

@@ -684,6 +684,7 @@ def test_validate_exits_2_with_the_message(
     assert sorted(p.name for p in tmp_path.iterdir()) == ([] if sweep is None else ["sweep.yaml"])
 
 
+@pytest.mark.slow
 def test_validate_in_a_subprocess_writes_nothing_even_for_a_task_file(tmp_path: Path) -> None:
     (tmp_path / "my_task.py").write_text(TASK_FILE)
     write(tmp_path, with_(task="my_task.py:task", search_space={"lr": 0.1, "hidden": 32}))

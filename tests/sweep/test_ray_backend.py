@@ -23,12 +23,14 @@ from ._toy import sweep_config
 
 ray = pytest.importorskip("ray")
 
-pytestmark = pytest.mark.slow  # one worker runs this module under xdist: tests/conftest.py
+# one worker runs this module under xdist (tests/conftest.py); one test runs by default, the
+# others are `slow`
 
 _FLAG = "HFSWEEP_TEST_CRASH_FLAG"
 _ASHA = {"name": "asha", "options": {"grace_period": 1, "reduction_factor": 2}}
 
 
+@pytest.mark.slow
 def test_a_ray_started_for_a_refused_sweep_is_shut_down(tmp_path: Path) -> None:
     """Runs with no Ray up (the shared one is shut down before a test that does not use it):
     the executor starts a local Ray, finds the cluster cannot hold one array, and leaves no Ray
@@ -43,6 +45,7 @@ def test_a_ray_started_for_a_refused_sweep_is_shut_down(tmp_path: Path) -> None:
     assert not ray.is_initialized()
 
 
+@pytest.mark.slow
 def test_a_restarted_array_hands_back_trials_its_checkpoint_does_not_hold(
     tmp_path: Path,
 ) -> None:
@@ -100,6 +103,7 @@ def test_one_array_at_a_time_reproduces_the_local_backend(
     assert "Ray backend: up to 1 array(s) at once" in (on_ray.run_dir / "sweep.log").read_text()
 
 
+@pytest.mark.slow
 def test_two_arrays_at_once_end_every_budgeted_trial_once(
     local_ray: None, tmp_path: Path, told: Counter[int]
 ) -> None:
@@ -125,6 +129,7 @@ def test_two_arrays_at_once_end_every_budgeted_trial_once(
     assert log.index("array 1 (") < log.rindex("trial ")
 
 
+@pytest.mark.slow
 def test_a_dead_worker_is_replaced_and_its_array_resumes_exactly(
     local_ray: None, tmp_path: Path, told: Counter[int]
 ) -> None:
@@ -148,6 +153,7 @@ def test_a_dead_worker_is_replaced_and_its_array_resumes_exactly(
     assert told == Counter(range(8))
 
 
+@pytest.mark.slow
 def test_a_worker_that_keeps_dying_ends_the_sweep_with_a_clear_error(
     local_ray: None, tmp_path: Path
 ) -> None:
@@ -167,6 +173,7 @@ def test_a_worker_that_keeps_dying_ends_the_sweep_with_a_clear_error(
     assert resumed.counts == {"completed": 4, "stopped": 0, "failed": 0, "running": 0}
 
 
+@pytest.mark.slow
 def test_a_cluster_too_small_for_one_array_is_refused(local_ray: None, tmp_path: Path) -> None:
     with pytest.raises(hs.SweepError, match=r"cannot hold one array's actor \(4 CPUs"):
         hs.sweep(
@@ -175,6 +182,7 @@ def test_a_cluster_too_small_for_one_array_is_refused(local_ray: None, tmp_path:
         )
 
 
+@pytest.mark.slow
 def test_an_actor_ray_cannot_place_lowers_the_arrays_at_once(
     local_ray: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -201,6 +209,7 @@ def test_an_actor_ray_cannot_place_lowers_the_arrays_at_once(
     assert "going on with up to 1 array(s) at once" in (result.run_dir / "sweep.log").read_text()
 
 
+@pytest.mark.slow
 def test_a_task_the_workers_cannot_import_is_a_clear_error(
     local_ray: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -229,6 +238,7 @@ def test_a_task_the_workers_cannot_import_is_a_clear_error(
         )
 
 
+@pytest.mark.slow
 def test_a_task_that_raises_in_a_worker_ends_as_on_the_local_backend(
     local_ray: None, tmp_path: Path
 ) -> None:

@@ -44,7 +44,8 @@ import hfsweep as hs  # noqa: E402
 from hfsweep.core.status import Status  # noqa: E402
 
 pytestmark = [
-    pytest.mark.slow,  # three Tune experiments on a local Ray: about 40 s on 2 cores
+    # three Tune experiments on a local Ray (about 40 s on 2 cores): the shared one runs by
+    # default, the others are `slow`
     # under xdist one worker runs this module, with the other Ray tests: tests/conftest.py
     pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning"),
 ]
@@ -306,6 +307,7 @@ def test_every_completed_member_has_its_weights_and_no_other_does(sweep: dict[st
         live.state_dict()
 
 
+@pytest.mark.slow
 def test_an_interrupted_experiment_restored_tells_every_member_exactly_once(
     ray_local: Path, tmp_path: Path
 ) -> None:
