@@ -6,35 +6,13 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
 
 import pytest
+from _elastic_fakes import FakeClock as _Clock
+from _elastic_fakes import evals as _evals
+from _elastic_fakes import fake_policy as _policy
 
-from hfsweep.config.schema import ElasticConfig
-from hfsweep.core._elastic import ElasticPolicy
 from hfsweep.parallel import read_resize
-from hfsweep.training.results import Evaluation
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def _policy(
-    clock: _Clock, shown: list[str], *, scaling: Any = None, **settings: object
-) -> ElasticPolicy:
-    config = ElasticConfig(enabled=True, **{"resize_every_s": 0.0, **settings})  # type: ignore[arg-type]
-    return ElasticPolicy(
-        config, budget=10, by="epochs", show=shown.append, clock=clock, scaling=scaling
-    )
-
-
-def _evals(epoch: float, members: int = 4) -> list[Evaluation]:
-    return [Evaluation(f"trial-{i}", int(epoch * 5), epoch, {}, False) for i in range(members)]
 
 
 def test_arrays_share_the_workers_and_running_ones_are_asked_to_resize(

@@ -10,28 +10,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from _elastic_fakes import FakeClock as _Clock
+from _elastic_fakes import evals as _evals
 
 from hfsweep.config.schema import ElasticConfig
 from hfsweep.core._elastic import ElasticPolicy
 from hfsweep.core._scaling import SweepScaling
 from hfsweep.sizing.allreduce import ScalingCache
 from hfsweep.sizing.scaling import ScalingProfile
-from hfsweep.training.results import Evaluation
 
 #: the model's profile: 2 workers 1.9x one, 3 workers 2.35x one
 _GIVEN = ScalingProfile("k|float32|cpu|gloo", {1: 100.0, 2: 190.0, 3: 235.0})
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def _evals(epoch: float, members: int = 4) -> list[Evaluation]:
-    return [Evaluation(f"trial-{i}", int(epoch * 5), epoch, {}, False) for i in range(members)]
 
 
 def _policy(clock: _Clock, remembered: list[ScalingProfile]) -> tuple[ElasticPolicy, list[str]]:

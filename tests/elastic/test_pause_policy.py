@@ -10,25 +10,15 @@ import logging
 from pathlib import Path
 
 import pytest
+from _elastic_fakes import FakeClock as _Clock
+from _elastic_fakes import fake_policy
 
-from hfsweep.config.schema import ElasticConfig
 from hfsweep.core._elastic import ElasticPolicy
 from hfsweep.parallel import read_resize
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def _policy(clock: _Clock, shown: list[str]) -> ElasticPolicy:
-    config = ElasticConfig(
-        enabled=True, max_workers_per_array=2, resize_every_s=0.0, max_wait_s=100.0
-    )
-    return ElasticPolicy(config, budget=10, by="epochs", show=shown.append, clock=clock)
+    return fake_policy(clock, shown, max_workers_per_array=2, max_wait_s=100.0)
 
 
 def test_a_paused_array_gives_its_workers_back_and_goes_on_after_max_wait_or_a_node_joining(

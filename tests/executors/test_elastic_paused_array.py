@@ -8,13 +8,14 @@ stop-and-resume run as in a sweep, without Ray."""
 
 from __future__ import annotations
 
-import queue
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from _elastic_stand_ins import InProcessQueue as _Queue
+from _elastic_stand_ins import QuietPolicy, ray_queue
 from torch import nn
 
 import hfsweep as hs
@@ -26,29 +27,8 @@ from hfsweep.parallel._launch import _Job, elastic_loop, free_port, train_worker
 from hfsweep.tasks import TensorBatches
 from hfsweep.training.results import Evaluation, Member, MemberResult
 
-ray_queue = pytest.importorskip("ray.util.queue")
 
-
-class _Queue:
-    """Ray's queue as the elastic driver uses it, in one process."""
-
-    def __init__(self, **_: Any) -> None:
-        self.q: queue.Queue[Any] = queue.Queue()
-
-    def put(self, item: Any) -> None:
-        self.q.put(item)
-
-    def get(self, timeout: float | None = None) -> Any:
-        try:
-            return self.q.get(timeout=timeout)
-        except queue.Empty:
-            raise ray_queue.Empty from None
-
-    def shutdown(self, force: bool = False) -> None:
-        pass
-
-
-class _PausingPolicy:
+class _PausingPolicy(QuietPolicy):
     """Gives 1 worker; a relaunch is paused (0) and ``waits`` calls of ``waiting`` answer 0
     before it may go on."""
 
@@ -67,12 +47,6 @@ class _PausingPolicy:
         self.waits -= 1
         self.calls.append(("waiting", 0 if self.waits > 0 else 1))
         return 0 if self.waits > 0 else 1
-
-    def reported(self, folder: str, evaluations: Any, live: int) -> None:
-        pass
-
-    def ended(self, folder: str, total: int) -> None:
-        pass
 
 
 def _task() -> hs.Task:

@@ -6,13 +6,14 @@ process (no Ray), so the driver's side runs exactly as in a sweep."""
 
 from __future__ import annotations
 
-import queue
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from _elastic_stand_ins import InProcessQueue as _Queue
+from _elastic_stand_ins import QuietPolicy, ray_queue
 from torch import nn
 
 import hfsweep as hs
@@ -23,29 +24,8 @@ from hfsweep.tasks import TensorBatches
 from hfsweep.training.results import Member
 from hfsweep.training.trainer import ArrayTrainer
 
-ray_queue = pytest.importorskip("ray.util.queue")
 
-
-class _Queue:
-    """Ray's queue as the elastic driver uses it, in one process."""
-
-    def __init__(self, **_: Any) -> None:
-        self.q: queue.Queue[Any] = queue.Queue()
-
-    def put(self, item: Any) -> None:
-        self.q.put(item)
-
-    def get(self, timeout: float | None = None) -> Any:
-        try:
-            return self.q.get(timeout=timeout)
-        except queue.Empty:
-            raise ray_queue.Empty from None
-
-    def shutdown(self, force: bool = False) -> None:
-        pass
-
-
-class _Policy:
+class _Policy(QuietPolicy):
     def __init__(self) -> None:
         self.relaunches: list[tuple[int, int]] = []
 
@@ -55,12 +35,6 @@ class _Policy:
     def relaunch(self, folder: str, workers: int, lost: int, total: int) -> int:
         self.relaunches.append((workers, lost))
         return 1
-
-    def reported(self, folder: str, evaluations: Any, live: int) -> None:
-        pass
-
-    def ended(self, folder: str, total: int) -> None:
-        pass
 
 
 def _task() -> hs.Task:
