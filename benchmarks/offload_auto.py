@@ -2,10 +2,10 @@
 two rates it chose between.
 
 For a task of ``hfsweep.tasks`` at array size B and budgets that fit B' = 1, 2, ... members (each
-budget is B' members' estimated state plus half a member, :func:`hfsweep.offload.state_bytes`),
-:func:`hfsweep.sizing.offloading.profile_offload` times the trainer's training step offloaded at B
-(shard by shard, the budget on the compute side) and on the device at B', and keeps the faster.
-Nothing is cached, so every row is measured.
+budget is halfway between the measured peak memory of one training step at B' and at B' + 1
+members, activations included), :func:`hfsweep.sizing.offloading.profile_offload` measures what
+fits, times the trainer's training step offloaded at B (shard by shard, the budget on the compute
+side) and on the device at B', and keeps the faster. Nothing is cached, so every row is measured.
 
 On a CPU the host and the "device" are one memory: a shard's transfer is a copy in memory and the
 budget is only the engine's own accounting, so these figures show the decision being taken on
@@ -28,6 +28,7 @@ from _results import RESULTS, write_results
 from hfsweep import tasks
 from hfsweep.offload import state_bytes
 from hfsweep.sizing.offloading import profile_offload
+from hfsweep.sizing.task import measure_step
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,9 +45,18 @@ def main(argv: list[str] | None = None) -> int:
     task = tasks.get(args.task)
     resolved = task.resolve({})
     member = state_bytes(task.build_model(resolved))
+    train, _ = task.build_data(resolved)
+    batch = next(iter(train))
+
+    def peak(n: int) -> int:
+        return measure_step(
+            task, resolved, n, device=device, dtype=torch.float32, batch=batch,
+            min_seconds=0.0, min_steps=1, warmup=1, share_frozen=False,
+        ).peak_bytes  # fmt: skip
+
     rows, cells = [], []
     for fit in args.fits:
-        budget = fit * member + member // 2
+        budget = (peak(fit) + peak(fit + 1)) // 2
         choice = profile_offload(
             task, resolved, args.size, device_memory=budget, device=device,
             min_seconds=args.seconds,
@@ -80,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         f"offload: auto on {args.task}, B = {args.size}",
         [
             f"- one member's estimated state: {member} bytes (float32, {resolved['optimizer']}, "
-            f"batch {resolved['batch_size']})",
+            f"batch {resolved['batch_size']}); each budget is halfway between the measured peaks "
+            "of a step at B' and at B' + 1 members",
             "- member-samples/s of the trainer's step: offloaded at B (shard by shard within the "
             "budget), and on the device at B' (what the split arrays run at)",
             "- CPU: host and device are one memory, a transfer is a memcpy; says nothing of a GPU",

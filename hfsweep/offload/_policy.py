@@ -7,12 +7,15 @@ buffers. The budget is the ``device_memory`` given; without one, a CUDA device's
 (``torch.cuda.mem_get_info``), and on the CPU none at all: there the host and the device are one
 memory, so moving state from one to the other cannot make room, and ``auto`` stays ``none``.
 
-- The array of B members fits: it stays on the device (``none``), nothing is measured.
-- Not even one member fits: offload (``host``) is the only way to train it, nothing is measured.
-- Otherwise B' = the most members that fit (1 <= B' < B), and the choice is by throughput
-  (:func:`choose_by_rate`): the profiler measures the member-samples/s of the array offloaded at
-  B and of an array of B' on the device, and ``auto`` keeps the faster: ``host``, or ``split``
-  (the B members train as ceil(B / B') arrays of at most B', one after another).
+- Not even one member's estimated state fits: offload (``host``) is the only way to train it,
+  nothing is measured.
+- Otherwise the estimate leaves out the activations, so what fits is measured: the peak memory
+  of arrays on the device, activations included. The whole array fits: it stays on the device
+  (``none``). Not one member fits: ``host``. Otherwise B' = the most members that fit
+  (1 <= B' < B), and the choice is by throughput (:func:`choose_by_rate`): the profiler
+  measures the member-samples/s of the array offloaded at B and of an array of B' on the
+  device, and ``auto`` keeps the faster: ``host``, or ``split`` (the B members train as
+  ceil(B / B') arrays of at most B', one after another).
   The measuring is :func:`hfsweep.sizing.offloading.profile_offload`'s; this module only decides.
 """
 

@@ -1,6 +1,7 @@
 """``offload: auto`` by measured throughput (:func:`profile_offload`): an array of B members whose
 estimated state does not fit the device's memory budget, but B' < B members do, is measured both
-ways, offloaded at B and on the device at B', and trains the faster way.
+ways, offloaded at B and on the device at B', and trains the faster way. B' itself is measured:
+the most members whose peak memory on the device, activations included, stays within the budget.
 
 The rule itself (what fits, when there is nothing to measure, which rate wins) is
 :mod:`hfsweep.offload`'s (:func:`~hfsweep.offload.choose_by_rate`); this module measures the two
@@ -58,14 +59,19 @@ def profile_offload(
     measure: MeasureFn | None = None,
 ) -> OffloadChoice:
     """How an array of ``size`` members of ``config`` trains on ``device`` with ``device_memory``
-    bytes there under ``offload: auto``: on the device as it is (``"none"``: its estimated state,
-    :func:`~hfsweep.offload.state_bytes` per member, fits), offloaded (``"host"``: not one member
-    fits, or offloaded at ``size`` was measured faster), or as arrays of B' members that fit, one
-    after another (``"split"``: measured faster).
+    bytes there under ``offload: auto``: on the device as it is (``"none"``: it fits), offloaded
+    (``"host"``: not one member fits, or offloaded at ``size`` was measured faster), or as arrays
+    of B' members that fit, one after another (``"split"``: measured faster).
 
+    What fits is first estimated from the training state alone
+    (:func:`~hfsweep.offload.state_bytes` per member): where not one member fits by that
+    estimate, nothing is measured. Otherwise what fits is measured: the peak memory of arrays on
+    the device, activations included (:func:`_measured_fit`), which the estimate leaves out (an
+    array whose state fits could still run out of memory in its step). The measured peaks say
+    whether the whole array fits (``"none"``), not one member does (``"host"``), or B' < B.
     Where both ways are possible, each is timed for ``min_seconds`` (or less once its step times
     settle) and the member-samples/s of both and the choice are logged on ``hfsweep.profiler``.
-    With a ``cache``, the choice is stored with the B' measurement and read back unless
+    With a ``cache``, the choice is stored with the on-device measurements and read back unless
     ``refresh``. ``measure(size, offloaded)`` replaces the timing (tests). ``data``: the task's
     ``(train, eval)`` loaders where already built.
     """
@@ -75,9 +81,9 @@ def profile_offload(
     resolved = task.resolve(config or {})
     model, x, y = _model_and_batch(task, resolved, device, dtype, data)
     member = state_bytes(model)
-    fit = fit_size(member, device_memory)
-    if fit >= size or fit == 0:
-        return _unmeasured(size, fit, member, device_memory)
+    fit = min(fit_size(member, device_memory), size)
+    if fit == 0:
+        return _unmeasured(size, member, device_memory)
     arch = f"{_arch(model, resolved, x, False)}|offload=auto|device_memory={device_memory}|B={size}"
     key = cache_key(arch, int(y.shape[0]), dtype, device)
     if cache is not None and not refresh:
@@ -94,7 +100,14 @@ def profile_offload(
         def measure(n: int, offloaded: bool) -> Measurement:
             return step(n, offload=offloaded)
 
-    split = measure(fit, False)
+    on_device: dict[int, Measurement] = {}
+    fit, memory = _measured_fit(measure, on_device, size, fit, device_memory)
+    if fit >= size or fit == 0:
+        choice = _fit_by_peaks(size, fit, device_memory, memory, on_device)
+        _log.info("%s", choice.reason)
+        _store(cache, key, device, y, dtype, on_device, device_memory, choice)
+        return choice
+    split = on_device[fit]
     try:
         offloaded = measure(size, True)
     except OffloadError as exc:  # the budget cannot hold the shards of an array this large
@@ -120,39 +133,122 @@ def profile_offload(
         "could not run" if choice.offloaded_rate is None else f"{choice.offloaded_rate:.1f}",
         choice.mode,
     )
-    if cache is not None:
-        cache.put(
-            Profile(
-                key=key,
-                device=_describe_device(device),
-                batch_size=int(y.shape[0]),
-                dtype=str(dtype).removeprefix("torch."),
-                measurements=(split,),
-                memory=MemoryModel.fit([split]),
-                budget_bytes=float(device_memory),
-                chosen=size if choice.mode == "host" else fit,
-                reason=choice.reason,
-                offload=choice,
-            )
-        )
+    _store(cache, key, device, y, dtype, on_device, device_memory, choice)
     return choice
 
 
-def _unmeasured(size: int, fit: int, member: int, budget: int) -> OffloadChoice:
-    """The choice where there is nothing to compare: ``fit >= size`` (the array fits) or
-    ``fit == 0`` (not one member does)."""
-    state = f"{member} bytes of estimated state per member"
+#: how many times B' is measured again where an array of the predicted B' peaked over the budget
+_REFITS = 3
+
+
+def _measured_fit(
+    measure: MeasureFn,
+    on_device: dict[int, Measurement],
+    size: int,
+    estimate: int,
+    budget: int,
+) -> tuple[int, MemoryModel | None]:
+    """B' from measured peaks, activations included: arrays of 1 and of ``estimate`` members (the
+    state estimate's B') are measured on the device (into ``on_device``), a line
+    ``peak(B) = base + per_member * B`` is fitted to their peaks (:class:`MemoryModel`), and B'
+    is the most members it predicts under ``budget``, capped at ``size`` (``size``: the whole
+    array fits). That B' is measured too: where its peak is over the budget (or it runs out of
+    device memory), the line is fitted again with it, at most :data:`_REFITS` times, and B'
+    stays below every size seen over the budget. Where the device reports no peak (0: a compiled step), the
+    estimate stands and the model is ``None``."""
+    over: set[int] = set()
+
+    def fits(n: int) -> bool:
+        if n in over:
+            return False
+        if n not in on_device:
+            try:
+                on_device[n] = measure(n, False)
+            except torch.OutOfMemoryError:
+                over.add(n)
+                return False
+        if on_device[n].peak_bytes > budget:
+            over.add(n)
+        return n not in over
+
+    if not fits(1):
+        return 0, None
+    fits(estimate)
+    if any(m.peak_bytes == 0 for m in on_device.values()):
+        return (estimate if estimate not in over else 1), None
+    memory = MemoryModel.fit(list(on_device.values()))
+    for _ in range(_REFITS + 1):
+        bound = min(memory.max_size(budget), size, min(over, default=size + 1) - 1)
+        fit = max(1, bound)  # one member was measured within the budget
+        if fits(fit):
+            return fit, memory
+        memory = MemoryModel.fit(list(on_device.values()))
+    return max((n for n in on_device if n not in over), default=0), memory
+
+
+def _fit_by_peaks(
+    size: int,
+    fit: int,
+    budget: int,
+    memory: MemoryModel | None,
+    on_device: Mapping[int, Measurement],
+) -> OffloadChoice:
+    """The choice where the measured peaks leave nothing to compare: the whole array fits
+    (``fit == size``: on the device) or not one member does (``fit == 0``: offloaded)."""
+    peaks = ", ".join(f"{m.peak_bytes} bytes at B={n}" for n, m in sorted(on_device.items()))
+    line = "" if memory is None else f", predicting {memory.predict(size):,.0f} bytes at B={size}"
     if fit >= size:
         return OffloadChoice(
-            size, fit, budget, "none",
-            f"offload: auto keeps the array of {size} on the device: {size} x {state} fit the "
-            f"{budget} bytes of device memory",
+            size, size, budget, "none",
+            f"offload: auto keeps the array of {size} on the device: its measured peaks "
+            f"({peaks}{line}) fit the {budget} bytes of device memory, activations included",
         )  # fmt: skip
     return OffloadChoice(
         size, 0, budget, "host",
+        f"offload: auto spills the array of {size} to the host: one member's measured peak "
+        f"({peaks}) exceeds the {budget} bytes of device memory, so offload is the only way to "
+        "train it",
+    )  # fmt: skip
+
+
+def _store(
+    cache: ProfileCache | None,
+    key: str,
+    device: torch.device,
+    y: torch.Tensor,
+    dtype: torch.dtype,
+    on_device: Mapping[int, Measurement],
+    budget: int,
+    choice: OffloadChoice,
+) -> None:
+    """Keep ``choice`` and the on-device measurements it was made from in ``cache``."""
+    if cache is None:
+        return
+    measured = tuple(on_device[n] for n in sorted(on_device))
+    cache.put(
+        Profile(
+            key=key,
+            device=_describe_device(device),
+            batch_size=int(y.shape[0]),
+            dtype=str(dtype).removeprefix("torch."),
+            measurements=measured,
+            memory=MemoryModel.fit(measured),
+            budget_bytes=float(budget),
+            chosen=choice.fit_size if choice.mode == "split" else choice.size,
+            reason=choice.reason,
+            offload=choice,
+        )
+    )
+
+
+def _unmeasured(size: int, member: int, budget: int) -> OffloadChoice:
+    """The choice where not even one member's estimated state fits ``budget``: offloaded, the
+    only way to train it, with nothing to measure."""
+    return OffloadChoice(
+        size, 0, budget, "host",
         f"offload: auto spills the array of {size} to the host: not one member fits the {budget} "
-        f"bytes of device memory ({state}), so offload is the only way to train it (nothing "
-        "measured)",
+        f"bytes of device memory ({member} bytes of estimated state per member), so offload is "
+        "the only way to train it (nothing measured)",
     )  # fmt: skip
 
 

@@ -1,9 +1,11 @@
 """What the trainer does with ``offload="auto"``: each array it is about to build is kept on the
 device, offloaded, or split into arrays that fit (:func:`offload_plan`, :func:`split_for_offload`).
 
-Where the array fits, or not one member does, the rule is memory alone
-(:func:`~hfsweep.offload.choose_offload`). Where B' < B members fit, the choice is by measured
-member-samples/s, which is the profiler's job (:func:`hfsweep.sizing.offloading.profile_offload`). The
+Where there is no memory budget (the CPU without ``device_memory``), or not even one member's
+estimated state fits it, the rule is memory alone (:func:`~hfsweep.offload.choose_offload`).
+Otherwise what fits is measured, activations included, and where B' < B members fit the choice
+is by measured member-samples/s: both are the profiler's job
+(:func:`hfsweep.sizing.offloading.profile_offload`). The
 profiler imports the trainer (it times the trainer's step), so the trainer cannot import it: the
 profiler hands its function over with :func:`use_offload_profiler` when it is imported, which
 ``import hfsweep`` does. Choices are kept per trainer by compatibility key and size, so an array
@@ -75,15 +77,17 @@ def offload_plan(t: ArrayTrainer, key: str, config: Mapping[str, Any], size: int
     resolved = t.task.resolve(config)
     with fork_rng():  # the members' own initialisations stay as they would be
         member = state_bytes(t.task.build_model(resolved).to(t.dtype))
-    mode, why = choose_offload(
-        "auto", state=size * member, device=t.device, device_memory=t.device_memory
-    )
     budget = offload_budget(t.device, t.device_memory)
-    if budget is None or mode == "none":
-        choice = OffloadChoice(size, size, budget, "none", why)
-    elif fit_size(member, budget) == 0:
-        choice = OffloadChoice(
-            size, 0, budget, "host", f"{why}; not even one member fits: nothing to measure"
+    if budget is None or fit_size(member, budget) == 0:
+        mode, why = choose_offload(
+            "auto", state=size * member, device=t.device, device_memory=t.device_memory
+        )
+        choice = (
+            OffloadChoice(size, size, budget, "none", why)
+            if mode == "none"
+            else OffloadChoice(
+                size, 0, budget, "host", f"{why}; not even one member fits: nothing to measure"
+            )
         )
     elif not _PROFILER:
         raise RuntimeError(
@@ -121,6 +125,15 @@ def split_for_offload(t: ArrayTrainer, key: str, state: _ArrayState) -> list[_Ar
     q, r = divmod(len(busy), n)  # n runs of consecutive members, as even as can be
     bounds = [i * q + min(i, r) for i in range(n + 1)]
     parts: list[list[_SlotState | None]] = [list(busy[a:b]) for a, b in itertools.pairwise(bounds)]
+    for n in {len(part) for part in parts}:  # at most B', measured to fit: nothing to ask again
+        t._offload_plans.setdefault(
+            (key, n),
+            OffloadChoice(
+                n, n, choice.budget_bytes, "none",
+                f"offload: auto keeps the array of {n} on the device: at most B'="
+                f"{choice.fit_size} members fit",
+            ),
+        )  # fmt: skip
     _log.info(
         "offload: auto trains the %d members as arrays of %s, one after another",
         len(busy),

@@ -40,17 +40,22 @@ def test_choose_by_rate_keeps_the_faster_way() -> None:
 
 class FakeRates:
     """``measure_step`` standing in for the timing: member-samples/s by whether the array is
-    offloaded; counts its calls."""
+    offloaded, and a peak of ``base + per_member * size`` bytes (0 by default: a device that
+    reports no peak); counts its calls."""
 
-    def __init__(self, offloaded: float, on_device: float) -> None:
+    def __init__(
+        self, offloaded: float, on_device: float, per_member: int = 0, base: int = 0
+    ) -> None:
         self.rates = {True: offloaded, False: on_device}
+        self.per_member, self.base = per_member, base
         self.calls: list[tuple[int, bool]] = []
 
     def __call__(self, task: Any, config: Any, size: int, **kwargs: Any) -> Measurement:
         offload = bool(kwargs.get("offload", False))
         self.calls.append((size, offload))
         rate = self.rates[offload]
-        return Measurement(size=size, samples_per_s=rate, peak_bytes=0, step_s=size * 24 / rate)
+        peak = self.base + self.per_member * size if self.per_member else 0
+        return Measurement(size=size, samples_per_s=rate, peak_bytes=peak, step_s=size * 24 / rate)
 
 
 @pytest.fixture(scope="module")
@@ -79,22 +84,117 @@ def test_profile_offload_measures_both_ways_and_caches(tmp_path: Path) -> None:
     assert (choice.mode, choice.fit_size, choice.offloaded_rate, choice.split_rate) == (
         "host", 2, 300.0, 200.0,
     )  # fmt: skip
-    assert sorted(fake.calls) == [(2, False), (3, True)]
+    assert sorted(fake.calls) == [(1, False), (2, False), (3, True)]
     again = profile_offload(task, SGD[0], 3, device_memory=budget, **kwargs)
-    assert len(fake.calls) == 2 and again.mode == "host" and again.reason.endswith("(cached)")
+    assert len(fake.calls) == 3 and again.mode == "host" and again.reason.endswith("(cached)")
     # the key holds the budget: another budget is measured again (and here splits)
     fake.rates[True] = 100.0
     other = profile_offload(task, SGD[0], 3, device_memory=budget + 1, **kwargs)
-    assert other.mode == "split" and len(fake.calls) == 4
+    assert other.mode == "split" and len(fake.calls) == 6
     entries = cache._read()
     assert len(entries) == 2  # both choices, each under its budget's key
     stored = [Profile.from_dict(e) for e in entries.values()]
     assert sorted(p.offload.mode for p in stored if p.offload is not None) == ["host", "split"]
     assert all(f"* {p.offload.reason}" in p.table() for p in stored if p.offload is not None)
-    # nothing to measure: the array fits, or not one member does
+    # the estimate says the array fits: measured on the device only (1 and 2 members); not one
+    # member's state fits: nothing to measure
     fits = profile_offload(task, SGD[0], 2, device_memory=budget, **kwargs)
     alone = profile_offload(task, SGD[0], 3, device_memory=member - 1, **kwargs)
-    assert (fits.mode, alone.mode, alone.fit_size, len(fake.calls)) == ("none", "host", 0, 4)
+    assert (fits.mode, alone.mode, alone.fit_size, len(fake.calls)) == ("none", "host", 0, 8)
+    assert fake.calls[-2:] == [(1, False), (2, False)]
+
+
+def _choose(fake: Any, size: int, budget: int) -> OffloadChoice:
+    """``profile_offload`` of ``SGD[0]`` at ``size`` with ``budget`` bytes, measured by ``fake``."""
+    task = toy_task()
+
+    def measure(n: int, offloaded: bool) -> Measurement:
+        return fake(task, SGD[0], n, offload=offloaded)
+
+    return profile_offload(
+        task, SGD[0], size, device_memory=budget, dtype=torch.float64, measure=measure
+    )
+
+
+def test_b_prime_comes_from_measured_peaks_activations_included() -> None:
+    member = _member_state()
+    budget = 3 * member  # the state estimate says B' = 3 of B = 4
+    # activations double each member's peak: only 1 fits, where the estimate said 3
+    heavy = FakeRates(offloaded=100.0, on_device=200.0, per_member=2 * member)
+    choice = _choose(heavy, 4, budget)
+    assert (choice.mode, choice.fit_size, choice.arrays) == ("split", 1, 4)
+    assert sorted(heavy.calls) == [(1, False), (3, False), (4, True)]
+    # a lighter optimizer state than the estimate's (SGD: no moments): the whole array fits
+    light = FakeRates(offloaded=100.0, on_device=200.0, per_member=member // 2)
+    fits = _choose(light, 4, budget)
+    assert (fits.mode, fits.fit_size, fits.offloaded_rate) == ("none", 4, None)
+    assert sorted(light.calls) == [
+        (1, False),
+        (3, False),
+        (4, False),
+    ]  # B=4 measured, not offloaded
+    assert "measured peaks" in fits.reason and "activations included" in fits.reason
+    # not even one member's measured peak fits: offload is the only way, nothing else is measured
+    huge = FakeRates(offloaded=100.0, on_device=200.0, per_member=4 * member)
+    alone = _choose(huge, 4, budget)
+    assert (alone.mode, alone.fit_size, huge.calls) == ("host", 0, [(1, False)])
+    assert f"exceeds the {budget} bytes" in alone.reason
+
+
+class Superlinear(FakeRates):
+    """Peaks of ``member / 2`` per member up to 3 members, then ``member`` per member: the line
+    through the first measurements under-predicts the larger arrays."""
+
+    def __call__(self, task: Any, config: Any, size: int, **kwargs: Any) -> Measurement:
+        m = super().__call__(task, config, size, **kwargs)
+        scale = 1 if size <= 3 else 2
+        return Measurement(m.size, m.samples_per_s, scale * m.peak_bytes, m.step_s)
+
+
+def test_b_prime_is_measured_again_where_the_line_under_predicts() -> None:
+    member = _member_state()
+    fake = Superlinear(offloaded=300.0, on_device=200.0, per_member=member // 2)
+    choice = _choose(fake, 6, 3 * member + 1)  # the first line predicts all 6 fit
+    assert (choice.mode, choice.fit_size) == ("host", 3)
+    on_device = sorted(n for n, offloaded in fake.calls if not offloaded)
+    assert on_device[0] == 1 and 6 in on_device and on_device[-1] == 6
+    assert all(n <= 3 or n * member > 3 * member + 1 for n in on_device)  # each n > 3 was over
+
+
+def test_a_device_without_peaks_keeps_the_estimate() -> None:
+    member = _member_state()
+    fake = FakeRates(offloaded=100.0, on_device=200.0)  # peaks of 0: nothing to fit
+    choice = _choose(fake, 4, 3 * member)
+    assert (choice.mode, choice.fit_size) == ("split", 3)
+    assert sorted(fake.calls) == [(1, False), (3, False), (4, True)]
+
+
+def test_b_prime_from_real_peaks_on_this_cpu() -> None:
+    """The real step's peaks (live tensor bytes on the CPU, deterministic): B' is the largest
+    size whose measured peak is within the budget."""
+    from hfsweep.sizing.task import measure_step
+
+    task = toy_task()
+    resolved = task.resolve(SGD[0])
+    train, _ = task.build_data(resolved)
+    x, y = next(iter(train))
+    batch = (x.double(), y)
+
+    def peak(n: int) -> int:
+        return measure_step(
+            task, resolved, n, device=torch.device("cpu"), dtype=torch.float64, batch=batch,
+            min_seconds=0.0, min_steps=1, warmup=1, share_frozen=False,
+        ).peak_bytes  # fmt: skip
+
+    peaks = {n: peak(n) for n in (1, 2, 3)}
+    assert peaks[1] < peaks[2] < peaks[3]
+    budget = (peaks[2] + peaks[3]) // 2
+    if budget // _member_state() < 1:
+        pytest.skip("the state estimate does not leave one member within the budget")
+    choice = profile_offload(
+        task, SGD[0], 3, device_memory=budget, dtype=torch.float64, min_seconds=0.0
+    )
+    assert choice.fit_size == 2 and choice.mode in ("host", "split")
 
 
 @pytest.mark.slow
@@ -111,12 +211,34 @@ def test_the_trainer_splits_when_that_is_faster(
         split = hs.ArrayTrainer(
             task, dtype=torch.float64, offload="auto", device_memory=2 * _member_state()
         ).run(trials)
-    assert sorted(fake.calls) == [(2, False), (3, True)]
+    assert sorted(fake.calls) == [(1, False), (2, False), (3, True)]
     messages = [r.getMessage() for r in caplog.records]
     assert any("splits the array of 3 into 2 arrays of at most 2" in m for m in messages)
     assert any("100.0 member-samples/s offloaded at B=3 against 150.0" in m for m in messages)
     assert "offload: auto trains the 3 members as arrays of 2, 1, one after another" in messages
     assert not any(m.startswith("offload: host") for m in messages)
+    for a, b in zip(split, reference, strict=True):
+        assert_same(a, b, rng=True)
+
+
+@pytest.mark.slow
+def test_the_trainer_splits_an_array_whose_state_fits_but_whose_step_does_not(
+    reference: list[hs.MemberResult],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    member = _member_state()
+    # the estimate says all 3 fit 3 members' state; the measured peaks (activations twice the
+    # state) say 1 does
+    fake = FakeRates(offloaded=100.0, on_device=150.0, per_member=2 * member)
+    monkeypatch.setattr("hfsweep.sizing.task.measure_step", fake)
+    with caplog.at_level(logging.INFO, logger="hfsweep.trainer"):
+        split = hs.ArrayTrainer(
+            toy_task(), dtype=torch.float64, offload="auto", device_memory=3 * member
+        ).run(members(SGD))
+    assert sorted(fake.calls) == [(1, False), (3, False), (3, True)]  # once: the parts fit
+    messages = [r.getMessage() for r in caplog.records]
+    assert "offload: auto trains the 3 members as arrays of 1, 1, 1, one after another" in messages
     for a, b in zip(split, reference, strict=True):
         assert_same(a, b, rng=True)
 
