@@ -4,8 +4,9 @@
 The estimate is the stacked parameters four times over (the parameters, their gradients, and two
 optimizer moments: Adam's and AdamW's, the largest state the fused optimizers keep) plus the
 buffers. The budget is the ``device_memory`` given; without one, a CUDA device's free memory
-(``torch.cuda.mem_get_info``), and on the CPU none at all: there the host and the device are one
-memory, so moving state from one to the other cannot make room, and ``auto`` stays ``none``.
+(``torch.cuda.mem_get_info``, rounded down to whole 256 MiB: :func:`offload_budget`), and on
+the CPU none at all: there the host and the device are one memory, so moving state from one to
+the other cannot make room, and ``auto`` stays ``none``.
 
 - Not even one member's estimated state fits: offload (``host``) is the only way to train it,
   nothing is measured.
@@ -60,16 +61,26 @@ def state_bytes(module: nn.Module) -> int:
     return 4 * params + buffers
 
 
+#: a CUDA device's free memory is rounded down to a multiple of this many bytes (256 MiB)
+_BUDGET_STEP = 1 << 28
+
+
 def offload_budget(device: torch.device | str, device_memory: int | None = None) -> int | None:
     """The bytes ``auto`` compares an array's state with on ``device``: ``device_memory`` when
-    given, else a CUDA device's free memory, else ``None`` (the CPU: one memory with the host)."""
+    given, else a CUDA device's free memory rounded down to a multiple of 256 MiB,
+    else ``None`` (the CPU: one memory with the host).
+
+    Free memory moves by a few MiB from one run to the next (the CUDA context, another
+    process's allocations); rounded down, a resumed or repeated run asks with the same budget,
+    so it finds the choice the profile cache keeps under that budget instead of measuring again,
+    and the rounding only ever leaves memory unused, never claims more than is free."""
     if device_memory is not None:
         return device_memory
     device = torch.device(device)
     if device.type != "cuda":
         return None
     free, _ = torch.cuda.mem_get_info(device)
-    return int(free)
+    return int(free) - int(free) % _BUDGET_STEP
 
 
 def choose_offload(

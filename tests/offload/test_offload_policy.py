@@ -13,7 +13,7 @@ from _same_results import assert_same, members
 from torch import nn
 
 import hfsweep as hs
-from hfsweep.offload import check_offload, choose_offload, state_bytes
+from hfsweep.offload import check_offload, choose_offload, offload_budget, state_bytes
 
 
 def test_state_bytes_counts_parameters_four_times_and_buffers_once() -> None:
@@ -67,3 +67,22 @@ def test_the_trainer_with_auto(
     for a, c in zip(kept, reference, strict=True):
         assert_same(a, c, rng=True)
     assert_same(spilled[0], reference[1], rng=True)
+
+
+def test_a_cuda_budget_is_free_memory_rounded_down_to_whole_256_mib(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Free memory that moved by a few MiB between two runs gives the same budget (and so the
+    same profile cache key); the budget never exceeds what is free."""
+    mib = 1 << 20
+    free = [40_000 * mib + 3 * mib, 40_000 * mib + 100 * mib]
+
+    def mem_get_info(device: object) -> tuple[int, int]:
+        return free.pop(0), 80_000 * mib
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    first, second = offload_budget("cuda:0"), offload_budget("cuda:0")
+    assert first == second == 39_936 * mib  # 156 x 256 MiB
+    assert first is not None and first <= 40_000 * mib
+    assert offload_budget("cuda:0", device_memory=12345) == 12345
+    assert offload_budget("cpu") is None
