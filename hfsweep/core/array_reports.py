@@ -10,12 +10,13 @@ took from the answers so far (``consumed``) and whether some wait in its queue (
 whether it resumed from a checkpoint (``resumed``) and whether this is its last word
 (``final``).
 
-Each evaluated member is decided on jointly with its array-mates by the front door's scheduler;
-an evaluation replayed after a retry or restore gets the decision logged the first time
-(:meth:`hfsweep.core.ledger.Ledger.logged`, as ``hfsweep run``'s executor hooks answer one). A
-member ends once, recorded in the ledger by the core's rule
-(:meth:`hfsweep.core.ledger.Ledger.settle`, as ``hfsweep run`` ends its trials), and is told to
-the searcher in the front door's terms. Freed slots are refilled by the core's packer
+The report's evaluations are processed by the core's one rule,
+:func:`hfsweep.core.judging.judge`, exactly as ``hfsweep run``'s executor hooks process theirs:
+replays answered from the decision log, the metric check, diverged members failed, the joint
+decision by the front door's scheduler, every decision and end recorded in the ledger
+(:meth:`hfsweep.core.ledger.Ledger.settle`) before the searcher hears. This class is that
+rule's front door for member records (``_RecordsDoor``). A member ends once and is told to the
+searcher in the front door's terms. Freed slots are refilled by the core's packer
 (:meth:`hfsweep.core.packer.Packer.refill`, :meth:`~hfsweep.core.packer.Packer.requeue`, as
 ``hfsweep run`` refills and requeues).
 """
