@@ -64,8 +64,9 @@ class _Hooks(_Parts):
         # completed trial whose metric is not finite failed): at its last report, where the
         # rule ended it (the trainer ends it the same way), else now (an end the trainer saw
         # between evaluations); an end told again after a torn journal is in the ledger already
-        settled = self.ledger.settle(result.id, result.status, value, self.sc.metric)
-        status, why = settled or Status.parse(result.status).settle(value, self.sc.metric)
+        word = judging.trainer_status(result.status, value)  # as the Tune plugin's trainer ends
+        settled = self.ledger.settle(result.id, word, value, self.sc.metric)
+        status, why = settled or word.settle(value, self.sc.metric)
         held = self.ledger.status(result.id)
         if settled is None and held is not None and held is not status:
             status, why = held, None  # the ledger's end is the one told

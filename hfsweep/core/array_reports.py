@@ -189,10 +189,9 @@ class ArrayReports:
         for end in report.get("ended", []):
             rec = self._member(array, end["member"])
             if not rec.told:
-                status = _status(end["status"])
                 last = self._last_result(rec, array)
-                if last is None or not _finite(last.get(str(self.metric))):
-                    status = Status.FAILED
+                value = None if last is None else last.get(str(self.metric))
+                status = judging.trainer_status(end["status"], value)  # as hfsweep run's
                 failed = status is Status.FAILED
                 self._end(rec, status, None if failed else last, error=end.get("error"))
         for mid in report.get("unused", []):
@@ -295,18 +294,6 @@ class ArrayReports:
             else:
                 self._return(array, rec)
         array.done = True
-
-
-def _status(status: Any) -> Status:
-    """The status of a trainer's end (``FAILED`` for one it does not know)."""
-    try:
-        return Status.parse(str(status))
-    except ValueError:
-        return Status.FAILED
-
-
-def _finite(*values: Any) -> bool:
-    return all(is_finite(v) for v in values)
 
 
 class _RecordsDoor:

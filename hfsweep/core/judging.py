@@ -43,7 +43,15 @@ from .ledger import Ledger
 from .result import SweepError
 from .status import Status
 
-__all__ = ["Evaluated", "FrontDoor", "Judgement", "MissingMetricError", "check_metric", "judge"]
+__all__ = [
+    "Evaluated",
+    "FrontDoor",
+    "Judgement",
+    "MissingMetricError",
+    "check_metric",
+    "judge",
+    "trainer_status",
+]
 
 #: the losses whose non-finite value fails a member (the trainer reports both at an evaluation)
 _LOSSES = ("train_loss", "val_loss")
@@ -179,6 +187,22 @@ def judge(
     for e, status, why in out.ends:
         door.ended(e, status, why)
     return out
+
+
+def trainer_status(word: object, value: object) -> Status:
+    """How a member ends by the word its trainer sent outside a report (an end between
+    evaluations: non-finite gradients; an end delivered again after a resume), ``value`` its
+    last metric: the trainer's status, ``FAILED`` for a word hfsweep does not know, and
+    ``FAILED`` for a member that is not ``COMPLETED`` and has no finite value to be ranked by.
+    Both front doors record it with :meth:`~hfsweep.core.ledger.Ledger.settle` (which fails a
+    ``COMPLETED`` one without a finite value, saying why)."""
+    try:
+        status = Status.parse(str(word))
+    except ValueError:
+        return Status.FAILED
+    if status is not Status.COMPLETED and not is_finite(value):
+        return Status.FAILED
+    return status
 
 
 def _ending(e: Evaluated, door: FrontDoor) -> Status:

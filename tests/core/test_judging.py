@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from hfsweep.core._ledger_file import LedgerFile
-from hfsweep.core.judging import Evaluated, MissingMetricError, judge
+from hfsweep.core.judging import Evaluated, MissingMetricError, judge, trainer_status
 from hfsweep.core.ledger import Ledger
 from hfsweep.core.status import Status
 
@@ -114,3 +114,17 @@ def test_a_report_missing_the_metric_is_refused_before_anything_is_recorded() ->
     ):
         judge(report, door, ledger, "acc", "set the metric")
     assert door.calls == [] and ledger.decisions == {} and ledger.ended == {}
+
+
+def test_an_end_the_trainer_saw_outside_a_report_is_settled_by_one_rule() -> None:
+    assert trainer_status("failed", 0.9) is Status.FAILED
+    assert trainer_status("stopped", 0.9) is Status.STOPPED
+    assert trainer_status("stopped", math.nan) is Status.FAILED  # nothing to rank it by
+    assert trainer_status("stopped", None) is Status.FAILED  # never evaluated
+    assert trainer_status("evicted", 0.9) is Status.FAILED  # a word hfsweep does not know
+    # a completed one keeps its word: the ledger's settle fails it, saying why
+    assert trainer_status("completed", math.nan) is Status.COMPLETED
+    assert Ledger().settle("m", trainer_status("completed", math.nan), math.nan, "acc") == (
+        Status.FAILED,
+        "acc is nan",
+    )
