@@ -154,13 +154,12 @@ class _TuneSearcher:
     """A Tune searcher: hands out CONFIGS in order, records on_trial_result/complete."""
 
     def __init__(self, calls: _Calls, order: list[str]) -> None:
-        self.calls, self.order, self.configs = calls, order, list(CONFIGS)
+        self.calls, self.order, self.configs = calls, order, iter(CONFIGS)
 
     def suggest(self, trial_id: str) -> dict[str, Any] | None:
-        if not self.configs:
-            return None
-        self.order.append(trial_id)
-        return self.configs.pop(0)
+        config = next(self.configs, None)
+        self.order += [trial_id] if config is not None else []
+        return config
 
     def on_trial_result(self, trial_id: str, result: dict[str, Any]) -> None:
         self.calls.heard.append(
