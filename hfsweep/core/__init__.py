@@ -3,7 +3,9 @@ ledger. Every front door (``hfsweep run``, ``hs.sweep``, the Ray Tune plugin) dr
 first two through the engine (:mod:`~hfsweep.core.loop`), which keeps its trials in the Optuna
 study it owns, the Tune plugin through :class:`~hfsweep.core.member_sweep.MemberSweep`, the same
 packer and ledger with member records (:mod:`~hfsweep.core.members`) for a searcher hfsweep
-cannot read back.
+cannot read back. Both process an array's report by one rule,
+:func:`~hfsweep.core.judging.judge`, with what differs per front door behind its
+:class:`~hfsweep.core.judging.FrontDoor` protocol.
 
 Named ``core`` rather than ``sweep``: a subpackage ``hfsweep.sweep`` would shadow the public
 function ``hs.sweep`` once imported.

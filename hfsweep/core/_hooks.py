@@ -7,70 +7,44 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING
+from typing import Any
 
 from .._compat import trial_id
 from ..schedulers import OptunaPruner, Report
 from ..training.trainer import Evaluation, Member, MemberResult
+from . import judging
+from ._parts import _Array, _Parts
 from ._rundir import member_id, trial_number
+from .judging import Evaluated
 from .packer import Pending
 from .status import Status
-
-if TYPE_CHECKING:
-    pass
-
-from ._parts import _Array, _Parts
-from .result import SweepError
 
 __all__: list[str] = []
 
 _log = logging.getLogger("hfsweep.sweep")
+
+#: how a user of ``hfsweep run`` sets the sweep's metric (for the core's missing-metric error)
+METRIC_HINT = "set the sweep file's `metric` (val_<name> of a task metric, or val_loss)"
 
 
 class _Hooks(_Parts):
     """The executor's hooks: decisions, trial ends, refill and requeue."""
 
     def _report(self, evaluations: list[Evaluation]) -> dict[str, bool]:
-        """Decide for every member evaluated now, jointly; replayed evaluations (after a
-        resume) get the decision already taken."""
-        answer: dict[str, bool] = {}
-        todo: list[tuple[Evaluation, Report]] = []
+        """Decide for every member evaluated now, jointly, by the core's one rule
+        (:func:`~hfsweep.core.judging.judge`, as the Tune plugin's reports are decided):
+        replayed evaluations (after a resume) get the decision already taken, every decision
+        and end is saved before the searcher hears of any."""
+        evaluated = [Evaluated(e.member, e.step, e.epoch, e.metrics, e.final) for e in evaluations]
+        judged = judging.judge(
+            evaluated, _StudyDoor(self), self.ledger, self.sc.metric, METRIC_HINT
+        )
         steps = 0
-        for e in evaluations:
-            if trial_number(e.member) not in self.live:  # ended elsewhere: another driver's
-                answer[e.member] = False
-                continue
-            logged = self.ledger.logged(e.member, e.step)
-            if logged is not None:
-                answer[e.member] = logged
-                continue
-            if self.sc.metric not in e.metrics:
-                raise SweepError(
-                    f"the task's evaluation has no metric {self.sc.metric!r}; it reports "
-                    f"{sorted(e.metrics)}"
-                )
-            value = float(e.metrics[self.sc.metric])
-            resource = e.epoch if self.sc.budget.resource == "epochs" else float(e.step)
-            todo.append((e, Report(e.member, resource, value)))
-        if not todo:
-            return answer
-        if not isinstance(self.scheduler, OptunaPruner):
-            for _, r in todo:
-                self._report_to_study(r)
-        decided = self.ledger.decide([(r, e.step) for e, r in todo])
-        for e, r in todo:
-            answer[e.member] = decided[r.trial]
+        for e in judged.fresh:
             steps += e.step - int(self._last_step.get(e.member, 0))
             self._last_step[e.member] = e.step
-        # every decision is saved before the searcher hears of any, so an error or a kill in
-        # a custom searcher's report() cannot leave the scheduler ahead of the decision log
-        self._save_state()
-        for e, _ in todo:  # once: a replayed evaluation (after a resume) is not in todo
-            self.tracking.evaluated(trial_number(e.member), e.step, e.epoch, e.metrics)
-        for _, r in todo:
-            self.source.report(trial_number(r.trial), round(r.resource), r.value)
         self.progress.stepped(steps)
-        return answer
+        return judged.go
 
     def _report_to_study(self, r: Report) -> None:
         number = trial_number(r.trial)
@@ -87,10 +61,15 @@ class _Hooks(_Parts):
             return  # told before a crash (the trainer delivers at least once), or adopted
         value = result.metrics.get(self.sc.metric)
         # ended once in the ledger by the core's rule, as the Tune plugin ends its members (a
-        # completed trial whose metric is not finite failed); an end told again after a torn
-        # journal is in the ledger already
-        settled = self.ledger.settle(result.id, result.status, value, self.sc.metric)
-        status, why = settled or Status.parse(result.status).settle(value, self.sc.metric)
+        # completed trial whose metric is not finite failed): at its last report, where the
+        # rule ended it (the trainer ends it the same way), else now (an end the trainer saw
+        # between evaluations); an end told again after a torn journal is in the ledger already
+        word = judging.trainer_status(result.status, value)  # as the Tune plugin's trainer ends
+        settled = self.ledger.settle(result.id, word, value, self.sc.metric)
+        status, why = settled or word.settle(value, self.sc.metric)
+        held = self.ledger.status(result.id)
+        if settled is None and held is not None and held is not status:
+            status, why = held, None  # the ledger's end is the one told
         self.dir.write_history(number, result.history)
         error = why if why is not None else result.error
         trial.set_user_attr("status", status.value)  # settled: a nan metric's trial failed
@@ -153,3 +132,48 @@ class _Hooks(_Parts):
         self.live[p.number].set_user_attr("array", array.index)
         self.tracking.trial_started(self._trial_info(p.number, array.index))
         return Member(member_id(p.number), p.config)
+
+
+class _StudyDoor:
+    """The front door of :func:`~hfsweep.core.judging.judge` for ``hfsweep run``: member facts
+    in the engine's Optuna study, decisions by :meth:`Ledger.decide
+    <hfsweep.core.ledger.Ledger.decide>` (the sweep's trial scheduler, logged as it decides),
+    the searcher told through the trial source; a trial's end is told to the study when its
+    trainer delivers it (:meth:`_Hooks._on_finish`)."""
+
+    def __init__(self, engine: _Hooks) -> None:
+        self.engine = engine
+
+    def gone(self, member: str) -> bool:
+        return trial_number(member) not in self.engine.live  # ended elsewhere: another driver's
+
+    def replayed(self, evaluation: Evaluated, go: bool) -> None:
+        return None
+
+    def record(self, evaluation: Evaluated) -> Report:
+        """The evaluation as the scheduler's report (resource in the budget's unit), its value
+        reported to the study as the trial's intermediate value (an OptunaPruner reports it
+        itself as it decides)."""
+        e, sc = evaluation, self.engine.sc
+        resource = e.epoch if sc.budget.resource == "epochs" else float(e.step)
+        report = Report(e.member, resource, float(e.value(sc.metric)))
+        if not isinstance(self.engine.scheduler, OptunaPruner):
+            self.engine._report_to_study(report)
+        return report
+
+    def decide(self, judged: list[Evaluated]) -> dict[str, bool]:
+        return self.engine.ledger.decide([(e.seen, e.step) for e in judged])
+
+    def at_budget(self, evaluation: Evaluated) -> bool:
+        # hfsweep's trial schedulers never stop a trial at its budget: it ends completed
+        return False
+
+    def hear(self, evaluation: Evaluated, searcher: bool) -> None:
+        e, number = evaluation, trial_number(evaluation.member)
+        self.engine.tracking.evaluated(number, e.step, e.epoch, dict(e.metrics))
+        if searcher:
+            report: Any = e.seen
+            self.engine.source.report(number, round(report.resource), report.value)
+
+    def ended(self, evaluation: Evaluated, status: Status, error: str | None) -> None:
+        return None  # told when the trainer delivers the end (it ends the member the same way)

@@ -10,12 +10,13 @@ took from the answers so far (``consumed``) and whether some wait in its queue (
 whether it resumed from a checkpoint (``resumed``) and whether this is its last word
 (``final``).
 
-Each evaluated member is decided on jointly with its array-mates by the front door's scheduler;
-an evaluation replayed after a retry or restore gets the decision logged the first time
-(:meth:`hfsweep.core.ledger.Ledger.logged`, as ``hfsweep run``'s executor hooks answer one). A
-member ends once, recorded in the ledger by the core's rule
-(:meth:`hfsweep.core.ledger.Ledger.settle`, as ``hfsweep run`` ends its trials), and is told to
-the searcher in the front door's terms. Freed slots are refilled by the core's packer
+The report's evaluations are processed by the core's one rule,
+:func:`hfsweep.core.judging.judge`, exactly as ``hfsweep run``'s executor hooks process theirs:
+replays answered from the decision log, the metric check, diverged members failed, the joint
+decision by the front door's scheduler, every decision and end recorded in the ledger
+(:meth:`hfsweep.core.ledger.Ledger.settle`) before the searcher hears. This class is that
+rule's front door for member records (``_RecordsDoor``). A member ends once and is told to the
+searcher in the front door's terms. Freed slots are refilled by the core's packer
 (:meth:`hfsweep.core.packer.Packer.refill`, :meth:`~hfsweep.core.packer.Packer.requeue`, as
 ``hfsweep run`` refills and requeues).
 """
@@ -27,15 +28,14 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .._checks import is_finite
+from . import judging
+from .judging import Evaluated
 from .ledger import Ledger
 from .members import ArrayRecord, MemberRecord
 from .packer import Packer
 from .status import Status
 
 __all__ = ["ArrayReports"]
-
-#: a fresh evaluation: the member, what its scheduler and searcher see, and whether it was its last
-_Fresh = tuple[MemberRecord, dict[str, Any], bool]
 
 
 class ArrayReports:
@@ -144,92 +144,31 @@ class ArrayReports:
         self.post(str(report["token"]), {"go": go, "given": []})
 
     def _check(self, array: ArrayRecord, report: Mapping[str, Any]) -> None:
-        """Refuse a report naming members not in ``array`` or lacking the metric, before
-        anything is recorded."""
-        for ev in report.get("evaluations", []):
-            rec = self._member(array, ev["member"])
-            metric = self._require_metric()
-            if metric not in ev["metrics"]:
-                raise ValueError(
-                    f"the fused sweep's metric {metric!r} is not among the metrics member "
-                    f"{rec.id} reports: {sorted(ev['metrics'])}; {self.metric_hint} to one of "
-                    "them"
-                )
-        for mid in [e["member"] for e in report.get("ended", [])] + list(report.get("unused", [])):
+        """Refuse a report naming members not in ``array`` before anything is recorded (the
+        metric is checked by the core's rule, :func:`~hfsweep.core.judging.judge`)."""
+        ended = [e["member"] for e in report.get("ended", [])]
+        for mid in [e["member"] for e in report.get("evaluations", [])] + ended:
             self._member(array, mid)
-
-    def _fresh(
-        self, array: ArrayRecord, report: Mapping[str, Any], go: dict[str, bool]
-    ) -> list[_Fresh]:
-        """The report's evaluations not seen before, as history rows appended to their members'
-        records; replayed ones (after a resume) and those of members told already get their
-        answer in ``go``."""
-        fresh: list[_Fresh] = []
-        elapsed = float(report.get("elapsed", 0.0))
-        for ev in report.get("evaluations", []):
-            rec = self.members[ev["member"]]
-            logged = self.ledger.logged(rec.id, int(ev["step"]))
-            reported = float(ev.get("time", elapsed))
-            if logged is not None:
-                go[rec.id] = logged  # a replay after a resume: the decision already taken
-                array.replayed += 1
-                # the resumed array's clock went on from its checkpoint's time, which may be
-                # behind the time this evaluation had: shift the member's later evaluations so
-                # that its clock goes on from the evaluation's recorded time, never back
-                first = next((h for h in rec.history if h["step"] == int(ev["step"])), None)
-                if first is not None:
-                    rec.clock_shift = float(first["time_total_s"]) - reported
-                continue
-            if rec.told:
-                go[rec.id] = False
-                continue
-            # the member's own training time since it joined its array (kept through the
-            # array's checkpoints), never the array's: a member that joined late gets its
-            # grace period, and a resumed array does not restart its members' clocks
-            before = float(rec.history[-1].get("time_total_s", 0.0)) if rec.history else 0.0
-            # never back, also where no replay set the shift (a member the replayed report did
-            # not evaluate, or a restore whose decision log is older than the array's checkpoint)
-            own = max(reported + rec.clock_shift, before)
-            row = {
-                "training_iteration": len(rec.history) + 1,
-                "step": int(ev["step"]),
-                "epoch": float(ev["epoch"]),
-                **dict(ev["metrics"]),
-                "time_total_s": own,
-            }
-            rec.history.append(row)
-            final = bool(ev["final"])
-            since = max(own - before, 0.0)
-            result = self._result(rec, {**row, "time_this_iter_s": since, "done": final})
-            fresh.append((rec, result, final))
-        return fresh
+        for mid in report.get("unused", []):
+            self._member(array, mid)
 
     def _process(self, array: ArrayRecord, report: Mapping[str, Any]) -> None:
         self._check(array, report)
         if report.get("resumed"):
             array.resumes += 1
-        go: dict[str, bool] = {}
-        fresh = self._fresh(array, report, go)
-        diverged = [f for f in fresh if not _finite(f[1].get("train_loss"), f[1].get("val_loss"))]
-        judged = [f for f in fresh if f not in diverged]
-        metric = self._require_metric() if fresh else ""
-        decided = self._decide([(rec, result) for rec, result, _ in judged])
-        for rec, result, final in judged:
-            if _finite(result[metric]):
-                self._heard(rec, result)
-            keep = final or decided.get(rec.id, True)
-            self.ledger.log(rec.id, result["step"], keep)
-            go[rec.id] = keep
-        for rec, result, _ in diverged:
-            self.ledger.log(rec.id, result["step"], False)
-            go[rec.id] = False
-            self._end(rec, Status.FAILED, None, error="non-finite loss")
-        for rec, result, final in judged:
-            if final:
-                self._end(rec, Status.COMPLETED, result)
-            elif not go[rec.id]:
-                at_budget = self._at_budget(result)
-                self._end(rec, Status.COMPLETED if at_budget else Status.STOPPED, result)
+        evaluations = [
+            Evaluated(
+                str(ev["member"]),
+                int(ev["step"]),
+                float(ev["epoch"]),
+                dict(ev["metrics"]),
+                bool(ev["final"]),
+            )
+            for ev in report.get("evaluations", [])
+        ]
+        metric = self._require_metric() if evaluations else ""
+        door = _RecordsDoor(self, array, report)
+        go = judging.judge(evaluations, door, self.ledger, metric, self.metric_hint).go
         self._trainer_ends(array, report)
         if report.get("final"):
             return
@@ -250,10 +189,9 @@ class ArrayReports:
         for end in report.get("ended", []):
             rec = self._member(array, end["member"])
             if not rec.told:
-                status = _status(end["status"])
                 last = self._last_result(rec, array)
-                if last is None or not _finite(last.get(str(self.metric))):
-                    status = Status.FAILED
+                value = None if last is None else last.get(str(self.metric))
+                status = judging.trainer_status(end["status"], value)  # as hfsweep run's
                 failed = status is Status.FAILED
                 self._end(rec, status, None if failed else last, error=end.get("error"))
         for mid in report.get("unused", []):
@@ -293,8 +231,19 @@ class ArrayReports:
         settled = self.ledger.settle(rec.id, status, value, metric)
         if settled is None:
             raise AssertionError(f"member {rec.id} ended twice: the ledger holds its end")
-        status, why = settled
-        rec.status, rec.error = status, error or why
+        self._record_end(rec, settled[0], result, error or settled[1])
+
+    def _record_end(
+        self,
+        rec: MemberRecord,
+        status: Status,
+        result: Mapping[str, Any] | None,
+        error: str | None,
+    ) -> None:
+        """``rec`` ended with ``status`` (settled in the ledger already): its record, and the
+        scheduler and searcher told."""
+        value = rec.history[-1].get(str(self.metric)) if rec.history else None
+        rec.status, rec.error = status, error
         rec.value = float(value) if is_finite(value) else None
         self._told(rec, status, result)
         self.log.info("member %s %s (%s=%s)", rec.id, status, self.metric, rec.value)
@@ -347,13 +296,67 @@ class ArrayReports:
         array.done = True
 
 
-def _status(status: Any) -> Status:
-    """The status of a trainer's end (``FAILED`` for one it does not know)."""
-    try:
-        return Status.parse(str(status))
-    except ValueError:
-        return Status.FAILED
+class _RecordsDoor:
+    """The front door of :func:`~hfsweep.core.judging.judge` for :class:`ArrayReports`: member
+    facts in the :class:`~hfsweep.core.members.MemberRecord`\\ s, decisions by the front door's
+    scheduler (``_decide``), the searcher told through ``_heard`` and ``_told``."""
 
+    def __init__(self, sweep: ArrayReports, array: ArrayRecord, report: Mapping[str, Any]) -> None:
+        self.sweep = sweep
+        self.array = array
+        self.elapsed = float(report.get("elapsed", 0.0))
+        #: each evaluation's own clock (the member's training time), by member
+        self.times = {
+            str(ev["member"]): float(ev.get("time", self.elapsed))
+            for ev in report.get("evaluations", [])
+        }
 
-def _finite(*values: Any) -> bool:
-    return all(is_finite(v) for v in values)
+    def gone(self, member: str) -> bool:
+        return self.sweep.members[member].told
+
+    def replayed(self, evaluation: Evaluated, go: bool) -> None:
+        rec = self.sweep.members[evaluation.member]
+        self.array.replayed += 1
+        # the resumed array's clock went on from its checkpoint's time, which may be behind
+        # the time this evaluation had: shift the member's later evaluations so that its clock
+        # goes on from the evaluation's recorded time, never back
+        first = next((h for h in rec.history if h["step"] == evaluation.step), None)
+        if first is not None:
+            rec.clock_shift = float(first["time_total_s"]) - self.times[rec.id]
+
+    def record(self, evaluation: Evaluated) -> dict[str, Any]:
+        """A history row appended to the member's record; returns the result its scheduler and
+        searcher see (with ``time_this_iter_s`` and ``done``)."""
+        rec = self.sweep.members[evaluation.member]
+        # the member's own training time since it joined its array (kept through the array's
+        # checkpoints), never the array's: a member that joined late gets its grace period,
+        # and a resumed array does not restart its members' clocks
+        before = float(rec.history[-1].get("time_total_s", 0.0)) if rec.history else 0.0
+        # never back, also where no replay set the shift (a member the replayed report did not
+        # evaluate, or a restore whose decision log is older than the array's checkpoint)
+        own = max(self.times[rec.id] + rec.clock_shift, before)
+        row = {
+            "training_iteration": len(rec.history) + 1,
+            "step": evaluation.step,
+            "epoch": evaluation.epoch,
+            **dict(evaluation.metrics),
+            "time_total_s": own,
+        }
+        rec.history.append(row)
+        since = max(own - before, 0.0)
+        return self.sweep._result(rec, {**row, "time_this_iter_s": since, "done": evaluation.final})
+
+    def decide(self, judged: list[Evaluated]) -> dict[str, bool]:
+        return self.sweep._decide([(self.sweep.members[e.member], e.seen) for e in judged])
+
+    def at_budget(self, evaluation: Evaluated) -> bool:
+        return self.sweep._at_budget(evaluation.seen)
+
+    def hear(self, evaluation: Evaluated, searcher: bool) -> None:
+        if searcher:
+            self.sweep._heard(self.sweep.members[evaluation.member], evaluation.seen)
+
+    def ended(self, evaluation: Evaluated, status: Status, error: str | None) -> None:
+        rec = self.sweep.members[evaluation.member]
+        result = None if status is Status.FAILED and evaluation.diverged else evaluation.seen
+        self.sweep._record_end(rec, status, result, error)
