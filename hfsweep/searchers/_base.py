@@ -57,7 +57,9 @@ class Searcher(ABC):
 
     def report(self, number: int, step: int, value: float) -> None:
         """Trial ``number``'s metric at ``step`` (its epoch, or step when the budget counts
-        steps). The default ignores it."""
+        steps): called once per evaluation, after the scheduler's decision on it is saved, and
+        only with a finite ``value`` (a NaN or infinite metric, or a diverged loss, is not
+        reported). The default ignores it."""
         return None
 
     def tell(self, number: int, config: Mapping[str, Any], state: str, value: float | None) -> None:
