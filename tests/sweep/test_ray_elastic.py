@@ -109,7 +109,9 @@ class _PauseOnce:
     def __init__(self) -> None:
         self.looks = 0
 
-    def started(self, folder: str, key: str, members: int, total: int, config: Any = None) -> int:
+    def started(
+        self, folder: str, key: str, members: int, total: int, config: Any = None, **_: Any
+    ) -> int:
         return 1
 
     def relaunch(self, folder: str, workers: int, lost: int, total: int) -> int:
@@ -124,6 +126,9 @@ class _PauseOnce:
 
     def ended(self, folder: str, total: int) -> None:
         pass
+
+    def admits(self) -> int | None:
+        return None
 
 
 def test_a_paused_elastic_array_gives_its_workers_back_and_resumes_exactly(
