@@ -40,6 +40,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -107,18 +108,27 @@ class WorkerPolicy(Protocol):
 
 class _Relay:
     """A hook of rank 0's actor that runs in the driver: the call goes through ``events`` (a
-    Ray queue), the answer comes back through ``answers``. An answer ``_ABORT`` (the driver is
-    stopping, or its hook raised) makes the hook raise, which ends the array's workers."""
+    Ray queue) with an id of its own, the answer comes back through ``answers`` with that id.
+    An answer ``_ABORT`` (the driver is stopping, or its hook raised) makes the hook raise,
+    which ends the array's workers. An answer with another id is dropped: it answers a call
+    whose caller was lost meanwhile (a rank 0 on a node that left while the driver ran its
+    hook), and must not be taken as the answer to the next call (the relaunch's, or the new
+    rank 0's)."""
 
     def __init__(self, kind: str, events: Any, answers: Any) -> None:
         self.kind, self.events, self.answers = kind, events, answers
 
     def __call__(self, payload: Any) -> Any:
-        self.events.put((self.kind, payload))
-        answer = self.answers.get()
-        if isinstance(answer, str) and answer == _ABORT:
-            raise RuntimeError("the driver stopped this data-parallel array")
-        return answer
+        call = uuid.uuid4().hex
+        self.events.put((self.kind, payload, call))
+        while True:
+            answer = self.answers.get()
+            if isinstance(answer, str) and answer == _ABORT:
+                raise RuntimeError("the driver stopped this data-parallel array")
+            answered, value = answer
+            if answered == call:
+                return value
+            _log.info("a relayed %s dropped an answer to a lost caller's call", self.kind)
 
 
 _ABORT = "hfsweep: abort"
@@ -214,7 +224,7 @@ def run_elastic_array(
                 answers.put(_ABORT)
                 raise Stopped
             try:
-                kind, payload = events.get(timeout=_POLL_S)
+                kind, payload, call = events.get(timeout=_POLL_S)
             except Empty:
                 continue
             try:
@@ -234,7 +244,7 @@ def run_elastic_array(
                 raise
             if kind == "report":
                 policy.reported(folder, payload, len(live))
-            answers.put(answer)
+            answers.put((call, answer))
         thread.join()
         if "error" in outcome:
             raise outcome["error"]

@@ -2,11 +2,13 @@
 waits in the driver, holding no actor, queue or placement group, until the policy starts it,
 and then launches on the workers the policy gives; an executor that stops meanwhile ends it
 without a launch. While an array waits the Ray executor's slots hold the engine to the arrays
-it has (hfsweep.executors._ray._elastic_slots). Ray's queues are replaced by in-process
-stand-ins and the launch by a recorder: no Ray, no training."""
+it has (hfsweep.executors._ray._elastic_slots). A relayed hook takes the answer to its own
+call only. Ray's queues are replaced by in-process stand-ins and the launch by a recorder: no
+Ray, no training."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -105,3 +107,19 @@ def test_the_engine_forms_no_array_beyond_what_the_policy_admits() -> None:
     assert _elastic_slots(4, 1, None, 2) == 2  # an array waits: the two the engine holds
     assert _elastic_slots(0, 1, None, None) == 1  # no worker: one array may wait for one
     assert _elastic_slots(4, 1, None, 0) == 1
+
+
+def test_a_relayed_call_drops_an_answer_meant_for_a_lost_caller() -> None:
+    """Rank 0 lost while the driver ran its hook leaves that answer on the queue; the next
+    relayed call (the relaunch's, or the new rank 0's) takes its own answer, not that one."""
+    events, answers = _Queue(), _Queue()
+    answers.put(("a lost rank 0's call", {"trial-0": False}))
+
+    def driver() -> None:
+        kind, payload, call = events.get(timeout=5.0)
+        answers.put((call, (kind, payload * 2)))
+
+    thread = threading.Thread(target=driver)
+    thread.start()
+    assert _elastic._Relay("relaunch", events, answers)(21) == ("relaunch", 42)
+    thread.join()
