@@ -36,8 +36,10 @@ trials wait), and a pool that has waited ``max_wait_s`` (its ``since``) starts o
 before any running array is given more than its minimum.
 
 **Cooldown.** A running array is resized at most once per ``resize_every_s`` (its start counts),
-except when it must shrink because workers left; a grow must also save more time than
-``resize_cost_s`` (the checkpoint and restart a resize costs).
+except when it must shrink because workers left, or when shrinking it starts waiting trials
+(the cooldown keeps running arrays from trading workers back and forth; it does not hold
+waiting trials back); a grow must also save more time than ``resize_cost_s`` (the checkpoint
+and restart a resize costs).
 
 Every call of :meth:`Allocator.decide` returns a :class:`Plan`: one :class:`Decision` per array
 and per pool of waiting trials, each with a human-readable reason, and :meth:`Plan.status` for a
@@ -331,6 +333,23 @@ class Allocator:
             why_fixed.clear()
             chosen = _best(options, weights, profiles, total)
             assert chosen is not None, "the minimums were checked to fit"
+        if why_fixed and len(chosen) > len(served) and 0 in chosen[len(served) :]:
+            # trials wait while arrays in their cooldown hold workers: the cooldown holds back
+            # grows and shrinks between running arrays, not waiting trials. Cooling arrays may
+            # shrink (never grow) if that starts more new arrays.
+            relaxed = list(options)
+            for i, a in enumerate(served):
+                if a.name in why_fixed:
+                    relaxed[i] = [
+                        k for k in _choices(a.profile, low, high, a.workers) if k <= a.workers
+                    ]
+            again = _best(relaxed, weights, profiles, total)
+            if again is not None and _starts(again, len(served)) > _starts(chosen, len(served)):
+                chosen = again
+                for a, k in zip(served, chosen, strict=False):
+                    if k != a.workers:
+                        why_fixed.pop(a.name, None)
+                notes.append("cooldown lifted for the shrinks that start waiting trials")
 
         decisions = [
             self._explain(a, k, why_fixed.get(a.name), forced, total)
@@ -456,6 +475,11 @@ class Allocator:
             f"workers left (the cluster has {total})" if forced else "its workers do more elsewhere"
         )
         return Decision(a.name, a.key, "shrink", a.workers, k, f"{why}: {times}")
+
+
+def _starts(chosen: Sequence[int], served: int) -> int:
+    """How many new arrays ``chosen`` (served arrays first, then the pools' candidates) starts."""
+    return sum(1 for k in chosen[served:] if k > 0)
 
 
 def _best(

@@ -167,3 +167,27 @@ def test_a_new_array_still_starts_where_it_does_more_than_a_grow(tmp_path: Path)
     clock.now = 1.0
     assert policy.started(b, "k", 4, total=4) == 2
     assert policy.admits() is None
+
+
+def test_a_cooldown_does_not_hold_waiting_trials_back(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``resize_every_s`` counts an array's start, but a second array formed just after the
+    first started on both workers starts at once: the first shrinks despite its cooldown (the
+    cooldown keeps running arrays from trading workers, not trials from starting). Measured on
+    examples/digits_ray_elastic.yaml: holding the new array for the cooldown left it idle 10 s.
+    Between running arrays the cooldown still holds: the next plan keeps both."""
+    clock, shown = _Clock(), []
+    policy = fake_policy(clock, shown, resize_every_s=10.0)
+    a, b = _folders(tmp_path, 2)
+    with caplog.at_level(logging.INFO, logger="hfsweep.elastic"):
+        assert policy.started(a, "k", 8, total=2) == 2
+        clock.now = 0.5
+        assert policy.started(b, "k", 8, total=2) == 1
+        assert "cooldown lifted for the shrinks that start waiting trials" in caplog.text
+    assert read_resize(a) == 1
+    assert policy.plans[-1].workers() == {"array 0": 1, "array 1": 1}
+    clock.now = 1.0
+    policy.reported(a, _evals(9.0, members=8), live=1)  # array 0 nearly done, 1 member left
+    assert policy.plans[-1].workers() == {"array 0": 1, "array 1": 1}
+    assert "cooldown 10 s" in policy.plans[-1].decisions[1].reason
