@@ -225,3 +225,19 @@ def test_with_no_array_running_waiting_trials_always_start() -> None:
     assert started[0].reason == "no array is running: waiting trials always start"
     # and with no worker at all nothing starts
     assert Allocator().decide([], [pool], 0, now=0.0).workers() == {}
+
+
+def test_a_cooldown_holds_running_arrays_but_not_waiting_trials() -> None:
+    """An array started on every worker a moment ago shrinks for a new array of as many
+    trials (its cooldown does not hold them back), but not to grow another running array."""
+    fresh = arr("a", 2, remaining=1000.0, members=8, since=99.0)
+    pool = WaitingPool("k", 1, 8, 1000.0, GOOD, name="array 1", since=99.5)
+    plan = Allocator(resize_every_s=60).decide([fresh], [pool], 2, now=100.0)
+    assert plan.workers() == {"a": 1, "array 1": 1}
+    assert "cooldown lifted for the shrinks that start waiting trials" in plan.notes
+    other = arr("b", 1, remaining=5000.0, members=8, since=0.0)
+    plan = Allocator(resize_every_s=60).decide([fresh, other], [], 3, now=100.0)
+    assert plan.workers() == {"a": 2, "b": 1}
+    # without the cooldown the worker would move to b, which has more left to train
+    plan = Allocator(resize_every_s=0).decide([fresh, other], [], 3, now=100.0)
+    assert plan.workers() == {"a": 1, "b": 2}
