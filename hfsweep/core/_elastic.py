@@ -20,12 +20,28 @@ written at that boundary, so nothing is lost or trained twice. While it waits,
 :meth:`~ElasticPolicy.waiting` re-plans when the cluster's workers change and once when its
 wait reaches ``max_wait_s``.
 
+The allocator's ``start``/``wait`` decisions for waiting trials are carried out too. An array
+the engine has formed (its trials taken from their pool) is, until its first launch, one of the
+plan's :class:`~hfsweep.core.allocator.WaitingPool` s, named after it: the plan may start it or
+leave it waiting when its workers save more member-seconds growing the running arrays.
+:meth:`ElasticPolicy.started` then answers 0 and the executor waits, asking
+:meth:`~ElasticPolicy.waiting`, as a paused array does (it has no workers, no actors and no
+placement group), until a later plan starts it: an array ends, members stop, the cluster's
+workers change, or its wait reaches ``max_wait_s`` (then it starts before any array grows).
+With no array running it always starts (no deadlock). While an array waits for its first
+workers or is paused, :meth:`~ElasticPolicy.admits` holds the engine to the arrays it has: no
+other array is formed, so the waiting one is served first. An array resumed from its checkpoint
+(``--resume``) is an array, not a pool: it gets its minimum whenever the workers suffice for
+every array's, and otherwise waits in line like a paused array, instead of starting on
+``min_workers_per_array`` workers the cluster does not have.
+
 What the allocator is given:
 
 - ``remaining_s``: the budget still ahead of the array's furthest member, in the budget's units
   (epochs or steps), times the seconds one unit took the array on one worker, measured between
   its reports (time per unit on k workers times the profile's speed-up at k). Before its second
-  report an array's unit counts as one second.
+  report (and for an array waiting for its first workers) an array's unit is the one last
+  measured on an array of its compatibility key, or one second where none was.
 - the scaling profile of the array's compatibility key: when the first array of a key is
   placed, the policy asks its ``scaling`` source (the engine's
   :class:`~hfsweep.core._scaling.SweepScaling` with ``ray.elastic.scaling: model``: the cached
@@ -63,7 +79,7 @@ from ..config.schema import ElasticConfig
 from ..parallel import request_resize
 from ..sizing.scaling import ScalingProfile
 from ..training.results import Evaluation
-from .allocator import Allocator, ArrayState, Plan
+from .allocator import Allocator, ArrayState, Plan, WaitingPool
 
 __all__ = ["ElasticPolicy", "ScalingSource"]
 
@@ -99,6 +115,13 @@ class _Running:
     launched: int = 0
     #: whether the plan after its wait reached ``max_wait_s`` was made (once per pause)
     overdue: bool = False
+    #: whether a plan has given it workers since the engine formed it (resumed: from the
+    #: start); until then it is a pool of waiting trials to the allocator, not an array
+    begun: bool = False
+    #: whether it has trained (launched, or resumed from a checkpoint)
+    trained: bool = False
+    #: when the engine formed it (``started``), on the policy's clock
+    formed: float = 0.0
 
 
 class ElasticPolicy:
@@ -151,6 +174,8 @@ class ElasticPolicy:
         self._total: int | None = None
         #: every plan, in order (for tests and the log)
         self.plans: list[Plan] = []
+        #: the seconds per budget unit on one worker last measured per compatibility key
+        self._unit_s: dict[str, float] = {}
 
     # ------------------------------------------------------------------ the executor's events
     def started(
@@ -160,16 +185,39 @@ class ElasticPolicy:
         members: int,
         total: int,
         config: Mapping[str, Any] | None = None,
+        *,
+        resume: bool = False,
     ) -> int:
+        """The workers the array in ``folder`` starts on, or 0: it waits for its first workers
+        (ask :meth:`waiting`). A new array (``resume`` false) is a pool of waiting trials to
+        the allocator, which may leave it waiting; a resumed one is an array that had been
+        paused."""
         self._learn(folder, key, config, max(1, members))
         with self._lock:
-            entry = _Running(folder, key, max(1, members), since=self.clock())
+            now = self.clock()
+            entry = _Running(
+                folder, key, max(1, members), since=now, begun=resume, trained=resume, formed=now
+            )
             self._arrays[folder] = entry
             self._decide("array started", total, fresh=folder)
-            if entry.workers < 1:  # the cluster shrank below every array's minimum
-                entry.workers = self.settings.min_workers_per_array
-            entry.launched = entry.workers
+            if entry.workers < 1:
+                _log.info(
+                    "elastic: %s waits for workers before it trains (the engine forms no other "
+                    "array meanwhile)",
+                    self._name(folder),
+                )
+                return 0
+            entry.launched, entry.trained = entry.workers, True
             return entry.workers
+
+    def admits(self) -> int | None:
+        """The most arrays the engine may hold now: while an array waits for its first workers
+        or is paused, the arrays it holds (it forms no other, so the waiting one is served
+        first); ``None`` otherwise (as many as the workers give each its minimum)."""
+        with self._lock:
+            if any(e.workers == 0 for e in self._arrays.values()):
+                return len(self._arrays)
+            return None
 
     def relaunch(self, folder: str, workers: int, lost: int, total: int) -> int:
         """The workers the array in ``folder`` relaunches on; 0: it is paused (its workers are
@@ -199,16 +247,16 @@ class ElasticPolicy:
             return entry.launched
 
     def waiting(self, folder: str, total: int) -> int:
-        """The paused array in ``folder`` asks whether it may go on: the workers it relaunches
-        on, or 0 (still paused). Re-plans when the cluster's workers changed since the last
-        plan (``node joined``/``node left``), and once when the array's wait reached
-        ``max_wait_s``."""
+        """The paused array in ``folder`` (or one waiting for its first workers) asks whether
+        it may go on: the workers it (re)launches on, or 0 (still waiting). Re-plans when the
+        cluster's workers changed since the last plan (``node joined``/``node left``), and once
+        when the array's wait reached ``max_wait_s``."""
         with self._lock:
             entry = self._arrays[folder]
             if entry.workers == 0:
                 overdue = self.clock() - entry.since >= self.settings.max_wait_s
                 if total != self._total:
-                    self._decide("paused array waiting", total)
+                    self._decide("paused array waiting" if entry.begun else "array waiting", total)
                 elif overdue and not entry.overdue:
                     entry.overdue = True
                     self._decide(
@@ -217,11 +265,20 @@ class ElasticPolicy:
             if entry.workers == 0:
                 return 0
             entry.launched, entry.seen = entry.workers, None
-            _log.info(
-                "elastic: %s resumes on %d worker(s) from its checkpoint",
-                self._name(folder),
-                entry.workers,
-            )
+            if not entry.trained:
+                entry.trained = True
+                _log.info(
+                    "elastic: %s starts on %d worker(s) after waiting %.0f s",
+                    self._name(folder),
+                    entry.workers,
+                    self.clock() - entry.formed,
+                )
+            else:
+                _log.info(
+                    "elastic: %s resumes on %d worker(s) from its checkpoint",
+                    self._name(folder),
+                    entry.workers,
+                )
             return entry.launched
 
     def reported(self, folder: str, evaluations: Sequence[Evaluation], live: int) -> None:
@@ -237,6 +294,7 @@ class ElasticPolicy:
                     self._measured(entry, entry.members / per_unit)
                 k = max(1, entry.launched or entry.workers)
                 entry.unit_s = per_unit * self._profile(entry.key).speedup(k)
+                self._unit_s[entry.key] = entry.unit_s
             entry.done, entry.seen = done, now
             if 0 < live < entry.members:
                 entry.members = live
@@ -356,8 +414,22 @@ class ElasticPolicy:
                 since=e.since,
             )
             for e in self._arrays.values()
+            if e.begun
         ]
-        plan = self.allocator.decide(states, [], total, now=now, event=event)
+        pools = [  # formed arrays waiting for their first workers, the oldest first
+            WaitingPool(
+                key=e.key,
+                arrays=1,
+                members=e.members,
+                remaining_s=self._remaining_s(e),
+                profile=self._profile(e.key, total),
+                name=self._name(e.folder),
+                since=e.formed,
+            )
+            for e in sorted(self._arrays.values(), key=lambda e: e.formed)
+            if not e.begun
+        ]
+        plan = self.allocator.decide(states, pools, total, now=now, event=event)
         self.plans.append(plan)
         after = plan.workers()
         new = self._name(fresh) if fresh is not None else None
@@ -373,7 +445,9 @@ class ElasticPolicy:
         for note in plan.notes:
             _log.info("elastic [%s]: %s", event, note)
         for e in self._arrays.values():
-            k = after.get(self._name(e.folder), e.workers)
+            k = after.get(self._name(e.folder), e.workers if e.begun else 0)
+            if k > 0 and not e.begun:  # started: an array to the next plans
+                e.begun = True
             if k == e.workers:
                 continue
             if e.launched > 0:  # training: resized (0: paused) at its next evaluation boundary
@@ -386,7 +460,8 @@ class ElasticPolicy:
     def _remaining_s(self, e: _Running) -> float:
         """Seconds ``e`` still needs on one worker (see the module docstring)."""
         left = max(0.0, self.budget - e.done)
-        return left * (e.unit_s if e.unit_s is not None else 1.0)
+        unit = e.unit_s if e.unit_s is not None else self._unit_s.get(e.key, 1.0)
+        return left * unit
 
     def _profile(self, key: str, total: int | None = None) -> ScalingProfile:
         """``key``'s profile from the scaling source, else the assumed one: perfect scaling up

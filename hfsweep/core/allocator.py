@@ -30,11 +30,16 @@ never more than its profile has a point for (flat beyond: no gain, so not given)
 suffice for every array's minimum. When they do not (a node left), arrays are paused; a paused
 array waits at most ``max_wait_s`` (measured from when it was paused): after that it is served
 before any array that has not waited, taking the place of the running array that last
-(re)started. New arrays are not started while an array is paused.
+(re)started. New arrays are not started while an array is paused. Waiting trials are not
+starved either: with no array running they start (no plan leaves every worker idle while
+trials wait), and a pool that has waited ``max_wait_s`` (its ``since``) starts one array
+before any running array is given more than its minimum.
 
 **Cooldown.** A running array is resized at most once per ``resize_every_s`` (its start counts),
-except when it must shrink because workers left; a grow must also save more time than
-``resize_cost_s`` (the checkpoint and restart a resize costs).
+except when it must shrink because workers left, or when shrinking it starts waiting trials
+(the cooldown keeps running arrays from trading workers back and forth; it does not hold
+waiting trials back); a grow must also save more time than ``resize_cost_s`` (the checkpoint
+and restart a resize costs).
 
 Every call of :meth:`Allocator.decide` returns a :class:`Plan`: one :class:`Decision` per array
 and per pool of waiting trials, each with a human-readable reason, and :meth:`Plan.status` for a
@@ -93,13 +98,32 @@ class ArrayState:
 class WaitingPool:
     """Trials of one compatibility key waiting for an array: ``arrays`` new arrays of
     ``members`` trials each could start, each needing ``remaining_s`` seconds on one worker,
-    scaling as ``profile``."""
+    scaling as ``profile``.
+
+    ``name`` names the decisions about it (``hfsweep run`` passes an array that the engine has
+    formed and that waits for its first workers, ``"array 3"``; without one they are named
+    ``new:<key>#i`` and ``pool:<key>``); ``since`` is when its trials began to wait on the
+    allocator's clock (``None``: not known), so that a pool that waited ``max_wait_s`` starts
+    before any array grows.
+    """
 
     key: str
     arrays: int
     members: int
     remaining_s: float
     profile: ScalingProfile
+    name: str | None = None
+    since: float | None = None
+
+    def overdue(self, now: float, max_wait_s: float) -> bool:
+        """Whether its trials have waited ``max_wait_s`` or longer at ``now``."""
+        return self.since is not None and now - self.since >= max_wait_s
+
+    def label(self, i: int) -> str:
+        """The name of the decision to start its ``i``-th new array."""
+        if self.name is None:
+            return f"new:{self.key}#{i}"
+        return self.name if self.arrays == 1 else f"{self.name}#{i}"
 
 
 @dataclass(frozen=True)
@@ -151,16 +175,19 @@ class Plan:
 
     def status(self) -> str:
         """A short line for the progress display: ``elastic: 5 arrays on 60/64 workers (+2
-        grown, 1 new, 1 paused) [node left]``."""
+        grown, 1 new, 1 paused, 1 waiting) [node left]`` (``waiting``: the pools, or the
+        formed arrays, whose trials the plan leaves waiting)."""
         count = {a: sum(d.action == a for d in self.decisions) for a in ("grow", "shrink")}
         started = sum(d.action == "start" for d in self.decisions)
         paused = sum(d.action == "pause" for d in self.decisions)
+        waiting = sum(d.action == "wait" for d in self.decisions)
         running = sum(1 for d in self.decisions if d.action != "wait" and d.after > 0)
         parts = [
             f"+{count['grow']} grown" if count["grow"] else "",
             f"-{count['shrink']} shrunk" if count["shrink"] else "",
             f"{started} new" if started else "",
             f"{paused} paused" if paused else "",
+            f"{waiting} waiting" if waiting else "",
         ]
         detail = ", ".join(p for p in parts if p)
         return (
@@ -270,12 +297,31 @@ class Allocator:
             options.append(choices)
             weights.append(a.members * max(a.remaining_s, 1e-9))
             profiles.append(a.profile)
-        candidates: list[tuple[WaitingPool, int]] = []
+        #: candidates that must start: the oldest overdue pools' first arrays, or, with no
+        #: array running, the first waiting one (as many as the minimums leave room for)
+        must: dict[tuple[int, int], str] = {}
         if not paused:
-            for pool in waiting:
+            room = total - low * len(served)
+            order = sorted(
+                range(len(waiting)),
+                key=lambda j: (waiting[j].since is None, waiting[j].since or 0.0, j),
+            )
+            for j in order:
+                pool = waiting[j]
+                if pool.arrays > 0 and room >= low and pool.overdue(now, self.max_wait_s):
+                    must[(j, 0)] = (
+                        f"its trials waited {now - (pool.since or now):.0f} s "
+                        f"(max_wait_s is {self.max_wait_s:g}): started before any array grows"
+                    )
+                    room -= low
+            if not served and not must and room >= low:
+                first = next((j for j in order if waiting[j].arrays > 0), None)
+                if first is not None:
+                    must[(first, 0)] = "no array is running: waiting trials always start"
+            for j, pool in enumerate(waiting):
                 for i in range(pool.arrays):
-                    candidates.append((pool, i))
-                    options.append([0, *_choices(pool.profile, low, high, 0)])
+                    starts = _choices(pool.profile, low, high, 0)
+                    options.append(starts if (j, i) in must else [0, *starts])
                     weights.append(pool.members * max(pool.remaining_s, 1e-9))
                     profiles.append(pool.profile)
 
@@ -287,6 +333,23 @@ class Allocator:
             why_fixed.clear()
             chosen = _best(options, weights, profiles, total)
             assert chosen is not None, "the minimums were checked to fit"
+        if why_fixed and len(chosen) > len(served) and 0 in chosen[len(served) :]:
+            # trials wait while arrays in their cooldown hold workers: the cooldown holds back
+            # grows and shrinks between running arrays, not waiting trials. Cooling arrays may
+            # shrink (never grow) if that starts more new arrays.
+            relaxed = list(options)
+            for i, a in enumerate(served):
+                if a.name in why_fixed:
+                    relaxed[i] = [
+                        k for k in _choices(a.profile, low, high, a.workers) if k <= a.workers
+                    ]
+            again = _best(relaxed, weights, profiles, total)
+            if again is not None and _starts(again, len(served)) > _starts(chosen, len(served)):
+                chosen = again
+                for a, k in zip(served, chosen, strict=False):
+                    if k != a.workers:
+                        why_fixed.pop(a.name, None)
+                notes.append("cooldown lifted for the shrinks that start waiting trials")
 
         decisions = [
             self._explain(a, k, why_fixed.get(a.name), forced, total)
@@ -304,34 +367,62 @@ class Allocator:
                     f"paused at position {position} in line, waits at most {self.max_wait_s:g} s",
                 )
             )
-        started: dict[str, list[int]] = {}
-        for (pool, _), k in zip(candidates, chosen[len(served) :], strict=True):
-            if k > 0:
-                started.setdefault(pool.key, []).append(k)
-        for pool in waiting:
-            ks = started.get(pool.key, [])
+        started: dict[int, list[int]] = {}
+        at = 0
+        for j, pool in enumerate(waiting):
+            if paused:
+                break
+            for _ in range(pool.arrays):
+                k = chosen[len(served) + at]
+                at += 1
+                if k > 0:
+                    started.setdefault(j, []).append(k)
+        for j, pool in enumerate(waiting):
+            ks = started.get(j, [])
             for i, k in enumerate(ks):
-                decisions.append(
-                    Decision(
-                        f"new:{pool.key}#{i}",
-                        pool.key,
-                        "start",
-                        0,
-                        k,
-                        f"new array of {pool.members} waiting trials on {k} worker(s): "
-                        f"{pool.members} x {pool.remaining_s:.0f} s of training started saves more "
-                        "member-seconds than growing a running array",
-                    )
+                reason = must.get((j, i)) or (
+                    f"new array of {pool.members} waiting trials on {k} worker(s): "
+                    f"{pool.members} x {pool.remaining_s:.0f} s of training started saves more "
+                    "member-seconds than growing a running array"
                 )
+                decisions.append(Decision(pool.label(i), pool.key, "start", 0, k, reason))
             if len(ks) < pool.arrays:
-                reason = (
-                    "an array is paused; it is served before new arrays"
-                    if paused
-                    else "no free worker is worth more to a new array than where it is"
-                )
-                decisions.append(Decision(f"pool:{pool.key}", pool.key, "wait", 0, 0, reason))
+                name = pool.name if pool.name is not None else f"pool:{pool.key}"
+                reason = self._why_wait(pool, served, chosen, paused != [], total, now)
+                decisions.append(Decision(name, pool.key, "wait", 0, 0, reason))
         used = sum(d.after for d in decisions if d.action != "wait")
         return Plan(tuple(decisions), total, total - used, event, now, tuple(notes))
+
+    def _why_wait(
+        self,
+        pool: WaitingPool,
+        served: Sequence[ArrayState],
+        chosen: Sequence[int],
+        paused: bool,
+        total: int,
+        now: float,
+    ) -> str:
+        """The reason a pool's trials wait: an array is paused, no worker is free, or the
+        workers save more member-seconds in the running arrays (named, with their workers)."""
+        later = "re-decided when an array ends, members stop or the cluster changes; started " + (
+            "at the next of those (it waited max_wait_s)"
+            if pool.overdue(now, self.max_wait_s)
+            else f"at the latest once it has waited {self.max_wait_s:g} s"
+        )
+        if paused:
+            return "an array is paused; it is served before new arrays"
+        low = self.min_workers
+        above = [(a.name, k) for a, k in zip(served, chosen, strict=False) if k > low]
+        if not above:
+            return (
+                f"no free worker: the running arrays hold the {total} worker(s) at their "
+                f"minimum of {low}; {later}"
+            )
+        where = ", ".join(f"{name} on {k}" for name, k in above)
+        return (
+            f"its {pool.members} trial(s) x {pool.remaining_s:.0f} s on one worker save fewer "
+            f"member-seconds than the workers do in the running arrays ({where}); {later}"
+        )
 
     def _served(
         self, arrays: Sequence[ArrayState], total: int, now: float, notes: list[str]
@@ -384,6 +475,11 @@ class Allocator:
             f"workers left (the cluster has {total})" if forced else "its workers do more elsewhere"
         )
         return Decision(a.name, a.key, "shrink", a.workers, k, f"{why}: {times}")
+
+
+def _starts(chosen: Sequence[int], served: int) -> int:
+    """How many new arrays ``chosen`` (served arrays first, then the pools' candidates) starts."""
+    return sum(1 for k in chosen[served:] if k > 0)
 
 
 def _best(

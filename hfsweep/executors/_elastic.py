@@ -25,6 +25,14 @@ A pause (the policy's plan gives a running array no workers, after a node left) 
 given back, and the relayed ``target`` is not answered until the policy gives the array workers
 again (:meth:`WorkerPolicy.waiting`, asked every ``_POLL_S``); it then resumes from the
 checkpoint written at that boundary.
+
+An array the policy gives no workers when it starts (the allocator leaves its trials waiting:
+their workers do more growing the running arrays, or none is free) waits the same way before
+its first launch, with no actor, queue or placement group, asking the policy every
+``_POLL_S`` until a plan starts it.
+
+The two Ray queues that relay rank 0's hooks live on the driver's node, so a worker node that
+is lost takes only its workers with it, never the relay of an array that goes on without them.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -62,10 +71,18 @@ class WorkerPolicy(Protocol):
         members: int,
         total: int,
         config: Mapping[str, Any] | None = None,
+        *,
+        resume: bool = False,
     ) -> int:
-        """An array of compatibility key ``key`` starts (or resumes) in ``folder``: the workers
-        it starts on. ``config`` is one of its trials' configs (None where not known), from
+        """An array of compatibility key ``key`` starts (or, with ``resume``, resumes from its
+        checkpoint) in ``folder``: the workers it starts on, or 0: it waits for workers (ask
+        :meth:`waiting`). ``config`` is one of its trials' configs (None where not known), from
         which the policy may model the key's scaling."""
+        ...
+
+    def admits(self) -> int | None:
+        """The most arrays the engine may hold now (``None``: no limit beyond the workers):
+        while an array waits for workers, the engine forms no other."""
         ...
 
     def relaunch(self, folder: str, workers: int, lost: int, total: int) -> int:
@@ -75,7 +92,8 @@ class WorkerPolicy(Protocol):
         ...
 
     def waiting(self, folder: str, total: int) -> int:
-        """The paused array in ``folder`` asks again: the workers it goes on with, or 0."""
+        """The paused (or not yet started) array in ``folder`` asks again: the workers it goes
+        on with, or 0."""
         ...
 
     def reported(self, folder: str, evaluations: Sequence[Evaluation], live: int) -> None:
@@ -90,18 +108,27 @@ class WorkerPolicy(Protocol):
 
 class _Relay:
     """A hook of rank 0's actor that runs in the driver: the call goes through ``events`` (a
-    Ray queue), the answer comes back through ``answers``. An answer ``_ABORT`` (the driver is
-    stopping, or its hook raised) makes the hook raise, which ends the array's workers."""
+    Ray queue) with an id of its own, the answer comes back through ``answers`` with that id.
+    An answer ``_ABORT`` (the driver is stopping, or its hook raised) makes the hook raise,
+    which ends the array's workers. An answer with another id is dropped: it answers a call
+    whose caller was lost meanwhile (a rank 0 on a node that left while the driver ran its
+    hook), and must not be taken as the answer to the next call (the relaunch's, or the new
+    rank 0's)."""
 
     def __init__(self, kind: str, events: Any, answers: Any) -> None:
         self.kind, self.events, self.answers = kind, events, answers
 
     def __call__(self, payload: Any) -> Any:
-        self.events.put((self.kind, payload))
-        answer = self.answers.get()
-        if isinstance(answer, str) and answer == _ABORT:
-            raise RuntimeError("the driver stopped this data-parallel array")
-        return answer
+        call = uuid.uuid4().hex
+        self.events.put((self.kind, payload, call))
+        while True:
+            answer = self.answers.get()
+            if isinstance(answer, str) and answer == _ABORT:
+                raise RuntimeError("the driver stopped this data-parallel array")
+            answered, value = answer
+            if answered == call:
+                return value
+            _log.info("a relayed %s dropped an answer to a lost caller's call", self.kind)
 
 
 _ABORT = "hfsweep: abort"
@@ -145,10 +172,20 @@ def run_elastic_array(
     else:
         key, config, held = _checkpointed(folder)
         live = held - set(ArrayTrainer.delivered_results(folder))
-    workers = policy.started(folder, key, max(1, len(live)), total(), config=config)
+    workers = policy.started(folder, key, max(1, len(live)), total(), config=config, resume=resume)
+    try:
+        while workers == 0:  # no worker for it yet: it waits, holding nothing
+            if closed():
+                raise Stopped
+            time.sleep(_POLL_S)
+            workers = policy.waiting(folder, total())
+    except BaseException:
+        policy.ended(folder, total())
+        raise
     _log.info("%s trains data-parallel on %d worker(s)", folder, workers)
-    events = Queue(actor_options={"num_cpus": 0})
-    answers = Queue(actor_options={"num_cpus": 0})
+    where = _on_this_node()
+    events = Queue(actor_options={"num_cpus": 0, **where})
+    answers = Queue(actor_options={"num_cpus": 0, **where})
     outcome: dict[str, Any] = {}
     refilled: dict[str, Member] = {}
 
@@ -187,7 +224,7 @@ def run_elastic_array(
                 answers.put(_ABORT)
                 raise Stopped
             try:
-                kind, payload = events.get(timeout=_POLL_S)
+                kind, payload, call = events.get(timeout=_POLL_S)
             except Empty:
                 continue
             try:
@@ -207,7 +244,7 @@ def run_elastic_array(
                 raise
             if kind == "report":
                 policy.reported(folder, payload, len(live))
-            answers.put(answer)
+            answers.put((call, answer))
         thread.join()
         if "error" in outcome:
             raise outcome["error"]
@@ -216,6 +253,25 @@ def run_elastic_array(
         thread.join(timeout=30.0)
         for q in (events, answers):
             q.shutdown(force=True)
+
+
+def _on_this_node() -> dict[str, Any]:
+    """Ray actor options that place an actor on the driver's node (hard affinity): the relay
+    queues must outlive any worker node. Empty where Ray is not initialised (tests that stand
+    in for its queues) or the driver has no node (Ray Client)."""
+    import ray
+
+    if not ray.is_initialized():
+        return {}
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    try:
+        node = ray.get_runtime_context().get_node_id()
+    except Exception:  # a driver without a node of its own (Ray Client): Ray's placement
+        return {}
+    if not node:
+        return {}
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node, soft=False)}
 
 
 def _checkpointed(folder: str) -> tuple[str, Mapping[str, Any] | None, set[str]]:

@@ -195,11 +195,15 @@ class RayExecutor(Executor):
     def slots(self) -> int:
         """Arrays to train at once now: what the cluster's alive nodes hold, at most
         ``ray.max_concurrent`` (see :meth:`ActorPool.width`); with ``ray.elastic``, as many
-        arrays as the workers give each its ``min_workers_per_array``."""
+        arrays as the workers give each its ``min_workers_per_array``, and no more than the
+        policy admits (while an array waits for workers, the engine forms no other)."""
         if self.elastic:
-            most = self.settings.max_concurrent
-            fit = self.workers() // self.settings.elastic.min_workers_per_array
-            return max(1, min(fit, most or fit))
+            return _elastic_slots(
+                self.workers(),
+                self.settings.elastic.min_workers_per_array,
+                self.settings.max_concurrent,
+                self.policy.admits() if self.policy is not None else None,
+            )
         return self._pool.width()
 
     @property
@@ -470,6 +474,18 @@ class RayExecutor(Executor):
             else:
                 raise ExecutorError(f"unknown event {kind!r} from the Ray worker")
             kind, payload = ray.get(actor.reply.remote(answer))
+
+
+def _elastic_slots(workers: int, least: int, most: int | None, admitted: int | None) -> int:
+    """Arrays the engine may train at once with elastic arrays: as many as ``workers`` give
+    each its ``least`` workers, at most ``most`` (``ray.max_concurrent``) and ``admitted`` (the
+    policy's :meth:`~hfsweep.executors._elastic.WorkerPolicy.admits`), and at least 1 (an
+    engine holding no array always forms one: nothing waits for nothing)."""
+    fit = workers // least
+    slots = min(fit, most or fit)
+    if admitted is not None:
+        slots = min(slots, admitted)
+    return max(1, slots)
 
 
 def _pickle_task_by_value(task: Task) -> None:

@@ -183,3 +183,61 @@ def test_with_a_modelled_profile() -> None:
     arrays = [ArrayState("x", "m", 2, 600.0, prof, workers=1)]
     plan = Allocator(resize_every_s=0).decide(arrays, [], 8, now=0.0)
     assert plan.workers()["x"] > 1
+
+
+def test_a_pool_waits_while_its_workers_do_more_growing_a_running_array() -> None:
+    """One 8-member array with most of its training ahead on 2 workers, one trial waiting: the
+    second worker saves more member-seconds there; the wait is named, explained and counted."""
+    arrays = [arr("a", 2, remaining=900.0, members=8, since=0.0)]
+    pool = WaitingPool("k", 1, 1, 1000.0, GOOD, name="array 1", since=10.0)
+    plan = Allocator(resize_every_s=0, max_wait_s=300).decide(arrays, [pool], 2, now=20.0)
+    assert plan.workers() == {"a": 2}
+    (wait,) = [d for d in plan.decisions if d.action == "wait"]
+    assert wait.array == "array 1"
+    assert "save fewer member-seconds than the workers do in the running arrays (a on 2)" in (
+        wait.reason
+    )
+    assert "at the latest once it has waited 300 s" in wait.reason
+    assert plan.status() == "elastic: 1 arrays on 2/2 workers (1 waiting) [timer]"
+
+
+def test_a_pool_that_waited_max_wait_s_starts_before_any_array_grows() -> None:
+    arrays = [arr("a", 2, remaining=900.0, members=8, since=0.0)]
+    pool = WaitingPool("k", 1, 1, 1000.0, GOOD, name="array 1", since=10.0)
+    plan = Allocator(resize_every_s=0, max_wait_s=300).decide(arrays, [pool], 2, now=310.0)
+    assert plan.workers() == {"a": 1, "array 1": 1}
+    (start,) = [d for d in plan.decisions if d.action == "start"]
+    assert start.array == "array 1" and "waited 300 s (max_wait_s is 300)" in start.reason
+    # not when the running arrays hold every worker at their minimum: it waits for one to end
+    plan = Allocator(max_wait_s=300).decide([*arrays[:1], arr("b", 1)], [pool], 2, now=310.0)
+    assert "array 1" not in plan.workers()
+    (wait,) = [d for d in plan.decisions if d.action == "wait"]
+    assert "no free worker" in wait.reason and "at the next of those" in wait.reason
+
+
+def test_with_no_array_running_waiting_trials_always_start() -> None:
+    """Even a pool with nothing left to gain by the objective (no training time left) starts
+    when no array runs: no plan leaves every worker idle while trials wait."""
+    pool = WaitingPool("k", 2, 4, 0.0, POOR, name="array 0")
+    plan = Allocator().decide([], [pool], 4, now=0.0)
+    started = [d for d in plan.decisions if d.action == "start"]
+    assert started and started[0].array == "array 0#0"
+    assert started[0].reason == "no array is running: waiting trials always start"
+    # and with no worker at all nothing starts
+    assert Allocator().decide([], [pool], 0, now=0.0).workers() == {}
+
+
+def test_a_cooldown_holds_running_arrays_but_not_waiting_trials() -> None:
+    """An array started on every worker a moment ago shrinks for a new array of as many
+    trials (its cooldown does not hold them back), but not to grow another running array."""
+    fresh = arr("a", 2, remaining=1000.0, members=8, since=99.0)
+    pool = WaitingPool("k", 1, 8, 1000.0, GOOD, name="array 1", since=99.5)
+    plan = Allocator(resize_every_s=60).decide([fresh], [pool], 2, now=100.0)
+    assert plan.workers() == {"a": 1, "array 1": 1}
+    assert "cooldown lifted for the shrinks that start waiting trials" in plan.notes
+    other = arr("b", 1, remaining=5000.0, members=8, since=0.0)
+    plan = Allocator(resize_every_s=60).decide([fresh, other], [], 3, now=100.0)
+    assert plan.workers() == {"a": 2, "b": 1}
+    # without the cooldown the worker would move to b, which has more left to train
+    plan = Allocator(resize_every_s=0).decide([fresh, other], [], 3, now=100.0)
+    assert plan.workers() == {"a": 1, "b": 2}

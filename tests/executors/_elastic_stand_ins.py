@@ -39,3 +39,6 @@ class QuietPolicy:
 
     def ended(self, folder: str, total: int) -> None:
         pass
+
+    def admits(self) -> int | None:
+        return None

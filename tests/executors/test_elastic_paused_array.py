@@ -36,7 +36,9 @@ class _PausingPolicy(QuietPolicy):
         self.waits = waits
         self.calls: list[tuple[str, int]] = []
 
-    def started(self, folder: str, key: str, members: int, total: int, config: Any = None) -> int:
+    def started(
+        self, folder: str, key: str, members: int, total: int, config: Any = None, **_: Any
+    ) -> int:
         return 1
 
     def relaunch(self, folder: str, workers: int, lost: int, total: int) -> int:

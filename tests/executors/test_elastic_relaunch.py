@@ -29,7 +29,9 @@ class _Policy(QuietPolicy):
     def __init__(self) -> None:
         self.relaunches: list[tuple[int, int]] = []
 
-    def started(self, folder: str, key: str, members: int, total: int, config: Any = None) -> int:
+    def started(
+        self, folder: str, key: str, members: int, total: int, config: Any = None, **_: Any
+    ) -> int:
         return 2
 
     def relaunch(self, folder: str, workers: int, lost: int, total: int) -> int:

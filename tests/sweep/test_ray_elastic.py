@@ -109,7 +109,9 @@ class _PauseOnce:
     def __init__(self) -> None:
         self.looks = 0
 
-    def started(self, folder: str, key: str, members: int, total: int, config: Any = None) -> int:
+    def started(
+        self, folder: str, key: str, members: int, total: int, config: Any = None, **_: Any
+    ) -> int:
         return 1
 
     def relaunch(self, folder: str, workers: int, lost: int, total: int) -> int:
@@ -124,6 +126,9 @@ class _PauseOnce:
 
     def ended(self, folder: str, total: int) -> None:
         pass
+
+    def admits(self) -> int | None:
+        return None
 
 
 def test_a_paused_elastic_array_gives_its_workers_back_and_resumes_exactly(
@@ -184,3 +189,65 @@ def test_a_paused_elastic_array_gives_its_workers_back_and_resumes_exactly(
             for name in ref:
                 assert got[name] == pytest.approx(ref[name], rel=1e-9, abs=1e-12), name
     assert sorted(r.id for r in finished) == ["trial-0", "trial-1"]
+
+
+def test_a_node_lost_under_an_elastic_sweep_shrinks_its_array_which_goes_on_exactly(
+    tmp_path: Path, told: Counter[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`hfsweep run`'s engine with elastic arrays on a three-node Ray cluster on 127.0.0.1 (a
+    head without CPUs, two worker nodes of one CPU): the array trains on a worker on each node,
+    holds after its first epoch (its checkpoint written), and one node is removed under it. The
+    lost worker shrinks the array, which goes on on the other node from that checkpoint; every
+    trial ends once, no evaluation is reported twice, and the trials end as on the local
+    backend (float64)."""
+    from _ray_cluster import loopback_cluster
+
+    from ._toy import GATE_ENV, GATED_TASK
+    from .test_ray_cluster import _log, _Sweep, _wait, _workers_import_tests
+
+    kw: dict[str, Any] = {
+        "task": GATED_TASK,
+        "budget": {"trials": 4, "epochs": 3},
+        "fusion": _FUSION,
+    }
+    gate = tmp_path / "gate"
+    monkeypatch.setenv(GATE_ENV, str(gate))  # absent: the local run is not held
+    local = hs.sweep(sweep_config(tmp_path / "local", **kw), progress=False)
+    told.clear()
+    _workers_import_tests(monkeypatch)
+    monkeypatch.setenv("RAY_DEDUP_LOGS", "0")
+    gate.write_text("")
+    run = tmp_path / "elastic"
+    with loopback_cluster() as cluster:
+        address = cluster.address
+        settings = {**_ELASTIC, "address": address, "max_concurrent": 1}
+        sweep = _Sweep(sweep_config(run, backend="ray", ray=settings, **kw), monkeypatch)
+        sweep.start()
+        try:
+            _wait(
+                "the array's checkpoint, on 2 workers",
+                lambda: (
+                    (run / "arrays" / "0" / "array.pt").exists()
+                    and "trains data-parallel on 2 worker(s)" in _log(run)
+                ),
+                sweep.is_alive,
+            )
+            lost = sorted(cluster.worker_nodes, key=lambda n: n.node_id)[0]
+            cluster.remove_node(lost)
+            _wait("the lost worker", lambda: "workers lost; going on" in _log(run), sweep.is_alive)
+        finally:
+            gate.unlink(missing_ok=True)
+        result = sweep.result()
+    assert result.counts == {"completed": 4, "stopped": 0, "failed": 0, "running": 0}
+    assert told == Counter(range(4))
+    _same_trials(result, local)
+    log = _log(run)
+    # on 127.0.0.1, not rewritten to another address of this machine, driver included
+    assert (
+        f"connected to the cluster at {address} (3 nodes; this driver on 127.0.0.1, "
+        "loopback)" in log
+    )
+    assert "elastic [array started]: array 0: start 0->2" in log
+    assert "1 of 2 workers lost; going on with 1 from the last checkpoint" in log
+    assert "1 worker(s) lost]: array 0: " in log
+    assert log.count("workers lost") == 1
