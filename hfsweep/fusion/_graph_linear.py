@@ -63,16 +63,14 @@ class _StackedLinear(torch.autograd.Function):
     The classic form: cheap to call, no rule for ``torch.func`` transforms."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, x: Tensor, w: Tensor, bias: Tensor | None, vector: bool
-    ) -> Tensor:
+    def forward(ctx: Any, x: Tensor, w: Tensor, bias: Tensor | None, vector: bool) -> Tensor:
         ctx.save_for_backward(x, w)
         ctx.bias_shape = None if bias is None else bias.shape
         ctx.vector = vector
         return _product(x, w, bias, vector)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         x, w = ctx.saved_tensors
         return _gradients(grad, x, w, ctx.needs_input_grad, ctx.vector, ctx.bias_shape)
 
@@ -84,7 +82,7 @@ class _StackedLinearTransformable(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x: Tensor, w: Tensor, bias: Tensor | None, vector: bool) -> Tensor:  # type: ignore[override]
+    def forward(x: Tensor, w: Tensor, bias: Tensor | None, vector: bool) -> Tensor:
         return _product(x, w, bias, vector)
 
     @staticmethod
@@ -95,7 +93,7 @@ class _StackedLinearTransformable(torch.autograd.Function):
         ctx.vector = vector
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         x, w = ctx.saved_tensors
         return _gradients(grad, x, w, ctx.needs_input_grad, ctx.vector, ctx.bias_shape)
 
