@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import tempfile
@@ -41,7 +42,13 @@ def _run(tree: Path, script: str, extra: list[str], stem: Path) -> list[dict[str
     if not python.exists():
         raise SystemExit(f"{tree}: no .venv/bin/python there; make a virtualenv in that checkout")
     cmd = [str(python), str(tree / "benchmarks" / script), *extra, "--out", str(stem)]
-    subprocess.run(cmd, cwd=tree, check=True, stdout=subprocess.DEVNULL)
+    # the tree's own hfsweep first: a virtualenv shared between checkouts (or one whose editable
+    # install points elsewhere) would otherwise import the same code on both sides
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]),
+    }
+    subprocess.run(cmd, cwd=tree, check=True, stdout=subprocess.DEVNULL, env=env)
     rows: list[dict[str, Any]] = json.loads(stem.with_suffix(".json").read_text())["rows"]
     return rows
 

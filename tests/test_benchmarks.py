@@ -41,11 +41,12 @@ def test_fusion_throughput_quick_runs(tmp_path, monkeypatch):
     ]
     for row in rows:
         assert "notes" not in row, row["notes"]
-        for arm in ("serial", "concurrent", "fused", "ideal", "hand"):
+        for arm in ("serial", "concurrent", "fused", "trainer", "ideal", "hand"):
             assert _positive(row[arm]), (row["B"], arm, row[arm])
-        for other in ("serial", "concurrent", "ideal", "hand"):
-            ratios = row[f"fused/{other} rounds"]
-            assert len(ratios) == 1 and all(_positive(r) for r in ratios)
+        for way in ("fused", "trainer"):  # the plain path and the trainer's
+            for other in ("serial", "concurrent", "ideal", "hand"):
+                ratios = row[f"{way}/{other} rounds"]
+                assert len(ratios) == 1 and all(_positive(r) for r in ratios)
         assert row["threads per process"] >= 1 and _positive(row["window_s"])
         fused, processes = row["memory"]["fused"], row["memory"]["processes"]
         assert len(processes) == row["B"]
@@ -56,7 +57,8 @@ def test_fusion_throughput_quick_runs(tmp_path, monkeypatch):
         assert fused["tensor_peak"] >= min(p["tensor_peak"] for p in processes)
 
     md = stem.with_suffix(".md").read_text()
-    assert "| tiny_mlp | 2 |" in md and "fused / concurrent" in md and "Peak memory" in md
+    assert "| tiny_mlp | 2 | plain |" in md and "| tiny_mlp | 2 | trainer |" in md
+    assert "fused / concurrent" in md and "why below 0.9 of ideal" in md and "Peak memory" in md
     if importlib.util.find_spec("matplotlib") is not None:
         for kind in ("throughput", "memory"):
             png = stem.with_name(f"{stem.name}_{kind}.png")

@@ -60,6 +60,15 @@ def member_losses(
             f"with shared_target=False the target needs {size} members in dimension 0; got shape "
             f"{tuple(target.shape)}"
         )
+    if size == 1:
+        # one member: its loss as it trains alone, on views of the output (squeeze's backward
+        # is a view) and with the loss's own mean reduction, which is what every path below
+        # computes per member; outputs[0] would give the output's gradient through
+        # select_backward, a zero-filled tensor and a copy into it
+        one = loss_fn(
+            outputs.squeeze(0), target if shared_target else target.squeeze(0), **loss_kwargs
+        )
+        return one.unsqueeze(0)
     tgt = target.expand(size, *target.shape) if shared_target else target
     if (
         loss_fn is F.cross_entropy

@@ -171,11 +171,17 @@ class _Tracing:
             dims = self._dims
             if self._size == 1:
                 # One member: run forward on its slice of the stacked tensors, no vmap needed.
+                # The slice is squeeze(0), a view whose backward is a view: s[0] (select) would
+                # give each parameter's gradient through select_backward, a zero-filled
+                # [1, ...] tensor and a copy into it, per parameter and step.
                 def single(*flat: Tensor) -> tuple[Tensor, ...]:
                     state = tuple(
-                        s if d is None else s[0] for s, d in zip(flat[:n_state], dims, strict=True)
+                        s if d is None else s.squeeze(0)
+                        for s, d in zip(flat[:n_state], dims, strict=True)
                     )
-                    inputs = flat[n_state:] if shared else tuple(t[0] for t in flat[n_state:])
+                    inputs = (
+                        flat[n_state:] if shared else tuple(t.squeeze(0) for t in flat[n_state:])
+                    )
                     out = per_member(state, inputs, rec)
                     return tuple(o.unsqueeze(0) for o in out)
 
