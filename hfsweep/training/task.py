@@ -511,8 +511,13 @@ def _cross_entropy(logits: Tensor, labels: Tensor, smoothing: Tensor | None) -> 
     Smoothing ``e`` mixes the one-hot target with the uniform distribution, exactly as torch's
     ``label_smoothing``: ``(1 - e) * nll + e * mean over classes of -log p``.
     """
+    size = logits.shape[0]
+    if size == 1 and smoothing is None:
+        # one member: torch's own loss on a view, as the member trains alone (squeeze's backward
+        # is a view; the gather below adds a zero-filled scatter and a mean to every step)
+        return F.cross_entropy(logits.squeeze(0), labels).unsqueeze(0)
     logp = F.log_softmax(logits, dim=-1)
-    index = labels.reshape(1, -1, 1).expand(logp.shape[0], -1, 1)
+    index = labels.reshape(1, -1, 1).expand(size, -1, 1)
     nll = -logp.gather(-1, index).squeeze(-1).mean(1)
     if smoothing is None:
         return nll

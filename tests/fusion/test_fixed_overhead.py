@@ -185,3 +185,29 @@ def test_the_stacked_product_under_torch_func_transforms() -> None:
         rtol=1e-12,
         atol=1e-12,
     )
+
+
+def test_the_trainers_one_member_loss_is_torchs_cross_entropy() -> None:
+    """A ready task's loss of a one-member array (``Task.member_loss``, what the trainer's step
+    calls) is ``F.cross_entropy`` itself, value and gradient, with none of the gather path's
+    zero-filled scatter in its backward; with label smoothing, or at B > 1, the per-member
+    formula stays (checked against torch's ``label_smoothing`` elsewhere)."""
+    task = hs.Task(name="one_member_loss", model=lambda c: _mlp(), data=lambda c: ([], []))
+    gen = torch.Generator().manual_seed(5)
+    out = torch.randn(1, 9, 4, dtype=torch.float64, generator=gen, requires_grad=True)
+    y = torch.randint(0, 4, (9,), generator=gen)
+    ref_out = out.detach()[0].clone().requires_grad_()
+    ref = F.cross_entropy(ref_out, y)
+    ref.backward()
+    with OpCounter() as counted:
+        got = task.member_loss(out, y, None)
+        got.sum().backward()
+    assert got.shape == (1,)
+    assert torch.equal(got[0], ref)
+    assert out.grad is not None and ref_out.grad is not None
+    assert torch.equal(out.grad[0], ref_out.grad)
+    for op in ("gather", "scatter", "scatter_add", "zeros", "new_zeros", "zero_", "fill_"):
+        assert counted.ops[op] == 0, (op, dict(counted.ops))
+    two = torch.cat([out.detach(), out.detach() + 1]).requires_grad_()
+    both = task.member_loss(two, y, None)
+    torch.testing.assert_close(both[0], ref.detach(), rtol=1e-12, atol=1e-12)
