@@ -84,6 +84,12 @@ def mark_static_address(t: torch.Tensor) -> None:
     torch._dynamo.mark_static_address(t, guard=False)
 
 
+def functorch_transforms_active() -> bool:
+    """Whether a ``torch.func`` transform (``vmap``, ``grad``, ...) is running around this call:
+    an ``autograd.Function`` must then have the ``setup_context`` form (no public query)."""
+    return bool(torch._C._are_functorch_transforms_active())
+
+
 def compile_backward_eagerly() -> Any | None:
     """A context manager that makes AOTAutograd compile a graph's backward with its forward
     (at the first call, not at the first backward pass), or ``None`` where this torch lacks the

@@ -45,6 +45,11 @@ def test_torch_private_names() -> None:
     assert len(leaves) == 2
     assert _compat.pytree.tree_unflatten(leaves, spec)["a"][1][0].shape == (2,)
     assert isinstance(torch.ops.aten.add.Tensor, _compat.OpOverload)
+    assert not _compat.functorch_transforms_active()
+    inside = torch.func.vmap(lambda t: t * float(_compat.functorch_transforms_active()))(
+        torch.ones(3)
+    )
+    assert torch.equal(inside, torch.ones(3))
 
     seen: list[Any] = []
 

@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch import Tensor, fx
 
+from .._compat import functorch_transforms_active
+
 __all__ = ["stacked_linear", "use_stacked_linear"]
 
 _aten = torch.ops.aten
@@ -103,7 +105,7 @@ def stacked_linear(
 ) -> Tensor:
     """``torch.baddbmm(bias, x, w.transpose(1, 2))`` (``torch.bmm`` without a bias; a ``vector``
     bias is ``[B, out]``, unsqueezed) with ``w``'s gradient computed in ``w``'s layout."""
-    if torch._C._are_functorch_transforms_active():
+    if functorch_transforms_active():
         return _StackedLinearTransformable.apply(x, w, bias, vector)
     return _StackedLinear.apply(x, w, bias, vector)
 
