@@ -197,22 +197,31 @@ def test_b_prime_from_real_peaks_on_this_cpu() -> None:
     assert choice.fit_size == 2 and choice.mode in ("host", "split")
 
 
+def _train_auto(
+    fake: FakeRates,
+    budget: int,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> tuple[list[hs.MemberResult], list[str]]:
+    """The members of ``SGD`` trained by an ``offload="auto"`` trainer with ``budget`` bytes of
+    device memory, ``fake`` measuring; the results and the trainer's log messages."""
+    monkeypatch.setattr("hfsweep.sizing.task.measure_step", fake)
+    with caplog.at_level(logging.INFO, logger="hfsweep.trainer"):
+        results = hs.ArrayTrainer(
+            toy_task(), dtype=torch.float64, offload="auto", device_memory=budget
+        ).run(members(SGD))
+    return results, [r.getMessage() for r in caplog.records]
+
+
 @pytest.mark.slow
 def test_the_trainer_splits_when_that_is_faster(
     reference: list[hs.MemberResult],
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    task = toy_task()
-    trials = members(SGD)
     fake = FakeRates(offloaded=100.0, on_device=150.0)
-    monkeypatch.setattr("hfsweep.sizing.task.measure_step", fake)
-    with caplog.at_level(logging.INFO, logger="hfsweep.trainer"):
-        split = hs.ArrayTrainer(
-            task, dtype=torch.float64, offload="auto", device_memory=2 * _member_state()
-        ).run(trials)
+    split, messages = _train_auto(fake, 2 * _member_state(), monkeypatch, caplog)
     assert sorted(fake.calls) == [(1, False), (2, False), (3, True)]
-    messages = [r.getMessage() for r in caplog.records]
     assert any("splits the array of 3 into 2 arrays of at most 2" in m for m in messages)
     assert any("100.0 member-samples/s offloaded at B=3 against 150.0" in m for m in messages)
     assert "offload: auto trains the 3 members as arrays of 2, 1, one after another" in messages
@@ -231,13 +240,8 @@ def test_the_trainer_splits_an_array_whose_state_fits_but_whose_step_does_not(
     # the estimate says all 3 fit 3 members' state; the measured peaks (activations twice the
     # state) say 1 does
     fake = FakeRates(offloaded=100.0, on_device=150.0, per_member=2 * member)
-    monkeypatch.setattr("hfsweep.sizing.task.measure_step", fake)
-    with caplog.at_level(logging.INFO, logger="hfsweep.trainer"):
-        split = hs.ArrayTrainer(
-            toy_task(), dtype=torch.float64, offload="auto", device_memory=3 * member
-        ).run(members(SGD))
+    split, messages = _train_auto(fake, 3 * member, monkeypatch, caplog)
     assert sorted(fake.calls) == [(1, False), (3, False), (3, True)]  # once: the parts fit
-    messages = [r.getMessage() for r in caplog.records]
     assert "offload: auto trains the 3 members as arrays of 1, 1, 1, one after another" in messages
     for a, b in zip(split, reference, strict=True):
         assert_same(a, b, rng=True)
