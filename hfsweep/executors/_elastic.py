@@ -188,6 +188,7 @@ def run_elastic_array(
     answers = Queue(actor_options={"num_cpus": 0, **where})
     outcome: dict[str, Any] = {}
     refilled: dict[str, Member] = {}
+    heard = _Heard()
 
     relaunch = _Relay("relaunch", events, answers)
 
@@ -238,7 +239,7 @@ def run_elastic_array(
                         time.sleep(_POLL_S)
                         answer = policy.waiting(folder, total())
                 else:
-                    answer = _answer(kind, payload, hooks, live, refilled)
+                    answer = _answer(kind, payload, hooks, live, refilled, heard)
             except BaseException:
                 answers.put(_ABORT)
                 raise
@@ -316,14 +317,49 @@ def _hand_back_unkept(
         hooks.requeue(member)
 
 
+class _Heard:
+    """What the driver's hooks already heard from this array: the decision on every (member,
+    step) reported, and the members whose end was told. A rank 0 lost after its call reached
+    the driver (mid-hook, or before its checkpoint of that boundary was complete) never took
+    the answer; the relaunch resumes from the last complete checkpoint and sends those calls
+    again. They are answered from here, not applied twice: a replayed evaluation gets the
+    decision taken then (the scheduler is not asked again, the study not told again), a
+    replayed end is dropped."""
+
+    def __init__(self) -> None:
+        self.decisions: dict[tuple[str, int], bool] = {}
+        self.ended: set[str] = set()
+
+
 def _answer(
-    kind: str, payload: Any, hooks: ArrayHooks, live: set[str], refilled: dict[str, Member]
+    kind: str,
+    payload: Any,
+    hooks: ArrayHooks,
+    live: set[str],
+    refilled: dict[str, Member],
+    heard: _Heard,
 ) -> Any:
-    """The driver's hook for one relayed call; ``live`` loses the members that stopped or
-    ended, and gains (as ``refilled`` does) those a refill added."""
+    """The driver's hook for one relayed call (a call heard before answered from ``heard``);
+    ``live`` loses the members that stopped or ended, and gains (as ``refilled`` does) those a
+    refill added."""
     if kind == "report":
-        decisions = hooks.report(payload)
-        live.difference_update(m for m, go_on in (decisions or {}).items() if not go_on)
+        fresh = [e for e in payload if (e.member, e.step) not in heard.decisions]
+        again = {
+            e.member: heard.decisions[(e.member, e.step)]
+            for e in payload
+            if (e.member, e.step) in heard.decisions
+        }
+        if again:
+            _log.info(
+                "a relayed report of %s already heard (its caller was lost before it took the "
+                "answer); the decisions taken then stand",
+                ", ".join(f"{e.member} at step {e.step}" for e in payload if e.member in again),
+            )
+        decisions = dict(hooks.report(fresh) or {}) if fresh else {}
+        for e in fresh:
+            heard.decisions[(e.member, e.step)] = bool(decisions.get(e.member, True))
+        decisions = {**{m: go for m, go in again.items() if not go}, **decisions}
+        live.difference_update(m for m, go_on in decisions.items() if not go_on)
         return decisions
     if kind == "refill":
         member = hooks.refill()
@@ -333,6 +369,10 @@ def _answer(
         return member
     if kind == "finish":
         assert isinstance(payload, MemberResult)
+        if payload.id in heard.ended:
+            _log.info("a relayed end of %s already told; not told again", payload.id)
+            return None
+        heard.ended.add(payload.id)
         hooks.on_finish(payload)
         live.discard(payload.id)
         return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -109,3 +110,133 @@ class Recorder:
     def lines(self) -> list[list[str]]:
         with open(self.path) as f:
             return [line.split() for line in f]
+
+
+class Fault:
+    """A worker lost at a moment the test chooses, made deterministic by patching the moment's
+    own code in the worker's process (never in the test's: it is installed only where a process
+    group of more than one worker is up). ``moment`` is
+
+    - ``"allreduce"``: worker ``rank`` enters its ``nth`` gradient all-reduce (a tensor of more
+      than one element; one per training step) asynchronously and is SIGKILLed in it, so the
+      other worker is inside that all-reduce when its peer dies;
+    - ``"hook"``: worker ``rank`` (rank 0, which relays the hooks) sends its ``nth`` relayed
+      ``report`` call to the driver and is SIGKILLed while it waits for the answer;
+    - ``"checkpoint"``: worker ``rank`` (rank 0, which writes the checkpoint) is SIGKILLed
+      half-way through writing its ``nth`` checkpoint (half of the bytes in the temporary file
+      that ``atomic_save`` renames when it is complete).
+
+    It fires once: only while the file ``flag`` exists, which it removes first (the relaunched
+    workers find none). ``stamp`` gets ``time.time()`` just before the kill."""
+
+    def __init__(self, moment: str, rank: int, nth: int, flag: str) -> None:
+        assert moment in ("allreduce", "hook", "checkpoint"), moment
+        self.moment, self.rank, self.nth, self.flag = moment, rank, nth, flag
+        self.seen = 0
+
+    @property
+    def stamp(self) -> str:
+        return self.flag + ".killed-at"
+
+    def _fires(self) -> bool:
+        self.seen += 1
+        if self.seen != self.nth or not os.path.exists(self.flag):
+            return False
+        os.remove(self.flag)
+        return True
+
+    def _die(self) -> None:
+        with open(self.stamp, "w") as f:
+            f.write(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def install(self) -> None:
+        """Patch this worker's process for the moment (once per process: the module-level
+        names it patches carry a mark, as this module's globals may be a copy per unpickling)."""
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return
+        if dist.get_rank() != self.rank or getattr(os, "_hfsweep_test_fault", False):
+            return
+        os._hfsweep_test_fault = True  # type: ignore[attr-defined]
+        getattr(self, f"_install_{self.moment}")()
+
+    def _install_allreduce(self) -> None:
+        plain = dist.all_reduce
+
+        def all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if tensor.numel() > 1 and self._fires():
+                kwargs["async_op"] = True
+                plain(tensor, *args, **kwargs)  # the peer now waits in this all-reduce
+                self._die()
+            return plain(tensor, *args, **kwargs)
+
+        dist.all_reduce = all_reduce
+
+    def _install_hook(self) -> None:
+        from hfsweep.executors import _elastic
+
+        plain = _elastic._Relay.__call__
+        fault = self
+
+        class _DyingAnswers:
+            """The answer queue of the call that dies: the call is sent, its answer never
+            taken."""
+
+            def get(self) -> Any:
+                fault._die()
+
+        def call(relay: Any, payload: Any) -> Any:
+            if relay.kind == "report" and fault._fires():
+                dying = _elastic._Relay(relay.kind, relay.events, _DyingAnswers())
+                return plain(dying, payload)
+            return plain(relay, payload)
+
+        _elastic._Relay.__call__ = call  # type: ignore[method-assign]
+
+    def _install_checkpoint(self) -> None:
+        import io
+
+        from hfsweep import _io
+        from hfsweep.training import run
+
+        plain = run.atomic_save
+
+        def atomic_save(obj: Any, path: Any) -> None:
+            if not self._fires():
+                plain(obj, path)
+                return
+            buffer = io.BytesIO()
+            torch.save(obj, buffer)
+            data = buffer.getvalue()
+
+            def half(f: Any) -> None:
+                f.write(data[: len(data) // 2])
+                f.flush()
+                os.fsync(f.fileno())
+                self._die()
+
+            _io._atomic(path, "wb", half)
+
+        run.atomic_save = atomic_save
+
+
+def faulty_data(config: Mapping[str, Any]) -> tuple[TensorBatches, TensorBatches]:
+    """:func:`data`, and the config's ``fault`` (``"moment:rank:nth:flag"``, see
+    :class:`Fault`) installed in a worker of a process group of more than one."""
+    if config.get("fault"):
+        moment, rank, nth, flag = str(config["fault"]).split(":", 3)
+        _faults.setdefault(flag, Fault(moment, int(rank), int(nth), flag)).install()
+    return data(config)
+
+
+_faults: dict[str, Fault] = {}
+
+
+def make_faulty_task() -> hs.Task:
+    """:func:`make_task` with a ``fault`` (``""``: none; see :func:`faulty_data`)."""
+    return hs.Task(
+        name="dp_toy",
+        model=model,
+        data=faulty_data,
+        defaults={"batch_size": 31, "epochs": 2, "bn": False, "kill_after": None, "fault": ""},
+    )
