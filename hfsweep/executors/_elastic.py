@@ -164,7 +164,7 @@ def run_elastic_array(
     and :class:`Stopped` raised); ``options`` are the trainer's."""
     from ray.util.queue import Empty, Queue
 
-    from ..parallel import train_data_parallel_ray
+    from ..parallel import COLLECTIVE_TIMEOUT_S, train_data_parallel_ray
 
     if members:
         config: Mapping[str, Any] | None = members[0].config
@@ -209,6 +209,7 @@ def run_elastic_array(
                 cpus_per_worker=bundle.get("CPU", 1.0),
                 gpus_per_worker=bundle.get("GPU", 0.0),
                 threads=threads,
+                timeout_s=COLLECTIVE_TIMEOUT_S,
                 target=target,
                 **options,
             )

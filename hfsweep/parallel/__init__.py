@@ -18,12 +18,13 @@ One job per module, each importing only those below it in this list:
 """
 
 from ._collectives import Group
-from ._launch import WorkerError, train_data_parallel
+from ._launch import COLLECTIVE_TIMEOUT_S, WorkerError, train_data_parallel
 from ._ray import train_data_parallel_ray
 from ._run import DataParallelTrainer, ResizeRequested, read_resize, request_resize
 from ._split import batch_rows, shard_bounds, shard_sizes, take_rows
 
 __all__ = [
+    "COLLECTIVE_TIMEOUT_S",
     "DataParallelTrainer",
     "Group",
     "ResizeRequested",

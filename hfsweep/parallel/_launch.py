@@ -46,6 +46,7 @@ from ..training.task import Task
 from ._run import RESIZE_FILE, DataParallelTrainer, ResizeRequested
 
 __all__ = [
+    "COLLECTIVE_TIMEOUT_S",
     "WorkerError",
     "elastic_loop",
     "free_port",
@@ -59,6 +60,13 @@ _log = logging.getLogger("hfsweep.parallel")
 
 #: seconds the other workers get to end on their own after one failed, before they are killed
 _GRACE_S = 2.0
+
+#: the process group's timeout (seconds): the longest a worker waits in a collective for a peer
+#: that neither answers nor is reported gone (torch's own default is 30 minutes). A peer whose
+#: process died is noticed much sooner: the launcher sees it exit (a process's exit code, Ray's
+#: actor death) and ends the others within ``_GRACE_S``, and gloo's collectives fail as soon as
+#: the dead peer's connection closes (docs/elastic.md, "A worker lost")
+COLLECTIVE_TIMEOUT_S = 120.0
 
 
 class WorkerError(RuntimeError):
@@ -104,7 +112,7 @@ def train_data_parallel(
     on_finish: Callable[[MemberResult], None] | None = None,
     backend: str | None = None,
     threads: int = 1,
-    timeout_s: float = 120.0,
+    timeout_s: float = COLLECTIVE_TIMEOUT_S,
     start_method: str | None = None,
     **trainer_options: Any,
 ) -> list[MemberResult]:
@@ -114,8 +122,9 @@ def train_data_parallel(
     ``checkpoint_dir`` is required: it is what a resize or a lost worker resumes from.
     ``report`` and ``on_finish`` run in rank 0's process (they must pickle). ``backend`` is
     ``"gloo"`` (the default on CPUs) or ``"nccl"`` (the default when ``device`` is CUDA: worker
-    r takes GPU r). ``threads`` is each worker's torch threads; ``timeout_s`` bounds a
-    collective that waits for a worker that is gone. ``start_method`` is
+    r takes GPU r). ``threads`` is each worker's torch threads; ``timeout_s`` (the process
+    group's timeout, :data:`COLLECTIVE_TIMEOUT_S` by default) bounds a collective that waits for
+    a worker that hangs; a worker that dies ends the others within 2 s. ``start_method`` is
     ``torch.multiprocessing``'s: by default ``"fork"`` on CPUs where the platform has it (a
     worker starts in milliseconds, with this process's imports; ``task`` need not pickle) and
     ``"spawn"`` otherwise and on CUDA (which a forked process cannot use; every worker then

@@ -24,6 +24,7 @@ from ..training import Member, MemberResult
 from ..training.results import RefillHook, ReportHook
 from ..training.task import Task
 from ._launch import (
+    COLLECTIVE_TIMEOUT_S,
     WorkerError,
     _Job,
     elastic_loop,
@@ -57,7 +58,7 @@ def train_data_parallel_ray(
     gpus_per_worker: float = 0,
     backend: str | None = None,
     threads: int = 1,
-    timeout_s: float = 120.0,
+    timeout_s: float = COLLECTIVE_TIMEOUT_S,
     place_timeout_s: float = 120.0,
     target: Callable[[int, int], int] | None = None,
     refill: RefillHook | None = None,
