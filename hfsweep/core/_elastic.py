@@ -305,6 +305,9 @@ class ElasticPolicy:
             entry = self._arrays.pop(folder, None)
             if entry is not None and self._arrays:
                 self._decide("array ended", total)
+            elif entry is not None:  # none left: every worker idle until an array starts
+                self._total = total
+                self._show(self.allocator.rest(total, self.clock()))
             learnt = self.profiles.get(entry.key) if entry is not None else None
         if learnt is not None and learnt.measured and self.remember is not None:
             try:
@@ -453,7 +456,15 @@ class ElasticPolicy:
             if e.launched > 0:  # training: resized (0: paused) at its next evaluation boundary
                 request_resize(e.folder, k)
             e.workers, e.since = k, now
+        self._show(plan)
+
+    def _show(self, plan: Plan) -> None:
+        """``plan``'s status line, with the time arrays waited and workers idled so far, to the
+        log and the progress line."""
         status = plan.status()
+        waits = plan.waits()
+        if waits:
+            status = f"{status}; {waits}"
         _log.info("%s", status)
         self.show(status)
 

@@ -43,7 +43,8 @@ and restart a resize costs).
 
 Every call of :meth:`Allocator.decide` returns a :class:`Plan`: one :class:`Decision` per array
 and per pool of waiting trials, each with a human-readable reason, and :meth:`Plan.status` for a
-progress line.
+progress line. The allocator also keeps the time its plans left arrays waiting and workers idle
+(:meth:`Allocator.waits`, :meth:`Plan.waits`), on the same clock.
 """
 
 from __future__ import annotations
@@ -153,6 +154,13 @@ class Plan:
     event: str
     now: float
     notes: tuple[str, ...] = field(default=())
+    #: arrays this plan leaves without workers (paused, and new arrays of waiting trials)
+    waiting: int = 0
+    #: the allocator's accounting up to this plan, since its first: seconds summed over the
+    #: arrays its plans left waiting, and over the workers they left idle (each plan's counts
+    #: held until the next plan)
+    waited_s: float = 0.0
+    idle_s: float = 0.0
 
     def workers(self) -> dict[str, int]:
         """Array name -> workers after this plan (started arrays included, paused ones 0)."""
@@ -168,6 +176,13 @@ class Plan:
             k = after.get(a.name, a.workers)
             out.append(a if k == a.workers else replace(a, workers=k, since=self.now))
         return out
+
+    def waits(self) -> str:
+        """``arrays waited 12 s, workers idle 30 s`` (the accounting up to this plan, summed
+        over arrays and over workers), or ``""`` before anything waited or idled."""
+        if not (self.waited_s or self.idle_s):
+            return ""
+        return f"arrays waited {self.waited_s:.0f} s, workers idle {self.idle_s:.0f} s"
 
     def changed(self) -> list[Decision]:
         """The decisions that change something (not ``keep``)."""
@@ -252,6 +267,8 @@ class Allocator:
         self.resize_every_s = resize_every_s
         self.resize_cost_s = resize_cost_s
         self.max_wait_s = max_wait_s
+        #: the last plan (its waits and idle workers count until the next)
+        self.last: Plan | None = None
 
     def decide(
         self,
@@ -391,7 +408,32 @@ class Allocator:
                 reason = self._why_wait(pool, served, chosen, paused != [], total, now)
                 decisions.append(Decision(name, pool.key, "wait", 0, 0, reason))
         used = sum(d.after for d in decisions if d.action != "wait")
-        return Plan(tuple(decisions), total, total - used, event, now, tuple(notes))
+        left = sum(d.after == 0 for d in decisions if d.action != "wait") + sum(
+            pool.arrays - len(started.get(j, [])) for j, pool in enumerate(waiting)
+        )
+        waited_s, idle_s = self.waits(now)
+        self.last = Plan(
+            tuple(decisions), total, total - used, event, now, tuple(notes), left, waited_s, idle_s
+        )
+        return self.last
+
+    def rest(self, total: int, now: float, event: str = "array ended") -> Plan:
+        """The plan with nothing to run (the last array ended, no trial waits): every one of
+        ``total`` workers idle from ``now`` on, in the accounting, until the next plan."""
+        waited_s, idle_s = self.waits(now)
+        self.last = Plan((), total, total, event, now, (), 0, waited_s, idle_s)
+        return self.last
+
+    def waits(self, now: float) -> tuple[float, float]:
+        """``(array-seconds waited, worker-seconds idle)`` from this allocator's first plan to
+        ``now``: each plan's arrays without workers and idle workers, held until the next plan
+        (or ``now``). The plans' view: a resize counts from its plan, not from the boundary
+        where the array makes it."""
+        last = self.last
+        if last is None:
+            return 0.0, 0.0
+        dt = max(0.0, now - last.now)
+        return last.waited_s + last.waiting * dt, last.idle_s + last.idle * dt
 
     def _why_wait(
         self,
