@@ -262,6 +262,8 @@ class ElasticPolicy:
                     self._decide(
                         f"{self._name(folder)} waited {self.settings.max_wait_s:g} s", total
                     )
+                elif self._timer_due():
+                    self._decide("timer", total, quiet=True)
             if entry.workers == 0:
                 return 0
             entry.launched, entry.seen = entry.workers, None
@@ -280,6 +282,14 @@ class ElasticPolicy:
                     entry.workers,
                 )
             return entry.launched
+
+    def _timer_due(self) -> bool:
+        """Whether the last plan is the allocator's ``timer_s`` old (``resize_every_s``, at
+        least 1 s): a waiting array is then re-decided as the running arrays progress (their
+        remaining time shrinks with every report), not only at events, as the simulator
+        assumes."""
+        last = self.allocator.last
+        return last is not None and self.clock() - last.now >= self.allocator.timer_s
 
     def reported(self, folder: str, evaluations: Sequence[Evaluation], live: int) -> None:
         with self._lock:
@@ -400,8 +410,12 @@ class ElasticPolicy:
         )
 
     # ------------------------------------------------------------------ deciding
-    def _decide(self, event: str, total: int, fresh: str | None = None) -> None:
-        """Ask the allocator, log every decision with its reason, and carry the plan out."""
+    def _decide(
+        self, event: str, total: int, fresh: str | None = None, *, quiet: bool = False
+    ) -> None:
+        """Ask the allocator, log every decision with its reason, and carry the plan out.
+        ``quiet`` (a timer's plan): a plan that changes no array's workers is neither logged,
+        shown nor kept in :attr:`plans` (the allocator still counts from it)."""
         if self._total is not None and total != self._total:
             event = f"{'node joined' if total > self._total else 'node left'}, {event}"
         self._total = total
@@ -433,6 +447,8 @@ class ElasticPolicy:
             if not e.begun
         ]
         plan = self.allocator.decide(states, pools, total, now=now, event=event)
+        if quiet and all(d.after == d.before for d in plan.decisions):
+            return
         self.plans.append(plan)
         after = plan.workers()
         new = self._name(fresh) if fresh is not None else None

@@ -417,6 +417,12 @@ class Allocator:
         )
         return self.last
 
+    @property
+    def timer_s(self) -> float:
+        """How often a caller re-decides while trials or arrays wait, events or not:
+        ``resize_every_s``, at least 1 s (a cooldown of 0 would re-plan at every look)."""
+        return max(self.resize_every_s, 1.0)
+
     def rest(self, total: int, now: float, event: str = "array ended") -> Plan:
         """The plan with nothing to run (the last array ended, no trial waits): every one of
         ``total`` workers idle from ``now`` on, in the accounting, until the next plan."""
@@ -446,7 +452,11 @@ class Allocator:
     ) -> str:
         """The reason a pool's trials wait: an array is paused, no worker is free, or the
         workers save more member-seconds in the running arrays (named, with their workers)."""
-        later = "re-decided when an array ends, members stop or the cluster changes; started " + (
+        every = f"every {self.timer_s:g} s"
+        later = (
+            f"re-decided when an array ends, members stop or the cluster changes, and {every}; "
+            "started "
+        ) + (
             "at the next of those (it waited max_wait_s)"
             if pool.overdue(now, self.max_wait_s)
             else f"at the latest once it has waited {self.max_wait_s:g} s"
