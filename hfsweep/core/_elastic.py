@@ -17,8 +17,9 @@ answers 0. The executor then asks :meth:`ElasticPolicy.waiting` until a later pl
 array workers again (another array ended, the cluster grew, or it waited ``max_wait_s`` and
 takes the place of the array that last (re)started); the array resumes from the checkpoint
 written at that boundary, so nothing is lost or trained twice. While it waits,
-:meth:`~ElasticPolicy.waiting` re-plans when the cluster's workers change and once when its
-wait reaches ``max_wait_s``.
+:meth:`~ElasticPolicy.waiting` re-plans when the cluster's workers change, once when its
+wait reaches ``max_wait_s``, and on the allocator's timer (``resize_every_s``, at least 1 s;
+a timer plan that changes nothing is not logged).
 
 The allocator's ``start``/``wait`` decisions for waiting trials are carried out too. An array
 the engine has formed (its trials taken from their pool) is, until its first launch, one of the
