@@ -334,11 +334,47 @@ class _Captured(Exception):
 def trainer_step(name: str, models: list[nn.Module], x: Tensor, y: Tensor) -> Callable[[], None]:
     """The trainer's fused step on copies of ``models`` and the batch ``(x, y)``.
 
+    The step calls the trainer's ``backward`` and ``update`` with the arguments
+    :func:`trainer_calls` captured, and adds the losses to a running sum as the trainer's loop
+    does. The array, optimizer and loss are the trainer's own objects."""
+    (b_args, b_kwargs), (u_args, u_kwargs) = trainer_calls(name, models, x, y)
+    backward, update = _trainer_run.backward, _trainer_run.update
+    loss_sum = torch.zeros(len(models), dtype=torch.float64, device=x.device)
+    add_losses = trainer_add_losses()
+
+    def trainer() -> None:
+        losses = backward(*b_args, **b_kwargs)
+        update(*u_args, **u_kwargs)
+        add_losses(loss_sum, losses)
+
+    return trainer
+
+
+def _add_losses_before(loss_sum: Tensor, losses: Tensor) -> None:
+    with torch.no_grad():
+        loss_sum.add_(losses.detach().to(torch.float64))
+
+
+def trainer_add_losses() -> Callable[[Tensor, Tensor], None]:
+    """How the trainer's loop adds a step's losses to its running sum: ``step.add_losses``, or
+    on a revision without it (``before_after.py`` runs this script on older trees) the
+    conversion to float64 and add it made then."""
+    from hfsweep.training import step
+
+    return getattr(step, "add_losses", _add_losses_before)
+
+
+Call = tuple[tuple[Any, ...], dict[str, Any]]
+
+
+def trainer_calls(name: str, models: list[nn.Module], x: Tensor, y: Tensor) -> tuple[Call, Call]:
+    """The ``(args, kwargs)`` of the trainer's ``backward`` and ``update`` for copies of
+    ``models`` trained on the batch ``(x, y)``.
+
     An ``hs.ArrayTrainer`` run of one task that trains these models on this batch (SGD, lr 0.01
     per member) is stopped at its second step; the arguments its ``backward`` and ``update``
-    (``hfsweep/training/step.py``, what ``hfsweep run`` calls every step) were given are kept,
-    and the step returned calls them again, and adds the losses to a running sum as the
-    trainer's loop does. The array, optimizer and loss are the trainer's own objects."""
+    (``hfsweep/training/step.py``, what ``hfsweep run`` calls every step) were given are kept.
+    ``step_breakdown.py`` times their parts."""
     batch = x.shape[0]
     copies = iter([copy.deepcopy(m) for m in models])
     device = x.device
@@ -375,16 +411,7 @@ def trainer_step(name: str, models: list[nn.Module], x: Tensor, y: Tensor) -> Ca
         suppress(_Captured),
     ):
         hs.ArrayTrainer(task, device=str(device), eval_every=10**6).run(members)
-    (b_args, b_kwargs), (u_args, u_kwargs) = captured["backward"], captured["update"]
-    loss_sum = torch.zeros(len(models), dtype=torch.float64, device=device)
-
-    def trainer() -> None:
-        losses = backward(*b_args, **b_kwargs)
-        update(*u_args, **u_kwargs)
-        with torch.no_grad():
-            loss_sum.add_(losses.detach().to(torch.float64))
-
-    return trainer
+    return captured["backward"], captured["update"]
 
 
 def _hand_written(models: list[nn.Module], x: Tensor, y: Tensor) -> Callable[[], None]:

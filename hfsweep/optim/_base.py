@@ -95,6 +95,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._schedulers: list[Any] = []  # hs.optim.lr_scheduler objects attached to this
         #: per param group: (the hyperparameters' identity and version, their [B, 1, ...] views)
         self._view_cache: dict[int, tuple[tuple[Any, ...], dict[Any, dict[str, Tensor]]]] = {}
+        #: per param group: one ``[P, B]`` tensor whose rows are its parameters' ``step``
+        #: counts (the states hold the row views), so a step counts with one ``add_``
+        self._step_blocks: dict[int, tuple[Tensor, list[Tensor]]] = {}
         self._refresh()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -193,12 +196,52 @@ class FusedOptimizer(torch.optim.Optimizer):
                 continue
             # The update runs in place for all members; inactive members get their slices
             # back afterwards (their gradients may even be non-finite).
+            # the block of step counts first: the rows kept for inactive members must be the
+            # step tensors the count then adds to
+            steps = [state["step"] for state in states]
+            block = self._step_block(index, states, steps)
             saved = _inactive_rows(params, states, inactive)
             self._update_group(work, group, self._flags[index])
-            torch._foreach_add_([state["step"] for state in states], 1)
+            if block is None:  # some parameters had no gradient: only theirs count
+                torch._foreach_add_([state["step"] for state in states], 1)
+            else:
+                block.add_(1)
             for t, rows, values in saved:
                 t.index_copy_(0, rows, values)
         return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's ``zero_grad``; with ``set_to_none`` (the default) a plain loop that drops
+        every gradient, without the profiler range (``Optimizer.zero_grad#...``) torch opens
+        around it, whose cost is fixed and outweighs the loop on a small model's fused step."""
+        if not set_to_none:
+            super().zero_grad(set_to_none=False)
+            return
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad = None
+
+    def _step_block(self, index: int, states: list[State], steps: list[Tensor]) -> Tensor | None:
+        """The ``[P, B]`` block of group ``index``'s step counts when ``steps`` are its rows, in
+        order; made here (the counts copied, the states given its row views) when every
+        parameter of the group is in ``states``; else ``None``. A state whose ``step`` was
+        replaced (``load_state_dict``, a move to another device) no longer matches, and the
+        block is made again from the new counts."""
+        cached = self._step_blocks.get(index)
+        if cached is not None:
+            block, rows = cached
+            if len(rows) == len(steps) and all(a is b for a, b in zip(rows, steps, strict=True)):
+                return block
+        if len(steps) != len(self.param_groups[index]["params"]):
+            return None
+        if len({(t.device, t.dtype, t.shape) for t in steps}) != 1:
+            return None
+        block = torch.stack(steps)
+        rows = list(block.unbind(0))
+        for state, row in zip(states, rows, strict=True):
+            state["step"] = row
+        self._step_blocks[index] = (block, rows)
+        return block
 
     def _group_work(self, index: int, group: Group) -> Work:
         """The group's parameters that have gradients, their (initialised) states and their

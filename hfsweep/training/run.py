@@ -41,6 +41,7 @@ from .step import (
     _set_member_dropout,
     _StepCounts,
     _StepTimer,
+    add_losses,
     backward,
     update,
 )
@@ -257,8 +258,7 @@ class _Run:
             state.epoch, state.batch = epoch, index + 1
             if state.batch >= spe:
                 state.epoch, state.batch = epoch + 1, 0
-            with torch.no_grad():
-                live.loss_sum += losses.detach().to(torch.float64)
+            add_losses(live.loss_sum, losses)
             # the slots' step counts are brought up to date only when one of them is due (or
             # a member failed): no loop over the members at every step
             counts.pending += 1

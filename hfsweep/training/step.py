@@ -178,6 +178,14 @@ def update(opt: FusedOptimizer, sched: FusedLRScheduler | None) -> None:
         sched.step()
 
 
+def add_losses(loss_sum: Tensor, losses: Tensor) -> None:
+    """Add a step's ``[B]`` losses to the ``[B]`` float64 running sum, in one operator: the
+    in-place add converts each loss to float64 exactly, as a separate ``.to(float64)`` would,
+    without making that copy first (nor a ``detach``: under ``no_grad`` nothing is recorded)."""
+    with torch.no_grad():
+        loss_sum.add_(losses)
+
+
 def _set_member_dropout(array: FusedArray, i: int, p: float) -> None:
     current = array.dropout
     if not current:
