@@ -28,6 +28,7 @@ from ._check import describe_path
 from ._compile import compile_graph, compiling_backward_now, mode_for, warn_fallback
 from ._graph import simplify
 from ._random import FunctionalStream, member_randomness
+from ._recompute import intercepting, records_regions
 from ._state import _Slot
 
 _log = logging.getLogger("hfsweep.fusion")
@@ -41,6 +42,8 @@ class _Outputs:
 
     spec: Any = None
     leaves: list[Any] | None = None
+    #: the checkpointed regions a traced forward calls (see _recompute): the trace keeps them
+    regions: list[Any] | None = None
 
 
 @dataclass
@@ -62,7 +65,11 @@ def _self_contained(entry: Any) -> bool:
         return False
     graph = getattr(entry.plain or entry.graph, "__self__", None)
     nodes = getattr(getattr(graph, "graph", None), "nodes", None)
-    return nodes is not None and all(n.op != "get_attr" for n in nodes)
+    return (
+        nodes is not None
+        and all(n.op != "get_attr" for n in nodes)
+        and not records_regions(iter(nodes))  # bound to this array's template
+    )
 
 
 _TENSOR = object()  # marks where a tensor goes in a recorded output structure
@@ -139,6 +146,8 @@ class _Tracing:
         self, leaves: list[Any], spec: Any, tensor_at: list[int], shared: bool
     ) -> Callable[[_Outputs], Callable[..., tuple[Tensor, ...]]]:
         n_state = len(self._slots)
+        # the state a checkpointed region may write (set back while it is recomputed)
+        buffer_at = tuple(j for j, s in enumerate(self._slots) if not s.is_param and not s.shared)
 
         def per_member(
             state: tuple[Tensor, ...], tensors: tuple[Tensor, ...], rec: _Outputs
@@ -151,7 +160,18 @@ class _Tracing:
                 for i, t in zip(tensor_at, tensors, strict=True):
                     filled[i] = t
                 args, kwargs = pytree.tree_unflatten(filled, spec)
-                with _batchable_attention(), member_randomness(self.functional, self.module):
+                with (
+                    _batchable_attention(),
+                    member_randomness(self.functional, self.module),
+                    intercepting(
+                        state,
+                        self._swap_places,
+                        buffer_at,
+                        _batchable_attention,
+                        self.module,
+                        rec.regions,
+                    ),
+                ):
                     if self._grad_watch is not None:
                         with self._grad_watch:
                             out = self.module(*args, **kwargs)
@@ -353,7 +373,7 @@ class _Tracing:
     ) -> Any:
         from torch.fx.experimental.proxy_tensor import make_fx
 
-        rec = _Outputs()
+        rec = _Outputs(regions=[])
         start = time.perf_counter()
         before = self._attributes()
         saved = [(m, dict(m.__dict__)) for m in self._template_modules]
