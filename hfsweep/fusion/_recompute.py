@@ -39,7 +39,7 @@ from torch.func import vmap
 
 from .._compat import checkpoint_internals_refused, pytree
 from .._errors import FusionError
-from ._check import describe_path
+from ._check import describe_path, ignored_hook
 from ._random import MemberRandomness, active_randomness
 
 __all__ = ["RECOMPUTE_OP", "RecomputeRegion", "intercepting", "records_regions"]
@@ -140,7 +140,7 @@ class RecomputeRegion(_Region):
         mode = MemberRandomness(self.stream)
         mode._site = self.site
         if self.drawn:  # the forward took its count before the region: the count less one
-            mode._calls = self.stream.get_buffer("member_calls") - 1
+            mode._calls = self.stream.get_buffer("member_calls").clone().sub_(1)
         return mode
 
     def rebuild(self, outputs: Sequence[Tensor]) -> Any:
@@ -343,7 +343,7 @@ def intercepting(
             # the region took (this forward's draws share one count)
             mode._site = region.site + region.sites_used
             if mode._calls is None:
-                mode._calls = mode.stream.get_buffer("member_calls") - 1  # type: ignore[union-attr]
+                mode._calls = mode.stream.get_buffer("member_calls").clone().sub_(1)  # type: ignore[union-attr]
         if record is not None:
             record.extend(region.keeps())
         return region.rebuild(outputs)
@@ -362,8 +362,13 @@ def intercepting(
         (_torch_checkpoint, "checkpoint", _torch_checkpoint.checkpoint)
     ]
     _torch_checkpoint.checkpoint = stand_in
+    hooks: list[tuple[dict[int, Any], int, Any]] = []
     if template is not None:
         for module in template.modules():
+            for key, hook in list(module._forward_hooks.items()):
+                if ignored_hook("_forward_hooks", hook):  # HF's input-require-grads hook
+                    hooks.append((module._forward_hooks, key, hook))
+                    del module._forward_hooks[key]
             func = module.__dict__.get("_gradient_checkpointing_func")
             if isinstance(func, functools.partial):
                 patched.append((module, "_gradient_checkpointing_func", func))
@@ -374,6 +379,8 @@ def intercepting(
         with checkpoint_internals_refused(unseen):
             yield
     finally:
+        for store, key, hook in hooks:
+            store[key] = hook
         for owner, name, value in reversed(patched):
             if isinstance(owner, nn.Module):
                 owner.__dict__[name] = value
