@@ -1,6 +1,7 @@
 """What a fused array's peak of live tensor bytes is made of, on the CPU, op by op.
 
-    python benchmarks/peak_breakdown.py [--model lora_bert] [--sizes 1 16] [--out STEM]
+    python benchmarks/peak_breakdown.py [--model lora_bert] [--sizes 1 16]
+        [--gradient-checkpointing] [--out STEM]
 
 For one model of ``fusion_throughput.py`` (default ``lora_bert``: a BERT-style encoder with peft
 LoRA r=8 on a frozen base that every member shares), this trains the plain model alone
@@ -18,8 +19,12 @@ shape, and reports:
   peak - its frozen tensors.
 
 It also lists any tensor made during the step whose shape is ``[B, *shape of a shared frozen
-tensor]`` for B > 1 (a per-member copy of a frozen weight; expected: none). Writes
-``results/peak_breakdown_cpu_<model>.{md,json}``, or ``STEM.{md,json}`` with ``--out``.
+tensor]`` for B > 1 (a per-member copy of a frozen weight; expected: none). With
+``--gradient-checkpointing`` every model (the plain one and each member) has its Hugging Face
+gradient checkpointing on (``gradient_checkpointing_enable(use_reentrant=False)``), which the
+array honours by recomputing each checkpointed layer for all members at once in the backward.
+Writes ``results/peak_breakdown_cpu_<model>[_checkpointed].{md,json}``, or ``STEM.{md,json}``
+with ``--out``.
 """
 
 from __future__ import annotations
@@ -80,13 +85,26 @@ class _PeakSnapshot(TorchDispatchMode):
         return out
 
 
-def measure(model: str, size: int) -> dict[str, Any]:
+def _with_checkpointing(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with the gradient checkpointing of its Hugging Face model turned on."""
+    for m in model.modules():
+        if getattr(m, "supports_gradient_checkpointing", False):
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            return model
+    raise SystemExit(f"--gradient-checkpointing: {type(model).__name__} has no Hugging Face model")
+
+
+def measure(model: str, size: int, checkpointing: bool = False) -> dict[str, Any]:
     """One row: ``size`` 0 is the plain model alone, else a fused array of ``size`` members."""
-    build = MODELS[model].build
+    spec_build = MODELS[model].build
+
+    def build() -> torch.nn.Module:
+        return _with_checkpointing(spec_build()) if checkpointing else spec_build()
+
     torch.manual_seed(0)
     x, y = _batch(model, MODELS[model].batch, torch.device("cpu"))
     if size == 0:
-        plain = build()
+        plain = build().train()
         opt = torch.optim.SGD(plain.parameters(), lr=0.01)
         frozen_bytes = sum(
             t.untyped_storage().nbytes()
@@ -158,11 +176,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="lora_bert", choices=sorted(MODELS))
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 16])
+    parser.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="turn on the Hugging Face model's gradient checkpointing (non-reentrant)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     retain_freed_memory()  # as the trainer and fusion_throughput.py run
-    rows = [measure(args.model, size) for size in [0, *args.sizes]]
+    checkpointing = args.gradient_checkpointing
+    rows = [measure(args.model, size, checkpointing) for size in [0, *args.sizes]]
     cells = [
         [
             r["way"],
@@ -199,16 +223,23 @@ def main(argv: list[str] | None = None) -> int:
                 ],
             ),
         ]
-    stem = args.out or RESULTS / f"peak_breakdown_cpu_{args.model}"
+    suffix = "_checkpointed" if checkpointing else ""
+    stem = args.out or RESULTS / f"peak_breakdown_cpu_{args.model}{suffix}"
     write_results(
         stem,
         "peak_breakdown.py",
         argv,
         torch.device("cpu"),
-        f"What the peak of live tensor bytes is made of: {args.model}",
+        f"What the peak of live tensor bytes is made of: {args.model}"
+        + (", gradient checkpointing on" if checkpointing else ""),
         [
             f"- model: `{args.model}` {MODELS[args.model].about} (batch {MODELS[args.model].batch}"
-            " per member); one SGD training step after two of warm-up",
+            " per member); one SGD training step after two of warm-up"
+            + (
+                "; Hugging Face gradient checkpointing on (use_reentrant=False) in every model"
+                if checkpointing
+                else ""
+            ),
             "- frozen: the tensors the array keeps once (`array.shared_frozen`; in the plain "
             "model, its tensors that do not require grad); other state: trainable parameters, "
             "optimizer state and the batch; step: tensors made during the step alive at the peak; "

@@ -36,7 +36,9 @@ _HOOK_DICTS = (
 #: that *reentrant* checkpointing of frozen-embedding models gets gradients. It changes no value
 #: and no gradient of the model's parameters, and the array's recomputation (non-reentrant, see
 #: ``_recompute``) does not need it, so it is the one hook a model may carry into an array.
-_INPUT_REQUIRE_GRADS = "PreTrainedModel.enable_input_require_grads.<locals>.make_inputs_require_grads"
+_INPUT_REQUIRE_GRADS = (
+    "PreTrainedModel.enable_input_require_grads.<locals>.make_inputs_require_grads"
+)
 
 
 def ignored_hook(hooks: str, hook: Any) -> bool:

@@ -7,13 +7,17 @@ torch's own checkpoint cannot run inside the array's ``vmap``: its recomputation
 in the backward, outside the ``vmap`` that gave ``fn``'s tensors their member dimension. So while a
 member's forward runs, :func:`intercepting` puts a stand-in in the places the model calls
 checkpoint through (``torch.utils.checkpoint.checkpoint`` and a Hugging Face module's
-``_gradient_checkpointing_func``). The stand-in calls one op, ``hfsweep::recompute``, with the
-region's tensor arguments and the array's state. Under ``vmap`` the op's batching rule runs the
-region for every member at once (``vmap`` over the member's ``fn``) below the ``vmap``; a trace
-(``make_fx``) records the op as one node, so a traced array checkpoints exactly like an eager one.
-The op's forward runs under ``no_grad``; its backward recomputes the region with autograd on and
-takes the gradient of its outputs with respect to its inputs (the region's arguments and the
-parameters it reads), as ``torch.utils.checkpoint`` does.
+``_gradient_checkpointing_func``). The stand-in calls one ``autograd.Function``
+(:class:`_RegionFunction`) with the region's tensor arguments and the array's state; under
+``vmap`` its ``vmap`` rule runs the region for every member at once (``vmap`` over the member's
+``fn``) one level down. Its forward runs without autograd; its backward recomputes the region with
+autograd on and takes the gradient of the outputs with respect to the inputs (the region's
+arguments and the parameters it reads), as ``torch.utils.checkpoint`` does. A trace (``make_fx``)
+would hold the region's ops inline and save their results, so a call signature whose forward
+checkpoints runs eagerly (see :meth:`_Tracing._trace`). A checkpoint call the stand-in cannot see
+(a name bound by ``from torch.utils.checkpoint import checkpoint``), the reentrant form and
+selective checkpointing (``context_fn``) are refused with a :class:`FusionError` naming the
+submodule.
 
 The recomputation is the forward's, bit for bit: buffers the region writes (each dropout layer's
 call count, the functional stream's count, BatchNorm statistics) are set back to their values at
@@ -42,7 +46,7 @@ from .._errors import FusionError
 from ._check import describe_path, ignored_hook
 from ._random import MemberRandomness, active_randomness
 
-__all__ = ["RECOMPUTE_OP", "RecomputeRegion", "intercepting", "records_regions"]
+__all__ = ["RecomputeRegion", "intercepting"]
 
 #: the live regions by id: the op's integer argument names one (the trace or the autograd node
 #: that uses a region holds it; the registry does not keep it alive)
@@ -63,8 +67,9 @@ class _Region:
         #: the written buffers' values at the region's start, from the op's forward to autograd
         self.pending: list[Tensor] = []
 
-    def run(self, tensors: Sequence[Tensor], replay: Any) -> list[Tensor]:
-        raise NotImplementedError
+    def run(self, tensors: Sequence[Tensor]) -> list[Tensor]:
+        """The region's output tensors for ``tensors`` (the op's inputs)."""
+        raise NotImplementedError  # each kind of region defines it
 
     def keeps(self) -> list[Any]:
         """What a trace that calls this region must keep alive (itself and inner regions)."""
@@ -106,7 +111,7 @@ class RecomputeRegion(_Region):
         self.stream = randomness.stream if randomness is not None else None
         self.sites_used = 0
 
-    def run(self, tensors: Sequence[Tensor], replay: Any) -> list[Tensor]:
+    def run(self, tensors: Sequence[Tensor]) -> list[Tensor]:
         n_args = len(self.tensor_at)
         state = tensors[n_args:]
         saved = [(d, n, d[n]) for d, n, _ in self.places]
@@ -118,9 +123,12 @@ class RecomputeRegion(_Region):
                 filled[i] = t
             args, kwargs = pytree.tree_unflatten(filled, self.spec)
             mode = self._randomness()
-            with self.context(), mode if mode is not None else nullcontext():
-                with intercepting(state, self.places, self.buffer_at, self.context):
-                    out = self.fn(*args, **kwargs)
+            with (
+                self.context(),
+                mode if mode is not None else nullcontext(),
+                intercepting(state, self.places, self.buffer_at, self.context),
+            ):
+                out = self.fn(*args, **kwargs)
             if mode is not None:
                 self.sites_used = mode._site - self.site
         finally:
@@ -160,9 +168,9 @@ class _Batched(_Region):
         self.randomness = randomness
         self.mutable = inner.mutable
 
-    def run(self, tensors: Sequence[Tensor], replay: Any) -> list[Tensor]:
+    def run(self, tensors: Sequence[Tensor]) -> list[Tensor]:
         def one(ts: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-            return tuple(self.inner.run(ts, replay))
+            return tuple(self.inner.run(ts))
 
         out = vmap(one, in_dims=(self.dims,), randomness=self.randomness)(tuple(tensors))
         return list(out)
@@ -178,50 +186,52 @@ def _region(region: int) -> _Region:
     return found
 
 
-@torch.library.custom_op("hfsweep::recompute", mutates_args=())
-def _recompute_op(tensors: list[Tensor], region: int) -> list[Tensor]:
-    found = _region(region)
-    with torch.no_grad():
+class _RegionFunction(torch.autograd.Function):
+    """A region's forward without autograd, its backward by recomputation (see the module
+    docstring). Under ``vmap`` (:meth:`vmap`) it runs the region for all members at once one
+    level down; dispatch modes (the profiler's memory tracking) see the region's own ops."""
+
+    generate_vmap_rule = False
+
+    @staticmethod
+    def forward(region: int, *tensors: Tensor) -> tuple[Tensor, ...]:
+        found = _region(region)
         if found.mutable:  # (autograd takes it, or the next call replaces it)
             found.pending = [tensors[i].clone() for i in found.mutable]
-        out = found.run(tensors, None)
-    # the op's outputs must not alias its inputs (a region that returns an argument as is)
-    inputs = {id(t) for t in tensors}
-    return [t.clone() if id(t) in inputs or t._base is not None else t for t in out]
+        out = found.run(tensors)
+        # the outputs must not alias the inputs (a region that returns an argument as is)
+        inputs = {id(t) for t in tensors}
+        return tuple(t.clone() if id(t) in inputs or t._base is not None else t for t in out)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        region, *tensors = inputs
+        found = _region(region)
+        ctx.region = found  # keeps the region alive until the backward
+        ctx.snapshot, found.pending = found.pending, []
+        ctx.needs = [t.requires_grad for t in tensors]
+        # the buffers the region writes are kept as they are (their later writes are not the
+        # backward's concern: it sets them back itself); everything else as autograd saves
+        ctx.buffers = [tensors[i] for i in found.mutable]
+        ctx.save_for_backward(*[t for i, t in enumerate(tensors) if i not in found.mutable])
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        return (None, *_recompute_grads(ctx, list(grads)))
+
+    @staticmethod
+    def vmap(
+        info: Any, in_dims: tuple[Any, ...], region: int, *tensors: Tensor
+    ) -> tuple[tuple[Tensor, ...], tuple[int, ...]]:
+        inner = _region(region)
+        batched = _Batched(inner, in_dims[1:], info.randomness)
+        if isinstance(inner, RecomputeRegion):
+            inner.batched = batched  # whoever keeps the inner region keeps this one
+        out = _RegionFunction.apply(batched.id, *tensors)
+        return out, (0,) * len(out)
 
 
-@_recompute_op.register_fake
-def _recompute_fake(tensors: list[Tensor], region: int) -> list[Tensor]:
-    found = _region(region)
-    with torch.no_grad():
-        out = found.run(tensors, None)
-    return [t.clone() if t._base is not None else t for t in out]
-
-
-def _recompute_vmap(
-    info: Any, in_dims: tuple[Any, ...], tensors: list[Tensor], region: int
-) -> tuple[list[Tensor], list[int]]:
-    inner = _region(region)
-    batched = _Batched(inner, in_dims[0], info.randomness)
-    if isinstance(inner, RecomputeRegion):
-        inner.batched = batched  # a trace that keeps the inner region keeps this one
-    out = _recompute_op(list(tensors), batched.id)
-    return out, [0] * len(out)
-
-
-def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    tensors, region = inputs
-    found = _region(region)
-    ctx.region = found  # keeps the region alive until the backward
-    ctx.snapshot, found.pending = found.pending, []
-    ctx.needs = [t.requires_grad for t in tensors]
-    # the buffers the region writes are kept as they are (their later writes are not the
-    # backward's concern: it sets them back itself); everything else as autograd saves inputs
-    ctx.buffers = [tensors[i] for i in found.mutable]
-    ctx.save_for_backward(*[t for i, t in enumerate(tensors) if i not in found.mutable])
-
-
-def _backward(ctx: Any, grads: list[Tensor | None]) -> tuple[list[Tensor | None], None]:
+def _recompute_grads(ctx: Any, grads: list[Tensor | None]) -> list[Tensor | None]:
     found: _Region = ctx.region
     saved = iter(ctx.saved_tensors)
     buffers = iter(ctx.buffers)
@@ -236,7 +246,7 @@ def _backward(ctx: Any, grads: list[Tensor | None]) -> tuple[list[Tensor | None]
     result: list[Tensor | None] = [None] * len(inputs)
     try:
         with torch.enable_grad():
-            out = found.run(inputs, True)
+            out = found.run(inputs)
         pairs = [
             (o, g) for o, g in zip(out, grads, strict=True) if g is not None and o.requires_grad
         ]
@@ -255,20 +265,7 @@ def _backward(ctx: Any, grads: list[Tensor | None]) -> tuple[list[Tensor | None]
         with torch.no_grad():
             for b, value in zip(ctx.buffers, now, strict=True):
                 b.copy_(value)
-    return result, None
-
-
-_recompute_op.register_autograd(_backward, setup_context=_setup_context)
-_recompute_op.register_vmap(_recompute_vmap)
-
-#: the op as a traced graph names it
-RECOMPUTE_OP = torch.ops.hfsweep.recompute.default
-
-
-def records_regions(nodes: Iterator[Any]) -> bool:
-    """Whether a traced graph's nodes call a checkpointed region (such a graph is bound to its
-    array's template and is not shared with other arrays)."""
-    return any(getattr(n, "target", None) is RECOMPUTE_OP for n in nodes)
+    return result
 
 
 def _calling_module(template: nn.Module) -> str:
@@ -323,6 +320,12 @@ def intercepting(
                 "(selective checkpointing), which a fused array cannot apply per member; leave "
                 "context_fn out (the whole region is recomputed)."
             )
+        # a partial's bound arguments (Hugging Face binds a layer's keyword arguments, masks
+        # among them) become the region's arguments: tensors must enter it as its inputs
+        while isinstance(function, functools.partial):
+            args = (*function.args, *args)
+            kwargs = {**function.keywords, **kwargs}
+            function = function.func
         leaves, spec = pytree.tree_flatten((args, kwargs))
         tensor_at = [i for i, x in enumerate(leaves) if isinstance(x, Tensor)]
         region = RecomputeRegion(
@@ -336,7 +339,7 @@ def intercepting(
             active_randomness(),
         )
         inputs = [leaves[i] for i in tensor_at] + list(state)
-        outputs = _recompute_op(inputs, region.id)
+        outputs = _RegionFunction.apply(region.id, *inputs)
         mode = active_randomness()
         if mode is not None and region.sites_used:
             # the region drew from the member's stream: go on after its draws, with the count

@@ -28,7 +28,7 @@ from ._check import describe_path
 from ._compile import compile_graph, compiling_backward_now, mode_for, warn_fallback
 from ._graph import simplify
 from ._random import FunctionalStream, member_randomness
-from ._recompute import intercepting, records_regions
+from ._recompute import intercepting
 from ._state import _Slot
 
 _log = logging.getLogger("hfsweep.fusion")
@@ -42,7 +42,8 @@ class _Outputs:
 
     spec: Any = None
     leaves: list[Any] | None = None
-    #: the checkpointed regions a traced forward calls (see _recompute): the trace keeps them
+    #: the checkpointed regions a traced forward started (see _recompute): such a call runs
+    #: eagerly, where each region is recomputed in the backward
     regions: list[Any] | None = None
 
 
@@ -65,11 +66,7 @@ def _self_contained(entry: Any) -> bool:
         return False
     graph = getattr(entry.plain or entry.graph, "__self__", None)
     nodes = getattr(getattr(graph, "graph", None), "nodes", None)
-    return (
-        nodes is not None
-        and all(n.op != "get_attr" for n in nodes)
-        and not records_regions(iter(nodes))  # bound to this array's template
-    )
+    return nodes is not None and all(n.op != "get_attr" for n in nodes)
 
 
 _TENSOR = object()  # marks where a tensor goes in a recorded output structure
@@ -410,6 +407,12 @@ class _Tracing:
             return _EAGER
         if graph is None:
             self._compile_fallback(f"its forward cannot be traced ({failure})")
+            return _EAGER
+        if rec.regions:
+            # a trace would hold the checkpointed regions' ops inline, saved for the backward:
+            # the regions are recomputed only when the call runs them (eagerly)
+            _log.debug("forward checkpoints activations; running eagerly")
+            self._compile_fallback("its forward checkpoints activations, so it is not traced")
             return _EAGER
         if watch.changed:
             _log.debug("forward switches grad mode; running eagerly")
