@@ -374,3 +374,31 @@ def test_peft_lora_bert_with_checkpointing_trains_as_without() -> None:
         return {"input_ids": ids, "labels": torch.randint(0, 3, (4,), generator=g)}
 
     _assert_twins_train_alike(a, b, batch, lambda out: out.loss)
+
+
+class _TrainingOnly(Net):
+    """Checkpoints only in training, as Hugging Face's layers do."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        for block in self.blocks:
+            if self.training:
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        return x
+
+
+def test_a_checkpointing_forward_runs_eagerly_and_others_stay_traced() -> None:
+    """A trace would keep the regions' results for the backward: a training call that
+    checkpoints runs eagerly; an evaluation call of the same array is still traced."""
+    torch.manual_seed(0)
+    array = hs.fuse([_TrainingOnly(True).double() for _ in range(2)])
+    x = torch.randn(16, 6, dtype=torch.float64)
+    for _ in range(2):
+        array(x).sum().backward()
+        assert not array._last_call_traced
+    array.eval()
+    with torch.no_grad():
+        for _ in range(3):
+            array(x)
+    assert array._last_call_traced
