@@ -1,7 +1,7 @@
 """What a fused array's peak of live tensor bytes is made of, on the CPU, op by op.
 
     python benchmarks/peak_breakdown.py [--model lora_bert] [--sizes 1 16]
-        [--gradient-checkpointing] [--out STEM]
+        [--gradient-checkpointing] [--base HIDDEN LAYERS] [--batch N] [--out STEM]
 
 For one model of ``fusion_throughput.py`` (default ``lora_bert``: a BERT-style encoder with peft
 LoRA r=8 on a frozen base that every member shares), this trains the plain model alone
@@ -23,8 +23,9 @@ tensor]`` for B > 1 (a per-member copy of a frozen weight; expected: none). With
 ``--gradient-checkpointing`` every model (the plain one and each member) has its Hugging Face
 gradient checkpointing on (``gradient_checkpointing_enable(use_reentrant=False)``), which the
 array honours by recomputing each checkpointed layer for all members at once in the backward.
-Writes ``results/peak_breakdown_cpu_<model>[_checkpointed].{md,json}``, or ``STEM.{md,json}``
-with ``--out``.
+``--base 768 12`` gives ``lora_bert`` a wider and deeper base (BERT-base's shape), ``--batch``
+another batch per member. Writes ``results/peak_breakdown_cpu_<model>[_base<H>x<L>][_batch<N>]
+[_checkpointed].{md,json}``, or ``STEM.{md,json}`` with ``--out``.
 """
 
 from __future__ import annotations
@@ -32,13 +33,14 @@ from __future__ import annotations
 import argparse
 import collections
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from _results import RESULTS, markdown_table, write_results
-from fusion_throughput import MODELS, _batch
+from fusion_throughput import MODELS, LoraBert, TransformerClassifier, _batch
 from torch import Tensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -94,15 +96,57 @@ def _with_checkpointing(model: torch.nn.Module) -> torch.nn.Module:
     raise SystemExit(f"--gradient-checkpointing: {type(model).__name__} has no Hugging Face model")
 
 
-def measure(model: str, size: int, checkpointing: bool = False) -> dict[str, Any]:
+def _wider_lora_bert(hidden: int, layers: int) -> Callable[[], torch.nn.Module]:
+    """``lora_bert`` with a base of ``hidden`` width (``4 * hidden`` feed-forward, ``hidden //
+    64`` heads) and ``layers`` layers, built in-process like it (nothing downloaded)."""
+
+    def build() -> torch.nn.Module:
+        import peft
+        import transformers
+
+        # LoraBert's settings (fusion_throughput.py), the base's shape changed
+        config = transformers.BertConfig(
+            vocab_size=TransformerClassifier.vocab,
+            hidden_size=hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=max(1, hidden // 64),
+            intermediate_size=4 * hidden,
+            max_position_embeddings=TransformerClassifier.length,
+            num_labels=10,
+        )
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(1234)
+            base = transformers.BertForSequenceClassification(config)
+        lora = peft.LoraConfig(
+            r=8,
+            lora_alpha=16,
+            target_modules=["query", "value"],
+            lora_dropout=0.1,
+            task_type="SEQ_CLS",
+        )
+        member = LoraBert.__new__(LoraBert)
+        torch.nn.Module.__init__(member)
+        member.model = peft.get_peft_model(base, lora)
+        return member
+
+    return build
+
+
+def measure(
+    model: str,
+    size: int,
+    checkpointing: bool = False,
+    base: tuple[int, int] | None = None,
+    batch: int | None = None,
+) -> dict[str, Any]:
     """One row: ``size`` 0 is the plain model alone, else a fused array of ``size`` members."""
-    spec_build = MODELS[model].build
+    spec_build = MODELS[model].build if base is None else _wider_lora_bert(*base)
 
     def build() -> torch.nn.Module:
         return _with_checkpointing(spec_build()) if checkpointing else spec_build()
 
     torch.manual_seed(0)
-    x, y = _batch(model, MODELS[model].batch, torch.device("cpu"))
+    x, y = _batch(model, batch or MODELS[model].batch, torch.device("cpu"))
     if size == 0:
         plain = build().train()
         opt = torch.optim.SGD(plain.parameters(), lr=0.01)
@@ -181,12 +225,25 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="turn on the Hugging Face model's gradient checkpointing (non-reentrant)",
     )
+    parser.add_argument(
+        "--base",
+        type=int,
+        nargs=2,
+        metavar=("HIDDEN", "LAYERS"),
+        default=None,
+        help="lora_bert only: a base of this width and depth instead of 256 x 4",
+    )
+    parser.add_argument("--batch", type=int, default=None, help="batch per member")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.base is not None and args.model != "lora_bert":
+        parser.error(f"--base {args.base} applies to --model lora_bert, not {args.model}")
     warnings.filterwarnings("ignore")
     retain_freed_memory()  # as the trainer and fusion_throughput.py run
     checkpointing = args.gradient_checkpointing
-    rows = [measure(args.model, size, checkpointing) for size in [0, *args.sizes]]
+    rows = [
+        measure(args.model, size, checkpointing, args.base, args.batch) for size in [0, *args.sizes]
+    ]
     cells = [
         [
             r["way"],
@@ -223,7 +280,9 @@ def main(argv: list[str] | None = None) -> int:
                 ],
             ),
         ]
-    suffix = "_checkpointed" if checkpointing else ""
+    suffix = "" if args.base is None else f"_base{args.base[0]}x{args.base[1]}"
+    suffix += "" if args.batch is None else f"_batch{args.batch}"
+    suffix += "_checkpointed" if checkpointing else ""
     stem = args.out or RESULTS / f"peak_breakdown_cpu_{args.model}{suffix}"
     write_results(
         stem,
@@ -233,7 +292,13 @@ def main(argv: list[str] | None = None) -> int:
         f"What the peak of live tensor bytes is made of: {args.model}"
         + (", gradient checkpointing on" if checkpointing else ""),
         [
-            f"- model: `{args.model}` {MODELS[args.model].about} (batch {MODELS[args.model].batch}"
+            f"- model: `{args.model}` {MODELS[args.model].about}"
+            + (
+                ""
+                if args.base is None
+                else f", base widened to hidden {args.base[0]}, {args.base[1]} layers"
+            )
+            + f" (batch {args.batch or MODELS[args.model].batch}"
             " per member); one SGD training step after two of warm-up"
             + (
                 "; Hugging Face gradient checkpointing on (use_reentrant=False) in every model"
