@@ -1,6 +1,7 @@
 """What a fused array's peak of live tensor bytes is made of, on the CPU, op by op.
 
-    python benchmarks/peak_breakdown.py [--model lora_bert] [--sizes 1 16] [--out STEM]
+    python benchmarks/peak_breakdown.py [--model lora_bert] [--sizes 1 16]
+        [--gradient-checkpointing] [--base HIDDEN LAYERS] [--batch N] [--out STEM]
 
 For one model of ``fusion_throughput.py`` (default ``lora_bert``: a BERT-style encoder with peft
 LoRA r=8 on a frozen base that every member shares), this trains the plain model alone
@@ -18,8 +19,13 @@ shape, and reports:
   peak - its frozen tensors.
 
 It also lists any tensor made during the step whose shape is ``[B, *shape of a shared frozen
-tensor]`` for B > 1 (a per-member copy of a frozen weight; expected: none). Writes
-``results/peak_breakdown_cpu_<model>.{md,json}``, or ``STEM.{md,json}`` with ``--out``.
+tensor]`` for B > 1 (a per-member copy of a frozen weight; expected: none). With
+``--gradient-checkpointing`` every model (the plain one and each member) has its Hugging Face
+gradient checkpointing on (``gradient_checkpointing_enable(use_reentrant=False)``), which the
+array honours by recomputing each checkpointed layer for all members at once in the backward.
+``--base 768 12`` gives ``lora_bert`` a wider and deeper base (BERT-base's shape), ``--batch``
+another batch per member. Writes ``results/peak_breakdown_cpu_<model>[_base<H>x<L>][_batch<N>]
+[_checkpointed].{md,json}``, or ``STEM.{md,json}`` with ``--out``.
 """
 
 from __future__ import annotations
@@ -27,13 +33,14 @@ from __future__ import annotations
 import argparse
 import collections
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from _results import RESULTS, markdown_table, write_results
-from fusion_throughput import MODELS, _batch
+from fusion_throughput import MODELS, LoraBert, TransformerClassifier, _batch
 from torch import Tensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -80,13 +87,68 @@ class _PeakSnapshot(TorchDispatchMode):
         return out
 
 
-def measure(model: str, size: int) -> dict[str, Any]:
+def _with_checkpointing(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with the gradient checkpointing of its Hugging Face model turned on."""
+    for m in model.modules():
+        if getattr(m, "supports_gradient_checkpointing", False):
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            return model
+    raise SystemExit(f"--gradient-checkpointing: {type(model).__name__} has no Hugging Face model")
+
+
+def _wider_lora_bert(hidden: int, layers: int) -> Callable[[], torch.nn.Module]:
+    """``lora_bert`` with a base of ``hidden`` width (``4 * hidden`` feed-forward, ``hidden //
+    64`` heads) and ``layers`` layers, built in-process like it (nothing downloaded)."""
+
+    def build() -> torch.nn.Module:
+        import peft
+        import transformers
+
+        # LoraBert's settings (fusion_throughput.py), the base's shape changed
+        config = transformers.BertConfig(
+            vocab_size=TransformerClassifier.vocab,
+            hidden_size=hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=max(1, hidden // 64),
+            intermediate_size=4 * hidden,
+            max_position_embeddings=TransformerClassifier.length,
+            num_labels=10,
+        )
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(1234)
+            base = transformers.BertForSequenceClassification(config)
+        lora = peft.LoraConfig(
+            r=8,
+            lora_alpha=16,
+            target_modules=["query", "value"],
+            lora_dropout=0.1,
+            task_type="SEQ_CLS",
+        )
+        member = LoraBert.__new__(LoraBert)
+        torch.nn.Module.__init__(member)
+        member.model = peft.get_peft_model(base, lora)
+        return member
+
+    return build
+
+
+def measure(
+    model: str,
+    size: int,
+    checkpointing: bool = False,
+    base: tuple[int, int] | None = None,
+    batch: int | None = None,
+) -> dict[str, Any]:
     """One row: ``size`` 0 is the plain model alone, else a fused array of ``size`` members."""
-    build = MODELS[model].build
+    spec_build = MODELS[model].build if base is None else _wider_lora_bert(*base)
+
+    def build() -> torch.nn.Module:
+        return _with_checkpointing(spec_build()) if checkpointing else spec_build()
+
     torch.manual_seed(0)
-    x, y = _batch(model, MODELS[model].batch, torch.device("cpu"))
+    x, y = _batch(model, batch or MODELS[model].batch, torch.device("cpu"))
     if size == 0:
-        plain = build()
+        plain = build().train()
         opt = torch.optim.SGD(plain.parameters(), lr=0.01)
         frozen_bytes = sum(
             t.untyped_storage().nbytes()
@@ -158,11 +220,30 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="lora_bert", choices=sorted(MODELS))
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 16])
+    parser.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="turn on the Hugging Face model's gradient checkpointing (non-reentrant)",
+    )
+    parser.add_argument(
+        "--base",
+        type=int,
+        nargs=2,
+        metavar=("HIDDEN", "LAYERS"),
+        default=None,
+        help="lora_bert only: a base of this width and depth instead of 256 x 4",
+    )
+    parser.add_argument("--batch", type=int, default=None, help="batch per member")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.base is not None and args.model != "lora_bert":
+        parser.error(f"--base {args.base} applies to --model lora_bert, not {args.model}")
     warnings.filterwarnings("ignore")
     retain_freed_memory()  # as the trainer and fusion_throughput.py run
-    rows = [measure(args.model, size) for size in [0, *args.sizes]]
+    checkpointing = args.gradient_checkpointing
+    rows = [
+        measure(args.model, size, checkpointing, args.base, args.batch) for size in [0, *args.sizes]
+    ]
     cells = [
         [
             r["way"],
@@ -199,16 +280,31 @@ def main(argv: list[str] | None = None) -> int:
                 ],
             ),
         ]
-    stem = args.out or RESULTS / f"peak_breakdown_cpu_{args.model}"
+    suffix = "" if args.base is None else f"_base{args.base[0]}x{args.base[1]}"
+    suffix += "" if args.batch is None else f"_batch{args.batch}"
+    suffix += "_checkpointed" if checkpointing else ""
+    stem = args.out or RESULTS / f"peak_breakdown_cpu_{args.model}{suffix}"
     write_results(
         stem,
         "peak_breakdown.py",
         argv,
         torch.device("cpu"),
-        f"What the peak of live tensor bytes is made of: {args.model}",
+        f"What the peak of live tensor bytes is made of: {args.model}"
+        + (", gradient checkpointing on" if checkpointing else ""),
         [
-            f"- model: `{args.model}` {MODELS[args.model].about} (batch {MODELS[args.model].batch}"
-            " per member); one SGD training step after two of warm-up",
+            f"- model: `{args.model}` {MODELS[args.model].about}"
+            + (
+                ""
+                if args.base is None
+                else f", base widened to hidden {args.base[0]}, {args.base[1]} layers"
+            )
+            + f" (batch {args.batch or MODELS[args.model].batch}"
+            " per member); one SGD training step after two of warm-up"
+            + (
+                "; Hugging Face gradient checkpointing on (use_reentrant=False) in every model"
+                if checkpointing
+                else ""
+            ),
             "- frozen: the tensors the array keeps once (`array.shared_frozen`; in the plain "
             "model, its tensors that do not require grad); other state: trainable parameters, "
             "optimizer state and the batch; step: tensors made during the step alive at the peak; "

@@ -21,7 +21,7 @@ from .._checks import is_number
 from .._errors import FusionError
 from ._peft import configs_agree, is_peft_configs
 
-__all__ = ["check_compatible", "describe_path", "per_member_attributes"]
+__all__ = ["check_compatible", "describe_path", "ignored_hook", "per_member_attributes"]
 
 _HOOK_DICTS = (
     "_forward_hooks",
@@ -29,6 +29,25 @@ _HOOK_DICTS = (
     "_backward_hooks",
     "_backward_pre_hooks",
 )
+
+
+#: Hugging Face's forward hook on the input embeddings (``enable_input_require_grads``, which
+#: ``gradient_checkpointing_enable`` adds): it marks the embeddings' output as requiring grad so
+#: that *reentrant* checkpointing of frozen-embedding models gets gradients. It changes no value
+#: and no gradient of the model's parameters, and the array's recomputation (non-reentrant, see
+#: ``_recompute``) does not need it, so it is the one hook a model may carry into an array.
+_INPUT_REQUIRE_GRADS = (
+    "PreTrainedModel.enable_input_require_grads.<locals>.make_inputs_require_grads"
+)
+
+
+def ignored_hook(hooks: str, hook: Any) -> bool:
+    """Whether ``hook`` (in the module's ``hooks`` dict) is one a fused array may ignore."""
+    return (
+        hooks == "_forward_hooks"
+        and getattr(hook, "__qualname__", "") == _INPUT_REQUIRE_GRADS
+        and str(getattr(hook, "__module__", "")).startswith("transformers.")
+    )
 
 
 def describe_path(path: str) -> str:
@@ -324,7 +343,8 @@ def _check_supported(model: nn.Module, unsupported: Callable[[nn.Module], str | 
                     "a parametrization, which fuses."
                 )
         for hooks in _HOOK_DICTS:
-            if getattr(module, hooks, None):
+            found = getattr(module, hooks, None) or {}
+            if any(not ignored_hook(hooks, h) for h in found.values()):
                 raise FusionError(
                     f"{where} ({type(module).__name__}) has {hooks.strip('_').replace('_', ' ')} "
                     "registered; module hooks are not carried into a fused array (they would see "

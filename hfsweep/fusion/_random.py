@@ -38,6 +38,7 @@ __all__ = [
     "FunctionalStream",
     "MemberRandomness",
     "StreamFloat",
+    "active_randomness",
     "draws_functionally",
     "member_randomness",
 ]
@@ -377,6 +378,16 @@ def _name(func: Any) -> str:
     return str(getattr(func, "__qualname__", name))
 
 
+#: the member-randomness modes of the forwards running now, innermost last
+_ACTIVE: list[MemberRandomness] = []
+
+
+def active_randomness() -> MemberRandomness | None:
+    """The mode routing the random calls of the member forward that runs now, if any (a
+    checkpointed region starts its own where this one stands: see :mod:`._recompute`)."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
 @contextmanager
 def member_randomness(stream: FunctionalStream | None, root: nn.Module) -> Iterator[None]:
     """Run one member's forward of ``root`` (the array's template) with its random calls routed
@@ -405,6 +416,7 @@ def member_randomness(stream: FunctionalStream | None, root: nn.Module) -> Itera
         nn.modules.module.register_module_forward_pre_hook(enter),
         nn.modules.module.register_module_forward_hook(leave),
     ]
+    _ACTIVE.append(mode)
     try:
         with mode:
             yield
@@ -413,5 +425,6 @@ def member_randomness(stream: FunctionalStream | None, root: nn.Module) -> Itera
             raise
         raise mode.refusal(_name(mode.current)) from exc
     finally:
+        _ACTIVE.pop()
         for hook in hooks:
             hook.remove()

@@ -28,6 +28,7 @@ from ._check import describe_path
 from ._compile import compile_graph, compiling_backward_now, mode_for, warn_fallback
 from ._graph import simplify
 from ._random import FunctionalStream, member_randomness
+from ._recompute import intercepting
 from ._state import _Slot
 
 _log = logging.getLogger("hfsweep.fusion")
@@ -41,6 +42,9 @@ class _Outputs:
 
     spec: Any = None
     leaves: list[Any] | None = None
+    #: the checkpointed regions a traced forward started (see _recompute): such a call runs
+    #: eagerly, where each region is recomputed in the backward
+    regions: list[Any] | None = None
 
 
 @dataclass
@@ -139,6 +143,8 @@ class _Tracing:
         self, leaves: list[Any], spec: Any, tensor_at: list[int], shared: bool
     ) -> Callable[[_Outputs], Callable[..., tuple[Tensor, ...]]]:
         n_state = len(self._slots)
+        # the state a checkpointed region may write (set back while it is recomputed)
+        buffer_at = tuple(j for j, s in enumerate(self._slots) if not s.is_param and not s.shared)
 
         def per_member(
             state: tuple[Tensor, ...], tensors: tuple[Tensor, ...], rec: _Outputs
@@ -151,7 +157,18 @@ class _Tracing:
                 for i, t in zip(tensor_at, tensors, strict=True):
                     filled[i] = t
                 args, kwargs = pytree.tree_unflatten(filled, spec)
-                with _batchable_attention(), member_randomness(self.functional, self.module):
+                with (
+                    _batchable_attention(),
+                    member_randomness(self.functional, self.module),
+                    intercepting(
+                        state,
+                        self._swap_places,
+                        buffer_at,
+                        _batchable_attention,
+                        self.module,
+                        rec.regions,
+                    ),
+                ):
                     if self._grad_watch is not None:
                         with self._grad_watch:
                             out = self.module(*args, **kwargs)
@@ -353,7 +370,7 @@ class _Tracing:
     ) -> Any:
         from torch.fx.experimental.proxy_tensor import make_fx
 
-        rec = _Outputs()
+        rec = _Outputs(regions=[])
         start = time.perf_counter()
         before = self._attributes()
         saved = [(m, dict(m.__dict__)) for m in self._template_modules]
@@ -390,6 +407,12 @@ class _Tracing:
             return _EAGER
         if graph is None:
             self._compile_fallback(f"its forward cannot be traced ({failure})")
+            return _EAGER
+        if rec.regions:
+            # a trace would hold the checkpointed regions' ops inline, saved for the backward:
+            # the regions are recomputed only when the call runs them (eagerly)
+            _log.debug("forward checkpoints activations; running eagerly")
+            self._compile_fallback("its forward checkpoints activations, so it is not traced")
             return _EAGER
         if watch.changed:
             _log.debug("forward switches grad mode; running eagerly")
