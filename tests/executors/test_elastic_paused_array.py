@@ -70,7 +70,7 @@ def _task() -> hs.Task:
 launches: list[int] = []
 #: train_data_parallel_ray's own arguments (the rest are the trainer's options)
 _LAUNCH_ARGS = {"checkpoint_dir", "resume", "report", "refill", "on_finish", "target"}
-_LAUNCH_ARGS |= {"cpus_per_worker", "gpus_per_worker", "threads"}
+_LAUNCH_ARGS |= {"cpus_per_worker", "gpus_per_worker", "threads", "timeout_s"}
 
 
 def _in_process(task: hs.Task, members: Any, *, workers: int, **kw: Any) -> list[MemberResult]:
@@ -90,7 +90,7 @@ def _in_process(task: hs.Task, members: Any, *, workers: int, **kw: Any) -> list
 
     def launch(j: _Job) -> tuple[str, Any]:
         launches.append(j.workers)
-        return train_worker(0, f"127.0.0.1:{free_port()}", j, 1, 60.0, options)
+        return train_worker(0, f"127.0.0.1:{free_port()}", j, 1, kw["timeout_s"], options)
 
     return elastic_loop(job, launch, kw["target"])
 
