@@ -214,6 +214,9 @@ class _Resume(_Parts):
             self._catch_up(trials)
         self.asked = len(trials)
         with self.drivers.lock:  # no other driver adopts or asks meanwhile
+            # read again under the lock: a trial another driver adopted since the read above
+            # still names this driver there, and would be trained (and told) by both
+            trials = self.study.get_trials(deepcopy=False)
             own, adopted = self.drivers.claim(trials)
         taken = {member_id(t.number) for t in [*own, *adopted]}
         for a in self.arrays:
