@@ -72,19 +72,24 @@ def _clock(device: torch.device) -> Callable[[], float]:
     return now
 
 
-def plain_way(
-    array: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+def _loop_way(
+    model: torch.nn.Module,
+    loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    opt: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
 ) -> tuple[Timed, Callable[[], None]]:
-    """The plain path's step, phase by phase and whole (``fusion_throughput.py``'s ``fused``)."""
+    """A user's loop (``zero_grad``, ``model(x)``, ``loss_of(out, y)``, backward, step),
+    phase by phase and whole."""
     now = _clock(x.device)
 
     def phases(acc: dict[str, float]) -> None:
         t0 = now()
         opt.zero_grad(set_to_none=True)
         t1 = now()
-        out = array(x)
+        out = model(x)
         t2 = now()
-        loss = hs.member_losses(out, y).sum()
+        loss = loss_of(out, y)
         t3 = now()
         loss.backward()
         t4 = now()
@@ -101,45 +106,24 @@ def plain_way(
 
     def whole() -> None:
         opt.zero_grad(set_to_none=True)
-        hs.member_losses(array(x), y).sum().backward()
+        loss_of(model(x), y).backward()
         opt.step()
 
     return phases, whole
+
+
+def plain_way(
+    array: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+) -> tuple[Timed, Callable[[], None]]:
+    """The plain path's step, phase by phase and whole (``fusion_throughput.py``'s ``fused``)."""
+    return _loop_way(array, lambda out, t: hs.member_losses(out, t).sum(), opt, x, y)
 
 
 def ideal_way(
     big: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
 ) -> tuple[Timed, Callable[[], None]]:
     """One model on the B-times-larger batch, phase by phase and whole."""
-    now = _clock(x.device)
-
-    def phases(acc: dict[str, float]) -> None:
-        t0 = now()
-        opt.zero_grad(set_to_none=True)
-        t1 = now()
-        out = big(x)
-        t2 = now()
-        loss = F.cross_entropy(out, y)
-        t3 = now()
-        loss.backward()
-        t4 = now()
-        opt.step()
-        t5 = now()
-        for name, a, b in (
-            ("zero_grad", t0, t1),
-            ("forward", t1, t2),
-            ("loss", t2, t3),
-            ("backward", t3, t4),
-            ("optimizer", t4, t5),
-        ):
-            acc[name] = acc.get(name, 0.0) + b - a
-
-    def whole() -> None:
-        opt.zero_grad(set_to_none=True)
-        F.cross_entropy(big(x), y).backward()
-        opt.step()
-
-    return phases, whole
+    return _loop_way(big, F.cross_entropy, opt, x, y)
 
 
 def trainer_way(
