@@ -179,19 +179,20 @@ class LoraBert(nn.Module):
     the logits. Every member holds the same "pretrained" base (built under a fixed seed, frozen)
     and its own adapter and classifier head (initialised from the caller's random state), so a
     fused array keeps the base once (``share_frozen``) where serial models and separate
-    processes hold one each."""
+    processes hold one each. ``hidden`` and ``layers`` change the base's shape (``4 * hidden``
+    feed-forward, ``hidden // 64`` heads; ``peak_breakdown.py --base``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, hidden: int = 256, layers: int = 4) -> None:
         super().__init__()
         import peft
         import transformers
 
         config = transformers.BertConfig(
             vocab_size=TransformerClassifier.vocab,
-            hidden_size=256,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            intermediate_size=1024,
+            hidden_size=hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=max(1, hidden // 64),
+            intermediate_size=4 * hidden,
             max_position_embeddings=TransformerClassifier.length,
             num_labels=10,
         )

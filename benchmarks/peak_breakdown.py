@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -40,7 +41,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from _results import RESULTS, markdown_table, write_results
-from fusion_throughput import MODELS, LoraBert, TransformerClassifier, _batch
+from fusion_throughput import MODELS, LoraBert, _batch
 from torch import Tensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -99,37 +100,7 @@ def _with_checkpointing(model: torch.nn.Module) -> torch.nn.Module:
 def _wider_lora_bert(hidden: int, layers: int) -> Callable[[], torch.nn.Module]:
     """``lora_bert`` with a base of ``hidden`` width (``4 * hidden`` feed-forward, ``hidden //
     64`` heads) and ``layers`` layers, built in-process like it (nothing downloaded)."""
-
-    def build() -> torch.nn.Module:
-        import peft
-        import transformers
-
-        # LoraBert's settings (fusion_throughput.py), the base's shape changed
-        config = transformers.BertConfig(
-            vocab_size=TransformerClassifier.vocab,
-            hidden_size=hidden,
-            num_hidden_layers=layers,
-            num_attention_heads=max(1, hidden // 64),
-            intermediate_size=4 * hidden,
-            max_position_embeddings=TransformerClassifier.length,
-            num_labels=10,
-        )
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(1234)
-            base = transformers.BertForSequenceClassification(config)
-        lora = peft.LoraConfig(
-            r=8,
-            lora_alpha=16,
-            target_modules=["query", "value"],
-            lora_dropout=0.1,
-            task_type="SEQ_CLS",
-        )
-        member = LoraBert.__new__(LoraBert)
-        torch.nn.Module.__init__(member)
-        member.model = peft.get_peft_model(base, lora)
-        return member
-
-    return build
+    return functools.partial(LoraBert, hidden, layers)
 
 
 def measure(
