@@ -344,6 +344,58 @@ def test_a_live_drivers_trials_are_left_alone(tmp_path: Path, shared: str) -> No
     _check(shared, a, b)
 
 
+def test_a_resumed_driver_leaves_trials_adopted_between_its_first_read_and_its_lock(
+    tmp_path: Path, shared: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CI's ``UpdateFinishedTrialError``, made to happen: driver a is killed while its trials
+    run; resumed (here, in this process), it reads the study, and before it takes the study lock
+    to claim its running trials, live driver b adopts them (done here by hand, as b's adoption
+    writes it). a must claim from what the study says under the lock: b's trials are left to
+    b, untrained and untold by a. Before the fix a claimed them from its first read and trained
+    them while b trained them too (here a's tells were then refused as another driver's; in
+    CI, where b had finished one first, a's tell crashed)."""
+    import hfsweep as hs
+    from hfsweep.core._drivers import DRIVER_ATTR, Drivers
+    from hfsweep.core._resume import _Resume
+
+    a = _Driver(tmp_path / "a", shared, HELD)
+    a.start(HFSWEEP_TEST_HOLD_LOG=str(a.run / "sweep.log"))
+    _wait(f"{HOLD_AFTER} tells", lambda: _tells(str(a.run / "sweep.log")) >= HOLD_AFTER, a)
+    assert a.kill()
+    study = optuna.load_study(study_name=STUDY, storage=_opened(shared))
+    b = Drivers(study, tmp_path / "b", shared=True)
+    b.start()  # beats from this process: live all through a's resume
+    adopted: list[int] = []
+    catch_up = _Resume._catch_up
+
+    def adopt_after_the_first_read(self: Any, trials: list[optuna.trial.FrozenTrial]) -> None:
+        catch_up(self, trials)  # after the resume's first read, before its lock
+        if adopted:
+            return
+        for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            study._storage.set_trial_user_attr(t._trial_id, DRIVER_ATTR, b.id)
+            adopted.append(t.number)
+
+    monkeypatch.setattr(_Resume, "_catch_up", adopt_after_the_first_read)
+    monkeypatch.chdir(a.folder)
+    monkeypatch.setenv("HFSWEEP_CACHE_DIR", str(a.folder))
+    try:
+        hs.sweep(str(a.sweep), resume=True, progress=False)
+    finally:
+        b.close()
+    assert adopted, "no running trial of a's to adopt: the race was not set up"
+    after = {t.number: t for t in study.get_trials()}
+    for n in adopted:  # still b's, running: a neither trained nor told them
+        assert after[n].state == TrialState.RUNNING, (n, after[n].state)
+        assert after[n].user_attrs[DRIVER_ATTR] == b.id
+    log = a.log()
+    resumed = {n for when, kind, n in _events(log) if kind == "start" and when > a.kills[-1]}
+    assert resumed and not resumed & set(adopted), (resumed, adopted)  # its own, not b's
+    assert re.search(rf"{len(adopted)} running trials belong to other drivers", log)
+    told = re.findall(r"hfsweep\.sweep: trial (\d+) (?:completed|stopped|failed)", log)
+    assert not {int(n) for n in told} & set(adopted)
+
+
 def test_a_run_directory_whose_trial_another_driver_finished_resumes(tmp_path: Path) -> None:
     """The issue's ``KeyError: 0``: a driver killed while an array trains; one of that array's
     trials is then finished by another driver (done here by hand, in the driver's own journal);
