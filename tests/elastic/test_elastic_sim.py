@@ -68,6 +68,9 @@ def test_the_simulator_runs_both_arms(tmp_path: Path, monkeypatch: pytest.Monkey
         "5",
         "--max-epochs",
         "3",
+        "--seeds",
+        "0",
+        "1",
         "--profiles",
         str(profiles),
         "--out",
@@ -75,4 +78,53 @@ def test_the_simulator_runs_both_arms(tmp_path: Path, monkeypatch: pytest.Monkey
     ]
     assert sim.main(argv) == 0
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
-    assert [r["arm"] for r in rows] == ["static", "elastic"]
+    assert [(r["seed"], r["arm"]) for r in rows] == [
+        (0, "static"),
+        (0, "elastic"),
+        (1, "static"),
+        (1, "elastic"),
+    ]
+    md = out.with_suffix(".md").read_text()
+    assert "## Where the accelerator-time goes, and the bounds" in md
+    assert "| 4 | elastic |" in md and "bound: tail h" in md
+
+
+def test_the_accounting_adds_up_and_the_bounds_hold(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every accelerator-second is booked once (useful + parallel + resize + idle = accelerators
+    x makespan, in both phases), static has no data-parallel or resize time, and no arm beats
+    the work, packed or path bounds."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    sim = importlib.import_module("elastic_sim")
+    profiles = tmp_path / "profiles.json"
+    profiles.write_text(json.dumps(PROFILES))
+    kw = dict(
+        workers=6,
+        trials=60,
+        mix={"small": 0.5, "large": 0.5},
+        steps_per_epoch=10,
+        max_epochs=9,
+        profiles=profiles,
+        resize_every_s=1.0,
+        resize_cost_s=0.1,
+    )
+    static = sim.simulate(elastic=False, **kw)
+    elastic = sim.simulate(elastic=True, **kw)
+    for r in (static, elastic):
+        spent = r.account.total()
+        assert spent == pytest.approx(6 * r.makespan_s, rel=1e-9)
+        assert r.account.total("idle") == pytest.approx(r.idle_worker_s, rel=1e-9)
+        assert r.account.total("useful") > 0
+        assert 0 < r.account.queue_end_s < r.makespan_s
+        for bound in ("work", "packed", "path"):
+            assert 0 < r.bounds[bound] <= r.makespan_s * (1 + 1e-9), bound
+        assert r.bounds["packed"] <= r.bounds["work"] * (1 + 1e-9)
+        assert r.bounds["tail"] <= r.makespan_s * (1 + 1e-9)
+        assert sum(r.account.member_steps.values()) > 0
+    assert static.account.total("parallel") == pytest.approx(0.0, abs=1e-6)
+    assert static.account.total("resize") == 0.0
+    assert elastic.resizes == sum(elastic.account.resizes.values()) > 0
+    # each resize pauses its array 0.1 s on at least one worker
+    assert elastic.account.total("resize") >= 0.1 * elastic.resizes * (1 - 1e-9)
+    assert elastic.account.total("parallel") > 0
