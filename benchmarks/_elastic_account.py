@@ -54,6 +54,9 @@ class Account:
     #: when the last trial started (the queue phase's end), and the tail's critical path then
     queue_end_s: float = 0.0
     tail_path_s: float = 0.0
+    #: the array that ended last (on the sweep's critical path): its resizes and the seconds
+    #: they paused it
+    last_array: dict[str, float] = field(default_factory=dict)
 
     def add(self, phase: str, kind: str, seconds: float) -> None:
         self.seconds[phase][kind] += seconds

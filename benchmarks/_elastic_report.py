@@ -156,12 +156,25 @@ def _where_the_time_goes(rows: Sequence[Mapping[str, Any]], sizes: Sequence[int]
         )
         tail = statistics.median(s["makespan_s"] / e["bounds"]["tail"] for s, e in pairs)
         got = statistics.median(s["makespan_s"] / e["makespan_s"] for s, e in pairs)
+        slack = statistics.median(s["makespan_s"] / 1.5 - e["bounds"]["tail"] for s, e in pairs)
+        last = [e["account"].get("last_array", {}) for _, e in pairs]
+        resized = statistics.median(a.get("resizes", 0) for a in last)
+        paused = statistics.median(a.get("paused_s", 0.0) for a in last)
         lines.append(
             f"- {workers} accelerators: useful share of the accelerator-time {useful['elastic']:.0%} "
             f"elastic, {useful['static']:.0%} static. Static's makespan over elastic's work "
             f"bound: {work:.2f}x (the most any schedule of elastic's trained steps could gain "
             f"over static); over elastic's tail bound: {tail:.2f}x (the most after elastic's own "
-            f"queue phase); elastic reached {got:.2f}x."
+            f"queue phase); elastic reached {got:.2f}x. "
+            + (
+                f"A makespan 1.5x shorter than static's leaves elastic's tail {slack:.0f} s over "
+                "its tail bound (median)"
+                if slack >= 0
+                else f"1.5x is {-slack:.0f} s below elastic's tail bound (median): out of reach "
+                "after its queue phase"
+            )
+            + f"; the array that ended last was resized {resized:g} times and paused "
+            f"{paused:.0f} s by them (medians)."
         )
     return lines
 

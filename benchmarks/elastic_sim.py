@@ -80,6 +80,8 @@ class Array:
     busy_until: float = 0.0
     version: int = 0
     rate: float = 0.0  # steps/s
+    resizes: int = 0  # and the seconds they paused it (for the account of the last array)
+    paused_s: float = 0.0
 
 
 @dataclass
@@ -200,6 +202,7 @@ class Sim:
         if a.workers > 0 and k != a.workers:
             self.resizes += 1
             self.account.resizes[self.phase()] += 1
+            a.resizes, a.paused_s = a.resizes + 1, a.paused_s + cost_s
             a.busy_until = max(a.busy_until, self.now) + cost_s
         a.workers, a.since = k, self.now
         self.schedule(a)
@@ -310,6 +313,16 @@ class Sim:
         epochs = max(self.max_epochs - t.epoch for t in a.members)
         return (epochs * self.spe - (self.spe - a.steps_left)) * m.step_s(len(a.members))
 
+    def horizon_s(self, a: Array) -> float:
+        """Seconds on one worker until the first of ``a``'s members reaches its next rung (where
+        ASHA may stop it) or the budget."""
+        nxt = min(
+            min([r for r in self.rungs if r > t.epoch], default=self.max_epochs) - t.epoch
+            for t in a.members
+        )
+        m = self.models[a.model]
+        return ((nxt - 1) * self.spe + a.steps_left) * m.step_s(len(a.members))
+
     def allocate(self, event: str) -> None:
         busy = self.free() == 0 and all(a.workers <= 1 for a in self.arrays.values())
         if busy and self.waiting:
@@ -323,6 +336,7 @@ class Sim:
                 self.profile(a.model, len(a.members)),
                 a.workers,
                 a.since,
+                self.horizon_s(a),
             )
             for a in self.arrays.values()
         ]
@@ -421,6 +435,7 @@ class Sim:
         a.steps_left = float(self.spe)
         if not a.members:
             del self.arrays[name]
+            self.account.last_array = {"resizes": a.resizes, "paused_s": a.paused_s}
             event = "array ended"
         else:
             self.schedule(a)

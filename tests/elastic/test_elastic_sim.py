@@ -125,6 +125,9 @@ def test_the_accounting_adds_up_and_the_bounds_hold(
     assert static.account.total("parallel") == pytest.approx(0.0, abs=1e-6)
     assert static.account.total("resize") == 0.0
     assert elastic.resizes == sum(elastic.account.resizes.values()) > 0
+    last = elastic.account.last_array  # the array that ended last: its resizes and pauses
+    assert last["paused_s"] == pytest.approx(0.1 * last["resizes"])
+    assert static.account.last_array == {"resizes": 0, "paused_s": 0.0}
     # each resize pauses its array 0.1 s on at least one worker
     assert elastic.account.total("resize") >= 0.1 * elastic.resizes * (1 - 1e-9)
     assert elastic.account.total("parallel") > 0
