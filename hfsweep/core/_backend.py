@@ -96,6 +96,7 @@ class _Backend(_Parts):
             scaling=scaling,
             remember=scaling.remember if scaling is not None else None,
             rungs=_rungs(self.scheduler),
+            record=self.dir.write_elastic,
         )
 
 

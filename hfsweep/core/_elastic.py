@@ -152,8 +152,10 @@ class ElasticPolicy:
         scaling: ScalingSource | None = None,
         remember: Callable[[ScalingProfile], None] | None = None,
         rungs: Sequence[float] = (),
+        record: Callable[[Mapping[str, Any]], None] | None = None,
     ) -> None:
         self.settings = settings
+        self.record = record
         self.rungs = tuple(sorted({float(r) for r in rungs}))
         self.scaling = scaling
         self.remember = remember
@@ -494,6 +496,36 @@ class ElasticPolicy:
             status = f"{status}; {waits}"
         _log.info("%s", status)
         self.show(status)
+        self._record()
+
+    def totals(self) -> dict[str, Any]:
+        """The allocator's account so far (:meth:`~hfsweep.core.allocator.Allocator.waits`):
+        ``arrays_waited_s`` summed over arrays its plans left without workers,
+        ``workers_idle_s`` over the workers they left idle, up to now; the ``plans`` made and
+        the cluster's ``workers`` at the last. The plans' view, not the workers': a resize
+        counts from its plan, a relaunch's start-up is not idle."""
+        with self._lock:
+            return self._totals()
+
+    def _totals(self) -> dict[str, Any]:
+        """:meth:`totals` (called under the lock)."""
+        waited, idle = self.allocator.waits(self.clock())
+        return {
+            "arrays_waited_s": waited,
+            "workers_idle_s": idle,
+            "plans": len(self.plans),
+            "workers": self._total,
+        }
+
+    def _record(self) -> None:
+        """Hand :meth:`totals` to ``record`` (the run directory's ``elastic.json``); a file
+        that cannot be written is logged, not raised (the sweep goes on)."""
+        if self.record is None:
+            return
+        try:
+            self.record(self._totals())
+        except OSError as exc:
+            _log.warning("elastic: the wait totals were not written: %s", exc)
 
     def _remaining_s(self, e: _Running) -> float:
         """Seconds ``e`` still needs on one worker (see the module docstring)."""
