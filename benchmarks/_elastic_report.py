@@ -173,7 +173,7 @@ def _where_the_time_goes(rows: Sequence[Mapping[str, Any]], sizes: Sequence[int]
                 else f"1.5x is {-slack:.0f} s below elastic's tail bound (median): out of reach "
                 "after its queue phase"
             )
-            + f"; the array that ended last was resized {resized:g} times and paused "
+            + f"; the array that ended last was resized {resized:g} time(s) and paused "
             f"{paused:.0f} s by them (medians)."
         )
     return lines
