@@ -7,6 +7,7 @@ import importlib
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -31,14 +32,18 @@ PROFILES = {
 }
 
 
-def test_the_simulator_runs_both_arms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _both_arms(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workers: int, trials: int
+) -> tuple[Any, dict[str, Any], Any, Any]:
+    """The simulator module, its keyword arguments (the tiny profiles above, 9 epochs of 10
+    steps, resizes of 0.1 s at most every 1 s) and the static and elastic arms' results."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     sim = importlib.import_module("elastic_sim")
     profiles = tmp_path / "profiles.json"
     profiles.write_text(json.dumps(PROFILES))
-    kw = dict(
-        workers=4,
-        trials=40,
+    kw: dict[str, Any] = dict(
+        workers=workers,
+        trials=trials,
         mix={"small": 0.5, "large": 0.5},
         steps_per_epoch=10,
         max_epochs=9,
@@ -46,8 +51,12 @@ def test_the_simulator_runs_both_arms(tmp_path: Path, monkeypatch: pytest.Monkey
         resize_every_s=1.0,
         resize_cost_s=0.1,
     )
-    static = sim.simulate(elastic=False, **kw)
-    elastic = sim.simulate(elastic=True, **kw)
+    return sim, kw, sim.simulate(elastic=False, **kw), sim.simulate(elastic=True, **kw)
+
+
+def test_the_simulator_runs_both_arms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    sim, kw, static, elastic = _both_arms(tmp_path, monkeypatch, workers=4, trials=40)
+    profiles = kw["profiles"]
     for r in (static, elastic):
         assert r.trials_ended == 40
         assert math.isfinite(r.makespan_s) and r.makespan_s > 0
@@ -95,22 +104,7 @@ def test_the_accounting_adds_up_and_the_bounds_hold(
     """Every accelerator-second is booked once (useful + parallel + resize + idle = accelerators
     x makespan, in both phases), static has no data-parallel or resize time, and no arm beats
     the work, packed or path bounds."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    sim = importlib.import_module("elastic_sim")
-    profiles = tmp_path / "profiles.json"
-    profiles.write_text(json.dumps(PROFILES))
-    kw = dict(
-        workers=6,
-        trials=60,
-        mix={"small": 0.5, "large": 0.5},
-        steps_per_epoch=10,
-        max_epochs=9,
-        profiles=profiles,
-        resize_every_s=1.0,
-        resize_cost_s=0.1,
-    )
-    static = sim.simulate(elastic=False, **kw)
-    elastic = sim.simulate(elastic=True, **kw)
+    _, _, static, elastic = _both_arms(tmp_path, monkeypatch, workers=6, trials=60)
     for r in (static, elastic):
         spent = r.account.total()
         assert spent == pytest.approx(6 * r.makespan_s, rel=1e-9)
