@@ -240,9 +240,10 @@ class Allocator:
     """Decides workers per array; see the module's docstring for the objective and the rules.
 
     ``min_workers``/``max_workers`` bound every array (``max_workers`` ``None``: the total);
-    ``resize_every_s`` is the cooldown between resizes of one array; ``resize_cost_s`` what a
-    resize costs the array (a grow must save more); ``max_wait_s`` the longest a paused array
-    waits when workers are too few for every array's minimum.
+    ``resize_every_s`` is the cooldown between resizes of one array; ``resize_cost_s`` the
+    seconds a resize pauses the array (charged to its members in the objective; a grow must
+    save more before the array's horizon); ``max_wait_s`` the longest a paused array waits
+    when workers are too few for every array's minimum.
     """
 
     def __init__(
