@@ -18,7 +18,6 @@ import heapq
 import json
 import math
 import random
-import statistics
 import sys
 from collections import deque
 from dataclasses import dataclass, field
@@ -26,6 +25,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _elastic_account import Account, bounds
+from _elastic_report import markdown
 
 from hfsweep.core.allocator import Allocator, ArrayState, WaitingPool
 from hfsweep.profiler import (
@@ -78,6 +80,8 @@ class Array:
     busy_until: float = 0.0
     version: int = 0
     rate: float = 0.0  # steps/s
+    resizes: int = 0  # and the seconds they paused it (for the account of the last array)
+    paused_s: float = 0.0
 
 
 @dataclass
@@ -90,6 +94,9 @@ class Result:
     resizes: int = 0
     decisions: int = 0
     log: list[str] = field(default_factory=list)
+    #: where the accelerator-seconds went, and the makespan's lower bounds (_elastic_account)
+    account: Account = field(default_factory=Account)
+    bounds: dict[str, float] = field(default_factory=dict)
 
 
 def load_models(path: Path, mix: dict[str, float]) -> tuple[dict[str, Model], AllReduceCost]:
@@ -152,6 +159,7 @@ class Sim:
             self.rungs[r] = []
             r *= eta
         self.idle_s = 0.0
+        self.account = Account()
         self.resizes = 0
         self.decisions = 0
         self.profiles: dict[tuple[str, int], ScalingProfile] = {}
@@ -193,6 +201,8 @@ class Sim:
         self.advance(a)
         if a.workers > 0 and k != a.workers:
             self.resizes += 1
+            self.account.resizes[self.phase()] += 1
+            a.resizes, a.paused_s = a.resizes + 1, a.paused_s + cost_s
             a.busy_until = max(a.busy_until, self.now) + cost_s
         a.workers, a.since = k, self.now
         self.schedule(a)
@@ -210,6 +220,46 @@ class Sim:
         self.arrays[a.name] = a
         self.set_workers(a, workers, 0.0)
         return a
+
+    def phase(self) -> str:
+        """``queue`` while some trial has not started, then ``tail``."""
+        return "queue" if self.waiting else "tail"
+
+    def account_until(self, t: float) -> None:
+        """Book the accelerator-seconds from ``now`` to ``t`` (nothing changes in between: every
+        array's workers, pause and rate are set at events) by kind and phase."""
+        dt = t - self.now
+        if dt <= 0:
+            return
+        phase, acc = self.phase(), self.account
+        acc.add(phase, "idle", self.free() * dt)
+        for a in self.arrays.values():
+            if a.workers == 0:
+                continue
+            pause = min(max(a.busy_until - self.now, 0.0), dt)
+            acc.add(phase, "resize", a.workers * pause)
+            steps = (dt - pause) * a.rate
+            one = steps * self.models[a.model].step_s(len(a.members))
+            acc.add(phase, "useful", one)
+            acc.add(phase, "parallel", max(0.0, a.workers * (dt - pause) - one))  # 0 at k=1
+            acc.member_steps[a.model] = acc.member_steps.get(a.model, 0.0) + steps * len(a.members)
+
+    def fastest_step_s(self, model: str) -> float:
+        """The shortest step a trial of ``model`` can take: alone in its array, on the worker
+        count with the highest modelled rate (its critical path's step)."""
+        p = self.profile(model, 1)
+        return self.models[model].batch / max(p.points.values())
+
+    def queue_ended(self) -> None:
+        """The last trial started: note when, and the longest remaining critical path then."""
+        acc = self.account
+        acc.queue_end_s = self.now
+        left = [
+            (self.max_epochs - t.epoch) * self.spe * self.fastest_step_s(a.model)
+            for a in self.arrays.values()
+            for t in a.members
+        ]
+        acc.tail_path_s = max(left, default=0.0)
 
     def take(self, model: str, n: int) -> list[Trial]:
         taken = [t for t in self.waiting if t.model == model][:n]
@@ -263,6 +313,16 @@ class Sim:
         epochs = max(self.max_epochs - t.epoch for t in a.members)
         return (epochs * self.spe - (self.spe - a.steps_left)) * m.step_s(len(a.members))
 
+    def horizon_s(self, a: Array) -> float:
+        """Seconds on one worker until the first of ``a``'s members reaches its next rung (where
+        ASHA may stop it) or the budget."""
+        nxt = min(
+            min([r for r in self.rungs if r > t.epoch], default=self.max_epochs) - t.epoch
+            for t in a.members
+        )
+        m = self.models[a.model]
+        return ((nxt - 1) * self.spe + a.steps_left) * m.step_s(len(a.members))
+
     def allocate(self, event: str) -> None:
         busy = self.free() == 0 and all(a.workers <= 1 for a in self.arrays.values())
         if busy and self.waiting:
@@ -276,6 +336,7 @@ class Sim:
                 self.profile(a.model, len(a.members)),
                 a.workers,
                 a.since,
+                self.horizon_s(a),
             )
             for a in self.arrays.values()
         ]
@@ -318,43 +379,72 @@ class Sim:
             heapq.heappush(self.heap, (timer, self.seq, "", 0))
         else:
             self.fill_static()
+        queued = bool(self.waiting)
+        if not queued:
+            self.queue_ended()
         while self.heap:
             t, _, name, version = heapq.heappop(self.heap)
             if not self.arrays and not self.waiting:
                 break  # only the elastic timer is left
             self.idle_s += self.free() * (t - self.now)
+            self.account_until(t)
             self.now = t
-            if name == "":  # the elastic timer: a cooldown may have passed
-                if self.arrays:
-                    self.allocate("timer")
-                    self.seq += 1
-                    heapq.heappush(self.heap, (t + self.alloc.resize_every_s, self.seq, "", 0))
-                continue
-            a = self.arrays.get(name)
-            if a is None or version != a.version:
-                continue
-            a.steps_left, a.last = 0.0, t
-            changed = self.boundary(a)
-            a.steps_left = float(self.spe)
-            if not a.members:
-                del self.arrays[name]
-                event = "array ended"
-            else:
-                self.schedule(a)
-                event = "members stopped" if changed else ""
-            if self.elastic:
-                if event:
-                    self.allocate(event)
-            else:
-                self.fill_static()
+            self.event(name, version)
+            if queued and not self.waiting:
+                queued = False
+                self.queue_ended()
         done = [t for t in self.trials if t.ended is not None]
         assert len(done) == len(self.trials), "every trial ends"
         complete = [t for t in self.trials if t.completed]
         best = max(complete, key=lambda t: t.quality)
         assert best.ended is not None
+        spent = self.account.total()
+        assert abs(spent - self.total * self.now) <= 1e-6 * max(1.0, spent), (spent, self.now)
+        path = max(self.max_epochs * self.spe * self.fastest_step_s(t.model) for t in complete)
+        best_member = {
+            name: min(m.step_s(x.size) / x.size for x in m.measurements)
+            for name, m in self.models.items()
+        }
         return Result(
-            self.now, self.idle_s, len(done), best.ended, best.number, self.resizes, self.decisions
+            self.now,
+            self.idle_s,
+            len(done),
+            best.ended,
+            best.number,
+            self.resizes,
+            self.decisions,
+            account=self.account,
+            bounds=bounds(
+                self.account, workers=self.total, best_member_step_s=best_member, path_s=path
+            ),
         )
+
+    def event(self, name: str, version: int) -> None:
+        """The elastic timer (``name`` empty), or an array's evaluation boundary."""
+        if name == "":  # the elastic timer: a cooldown may have passed
+            if self.arrays:
+                self.allocate("timer")
+                self.seq += 1
+                heapq.heappush(self.heap, (self.now + self.alloc.resize_every_s, self.seq, "", 0))
+            return
+        a = self.arrays.get(name)
+        if a is None or version != a.version:
+            return
+        a.steps_left, a.last = 0.0, self.now
+        changed = self.boundary(a)
+        a.steps_left = float(self.spe)
+        if not a.members:
+            del self.arrays[name]
+            self.account.last_array = {"resizes": a.resizes, "paused_s": a.paused_s}
+            event = "array ended"
+        else:
+            self.schedule(a)
+            event = "members stopped" if changed else ""
+        if self.elastic:
+            if event:
+                self.allocate(event)
+        else:
+            self.fill_static()
 
 
 def make_trials(n: int, mix: dict[str, float], models: dict[str, Model], seed: int) -> list[Trial]:
@@ -413,10 +503,6 @@ def simulate(
     return sim.run()
 
 
-def _fmt_h(s: float) -> str:
-    return f"{s / 3600:.2f}"
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", type=int, nargs="+", default=[64, 512])
@@ -463,9 +549,11 @@ def main(argv: list[str] | None = None) -> int:
                         "best_trial": r.best_trial,
                         "resizes": r.resizes,
                         "allocator_decisions": r.decisions,
+                        "account": r.account.to_dict(),
+                        "bounds": r.bounds,
                     }
                 )
-                print(rows[-1], flush=True)
+                print({k: v for k, v in rows[-1].items() if k != "account"}, flush=True)
             ratio = res["static"].makespan_s / res["elastic"].makespan_s
             print(
                 f"workers={workers} seed={seed}: static/elastic makespan {ratio:.2f}x", flush=True
@@ -485,104 +573,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         + "\n"
     )
-    args.out.with_suffix(".md").write_text(_markdown(rows, args, mix, command.strip()))
+    args.out.with_suffix(".md").write_text(markdown(rows, args, mix, command.strip()))
     print(f"wrote {args.out.with_suffix('.json')} and .md")
     return 0
-
-
-def _measured_on() -> str:
-    """Where the step times in ``profile_tasks_cpu.json`` were measured (machine, date)."""
-    try:
-        meta = json.loads((RESULTS / "profile_tasks_cpu.json").read_text())["meta"]
-    except (OSError, KeyError, ValueError):
-        return "`profile_tasks_cpu.json`"
-    return f"`profile_tasks_cpu.json`: {meta['machine']}, {meta['date']}"
-
-
-def _markdown(
-    rows: list[dict[str, Any]], args: argparse.Namespace, mix: dict[str, float], command: str
-) -> str:
-    """The results table (medians over seeds, per cluster size) and the assumptions."""
-    profiles = json.loads(args.profiles.read_text())
-    cost = AllReduceCost.from_dict(profiles["allreduce"])
-    lines = [
-        "# Elastic vs static arrays: a simulated sweep at cluster scale",
-        "",
-        f"- command: `{command}`",
-        f"- profiles: `{args.profiles.name}` ({profiles.get('command', 'see scaling_profile.py')})",
-        f"- seeds: {', '.join(map(str, args.seeds))} (medians shown; every seed in the JSON)",
-        "",
-        "| accelerators | arm | makespan h | accelerator-h idle | trials ended / h "
-        "| time to final best trial h | resizes | static/elastic makespan |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for workers in args.workers:
-        arms = {}
-        for arm in ("static", "elastic"):
-            sel = [r for r in rows if r["workers"] == workers and r["arm"] == arm]
-            arms[arm] = {
-                k: statistics.median(r[k] for r in sel) for k in sel[0] if k not in ("arm",)
-            }
-        ratios = sorted(
-            s["makespan_s"] / e["makespan_s"]
-            for s, e in zip(
-                [r for r in rows if r["workers"] == workers and r["arm"] == "static"],
-                [r for r in rows if r["workers"] == workers and r["arm"] == "elastic"],
-                strict=True,
-            )
-        )
-        for arm, m in arms.items():
-            ratio = (
-                f"{statistics.median(ratios):.2f}x (seeds: {', '.join(f'{x:.2f}' for x in ratios)})"
-                if arm == "elastic"
-                else ""
-            )
-            lines.append(
-                f"| {workers} | {arm} | {m['makespan_s'] / 3600:.3f} | "
-                f"{m['idle_accelerator_h']:.2f} | {m['trials_per_h']:,.0f} | "
-                f"{m['best_trial_s'] / 3600:.3f} | {m['resizes']:.0f} | {ratio} |"
-            )
-    per_model = ", ".join(
-        f"{t['task']} (batch {t['batch_size']}, "
-        f"{t['gradient_bytes_per_member'] / 1024:.0f} KiB of gradients per member, step "
-        f"{1e3 * t['sizes']['1']:.1f} ms at B=1)"
-        for t in profiles["tasks"]
-        if t["task"] in mix
-    )
-    lines += [
-        "",
-        "## Assumptions",
-        "",
-        f"- {args.trials} trials; model mix {mix} (each trial's model drawn with these weights); "
-        f"{per_model}. Step times are measured ones ({_measured_on()}) at each array size, "
-        "interpolated between sizes.",
-        "- Arrays of the profiler's chosen size per model (`choose_size` on those measurements), "
-        "packed from the oldest waiting trial's model; freed slots refilled from waiting trials "
-        "of the same model at the array's next evaluation (hfsweep's refill).",
-        f"- Each trial trains {args.max_epochs} epochs of {args.steps_per_epoch} steps; ASHA "
-        f"(asynchronous, reduction factor {args.eta}, rungs at 1, {args.eta}, ... epochs): a "
-        "trial stops at a rung if its metric is below the top 1/eta of the values recorded "
-        "there so far. Metrics are synthetic: a trial's quality ~ N(model offset, 1) plus "
-        "noise N(0, 0.5/sqrt(epoch)); same trials and qualities in both arms.",
-        f"- An array on k workers runs at `model_scaling`'s rate: one worker's step / k plus a "
-        f"ring all-reduce of all members' gradients at latency {cost.latency_s * 1e6:.0f} us "
-        f"per hop and {cost.bandwidth_bytes_per_s / 1e9:.2f} GB/s ({cost.source}), no overlap "
-        "with the backward pass. `scaling_profile.py` measured this model "
-        "to be optimistic on this shared 2-core CPU (k = 2 ran slower than k = 1 there), so "
-        "these figures say what the allocator does given profiles, not what this CPU would get.",
-        f"- Elastic: the allocator with resize_every_s={args.resize_every_s:g}, "
-        f"resize_cost_s={args.resize_cost_s:g} (every resize stops the array that long: "
-        "checkpoint and restart), min 1 worker, no max; it runs when an array ends, when members "
-        "stop, and on a timer every resize_every_s. A resize takes effect at once (the real "
-        "design resizes at the next evaluation boundary). Starting an array costs nothing in "
-        "either arm. No node failures.",
-        "- Static: every array gets one accelerator for life; a freed accelerator starts the next "
-        "array at once.",
-        "- Makespan: until the last trial ends. Idle: accelerators without an array, integrated "
-        "over the makespan (resize pauses count as busy). Time to the final best trial: when the "
-        "trial with the best quality among those that trained the full budget completed.",
-    ]
-    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -64,7 +64,7 @@ A sweep file is one YAML mapping. Every key, with its default::
         min_workers_per_array: 1    # an integer >= 1
         max_workers_per_array: null # an integer >= min_workers_per_array; null: the cluster
         resize_every_s: 60      #   an array is resized at most this often (seconds or "1m")
-        resize_cost_s: 0        #   a grow must save more seconds than this (checkpoint+restart)
+        resize_cost_s: 0        #   seconds a resize pauses an array: it must gain more
         max_wait_s: 600         #   longest wait of an array paused when workers are too few
         scaling: model          #   model: each key's scaling modelled (measured step and
                                 #   all-reduce, cached); perfect: k workers = k times one

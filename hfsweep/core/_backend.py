@@ -11,6 +11,7 @@ from contextlib import contextmanager
 import torch
 
 from ..executors import ExecutorError, LocalExecutor
+from ..schedulers import ASHAScheduler
 from ..sizing.device import DTYPES as _DTYPES
 from ..sizing.device import resolve_device
 from ._elastic import ElasticPolicy
@@ -94,4 +95,18 @@ class _Backend(_Parts):
             show=show,
             scaling=scaling,
             remember=scaling.remember if scaling is not None else None,
+            rungs=_rungs(self.scheduler),
+            record=self.dir.write_elastic,
         )
+
+
+def _rungs(scheduler: object) -> tuple[float, ...]:
+    """Where the trial scheduler may stop members, in budget units: every rung of every
+    bracket of ASHA or Hyperband (a member's bracket is not known before its first report, so
+    the earliest rung of any counts); none for the others (FIFO, median stopping, Optuna
+    pruners: not known in advance)."""
+    if not isinstance(scheduler, ASHAScheduler):
+        return ()
+    return tuple(
+        sorted({r for b in range(scheduler.n_brackets) for r in scheduler.rung_resources(b)})
+    )

@@ -43,6 +43,12 @@ What the allocator is given:
   its reports (time per unit on k workers times the profile's speed-up at k). Before its second
   report (and for an array waiting for its first workers) an array's unit is the one last
   measured on an array of its compatibility key, or one second where none was.
+- ``horizon_s``: with ``rungs`` (the trial scheduler's rungs in budget units, ASHA's or
+  Hyperband's, where members may stop), the budget from the array's furthest member to the
+  next rung above it, times the same one-unit seconds; the allocator makes no resize that
+  would not pay for itself before it. Without rungs (FIFO, median stopping, Optuna pruners),
+  or past the last rung, none is given (the array's remaining time counts). A member refilled
+  behind the furthest one may reach an earlier rung; that one is not seen.
 - the scaling profile of the array's compatibility key: when the first array of a key is
   placed, the policy asks its ``scaling`` source (the engine's
   :class:`~hfsweep.core._scaling.SweepScaling` with ``ray.elastic.scaling: model``: the cached
@@ -131,7 +137,8 @@ class ElasticPolicy:
     ``budget`` is a trial's budget in ``by`` units (``"epochs"`` or ``"steps"``); ``show``
     gets each plan's status line (the progress display); ``clock`` is seconds (tests pass a
     fake one); ``scaling`` gives each compatibility key's scaling profile (None: perfect
-    scaling assumed).
+    scaling assumed); ``rungs`` are the trial scheduler's rungs in ``by`` units (where members
+    may stop; empty: not known), from which each array's ``horizon_s`` is given.
     """
 
     def __init__(
@@ -144,8 +151,12 @@ class ElasticPolicy:
         clock: Callable[[], float] = time.monotonic,
         scaling: ScalingSource | None = None,
         remember: Callable[[ScalingProfile], None] | None = None,
+        rungs: Sequence[float] = (),
+        record: Callable[[Mapping[str, Any]], None] | None = None,
     ) -> None:
         self.settings = settings
+        self.record = record
+        self.rungs = tuple(sorted({float(r) for r in rungs}))
         self.scaling = scaling
         self.remember = remember
         #: each key's profile as the source gave it, before measured points replaced any
@@ -430,6 +441,7 @@ class ElasticPolicy:
                 profile=self._profile(e.key, total),
                 workers=e.workers,
                 since=e.since,
+                horizon_s=self._horizon_s(e),
             )
             for e in self._arrays.values()
             if e.begun
@@ -484,12 +496,51 @@ class ElasticPolicy:
             status = f"{status}; {waits}"
         _log.info("%s", status)
         self.show(status)
+        self._record()
+
+    def totals(self) -> dict[str, Any]:
+        """The allocator's account so far (:meth:`~hfsweep.core.allocator.Allocator.waits`):
+        ``arrays_waited_s`` summed over arrays its plans left without workers,
+        ``workers_idle_s`` over the workers they left idle, up to now; the ``plans`` made and
+        the cluster's ``workers`` at the last. The plans' view, not the workers': a resize
+        counts from its plan, a relaunch's start-up is not idle."""
+        with self._lock:
+            return self._totals()
+
+    def _totals(self) -> dict[str, Any]:
+        """:meth:`totals` (called under the lock)."""
+        waited, idle = self.allocator.waits(self.clock())
+        return {
+            "arrays_waited_s": waited,
+            "workers_idle_s": idle,
+            "plans": len(self.plans),
+            "workers": self._total,
+        }
+
+    def _record(self) -> None:
+        """Hand :meth:`totals` to ``record`` (the run directory's ``elastic.json``); a file
+        that cannot be written is logged, not raised (the sweep goes on)."""
+        if self.record is None:
+            return
+        try:
+            self.record(self._totals())
+        except OSError as exc:
+            _log.warning("elastic: the wait totals were not written: %s", exc)
 
     def _remaining_s(self, e: _Running) -> float:
         """Seconds ``e`` still needs on one worker (see the module docstring)."""
         left = max(0.0, self.budget - e.done)
         unit = e.unit_s if e.unit_s is not None else self._unit_s.get(e.key, 1.0)
         return left * unit
+
+    def _horizon_s(self, e: _Running) -> float | None:
+        """Seconds on one worker from ``e``'s furthest member to the next rung above it, or
+        None (no rungs known, or none left before the budget)."""
+        above = [r for r in self.rungs if e.done < r < self.budget]
+        if not above:
+            return None
+        unit = e.unit_s if e.unit_s is not None else self._unit_s.get(e.key, 1.0)
+        return (above[0] - e.done) * unit
 
     def _profile(self, key: str, total: int | None = None) -> ScalingProfile:
         """``key``'s profile from the scaling source, else the assumed one: perfect scaling up

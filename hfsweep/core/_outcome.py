@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     import optuna
 
 
+from ._elastic import ElasticPolicy
 from ._parts import _Parts
 from .result import StatusCounts, SweepResult, TrainingError, _Failed
 
@@ -227,4 +228,18 @@ class _Outcome(_Parts):
             arrays=len(self.arrays),
             best_checkpoint=ckpt if ckpt is not None and ckpt.exists() else None,
             top=top,
+            elastic=self._elastic_totals(),
         )
+
+    def _elastic_totals(self) -> dict[str, Any] | None:
+        """The elastic policy's wait and idle totals as the sweep ends, also written to
+        ``elastic.json``; None without elastic arrays."""
+        policy = getattr(self.executor, "policy", None)
+        if not isinstance(policy, ElasticPolicy):
+            return None
+        totals = policy.totals()
+        try:
+            self.dir.write_elastic(totals)
+        except OSError as exc:
+            _log.warning("elastic.json was not written: %s", exc)
+        return totals

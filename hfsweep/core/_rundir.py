@@ -13,6 +13,8 @@ Layout (``RunDir`` names every path)::
     histories/trial-N.csv  each finished trial's evaluations
     checkpoints/trial-N.pt the best completed trials' model state_dicts
     best.json              the best trial: number, value, params and full config
+    elastic.json           with elastic arrays: the allocator's wait and idle totals, rewritten
+                           at every plan and when the sweep ends
     sweep.log              the log
     arrays/K/              array K's trainer checkpoint while it trains (removed when done)
     .lock                  held by the process running the sweep (its pid inside)
@@ -159,6 +161,10 @@ class RunDir:
     def log(self) -> Path:
         return self.path / "sweep.log"
 
+    @property
+    def elastic(self) -> Path:
+        return self.path / "elastic.json"
+
     def history(self, number: int) -> Path:
         return self.path / "histories" / f"trial-{number}.csv"
 
@@ -251,6 +257,11 @@ class RunDir:
                 ]
             )
         atomic_write_text(self.trials_csv, buf.getvalue())
+
+    def write_elastic(self, totals: Mapping[str, Any]) -> None:
+        """``elastic.json``: the elastic allocator's wait and idle totals
+        (:meth:`~hfsweep.core._elastic.ElasticPolicy.totals`)."""
+        atomic_write_text(self.elastic, json.dumps(dict(totals), indent=2) + "\n")
 
     def write_best(self, best: Mapping[str, Any] | None) -> None:
         if best is None:

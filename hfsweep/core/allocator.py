@@ -35,11 +35,17 @@ starved either: with no array running they start (no plan leaves every worker id
 trials wait), and a pool that has waited ``max_wait_s`` (its ``since``) starts one array
 before any running array is given more than its minimum.
 
-**Cooldown.** A running array is resized at most once per ``resize_every_s`` (its start counts),
-except when it must shrink because workers left, or when shrinking it starts waiting trials
-(the cooldown keeps running arrays from trading workers back and forth; it does not hold
-waiting trials back); a grow must also save more time than ``resize_cost_s`` (the checkpoint
-and restart a resize costs).
+**Cooldown and the cost of a resize.** A running array is resized at most once per
+``resize_every_s`` (its start counts), except when it must shrink because workers left, or when
+shrinking it starts waiting trials (the cooldown keeps running arrays from trading workers back
+and forth; it does not hold waiting trials back). A resize pauses the array for
+``resize_cost_s`` (a checkpoint and a restart), so every member of it finishes that much later:
+the dynamic program charges a resize of a running array ``members * resize_cost_s``
+member-seconds, a shrink as well as a grow, and a grow must also save more than
+``resize_cost_s`` before the array's *horizon* (``ArrayState.horizon_s``: the seconds on one
+worker to its next rung, where the trial scheduler may stop most of its members, or to its end).
+In a simulated ASHA sweep (``benchmarks/elastic_sim.py``) the arrays grown just before a rung
+were mostly stopped there, the pause spent for nothing.
 
 Every call of :meth:`Allocator.decide` returns a :class:`Plan`: one :class:`Decision` per array
 and per pool of waiting trials, each with a human-readable reason, and :meth:`Plan.status` for a
@@ -54,9 +60,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-import numpy as np
-
 from ..sizing.scaling import ScalingProfile
+from ._allocator_dp import _best, _choices, _starts
 
 __all__ = ["EVENTS", "Allocator", "ArrayState", "Decision", "Plan", "WaitingPool"]
 
@@ -74,6 +79,10 @@ class ArrayState:
     seconds it still needs on one worker at its current size (its longest-lived member's
     remaining steps times one worker's step time); ``profile`` its scaling at its current size.
     ``since`` is when ``workers`` last changed (start, resize or pause) on the allocator's clock.
+    ``horizon_s`` is the seconds on one worker until its members may next stop (the trial
+    scheduler's next rung, such as ASHA's, or the budget), ``None`` where not known
+    (``remaining_s`` then): a resize must pay for itself before it, since the array may end or
+    shrink to a few members there.
     """
 
     name: str
@@ -83,6 +92,7 @@ class ArrayState:
     profile: ScalingProfile
     workers: int = 0
     since: float = 0.0
+    horizon_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.members < 1:
@@ -93,6 +103,20 @@ class ArrayState:
             )
         if self.workers < 0:
             raise ValueError(f"array {self.name!r}: workers must be >= 0, got {self.workers}")
+        if self.horizon_s is not None and not (
+            self.horizon_s >= 0 and math.isfinite(self.horizon_s)
+        ):
+            raise ValueError(
+                f"array {self.name!r}: horizon_s must be >= 0 or None, got {self.horizon_s}"
+            )
+
+    @property
+    def payback_s(self) -> float:
+        """The one-worker seconds a resize has to pay for itself in: up to its horizon, or
+        its end if that comes first."""
+        if self.horizon_s is None:
+            return self.remaining_s
+        return min(self.horizon_s, self.remaining_s)
 
 
 @dataclass(frozen=True)
@@ -212,32 +236,14 @@ class Plan:
         )
 
 
-#: every worker count up to this is tried; above it only a profile's points and the bounds
-_EVERY_UP_TO = 32
-
-
-def _choices(profile: ScalingProfile, low: int, high: int, current: int) -> list[int]:
-    """The worker counts tried for one array: every count from ``low`` to 32, and above that
-    its profile's points, the bounds and its current count (a DP over every count up to 512
-    for each of hundreds of arrays would take seconds per decision; past 32 workers a profile
-    is known at powers of two only, straight lines between)."""
-    high = min(high, profile.max_workers)
-    if high < low:
-        return [low]
-    ks = set(range(low, min(high, _EVERY_UP_TO) + 1))
-    ks |= {k for k in profile.points if low <= k <= high} | {low, high}
-    if low <= current <= high:
-        ks.add(current)
-    return sorted(ks)
-
-
 class Allocator:
     """Decides workers per array; see the module's docstring for the objective and the rules.
 
     ``min_workers``/``max_workers`` bound every array (``max_workers`` ``None``: the total);
-    ``resize_every_s`` is the cooldown between resizes of one array; ``resize_cost_s`` what a
-    resize costs the array (a grow must save more); ``max_wait_s`` the longest a paused array
-    waits when workers are too few for every array's minimum.
+    ``resize_every_s`` is the cooldown between resizes of one array; ``resize_cost_s`` the
+    seconds a resize pauses the array (charged to its members in the objective; a grow must
+    save more before the array's horizon); ``max_wait_s`` the longest a paused array waits
+    when workers are too few for every array's minimum.
     """
 
     def __init__(
@@ -301,6 +307,8 @@ class Allocator:
         weights: list[float] = []
         profiles: list[ScalingProfile] = []
         why_fixed: dict[str, str] = {}
+        #: arrays whose grows the horizon ruled out (each a reason, should they keep)
+        why_short: dict[str, str] = {}
         for a in served:
             choices = _choices(a.profile, low, high, a.workers)
             cooling = a.workers > 0 and now - a.since < self.resize_every_s
@@ -310,7 +318,15 @@ class Allocator:
                     f"resized {now - a.since:.0f} s ago, cooldown {self.resize_every_s:g} s"
                 )
             elif a.workers > 0:
-                choices = [k for k in choices if k <= a.workers or self._worth_growing(a, k)]
+                kept = [k for k in choices if k <= a.workers or self._worth_growing(a, k)]
+                if a.horizon_s is not None and any(
+                    k not in kept and self._worth_growing(a, k, a.remaining_s) for k in choices
+                ):
+                    why_short[a.name] = (
+                        f"a grow would not repay its {self.resize_cost_s:g} s resize before "
+                        f"its next rung, ~{a.horizon_s:.0f} s away on one worker"
+                    )
+                choices = kept
             options.append(choices)
             weights.append(a.members * max(a.remaining_s, 1e-9))
             profiles.append(a.profile)
@@ -342,13 +358,16 @@ class Allocator:
                     weights.append(pool.members * max(pool.remaining_s, 1e-9))
                     profiles.append(pool.profile)
 
-        # 3. The dynamic program over arrays x workers.
-        chosen = _best(options, weights, profiles, total)
+        # 3. The dynamic program over arrays x workers. A resize pauses the array for
+        # resize_cost_s: each of its members finishes that much later, so the resize is
+        # charged members * resize_cost_s member-seconds (a shrink too, not only a grow).
+        resizes = [(a.workers, a.members * self.resize_cost_s) for a in served]
+        chosen = _best(options, weights, profiles, total, resizes)
         if chosen is None:  # the cooled-down arrays alone exceed the workers: relax the cooldown
             notes.append("cooldown lifted: the arrays' current workers exceed the cluster")
             options[: len(served)] = [_choices(a.profile, low, high, a.workers) for a in served]
             why_fixed.clear()
-            chosen = _best(options, weights, profiles, total)
+            chosen = _best(options, weights, profiles, total, resizes)
             assert chosen is not None, "the minimums were checked to fit"
         if why_fixed and len(chosen) > len(served) and 0 in chosen[len(served) :]:
             # trials wait while arrays in their cooldown hold workers: the cooldown holds back
@@ -360,7 +379,7 @@ class Allocator:
                     relaxed[i] = [
                         k for k in _choices(a.profile, low, high, a.workers) if k <= a.workers
                     ]
-            again = _best(relaxed, weights, profiles, total)
+            again = _best(relaxed, weights, profiles, total, resizes)
             if again is not None and _starts(again, len(served)) > _starts(chosen, len(served)):
                 chosen = again
                 for a, k in zip(served, chosen, strict=False):
@@ -369,7 +388,7 @@ class Allocator:
                 notes.append("cooldown lifted for the shrinks that start waiting trials")
 
         decisions = [
-            self._explain(a, k, why_fixed.get(a.name), forced, total)
+            self._explain(a, k, why_fixed.get(a.name) or why_short.get(a.name), forced, total)
             for a, k in zip(served, chosen, strict=False)
         ]
         for a, position in paused:
@@ -500,9 +519,13 @@ class Allocator:
         )
         return served, [(a, i + 1) for i, a in enumerate(rest)]
 
-    def _worth_growing(self, a: ArrayState, k: int) -> bool:
-        """Whether growing ``a`` to ``k`` workers saves more than a resize costs."""
-        saved = a.remaining_s / a.profile.speedup(a.workers) - a.remaining_s / a.profile.speedup(k)
+    def _worth_growing(self, a: ArrayState, k: int, span: float | None = None) -> bool:
+        """Whether growing ``a`` to ``k`` workers saves more than a resize costs within
+        ``span`` one-worker seconds, by default before the array's horizon (its next rung, or
+        its end): a grow made just before a rung that stops most of its members would pause it
+        for longer than it gains."""
+        span = a.payback_s if span is None else span
+        saved = span / a.profile.speedup(a.workers) - span / a.profile.speedup(k)
         return saved > self.resize_cost_s
 
     def _explain(
@@ -527,45 +550,3 @@ class Allocator:
             f"workers left (the cluster has {total})" if forced else "its workers do more elsewhere"
         )
         return Decision(a.name, a.key, "shrink", a.workers, k, f"{why}: {times}")
-
-
-def _starts(chosen: Sequence[int], served: int) -> int:
-    """How many new arrays ``chosen`` (served arrays first, then the pools' candidates) starts."""
-    return sum(1 for k in chosen[served:] if k > 0)
-
-
-def _best(
-    options: list[list[int]], weights: list[float], profiles: list[ScalingProfile], total: int
-) -> list[int] | None:
-    """The DP: one choice per array from its options, using at most ``total`` workers, with the
-    largest sum of ``weight * (2 - 1 / speedup(k))`` (0 for k = 0); None if even the smallest
-    choices do not fit. Ties go to fewer workers (choices in ascending order, strict >)."""
-    if sum(min(o) for o in options) > total:
-        return None
-    neg = -math.inf
-    best = np.full(total + 1, neg)
-    best[0] = 0.0  # best[w]: the value using exactly w workers
-    picks: list[np.ndarray] = []
-    for choices, weight, profile in zip(options, weights, profiles, strict=True):
-        new = np.full(total + 1, neg)
-        pick = np.zeros(total + 1, dtype=np.int64)
-        for k in choices:
-            value = 0.0 if k == 0 else weight * (2.0 - 1.0 / profile.speedup(k))
-            if k > total:
-                continue
-            shifted = np.full(total + 1, neg)
-            shifted[k:] = best[: total + 1 - k] + value
-            better = shifted > new
-            new[better] = shifted[better]
-            pick[better] = k
-        best = new
-        picks.append(pick)
-    w = int(np.argmax(best))  # argmax returns the first, i.e. fewest workers, among ties
-    if best[w] == neg:
-        return None
-    chosen = []
-    for pick in reversed(picks):
-        k = int(pick[w])
-        chosen.append(k)
-        w -= k
-    return chosen[::-1]

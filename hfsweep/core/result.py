@@ -126,6 +126,9 @@ class SweepResult:
     arrays: int
     best_checkpoint: Path | None = None
     top: list[optuna.trial.FrozenTrial] = field(default_factory=list)
+    #: with elastic arrays (``ray.elastic.enabled``), the allocator's totals as in
+    #: ``elastic.json`` (``arrays_waited_s``, ``workers_idle_s``, ``plans``, ``workers``)
+    elastic: dict[str, Any] | None = None
 
     def summary(self, top: int = 5) -> str:
         """The end-of-sweep report: counts, the best trial and a table of the top trials."""
@@ -168,6 +171,14 @@ class SweepResult:
                 "  " + "  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) for r in table
             ]
         files = "trials.csv, best.json, histories/, checkpoints/"
+        if self.elastic is not None:
+            e = self.elastic
+            lines.append(
+                f"Elastic arrays: {e['plans']} allocator plans; arrays waited "
+                f"{e['arrays_waited_s']:.0f} s, workers idle {e['workers_idle_s']:.0f} s "
+                "(summed over arrays and over workers, as the plans left them)"
+            )
+            files += ", elastic.json"
         lines.append(f"Run directory: {self.run_dir} ({files})")
         return "\n".join(lines)
 

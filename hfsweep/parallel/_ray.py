@@ -6,8 +6,11 @@ each) in a placement group, starts one actor per bundle, has rank 0's actor pick
 address and a free port for the ``torch.distributed`` rendezvous, and trains. Resizes and lost
 workers are handled as on one machine (the same loop, from the same checkpoint): an actor whose
 process dies (SIGKILL, a node lost) counts as a lost worker, the other actors are killed, the
-placement group is given back, and k - 1 new actors resume the array. The checkpoint folder
-must be one every worker's node sees (one machine, or a shared file system).
+placement group is given back, and k - 1 new actors resume the array. A worker that hangs
+without dying counts as lost too: when the others' collectives time out waiting for it
+(``timeout_s``, :data:`~hfsweep.parallel.COLLECTIVE_TIMEOUT_S`) and it has not ended a grace
+period later, it is killed and the array goes on without it. The checkpoint folder must be one
+every worker's node sees (one machine, or a shared file system).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._usercode import unwrap
+from .._usercode import COLLECTIVE, phase_of, unwrap
 from ..training import Member, MemberResult
 from ..training.results import RefillHook, ReportHook
 from ..training.task import Task
@@ -191,6 +194,18 @@ def _launch(
                     failed = True
         if died:
             return "lost", len(died)
+        hung = [refs.index(ref) for ref in pending]
+        if hung and all(phase_of(unwrap(e)) == COLLECTIVE for e in raised.values()):
+            # the others' collectives timed out waiting for workers that never ended: those
+            # hang (alive, not training); they are killed below and count as lost
+            _log.warning(
+                "worker(s) %s of the data-parallel array in %s did not end %.0f s after the "
+                "others' collectives failed (timed out waiting for them): counted as lost",
+                ", ".join(map(str, hung)),
+                job.directory,
+                _GRACE_S,
+            )
+            return "lost", len(hung)
         if raised:
             text = "\n".join(f"worker {rank}: {error}" for rank, error in sorted(raised.items()))
             raise_worker_error(

@@ -21,13 +21,25 @@ class FakeClock:
 
 
 def fake_policy(
-    clock: FakeClock, shown: list[str], *, scaling: Any = None, **settings: object
+    clock: FakeClock,
+    shown: list[str],
+    *,
+    scaling: Any = None,
+    rungs: tuple[float, ...] = (),
+    **settings: object,
 ) -> ElasticPolicy:
     """An enabled policy on ``clock`` for a budget of 10 epochs that may resize at any time,
-    its status lines appended to ``shown``; ``settings`` override :class:`ElasticConfig`'s."""
+    its status lines appended to ``shown``; ``rungs`` the trial scheduler's; ``settings``
+    override :class:`ElasticConfig`'s."""
     config = ElasticConfig(enabled=True, **{"resize_every_s": 0.0, **settings})  # type: ignore[arg-type]
     return ElasticPolicy(
-        config, budget=10, by="epochs", show=shown.append, clock=clock, scaling=scaling
+        config,
+        budget=10,
+        by="epochs",
+        show=shown.append,
+        clock=clock,
+        scaling=scaling,
+        rungs=rungs,
     )
 
 

@@ -7,6 +7,7 @@ import importlib
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -31,14 +32,18 @@ PROFILES = {
 }
 
 
-def test_the_simulator_runs_both_arms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _both_arms(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workers: int, trials: int
+) -> tuple[Any, dict[str, Any], Any, Any]:
+    """The simulator module, its keyword arguments (the tiny profiles above, 9 epochs of 10
+    steps, resizes of 0.1 s at most every 1 s) and the static and elastic arms' results."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     sim = importlib.import_module("elastic_sim")
     profiles = tmp_path / "profiles.json"
     profiles.write_text(json.dumps(PROFILES))
-    kw = dict(
-        workers=4,
-        trials=40,
+    kw: dict[str, Any] = dict(
+        workers=workers,
+        trials=trials,
         mix={"small": 0.5, "large": 0.5},
         steps_per_epoch=10,
         max_epochs=9,
@@ -46,8 +51,12 @@ def test_the_simulator_runs_both_arms(tmp_path: Path, monkeypatch: pytest.Monkey
         resize_every_s=1.0,
         resize_cost_s=0.1,
     )
-    static = sim.simulate(elastic=False, **kw)
-    elastic = sim.simulate(elastic=True, **kw)
+    return sim, kw, sim.simulate(elastic=False, **kw), sim.simulate(elastic=True, **kw)
+
+
+def test_the_simulator_runs_both_arms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    sim, kw, static, elastic = _both_arms(tmp_path, monkeypatch, workers=4, trials=40)
+    profiles = kw["profiles"]
     for r in (static, elastic):
         assert r.trials_ended == 40
         assert math.isfinite(r.makespan_s) and r.makespan_s > 0
@@ -68,6 +77,9 @@ def test_the_simulator_runs_both_arms(tmp_path: Path, monkeypatch: pytest.Monkey
         "5",
         "--max-epochs",
         "3",
+        "--seeds",
+        "0",
+        "1",
         "--profiles",
         str(profiles),
         "--out",
@@ -75,4 +87,41 @@ def test_the_simulator_runs_both_arms(tmp_path: Path, monkeypatch: pytest.Monkey
     ]
     assert sim.main(argv) == 0
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
-    assert [r["arm"] for r in rows] == ["static", "elastic"]
+    assert [(r["seed"], r["arm"]) for r in rows] == [
+        (0, "static"),
+        (0, "elastic"),
+        (1, "static"),
+        (1, "elastic"),
+    ]
+    md = out.with_suffix(".md").read_text()
+    assert "## Where the accelerator-time goes, and the bounds" in md
+    assert "| 4 | elastic |" in md and "bound: tail h" in md
+
+
+def test_the_accounting_adds_up_and_the_bounds_hold(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every accelerator-second is booked once (useful + parallel + resize + idle = accelerators
+    x makespan, in both phases), static has no data-parallel or resize time, and no arm beats
+    the work, packed or path bounds."""
+    _, _, static, elastic = _both_arms(tmp_path, monkeypatch, workers=6, trials=60)
+    for r in (static, elastic):
+        spent = r.account.total()
+        assert spent == pytest.approx(6 * r.makespan_s, rel=1e-9)
+        assert r.account.total("idle") == pytest.approx(r.idle_worker_s, rel=1e-9)
+        assert r.account.total("useful") > 0
+        assert 0 < r.account.queue_end_s < r.makespan_s
+        for bound in ("work", "packed", "path"):
+            assert 0 < r.bounds[bound] <= r.makespan_s * (1 + 1e-9), bound
+        assert r.bounds["packed"] <= r.bounds["work"] * (1 + 1e-9)
+        assert r.bounds["tail"] <= r.makespan_s * (1 + 1e-9)
+        assert sum(r.account.member_steps.values()) > 0
+    assert static.account.total("parallel") == pytest.approx(0.0, abs=1e-6)
+    assert static.account.total("resize") == 0.0
+    assert elastic.resizes == sum(elastic.account.resizes.values()) > 0
+    last = elastic.account.last_array  # the array that ended last: its resizes and pauses
+    assert last["paused_s"] == pytest.approx(0.1 * last["resizes"])
+    assert static.account.last_array == {"resizes": 0, "paused_s": 0.0}
+    # each resize pauses its array 0.1 s on at least one worker
+    assert elastic.account.total("resize") >= 0.1 * elastic.resizes * (1 - 1e-9)
+    assert elastic.account.total("parallel") > 0

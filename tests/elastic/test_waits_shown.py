@@ -5,6 +5,7 @@ line it shows when the last array ends."""
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -13,7 +14,9 @@ from _elastic_fakes import FakeClock, evals, fake_policy
 from test_waiting_arrays import _asha_tail
 
 from hfsweep.core._progress import Progress
+from hfsweep.core._rundir import RunDir
 from hfsweep.core.allocator import Allocator, ArrayState, WaitingPool
+from hfsweep.core.result import StatusCounts, SweepResult
 from hfsweep.profiler import ScalingProfile
 
 _FLAT = ScalingProfile("k", {1: 100.0, 2: 100.0})  # a second worker gains nothing
@@ -88,3 +91,41 @@ def test_nothing_waited_nothing_shown(tmp_path: Path) -> None:
         "elastic: 1 arrays on 2/2 workers (1 new) [array started]",
         "elastic: 0 arrays on 0/2 workers [array ended]",
     ]
+
+
+def test_the_totals_go_to_elastic_json_at_every_plan_and_into_the_summary(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The same tail: every plan rewrites the run directory's ``elastic.json`` with the totals
+    so far (a driver killed mid-sweep leaves the last plan's), ``totals()`` gives them up to
+    now, and the end-of-sweep summary names them."""
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    policy, clock, _, a, b = _asha_tail(tmp_path, caplog)
+    policy.record = run.write_elastic
+    clock.now = 42.0
+    policy.reported(a, evals(3.0), live=1)  # members stopped: a plan, array 1 starts
+    written = json.loads(run.elastic.read_text())
+    assert written == {"arrays_waited_s": 40.0, "workers_idle_s": 0.0, "plans": 3, "workers": 2}
+    clock.now = 50.0
+    policy.ended(a, total=2)
+    clock.now = 70.0
+    policy.ended(b, total=2)  # nothing left: every worker idle from here
+    clock.now = 75.0
+    totals = policy.totals()
+    assert totals == {"arrays_waited_s": 40.0, "workers_idle_s": 10.0, "plans": 4, "workers": 2}
+    assert json.loads(run.elastic.read_text())["workers_idle_s"] == 0.0  # as of the last plan
+
+    import optuna
+
+    result = SweepResult(
+        run.path, optuna.create_study(), "val_loss", "min", None, None, {}, {}, StatusCounts(), 75.0, 2,
+        elastic=totals,
+    )  # fmt: skip
+    summary = result.summary()
+    assert (
+        "Elastic arrays: 4 allocator plans; arrays waited 40 s, workers idle 10 s (summed over "
+        "arrays and over workers, as the plans left them)"
+    ) in summary
+    assert summary.endswith(f"Run directory: {run.path} (trials.csv, best.json, histories/, "
+                            "checkpoints/, elastic.json)")  # fmt: skip

@@ -124,13 +124,16 @@ class Fault:
       ``report`` call to the driver and is SIGKILLed while it waits for the answer;
     - ``"checkpoint"``: worker ``rank`` (rank 0, which writes the checkpoint) is SIGKILLed
       half-way through writing its ``nth`` checkpoint (half of the bytes in the temporary file
-      that ``atomic_save`` renames when it is complete).
+      that ``atomic_save`` renames when it is complete);
+    - ``"hang"``: worker ``rank`` hangs without dying before its ``nth`` gradient all-reduce
+      (it sleeps for an hour), so the other worker waits in that all-reduce until the process
+      group's timeout.
 
     It fires once: only while the file ``flag`` exists, which it removes first (the relaunched
-    workers find none). ``stamp`` gets ``time.time()`` just before the kill."""
+    workers find none). ``stamp`` gets ``time.time()`` just before the kill (or the hang)."""
 
     def __init__(self, moment: str, rank: int, nth: int, flag: str) -> None:
-        assert moment in ("allreduce", "hook", "checkpoint"), moment
+        assert moment in ("allreduce", "hook", "checkpoint", "hang"), moment
         self.moment, self.rank, self.nth, self.flag = moment, rank, nth, flag
         self.seen = 0
 
@@ -168,6 +171,18 @@ class Fault:
                 kwargs["async_op"] = True
                 plain(tensor, *args, **kwargs)  # the peer now waits in this all-reduce
                 self._die()
+            return plain(tensor, *args, **kwargs)
+
+        dist.all_reduce = all_reduce
+
+    def _install_hang(self) -> None:
+        plain = dist.all_reduce
+
+        def all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if tensor.numel() > 1 and self._fires():
+                with open(self.stamp, "w") as f:
+                    f.write(repr(time.time()))
+                time.sleep(3600)  # alive, never entering the all-reduce its peer waits in
             return plain(tensor, *args, **kwargs)
 
         dist.all_reduce = all_reduce

@@ -1,6 +1,7 @@
 """One worker of a 2-worker elastic array SIGKILLed at each moment of its step, on a local Ray
 (2 CPUs, loopback): in the gradient all-reduce, while rank 0 waits for the driver's answer to a
-relayed hook call, and half-way through rank 0's checkpoint write. Each moment is made
+relayed hook call, and half-way through rank 0's checkpoint write; and one that hangs without
+dying before an all-reduce, noticed when its peer's all-reduce times out. Each moment is made
 deterministic by patching that moment's code in the worker's own process
 (:class:`_dp_tasks.Fault`), not by a sleep racing the training.
 
@@ -68,6 +69,7 @@ def _stop_at_six(evaluations: list[hs.Evaluation]) -> dict[str, bool]:
         ("allreduce", 1, 8, 6),  # rank 0 waits in step 8's all-reduce; checkpoint of step 6
         ("hook", 0, 2, 3),  # the report of step 6 sent, its answer never taken
         ("checkpoint", 0, 2, 3),  # step 6's checkpoint half written
+        ("hang", 1, 8, 6),  # rank 1 hangs before step 8's all-reduce: rank 0 times out in it
     ],
 )
 def test_a_worker_lost_at_any_moment_of_a_step_shrinks_the_array_which_goes_on_exactly(
@@ -78,10 +80,15 @@ def test_a_worker_lost_at_any_moment_of_a_step_shrinks_the_array_which_goes_on_e
     tmp_path: Path,
     shared_ray: Any,
     caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from ray import cloudpickle
 
+    import hfsweep.parallel
     from hfsweep.executors import _elastic
+
+    if moment == "hang":  # the survivor's all-reduce times out after 15 s, not 120 s
+        monkeypatch.setattr(hfsweep.parallel, "COLLECTIVE_TIMEOUT_S", 15.0)
     from hfsweep.executors.base import ArrayHooks
     from hfsweep.training.results import MemberResult
 
@@ -132,6 +139,10 @@ def test_a_worker_lost_at_any_moment_of_a_step_shrinks_the_array_which_goes_on_e
     waited = policy.relaunches[0][2] - killed_at
     logging.getLogger(__name__).warning("%s: relaunch asked %.2f s after the kill", moment, waited)
     assert "1 of 2 workers lost; going on with 1 from the last checkpoint" in caplog.text
+    if moment == "hang":  # noticed when the survivor's collective timed out, not before
+        assert "worker(s) 1 of the data-parallel array in" in caplog.text
+        assert "did not end 2 s after the others' collectives failed" in caplog.text
+        assert waited >= 15.0
     # every (member, step) heard once, every member's end once
     assert heard and set(heard.values()) == {1}, heard
     assert sorted(heard) == sorted((r.id, h["step"]) for r in reference for h in r.history)

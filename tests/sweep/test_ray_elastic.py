@@ -5,6 +5,7 @@ every decision of the allocator in sweep.log; a resize and a relaunch on two wor
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,12 @@ def test_one_elastic_array_at_a_time_reproduces_the_local_backend(
     assert elastic.best_trial is not None and elastic.best_checkpoint is not None
     for name in ("trials.csv", "best.json", "sweep.json", "state.json", "optuna.journal"):
         assert (elastic.run_dir / name).is_file(), name
+    # the allocator's wait and idle totals: in elastic.json, the result and its summary
+    assert elastic.elastic is not None and elastic.elastic["workers"] == 2
+    assert json.loads((elastic.run_dir / "elastic.json").read_text()) == elastic.elastic
+    assert elastic.elastic["plans"] >= 1  # the array's start (its refills are not plans)
+    assert "Elastic arrays: " in elastic.summary() and local.elastic is None
+    assert not (local.run_dir / "elastic.json").exists()
     assert sorted(p.name for p in (elastic.run_dir / "histories").iterdir()) == sorted(
         p.name for p in (local.run_dir / "histories").iterdir()
     )
