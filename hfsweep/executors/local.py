@@ -92,9 +92,7 @@ class LocalExecutor(Executor):
             traces=traces,
             data=self._data_cache.get(self.task, self.task.resolve(config)),
             compare_compiled=self.compile == "auto",
-            # measured as the trainer builds them: an array offloaded to the host keeps its
-            # frozen tensors per member (see ArrayTrainer)
-            share_frozen=self.share_frozen and self.offload != "host",
+            share_frozen=self.share_frozen,  # as the trainer builds them, offloaded or not
         )
         if profile.compile is not None:
             self._compile_choice[key] = profile.compile.compiled

@@ -173,7 +173,8 @@ def measure_step(
     do with ``fusion.share_frozen`` (``False``: B copies, so the peak counts the frozen
     backbone B times). ``offload``: the array kept in host memory and run shard by shard by
     :class:`~hfsweep.offload.OffloadedArray` with ``device_memory`` bytes on ``device``, as the
-    trainer's ``offload="host"`` runs it (frozen tensors per member); its peak is the engine's
+    trainer's ``offload="host"`` runs it (frozen tensors kept once with ``share_frozen``, as
+    on the device); its peak is the engine's
     ledger peak, the bytes it held on the compute side.
     """
     with _as_the_trainer_runs(device):
@@ -181,8 +182,8 @@ def measure_step(
         configs = [{**resolved, "seed": i} for i in range(size)]
         models = [task.build_model(c).to(dtype) for c in configs]
         engine: OffloadedArray | None = None
-        if offload:  # in host storage, every tensor per member, as the trainer offloads
-            array = fuse(models, share_frozen=False)
+        if offload:  # in host storage, as the trainer offloads
+            array = fuse(models, share_frozen=share_frozen)
             engine = OffloadedArray(array, device=device, budget_bytes=device_memory)
         else:
             array = fuse(models, compile=compile, share_frozen=share_frozen).to(device)
