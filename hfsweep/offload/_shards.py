@@ -1,10 +1,12 @@
 """Cutting a fused array into shards: runs of consecutive layers, each small enough for the budget.
 
-The model's forward is traced symbolically (``torch.fx.symbolic_trace`` of the array's prototype,
+The model's forward is traced symbolically (``torch.fx``'s tracer on the array's prototype,
 member 0's module tree on the meta device): its graph is the order in which layers are called. A
-cut may go between two nodes only where exactly one value flows across it (the activation that
-the next shard takes as its input) and no layer's tensors are used on both sides (tied weights
-stay in one shard). Shards are grown greedily in graph order up to ``limit`` bytes of stacked
+submodule whose own forward cannot be traced is one layer call (:class:`_LayerWhereUntraceable`).
+A cut may go between two nodes only where exactly one value flows across it (the activation that
+the next shard takes as its input), that value is not what an untraceable submodule returned
+(not known to be one tensor), and no layer's tensors are used on both sides (tied weights stay
+in one shard). Shards are grown greedily in graph order up to ``limit`` bytes of stacked
 state (parameters and buffers of every member).
 
 Each shard runs as a :class:`~hfsweep.fusion.FusedArray` of its own whose template is a
@@ -127,9 +129,9 @@ class _LayerWhereUntraceable(fx.Tracer):
         )
 
 
-def _trace(array: FusedArray) -> fx.Graph:
+def _trace(array: FusedArray) -> tuple[fx.Graph, set[str]]:
     """The graph of the prototype's forward on one input, its layers named as in the array's
-    template; modules that cannot be traced inside are single layer calls."""
+    template, and the modules that could not be traced inside (single layer calls)."""
     prototype = array._prototype
     tracer = _LayerWhereUntraceable()
     try:
@@ -144,7 +146,7 @@ def _trace(array: FusedArray) -> fx.Graph:
     for node in graph.nodes:
         if node.op in ("call_module", "get_attr"):
             node.target = str(node.target).removeprefix("inner.")
-    return graph
+    return graph, set(tracer.untraceable)
 
 
 def plan_shards(array: FusedArray, limit: int, *, strict: bool = True) -> list[Shard]:
@@ -152,7 +154,7 @@ def plan_shards(array: FusedArray, limit: int, *, strict: bool = True) -> list[S
     model's graph can be cut that finely; where it cannot, :class:`OffloadError` naming the
     layers (``strict``) or a larger shard (``strict=False``: ``limit`` is only a target).
     Tensors kept once for all members count once (see the module's docstring)."""
-    graph = _trace(array)
+    graph, opaque = _trace(array)
     inputs = [n for n in graph.nodes if n.op == "placeholder"]
     if len(inputs) != 1:
         raise OffloadError(
@@ -197,7 +199,10 @@ def plan_shards(array: FusedArray, limit: int, *, strict: bool = True) -> list[S
         live = [n for n, p in position.items() if p <= i and last_use[n] > i]
         crossing.append(live)
         tied = any(a <= i < b for a, b in span.values())
-        allowed.append(len(live) == 1 and not tied)
+        # what a module fx could not trace returns is not known to be one tensor (transformers'
+        # models return ModelOutput objects): no cut right after it
+        unknown = bool(live) and live[0].op == "call_module" and str(live[0].target) in opaque
+        allowed.append(len(live) == 1 and not tied and not unknown)
     ranges: list[tuple[int, int]] = []
     start, held = 0, set(node_slots[0])
     for i in range(1, len(body)):

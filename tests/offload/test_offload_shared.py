@@ -264,3 +264,32 @@ def test_a_random_call_inside_an_untraceable_layer_is_refused_when_it_runs() -> 
         engine = OffloadedArray(hs.fuse([Model() for _ in range(size)], trace=False))
         with pytest.raises(Exception, match="offload runs the model shard by shard"):
             engine(torch.randn(3, 4))
+
+
+@pytest.mark.slow
+def test_a_hugging_face_encoder_offloads_as_one_layer_and_trains_as_the_whole_array() -> None:
+    """transformers' BertModel cannot be traced by torch.fx: the encoder is one layer call (one
+    shard, kept once with every member's adapters), the classifier head another."""
+    pytest.importorskip("transformers")
+    from hfsweep.tasks import text_lora
+
+    config = text_lora.resolve({"lora_dropout": 0.1})
+    models = [text_lora.build_model({**config, "seed": i}).double() for i in range(2)]
+    whole, host = hs.fuse(copy.deepcopy(models)), hs.fuse(models)
+    for i in range(2):
+        whole.manual_seed(i, i)
+        host.manual_seed(i, i)
+    engine = OffloadedArray(host)
+    assert len(engine.shards) == 2 and "model.base_model.model.bert" in engine.shards[0].nodes
+    opts = [hs.optim.AdamW(a, lr=[1e-2, 3e-3]) for a in (whole, host)]
+    x = torch.randint(3, 40, (4, 24))
+    for _ in range(2):
+        out_w, out_h = whole(x), engine(x)
+        torch.testing.assert_close(out_h, out_w, rtol=1e-7, atol=1e-12)
+        out_w.square().mean().backward()
+        out_h.square().mean().backward()
+        for o in opts:
+            o.step()
+            o.zero_grad(set_to_none=True)
+    for (name, tw), th in zip(whole.state_dict().items(), host.state_dict().values(), strict=True):
+        torch.testing.assert_close(th, tw, rtol=1e-7, atol=1e-12, msg=name)
