@@ -150,11 +150,12 @@ class _Parser(_Fields):
                 f"{fusion.compile!r} is not supported with backend 'ray' yet (its workers train "
                 "uncompiled); give false, or backend: local",
             )
-        if backend == "ray" and fusion.offload != "none":
+        if backend == "ray" and ray.elastic.enabled and fusion.offload != "none":
             raise self.error(
                 "fusion.offload",
-                f"{fusion.offload!r} is for backend: local (the Ray workers do not offload "
-                "yet); set offload: none or backend: local",
+                f"{fusion.offload!r} is not supported with ray.elastic yet (a data-parallel "
+                "array's workers train it on their devices); set offload: none or turn "
+                "ray.elastic off",
             )
         storage = self.storage(top.get("storage"))
         stem = self.source.stem if self.source is not None else "sweep"

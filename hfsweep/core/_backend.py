@@ -40,6 +40,7 @@ class _Backend(_Parts):
                     eval_every=sc.fusion.eval_every,
                     settings=sc.ray,
                     share_frozen=sc.fusion.share_frozen,
+                    offload=sc.fusion.offload,
                 )
             except ExecutorError as exc:
                 raise SweepError(f"backend ray: {exc}") from exc

@@ -72,6 +72,7 @@ class RayExecutor(Executor):
         eval_every: int | None,
         settings: RayConfig,
         share_frozen: bool = True,
+        offload: str = "none",
     ) -> None:
         import ray
 
@@ -80,6 +81,8 @@ class RayExecutor(Executor):
         self.dtype = dtype
         self.eval_every = eval_every
         self.share_frozen = share_frozen
+        #: each actor's arrays offload on its own device, within that device's budget
+        self.offload = offload
         self.settings = settings
         self._owns_ray = not ray.is_initialized()
         #: threads inside run_array or array_size (close waits for them before ray.shutdown)
@@ -239,6 +242,7 @@ class RayExecutor(Executor):
             eval_every=self.eval_every,
             threads=max(1, int(self.cpus_per_array)),
             share_frozen=self.share_frozen,
+            offload=self.offload,
         )
 
     def _acquire(self) -> Any:
