@@ -16,6 +16,44 @@ from hfsweep.offload import CudaTransfer, OffloadedArray
 pytestmark = pytest.mark.gpu
 
 
+def _train_side_by_side(
+    whole: hs.FusedArray,
+    host: hs.FusedArray,
+    engine: OffloadedArray,
+    opt_w: hs.optim.FusedOptimizer,
+    opt_h: hs.optim.FusedOptimizer,
+) -> None:
+    """Three steps of ``whole`` on CUDA and of ``host`` run by ``engine``: the same outputs
+    and, at the end, the same state (float64)."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x = torch.randn(8, 16, generator=gen, dtype=torch.float64).cuda()
+        out_w, out_h = whole(x), engine(x)
+        torch.testing.assert_close(out_h, out_w, rtol=1e-7, atol=1e-12)
+        out_w.square().mean().backward()
+        out_h.square().mean().backward()
+        for o in (opt_w, opt_h):
+            o.step()
+            o.zero_grad(set_to_none=True)
+    for (name, tw), th in zip(whole.state_dict().items(), host.state_dict().values(), strict=True):
+        torch.testing.assert_close(th.cuda(), tw, rtol=1e-7, atol=1e-12, msg=name)
+
+
+def _peak_of_two_steps(
+    engine: OffloadedArray, opt: hs.optim.FusedOptimizer, x: torch.Tensor
+) -> int:
+    """The CUDA allocator's peak over two training steps, above what was allocated before."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(2):
+        engine(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    return int(torch.cuda.max_memory_allocated() - base)
+
+
 def test_offloaded_on_cuda_trains_as_the_whole_array_float64() -> None:
     models = [
         nn.Sequential(
@@ -39,18 +77,7 @@ def test_offloaded_on_cuda_trains_as_the_whole_array_float64() -> None:
     assert all(p.device.type == "cpu" and p.is_pinned() for p in host.parameters())
     opt_w = hs.optim.SGD(whole, lr=[0.1, 0.05, 0.01], momentum=[0.0, 0.5, 0.9])
     opt_h = hs.optim.SGD(host, lr=[0.1, 0.05, 0.01], momentum=[0.0, 0.5, 0.9])
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(3):
-        x = torch.randn(8, 16, generator=gen, dtype=torch.float64).cuda()
-        out_w, out_h = whole(x), engine(x)
-        torch.testing.assert_close(out_h, out_w, rtol=1e-7, atol=1e-12)
-        out_w.square().mean().backward()
-        out_h.square().mean().backward()
-        for o in (opt_w, opt_h):
-            o.step()
-            o.zero_grad(set_to_none=True)
-    for (name, tw), th in zip(whole.state_dict().items(), host.state_dict().values(), strict=True):
-        torch.testing.assert_close(th.cuda(), tw, rtol=1e-7, atol=1e-12, msg=name)
+    _train_side_by_side(whole, host, engine, opt_w, opt_h)
 
 
 def test_an_array_over_twice_the_budget_trains_within_it_on_cuda() -> None:
@@ -64,15 +91,7 @@ def test_an_array_over_twice_the_budget_trains_within_it_on_cuda() -> None:
     engine = OffloadedArray(host, device="cuda", budget_bytes=budget)
     opt = hs.optim.AdamW(host, lr=[1e-3] * size)
     x = torch.randn(32, width, device="cuda")
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    for _ in range(2):
-        engine(x).square().mean().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
+    peak = _peak_of_two_steps(engine, opt, x)
     transient = 16 * 2**20  # activations inside one shard's recomputation ([8, 32, 1024] floats)
     assert engine.ledger.peak <= budget
     assert peak <= budget + transient, (peak, budget)
@@ -106,18 +125,7 @@ def test_a_shared_frozen_backbone_on_cuda_trains_as_the_whole_array_float64() ->
     assert any(s.shared_output for s in engine.shards)
     opt_w = hs.optim.AdamW(whole, lr=[1e-2, 3e-3, 1e-3])
     opt_h = hs.optim.AdamW(host, lr=[1e-2, 3e-3, 1e-3])
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(3):
-        x = torch.randn(8, 16, generator=gen, dtype=torch.float64).cuda()
-        out_w, out_h = whole(x), engine(x)
-        torch.testing.assert_close(out_h, out_w, rtol=1e-7, atol=1e-12)
-        out_w.square().mean().backward()
-        out_h.square().mean().backward()
-        for o in (opt_w, opt_h):
-            o.step()
-            o.zero_grad(set_to_none=True)
-    for (name, tw), th in zip(whole.state_dict().items(), host.state_dict().values(), strict=True):
-        torch.testing.assert_close(th.cuda(), tw, rtol=1e-7, atol=1e-12, msg=name)
+    _train_side_by_side(whole, host, engine, opt_w, opt_h)
 
 
 def test_a_backbone_of_b_copies_over_the_budget_streams_once_within_it_on_cuda() -> None:
@@ -133,15 +141,7 @@ def test_a_backbone_of_b_copies_over_the_budget_streams_once_within_it_on_cuda()
     engine = OffloadedArray(host, device="cuda", budget_bytes=budget)
     opt = hs.optim.AdamW(host, lr=[1e-3] * size)
     x = torch.randn(64, 16, device="cuda")
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    for _ in range(2):
-        engine(x).square().mean().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
+    peak = _peak_of_two_steps(engine, opt, x)
     transient = 16 * 2**20  # activations inside one shard's computation
     assert engine.ledger.peak <= budget
     assert peak <= budget + transient, (peak, budget)
