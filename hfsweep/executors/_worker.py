@@ -39,8 +39,9 @@ class ArrayWorker:
     ``device`` ``"auto"`` means CUDA when the actor sees a GPU, else the CPU; ``threads`` caps
     torch's intra-op threads at the CPUs the actor reserved, so arrays sharing a machine do not
     oversubscribe it. A worker keeps its traced forwards across the arrays it trains.
-    ``offload``: as the local executor's, on this actor's device and within its memory (a
-    CUDA device's free memory; on a CPU ``auto`` keeps arrays as they are).
+    ``offload`` and ``device_memory``: as the local executor's, on this actor's device (without
+    ``device_memory``, within a CUDA device's free memory; on a CPU ``auto`` then keeps arrays
+    as they are).
     """
 
     def __init__(
@@ -53,6 +54,7 @@ class ArrayWorker:
         threads: int,
         share_frozen: bool = True,
         offload: str = "none",
+        device_memory: int | None = None,
     ) -> None:
         torch.set_num_threads(max(1, threads))
         device = resolve_device(device)
@@ -68,6 +70,7 @@ class ArrayWorker:
             eval_every=eval_every,
             share_frozen=share_frozen,
             offload=offload,
+            device_memory=device_memory,
         )
         self._events: queue.Queue[Event] = queue.Queue()
         self._answers: queue.Queue[Any] = queue.Queue()

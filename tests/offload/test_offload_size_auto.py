@@ -165,3 +165,41 @@ def test_the_executor_trains_the_offloaded_size_it_chose(
         for a, b in zip(got.history, expected.history, strict=True):
             assert a.keys() == b.keys()
             assert all(a[k] == pytest.approx(b[k], rel=1e-7, abs=1e-12) for k in a)
+
+
+def _sweep(folder: Path, fusion: dict[str, Any]) -> hs.SweepResult:
+    config = {
+        "task": toy_task(),
+        "search_space": {"lr": {"type": "float", "low": 1e-3, "high": 0.3, "log": True}},
+        "searcher": {"name": "random"},
+        "budget": {"trials": 4, "epochs": 1},
+        "metric": "val_accuracy",
+        "mode": "max",
+        "fusion": {"device": "cpu", "dtype": "float64", **fusion},
+        "output": str(folder),
+        "seed": 0,
+    }
+    return hs.sweep(config, progress=False)
+
+
+@pytest.mark.slow
+def test_a_sweep_file_sizes_arrays_beyond_its_device_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``fusion: {size: auto, offload: auto, device_memory: ...}``: the sweep's arrays are of the
+    offloaded size the profiler chose (4, where 2 fit), and its trials end as a sweep with arrays
+    of 4 on the device."""
+    plain = _sweep(tmp_path / "plain", {"size": 4})
+    fake = FakeRates(PER_MEMBER)
+    monkeypatch.setattr("hfsweep.sizing.task.measure_step", fake)
+    monkeypatch.setenv("HFSWEEP_CACHE_DIR", str(tmp_path / "cache"))
+    auto = _sweep(tmp_path / "auto", {"size": "auto", "offload": "auto", "device_memory": BUDGET})
+    assert (4, True) in fake.calls
+    log = (auto.run_dir / "sweep.log").read_text()
+    assert "B=4 offloaded (offload: auto)" in log
+    a = {t.number: t for t in auto.study.get_trials()}
+    b = {t.number: t for t in plain.study.get_trials()}
+    assert sorted(a) == sorted(b) == [0, 1, 2, 3]
+    for n, t in b.items():
+        assert a[n].params == t.params and a[n].state == t.state
+        assert a[n].value == pytest.approx(t.value, rel=1e-7)

@@ -37,6 +37,21 @@ def test_offload_is_read_and_checked_with_its_yaml_path() -> None:
         parse_sweep({**BASE, "fusion": {"offload": True}})
 
 
+def test_device_memory_is_read_and_checked_with_its_yaml_path() -> None:
+    sweep = parse_sweep({**BASE, "fusion": {"offload": "auto", "device_memory": 2**30}})
+    assert sweep.fusion.device_memory == 2**30
+    assert sweep.fusion.to_dict()["device_memory"] == 2**30
+    assert parse_sweep(BASE).fusion.device_memory is None
+    with pytest.raises(
+        ConfigError, match=r"fusion\.device_memory: 5 .* needs offload: host or auto"
+    ):
+        parse_sweep({**BASE, "fusion": {"device_memory": 5}})
+    with pytest.raises(
+        ConfigError, match=r"fusion\.device_memory: '8GB' \(str\) is not an integer"
+    ):
+        parse_sweep({**BASE, "fusion": {"offload": "host", "device_memory": "8GB"}})
+
+
 def test_offload_with_elastic_ray_arrays_is_refused() -> None:
     pytest.importorskip("ray")
     for value in ("host", "auto"):  # each Ray actor offloads on its own device
