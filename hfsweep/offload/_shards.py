@@ -6,7 +6,8 @@ submodule whose own forward cannot be traced is one layer call (:class:`_LayerWh
 A cut may go between two nodes only where exactly one value flows across it (the activation that
 the next shard takes as its input), that value is not what an untraceable submodule returned
 (not known to be one tensor), and no layer's tensors are used on both sides (tied weights stay
-in one shard). Shards are grown greedily in graph order up to ``limit`` bytes of stacked
+in one shard), but for tensors kept once for all members: no forward writes them, so every
+shard that uses one (a frozen embedding tied to the output layer) copies it in. Shards are grown greedily in graph order up to ``limit`` bytes of stacked
 state (parameters and buffers of every member).
 
 Each shard runs as a :class:`~hfsweep.fusion.FusedArray` of its own whose template is a
@@ -186,11 +187,15 @@ def plan_shards(array: FusedArray, limit: int, *, strict: bool = True) -> list[S
     # modules_to_save replaces), as the whole array never reads it either
     position = {n: i for i, n in enumerate(body)}
     position.update({n: -1 for n in inputs})
-    # a cut after body[i] is allowed when one value crosses it and no tensor is used on both sides
+    # a cut after body[i] is allowed when one value crosses it and no tensor is used on both
+    # sides, but for one kept once for all members: nothing writes it, so each shard that uses
+    # it (a frozen embedding tied to the output layer) takes its own copy in
     last_use = {n: max((position.get(u, len(body)) for u in n.users), default=-1) for n in position}
     span: dict[int, tuple[int, int]] = {}
     for i, uses in enumerate(node_slots):
         for j in uses:
+            if array._slots[j].shared:
+                continue
             first, _ = span.get(j, (i, i))
             span[j] = (first, i)
     crossing: list[list[fx.Node]] = []

@@ -190,6 +190,45 @@ def test_buffers_kept_once_become_per_member_when_training_writes_them() -> None
     assert sum(after) < sum(before)  # from the BatchNorm on, the backbone runs per member
 
 
+class TiedFrozen(nn.Module):
+    """A frozen "embedding" used again at the end (tied), a trained layer per member between."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(1234)
+        self.embed = nn.Linear(6, 6).requires_grad_(False)
+        torch.manual_seed(seed)
+        self.mid = nn.Linear(6, 6)
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.mid(torch.tanh(self.embed(x))))
+        return self.out(torch.tanh(self.embed(h)))
+
+
+def test_a_frozen_layer_used_twice_is_copied_in_by_each_shard_that_uses_it() -> None:
+    """Kept once and written by no forward, a tied frozen layer does not hold the layers between
+    its uses in one shard (as a trained or per-member one does): each shard using it copies it."""
+    whole, host, engine = _pair(TiedFrozen, shard_bytes=1)
+    using = [s for s in engine.shards if "embed" in s.nodes]
+    assert len(using) == 2 and len(engine.shards) >= 4
+    pairs = [hs.optim.SGD(a, lr=[0.1, 0.05, 0.02], momentum=0.9) for a in (whole, host)]
+    x = torch.randn(5, 6, dtype=torch.float64)
+    for _ in range(3):
+        out_w, out_h = whole(x), engine(x)
+        torch.testing.assert_close(out_h, out_w, rtol=1e-7, atol=1e-12)
+        out_w.square().mean().backward()
+        out_h.square().mean().backward()
+        for opt in pairs:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    for (name, tw), th in zip(whole.state_dict().items(), host.state_dict().values(), strict=True):
+        torch.testing.assert_close(th, tw, rtol=1e-7, atol=1e-12, msg=name)
+    # per member (share_frozen=False), the tied layer keeps everything between its uses together
+    unshared = OffloadedArray(hs.fuse(_models(TiedFrozen), share_frozen=False), shard_bytes=1)
+    assert len([s for s in unshared.shards if "embed" in s.nodes]) == 1
+
+
 peft = pytest.importorskip("peft")
 
 
