@@ -27,6 +27,7 @@ heads is computed once per step, not B times.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -130,10 +131,28 @@ class _LayerWhereUntraceable(fx.Tracer):
         )
 
 
+def _check_one_input(model: nn.Module) -> None:
+    """Refuse a model whose forward needs more than one argument: the engine passes one tensor
+    in (and one between shards)."""
+    params = list(inspect.signature(model.forward).parameters.values())
+    required = [
+        p.name
+        for p in params
+        if p.default is inspect.Parameter.empty
+        and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    ]
+    if len(required) > 1:
+        raise OffloadError(
+            f"offload needs a model whose forward takes one tensor; "
+            f"{type(model).__name__}.forward takes {required}"
+        )
+
+
 def _trace(array: FusedArray) -> tuple[fx.Graph, set[str]]:
     """The graph of the prototype's forward on one input, its layers named as in the array's
     template, and the modules that could not be traced inside (single layer calls)."""
     prototype = array._prototype
+    _check_one_input(prototype)
     tracer = _LayerWhereUntraceable()
     try:
         graph = tracer.trace(_Root(prototype))

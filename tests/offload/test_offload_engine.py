@@ -256,10 +256,20 @@ class DrawsItself(nn.Module):
         return nn.functional.dropout(self.a(x), 0.5, self.training)
 
 
+class TwoInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor, y: Tensor) -> Tensor:
+        return self.a(x) + y
+
+
 @pytest.mark.parametrize(
     ("model", "match"),
     [
         (Branching, "needs its forward traceable by torch.fx.symbolic_trace; Branching is not"),
+        (TwoInputs, r"forward takes one tensor; TwoInputs.forward takes \['x', 'y'\]"),
         (Direct, "Direct's forward reads 'scale' directly"),
         (DrawsItself, "DrawsItself's forward calls dropout"),
     ],
