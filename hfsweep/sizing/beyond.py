@@ -31,7 +31,7 @@ _log = logging.getLogger("hfsweep.profiler")
 def offload_beyond(
     measure_offloaded: Callable[[int], Measurement],
     measurements: Sequence[Measurement],
-    memory: MemoryModel,
+    memory: MemoryModel | None,
     budget: float,
     *,
     max_size: int,
@@ -42,7 +42,8 @@ def offload_beyond(
     fits: ``(choice, offloaded measurements)``.
 
     ``measurements`` are the profiler's on-device sizes, ``memory`` the line fitted to their
-    peaks and ``budget`` the device's memory budget in bytes. Nothing is measured (``None``)
+    peaks (none: not one member fit, even B = 1 ran out of memory) and ``budget`` the device's
+    memory budget in bytes. Nothing is measured (``None``)
     where the budget did not cap the sizes (every size up to ``max_size`` fits). Otherwise the
     sizes 2, 4, 8... (and ``max_size``) above the largest that fits are measured offloaded
     (``measure_offloaded(B)``), while each doubling raises the rate by at least ``plateau``
@@ -55,7 +56,9 @@ def offload_beyond(
     """
     fitting = [m for m in measurements if m.peak_bytes <= budget]
     largest = max((m.size for m in fitting), default=0)
-    capped = len(fitting) < len(measurements) or memory.max_size(budget) < max_size
+    capped = (
+        memory is None or len(fitting) < len(measurements) or memory.max_size(budget) < max_size
+    )
     if not capped or largest >= max_size:
         return None, []
     measured: list[Measurement] = []

@@ -38,8 +38,8 @@ from .beyond import offload_beyond
 from .cache import Profile, ProfileCache, cache_key, signature
 from .compiled import DEFAULT_HORIZON_STEPS, CompileChoice, choose_compile
 from .device import _describe_device, device_budget
-from .measure import profile_sizes
-from .model import Measurement, choose_size
+from .measure import _is_oom, profile_sizes
+from .model import Measurement, MemoryModel, choose_size
 from .offloading import profile_offload  # noqa: F401  (registers it with the trainer)
 
 __all__ = ["measure_step", "profile_task", "settled", "time_steps"]
@@ -427,28 +427,41 @@ def profile_task(
     def measure(size: int) -> Measurement:
         return step(size, traces=traces)
 
+    beyond_device = engine_budget is not None and sizes is None and not compare_compiled
+    failed: BaseException | None = None
     with _as_the_trainer_runs(device):  # one block for every size measured
-        measurements, memory = profile_sizes(
-            measure,
-            budget_bytes=budget,
-            max_size=max_size,
-            sizes=sizes,
-            knee=knee,
-            on_measure=on_measure,
-        )
-    chosen, reason = choose_size(measurements, budget, knee=knee)
+        try:
+            measurements, memory = profile_sizes(
+                measure,
+                budget_bytes=budget,
+                max_size=max_size,
+                sizes=sizes,
+                knee=knee,
+                on_measure=on_measure,
+            )
+        except BaseException as exc:
+            if not beyond_device or not _is_oom(exc):
+                raise
+            # not one member fits the device: offloaded arrays may still train
+            failed, measurements, memory = exc, [], None
     beyond: OffloadChoice | None = None
-    if engine_budget is not None and sizes is None and not compare_compiled:
+    if beyond_device:
 
         def offloaded(size: int) -> Measurement:
             return step(size, offload=True, device_memory=engine_budget)
 
         with _as_the_trainer_runs(device):
-            beyond, _ = offload_beyond(
+            beyond, tried = offload_beyond(
                 offloaded, measurements, memory, budget, max_size=max_size, knee=knee
             )
-        if beyond is not None:
-            chosen, reason = beyond.size, beyond.reason
+        if failed is not None:
+            if beyond is None:
+                raise failed
+            measurements, memory = tried, MemoryModel.fit(tried)  # all it measured: offloaded
+    assert memory is not None
+    chosen, reason = choose_size(measurements, budget, knee=knee)
+    if beyond is not None:
+        chosen, reason = beyond.size, beyond.reason
     profile = Profile(
         key=key,
         device=_describe_device(device),

@@ -131,6 +131,34 @@ def test_profile_task_chooses_an_offloaded_size_and_caches_it(
     assert plain.chosen == 2 and plain.offload is None and len(fake.calls) == 5
 
 
+class NoneFits(FakeRates):
+    """On the device even one member runs out of memory (a model larger than the device)."""
+
+    def __call__(self, task: Any, config: Any, size: int, **kwargs: Any) -> Measurement:
+        if not kwargs.get("offload", False):
+            self.calls.append((size, False))
+            raise torch.OutOfMemoryError("simulated: CUDA out of memory")
+        return super().__call__(task, config, size, **kwargs)
+
+
+def test_a_model_larger_than_the_device_gets_an_offloaded_size(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not even one member fits the device (out of memory at B=1): without offload the profiler
+    has nothing to choose from and says so; with ``offload: auto`` it measures offloaded sizes
+    and chooses one (B >= 1 trains)."""
+    fake = NoneFits(PER_MEMBER)
+    monkeypatch.setattr("hfsweep.sizing.task.measure_step", fake)
+    cache = ProfileCache(tmp_path / "profiles.json")
+    with pytest.raises(torch.OutOfMemoryError):
+        _profile(cache, "none")
+    profile = _profile(cache, "auto")
+    assert [c for c in fake.calls if c[1]] == [(1, True), (2, True), (4, True)]
+    assert profile.chosen == 4 and profile.offload is not None
+    assert profile.offload.fit_size == 0 and "no array that fits" in profile.reason
+    assert [m.size for m in profile.measurements] == [1, 2, 4]  # offloaded: all it measured
+
+
 @pytest.mark.slow
 def test_the_executor_trains_the_offloaded_size_it_chose(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
