@@ -101,6 +101,28 @@ def _train_side_by_side(
     assert all(host.rng_state(i) == whole.rng_state(i) for i in range(B))
 
 
+def _same_steps(
+    whole: hs.FusedArray,
+    host: hs.FusedArray,
+    engine: OffloadedArray,
+    opts: Sequence[hs.optim.FusedOptimizer],
+    x: Tensor,
+    steps: int,
+) -> None:
+    """``steps`` steps of ``whole`` and of ``host`` run by ``engine`` on ``x`` (``opts``: the
+    optimizers of both): the same outputs, then the same state (float64)."""
+    for _ in range(steps):
+        out_w, out_h = whole(x), engine(x)
+        torch.testing.assert_close(out_h, out_w, rtol=1e-7, atol=1e-12)
+        out_w.square().mean().backward()
+        out_h.square().mean().backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    for (name, tw), th in zip(whole.state_dict().items(), host.state_dict().values(), strict=True):
+        torch.testing.assert_close(th, tw, rtol=1e-7, atol=1e-12, msg=name)
+
+
 def test_a_frozen_backbone_with_member_heads_trains_as_the_whole_array() -> None:
     whole, host, engine = _pair(Backbone, shard_bytes=1)  # a shard per layer
     frozen = [s for s in engine.shards if s.shared_output]
@@ -212,18 +234,8 @@ def test_a_frozen_layer_used_twice_is_copied_in_by_each_shard_that_uses_it() -> 
     whole, host, engine = _pair(TiedFrozen, shard_bytes=1)
     using = [s for s in engine.shards if "embed" in s.nodes]
     assert len(using) == 2 and len(engine.shards) >= 4
-    pairs = [hs.optim.SGD(a, lr=[0.1, 0.05, 0.02], momentum=0.9) for a in (whole, host)]
-    x = torch.randn(5, 6, dtype=torch.float64)
-    for _ in range(3):
-        out_w, out_h = whole(x), engine(x)
-        torch.testing.assert_close(out_h, out_w, rtol=1e-7, atol=1e-12)
-        out_w.square().mean().backward()
-        out_h.square().mean().backward()
-        for opt in pairs:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    for (name, tw), th in zip(whole.state_dict().items(), host.state_dict().values(), strict=True):
-        torch.testing.assert_close(th, tw, rtol=1e-7, atol=1e-12, msg=name)
+    opts = [hs.optim.SGD(a, lr=[0.1, 0.05, 0.02], momentum=0.9) for a in (whole, host)]
+    _same_steps(whole, host, engine, opts, torch.randn(5, 6, dtype=torch.float64), 3)
     # per member (share_frozen=False), the tied layer keeps everything between its uses together
     unshared = OffloadedArray(hs.fuse(_models(TiedFrozen), share_frozen=False), shard_bytes=1)
     assert len([s for s in unshared.shards if "embed" in s.nodes]) == 1
@@ -321,14 +333,4 @@ def test_a_hugging_face_encoder_offloads_as_one_layer_and_trains_as_the_whole_ar
     engine = OffloadedArray(host)
     assert len(engine.shards) == 2 and "model.base_model.model.bert" in engine.shards[0].nodes
     opts = [hs.optim.AdamW(a, lr=[1e-2, 3e-3]) for a in (whole, host)]
-    x = torch.randint(3, 40, (4, 24))
-    for _ in range(2):
-        out_w, out_h = whole(x), engine(x)
-        torch.testing.assert_close(out_h, out_w, rtol=1e-7, atol=1e-12)
-        out_w.square().mean().backward()
-        out_h.square().mean().backward()
-        for o in opts:
-            o.step()
-            o.zero_grad(set_to_none=True)
-    for (name, tw), th in zip(whole.state_dict().items(), host.state_dict().values(), strict=True):
-        torch.testing.assert_close(th, tw, rtol=1e-7, atol=1e-12, msg=name)
+    _same_steps(whole, host, engine, opts, torch.randint(3, 40, (4, 24)), 2)
