@@ -47,7 +47,11 @@ A sweep file is one YAML mapping. Every key, with its default::
                                 #   cuda); auto: the profiler times both, keeps the faster
       offload: none             # none, host (state in host memory, run shard by shard) or
                                 #   auto (where the array does not fit the device: the profiler
-                                #   times it offloaded and split into arrays that fit, keeps the faster)
+                                #   times it offloaded and split into arrays that fit, keeps the faster;
+                                #   with size: auto, sizes beyond the device are timed offloaded too)
+      device_memory: null       # bytes offload may hold on the device (an int >= 1, with offload
+                                #   host or auto); null: a CUDA device's free memory (on a cpu,
+                                #   auto then keeps arrays as they are)
     backend: local              # local (in-process) or ray (arrays on a Ray cluster)
     ray:                        # only with backend: ray
       address: null             # null: start a local Ray for the run; "auto", "host:6379" or

@@ -72,7 +72,16 @@ _TOP_KEYS = (
 )
 _REQUIRED = ("task", "search_space", "budget", "metric", "mode")
 _BUDGET = ("trials", "epochs", "steps", "time_limit")
-_FUSION = ("size", "device", "dtype", "eval_every", "share_frozen", "compile", "offload")
+_FUSION = (
+    "size",
+    "device",
+    "dtype",
+    "eval_every",
+    "share_frozen",
+    "compile",
+    "offload",
+    "device_memory",
+)
 _RAY = (
     "address",
     "cpus_per_array",
@@ -150,11 +159,12 @@ class _Parser(_Fields):
                 f"{fusion.compile!r} is not supported with backend 'ray' yet (its workers train "
                 "uncompiled); give false, or backend: local",
             )
-        if backend == "ray" and fusion.offload != "none":
+        if backend == "ray" and ray.elastic.enabled and fusion.offload != "none":
             raise self.error(
                 "fusion.offload",
-                f"{fusion.offload!r} is for backend: local (the Ray workers do not offload "
-                "yet); set offload: none or backend: local",
+                f"{fusion.offload!r} is not supported with ray.elastic yet (a data-parallel "
+                "array's workers train it on their devices); set offload: none or turn "
+                "ray.elastic off",
             )
         storage = self.storage(top.get("storage"))
         stem = self.source.stem if self.source is not None else "sweep"
@@ -323,6 +333,15 @@ class _Parser(_Fields):
                 "offloaded array runs its shards uncompiled); give compile: false, or "
                 "offload: none",
             )
+        memory = f.get("device_memory")
+        if memory is not None:
+            if offload == "none":
+                raise self.error(
+                    "fusion.device_memory",
+                    f"{memory!r} is the offload engine's budget on the device; it needs "
+                    "offload: host or auto (or remove it)",
+                )
+            memory = self.integer(memory, "fusion.device_memory", 1)
         return FusionConfig(
             size=size,
             device=device,
@@ -331,6 +350,7 @@ class _Parser(_Fields):
             share_frozen=share,
             compile=compile,
             offload=offload,
+            device_memory=memory,
         )
 
     def ray(self, raw: object, backend: str) -> RayConfig:

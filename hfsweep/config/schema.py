@@ -137,7 +137,9 @@ class FusionConfig:
     traced forward, backward and loss with ``torch.compile``; ``"auto"``: the profiler times
     both and keeps the faster) and ``offload`` (``none``, ``host``: an array's state in host
     memory, streamed through the device shard by shard, or ``auto``: ``host`` only when the
-    array does not fit the device; see docs/offload.md)."""
+    array does not fit the device; see docs/offload.md) with ``device_memory`` bytes for it on
+    the device (``None``: a CUDA device's free memory; on the CPU ``auto`` then keeps arrays as
+    they are)."""
 
     size: int | Literal["auto"] = "auto"
     device: str = "auto"
@@ -146,6 +148,7 @@ class FusionConfig:
     share_frozen: bool = True
     compile: bool | Literal["auto"] = False
     offload: str = "none"
+    device_memory: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The ``fusion:`` mapping."""

@@ -41,6 +41,8 @@ class _Backend(_Parts):
                     eval_every=sc.fusion.eval_every,
                     settings=sc.ray,
                     share_frozen=sc.fusion.share_frozen,
+                    offload=sc.fusion.offload,
+                    device_memory=sc.fusion.device_memory,
                 )
             except ExecutorError as exc:
                 raise SweepError(f"backend ray: {exc}") from exc
@@ -60,6 +62,7 @@ class _Backend(_Parts):
                 share_frozen=sc.fusion.share_frozen,
                 compile=sc.fusion.compile,
                 offload=sc.fusion.offload,
+                device_memory=sc.fusion.device_memory,
             )
             self.where = str(self.executor.device)
         try:

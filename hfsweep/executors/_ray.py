@@ -72,6 +72,8 @@ class RayExecutor(Executor):
         eval_every: int | None,
         settings: RayConfig,
         share_frozen: bool = True,
+        offload: str = "none",
+        device_memory: int | None = None,
     ) -> None:
         import ray
 
@@ -80,6 +82,10 @@ class RayExecutor(Executor):
         self.dtype = dtype
         self.eval_every = eval_every
         self.share_frozen = share_frozen
+        #: each actor's arrays offload on its own device, within ``device_memory`` bytes there
+        #: (``None``: that device's free memory)
+        self.offload = offload
+        self.device_memory = device_memory
         self.settings = settings
         self._owns_ray = not ray.is_initialized()
         #: threads inside run_array or array_size (close waits for them before ray.shutdown)
@@ -239,6 +245,8 @@ class RayExecutor(Executor):
             eval_every=self.eval_every,
             threads=max(1, int(self.cpus_per_array)),
             share_frozen=self.share_frozen,
+            offload=self.offload,
+            device_memory=self.device_memory,
         )
 
     def _acquire(self) -> Any:

@@ -39,6 +39,9 @@ class ArrayWorker:
     ``device`` ``"auto"`` means CUDA when the actor sees a GPU, else the CPU; ``threads`` caps
     torch's intra-op threads at the CPUs the actor reserved, so arrays sharing a machine do not
     oversubscribe it. A worker keeps its traced forwards across the arrays it trains.
+    ``offload`` and ``device_memory``: as the local executor's, on this actor's device (without
+    ``device_memory``, within a CUDA device's free memory; on a CPU ``auto`` then keeps arrays
+    as they are).
     """
 
     def __init__(
@@ -50,6 +53,8 @@ class ArrayWorker:
         eval_every: int | None,
         threads: int,
         share_frozen: bool = True,
+        offload: str = "none",
+        device_memory: int | None = None,
     ) -> None:
         torch.set_num_threads(max(1, threads))
         device = resolve_device(device)
@@ -59,17 +64,27 @@ class ArrayWorker:
                 "no CUDA device; give the arrays GPUs (ray.gpus_per_array) or use device: cpu"
             )
         self.local = LocalExecutor(
-            task, device=device, dtype=dtype, eval_every=eval_every, share_frozen=share_frozen
+            task,
+            device=device,
+            dtype=dtype,
+            eval_every=eval_every,
+            share_frozen=share_frozen,
+            offload=offload,
+            device_memory=device_memory,
         )
         self._events: queue.Queue[Event] = queue.Queue()
         self._answers: queue.Queue[Any] = queue.Queue()
 
     def where(self) -> str:
-        """This worker's host, process, device and Ray node, for the driver's log."""
+        """This worker's host, process, device (and offload, where on) and Ray node, for the
+        driver's log."""
         import ray
 
         node = ray.get_runtime_context().get_node_id()
-        return f"{socket.gethostname()} pid {os.getpid()} {self.local.device} node {node}"
+        device = str(self.local.device)
+        if self.local.offload != "none":
+            device = f"{device} (offload: {self.local.offload})"
+        return f"{socket.gethostname()} pid {os.getpid()} {device} node {node}"
 
     def array_size(self, config: Mapping[str, Any]) -> tuple[int, str]:
         """The profiler's array size for ``config`` on this worker's device, and why."""

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from ..fusion._compile import check_compile
+from ..offload import OffloadChoice
 from ..training.task import Task
 from ..training.trainer import (
     ArrayTrainer,
@@ -28,8 +29,11 @@ class LocalExecutor(Executor):
     ``final_states`` says which ended members' results carry their weights (``"completed"``:
     the engine keeps its best completed trials'; the Tune plugin, which trains each array
     through a local executor in its trial, asks for ``"all"``), ``trace`` whether arrays
-    trace their forwards and ``offload`` whether they keep their state in host memory (see
-    :class:`~hfsweep.trainer.ArrayTrainer`). ``compile``: ``True`` or ``False`` for every
+    trace their forwards and ``offload`` whether they keep their state in host memory, with
+    ``device_memory`` bytes on the device (see :class:`~hfsweep.trainer.ArrayTrainer`; with
+    ``offload="auto"`` the profiler's array size may be one larger than the device holds,
+    trained offloaded, where it measured that faster: :func:`~hfsweep.profile_task`).
+    ``compile``: ``True`` or ``False`` for every
     array, or ``"auto"``: the profiler's choice for each compatibility key
     (:func:`~hfsweep.profiler.choose_compile`; uncompiled where no profile was taken, a fixed
     ``fusion.size``).
@@ -48,6 +52,7 @@ class LocalExecutor(Executor):
         share_frozen: bool = True,
         compile: bool | str = False,
         offload: str = "none",
+        device_memory: int | None = None,
     ) -> None:
         self.task = task
         self.device = torch.device(device)
@@ -62,6 +67,9 @@ class LocalExecutor(Executor):
         #: ``compile: auto``: the profiler's choice by compatibility key
         self._compile_choice: dict[str, bool] = {}
         self.offload = offload
+        self.device_memory = device_memory
+        #: ``offload: auto``: the profiler's offloaded array size and why, by compatibility key
+        self._offload_choice: dict[str, OffloadChoice] = {}
         #: traced forwards shared by every array of this sweep (see ArrayTrainer)
         self._trace_cache: dict[str, dict[Any, Any]] = {}
         #: the loaded data, shared by the profiler and every array of this sweep
@@ -92,12 +100,14 @@ class LocalExecutor(Executor):
             traces=traces,
             data=self._data_cache.get(self.task, self.task.resolve(config)),
             compare_compiled=self.compile == "auto",
-            # measured as the trainer builds them: an array offloaded to the host keeps its
-            # frozen tensors per member (see ArrayTrainer)
-            share_frozen=self.share_frozen and self.offload != "host",
+            share_frozen=self.share_frozen,  # as the trainer builds them, offloaded or not
+            offload="auto" if self.offload == "auto" else "none",
+            device_memory=self.device_memory,
         )
         if profile.compile is not None:
             self._compile_choice[key] = profile.compile.compiled
+        if profile.offload is not None:  # the trainer offloads this size, nothing to measure
+            self._offload_choice[key] = profile.offload
         return profile.chosen, profile.reason
 
     def close(self) -> None:
@@ -124,7 +134,10 @@ class LocalExecutor(Executor):
             keep_states=False,
             final_states=self.final_states,
             offload=self.offload,
+            device_memory=self.device_memory,
         )
+        for key, choice in self._offload_choice.items():
+            trainer._offload_plans[(key, choice.size)] = choice
         trainer._trace_cache = self._trace_cache
         trainer._data_cache = self._data_cache
         trainer.run(

@@ -133,6 +133,9 @@ class FusedArray(_Tracing, nn.Module):
         #: seconds this array's first calls of compiled traces took (compiling; in
         #: ``_tracing_seconds`` too, so step timers leave them out)
         self._compile_seconds = 0.0
+        #: where set, random calls of forward code are refused with this reason instead of
+        #: drawn from torch's global generator (the offload engine's shards: see ``_random``)
+        self._draws_refused: str | None = None
 
     # ------------------------------------------------------------------ public API
     @property

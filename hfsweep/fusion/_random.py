@@ -95,11 +95,14 @@ def draws_functionally(model: nn.Module) -> bool:
 
 
 class MemberRandomness(TorchFunctionMode):
-    """Routes the random calls of one member's forward (see the module docstring)."""
+    """Routes the random calls of one member's forward (see the module docstring). Without a
+    ``stream`` every call that would draw from it is refused; ``refused`` then says why in the
+    error (the offload engine's shards: a stream counts the whole array's forwards)."""
 
-    def __init__(self, stream: FunctionalStream | None) -> None:
+    def __init__(self, stream: FunctionalStream | None, refused: str | None = None) -> None:
         super().__init__()
         self.stream = stream
+        self.refused = refused
         self.path: list[
             tuple[str, str]
         ] = []  # the submodules running (path, class), innermost last
@@ -127,6 +130,10 @@ class MemberRandomness(TorchFunctionMode):
         return f"{describe_path(path)} ({cls})"
 
     def refusal(self, op: str) -> FusionError:
+        if self.refused is not None:
+            return FusionError(
+                f"{self.where()} calls {op}, which draws random numbers: {self.refused}"
+            )
         return FusionError(
             f"{self.where()} calls {op}, which draws random numbers that hfsweep cannot take from "
             "each member's own seeded stream, so a member would train differently in an array "
@@ -389,11 +396,14 @@ def active_randomness() -> MemberRandomness | None:
 
 
 @contextmanager
-def member_randomness(stream: FunctionalStream | None, root: nn.Module) -> Iterator[None]:
+def member_randomness(
+    stream: FunctionalStream | None, root: nn.Module, refused: str | None = None
+) -> Iterator[None]:
     """Run one member's forward of ``root`` (the array's template) with its random calls routed
     (when ``stream`` is given: the model may draw functionally) and any random op that ``vmap``
-    refuses named with its submodule."""
-    if stream is None:  # nothing to route: only name what vmap refuses
+    refuses named with its submodule. With ``refused`` (and no stream), every random call the
+    stream would serve is refused, saying ``refused``: also where no ``vmap`` runs (one member)."""
+    if stream is None and refused is None:  # nothing to route: only name what vmap refuses
         try:
             yield
         except RuntimeError as exc:
@@ -401,7 +411,7 @@ def member_randomness(stream: FunctionalStream | None, root: nn.Module) -> Itera
                 raise
             raise MemberRandomness(None).refusal("a random op") from exc
         return
-    mode = MemberRandomness(stream)
+    mode = MemberRandomness(stream, refused)
     names = {id(m): path for path, m in root.named_modules()}
 
     def enter(module: nn.Module, args: Any) -> None:

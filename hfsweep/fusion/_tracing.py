@@ -96,6 +96,7 @@ class _Tracing:
     module: nn.Module
     functional: FunctionalStream | None
     _size: int
+    _draws_refused: str | None
     _slots: list[_Slot]
     _swap_places: list[tuple[dict[str, Any], str, int]]
     _dims: tuple[int | None, ...]
@@ -159,7 +160,7 @@ class _Tracing:
                 args, kwargs = pytree.tree_unflatten(filled, spec)
                 with (
                     _batchable_attention(),
-                    member_randomness(self.functional, self.module),
+                    member_randomness(self.functional, self.module, self._draws_refused),
                     intercepting(
                         state,
                         self._swap_places,

@@ -25,6 +25,7 @@ from ._policy import (
     choose_by_rate,
     choose_offload,
     fit_size,
+    frozen_bytes,
     offload_budget,
     state_bytes,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "choose_offload",
     "default_transfer",
     "fit_size",
+    "frozen_bytes",
     "offload_budget",
     "plan_shards",
     "state_bytes",

@@ -15,6 +15,13 @@ One training step, for shards ``0..n-1``:
 - the optimizer steps on the host parameters (the fused optimizers of :mod:`hfsweep.optim` work
   on the stacked host tensors; nothing of it is on the compute side).
 
+Frozen tensors kept once for all members (``share_frozen``) are kept once in host storage too,
+copied in once per shard for all members and never given a gradient; a member-independent
+shard (see :mod:`._shards`) runs once for all members. The backward stops at the first shard
+that trains a parameter (or at the input, where it needs a gradient): the shards before it (a
+frozen backbone in front of trained heads) are neither fetched nor recomputed, as autograd on
+the whole array would not go through them either.
+
 Why not PyTorch's own. ``torch.utils.checkpoint`` recomputes a segment with the parameters it ran
 with, which here have left the compute side by then, and it would run each forward's buffer
 updates twice; the engine recomputes itself, with the shard fetched again and its buffers put
@@ -72,13 +79,15 @@ class _Resident:
 
 
 class _Held:
-    """A boundary activation kept on the compute side, counted in the ledger."""
+    """A boundary activation kept on the compute side, counted in the ledger (``None``: one
+    the backward does not need, neither kept nor counted)."""
 
-    def __init__(self, value: Tensor, ledger: ResidentLedger) -> None:
+    def __init__(self, value: Tensor | None, ledger: ResidentLedger) -> None:
         self.value: Tensor | None = value
-        self.nbytes = stacked_bytes([value])
+        self.nbytes = 0 if value is None else stacked_bytes([value])
         self._ledger = ledger
-        ledger.add("boundary activations", self.nbytes)
+        if value is not None:
+            ledger.add("boundary activations", self.nbytes)
 
     def release(self) -> None:
         if self.value is not None:
@@ -141,18 +150,18 @@ class OffloadedArray:
         self.array = array
         self.prefetch = bool(prefetch)
         self.ledger = ResidentLedger(budget_bytes)
-        self._to_host_storage()
-        total = stacked_bytes(array._state())
-        if shard_bytes is not None:
-            if isinstance(shard_bytes, bool) or not isinstance(shard_bytes, int) or shard_bytes < 1:
-                raise OffloadError(f"shard_bytes must be an int >= 1, got {shard_bytes!r}")
-            limit = shard_bytes
-        elif budget_bytes is not None:
-            limit = budget_bytes // 4
-        else:
-            limit = max(math.ceil(total / 4), 1)
+        if shard_bytes is not None and (
+            isinstance(shard_bytes, bool) or not isinstance(shard_bytes, int) or shard_bytes < 1
+        ):
+            raise OffloadError(f"shard_bytes must be an int >= 1, got {shard_bytes!r}")
+        self._shard_bytes = shard_bytes
+        self._budget = budget_bytes
         #: the shards, in forward order
-        self.shards: list[Shard] = plan_shards(array, limit, strict=budget_bytes is not None)
+        self.shards: list[Shard] = []
+        self._layout: tuple[bool, ...] = ()
+        self._plan()
+        #: the first shard the latest kept forward's backward runs (see _first_backward)
+        self._stop = 0
         self._anchor = torch.zeros((), requires_grad=True)
         self._input: Tensor | None = None
         self._saved: list[_Held] = []
@@ -180,6 +189,47 @@ class OffloadedArray:
         self.transfer.close()
 
     # ------------------------------------------------------------------ internals
+    def _plan(self) -> None:
+        """Put the array's tensors in host storage and cut it into shards, for the layout its
+        tensors have now (which are kept once for all members)."""
+        self._to_host_storage()
+        if self._shard_bytes is not None:
+            limit = self._shard_bytes
+        elif self._budget is not None:
+            limit = self._budget // 4
+        else:
+            limit = max(math.ceil(stacked_bytes(self.array._state()) / 4), 1)
+        self.shards = plan_shards(self.array, limit, strict=self._budget is not None)
+        self._layout = tuple(s.shared for s in self.array._slots)
+
+    def _replan_if_unshared(self) -> None:
+        """A tensor kept once becomes per member when a module that writes it is switched to
+        training (BatchNorm statistics) or a loaded state differs between members; the shards
+        are cut again for the new layout (between steps: nothing is held then)."""
+        self.array._unshare_written()
+        if tuple(s.shared for s in self.array._slots) != self._layout:
+            self._release()
+            self._plan()
+
+    def _trained(self, shard: Shard) -> list[int]:
+        """Positions, within the shard's tensors, of the parameters that get a gradient."""
+        host = self._host(shard)
+        return [
+            i
+            for i, j in enumerate(shard.slots)
+            if self.array._slots[j].is_param and host[i].requires_grad
+        ]
+
+    def _first_backward(self, x: Tensor) -> int:
+        """The first shard a backward runs: the first that trains a parameter, or 0 where the
+        input needs a gradient; ``len(shards)`` where nothing does. The shards before it need
+        no gradient of their input, so their backward is skipped."""
+        if x.requires_grad:
+            return 0
+        return next(
+            (k for k, shard in enumerate(self.shards) if self._trained(shard)), len(self.shards)
+        )
+
     def _to_host_storage(self) -> None:
         """Every stacked tensor on the CPU, in the transfer's host storage (pinned on CUDA)."""
         with torch.no_grad():
@@ -202,8 +252,13 @@ class OffloadedArray:
         ]
 
     def _buffers(self, shard: Shard) -> list[int]:
-        """Positions, within the shard's tensors, of its buffers (what a forward may write)."""
-        return [i for i, j in enumerate(shard.slots) if not self.array._slots[j].is_param]
+        """Positions, within the shard's tensors, of its buffers (what a forward may write);
+        not those kept once for all members, which no forward writes."""
+        return [
+            i
+            for i, j in enumerate(shard.slots)
+            if not self.array._slots[j].is_param and not self.array._slots[j].shared
+        ]
 
     def _fetch(self, k: int, buffers: Sequence[Tensor] | None = None) -> _Resident:
         """Start copying shard ``k``'s tensors in, its buffers from ``buffers`` when given."""
@@ -216,15 +271,16 @@ class OffloadedArray:
         self._outstanding.append(resident)
         return resident
 
-    def _run(self, shard: Shard, tensors: Sequence[Tensor], x: Tensor, first: bool) -> Tensor:
-        """Shard ``shard``'s forward with ``tensors`` in place of its host tensors."""
+    def _run(self, shard: Shard, tensors: Sequence[Tensor], x: Tensor) -> Tensor:
+        """Shard ``shard``'s forward with ``tensors`` in place of its host tensors; one value
+        for all members where the shard is member-independent."""
         slots = [self.array._slots[j] for j in shard.slots]
         host = self._host(shard)
         for slot, t in zip(slots, tensors, strict=True):
             for d, name in slot.places:
                 d[name] = t
         try:
-            out = shard.array(x, shared=first)
+            out = shard.array(x, shared=shard.shared_input)
         finally:
             for slot, t in zip(slots, host, strict=True):
                 for d, name in slot.places:
@@ -234,7 +290,7 @@ class OffloadedArray:
                 f"offload passes one tensor between shards; layers {shard.nodes} returned "
                 f"{type(out).__name__}"
             )
-        return out
+        return out.squeeze(0) if shard.shared_output else out
 
     def _release(self) -> None:
         """Let go of what an earlier forward kept (its backward never came, or it is done)."""
@@ -251,6 +307,7 @@ class OffloadedArray:
     def _forward(self, x: Tensor, keep: bool) -> Tensor:
         """Run every shard on ``x``; with ``keep``, save what the backward needs."""
         self._release()
+        self._replan_if_unshared()
         try:
             return self._forward_shards(x, keep)
         except BaseException:
@@ -259,6 +316,9 @@ class OffloadedArray:
 
     def _forward_shards(self, x: Tensor, keep: bool) -> Tensor:
         n = len(self.shards)
+        # the backward starts from the last shard and stops at this one: only its input and
+        # those after it are kept
+        stop = self._stop = self._first_backward(x) if keep else n
         with torch.no_grad(), self.ledger.phase("forward"):
             pending = self._fetch(0)
             value = x
@@ -270,20 +330,21 @@ class OffloadedArray:
                 at = self._buffers(shard)
                 host = self._host(shard)
                 if keep:
-                    self._before.append([host[i].clone() for i in at])
-                value = self._run(shard, tensors, value, first=k == 0)
+                    self._before.append([host[i].clone() for i in at] if k >= stop else [])
+                value = self._run(shard, tensors, value)
                 if at:  # the forward's buffer updates go back to the host
                     written = self.transfer.to_host([tensors[i] for i in at])
                     for i, w in zip(at, written, strict=True):
                         host[i].copy_(w)
-                if keep and k == n - 1:
+                if keep and k == n - 1 and stop < n:
                     for i, before in zip(at, self._before[k], strict=True):
                         tensors[i].copy_(before)  # the recomputation starts from these
                     self._last = resident
                 else:
                     resident.release()
                 if keep and k < n - 1:
-                    self._saved.append(_Held(value, self.ledger))
+                    # shard k+1's input, needed where its backward runs
+                    self._saved.append(_Held(value if k + 1 >= stop else None, self.ledger))
                 if not self.prefetch and k + 1 < n:
                     pending = self._fetch(k + 1)
         if keep:
@@ -306,24 +367,26 @@ class OffloadedArray:
 
     def _backward_shards(self, grad: Tensor) -> Tensor | None:
         x = self._input
+        n, stop = len(self.shards), self._stop
+        if stop >= n:
+            return None  # nothing to train, no input gradient asked for
         if x is None or self._last is None:
             raise OffloadError(
                 "an offloaded array keeps one forward for backward at a time: backward went "
                 "through the output of an earlier forward, released by a later one"
             )
-        n = len(self.shards)
         resident: _Resident | None = self._last
         self._last = None
         x_grad: Tensor | None = None
         with self.ledger.phase("backward"):
-            for k in reversed(range(n)):
+            for k in reversed(range(stop, n)):
                 shard = self.shards[k]
                 if resident is None:
                     resident = self._fetch(k, self._before[k])
                 pending = None
-                if self.prefetch and k > 0:
+                if self.prefetch and k > stop:
                     pending = self._fetch(k - 1, self._before[k - 1])
-                grad = self._shard_backward(k, shard, resident, grad, x)
+                grad = self._shard_backward(k, shard, resident, grad, x, needs_input=k > stop)
                 resident.release()
                 if k > 0:
                     self._saved[k - 1].release()
@@ -333,18 +396,21 @@ class OffloadedArray:
         return x_grad
 
     def _shard_backward(
-        self, k: int, shard: Shard, resident: _Resident, grad: Tensor, x: Tensor
+        self,
+        k: int,
+        shard: Shard,
+        resident: _Resident,
+        grad: Tensor,
+        x: Tensor,
+        *,
+        needs_input: bool,
     ) -> Tensor:
         """Recompute shard ``k`` with autograd and run its backward from ``grad``; add its
-        parameter gradients to the host's. Returns its input's gradient."""
+        parameter gradients to the host's. Returns its input's gradient (where
+        ``needs_input``, or the array's input needs one)."""
         tensors = resident.tensors()
-        params = [self.array._slots[j] for j in shard.slots]
         host = self._host(shard)
-        trained = [
-            i
-            for i, (slot, h) in enumerate(zip(params, host, strict=True))
-            if slot.is_param and h.requires_grad
-        ]
+        trained = self._trained(shard)
         for i in trained:
             tensors[i].requires_grad_(True)
         if k == 0:
@@ -352,9 +418,9 @@ class OffloadedArray:
         else:
             saved = self._saved[k - 1].value
             assert saved is not None
-            source = saved.detach().requires_grad_(True)
+            source = saved.detach().requires_grad_(needs_input)
         with torch.enable_grad():
-            out = self._run(shard, tensors, source, first=k == 0)
+            out = self._run(shard, tensors, source)
         inputs = [tensors[i] for i in trained]
         if source.requires_grad:
             inputs.append(source)

@@ -3,7 +3,9 @@
 ``auto`` first compares the array's estimated training state with the device's memory budget.
 The estimate is the stacked parameters four times over (the parameters, their gradients, and two
 optimizer moments: Adam's and AdamW's, the largest state the fused optimizers keep) plus the
-buffers. The budget is the ``device_memory`` given; without one, a CUDA device's free memory
+buffers. Where the array keeps frozen tensors once (``share_frozen``), the frozen parameters and
+the constants a model builds itself (non-persistent buffers) count once for the array
+(:func:`frozen_bytes`), not per member. The budget is the ``device_memory`` given; without one, a CUDA device's free memory
 (``torch.cuda.mem_get_info``, rounded down to whole 256 MiB: :func:`offload_budget`), and on
 the CPU none at all: there the host and the device are one memory, so moving state from one to
 the other cannot make room, and ``auto`` stays ``none``.
@@ -36,6 +38,7 @@ __all__ = [
     "choose_by_rate",
     "choose_offload",
     "fit_size",
+    "frozen_bytes",
     "offload_budget",
     "state_bytes",
 ]
@@ -53,11 +56,31 @@ def check_offload(value: object, where: str = "offload") -> str:
     return value
 
 
-def state_bytes(module: nn.Module) -> int:
+def _kept_once(module: nn.Module) -> set[int]:
+    """Ids of the tensors an array with ``share_frozen`` keeps once where every member holds
+    them identically: frozen parameters and non-persistent buffers."""
+    found = {id(p) for p in module.parameters() if not p.requires_grad}
+    for m in module.modules():
+        found.update(id(b) for n, b in m._buffers.items() if n in m._non_persistent_buffers_set)
+    return found
+
+
+def frozen_bytes(module: nn.Module) -> int:
+    """Bytes of the tensors of ``module`` (one member's model) that an array fused with
+    ``share_frozen`` keeps once for all members, where the members hold them identically (a
+    pretrained backbone): its frozen parameters and its non-persistent buffers."""
+    once = _kept_once(module)
+    tensors = {id(t): t for t in [*module.parameters(), *module.buffers()] if id(t) in once}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def state_bytes(module: nn.Module, *, share_frozen: bool = False) -> int:
     """Estimated bytes of ``module``'s training state: its parameters four times (weights,
-    gradients, two optimizer moments) and its buffers once."""
-    params = sum(p.numel() * p.element_size() for p in module.parameters())
-    buffers = sum(b.numel() * b.element_size() for b in module.buffers())
+    gradients, two optimizer moments) and its buffers once. With ``share_frozen``, one
+    member's part only: the tensors an array keeps once (:func:`frozen_bytes`) are left out."""
+    once = _kept_once(module) if share_frozen else set()
+    params = sum(p.numel() * p.element_size() for p in module.parameters() if id(p) not in once)
+    buffers = sum(b.numel() * b.element_size() for b in module.buffers() if id(b) not in once)
     return 4 * params + buffers
 
 
@@ -157,11 +180,12 @@ class OffloadChoice:
         return cls(**d)
 
 
-def fit_size(member_state: int, budget: int) -> int:
-    """B': the most members of ``member_state`` estimated bytes each that fit ``budget`` bytes."""
+def fit_size(member_state: int, budget: int, shared: int = 0) -> int:
+    """B': the most members of ``member_state`` estimated bytes each that fit ``budget`` bytes
+    beside the ``shared`` bytes the array keeps once for all of them (:func:`frozen_bytes`)."""
     if member_state < 1:
         raise ValueError(f"member_state must be a number of bytes >= 1, got {member_state!r}")
-    return budget // member_state
+    return max(budget - shared, 0) // member_state
 
 
 def choose_by_rate(

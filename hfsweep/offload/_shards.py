@@ -1,22 +1,36 @@
 """Cutting a fused array into shards: runs of consecutive layers, each small enough for the budget.
 
-The model's forward is traced symbolically (``torch.fx.symbolic_trace`` of the array's prototype,
+The model's forward is traced symbolically (``torch.fx``'s tracer on the array's prototype,
 member 0's module tree on the meta device): its graph is the order in which layers are called. A
-cut may go between two nodes only where exactly one value flows across it (the activation that
-the next shard takes as its input) and no layer's tensors are used on both sides (tied weights
-stay in one shard). Shards are grown greedily in graph order up to ``limit`` bytes of stacked
+submodule whose own forward cannot be traced is one layer call (:class:`_LayerWhereUntraceable`).
+A cut may go between two nodes only where exactly one value flows across it (the activation that
+the next shard takes as its input), that value is not what an untraceable submodule returned
+(not known to be one tensor), and no layer's tensors are used on both sides (tied weights stay
+in one shard), but for tensors kept once for all members: no forward writes them, so every
+shard that uses one (a frozen embedding tied to the output layer) copies it in. Shards are grown greedily in graph order up to ``limit`` bytes of stacked
 state (parameters and buffers of every member).
 
 Each shard runs as a :class:`~hfsweep.fusion.FusedArray` of its own whose template is a
 ``GraphModule`` over the array's own fused layers (the same module objects, so the same stacked
 tensors, dropout streams and BatchNorm statistics): a shard computes exactly what that stretch of
 the whole array computes.
+
+Frozen tensors the array keeps once for all members (``share_frozen``, :attr:`FusedArray.
+shared_frozen`) stay once in their shard: a shard's bytes count them once, and the engine copies
+them to the compute side once for all members. A shard whose input is the same for every member
+(the model's input, or the output of such a shard) and whose tensors are all kept once computes
+the same value for every member: it runs once, as an array of one member, and hands the next
+shard one value for all members (*member-independent*, :attr:`Shard.shared_output`), as the
+whole array's ``vmap`` leaves such values unbatched. A frozen backbone in front of per-member
+heads is computed once per step, not B times.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import inspect
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import Tensor, fx, nn
 
@@ -37,6 +51,12 @@ class Shard:
     nbytes: int
     #: the graph nodes it runs (their names), for messages and the docs
     nodes: list[str] = field(default_factory=list)
+    #: its input is one value for every member (unbatched: the array's input, or a
+    #: member-independent shard's output)
+    shared_input: bool = True
+    #: it is member-independent (see the module's docstring): ``array`` has one member and the
+    #: shard's output is one value for every member
+    shared_output: bool = False
 
 
 def _slot_index(array: FusedArray) -> dict[tuple[int, str], int]:
@@ -58,10 +78,84 @@ def _module_slots(module: nn.Module, index: dict[tuple[int, str], int]) -> set[i
     return found
 
 
-def _trace(array: FusedArray) -> fx.Graph:
+class _Root(nn.Module):
+    """The model called as a layer, so that a forward taking ``*args`` traces with one input."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: Tensor) -> Any:
+        return self.inner(x)
+
+
+class _LayerWhereUntraceable(fx.Tracer):
+    """``torch.fx``'s tracer, but a module whose own forward cannot be traced (Python control
+    flow on tensor values or shapes, a loop over a traced value: peft's LoRA layers) is
+    recorded as one layer call, as ``torch.nn``'s own layers are, instead of failing the whole
+    trace: its tensors then go to one shard together, and the shard calls the module itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        #: the modules recorded as one call because their forward could not be traced
+        self.untraceable: list[str] = []
+        self._leaves: set[str] = set()
+
+    def call_module(
+        self,
+        m: nn.Module,
+        forward: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        path = self.path_of_module(m)
+        if path == "inner":  # the model itself: traced through (its failure is the trace's)
+            return forward(*args, **kwargs)
+        if self.is_leaf_module(m, path):
+            return super().call_module(m, forward, args, kwargs)
+        made, scopes = len(self.graph.nodes), len(self.module_stack)
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            for node in reversed(list(self.graph.nodes)[made:]):  # its partial trace
+                self.graph.erase_node(node)
+            while len(self.module_stack) > scopes:  # the scopes the failure left open
+                self.module_stack.popitem(last=True)
+            self.untraceable.append(path.removeprefix("inner."))
+            self._leaves.add(path)
+            return super().call_module(m, forward, args, kwargs)
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return module_qualified_name in self._leaves or super().is_leaf_module(
+            m, module_qualified_name
+        )
+
+
+def _check_one_input(model: nn.Module) -> None:
+    """Refuse a model whose forward needs more than one argument: the engine passes one tensor
+    in (and one between shards)."""
+    params = list(inspect.signature(model.forward).parameters.values())
+    required = [
+        p.name
+        for p in params
+        if p.default is inspect.Parameter.empty
+        and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    ]
+    if len(required) > 1:
+        raise OffloadError(
+            f"offload needs a model whose forward takes one tensor; "
+            f"{type(model).__name__}.forward takes {required}"
+        )
+
+
+def _trace(array: FusedArray) -> tuple[fx.Graph, set[str]]:
+    """The graph of the prototype's forward on one input, its layers named as in the array's
+    template, and the modules that could not be traced inside (single layer calls)."""
     prototype = array._prototype
+    _check_one_input(prototype)
+    tracer = _LayerWhereUntraceable()
     try:
-        return fx.symbolic_trace(prototype).graph
+        graph = tracer.trace(_Root(prototype))
     except Exception as exc:
         raise OffloadError(
             f"offload runs a model layer by layer and needs its forward traceable by "
@@ -69,18 +163,18 @@ def _trace(array: FusedArray) -> fx.Graph:
             f"{str(exc).splitlines()[0] if str(exc) else ''}). Use offload: none for this model, "
             "or write its forward without control flow on tensor values"
         ) from exc
+    for node in graph.nodes:
+        if node.op in ("call_module", "get_attr"):
+            node.target = str(node.target).removeprefix("inner.")
+    return graph, set(tracer.untraceable)
 
 
 def plan_shards(array: FusedArray, limit: int, *, strict: bool = True) -> list[Shard]:
     """The shards of ``array``, each holding at most ``limit`` bytes of stacked state where the
     model's graph can be cut that finely; where it cannot, :class:`OffloadError` naming the
-    layers (``strict``) or a larger shard (``strict=False``: ``limit`` is only a target)."""
-    if any(s.shared for s in array._slots):
-        raise OffloadError(
-            f"offload keeps every tensor per member; this array shares {array.shared_frozen} "
-            "(build it with hs.fuse(..., share_frozen=False))"
-        )
-    graph = _trace(array)
+    layers (``strict``) or a larger shard (``strict=False``: ``limit`` is only a target).
+    Tensors kept once for all members count once (see the module's docstring)."""
+    graph, opaque = _trace(array)
     inputs = [n for n in graph.nodes if n.op == "placeholder"]
     if len(inputs) != 1:
         raise OffloadError(
@@ -107,26 +201,20 @@ def plan_shards(array: FusedArray, limit: int, *, strict: bool = True) -> list[S
             node_slots.append(_module_slots(template.get_submodule(str(n.target)), index))
         else:
             node_slots.append(set())
-    covered = set().union(*node_slots)
-    # the functional stream's counters are no layer's: no random call uses them (checked)
-    stream = array.functional._buffers if array.functional is not None else None
-    missing = [
-        s.name
-        for j, s in enumerate(array._slots)
-        if j not in covered and s.places[0][0] is not stream
-    ]
-    if missing:
-        raise OffloadError(
-            f"offload: the model's forward never calls the layers holding {missing[:3]}; "
-            "offload needs every tensor inside a called layer"
-        )
+    # a tensor no layer call holds is one the forward never reads (reads outside a layer are
+    # refused above): it stays in host storage, never fetched (peft's original head, which
+    # modules_to_save replaces), as the whole array never reads it either
     position = {n: i for i, n in enumerate(body)}
     position.update({n: -1 for n in inputs})
-    # a cut after body[i] is allowed when one value crosses it and no tensor is used on both sides
+    # a cut after body[i] is allowed when one value crosses it and no tensor is used on both
+    # sides, but for one kept once for all members: nothing writes it, so each shard that uses
+    # it (a frozen embedding tied to the output layer) takes its own copy in
     last_use = {n: max((position.get(u, len(body)) for u in n.users), default=-1) for n in position}
     span: dict[int, tuple[int, int]] = {}
     for i, uses in enumerate(node_slots):
         for j in uses:
+            if array._slots[j].shared:
+                continue
             first, _ = span.get(j, (i, i))
             span[j] = (first, i)
     crossing: list[list[fx.Node]] = []
@@ -135,7 +223,10 @@ def plan_shards(array: FusedArray, limit: int, *, strict: bool = True) -> list[S
         live = [n for n, p in position.items() if p <= i and last_use[n] > i]
         crossing.append(live)
         tied = any(a <= i < b for a, b in span.values())
-        allowed.append(len(live) == 1 and not tied)
+        # what a module fx could not trace returns is not known to be one tensor (transformers'
+        # models return ModelOutput objects): no cut right after it
+        unknown = bool(live) and live[0].op == "call_module" and str(live[0].target) in opaque
+        allowed.append(len(live) == 1 and not tied and not unknown)
     ranges: list[tuple[int, int]] = []
     start, held = 0, set(node_slots[0])
     for i in range(1, len(body)):
@@ -147,10 +238,11 @@ def plan_shards(array: FusedArray, limit: int, *, strict: bool = True) -> list[S
             held = grown
     ranges.append((start, len(body)))
     shards = []
+    shared_input = True  # the array's input is one value for every member
     for a, b in ranges:
         slots = sorted(set().union(*node_slots[a:b]))
         nbytes = sum(sizes[j] for j in slots)
-        names = [n.name for n in body[a:b]]
+        names = [str(n.target) if n.op == "call_module" else n.name for n in body[a:b]]
         if strict and nbytes > limit:
             raise OffloadError(
                 f"offload: the smallest run of layers that can be cut out around {names[:4]} "
@@ -162,21 +254,49 @@ def plan_shards(array: FusedArray, limit: int, *, strict: bool = True) -> list[S
         result = output.args[0] if b == len(body) else crossing[b - 1][0]
         module = _shard_module(template, source, body[a:b], result)
         prototype = _shard_module(array._prototype, source, body[a:b], result)
+        # member-independent: the same input and the same (shared) tensors for every member; the
+        # last shard is not, so the engine returns [B, ...] as the array does
+        independent = shared_input and b < len(body) and all(array._slots[j].shared for j in slots)
         # no functional stream: the check above found no random call in forward code
         shard_array = FusedArray(
-            module, prototype, array.size, [array._slots[j] for j in slots], array._trace_enabled
+            module,
+            prototype,
+            1 if independent else array.size,
+            [array._slots[j] for j in slots],
+            array._trace_enabled,
         )
         shard_array._defer_tracing(array._trace_after)
-        shards.append(Shard(shard_array, slots, nbytes, names))
+        shard_array._draws_refused = _DRAWS_REFUSED
+        shards.append(Shard(shard_array, slots, nbytes, names, shared_input, independent))
+        shared_input = independent
     return shards
+
+
+#: why a shard refuses a random call of forward code (see _check_no_random_calls)
+_DRAWS_REFUSED = (
+    "offload runs the model shard by shard, and a member's stream for the random calls of "
+    "forward code counts the whole array's forwards, so a shard cannot draw from it. Use "
+    "nn.Dropout layers (each keeps its own streams), or offload: none"
+)
+
+
+def _known_to_draw(module: nn.Module) -> bool:
+    """Whether a layer of torch's own classes draws random numbers in its forward (an
+    ``nn.RReLU``, an alpha dropout, an RNN's dropout between layers). Layers of other
+    classes (a library's, such as peft's LoRA layers) may or may not: their random calls are
+    refused when the shard runs (:data:`_DRAWS_REFUSED`)."""
+    return draws_functionally(module) and all(
+        type(m).__module__.startswith("torch.nn.") for m in module.modules()
+    )
 
 
 def _check_no_random_calls(array: FusedArray, body: Sequence[fx.Node]) -> None:
     """Refuse forward code that draws random numbers itself (``F.dropout``, ``torch.rand``...):
     the array routes those through one stream per member that counts the array's forwards, and
     each shard would count one. Layers (``nn.Dropout``, attention) keep their own streams and
-    are fine; a random op this check misses is still refused when the shard runs (``vmap``'s
-    ``randomness="error"``), never drawn wrongly."""
+    are fine; a random call this check cannot see (inside a layer of a library's class) is
+    refused when the shard runs (every shard refuses them, with one member too, where no
+    ``vmap`` does), never drawn wrongly."""
     random = {*_ROUTES, *_REFUSED}
     for n in body:
         drawn = None
@@ -184,7 +304,7 @@ def _check_no_random_calls(array: FusedArray, body: Sequence[fx.Node]) -> None:
             drawn = getattr(n.target, "__name__", str(n.target))
         elif n.op == "call_method" and getattr(Tensor, str(n.target), None) in random:
             drawn = f"Tensor.{n.target}"
-        elif n.op == "call_module" and draws_functionally(
+        elif n.op == "call_module" and _known_to_draw(
             array._prototype.get_submodule(str(n.target))
         ):
             drawn = type(array._prototype.get_submodule(str(n.target))).__name__

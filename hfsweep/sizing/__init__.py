@@ -8,6 +8,8 @@ One job per module, each importing only those above it in this list:
 - ``compiled``: eager or compiled (``compile: auto``), compile time amortised (:func:`choose_compile`).
 - ``cache``: profiles and their JSON cache, keyed by architecture, batch, dtype and hardware.
 - ``plotting``: a PNG of a profile.
+- ``beyond``: ``size: auto`` with ``offload: auto``: sizes beyond what the device holds,
+  measured offloaded (:func:`~hfsweep.sizing.beyond.offload_beyond`).
 - ``offloading``: ``offload: auto`` where some members fit, by measured throughput
   (:func:`~hfsweep.sizing.offloading.profile_offload`): it measures through ``task`` (imported
   when called) and hands itself to the trainer, which cannot import it.

@@ -28,7 +28,14 @@ from typing import Any
 
 import torch
 
-from ..offload import OffloadChoice, OffloadError, choose_by_rate, fit_size, state_bytes
+from ..offload import (
+    OffloadChoice,
+    OffloadError,
+    choose_by_rate,
+    fit_size,
+    frozen_bytes,
+    state_bytes,
+)
 from ..training._offload_auto import use_offload_profiler
 from ..training.task import Task
 from .cache import Profile, ProfileCache, cache_key
@@ -57,6 +64,7 @@ def profile_offload(
     min_seconds: float = 0.5,
     data: tuple[Iterable[Any], Iterable[Any]] | None = None,
     measure: MeasureFn | None = None,
+    share_frozen: bool = True,
 ) -> OffloadChoice:
     """How an array of ``size`` members of ``config`` trains on ``device`` with ``device_memory``
     bytes there under ``offload: auto``: on the device as it is (``"none"``: it fits), offloaded
@@ -73,18 +81,26 @@ def profile_offload(
     settle) and the member-samples/s of both and the choice are logged on ``hfsweep.profiler``.
     With a ``cache``, the choice is stored with the on-device measurements and read back unless
     ``refresh``. ``measure(size, offloaded)`` replaces the timing (tests). ``data``: the task's
-    ``(train, eval)`` loaders where already built.
+    ``(train, eval)`` loaders where already built. ``share_frozen``: the arrays keep frozen
+    tensors every member holds identically once, on the device and offloaded, as the trainer's
+    do with ``fusion.share_frozen``: the estimate counts them once for the array
+    (:func:`~hfsweep.offload.frozen_bytes`), the measured peaks and rates are of such arrays,
+    and the choice is cached under a key of its own (as :func:`~hfsweep.profile_task`'s).
     """
     from .task import _arch, _model_and_batch, _step_of  # task imports this module first
 
     device = torch.device(device)
     resolved = task.resolve(config or {})
     model, x, y = _model_and_batch(task, resolved, device, dtype, data)
-    member = state_bytes(model)
-    fit = min(fit_size(member, device_memory), size)
+    member = max(state_bytes(model, share_frozen=share_frozen), 1)
+    shared = frozen_bytes(model) if share_frozen else 0
+    fit = min(fit_size(member, device_memory, shared), size)
     if fit == 0:
-        return _unmeasured(size, member, device_memory)
-    arch = f"{_arch(model, resolved, x, False)}|offload=auto|device_memory={device_memory}|B={size}"
+        return _unmeasured(size, member, shared, device_memory)
+    arch = (
+        f"{_arch(model, resolved, x, share_frozen)}|offload=auto|device_memory={device_memory}"
+        f"|B={size}"
+    )
     key = cache_key(arch, int(y.shape[0]), dtype, device)
     if cache is not None and not refresh:
         hit = cache.get(key)
@@ -94,7 +110,7 @@ def profile_offload(
     if measure is None:
         step = _step_of(
             task, resolved, (x, y), device, dtype, min_seconds,
-            share_frozen=False, device_memory=device_memory,
+            share_frozen=share_frozen, device_memory=device_memory,
         )  # fmt: skip
 
         def measure(n: int, offloaded: bool) -> Measurement:
@@ -241,14 +257,15 @@ def _store(
     )
 
 
-def _unmeasured(size: int, member: int, budget: int) -> OffloadChoice:
-    """The choice where not even one member's estimated state fits ``budget``: offloaded, the
-    only way to train it, with nothing to measure."""
+def _unmeasured(size: int, member: int, shared: int, budget: int) -> OffloadChoice:
+    """The choice where not even one member's estimated state fits ``budget`` (beside the
+    ``shared`` bytes kept once): offloaded, the only way to train it, with nothing to measure."""
+    once = f", beside {shared} bytes of frozen tensors kept once" if shared else ""
     return OffloadChoice(
         size, 0, budget, "host",
         f"offload: auto spills the array of {size} to the host: not one member fits the {budget} "
-        f"bytes of device memory ({member} bytes of estimated state per member), so offload is "
-        "the only way to train it (nothing measured)",
+        f"bytes of device memory ({member} bytes of estimated state per member{once}), so "
+        "offload is the only way to train it (nothing measured)",
     )  # fmt: skip
 
 

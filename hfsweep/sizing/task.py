@@ -30,15 +30,16 @@ from .._compat import TorchDispatchMode, pytree
 from .._malloc import retaining_freed_memory
 from ..fusion import FusedArray, fuse
 from ..fusion._compile import check_compile, mode_for
-from ..offload import OffloadedArray
+from ..offload import OffloadChoice, OffloadedArray, check_offload, offload_budget
 from ..training._compiled import CompiledLoss
 from ..training.step import any_smoothing, backward, update
 from ..training.task import Task, fork_rng, make_optimizer, make_schedule
+from .beyond import offload_beyond
 from .cache import Profile, ProfileCache, cache_key, signature
 from .compiled import DEFAULT_HORIZON_STEPS, CompileChoice, choose_compile
 from .device import _describe_device, device_budget
-from .measure import profile_sizes
-from .model import Measurement, choose_size
+from .measure import _is_oom, profile_sizes
+from .model import Measurement, MemoryModel, choose_size
 from .offloading import profile_offload  # noqa: F401  (registers it with the trainer)
 
 __all__ = ["measure_step", "profile_task", "settled", "time_steps"]
@@ -173,7 +174,8 @@ def measure_step(
     do with ``fusion.share_frozen`` (``False``: B copies, so the peak counts the frozen
     backbone B times). ``offload``: the array kept in host memory and run shard by shard by
     :class:`~hfsweep.offload.OffloadedArray` with ``device_memory`` bytes on ``device``, as the
-    trainer's ``offload="host"`` runs it (frozen tensors per member); its peak is the engine's
+    trainer's ``offload="host"`` runs it (frozen tensors kept once with ``share_frozen``, as
+    on the device); its peak is the engine's
     ledger peak, the bytes it held on the compute side.
     """
     with _as_the_trainer_runs(device):
@@ -181,8 +183,8 @@ def measure_step(
         configs = [{**resolved, "seed": i} for i in range(size)]
         models = [task.build_model(c).to(dtype) for c in configs]
         engine: OffloadedArray | None = None
-        if offload:  # in host storage, every tensor per member, as the trainer offloads
-            array = fuse(models, share_frozen=False)
+        if offload:  # in host storage, as the trainer offloads
+            array = fuse(models, share_frozen=share_frozen)
             engine = OffloadedArray(array, device=device, budget_bytes=device_memory)
         else:
             array = fuse(models, compile=compile, share_frozen=share_frozen).to(device)
@@ -342,6 +344,8 @@ def profile_task(
     compare_compiled: bool = False,
     compile_horizon_steps: int = DEFAULT_HORIZON_STEPS,
     share_frozen: bool = True,
+    offload: str = "none",
+    device_memory: int | None = None,
 ) -> Profile:
     """Measure ``task`` with ``config`` at several array sizes on ``device`` and choose B.
 
@@ -370,6 +374,15 @@ def profile_task(
     ``fusion.share_frozen`` (see :func:`hfsweep.fuse`): ``True`` keeps a frozen backbone that
     every member holds identically once, ``False`` stacks it B times, so each member's memory
     includes it. Profiles without sharing are cached under their own key.
+
+    ``device_memory`` (bytes) replaces the device's budget (``budget_fraction`` of its memory)
+    where given. ``offload="auto"`` (``fusion: {size: auto, offload: auto}``): where that budget
+    capped the sizes, sizes beyond it are measured offloaded too, with the engine's budget of
+    ``device_memory`` or a CUDA device's free memory (not on a CPU without ``device_memory``:
+    host and device are one memory there), and the fastest is chosen where it trains more
+    member-samples/s than every size that fits (:func:`~hfsweep.sizing.beyond.offload_beyond`;
+    the choice is ``Profile.offload``, cached under a key of its own). Not with explicit
+    ``sizes`` or ``compare_compiled`` (an offloaded array runs uncompiled).
     """
     if not isinstance(share_frozen, bool):
         raise ValueError(
@@ -377,11 +390,17 @@ def profile_task(
             "tensors once, as hfsweep.fuse does by default) or False (one copy per member)"
         )
     device = torch.device(device)
+    check_offload(offload, "profile_task(offload=...)")
     resolved = task.resolve(config or {})
     model, x, y = _model_and_batch(task, resolved, device, dtype, data)
     batch_size = int(y.shape[0])
-    key = cache_key(_arch(model, resolved, x, share_frozen), batch_size, dtype, device)
-    budget = device_budget(device, budget_fraction)
+    arch = _arch(model, resolved, x, share_frozen)
+    budget = device_budget(device, budget_fraction) if device_memory is None else device_memory
+    # the engine's budget where sizes beyond the device are measured offloaded
+    engine_budget = offload_budget(device, device_memory) if offload == "auto" else None
+    if engine_budget is not None:
+        arch = f"{arch}|offload=auto|device_memory={engine_budget}"
+    key = cache_key(arch, batch_size, dtype, device)
     step = _step_of(task, resolved, (x, y), device, dtype, min_seconds, share_frozen=share_frozen)
 
     def measure_compiled(size: int, first: list[float]) -> Measurement:
@@ -393,6 +412,8 @@ def profile_task(
         if hit is not None and (sizes is None or set(sizes) <= measured):
             _log.info("profile of %s found in the cache (%s)", task.name, key)
             chosen, reason = choose_size(hit.measurements, budget, knee=knee)
+            if hit.offload is not None and hit.offload.mode == "host":
+                chosen, reason = hit.offload.size, hit.offload.reason
             cached = dataclasses.replace(
                 hit, budget_bytes=budget, chosen=chosen, reason=f"{reason} (cached profile)"
             )
@@ -406,16 +427,41 @@ def profile_task(
     def measure(size: int) -> Measurement:
         return step(size, traces=traces)
 
+    beyond_device = engine_budget is not None and sizes is None and not compare_compiled
+    failed: BaseException | None = None
     with _as_the_trainer_runs(device):  # one block for every size measured
-        measurements, memory = profile_sizes(
-            measure,
-            budget_bytes=budget,
-            max_size=max_size,
-            sizes=sizes,
-            knee=knee,
-            on_measure=on_measure,
-        )
+        try:
+            measurements, memory = profile_sizes(
+                measure,
+                budget_bytes=budget,
+                max_size=max_size,
+                sizes=sizes,
+                knee=knee,
+                on_measure=on_measure,
+            )
+        except BaseException as exc:
+            if not beyond_device or not _is_oom(exc):
+                raise
+            # not one member fits the device: offloaded arrays may still train
+            failed, measurements, memory = exc, [], None
+    beyond: OffloadChoice | None = None
+    if beyond_device:
+
+        def offloaded(size: int) -> Measurement:
+            return step(size, offload=True, device_memory=engine_budget)
+
+        with _as_the_trainer_runs(device):
+            beyond, tried = offload_beyond(
+                offloaded, measurements, memory, budget, max_size=max_size, knee=knee
+            )
+        if failed is not None:
+            if beyond is None:
+                raise failed
+            measurements, memory = tried, MemoryModel.fit(tried)  # all it measured: offloaded
+    assert memory is not None
     chosen, reason = choose_size(measurements, budget, knee=knee)
+    if beyond is not None:
+        chosen, reason = beyond.size, beyond.reason
     profile = Profile(
         key=key,
         device=_describe_device(device),
@@ -426,6 +472,7 @@ def profile_task(
         budget_bytes=budget,
         chosen=chosen,
         reason=reason,
+        offload=beyond,
     )
     if compare_compiled:
         step_s = next(m.step_s for m in measurements if m.size == chosen)

@@ -22,7 +22,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from ..offload import OffloadChoice, choose_offload, fit_size, offload_budget, state_bytes
+from ..offload import (
+    OffloadChoice,
+    choose_offload,
+    fit_size,
+    frozen_bytes,
+    offload_budget,
+    state_bytes,
+)
 from .spec import _ArrayState, _SlotState
 from .task import Task, fork_rng
 
@@ -53,6 +60,7 @@ class OffloadProfiler(Protocol):
         device: str | torch.device = ...,
         dtype: torch.dtype = ...,
         data: tuple[Iterable[Any], Iterable[Any]] | None = ...,
+        share_frozen: bool = ...,
     ) -> OffloadChoice: ...
 
 
@@ -76,11 +84,14 @@ def offload_plan(t: ArrayTrainer, key: str, config: Mapping[str, Any], size: int
         return known
     resolved = t.task.resolve(config)
     with fork_rng():  # the members' own initialisations stay as they would be
-        member = state_bytes(t.task.build_model(resolved).to(t.dtype))
+        model = t.task.build_model(resolved).to(t.dtype)
+    # with share_frozen, the frozen tensors count once for the array
+    member = max(state_bytes(model, share_frozen=t.share_frozen), 1)
+    shared = frozen_bytes(model) if t.share_frozen else 0
     budget = offload_budget(t.device, t.device_memory)
-    if budget is None or fit_size(member, budget) == 0:
+    if budget is None or fit_size(member, budget, shared) == 0:
         mode, why = choose_offload(
-            "auto", state=size * member, device=t.device, device_memory=t.device_memory
+            "auto", state=shared + size * member, device=t.device, device_memory=t.device_memory
         )
         choice = (
             OffloadChoice(size, size, budget, "none", why)
@@ -103,6 +114,7 @@ def offload_plan(t: ArrayTrainer, key: str, config: Mapping[str, Any], size: int
             device=t.device,
             dtype=t.dtype,
             data=t._dataset(resolved),
+            share_frozen=t.share_frozen,
         )
     _log.info("%s", choice.reason)
     plans[(key, size)] = choice

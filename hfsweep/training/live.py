@@ -136,8 +136,8 @@ def _build_live(
     models = _models(t, state, filler, built)
     offload = offload_mode(t, key, filler.config, len(state.slots))
     with Phase("fusing the members' models"):
-        if offload == "host":  # stays in host storage; every tensor per member (see offload)
-            array = fuse(models, trace=t.trace, share_frozen=False)
+        if offload == "host":  # stays in host storage: the engine keeps it there
+            array = fuse(models, trace=t.trace, share_frozen=t.share_frozen)
         else:
             array = fuse(models, trace=t.trace, share_frozen=t.share_frozen, compile=t.compile).to(
                 t.device
@@ -172,9 +172,10 @@ def _build_live(
     if offload == "host":
         engine = OffloadedArray(array, device=t.device, budget_bytes=t.device_memory)
         _log.info(
-            "offload: host, %d shards of at most %d bytes",
+            "offload: host, %d shards of at most %d bytes, %d tensors kept once for all members",
             len(engine.shards),
             max(s.nbytes for s in engine.shards),
+            len(array.shared_frozen),
         )
     smoothing = torch.tensor(
         [s.config["label_smoothing"] if s else 0.0 for s in state.slots],

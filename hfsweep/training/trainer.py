@@ -86,9 +86,10 @@ class ArrayTrainer:
     memory; on the CPU ``"auto"`` then keeps arrays as they are): an array that fits stays, one
     of which not even one member fits is offloaded, and otherwise the profiler measures it
     offloaded against arrays of the members that fit and the faster is trained (see
-    docs/offload.md). An offloaded array keeps its
-    frozen tensors per member and runs uncompiled: ``compile`` with ``offload`` other than
-    ``"none"`` is refused.
+    docs/offload.md). An offloaded array keeps the frozen tensors every member holds
+    identically once with ``share_frozen``, as on the device (in host storage, copied in once
+    for all members), and runs uncompiled: ``compile`` with ``offload`` other than ``"none"``
+    is refused.
     """
 
     #: what :meth:`run` executes (a data-parallel worker's trainer sets its own, on shards)

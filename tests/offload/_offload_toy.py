@@ -75,3 +75,37 @@ ADAMW = [
     }
     for i in range(3)
 ]
+
+
+class FrozenNet(nn.Module):
+    """A frozen "pretrained" backbone (from a fixed generator: the same in every trial, wide
+    enough that its layers outweigh the head) and a head of the trial's seed (torch's
+    generator, which the trainer seeds per member)."""
+
+    def __init__(self, dropout: float, width: int = 48) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(
+            nn.Linear(12, width),
+            nn.Tanh(),
+            nn.Linear(width, width),
+            nn.Tanh(),
+            nn.Linear(width, 16),
+        )
+        gen = torch.Generator().manual_seed(1234)
+        with torch.no_grad():
+            for p in self.backbone.parameters():
+                p.copy_((torch.rand(p.shape, generator=gen) - 0.5) / p.shape[-1] ** 0.5)
+        self.backbone.requires_grad_(False)
+        self.head = nn.Sequential(nn.ReLU(), nn.Dropout(dropout), nn.Linear(16, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.backbone(x.view(-1, 12)))
+
+
+def frozen_task() -> hs.Task:
+    return hs.Task(
+        name="offload_frozen_toy",
+        model=lambda c: FrozenNet(float(c["dropout"] or 0.0)),
+        data=data,
+        defaults={"batch_size": 24, "epochs": 2},
+    )

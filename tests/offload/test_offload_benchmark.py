@@ -41,3 +41,21 @@ def test_offload_auto_quick_runs(tmp_path, monkeypatch) -> None:
     for key in ("offloaded_rate", "split_rate"):
         assert math.isfinite(row[key]) and row[key] > 0, key
     assert f"| {row['budget_bytes']} | 1 |" in stem.with_suffix(".md").read_text()
+
+
+@pytest.mark.slow
+def test_offload_shared_quick_runs(tmp_path, monkeypatch) -> None:
+    """``benchmarks/offload_shared.py`` at its smallest: every way timed; the backbone kept once
+    is copied in once per step (B - 1 backbones fewer than its per-member copies)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    script = importlib.import_module("offload_shared")
+    stem = tmp_path / "offload_shared_test"
+    argv = ["--layers", "2", "--width", "16", "--size", "3", "--batch", "4", "--steps", "1"]
+    assert script.main([*argv, "--rounds", "1", "--out", str(stem)]) == 0
+    rows = {r["way"]: r for r in json.loads(stem.with_suffix(".json").read_text())["rows"]}
+    for row in rows.values():
+        assert math.isfinite(row["step_ms"]) and row["step_ms"] > 0
+    once, copies = rows["offloaded, backbone once"], rows["offloaded, B backbones"]
+    backbone = 2 * (16 * 16 + 16) * 4
+    assert copies["fetched_bytes_per_step"] - once["fetched_bytes_per_step"] == 2 * backbone
+    assert copies["state_bytes"] - once["state_bytes"] == 2 * backbone

@@ -16,6 +16,44 @@ from hfsweep.offload import CudaTransfer, OffloadedArray
 pytestmark = pytest.mark.gpu
 
 
+def _train_side_by_side(
+    whole: hs.FusedArray,
+    host: hs.FusedArray,
+    engine: OffloadedArray,
+    opt_w: hs.optim.FusedOptimizer,
+    opt_h: hs.optim.FusedOptimizer,
+) -> None:
+    """Three steps of ``whole`` on CUDA and of ``host`` run by ``engine``: the same outputs
+    and, at the end, the same state (float64)."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x = torch.randn(8, 16, generator=gen, dtype=torch.float64).cuda()
+        out_w, out_h = whole(x), engine(x)
+        torch.testing.assert_close(out_h, out_w, rtol=1e-7, atol=1e-12)
+        out_w.square().mean().backward()
+        out_h.square().mean().backward()
+        for o in (opt_w, opt_h):
+            o.step()
+            o.zero_grad(set_to_none=True)
+    for (name, tw), th in zip(whole.state_dict().items(), host.state_dict().values(), strict=True):
+        torch.testing.assert_close(th.cuda(), tw, rtol=1e-7, atol=1e-12, msg=name)
+
+
+def _peak_of_two_steps(
+    engine: OffloadedArray, opt: hs.optim.FusedOptimizer, x: torch.Tensor
+) -> int:
+    """The CUDA allocator's peak over two training steps, above what was allocated before."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(2):
+        engine(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    return int(torch.cuda.max_memory_allocated() - base)
+
+
 def test_offloaded_on_cuda_trains_as_the_whole_array_float64() -> None:
     models = [
         nn.Sequential(
@@ -39,18 +77,7 @@ def test_offloaded_on_cuda_trains_as_the_whole_array_float64() -> None:
     assert all(p.device.type == "cpu" and p.is_pinned() for p in host.parameters())
     opt_w = hs.optim.SGD(whole, lr=[0.1, 0.05, 0.01], momentum=[0.0, 0.5, 0.9])
     opt_h = hs.optim.SGD(host, lr=[0.1, 0.05, 0.01], momentum=[0.0, 0.5, 0.9])
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(3):
-        x = torch.randn(8, 16, generator=gen, dtype=torch.float64).cuda()
-        out_w, out_h = whole(x), engine(x)
-        torch.testing.assert_close(out_h, out_w, rtol=1e-7, atol=1e-12)
-        out_w.square().mean().backward()
-        out_h.square().mean().backward()
-        for o in (opt_w, opt_h):
-            o.step()
-            o.zero_grad(set_to_none=True)
-    for (name, tw), th in zip(whole.state_dict().items(), host.state_dict().values(), strict=True):
-        torch.testing.assert_close(th.cuda(), tw, rtol=1e-7, atol=1e-12, msg=name)
+    _train_side_by_side(whole, host, engine, opt_w, opt_h)
 
 
 def test_an_array_over_twice_the_budget_trains_within_it_on_cuda() -> None:
@@ -64,15 +91,57 @@ def test_an_array_over_twice_the_budget_trains_within_it_on_cuda() -> None:
     engine = OffloadedArray(host, device="cuda", budget_bytes=budget)
     opt = hs.optim.AdamW(host, lr=[1e-3] * size)
     x = torch.randn(32, width, device="cuda")
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    for _ in range(2):
-        engine(x).square().mean().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
+    peak = _peak_of_two_steps(engine, opt, x)
     transient = 16 * 2**20  # activations inside one shard's recomputation ([8, 32, 1024] floats)
+    assert engine.ledger.peak <= budget
+    assert peak <= budget + transient, (peak, budget)
+
+
+class _FineTune(nn.Module):
+    """A frozen backbone (the same "pretrained" weights in every member) and a member's head."""
+
+    def __init__(self, seed: int, width: int, layers: int) -> None:
+        super().__init__()
+        torch.manual_seed(1234)
+        blocks: list[nn.Module] = [nn.Linear(16, width), nn.Tanh()]
+        for _ in range(layers):
+            blocks += [nn.Linear(width, width), nn.Tanh()]
+        self.backbone = nn.Sequential(*blocks).requires_grad_(False)
+        torch.manual_seed(seed)
+        self.head = nn.Sequential(nn.Linear(width, 32), nn.ReLU(), nn.Linear(32, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.backbone(x))
+
+
+def test_a_shared_frozen_backbone_on_cuda_trains_as_the_whole_array_float64() -> None:
+    models = [_FineTune(i, 64, 3).double() for i in range(3)]
+    whole = hs.fuse(copy.deepcopy(models)).to("cuda")
+    host = hs.fuse(models)
+    assert host.shared_frozen
+    engine = OffloadedArray(host, device="cuda", shard_bytes=1)
+    frozen = [name for name, t in host.module.named_buffers() if "backbone" in name]
+    assert frozen and all(t.is_pinned() for _, t in host.module.named_buffers())
+    assert any(s.shared_output for s in engine.shards)
+    opt_w = hs.optim.AdamW(whole, lr=[1e-2, 3e-3, 1e-3])
+    opt_h = hs.optim.AdamW(host, lr=[1e-2, 3e-3, 1e-3])
+    _train_side_by_side(whole, host, engine, opt_w, opt_h)
+
+
+def test_a_backbone_of_b_copies_over_the_budget_streams_once_within_it_on_cuda() -> None:
+    """8 members on a frozen backbone of 6 layers of 2048 x 2048 (16 MiB each in float32): its
+    B copies would be 8 x 100 MiB, over twice the budget; kept once, one copy streams through
+    the device within the budget and the peak stays under it."""
+    size, width, layers = 8, 2048, 6
+    host = hs.fuse([_FineTune(i, width, layers) for i in range(size)])
+    layer = (width * width + width) * 4
+    backbone = layers * layer
+    budget = 4 * (layer + 2**20)  # shards of one backbone layer and a little more
+    assert size * backbone >= 2 * budget
+    engine = OffloadedArray(host, device="cuda", budget_bytes=budget)
+    opt = hs.optim.AdamW(host, lr=[1e-3] * size)
+    x = torch.randn(64, 16, device="cuda")
+    peak = _peak_of_two_steps(engine, opt, x)
+    transient = 16 * 2**20  # activations inside one shard's computation
     assert engine.ledger.peak <= budget
     assert peak <= budget + transient, (peak, budget)

@@ -37,10 +37,31 @@ def test_offload_is_read_and_checked_with_its_yaml_path() -> None:
         parse_sweep({**BASE, "fusion": {"offload": True}})
 
 
-def test_offload_with_the_ray_backend_is_refused() -> None:
+def test_device_memory_is_read_and_checked_with_its_yaml_path() -> None:
+    sweep = parse_sweep({**BASE, "fusion": {"offload": "auto", "device_memory": 2**30}})
+    assert sweep.fusion.device_memory == 2**30
+    assert sweep.fusion.to_dict()["device_memory"] == 2**30
+    assert parse_sweep(BASE).fusion.device_memory is None
+    with pytest.raises(
+        ConfigError, match=r"fusion\.device_memory: 5 .* needs offload: host or auto"
+    ):
+        parse_sweep({**BASE, "fusion": {"device_memory": 5}})
+    with pytest.raises(
+        ConfigError, match=r"fusion\.device_memory: '8GB' \(str\) is not an integer"
+    ):
+        parse_sweep({**BASE, "fusion": {"offload": "host", "device_memory": "8GB"}})
+
+
+def test_offload_with_elastic_ray_arrays_is_refused() -> None:
     pytest.importorskip("ray")
-    with pytest.raises(ConfigError, match=r"fusion\.offload: 'host' is for backend: local"):
-        parse_sweep({**BASE, "backend": "ray", "fusion": {"offload": "host"}})
+    for value in ("host", "auto"):  # each Ray actor offloads on its own device
+        sweep = parse_sweep({**BASE, "backend": "ray", "fusion": {"offload": value}})
+        assert sweep.fusion.offload == value
+    elastic = {"elastic": {"enabled": True}}
+    with pytest.raises(
+        ConfigError, match=r"fusion\.offload: 'host' is not supported with ray\.elastic yet"
+    ):
+        parse_sweep({**BASE, "backend": "ray", "ray": elastic, "fusion": {"offload": "host"}})
 
 
 def _run(folder: Path, offload: str) -> list[dict[str, str]]:

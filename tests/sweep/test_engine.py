@@ -525,7 +525,7 @@ def test_the_profiler_and_the_arrays_share_the_loaded_data(
 
     def profile(task: hs.Task, config: Any, **kwargs: Any) -> Any:
         given.append(kwargs["data"])
-        return SimpleNamespace(chosen=2, reason="stub", compile=None)
+        return SimpleNamespace(chosen=2, reason="stub", compile=None, offload=None)
 
     monkeypatch.setattr(_sizing, "profile_task", profile)
     task = hs.Task(name="toy", model=_toy._model, data=data, defaults=dict(TASK.defaults))

@@ -104,6 +104,25 @@ def test_one_array_at_a_time_reproduces_the_local_backend(
 
 
 @pytest.mark.slow
+def test_offloaded_arrays_on_the_ray_backend_reproduce_the_local_backend(
+    local_ray: None, tmp_path: Path
+) -> None:
+    """``fusion.offload: host`` in Ray actors: each actor offloads its array on its own device,
+    and the trials end as with the local backend without offload."""
+    kw: dict[str, Any] = {"budget": {"trials": 4, "epochs": 2}}
+    local = hs.sweep(sweep_config(tmp_path / "local", **kw), progress=False)
+    fusion = {"size": 4, "device": "cpu", "offload": "host"}
+    on_ray = hs.sweep(
+        sweep_config(
+            tmp_path / "ray", backend="ray", ray={"max_concurrent": 1}, fusion=fusion, **kw
+        ),
+        progress=False,
+    )
+    _same_trials(on_ray, local)
+    assert "cpu (offload: host) node" in (on_ray.run_dir / "sweep.log").read_text()
+
+
+@pytest.mark.slow
 def test_two_arrays_at_once_end_every_budgeted_trial_once(
     local_ray: None, tmp_path: Path, told: Counter[int]
 ) -> None:
