@@ -33,7 +33,7 @@ _log = logging.getLogger("hfsweep.optim")
 
 #: the dtype gradients are summed in for the non-finite check (at least float32)
 _SUM_DTYPES = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
-#: gradient dtypes the one-operator check (:meth:`FusedOptimizer._any_nonfinite`) takes
+#: gradient dtypes the multi-tensor check (:meth:`FusedOptimizer._any_nonfinite`) takes
 _CHECK_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
 
@@ -86,9 +86,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._host_values: dict[str, list[list[float]]] = {}
         self._generation = 0
         #: check gradients for inf/NaN at every step and deactivate the members that have them
-        #: (one multi-tensor operator over all gradients and one scalar read into Python per
-        #: step, per-member sums only when a value is non-finite; off, a step reads nothing
-        #: back from the device)
+        #: (one multi-tensor reduction over all gradients, which it leaves unwritten, and one
+        #: scalar read into Python per step, per-member sums only when a value is non-finite;
+        #: off, a step reads nothing back from the device)
         self.isolate_nonfinite = True
         #: members deactivated because their loss or gradients were not finite, in order
         self.nonfinite_members: list[int] = []
@@ -328,12 +328,15 @@ class FusedOptimizer(torch.optim.Optimizer):
         return sums[0] if len(sums) == 1 else torch.stack(sums).sum(0)
 
     def _any_nonfinite(self) -> bool:
-        """Whether any gradient holds an inf or NaN, with one multi-tensor operator per device
-        (torch's AMP check, ``_amp_foreach_non_finite_check_and_unscale_``, with a scale of 1:
-        it multiplies by 1.0, which leaves every value as it is) and one read of a scalar,
-        instead of one reduction per parameter. Gradients of other dtypes than the floating
-        ones it takes are checked one by one (``isfinite``)."""
-        by_device: dict[torch.device, list[Tensor]] = {}
+        """Whether any gradient holds an inf or NaN, reading the gradients and writing nothing:
+        one multi-tensor reduction per device and dtype (``torch._foreach_norm``: each
+        gradient's 2-norm, inf or NaN where one of its values is), the norms' sum and one read
+        of that scalar, instead of one reduction per parameter. A finite gradient whose norm
+        overflows (values near 1e19 in float32; half precision is reduced in float32) passes
+        for a non-finite one here, and the per-member sums that follow find no member: it
+        costs that step a second pass, never a member. Gradients of other dtypes than the
+        floating ones it takes are checked one by one (``isfinite``)."""
+        groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
         rest: list[Tensor] = []
         for group in self.param_groups:
             for p in group["params"]:
@@ -341,29 +344,20 @@ class FusedOptimizer(torch.optim.Optimizer):
                 if g is None or g.is_sparse:  # sparse: the step raises after the check
                     continue
                 if g.dtype in _CHECK_DTYPES and g.layout == torch.strided:
-                    by_device.setdefault(g.device, []).append(g)
+                    groups.setdefault((g.device, g.dtype), []).append(g)
                 else:
                     rest.append(g)
-        if not by_device and not rest:
+        if not groups and not rest:
             return False
-        found: Tensor | None = None
-        for device, grads in by_device.items():
-            flag = torch.zeros(1, dtype=torch.float32, device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, self._unit(device))
-            found = flag if found is None else found + flag.to(found.device)
+        here = self.active.device
+        norms: list[Tensor] = []
+        for (_, dtype), grads in groups.items():
+            found = torch._foreach_norm(grads, 2.0, dtype=_SUM_DTYPES.get(dtype))
+            norms.extend(n.to(here) for n in found)
         for g in rest:
-            flag = (~torch.isfinite(g).all()).to(torch.float32).reshape(1)
-            found = flag if found is None else found + flag.to(found.device)
-        assert found is not None
-        return cast(float, found.item()) != 0
-
-    def _unit(self, device: torch.device) -> Tensor:
-        """A float32 scalar 1.0 on ``device``, made once (the AMP check's inverse scale)."""
-        units: dict[torch.device, Tensor] = self.__dict__.setdefault("_units", {})
-        unit = units.get(device)
-        if unit is None:
-            unit = units[device] = torch.ones((), dtype=torch.float32, device=device)
-        return unit
+            norms.append(torch.where(torch.isfinite(g).all(), 0.0, math.inf).to(here))
+        total = norms[0] if len(norms) == 1 else torch.stack(norms).sum()
+        return not math.isfinite(cast(float, total.item()))
 
     def _nonfinite_members(self, inactive: Tensor | None) -> list[int]:
         """The members outside ``inactive`` whose gradients hold an inf or NaN, with one read
