@@ -14,6 +14,7 @@ to and from the ``state_dict`` that the matching ``torch.optim`` optimizer would
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Callable, Mapping
@@ -23,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from .._checks import is_int
+from .._compat import optimizer_step_observed
 from ._groups import HyperParameter as HyperParameter
 from ._groups import ParamsT as ParamsT
 from ._groups import member_values, param_groups
@@ -47,6 +49,29 @@ Group = dict[str, Any]
 Flags = dict[str, bool]
 #: a group's parameters that have gradients, with their states and hyperparameter views
 Work = tuple[list[Tensor], list[State], list[Views]]
+
+
+def _observed_step(step: Callable[..., Any]) -> Callable[..., Any]:
+    """``step`` through torch's optimizer wrapper only while something watches it.
+
+    ``torch.optim.Optimizer`` wraps every optimizer class's ``step`` (``profile_hook_step``): a
+    profiler range around the step and the step pre- and post-hooks, the optimizer's own
+    (``register_step_pre_hook``...) and every optimizer's
+    (``torch.optim.optimizer.register_optimizer_step_pre_hook``...). With no hook registered and
+    no profiler running, that range is a fixed cost of every step and the hooks are empty loops:
+    then the step runs as it is, and otherwise through torch's very wrapper, so hooks and
+    profiler traces see it as they see any optimizer's. The mark ``hooked`` tells torch that
+    the class's ``step`` is wrapped already."""
+    observed = torch.optim.Optimizer.profile_hook_step(step)
+
+    @functools.wraps(step)
+    def wrapper(self: FusedOptimizer, *args: Any, **kwargs: Any) -> Any:
+        if optimizer_step_observed(self):
+            return observed(self, *args, **kwargs)
+        return step(self, *args, **kwargs)
+
+    wrapper.hooked = True  # type: ignore[attr-defined]
+    return wrapper
 
 
 class FusedOptimizer(torch.optim.Optimizer):
@@ -151,6 +176,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             state[key][i].zero_()
 
     # ------------------------------------------------------------------ stepping
+    @_observed_step
     @torch.no_grad()
     def step(  # type: ignore[override]
         self, closure: Callable[[], float] | None = None, *, skip: Tensor | None = None
