@@ -66,7 +66,9 @@ def _observed_step(step: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(step)
     def wrapper(self: FusedOptimizer, *args: Any, **kwargs: Any) -> Any:
-        if optimizer_step_observed(self):
+        # a subclass's own step is torch-wrapped already (it has no mark): called through
+        # super(), this one must not run the hooks a second time
+        if type(self).step is wrapper and optimizer_step_observed(self):
             return observed(self, *args, **kwargs)
         return step(self, *args, **kwargs)
 

@@ -192,3 +192,22 @@ def test_step_hooks_see_every_step_as_torchs() -> None:
     calls.clear()
     _train(array, opt, 1)  # removed: not called, and the step goes on without the wrapper
     assert calls == []
+
+
+def test_a_subclass_that_overrides_step_runs_each_hook_once() -> None:
+    """torch wraps a subclass's own ``step``; the fused step it calls through ``super()`` then
+    runs no hook a second time."""
+
+    class Counted(hs.optim.SGD):
+        def step(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+            return super().step(*args, **kwargs)
+
+    array = hs.fuse(_models())
+    opt = Counted(array, lr=0.1)
+    calls: list[str] = []
+    handle = opt.register_step_post_hook(lambda o, a, k: calls.append("post"))
+    try:
+        _train(array, opt, 2)
+    finally:
+        handle.remove()
+    assert calls == ["post", "post"]
