@@ -180,7 +180,7 @@ class FusedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ stepping
     @_observed_step
     @torch.no_grad()
-    def step(  # type: ignore[override]
+    def step(
         self, closure: Callable[[], float] | None = None, *, skip: Tensor | None = None
     ) -> float | None:
         """One update of every active member.
