@@ -64,10 +64,13 @@ MODELS["cifar_resnet"] = (
 #: of the largest differences this script writes (``fused - one`` by operator)
 REASONS: dict[str, str] = {
     "tiny_mlp": (
-        "within 1.2x. Of the 9 more: the batched Linear's transposes, bias unsqueezes and the "
+        "within 1.2x. Of the 6 more: the batched Linear's transposes, bias unsqueezes and the "
         "input's expand, about 10; the per-member cross-entropy (trainer: gather, scatter_add, "
-        "mean instead of nll_loss); the non-finite check, 3 (one multi-tensor check over all "
-        "gradients, zeros, one scalar read; hfsweep/optim); the optimizer 4 fewer (foreach). "
+        "mean instead of nll_loss); the non-finite check, 4 (one multi-tensor norm over all "
+        "gradients, which it does not write, the norms' stack and sum, one scalar read; "
+        "hfsweep/optim); the optimizer 4 fewer (foreach) and 2 fewer for the profiler range "
+        "torch's optimizers open around every step (hs.optim opens it only under a profiler or "
+        "with step hooks). "
         "Was 1.46: one sum per parameter for the check (10) and each weight gradient copied "
         "into the weight's layout (new_empty_strided + copy_ and a transpose per weight; the "
         "stacked Linear now computes it in place, hfsweep/fusion/_graph_linear.py)"
@@ -94,8 +97,9 @@ REASONS: dict[str, str] = {
         "(hfsweep/fusion/_graph_fold.py), and a residual add of two [N, B * C, H, W] tensors "
         "runs on them as they are: the array's forward dispatches 3 views (was 57: 45 of the "
         "stacked state, 10 around the residual adds), its backward 30 (was 39). BatchNorm is "
-        "one native batch_norm per layer (hfsweep/nn/_batchnorm.py); the non-finite check 3 "
-        "operators; the optimizer 28 fewer (foreach). Was 1.46"
+        "one native batch_norm per layer (hfsweep/nn/_batchnorm.py); the non-finite check 4 "
+        "operators; the optimizer 28 fewer (foreach) and 2 fewer for torch's profiler range "
+        "around the step. Was 1.46"
     ),
     "transformer": (
         "attention as batched products, masked_fill and softmax per member in training (the "

@@ -218,11 +218,31 @@ def build(
     return ways
 
 
+def trace_lookup(array: hs.FusedArray, x: torch.Tensor) -> Callable[[], None]:
+    """What ``array(x)`` does before it replays its trace: the call's key built from the
+    array's settings, the call's tensors and the stacked state, and looked up; timed alone."""
+    from hfsweep.fusion._tracing import _one_tensor_spec
+
+    spec = _one_tensor_spec()
+
+    def lookup() -> None:
+        array._lookup_trace([x], spec, [0], [x], True, array._state())
+
+    return lookup
+
+
 def measure(
     name: str, size: int, rounds: int, iters: int, warmup: int, device: torch.device
 ) -> dict[str, Any]:
     """Microseconds per step of each way's phases and whole step, median over rounds."""
     ways = build(name, size, device)
+    spec = MODELS[name]
+    x, _ = _batch(name, spec.batch, device)
+    torch.manual_seed(0)
+    array = hs.fuse([spec.build().to(device) for _ in range(size)])
+    array(x)  # traced
+    lookup = trace_lookup(array, x)
+    lookups: list[float] = []
     for phases, whole in ways.values():
         for _ in range(warmup):
             phases({})
@@ -242,7 +262,11 @@ def measure(
             _sync(device)
             us = (time.perf_counter() - start) / iters * 1e6
             per_round[way].setdefault("step", []).append(us)
-    row: dict[str, Any] = {"model": name, "B": size}
+        start = time.perf_counter()
+        for _ in range(iters):
+            lookup()
+        lookups.append((time.perf_counter() - start) / iters * 1e6)
+    row: dict[str, Any] = {"model": name, "B": size, "trace_lookup_us": statistics.median(lookups)}
     for way, phases_us in per_round.items():
         for phase, values in phases_us.items():
             row[f"{way}_{phase}_us"] = statistics.median(values)
@@ -302,6 +326,9 @@ def main(argv: list[str] | None = None) -> int:
                     diff,
                 ]
             )
+        lookup = _us(row, "trace_lookup_us")
+        label = "the forward's trace lookup (in forward)"
+        cells.append([row["model"], str(row["B"]), label, lookup, lookup, "-", "+0.0"])
     stem = args.out or RESULTS / f"step_breakdown_{device.type}"
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     write_results(
@@ -320,6 +347,10 @@ def main(argv: list[str] | None = None) -> int:
             "bookkeeping; `ideal`: one model on a B-times-larger batch",
             "- `step`: the whole step timed undivided (no clock reads between phases); "
             "`trainer - plain`: where the trainer's step spends more",
+            "- `the forward's trace lookup`: what a fused array's call does before it replays "
+            "its traced forward (the call's key built from the array's settings, the call's "
+            "tensors and the stacked state, and looked up), timed alone on an array of the "
+            "same B, part of both paths' forward",
         ],
         ["model", "B", "phase", "plain us", "trainer us", "ideal us", "trainer - plain"],
         cells,

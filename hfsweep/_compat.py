@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.utils._pytree as pytree
 from torch._ops import OpOverload
+from torch.optim import optimizer as _torch_optimizer
 from torch.utils._python_dispatch import TorchDispatchMode
 
 if TYPE_CHECKING:
@@ -35,6 +36,7 @@ __all__ = [
     "flatten_dense_tensors",
     "is_batched_tensor",
     "mark_static_address",
+    "optimizer_step_observed",
     "pytree",
     "ray_auto_address",
     "ray_is_localhost",
@@ -130,6 +132,21 @@ def compile_backward_eagerly() -> Any | None:
     if not hasattr(config, "force_non_lazy_backward_lowering"):
         return None
     return config.patch(force_non_lazy_backward_lowering=True)
+
+
+def optimizer_step_observed(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether anything watches ``optimizer``'s steps through the wrapper torch puts around every
+    optimizer's ``step`` (``Optimizer.profile_hook_step``): a step pre- or post-hook of its own
+    or of every optimizer (torch keeps those in ``torch.optim.optimizer``'s module-level dicts),
+    or a running profiler (``torch.autograd._profiler_enabled``), which records the step's
+    range. No public query tells."""
+    return bool(
+        optimizer._optimizer_step_pre_hooks
+        or optimizer._optimizer_step_post_hooks
+        or _torch_optimizer._global_optimizer_pre_hooks
+        or _torch_optimizer._global_optimizer_post_hooks
+        or torch.autograd._profiler_enabled()
+    )
 
 
 #: where torch's generated C bindings live: the functions of ``torch`` and the methods of tensors

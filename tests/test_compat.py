@@ -188,3 +188,22 @@ def test_torch_private_names_of_the_fused_layers_and_compile() -> None:
 
     with patch:
         assert config.force_non_lazy_backward_lowering is True
+
+
+def test_optimizer_step_observed_sees_hooks_and_the_profiler() -> None:
+    """torch's per-optimizer and global step hooks, and a running profiler, are what
+    ``optimizer_step_observed`` reads (the fused optimizers then step through torch's wrapper)."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    assert not _compat.optimizer_step_observed(opt)
+    handle = opt.register_step_pre_hook(lambda o, a, k: None)
+    assert _compat.optimizer_step_observed(opt)
+    handle.remove()
+    handle = register_optimizer_step_post_hook(lambda o, a, k: None)
+    assert _compat.optimizer_step_observed(opt)
+    handle.remove()
+    assert not _compat.optimizer_step_observed(opt)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        assert _compat.optimizer_step_observed(opt)
+    assert not _compat.optimizer_step_observed(opt)

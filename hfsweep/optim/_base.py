@@ -14,6 +14,7 @@ to and from the ``state_dict`` that the matching ``torch.optim`` optimizer would
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Callable, Mapping
@@ -23,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from .._checks import is_int
+from .._compat import optimizer_step_observed
 from ._groups import HyperParameter as HyperParameter
 from ._groups import ParamsT as ParamsT
 from ._groups import member_values, param_groups
@@ -33,7 +35,7 @@ _log = logging.getLogger("hfsweep.optim")
 
 #: the dtype gradients are summed in for the non-finite check (at least float32)
 _SUM_DTYPES = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
-#: gradient dtypes the one-operator check (:meth:`FusedOptimizer._any_nonfinite`) takes
+#: gradient dtypes the multi-tensor check (:meth:`FusedOptimizer._any_nonfinite`) takes
 _CHECK_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
 
@@ -47,6 +49,31 @@ Group = dict[str, Any]
 Flags = dict[str, bool]
 #: a group's parameters that have gradients, with their states and hyperparameter views
 Work = tuple[list[Tensor], list[State], list[Views]]
+
+
+def _observed_step(step: Callable[..., Any]) -> Callable[..., Any]:
+    """``step`` through torch's optimizer wrapper only while something watches it.
+
+    ``torch.optim.Optimizer`` wraps every optimizer class's ``step`` (``profile_hook_step``): a
+    profiler range around the step and the step pre- and post-hooks, the optimizer's own
+    (``register_step_pre_hook``...) and every optimizer's
+    (``torch.optim.optimizer.register_optimizer_step_pre_hook``...). With no hook registered and
+    no profiler running, that range is a fixed cost of every step and the hooks are empty loops:
+    then the step runs as it is, and otherwise through torch's very wrapper, so hooks and
+    profiler traces see it as they see any optimizer's. The mark ``hooked`` tells torch that
+    the class's ``step`` is wrapped already."""
+    observed = torch.optim.Optimizer.profile_hook_step(step)
+
+    @functools.wraps(step)
+    def wrapper(self: FusedOptimizer, *args: Any, **kwargs: Any) -> Any:
+        # a subclass's own step is torch-wrapped already (it has no mark): called through
+        # super(), this one must not run the hooks a second time
+        if type(self).step is wrapper and optimizer_step_observed(self):
+            return observed(self, *args, **kwargs)
+        return step(self, *args, **kwargs)
+
+    wrapper.hooked = True  # type: ignore[attr-defined]
+    return wrapper
 
 
 class FusedOptimizer(torch.optim.Optimizer):
@@ -86,9 +113,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._host_values: dict[str, list[list[float]]] = {}
         self._generation = 0
         #: check gradients for inf/NaN at every step and deactivate the members that have them
-        #: (one multi-tensor operator over all gradients and one scalar read into Python per
-        #: step, per-member sums only when a value is non-finite; off, a step reads nothing
-        #: back from the device)
+        #: (one multi-tensor reduction over all gradients, which it leaves unwritten, and one
+        #: scalar read into Python per step, per-member sums only when a value is non-finite;
+        #: off, a step reads nothing back from the device)
         self.isolate_nonfinite = True
         #: members deactivated because their loss or gradients were not finite, in order
         self.nonfinite_members: list[int] = []
@@ -151,8 +178,9 @@ class FusedOptimizer(torch.optim.Optimizer):
             state[key][i].zero_()
 
     # ------------------------------------------------------------------ stepping
+    @_observed_step
     @torch.no_grad()
-    def step(  # type: ignore[override]
+    def step(
         self, closure: Callable[[], float] | None = None, *, skip: Tensor | None = None
     ) -> float | None:
         """One update of every active member.
@@ -328,12 +356,15 @@ class FusedOptimizer(torch.optim.Optimizer):
         return sums[0] if len(sums) == 1 else torch.stack(sums).sum(0)
 
     def _any_nonfinite(self) -> bool:
-        """Whether any gradient holds an inf or NaN, with one multi-tensor operator per device
-        (torch's AMP check, ``_amp_foreach_non_finite_check_and_unscale_``, with a scale of 1:
-        it multiplies by 1.0, which leaves every value as it is) and one read of a scalar,
-        instead of one reduction per parameter. Gradients of other dtypes than the floating
-        ones it takes are checked one by one (``isfinite``)."""
-        by_device: dict[torch.device, list[Tensor]] = {}
+        """Whether any gradient holds an inf or NaN, reading the gradients and writing nothing:
+        one multi-tensor reduction per device and dtype (``torch._foreach_norm``: each
+        gradient's 2-norm, inf or NaN where one of its values is), the norms' sum and one read
+        of that scalar, instead of one reduction per parameter. A finite gradient whose norm
+        overflows (values near 1e19 in float32; half precision is reduced in float32) passes
+        for a non-finite one here, and the per-member sums that follow find no member: it
+        costs that step a second pass, never a member. Gradients of other dtypes than the
+        floating ones it takes are checked one by one (``isfinite``)."""
+        groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
         rest: list[Tensor] = []
         for group in self.param_groups:
             for p in group["params"]:
@@ -341,29 +372,20 @@ class FusedOptimizer(torch.optim.Optimizer):
                 if g is None or g.is_sparse:  # sparse: the step raises after the check
                     continue
                 if g.dtype in _CHECK_DTYPES and g.layout == torch.strided:
-                    by_device.setdefault(g.device, []).append(g)
+                    groups.setdefault((g.device, g.dtype), []).append(g)
                 else:
                     rest.append(g)
-        if not by_device and not rest:
+        if not groups and not rest:
             return False
-        found: Tensor | None = None
-        for device, grads in by_device.items():
-            flag = torch.zeros(1, dtype=torch.float32, device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, self._unit(device))
-            found = flag if found is None else found + flag.to(found.device)
+        here = self.active.device
+        norms: list[Tensor] = []
+        for (_, dtype), grads in groups.items():
+            found = torch._foreach_norm(grads, 2.0, dtype=_SUM_DTYPES.get(dtype))
+            norms.extend(n.to(here) for n in found)
         for g in rest:
-            flag = (~torch.isfinite(g).all()).to(torch.float32).reshape(1)
-            found = flag if found is None else found + flag.to(found.device)
-        assert found is not None
-        return cast(float, found.item()) != 0
-
-    def _unit(self, device: torch.device) -> Tensor:
-        """A float32 scalar 1.0 on ``device``, made once (the AMP check's inverse scale)."""
-        units: dict[torch.device, Tensor] = self.__dict__.setdefault("_units", {})
-        unit = units.get(device)
-        if unit is None:
-            unit = units[device] = torch.ones((), dtype=torch.float32, device=device)
-        return unit
+            norms.append(torch.where(torch.isfinite(g).all(), 0.0, math.inf).to(here))
+        total = norms[0] if len(norms) == 1 else torch.stack(norms).sum()
+        return not math.isfinite(cast(float, total.item()))
 
     def _nonfinite_members(self, inactive: Tensor | None) -> list[int]:
         """The members outside ``inactive`` whose gradients hold an inf or NaN, with one read

@@ -1,7 +1,7 @@
 """The fused optimizers' check for non-finite gradients: one multi-tensor operator per step.
 
-With every member active, ``FusedOptimizer.step`` asks one operator over all gradients
-(torch's AMP check with a scale of 1) whether any value is inf or NaN, and only then sums each
+With every member active, ``FusedOptimizer.step`` asks one multi-tensor reduction over all
+gradients (their 2-norms, read-only) whether any value is inf or NaN, and only then sums each
 member's gradients to find which. Checked here: the gradients are left as they were, the members
 found are the ones with a non-finite value in any dtype, the others step as ``torch.optim``
 does for them alone, and the operators a step dispatches do not depend on the parameters'
@@ -52,8 +52,8 @@ def test_the_member_with_a_nonfinite_gradient_is_found_in_any_dtype(
 
 
 def test_finite_steps_match_torch_and_leave_the_gradients_alone() -> None:
-    """Five Adam steps, all members finite: the check changes nothing (its multiplication by
-    1.0 keeps every value), the members step as ``torch.optim.Adam`` alone."""
+    """Five Adam steps, all members finite: the check changes nothing, the members step as
+    ``torch.optim.Adam`` alone."""
     refs = [m.double() for m in _models()]  # float64: tight comparisons
     array = hs.fuse(copy.deepcopy(refs))
     lrs = [0.01, 0.02, 0.03]
@@ -94,8 +94,24 @@ def test_the_check_is_one_operator_whatever_the_parameter_count() -> None:
 
     small, large = step_ops(2), step_ops(8)
     assert small.ops == large.ops
-    assert small.ops["_amp_foreach_non_finite_check_and_unscale_"] == 1
-    assert small.ops["sum"] == 0 and small.host_reads == ["_local_scalar_dense"]
+    assert small.ops["_foreach_norm"] == 1
+    assert small.ops["sum"] == 1 and small.host_reads == ["_local_scalar_dense"]  # the norms'
+
+
+def test_the_check_reads_the_gradients_and_writes_none() -> None:
+    """The check is read-only: no operator of it writes a gradient, whose version counters stay
+    as they were (torch's AMP check, used before, multiplied every gradient by 1.0 in place: a
+    pass that writes all of them, and a new version of each)."""
+    array = hs.fuse(_models())
+    opt = hs.optim.SGD(array, lr=0.1)
+    hs.member_losses(array(torch.randn(4, 5)), torch.tensor([0, 1, 2, 0])).sum().backward()
+    grads = [p.grad for p in array.parameters()]
+    versions = [g._version for g in grads]  # type: ignore[union-attr]
+    with OpCounter() as c:
+        assert opt._nonfinite_members(None) == []
+    assert [g._version for g in grads] == versions  # type: ignore[union-attr]
+    assert not [op for op in c.ops if op.endswith("_")], dict(c.ops)  # nothing in place
+    assert c.ops["_foreach_norm"] == 1 and c.host_reads == ["_local_scalar_dense"]
 
 
 def test_a_sparse_gradient_still_raises_at_the_step() -> None:

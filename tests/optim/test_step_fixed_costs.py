@@ -12,12 +12,17 @@ members, parameters without a gradient, AMP skips and a ``load_state_dict`` keep
 from __future__ import annotations
 
 import copy
+from typing import Any
 from unittest import mock
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 
 import hfsweep as hs
 
@@ -134,3 +139,75 @@ def test_zero_grad_keeps_torchs_meaning(set_to_none: bool) -> None:
             assert p.grad is None
         else:
             assert p.grad is g and not bool(g.any())
+
+
+def test_a_step_opens_no_profiler_range_while_nothing_watches_it() -> None:
+    """torch wraps every optimizer's ``step`` in a profiler range and its hook loops; with no
+    hook registered and no profiler running, ``hs.optim``'s step skips that wrapper."""
+    array = hs.fuse(_models())
+    opt = hs.optim.SGD(array, lr=0.1)
+    real = torch.autograd.profiler.record_function
+    with mock.patch.object(torch.autograd.profiler, "record_function", side_effect=real) as rf:
+        _train(array, opt, 3)
+    assert rf.call_count == 0  # was one per step
+    assert _steps(opt) == [[3.0] * B] * 4
+
+
+def test_a_profiled_step_is_in_the_profilers_trace() -> None:
+    array = hs.fuse(_models())
+    opt = hs.optim.SGD(array, lr=0.1)
+    _train(array, opt, 1)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        opt.step()
+    assert "Optimizer.step#SGD.step" in {e.key for e in prof.key_averages()}
+
+
+def test_step_hooks_see_every_step_as_torchs() -> None:
+    """The optimizer's own step pre- and post-hooks and every optimizer's run as for a
+    ``torch.optim`` optimizer, and a pre-hook's new arguments are the step's (here an AMP-style
+    ``skip`` of member 1, whose parameters then stay as they were)."""
+    array = hs.fuse(_models())
+    opt = hs.optim.SGD(array, lr=0.1)
+    calls: list[str] = []
+
+    def skip_member_1(o: Any, args: Any, kwargs: Any) -> Any:
+        calls.append("pre")
+        return args, {**kwargs, "skip": torch.tensor([False, True, False])}
+
+    handles = [
+        opt.register_step_pre_hook(skip_member_1),
+        opt.register_step_post_hook(lambda o, a, k: calls.append("post")),
+        register_optimizer_step_pre_hook(lambda o, a, k: calls.append("global pre")),
+        register_optimizer_step_post_hook(lambda o, a, k: calls.append("global post")),
+    ]
+    try:
+        before = [p.detach().clone() for p in array.parameters()]
+        _train(array, opt, 2)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert calls == ["global pre", "pre", "post", "global post"] * 2
+    for p, q in zip(before, array.parameters(), strict=True):
+        assert torch.equal(p[1], q[1]) and not torch.equal(p[0], q[0])
+    calls.clear()
+    _train(array, opt, 1)  # removed: not called, and the step goes on without the wrapper
+    assert calls == []
+
+
+def test_a_subclass_that_overrides_step_runs_each_hook_once() -> None:
+    """torch wraps a subclass's own ``step``; the fused step it calls through ``super()`` then
+    runs no hook a second time."""
+
+    class Counted(hs.optim.SGD):
+        def step(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+            return super().step(*args, **kwargs)
+
+    array = hs.fuse(_models())
+    opt = Counted(array, lr=0.1)
+    calls: list[str] = []
+    handle = opt.register_step_post_hook(lambda o, a, k: calls.append("post"))
+    try:
+        _train(array, opt, 2)
+    finally:
+        handle.remove()
+    assert calls == ["post", "post"]
