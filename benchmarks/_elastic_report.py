@@ -86,11 +86,15 @@ def markdown(
         f"- {args.trials} trials; model mix {mix} (each trial's model drawn with these weights); "
         f"{per_model}. Step times are measured ones ({_measured_on()}) at each array size, "
         "interpolated between sizes.",
-        "- Arrays of the profiler's chosen size per model (`choose_size` on those measurements); "
-        "static packs a new array from the oldest waiting trial's model, elastic from the model "
-        "whose pool of waiting trials the allocator starts (one pool per model); freed slots "
-        "are refilled from waiting trials of the same model at the array's next evaluation "
-        "(hfsweep's refill).",
+        "- Arrays of the profiler's chosen size per model (`choose_size` on those measurements), "
+        "formed as `hfsweep run` forms them, in both arms: hfsweep's packer "
+        "(`hfsweep.core.packer.Packer`) asks the trials one at a time, in order, into one pool "
+        "per model and forms an array from the first pool that holds its size (the fullest "
+        "once every trial is asked), whenever a slot is free; freed slots are refilled at the "
+        "array's next evaluation from its model's pool, then from up to 3 more trials asked "
+        "(hfsweep's refill). Elastic: each formed array is a pool of waiting trials to the "
+        "allocator, which starts it or leaves it waiting while its workers save more in the "
+        "running arrays; while it waits no other array is formed (the engine's rule).",
         f"- Each trial trains {args.max_epochs} epochs of {args.steps_per_epoch} steps; ASHA "
         f"(asynchronous, reduction factor {args.eta}, rungs at 1, {args.eta}, ... epochs): a "
         "trial stops at a rung if its metric is below the top 1/eta of the values recorded "
@@ -105,8 +109,10 @@ def markdown(
         f"- Elastic: the allocator with resize_every_s={args.resize_every_s:g}, "
         f"resize_cost_s={args.resize_cost_s:g} (every resize stops the array that long: "
         "checkpoint and restart), min 1 worker, no max; it runs when an array ends, when members "
-        "stop, and on a timer every resize_every_s. A resize takes effect at once (the real "
-        "design resizes at the next evaluation boundary). Starting an array costs nothing in "
+        "stop, when the engine forms an array, and on a timer every resize_every_s. A resize "
+        "takes effect at once (the real design resizes at the next evaluation boundary; "
+        "resizes of one array asked at one instant are one resize, as the engine's latest "
+        "request replaces a pending one). Starting an array costs nothing in "
         "either arm. No node failures.",
         "- Static: every array gets one accelerator for life; a freed accelerator starts the next "
         "array at once.",

@@ -6,9 +6,12 @@ per-step costs are this machine's measured ones (``results/elastic_profiles_cpu.
 by ``scaling_profile.py`` from ``profile_tasks_cpu.json``: seconds per step at each array size,
 gradient bytes per member, and the measured gloo all-reduce cost); the time of an array on k
 workers is ``hfsweep.profiler.model_scaling``'s. ASHA (asynchronous successive halving) stops
-trials at its rungs from synthetic learning curves. Both arms see the same trials, the same
-curves and the same packing (arrays of the profiler's chosen size per model, freed slots refilled
-from waiting trials of the same model); only the number of workers per array differs.
+trials at its rungs from synthetic learning curves. Both arms see the same trials and the same
+curves, and form arrays as ``hfsweep run``'s engine does: hfsweep's own packer asks the trials in
+order and forms arrays of the profiler's chosen size per model from its pools, and refills freed
+slots from them. Elastic, as in the engine, a formed array is a pool of waiting trials to the
+allocator until a plan starts it, and no other array is formed while it waits; the number of
+workers per array, and when a formed array starts, are all that differ.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from _elastic_account import Account, bounds
 from _elastic_report import markdown
 
 from hfsweep.core.allocator import Allocator, ArrayState, WaitingPool
+from hfsweep.core.packer import Packer
 from hfsweep.profiler import (
     AllReduceCost,
     Measurement,
@@ -82,6 +86,13 @@ class Array:
     rate: float = 0.0  # steps/s
     resizes: int = 0  # and the seconds they paused it (for the account of the last array)
     paused_s: float = 0.0
+    #: elastic: False while the array is formed but no plan has given it workers yet (to the
+    #: allocator a pool of waiting trials, as in ``hfsweep run``), and when it was formed
+    begun: bool = True
+    formed: float = 0.0
+    #: when its last resize was made: further resizes at the same instant are one resize (the
+    #: engine's ``request_resize`` replaces a pending target; the array resizes once)
+    resized_at: float = -1.0
 
 
 @dataclass
@@ -147,7 +158,15 @@ class Sim:
         )
         self.noise, self.seed = noise, seed
         self.alloc = allocator
-        self.waiting: deque[Trial] = deque(trials)
+        #: the searcher's trials not asked yet, in order; the engine's packer asks them one at
+        #: a time into its pools (one per model) and forms arrays from full pools
+        self.stream: deque[Trial] = deque(trials)
+        self.packer: Packer[Trial] = Packer(
+            ask=self.ask,
+            size=lambda model, trial: self.models[model].size,
+            may_ask=lambda: bool(self.stream),
+            budget=len(trials),
+        )
         self.trials = trials
         self.arrays: dict[str, Array] = {}
         self.heap: list[tuple[float, int, str, int]] = []
@@ -199,31 +218,53 @@ class Sim:
 
     def set_workers(self, a: Array, k: int, cost_s: float) -> None:
         self.advance(a)
-        if a.workers > 0 and k != a.workers:
+        if a.workers > 0 and k != a.workers and a.resized_at != self.now:
             self.resizes += 1
             self.account.resizes[self.phase()] += 1
             a.resizes, a.paused_s = a.resizes + 1, a.paused_s + cost_s
             a.busy_until = max(a.busy_until, self.now) + cost_s
+            a.resized_at = self.now
         a.workers, a.since = k, self.now
         self.schedule(a)
 
-    def new_array(self, workers: int, model: str | None = None) -> Array | None:
-        """A new array of the oldest waiting trial's model (or ``model``), of its chosen size."""
-        if not self.waiting:
+    def ask(self, array: str) -> list[tuple[str, Trial]] | None:
+        """The packer asks the searcher for one trial: the next of the stream."""
+        if not self.stream:
             return None
-        model = self.waiting[0].model if model is None else model
-        members = self.take(model, self.models[model].size)
-        if not members:
+        t = self.stream.popleft()
+        return [(t.model, t)]
+
+    @property
+    def waiting(self) -> bool:
+        """Whether trials wait for an array: not asked yet, or in the packer's pools."""
+        return bool(self.stream) or len(self.packer.pools) > 0
+
+    def new_array(self, workers: int | None) -> Array | None:
+        """A new array as ``hfsweep run``'s engine forms it, both arms: the packer asks trials
+        until a model's pool holds its chosen size and takes that pool's (the fullest pool's
+        once no trial is left to ask). On ``workers``; ``None`` (elastic): formed, and a pool
+        of waiting trials to the allocator until a plan starts it."""
+        started = self.packer.next_array()
+        if started is None:
             return None
+        model, members = started
         a = Array(f"a{self.seq}", model, members, steps_left=self.spe, last=self.now)
+        a.formed = self.now
         self.seq += 1
         self.arrays[a.name] = a
-        self.set_workers(a, workers, 0.0)
+        if workers is None:
+            a.begun = False
+        else:
+            self.set_workers(a, workers, 0.0)
         return a
+
+    def unstarted(self) -> bool:
+        """Whether some trial has not started: waiting, or in a formed array not yet begun."""
+        return self.waiting or any(not a.begun for a in self.arrays.values())
 
     def phase(self) -> str:
         """``queue`` while some trial has not started, then ``tail``."""
-        return "queue" if self.waiting else "tail"
+        return "queue" if self.unstarted() else "tail"
 
     def account_until(self, t: float) -> None:
         """Book the accelerator-seconds from ``now`` to ``t`` (nothing changes in between: every
@@ -261,12 +302,6 @@ class Sim:
         ]
         acc.tail_path_s = max(left, default=0.0)
 
-    def take(self, model: str, n: int) -> list[Trial]:
-        taken = [t for t in self.waiting if t.model == model][:n]
-        for t in taken:
-            self.waiting.remove(t)
-        return taken
-
     # --- ASHA at an evaluation boundary -------------------------------------------------------
     def metric(self, t: Trial) -> float:
         # the same noise for a trial and epoch in both arms: only the order of arrival differs
@@ -296,7 +331,7 @@ class Sim:
             left.append(t)
         changed = len(left) != len(a.members)
         if changed:
-            left += self.take(a.model, self.models[a.model].size - len(left))  # refill
+            left += self.packer.refill(a.model, self.models[a.model].size - len(left))
         a.members = left
         return changed
 
@@ -324,8 +359,23 @@ class Sim:
         return ((nxt - 1) * self.spe + a.steps_left) * m.step_s(len(a.members))
 
     def allocate(self, event: str) -> None:
+        """Elastic, as ``hfsweep run`` does it: a plan at ``event``; then, while no formed
+        array waits for workers and the workers give one more array its minimum, the engine
+        forms the next array in the packer's order (:meth:`form`) and the allocator decides
+        whether it starts (``array started``); while it waits, no other array is formed."""
+        self.plan(event)
+        slots = self.total // self.alloc.min_workers
+        while self.waiting and len(self.arrays) < slots:
+            if any(not a.begun for a in self.arrays.values()):
+                break  # a formed array waits for workers: the engine forms no other
+            if self.new_array(None) is None:
+                break
+            self.plan("array started")
+
+    def plan(self, event: str) -> None:
+        """One plan of the allocator, carried out: resizes at once, formed arrays started."""
         busy = self.free() == 0 and all(a.workers <= 1 for a in self.arrays.values())
-        if busy and self.waiting:
+        if busy and self.unstarted():
             return  # every worker trains a one-worker array and trials wait: nothing to change
         states = [
             ArrayState(
@@ -339,36 +389,35 @@ class Sim:
                 self.horizon_s(a),
             )
             for a in self.arrays.values()
+            if a.begun
         ]
-        pools = []
-        counts: dict[str, int] = {}
-        for t in self.waiting:
-            counts[t.model] = counts.get(t.model, 0) + 1
-        for model, n in counts.items():
-            m = self.models[model]
-            size = min(n, m.size)
-            pools.append(
-                WaitingPool(
-                    model,
-                    min(math.ceil(n / m.size), self.total),
-                    size,
-                    self.max_epochs * self.spe * m.step_s(size),
-                    self.profile(model, size),
-                )
+        pools = [  # formed arrays waiting for their first workers, the oldest first
+            WaitingPool(
+                a.model,
+                1,
+                len(a.members),
+                self.remaining_s(a),
+                self.profile(a.model, len(a.members)),
+                name=a.name,
+                since=a.formed,
             )
+            for a in self.arrays.values()
+            if not a.begun
+        ]
         plan = self.alloc.decide(states, pools, self.total, now=self.now, event=event)
         self.decisions += 1
         after = plan.workers()
-        for a in list(self.arrays.values()):  # shrink first, so that grows find the workers
+        running = [a for a in self.arrays.values() if a.begun]
+        for a in running:  # shrink first, so that grows and starts find the workers
             if after.get(a.name, a.workers) < a.workers:
                 self.set_workers(a, after[a.name], self.alloc.resize_cost_s)
-        for a in list(self.arrays.values()):
+        for a in running:
             if after.get(a.name, a.workers) > a.workers:
                 self.set_workers(a, after[a.name], self.alloc.resize_cost_s)
-        for d in plan.decisions:
-            started = d.action == "start" and d.array.startswith("new:")
-            if started and any(t.model == d.key for t in self.waiting):
-                self.new_array(d.after, d.key)
+        for a in list(self.arrays.values()):
+            if not a.begun and after.get(a.name, 0) > 0:
+                a.begun = True
+                self.set_workers(a, after[a.name], 0.0)
         assert self.free() >= 0, "the allocator never hands out more workers than exist"
 
     def run(self) -> Result:
@@ -379,7 +428,7 @@ class Sim:
             heapq.heappush(self.heap, (timer, self.seq, "", 0))
         else:
             self.fill_static()
-        queued = bool(self.waiting)
+        queued = self.unstarted()
         if not queued:
             self.queue_ended()
         while self.heap:
@@ -390,7 +439,7 @@ class Sim:
             self.account_until(t)
             self.now = t
             self.event(name, version)
-            if queued and not self.waiting:
+            if queued and not self.unstarted():
                 queued = False
                 self.queue_ended()
         done = [t for t in self.trials if t.ended is not None]

@@ -125,3 +125,27 @@ def test_the_accounting_adds_up_and_the_bounds_hold(
     # each resize pauses its array 0.1 s on at least one worker
     assert elastic.account.total("resize") >= 0.1 * elastic.resizes * (1 - 1e-9)
     assert elastic.account.total("parallel") > 0
+
+
+def test_the_elastic_arm_forms_arrays_as_the_engine_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As ``hfsweep run``: the packer forms one array at a time and the allocator is handed
+    only that formed array (a pool of one array, named after it), never a choice among every
+    waiting trial's model; while it waits, no other array is formed."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    sim = importlib.import_module("elastic_sim")
+    seen: list[list[Any]] = []
+    decide = sim.Allocator.decide
+
+    def spy(self: Any, arrays: Any, waiting: Any, total: int, **kw: Any) -> Any:
+        seen.append(list(waiting))
+        return decide(self, arrays, waiting, total, **kw)
+
+    monkeypatch.setattr(sim.Allocator, "decide", spy)
+    _, _, _, elastic = _both_arms(tmp_path, monkeypatch, workers=4, trials=40)
+    assert elastic.trials_ended == 40
+    offered = [pool for pools in seen for pool in pools]
+    assert offered, "formed arrays were offered to the allocator"
+    assert all(len(pools) <= 1 for pools in seen)
+    assert all(pool.arrays == 1 and str(pool.name).startswith("a") for pool in offered)
