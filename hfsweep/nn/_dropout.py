@@ -25,6 +25,13 @@ The mask and scale come from one custom op (``hfsweep::dropout_multiplier``) who
 computes every member's at once. Under ``vmap`` each of the fifty-odd small ops would otherwise
 pass through the batching layer, and a traced array forward would record each of them: in a
 small MLP the dropout layer took about 85% of the time to trace the whole forward.
+
+The input is multiplied by that multiplier through a second op (``hfsweep::dropout_apply``,
+:func:`apply_multiplier`): the same product, but what autograd keeps for the backward is a
+1-byte mask (``multiplier != 0``) and one scale per member, not the multiplier itself (4 or 8
+bytes an element). The backward rebuilds the multiplier from them (``mask * scale``: every
+element 0 or the scale, as it was) and multiplies the gradient by it, so the gradient is the
+one ``input * multiplier`` gives, bit for bit.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from ._shard import global_shape
 
 __all__ = [
     "FusedDropoutMixin",
+    "apply_multiplier",
     "dropout_mask_hash",
     "feature_dims",
     "key_multiplier",
@@ -351,6 +359,94 @@ def _multiplier_vmap(
 _multiplier_op.register_vmap(_multiplier_vmap)
 
 
+@torch.library.custom_op("hfsweep::dropout_apply", mutates_args=())
+def _apply_op(input: Tensor, multiplier: Tensor, member_dims: int) -> Tensor:
+    """``input * multiplier`` (broadcast), where ``multiplier`` holds per element 0 or its
+    member's scale and its first ``member_dims`` dimensions index members (0 for one member;
+    each ``vmap`` level's rule adds one). The autograd formula saves a ``bool`` mask and the
+    scales instead of ``multiplier`` (see the module docstring)."""
+    return input * multiplier
+
+
+@_apply_op.register_fake
+def _apply_fake(input: Tensor, multiplier: Tensor, member_dims: int) -> Tensor:
+    shape = torch.broadcast_shapes(input.shape, multiplier.shape)
+    return input.new_empty(shape, dtype=torch.promote_types(input.dtype, multiplier.dtype))
+
+
+def _member_scales(multiplier: Tensor, member_dims: int) -> Tensor:
+    """Each member's scale, shaped to broadcast against ``multiplier``: the largest of its
+    elements (its scale, or 0 where it keeps nothing, which ``mask * 0`` gives as well). A
+    member of one element, or an empty multiplier, is its own scale."""
+    dims = tuple(range(member_dims, multiplier.dim()))
+    if not dims or multiplier.numel() == 0:
+        return multiplier
+    return multiplier.amax(dim=dims, keepdim=True)
+
+
+def _apply_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+    input, multiplier, member_dims = inputs
+    ctx.input_shape = input.shape
+    if ctx.needs_input_grad[0]:
+        ctx.save_for_backward(multiplier != 0, _member_scales(multiplier, member_dims))
+
+
+def _apply_backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None]:
+    if not ctx.needs_input_grad[0]:
+        return None, None, None
+    keep, scale = ctx.saved_tensors
+    # keep * scale is the multiplier again, element for element (0 or the member's scale)
+    grad_input = grad * (keep * scale)
+    if grad_input.shape != ctx.input_shape:  # an input broadcast against the multiplier
+        grad_input = grad_input.sum_to_size(ctx.input_shape)
+    return grad_input, None, None
+
+
+_apply_op.register_autograd(_apply_backward, setup_context=_apply_setup_context)
+
+
+def _batch_front(t: Tensor, dim: int | None, rank: int) -> Tensor:
+    """A vmap rule's operand with its member dimension first and, after it, as many size-1
+    dimensions as it has fewer than ``rank`` (so that operands broadcast as they do per member);
+    an operand without a member dimension as it is."""
+    if dim is None:
+        return t
+    t = t.movedim(dim, 0)
+    while t.dim() <= rank:
+        t = t.unsqueeze(1)
+    return t
+
+
+def _apply_vmap(
+    info: Any, in_dims: tuple[int | None, ...], input: Tensor, multiplier: Tensor, member_dims: int
+) -> tuple[Tensor, int | None]:
+    """Every member's product from one call of the op, the member dimension in front."""
+    input_dim, multiplier_dim, _ = in_dims
+    if input_dim is None and multiplier_dim is None:
+        return _apply_op(input, multiplier, member_dims), None
+    rank = max(
+        input.dim() - (input_dim is not None), multiplier.dim() - (multiplier_dim is not None)
+    )
+    return (
+        _apply_op(
+            _batch_front(input, input_dim, rank),
+            _batch_front(multiplier, multiplier_dim, rank),
+            member_dims + (multiplier_dim is not None),
+        ),
+        0,
+    )
+
+
+_apply_op.register_vmap(_apply_vmap)
+
+
+def apply_multiplier(input: Tensor, multiplier: Tensor) -> Tensor:
+    """``input * multiplier`` for a dropout multiplier (0 or the member's scale per element,
+    from :func:`stream_multiplier` or :func:`key_multiplier`): the same values and gradients,
+    while autograd keeps a 1-byte mask and the scales, not ``multiplier``."""
+    return _apply_op(input, multiplier, 0)
+
+
 def stream_multiplier(
     module: nn.Module, shape: tuple[int, ...], dtype: torch.dtype, *, only_if_dropping: bool = False
 ) -> Tensor:
@@ -411,7 +507,7 @@ class FusedDropoutMixin(nn.Module):
             return input
         k = self._hfsweep_feature_dims
         shape = input.shape if k == 0 else (*input.shape[: input.dim() - k], *([1] * k))
-        return input * stream_multiplier(self, tuple(shape), input.dtype)
+        return apply_multiplier(input, stream_multiplier(self, tuple(shape), input.dtype))
 
 
 @torch.library.custom_op("hfsweep::uniform", mutates_args=())
