@@ -388,15 +388,34 @@ def _apply_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> N
     input, multiplier, member_dims = inputs
     ctx.input_shape = input.shape
     if ctx.needs_input_grad[0]:
-        ctx.save_for_backward(multiplier != 0, _member_scales(multiplier, member_dims))
+        # (bool() is != 0, in one of torch's fastest conversions)
+        ctx.save_for_backward(multiplier.bool(), _member_scales(multiplier, member_dims))
+
+
+def _masked_scaled(grad: Tensor, keep: Tensor, scale: Tensor) -> Tensor:
+    """``grad * multiplier`` from the mask and the scales, bit for bit: ``(grad * keep) *
+    scale`` (``grad * 1`` is ``grad``; ``grad * 0`` keeps its sign, infinities and NaN, which
+    a positive scale, or a zero one where nothing is kept, leave as they are). On the CPU in
+    NumPy, whose mixed float-times-bool loop and in-place scaling take a fraction of torch's
+    (``benchmarks/dropout_apply.py``); elsewhere, and for a gradient that is itself
+    differentiated (double backward), in torch: ``grad * (keep * scale)``."""
+    np_float = _NUMPY_FLOATS.get(grad.dtype)
+    if grad.device.type != "cpu" or np_float is None or grad.requires_grad:
+        return grad * (keep * scale)
+    out = torch.empty(torch.broadcast_shapes(grad.shape, keep.shape), dtype=grad.dtype)
+    if out.numel():
+        np_out = out.numpy()
+        with np.errstate(all="ignore"):  # inf * 0 is NaN, as torch gives it, silently
+            np.multiply(grad.numpy(), keep.numpy(), out=np_out)
+            np.multiply(np_out, scale.numpy(), out=np_out)
+    return out
 
 
 def _apply_backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None]:
     if not ctx.needs_input_grad[0]:
         return None, None, None
     keep, scale = ctx.saved_tensors
-    # keep * scale is the multiplier again, element for element (0 or the member's scale)
-    grad_input = grad * (keep * scale)
+    grad_input = _masked_scaled(grad, keep, scale)
     if grad_input.shape != ctx.input_shape:  # an input broadcast against the multiplier
         grad_input = grad_input.sum_to_size(ctx.input_shape)
     return grad_input, None, None
