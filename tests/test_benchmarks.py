@@ -160,3 +160,18 @@ def test_before_after_compares_two_trees(tmp_path, monkeypatch):
         assert _positive(r["fused_ms_before"]) and _positive(r["fused_ms_after"])
         assert _positive(r["fused_ms_ratio"])
     assert "| model |" in stem.with_suffix(".md").read_text()
+
+
+@pytest.mark.slow
+def test_dropout_apply_times_both_ways(tmp_path, monkeypatch):
+    """``dropout_apply.py`` at its smallest scale: both ways of the transformer's fused step are
+    timed (wall and CPU), and the old way saves more bytes for the backward than the new."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    script = importlib.import_module("dropout_apply")
+    stem = tmp_path / "dropout_apply"
+    argv = ["--models", "transformer", "--sizes", "2", "--rounds", "1", "--steps", "1"]
+    assert script.main([*argv, "--out", str(stem)]) == 0
+    (row,) = json.loads(stem.with_suffix(".json").read_text())["rows"]
+    for key in ("mask_ms", "multiplier_ms", "cpu_mask_ms", "cpu_multiplier_ms", "ratio"):
+        assert _positive(row[key]), key
+    assert 0 < row["mask_saved_bytes"] < row["multiplier_saved_bytes"]

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from .._errors import FusionError
-from ..nn._dropout import key_multiplier, key_uniform, stream_multiplier
+from ..nn._dropout import apply_multiplier, key_multiplier, key_uniform, stream_multiplier
 from ._check import describe_path
 
 __all__ = [
@@ -190,7 +190,9 @@ def _dropout_route(feature_dims: int, name: str) -> Callable[..., Any]:
         k = feature_dims
         shape = input.shape if k == 0 else (*input.shape[: input.dim() - k], *([1] * k))
         multiplier = mode.multiplier(name, p, tuple(shape), input.dtype)
-        return input.mul_(multiplier) if inplace else input * multiplier
+        # in place, autograd keeps the multiplier itself (an in-place op cannot be the custom
+        # op that keeps a 1-byte mask instead)
+        return input.mul_(multiplier) if inplace else apply_multiplier(input, multiplier)
 
     return route
 
@@ -251,7 +253,7 @@ def _sdpa_route(
     multiplier = mode.multiplier(
         "F.scaled_dot_product_attention", dropout_p, tuple(weights.shape), weights.dtype
     )
-    return (weights * multiplier) @ value
+    return apply_multiplier(weights, multiplier) @ value
 
 
 def _size_and_options(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[tuple[int, ...], Any]:

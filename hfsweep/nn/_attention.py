@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._dropout import stream_multiplier
+from ._dropout import apply_multiplier, stream_multiplier
 from ._linear import fused_linear
 
 __all__ = ["FusedMultiheadAttentionMixin"]
@@ -201,7 +201,7 @@ class FusedMultiheadAttentionMixin(nn.Module):
                 multiplier = stream_multiplier(
                     self, tuple(scores.shape), scores.dtype, only_if_dropping=True
                 )
-                scores = scores * multiplier
+                scores = apply_multiplier(scores, multiplier)
             out = torch.bmm(scores, v).transpose(0, 1).reshape(tgt_len * bsz, embed_dim)
             out = fused_linear(out, weight, bias).view(tgt_len, bsz, -1)
             if not need_weights:

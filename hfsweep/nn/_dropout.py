@@ -25,6 +25,13 @@ The mask and scale come from one custom op (``hfsweep::dropout_multiplier``) who
 computes every member's at once. Under ``vmap`` each of the fifty-odd small ops would otherwise
 pass through the batching layer, and a traced array forward would record each of them: in a
 small MLP the dropout layer took about 85% of the time to trace the whole forward.
+
+The input is multiplied by that multiplier through a second op (``hfsweep::dropout_apply``,
+:func:`apply_multiplier`): the same product, but what autograd keeps for the backward is a
+1-byte mask (``multiplier != 0``) and one scale per member, not the multiplier itself (4 or 8
+bytes an element). The backward rebuilds the multiplier from them (``mask * scale``: every
+element 0 or the scale, as it was) and multiplies the gradient by it, so the gradient is the
+one ``input * multiplier`` gives, bit for bit.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from ._shard import global_shape
 
 __all__ = [
     "FusedDropoutMixin",
+    "apply_multiplier",
     "dropout_mask_hash",
     "feature_dims",
     "key_multiplier",
@@ -351,6 +359,150 @@ def _multiplier_vmap(
 _multiplier_op.register_vmap(_multiplier_vmap)
 
 
+@torch.library.custom_op("hfsweep::dropout_apply", mutates_args=())
+def _apply_op(input: Tensor, multiplier: Tensor, member_dims: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``input * multiplier`` (broadcast), where ``multiplier`` holds per element 0 or its
+    member's scale and its first ``member_dims`` dimensions index members (0 for one member;
+    each ``vmap`` level's rule adds one); with it, what the backward keeps instead of
+    ``multiplier``: the ``bool`` mask (``multiplier != 0``) and each member's scale
+    (:func:`_member_scales`). One op for the three, so that a step dispatches one operator per
+    dropout, as ``input * multiplier`` did."""
+    return input * multiplier, multiplier.bool(), _member_scales(multiplier, member_dims)
+
+
+@_apply_op.register_fake
+def _apply_fake(
+    input: Tensor, multiplier: Tensor, member_dims: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    shape = torch.broadcast_shapes(input.shape, multiplier.shape)
+    out = input.new_empty(shape, dtype=torch.promote_types(input.dtype, multiplier.dtype))
+    keep = multiplier.new_empty(multiplier.shape, dtype=torch.bool)
+    return out, keep, multiplier.new_empty(_scales_shape(multiplier, member_dims))
+
+
+def _scales_shape(multiplier: Tensor, member_dims: int) -> tuple[int, ...]:
+    """The shape of :func:`_member_scales`: the member dimensions, then 1s."""
+    if multiplier.dim() <= member_dims or multiplier.numel() == 0:
+        return tuple(multiplier.shape)
+    return (*multiplier.shape[:member_dims], *([1] * (multiplier.dim() - member_dims)))
+
+
+def _member_scales(multiplier: Tensor, member_dims: int) -> Tensor:
+    """Each member's scale, shaped to broadcast against ``multiplier``: the largest of its
+    elements (its scale, or 0 where it keeps nothing, which ``mask * 0`` gives as well). A
+    member of one element, or an empty multiplier, is its own scale (a copy: an op's outputs
+    may not alias its inputs)."""
+    dims = tuple(range(member_dims, multiplier.dim()))
+    if not dims or multiplier.numel() == 0:
+        return multiplier.clone()
+    return multiplier.amax(dim=dims, keepdim=True)
+
+
+def _apply_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    input, _, _ = inputs
+    _, keep, scale = output
+    ctx.mark_non_differentiable(keep, scale)
+    ctx.set_materialize_grads(False)  # no zeros made for the mask's and scales' gradients
+    ctx.input_shape = input.shape
+    if ctx.needs_input_grad[0]:
+        ctx.save_for_backward(keep, scale)
+
+
+def _apply_backward(ctx: Any, grad: Tensor | None, *_: Any) -> tuple[Tensor | None, None, None]:
+    if not ctx.needs_input_grad[0] or grad is None:
+        return None, None, None
+    keep, scale = ctx.saved_tensors
+    grad_input = _masked_scaled_op(grad, keep, scale)
+    if grad_input.shape != ctx.input_shape:  # an input broadcast against the multiplier
+        grad_input = grad_input.sum_to_size(ctx.input_shape)
+    return grad_input, None, None
+
+
+_apply_op.register_autograd(_apply_backward, setup_context=_apply_setup_context)
+
+
+@torch.library.custom_op("hfsweep::dropout_apply_backward", mutates_args=())
+def _masked_scaled_op(grad: Tensor, keep: Tensor, scale: Tensor) -> Tensor:
+    """``grad * multiplier`` from the mask and the scales, bit for bit: ``(grad * keep) *
+    scale`` (``grad * 1`` is ``grad``; ``grad * 0`` keeps its sign, infinities and NaN, which
+    a positive scale, or a zero one where nothing is kept, leave as they are). On the CPU in
+    NumPy, whose mixed float-times-bool loop and in-place scaling take a fraction of torch's
+    (``benchmarks/dropout_apply.py``); elsewhere in torch, ``grad * (keep * scale)``."""
+    if grad.device.type != "cpu" or grad.dtype not in _NUMPY_FLOATS:
+        return grad * (keep * scale)
+    out = torch.empty(torch.broadcast_shapes(grad.shape, keep.shape), dtype=grad.dtype)
+    if out.numel():
+        np_out = out.numpy()
+        with np.errstate(all="ignore"):  # inf * 0 is NaN, as torch gives it, silently
+            np.multiply(grad.numpy(), keep.numpy(), out=np_out)
+            np.multiply(np_out, scale.numpy(), out=np_out)
+    return out
+
+
+@_masked_scaled_op.register_fake
+def _masked_scaled_fake(grad: Tensor, keep: Tensor, scale: Tensor) -> Tensor:
+    return grad.new_empty(torch.broadcast_shapes(grad.shape, keep.shape))
+
+
+def _masked_scaled_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+    _, keep, scale = inputs
+    ctx.save_for_backward(keep, scale)
+
+
+def _masked_scaled_backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+    # linear in the gradient: its own gradient is the same product (a double backward)
+    keep, scale = ctx.saved_tensors
+    return _masked_scaled_op(grad, keep, scale), None, None
+
+
+_masked_scaled_op.register_autograd(
+    _masked_scaled_backward, setup_context=_masked_scaled_setup_context
+)
+
+
+def _batch_front(t: Tensor, dim: int | None, rank: int) -> Tensor:
+    """A vmap rule's operand with its member dimension first and, after it, as many size-1
+    dimensions as it has fewer than ``rank`` (so that operands broadcast as they do per member);
+    an operand without a member dimension as it is."""
+    if dim is None:
+        return t
+    if dim != 0:
+        t = t.movedim(dim, 0)
+    while t.dim() <= rank:
+        t = t.unsqueeze(1)
+    return t
+
+
+def _apply_vmap(
+    info: Any, in_dims: tuple[int | None, ...], input: Tensor, multiplier: Tensor, member_dims: int
+) -> tuple[tuple[Tensor, Tensor, Tensor], tuple[int | None, ...]]:
+    """Every member's product, mask and scale from one call of the op, the member dimension
+    in front."""
+    input_dim, multiplier_dim, _ = in_dims
+    if input_dim is None and multiplier_dim is None:
+        return _apply_op(input, multiplier, member_dims), (None, None, None)
+    rank = max(
+        input.dim() - (input_dim is not None), multiplier.dim() - (multiplier_dim is not None)
+    )
+    out = _apply_op(
+        _batch_front(input, input_dim, rank),
+        _batch_front(multiplier, multiplier_dim, rank),
+        member_dims + (multiplier_dim is not None),
+    )
+    mask_dim = None if multiplier_dim is None else 0
+    return out, (0, mask_dim, mask_dim)
+
+
+_apply_op.register_vmap(_apply_vmap)
+
+
+def apply_multiplier(input: Tensor, multiplier: Tensor) -> Tensor:
+    """``input * multiplier`` for a dropout multiplier (0 or the member's scale per element,
+    from :func:`stream_multiplier` or :func:`key_multiplier`): the same values and gradients,
+    while autograd keeps a 1-byte mask and the scales, not ``multiplier``."""
+    return _apply_op(input, multiplier, 0)[0]
+
+
 def stream_multiplier(
     module: nn.Module, shape: tuple[int, ...], dtype: torch.dtype, *, only_if_dropping: bool = False
 ) -> Tensor:
@@ -411,7 +563,7 @@ class FusedDropoutMixin(nn.Module):
             return input
         k = self._hfsweep_feature_dims
         shape = input.shape if k == 0 else (*input.shape[: input.dim() - k], *([1] * k))
-        return input * stream_multiplier(self, tuple(shape), input.dtype)
+        return apply_multiplier(input, stream_multiplier(self, tuple(shape), input.dtype))
 
 
 @torch.library.custom_op("hfsweep::uniform", mutates_args=())

@@ -7,8 +7,12 @@ LoRA (``LoraConfig``/``get_peft_model``) and fine-tunes the adapters and the cla
 generated text-classification set (:func:`keyword_texts`). The encoder is frozen and identical
 in every trial, so a fused array keeps it once (``share_frozen``) and trains B adapters on it;
 ``lr``, ``weight_decay``, ``lora_alpha`` and ``lora_dropout`` vary per member, ``lora_r`` and
-``lora_targets`` (the adapter's shapes) are part of the compatibility key. Nothing is
-downloaded; transformers and peft are imported when a model is built.
+``lora_targets`` (the adapter's shapes) are part of the compatibility key. With
+``gradient_checkpointing: true`` the encoder recomputes each layer in the backward instead of
+keeping its activations (Hugging Face's ``gradient_checkpointing_enable`` with
+``use_reentrant=False``, which a fused array honours for all members at once): less memory per
+member, the same training. Nothing is downloaded; transformers and peft are imported when a model
+is built.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..training.task import Task, fork_rng, manual_seed
+from ..training.task import Config, Task, TaskError, fork_rng, manual_seed
 from ._data import TensorBatches
 
 __all__ = ["LoraClassifier", "keyword_texts", "pretrained_state", "text_lora"]
@@ -188,6 +192,10 @@ def _model(c: Mapping[str, Any]) -> nn.Module:
         c["pretrain_seed"],
     )
     base.load_state_dict(state)
+    if c["gradient_checkpointing"]:
+        # on the transformers model itself, before peft wraps it: the non-reentrant form, the
+        # one a fused array recomputes for every member at once (no input-require-grads hook)
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     lora = peft.LoraConfig(
         r=c["lora_r"],
         lora_alpha=c["lora_alpha"],
@@ -226,7 +234,23 @@ def _data(config: Mapping[str, Any]) -> tuple[TensorBatches, TensorBatches]:
     )
 
 
-text_lora = Task(
+class _LoraTask(Task):
+    """:class:`~hfsweep.training.task.Task` whose ``resolve`` also checks the task's own
+    switch (``gradient_checkpointing``), so that ``hfsweep validate`` names a bad value before
+    any model is built."""
+
+    def resolve(self, config: Config) -> dict[str, Any]:
+        out = super().resolve(config)
+        value = out["gradient_checkpointing"]
+        if not isinstance(value, bool):
+            raise TaskError(
+                f"config gradient_checkpointing={value!r} must be true or false (a YAML or "
+                "Python boolean): whether the encoder recomputes its layers in the backward"
+            )
+        return out
+
+
+text_lora = _LoraTask(
     name="text_lora",
     model=_model,
     data=_data,
@@ -243,6 +267,7 @@ text_lora = Task(
         "lora_targets": "query,value",
         "lora_alpha": 8.0,
         "lora_dropout": 0.0,
+        "gradient_checkpointing": False,
         "n_train": 384,
         "n_val": 256,
         "batch_size": 32,

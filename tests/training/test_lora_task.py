@@ -50,6 +50,29 @@ def test_lora_alpha_and_dropout_vary_per_member_rank_and_targets_split_arrays() 
             text_lora.resolve({**CONFIGS[0], **bad})
 
 
+def test_gradient_checkpointing_is_a_checked_switch_of_the_compatibility_key() -> None:
+    assert text_lora.resolve(CONFIGS[0])["gradient_checkpointing"] is False
+    on = {**CONFIGS[0], "gradient_checkpointing": True}
+    assert text_lora.compatibility_key(on) != text_lora.compatibility_key(CONFIGS[0])
+    for bad in ("yes", 1, None):
+        with pytest.raises(TaskError, match=r"gradient_checkpointing=.* must be true or false"):
+            text_lora.resolve({**CONFIGS[0], "gradient_checkpointing": bad})
+
+
+@pytest.mark.slow
+def test_gradient_checkpointing_trains_exactly_as_without() -> None:
+    """The encoder's layers are recomputed in the backward (Hugging Face's non-reentrant
+    checkpointing, inside the fused array), the members' lora_dropout masks with them: every
+    member ends with the history, weights and optimizer state of the run without it."""
+    on = [{**c, "gradient_checkpointing": True} for c in CONFIGS]
+    array = hs.fuse([text_lora.build_model(text_lora.resolve(c)) for c in on[:1]])
+    assert any(getattr(m, "gradient_checkpointing", False) for m in array.module.modules())
+    plain = _trainer().run(members(CONFIGS))
+    checkpointed = _trainer().run(members(on))
+    for a, b in zip(plain, checkpointed, strict=True):
+        assert_same(a, b)
+
+
 def _trainer(**kw: Any) -> hs.ArrayTrainer:
     return hs.ArrayTrainer(text_lora, dtype=torch.float64, eval_every=2, **kw)
 
