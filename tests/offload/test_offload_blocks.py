@@ -288,3 +288,36 @@ def test_an_evaluation_forward_keeps_nothing() -> None:
         torch.testing.assert_close(engine(_ids(3)), whole(_ids(3)), rtol=1e-7, atol=1e-12)
     assert engine.ledger.resident == 0
     assert engine.ledger.by_kind["boundary activations"] == 0
+
+
+@pytest.mark.slow
+def test_the_trainer_streams_text_lora_blocks_within_a_budget_the_encoder_is_over() -> None:
+    """``text_lora`` with ``offload: host`` and a ``device_memory`` whose quarter holds each
+    unit but not the encoder (``BertModel``, one layer call for fx): the trainer's members end
+    as without offload."""
+    pytest.importorskip("peft")
+    from _same_results import assert_same, members
+
+    from hfsweep.tasks import text_lora
+
+    configs = [
+        {"lr": lr, "lora_alpha": alpha, "lora_dropout": p, "epochs": 1}
+        | {"n_train": 32, "n_val": 32, "batch_size": 4}
+        for lr, alpha, p in [(3e-3, 8.0, 0.0), (1e-2, 4.0, 0.1), (1e-3, 16.0, 0.2)]
+    ]
+    resolved = [text_lora.resolve(c) for c in configs]
+    array = hs.fuse(
+        [text_lora.build_model({**c, "seed": i}).double() for i, c in enumerate(resolved)]
+    )
+    units = OffloadedArray(array, cut="blocks").shards
+    bert = sum(s.nbytes for s in units if ".bert." in s.nodes[0])  # fx's one layer call
+    budget = 4 * ((max(s.nbytes for s in units) + bert) // 2)
+    with pytest.raises(OffloadError, match="over the shard limit"):
+        OffloadedArray(array, budget_bytes=budget, cut="graph")
+    plain = hs.ArrayTrainer(text_lora, dtype=torch.float64).run(members(configs))
+    off = hs.ArrayTrainer(text_lora, dtype=torch.float64, offload="host", device_memory=budget).run(
+        members(configs)
+    )
+    assert [r.status for r in plain] == ["completed"] * 3
+    for a, b in zip(off, plain, strict=True):
+        assert_same(a, b, rng=True)
