@@ -27,7 +27,7 @@ from torch import nn
 from ..fusion import FusedArray
 from ..fusion._state import _Slot
 from ._errors import OffloadError
-from ._shards import _DRAWS_REFUSED, Shard, _module_slots, _slot_index
+from ._shards import _DRAWS_REFUSED, Shard, _check_one_input, _module_slots, _slot_index
 
 __all__ = ["plan_units", "repeated_blocks"]
 
@@ -108,6 +108,7 @@ def plan_units(array: FusedArray, limit: int, *, strict: bool = True) -> list[Sh
     (``strict``), where the model has no repeated blocks, or where a buffer a forward may
     write is tied into two units."""
     name = type(array._prototype).__name__
+    _check_one_input(array._prototype)  # the engine passes one tensor in
     template = array.module
     lists = repeated_blocks(template)
     if not lists:
