@@ -45,7 +45,7 @@ def _bert(layers: int = 3) -> Any:
         intermediate_size=32,
         max_position_embeddings=LENGTH,
         hidden_dropout_prob=0.1,
-        attention_probs_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.1,  # drawn inside attention from the layer's streams
         num_labels=3,
     )
 
@@ -96,7 +96,7 @@ class CausalLM(nn.Module):
             n_positions=LENGTH,
             resid_pdrop=0.1,
             embd_pdrop=0.1,
-            attn_pdrop=0.0,
+            attn_pdrop=0.1,
             use_cache=use_cache,
             bos_token_id=1,
             eos_token_id=1,
