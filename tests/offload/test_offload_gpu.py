@@ -145,3 +145,33 @@ def test_a_backbone_of_b_copies_over_the_budget_streams_once_within_it_on_cuda()
     transient = 16 * 2**20  # activations inside one shard's computation
     assert engine.ledger.peak <= budget
     assert peak <= budget + transient, (peak, budget)
+
+
+def test_a_bert_classifier_streamed_between_its_blocks_on_cuda_trains_as_the_whole_array() -> None:
+    """transformers' BERT (fx cannot cut it) streamed unit by unit on CUDA: its own forward on
+    the device, each block's tensors copied in from pinned host storage (float64, exact)."""
+    pytest.importorskip("transformers")
+    from test_offload_blocks import Classifier, _ids
+
+    models = [Classifier(i).double() for i in range(3)]
+    whole = hs.fuse(copy.deepcopy(models)).to("cuda")
+    host = hs.fuse(models)
+    for i in range(3):
+        whole.manual_seed(i, i + 1)
+        host.manual_seed(i, i + 1)
+    engine = OffloadedArray(host, device="cuda", cut="blocks")
+    assert any(".encoder.layer.0" in s.nodes[0] for s in engine.shards)
+    opt_w = hs.optim.AdamW(whole, lr=[1e-2, 3e-3, 1e-3])
+    opt_h = hs.optim.AdamW(host, lr=[1e-2, 3e-3, 1e-3])
+    for step in range(3):
+        ids = _ids(step).cuda()
+        out_w, out_h = whole(ids), engine(ids)
+        torch.testing.assert_close(out_h, out_w, rtol=1e-7, atol=1e-12)
+        out_w.square().mean().backward()
+        out_h.square().mean().backward()
+        for o in (opt_w, opt_h):
+            o.step()
+            o.zero_grad(set_to_none=True)
+    for (name, tw), th in zip(whole.state_dict().items(), host.state_dict().values(), strict=True):
+        torch.testing.assert_close(th.cuda(), tw, rtol=1e-7, atol=1e-12, msg=name)
+    assert engine.ledger.resident == 0
