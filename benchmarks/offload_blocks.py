@@ -23,32 +23,20 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import os
 import statistics
 import sys
-import time
-from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from _offload import Counting, median_step
 from _results import RESULTS, write_results
 from torch import nn
 
 import hfsweep as hs
-from hfsweep.offload import CpuTransfer, Fetch, OffloadedArray
+from hfsweep.offload import OffloadedArray
 from hfsweep.sizing.task import _LiveTensorBytes  # the profiler's CPU peak, op by op
-
-
-class Counting(CpuTransfer):
-    """A CPU transfer that adds up the bytes it copies to the compute side."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fetched = 0
-
-    def fetch(self, tensors: Sequence[torch.Tensor]) -> Fetch:
-        self.fetched += sum(t.numel() * t.element_size() for t in tensors)
-        return super().fetch(tensors)
 
 
 class LoraBert(nn.Module):
@@ -117,15 +105,6 @@ def _step_peak(arm: Arm, ids: torch.Tensor) -> int:
     return tracker.peak - _LiveTensorBytes(before).peak
 
 
-def _time(arm: Arm, ids: torch.Tensor, steps: int) -> float:
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        arm.step(ids)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def _mib(n: float) -> str:
     return f"{n / 2**20:.3f}"
 
@@ -162,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     times: dict[str, list[float]] = {name: [] for name in arms}
     for _ in range(args.rounds):
         for name, arm in arms.items():
-            times[name].append(_time(arm, ids, args.steps))
+            times[name].append(median_step(functools.partial(arm.step, ids), args.steps))
     rows, cells = [], []
     for name, arm in arms.items():
         step = statistics.median(times[name])

@@ -51,7 +51,7 @@ from torch import Tensor
 from ..fusion import FusedArray
 from ._errors import OffloadError
 from ._ledger import ResidentLedger
-from ._resident import _Held, _Resident
+from ._resident import _Held, _Resident, grads_to_host
 from ._shards import Shard, plan_shards, stacked_bytes
 from ._streamed import BlockRunner
 from ._transfer import Transfer, default_transfer
@@ -435,19 +435,5 @@ class OffloadedArray:
         grads = torch.autograd.grad(out, inputs, grad, allow_unused=True)
         # a parameter the shard did not use gets no gradient, as with autograd on the array
         used = [(i, g) for i, g in zip(trained, grads, strict=False) if g is not None]
-        param_grads = [g for _, g in used]
-        nbytes = stacked_bytes(param_grads)
-        self.ledger.add("gradients", nbytes)
-        try:
-            back = self.transfer.to_host(param_grads)
-        finally:
-            self.ledger.remove("gradients", nbytes)
-        del param_grads
-        with torch.no_grad():
-            for (i, _), g in zip(used, back, strict=True):
-                p = host[i]
-                if p.grad is None:
-                    p.grad = g
-                else:
-                    p.grad.add_(g)
+        grads_to_host(used, host, self.transfer, self.ledger)
         return grads[-1] if source.requires_grad else grad

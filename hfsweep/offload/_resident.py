@@ -1,13 +1,17 @@
 """What the offload engine holds on the compute side, counted in its ledger until released: a
-shard's fetched tensors (:class:`_Resident`) and a boundary activation (:class:`_Held`)."""
+shard's fetched tensors (:class:`_Resident`) and a boundary activation (:class:`_Held`); and
+a shard's parameter gradients on their way to the host (:func:`grads_to_host`)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import torch
 from torch import Tensor
 
 from ._ledger import ResidentLedger
 from ._shards import stacked_bytes
-from ._transfer import Fetch
+from ._transfer import Fetch, Transfer
 
 
 class _Resident:
@@ -50,3 +54,29 @@ class _Held:
         if self.value is not None:
             self._ledger.remove("boundary activations", self.nbytes)
             self.value = None
+
+
+def grads_to_host(
+    used: Sequence[tuple[int, Tensor]],
+    host: Sequence[Tensor],
+    transfer: Transfer,
+    ledger: ResidentLedger,
+) -> None:
+    """Add the compute side's gradients ``used`` (pairs of a position in ``host`` and the
+    gradient of that parameter) to the host parameters' ``.grad`` as autograd accumulates
+    them, counted in ``ledger`` as gradients until they are copied to the host."""
+    values = [g for _, g in used]
+    nbytes = stacked_bytes(values)
+    ledger.add("gradients", nbytes)
+    try:
+        back = transfer.to_host(values)
+    finally:
+        ledger.remove("gradients", nbytes)
+    del values
+    with torch.no_grad():
+        for (i, _), g in zip(used, back, strict=True):
+            p = host[i]
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad.add_(g)

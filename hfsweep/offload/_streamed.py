@@ -39,8 +39,8 @@ from torch import Tensor
 from .._compat import pytree
 from ..fusion import FusedArray
 from ._errors import OffloadError
-from ._resident import _Resident
-from ._shards import Shard, stacked_bytes
+from ._resident import _Resident, grads_to_host
+from ._shards import Shard
 
 if TYPE_CHECKING:
     from ._engine import OffloadedArray
@@ -443,22 +443,7 @@ class BlockRunner:
         used = [(i, g) for i, g in zip(trained, grads, strict=True) if g is not None]
         if not used:
             return
-        engine = self.engine
-        values = [g for _, g in used]
-        nbytes = stacked_bytes(values)
-        engine.ledger.add("gradients", nbytes)
-        try:
-            back = engine.transfer.to_host(values)
-        finally:
-            engine.ledger.remove("gradients", nbytes)
-        host = self._host(k)
-        with torch.no_grad():
-            for (i, _), g in zip(used, back, strict=True):
-                p = host[i]
-                if p.grad is None:
-                    p.grad = g
-                else:
-                    p.grad.add_(g)
+        grads_to_host(used, self._host(k), self.engine.transfer, self.engine.ledger)
 
     # ------------------------------------------------------------------ kept inputs
     def _hold(self, tensors: Sequence[Tensor]) -> None:

@@ -8,32 +8,20 @@ quarter the whole encoder is over (refused before this way existed), the ledger 
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
 from typing import Any
 
 import pytest
 import torch
+from _offload_toy import Counting
 from torch import Tensor, nn
 
 import hfsweep as hs
-from hfsweep.offload import CpuTransfer, Fetch, OffloadedArray, OffloadError
+from hfsweep.offload import CpuTransfer, OffloadedArray, OffloadError
 
 transformers = pytest.importorskip("transformers")
 
 B = 3
 VOCAB, LENGTH = 40, 10
-
-
-class Counting(CpuTransfer):
-    """A CPU transfer that adds up the bytes it copies to the compute side."""
-
-    def __init__(self, delay: float = 0.0) -> None:
-        super().__init__(delay)
-        self.fetched = 0
-
-    def fetch(self, tensors: Sequence[Tensor]) -> Fetch:
-        self.fetched += sum(t.numel() * t.element_size() for t in tensors)
-        return super().fetch(tensors)
 
 
 def _bert(layers: int = 3) -> Any:
