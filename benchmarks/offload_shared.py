@@ -21,31 +21,19 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import os
 import statistics
 import sys
-import time
-from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from _offload import Counting, median_step
 from _results import RESULTS, storage_bytes, write_results
 from torch import nn
 
 import hfsweep as hs
-from hfsweep.offload import CpuTransfer, Fetch, OffloadedArray
-
-
-class Counting(CpuTransfer):
-    """A CPU transfer that adds up the bytes it copies to the compute side."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fetched = 0
-
-    def fetch(self, tensors: Sequence[torch.Tensor]) -> Fetch:
-        self.fetched += sum(t.numel() * t.element_size() for t in tensors)
-        return super().fetch(tensors)
+from hfsweep.offload import OffloadedArray
 
 
 class FineTune(nn.Module):
@@ -88,15 +76,6 @@ class Arm:
         return storage_bytes(tensors)
 
 
-def _time(arm: Arm, x: torch.Tensor, steps: int) -> float:
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        arm.step(x)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=6)
@@ -124,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     times: dict[str, list[float]] = {name: [] for name in arms}
     for _ in range(args.rounds):
         for name, arm in arms.items():
-            times[name].append(_time(arm, x, args.steps))
+            times[name].append(median_step(functools.partial(arm.step, x), args.steps))
     base = statistics.median(times["offloaded, B backbones"])
     rows, cells = [], []
     for name, arm in arms.items():

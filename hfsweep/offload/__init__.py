@@ -6,7 +6,12 @@ compute device shard by shard (issue 22; Hydra's parameter spilling and double b
 - ``_transfer``: :class:`Transfer` with :class:`CpuTransfer` (copies; an injected delay in a
   background thread stands in for a slow link) and :class:`CudaTransfer` (pinned memory, a side
   stream, events, ``non_blocking`` copies).
-- ``_shards``: cutting the model into runs of consecutive layers (:func:`plan_shards`).
+- ``_shards``: cutting the model into runs of consecutive layers along a ``torch.fx`` trace
+  (:func:`plan_shards`).
+- ``_units``: where fx cannot cut it, its repeated blocks and the modules around them, one
+  shard each (``plan_units``); ``_streamed``: the model's own forward run with those units
+  streamed (``BlockRunner``).
+- ``_resident``: what the engine holds on the compute side until it releases it.
 - ``_engine``: :class:`OffloadedArray`, the shard-by-shard forward and backward.
 - ``_policy``: the ``offload`` values and what ``auto`` decides: by memory
   (:func:`choose_offload`), and by measured throughput where both ways fit (:func:`choose_by_rate`).

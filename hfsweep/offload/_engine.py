@@ -1,6 +1,10 @@
 """The offload engine: a fused array kept in host storage and run on the compute side shard by
 shard (:class:`OffloadedArray`).
 
+This module runs shards cut along a ``torch.fx`` trace; a model cut between its blocks instead
+(``cut="blocks"``) runs its own forward with its units streamed by
+:class:`~hfsweep.offload._streamed.BlockRunner`, under the same ledger, budget and transfer.
+
 One training step, for shards ``0..n-1``:
 
 - forward (no autograd graph): shard k's parameters and buffers are on the compute side, shard
@@ -47,52 +51,17 @@ from torch import Tensor
 from ..fusion import FusedArray
 from ._errors import OffloadError
 from ._ledger import ResidentLedger
+from ._resident import _Held, _Resident, grads_to_host
 from ._shards import Shard, plan_shards, stacked_bytes
-from ._transfer import Fetch, Transfer, default_transfer
+from ._streamed import BlockRunner
+from ._transfer import Transfer, default_transfer
+from ._units import plan_units
 
-__all__ = ["OffloadedArray"]
+__all__ = ["CUTS", "OffloadedArray"]
 
-
-class _Resident:
-    """A shard's tensors on the compute side, counted in the ledger until released."""
-
-    def __init__(self, fetch: Fetch, nbytes: int, ledger: ResidentLedger, kind: str) -> None:
-        self._fetch = fetch
-        self._tensors: list[Tensor] | None = None
-        self.nbytes = nbytes
-        self._ledger = ledger
-        self._kind = kind
-        ledger.add(kind, nbytes)  # counted from the moment the copy is started
-
-    def tensors(self) -> list[Tensor]:
-        if self._tensors is None:
-            self._tensors = self._fetch.wait()
-        return self._tensors
-
-    def release(self) -> None:
-        if self.nbytes >= 0:
-            if self._tensors is None:
-                self._fetch.wait()  # a copy still under way finishes before it is dropped
-            self._ledger.remove(self._kind, self.nbytes)
-            self.nbytes = -1
-            self._tensors = None
-
-
-class _Held:
-    """A boundary activation kept on the compute side, counted in the ledger (``None``: one
-    the backward does not need, neither kept nor counted)."""
-
-    def __init__(self, value: Tensor | None, ledger: ResidentLedger) -> None:
-        self.value: Tensor | None = value
-        self.nbytes = 0 if value is None else stacked_bytes([value])
-        self._ledger = ledger
-        if value is not None:
-            ledger.add("boundary activations", self.nbytes)
-
-    def release(self) -> None:
-        if self.value is not None:
-            self._ledger.remove("boundary activations", self.nbytes)
-            self.value = None
+#: how the engine may cut a model: ``graph`` (a ``torch.fx`` trace), ``blocks`` (its repeated
+#: blocks, streamed while its own forward runs), ``auto`` (the graph, else the blocks)
+CUTS = ("auto", "graph", "blocks")
 
 
 class _Sharded(torch.autograd.Function):
@@ -127,6 +96,12 @@ class OffloadedArray:
     benchmark's baseline). ``shard_bytes`` sets the shard limit itself (a hard limit when a
     budget is given). Exactly the array's results: same outputs, gradients and buffer
     updates, within float rounding.
+
+    ``cut`` says how the model is cut: ``"graph"`` along a ``torch.fx`` trace of its forward
+    (module ``_shards``), ``"blocks"`` between its repeated blocks while its own forward runs
+    (modules ``_units``, ``_streamed``: for models fx cannot cut, such as transformers'
+    encoders), ``"auto"`` (the default) the graph, else the blocks where the graph cannot cut
+    it within the shard limit (or cannot be traced).
     """
 
     def __init__(
@@ -138,6 +113,7 @@ class OffloadedArray:
         transfer: Transfer | None = None,
         prefetch: bool = True,
         shard_bytes: int | None = None,
+        cut: str = "auto",
     ) -> None:
         if not isinstance(array, FusedArray):
             raise OffloadError(f"offload needs a FusedArray (hs.fuse), got {type(array).__name__}")
@@ -156,6 +132,11 @@ class OffloadedArray:
             raise OffloadError(f"shard_bytes must be an int >= 1, got {shard_bytes!r}")
         self._shard_bytes = shard_bytes
         self._budget = budget_bytes
+        if cut not in CUTS:
+            raise OffloadError(f"cut must be one of {CUTS}, got {cut!r}")
+        self.cut = cut
+        #: the runner of the model's own forward where it is streamed unit by unit
+        self._blocks: BlockRunner | None = None
         #: the shards, in forward order
         self.shards: list[Shard] = []
         self._layout: tuple[bool, ...] = ()
@@ -178,6 +159,10 @@ class OffloadedArray:
         With autograd on, ``backward`` through the result runs the engine's backward."""
         if not isinstance(x, Tensor):
             raise OffloadError(f"an offloaded array takes one tensor input, got {type(x).__name__}")
+        if self._blocks is not None:
+            self._replan_if_unshared()
+            if self._blocks is not None:
+                return self._blocks(x)
         if torch.is_grad_enabled():
             out: Tensor = _Sharded.apply(self, x, self._anchor)
             return out
@@ -199,7 +184,26 @@ class OffloadedArray:
             limit = self._budget // 4
         else:
             limit = max(math.ceil(stacked_bytes(self.array._state()) / 4), 1)
-        self.shards = plan_shards(self.array, limit, strict=self._budget is not None)
+        strict = self._budget is not None
+        self._blocks = None
+        if self.cut != "blocks":
+            try:
+                self.shards = plan_shards(self.array, limit, strict=strict)
+            except OffloadError as exc:
+                if self.cut == "graph":
+                    raise
+                # the graph cannot cut it (untraceable, or a layer call over the limit):
+                # stream its blocks while its own forward runs, where it has any
+                try:
+                    self.shards = plan_units(self.array, limit, strict=strict)
+                except OffloadError as blocks:
+                    raise OffloadError(
+                        f"{exc}; nor can it be streamed by its blocks: {blocks}"
+                    ) from exc
+                self._blocks = BlockRunner(self, self.shards)
+        else:
+            self.shards = plan_units(self.array, limit, strict=strict)
+            self._blocks = BlockRunner(self, self.shards)
         self._layout = tuple(s.shared for s in self.array._slots)
 
     def _replan_if_unshared(self) -> None:
@@ -294,6 +298,8 @@ class OffloadedArray:
 
     def _release(self) -> None:
         """Let go of what an earlier forward kept (its backward never came, or it is done)."""
+        if self._blocks is not None:
+            self._blocks.release()
         for resident in self._outstanding:  # after an error too: nothing stays counted
             resident.release()
         self._outstanding = []
@@ -429,19 +435,5 @@ class OffloadedArray:
         grads = torch.autograd.grad(out, inputs, grad, allow_unused=True)
         # a parameter the shard did not use gets no gradient, as with autograd on the array
         used = [(i, g) for i, g in zip(trained, grads, strict=False) if g is not None]
-        param_grads = [g for _, g in used]
-        nbytes = stacked_bytes(param_grads)
-        self.ledger.add("gradients", nbytes)
-        try:
-            back = self.transfer.to_host(param_grads)
-        finally:
-            self.ledger.remove("gradients", nbytes)
-        del param_grads
-        with torch.no_grad():
-            for (i, _), g in zip(used, back, strict=True):
-                p = host[i]
-                if p.grad is None:
-                    p.grad = g
-                else:
-                    p.grad.add_(g)
+        grads_to_host(used, host, self.transfer, self.ledger)
         return grads[-1] if source.requires_grad else grad

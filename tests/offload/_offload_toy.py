@@ -1,17 +1,32 @@
 """A small task for the offload tests: a custom module class around layers (not an
 ``nn.Sequential`` itself, so offload traces its forward), with BatchNorm and dropout, and the
-configs the tests share (the comparison of results: tests/_same_results.py)."""
+configs the tests share (the comparison of results: tests/_same_results.py), and a CPU transfer
+that counts the bytes it copies in."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 import hfsweep as hs
+from hfsweep.offload import CpuTransfer, Fetch
 from hfsweep.tasks import TensorBatches
+
+
+class Counting(CpuTransfer):
+    """A CPU transfer (``delay`` seconds per fetch, in a background thread) that adds up the
+    bytes it copies to the compute side."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        super().__init__(delay)
+        self.fetched = 0
+
+    def fetch(self, tensors: Sequence[Tensor]) -> Fetch:
+        self.fetched += sum(t.numel() * t.element_size() for t in tensors)
+        return super().fetch(tensors)
 
 
 class Net(nn.Module):

@@ -1,6 +1,7 @@
 """The offload benchmarks run at their smallest scale and write their tables:
-``benchmarks/offload_pipeline.py`` (every arm gives a finite, positive time) and
-``benchmarks/offload_auto.py`` (both rates measured, a choice made); no timing is asserted."""
+``benchmarks/offload_pipeline.py`` (every arm gives a finite, positive time),
+``benchmarks/offload_auto.py`` (both rates measured, a choice made), ``offload_shared.py`` and
+``offload_blocks.py`` (the bytes they report); no timing is asserted."""
 
 from __future__ import annotations
 
@@ -59,3 +60,24 @@ def test_offload_shared_quick_runs(tmp_path, monkeypatch) -> None:
     backbone = 2 * (16 * 16 + 16) * 4
     assert copies["fetched_bytes_per_step"] - once["fetched_bytes_per_step"] == 2 * backbone
     assert copies["state_bytes"] - once["state_bytes"] == 2 * backbone
+
+
+@pytest.mark.slow
+def test_offload_blocks_quick_runs(tmp_path, monkeypatch) -> None:
+    """``benchmarks/offload_blocks.py`` at its smallest: every way timed; cut between its
+    blocks, the largest shard is smaller than the graph cut's encoder shard."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    script = importlib.import_module("offload_blocks")
+    stem = tmp_path / "offload_blocks_test"
+    argv = ["--layers", "2", "--width", "16", "--vocab", "50", "--size", "2", "--batch", "2"]
+    argv += ["--steps", "1", "--rounds", "1", "--out", str(stem)]
+    assert script.main(argv) == 0
+    rows = {r["way"]: r for r in json.loads(stem.with_suffix(".json").read_text())["rows"]}
+    for row in rows.values():
+        assert math.isfinite(row["step_ms"]) and row["step_ms"] > 0
+    graph = rows["offloaded, encoder one layer call (graph cut)"]
+    blocks = rows["offloaded, between blocks"]
+    assert (graph["shards"], blocks["shards"]) == (2, 6)
+    assert blocks["largest_shard_bytes"] < graph["largest_shard_bytes"]

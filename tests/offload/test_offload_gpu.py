@@ -5,6 +5,7 @@ within the budget for an array whose state is over twice that budget."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -16,18 +17,26 @@ from hfsweep.offload import CudaTransfer, OffloadedArray
 pytestmark = pytest.mark.gpu
 
 
+def _random_inputs() -> Iterator[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    while True:
+        yield torch.randn(8, 16, generator=gen, dtype=torch.float64).cuda()
+
+
 def _train_side_by_side(
     whole: hs.FusedArray,
     host: hs.FusedArray,
     engine: OffloadedArray,
     opt_w: hs.optim.FusedOptimizer,
     opt_h: hs.optim.FusedOptimizer,
+    inputs: Iterator[torch.Tensor] | None = None,
 ) -> None:
-    """Three steps of ``whole`` on CUDA and of ``host`` run by ``engine``: the same outputs
-    and, at the end, the same state (float64)."""
-    gen = torch.Generator().manual_seed(0)
+    """Three steps of ``whole`` on CUDA and of ``host`` run by ``engine`` on ``inputs``
+    (default: random ``[8, 16]``): the same outputs and, at the end, the same state
+    (float64)."""
+    inputs = _random_inputs() if inputs is None else inputs
     for _ in range(3):
-        x = torch.randn(8, 16, generator=gen, dtype=torch.float64).cuda()
+        x = next(inputs)
         out_w, out_h = whole(x), engine(x)
         torch.testing.assert_close(out_h, out_w, rtol=1e-7, atol=1e-12)
         out_w.square().mean().backward()
@@ -145,3 +154,24 @@ def test_a_backbone_of_b_copies_over_the_budget_streams_once_within_it_on_cuda()
     transient = 16 * 2**20  # activations inside one shard's computation
     assert engine.ledger.peak <= budget
     assert peak <= budget + transient, (peak, budget)
+
+
+def test_a_bert_classifier_streamed_between_its_blocks_on_cuda_trains_as_the_whole_array() -> None:
+    """transformers' BERT (fx cannot cut it) streamed unit by unit on CUDA: its own forward on
+    the device, each block's tensors copied in from pinned host storage (float64, exact)."""
+    pytest.importorskip("transformers")
+    from test_offload_blocks import Classifier, _ids
+
+    models = [Classifier(i).double() for i in range(3)]
+    whole = hs.fuse(copy.deepcopy(models)).to("cuda")
+    host = hs.fuse(models)
+    for i in range(3):
+        whole.manual_seed(i, i + 1)
+        host.manual_seed(i, i + 1)
+    engine = OffloadedArray(host, device="cuda", cut="blocks")
+    assert any(".encoder.layer.0" in s.nodes[0] for s in engine.shards)
+    opt_w = hs.optim.AdamW(whole, lr=[1e-2, 3e-3, 1e-3])
+    opt_h = hs.optim.AdamW(host, lr=[1e-2, 3e-3, 1e-3])
+    ids = (_ids(step).cuda() for step in range(3))
+    _train_side_by_side(whole, host, engine, opt_w, opt_h, ids)
+    assert engine.ledger.resident == 0

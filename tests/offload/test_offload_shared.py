@@ -11,10 +11,11 @@ from collections.abc import Callable, Sequence
 
 import pytest
 import torch
+from _offload_toy import Counting
 from torch import Tensor, nn
 
 import hfsweep as hs
-from hfsweep.offload import CpuTransfer, Fetch, OffloadedArray, OffloadError
+from hfsweep.offload import OffloadedArray, OffloadError
 
 B = 3
 
@@ -41,18 +42,6 @@ class Backbone(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.head(self.backbone(x))
-
-
-class Counting(CpuTransfer):
-    """A CPU transfer that adds up the bytes it copies to the compute side."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fetched = 0
-
-    def fetch(self, tensors: Sequence[Tensor]) -> Fetch:
-        self.fetched += sum(t.numel() * t.element_size() for t in tensors)
-        return super().fetch(tensors)
 
 
 def _models(make: Callable[[int], nn.Module]) -> list[nn.Module]:
