@@ -23,6 +23,7 @@ by amounts that depended on the process's history, not on the way. Usage::
 
     python benchmarks/op_times.py                       # writes results/op_times_cpu.md
     python benchmarks/op_times.py --models tiny_mlp --sizes 8 --steps 20 --out /tmp/ot
+    python benchmarks/op_times.py --allocator-as-left    # glibc as the trainer's run left it
 """
 
 from __future__ import annotations
@@ -147,9 +148,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=40, help="profiled steps per way")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--allocator-as-left",
+        action="store_true",
+        help="leave glibc's thresholds as the captured trainer run left them (as this script "
+        "did before issue 21) instead of the trainer's own setting",
+    )
     args = parser.parse_args(argv)
     device = torch.device("cpu")  # the profiler's CPU operators; a GPU's kernels are not read
-    retain_freed_memory()  # the allocator setting the trainer runs with, for every way alike
+    if not args.allocator_as_left:
+        retain_freed_memory()  # the allocator setting the trainer runs with, for every way alike
     rows = []
     for name in args.models:
         for size in args.sizes:
@@ -197,7 +205,10 @@ def main(argv: list[str] | None = None) -> int:
             f"- `{OUTSIDE}`: the least, over the steps, of a step's time less its own operators' "
             "sum; `step`: the classes' sum (every operator at its fastest); the page faults "
             f"are counted over {args.steps} unprofiled steps before the profiled ones",
-            "- every way runs with the allocator setting of hfsweep's trainer "
+            "- allocator: glibc's thresholds as the captured trainer run left them "
+            "(`--allocator-as-left`)"
+            if args.allocator_as_left
+            else "- every way runs with the allocator setting of hfsweep's trainer "
             "(`hfsweep._malloc.retain_freed_memory`)",
         ],
         ["model", "B", "class", *(f"{w} us" for w in WAYS), "fused - ideal", "trainer - ideal"],
