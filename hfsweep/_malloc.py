@@ -118,7 +118,7 @@ def _raise() -> None:
 
 def _restore() -> None:
     """The thresholds glibc's adaptive rule would have reached (:data:`AFTER_MMAP_THRESHOLD`,
-    :data:`AFTER_TRIM_THRESHOLD`), and the memory kept beyond them handed back."""
+    :data:`AFTER_TRIM_THRESHOLD`), and the freed memory kept handed back (``malloc_trim``)."""
     global _raised
     _raised = False
     if _set(AFTER_MMAP_THRESHOLD, AFTER_TRIM_THRESHOLD):
@@ -133,7 +133,7 @@ def retaining_freed_memory() -> Iterator[bool]:
     """Within the block, glibc keeps this process's freed memory for reuse (raised mmap and
     trim thresholds); yields whether it does. When the last open block ends (in any thread),
     the thresholds are lowered to where glibc's adaptive rule would have taken them (32 MiB
-    and 64 MiB) and the memory kept beyond that is handed back, unless
+    and 64 MiB) and the freed memory kept is handed back, unless
     :func:`retain_freed_memory` made them the process's. :class:`~hfsweep.ArrayTrainer` runs
     on the CPU inside one."""
     global _open
