@@ -13,10 +13,17 @@ of ``autograd.Function`` objects...); ``outside operators`` is the minimum step 
 operators' sum: Python between them (the array's trace lookup, the traced graph's own Python,
 the optimizers' bookkeeping) and the profiler's own cost per event, which every way pays per
 operator it dispatches. Figures are microseconds per step under the profiler, so compare the
-ways with each other, not with ``fusion_throughput.py``'s rates. Usage::
+ways with each other, not with ``fusion_throughput.py``'s rates. Also counted per way: the minor
+page faults of a step (unprofiled steps, ``getrusage``), a step's memory the system had to map
+in again. Every way runs with the allocator setting hfsweep's trainer trains with
+(``hfsweep._malloc.retain_freed_memory``), as in ``fusion_throughput.py``: without it, the
+trainer's run that ``make_steps`` captures the trainer's step from left glibc's thresholds at
+values (before issue 21's fix) under which each way's steps page-faulted their activations in,
+by amounts that depended on the process's history, not on the way. Usage::
 
     python benchmarks/op_times.py                       # writes results/op_times_cpu.md
     python benchmarks/op_times.py --models tiny_mlp --sizes 8 --steps 20 --out /tmp/ot
+    python benchmarks/op_times.py --allocator-as-left    # glibc as the trainer's run left it
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import resource
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,6 +40,8 @@ import torch
 from _results import RESULTS, write_results
 from fusion_throughput import MODELS, make_steps
 from torch.profiler import ProfilerActivity, profile, record_function
+
+from hfsweep._malloc import retain_freed_memory
 
 #: the ways profiled, in table order
 WAYS = ("ideal", "hand", "fused", "trainer")
@@ -66,6 +76,7 @@ CLASSES: tuple[tuple[str, str], ...] = (
 )
 _COMPILED = [(name, re.compile(pattern)) for name, pattern in CLASSES]
 OUTSIDE = "outside operators (Python between them, profiler)"
+FAULTS = "minor page faults per step (a count, not in the step's sum)"
 
 
 def op_class(name: str) -> str:
@@ -82,6 +93,10 @@ def profile_way(step: Callable[[], None], steps: int, warmup: int) -> dict[str, 
     spent outside them."""
     for _ in range(warmup):
         step()
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(steps):
+        step()
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             with record_function(_STEP):
@@ -111,6 +126,7 @@ def profile_way(step: Callable[[], None], steps: int, warmup: int) -> dict[str, 
     ]
     out[OUTSIDE] = max(0.0, min(gaps))
     out["step"] = sum(out.values())
+    out[FAULTS] = faults / steps
     out["steps compared"] = float(len(same))
     return out
 
@@ -132,8 +148,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=40, help="profiled steps per way")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--allocator-as-left",
+        action="store_true",
+        help="leave glibc's thresholds as the captured trainer run left them (as this script "
+        "did before issue 21) instead of the trainer's own setting",
+    )
     args = parser.parse_args(argv)
     device = torch.device("cpu")  # the profiler's CPU operators; a GPU's kernels are not read
+    if not args.allocator_as_left:
+        retain_freed_memory()  # the allocator setting the trainer runs with, for every way alike
     rows = []
     for name in args.models:
         for size in args.sizes:
@@ -144,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                 + ", ".join(f"{w} {row[w]['step']:.0f} us" for w in WAYS if w in row),
                 flush=True,
             )
-    labels = [label for label, _ in CLASSES] + [OUTSIDE, "step"]
+    labels = [label for label, _ in CLASSES] + [OUTSIDE, "step", FAULTS]
     cells = []
     for row in rows:
         for label in labels:
@@ -179,7 +203,13 @@ def main(argv: list[str] | None = None) -> int:
             "as one (`_hand_written.py`); `fused`: the `hs.fuse` array in a user's loop with "
             "`torch.optim.SGD`; `trainer`: the trainer's step (`hs.optim.SGD`)",
             f"- `{OUTSIDE}`: the least, over the steps, of a step's time less its own operators' "
-            "sum; `step`: the classes' sum (every operator at its fastest)",
+            "sum; `step`: the classes' sum (every operator at its fastest); the page faults "
+            f"are counted over {args.steps} unprofiled steps before the profiled ones",
+            "- allocator: glibc's thresholds as the captured trainer run left them "
+            "(`--allocator-as-left`)"
+            if args.allocator_as_left
+            else "- every way runs with the allocator setting of hfsweep's trainer "
+            "(`hfsweep._malloc.retain_freed_memory`)",
         ],
         ["model", "B", "class", *(f"{w} us" for w in WAYS), "fused - ideal", "trainer - ideal"],
         cells,

@@ -19,7 +19,9 @@ The trainer's non-finite check is timed as its own phase by calling what ``step`
 The clock is read between phases (``time.perf_counter``, on a CPU nothing runs asynchronously;
 on CUDA each phase ends with a synchronize, which adds to every phase). Also timed: each way's
 whole step undivided (``step``), so the phases' sum can be checked against it. Microseconds per
-step, median over rounds. Usage::
+step, median over rounds. Every way runs with the allocator setting of hfsweep's trainer
+(``hfsweep._malloc.retain_freed_memory``, as ``fusion_throughput.py`` and ``op_times.py`` do).
+Usage::
 
     python benchmarks/step_breakdown.py --rounds 5       # writes results/step_breakdown_cpu.md
     python benchmarks/step_breakdown.py --models tiny_mlp --sizes 1 --rounds 1 --out /tmp/sb
@@ -41,6 +43,7 @@ from _results import RESULTS, write_results
 from fusion_throughput import MODELS, _batch, trainer_add_losses, trainer_calls
 
 import hfsweep as hs
+from hfsweep._malloc import retain_freed_memory
 from hfsweep._usercode import OPTIMIZER_STEP, Phase
 from hfsweep.training import step as _step
 
@@ -289,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    retain_freed_memory()  # the allocator setting the trainer runs with, for every way alike
     rows = []
     for name in args.models:
         for size in args.sizes:

@@ -13,10 +13,16 @@ showed no difference beyond this machine's noise.
 (and the profiler's measurements), so memory freed in one step serves the next, as the CUDA
 caching allocator does on a GPU (and as PyTorch's CPU launcher does with jemalloc). The cost:
 memory the process freed stays counted in its resident size, up to :data:`TRIM_THRESHOLD` beyond
-what it uses. When the last such block ends (blocks may nest and overlap in threads), glibc's
-default thresholds (128 KiB each) are set back and the memory kept beyond use is handed back to
-the system (``malloc_trim``). glibc has no way to read its thresholds, nor to turn its adaptive
-mmap threshold back on once they were set, so after a run they are glibc's fixed defaults.
+what it uses. When the last such block ends (blocks may nest and overlap in threads), the memory
+kept beyond use is handed back to the system (``malloc_trim``) and the thresholds are set to
+:data:`AFTER_MMAP_THRESHOLD` and :data:`AFTER_TRIM_THRESHOLD`: where glibc's own adaptive rule
+takes them once the process has freed a block of 32 MiB (the mmap threshold rises to the freed
+block's size, at most 32 MiB, and the trim threshold to twice that). glibc has no way to read its
+thresholds, nor to turn that adaptive rule back on once they were set; setting back its fixed
+128 KiB starting values instead (as hfsweep did before) left every later tensor over 128 KiB in
+fresh ``mmap`` pages for the rest of the process: an array trained in the same process after a
+trainer's run (a user's own loop, the benchmarks' in-process ways) page-faulted its activations
+in on every step (``benchmarks/op_times.py``'s page-fault counts, issue 21).
 
 ``HFSWEEP_MALLOC=system`` leaves the allocator alone, as do thresholds the user set
 (``GLIBC_TUNABLES``, ``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``), another allocator
@@ -36,6 +42,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 __all__ = [
+    "AFTER_MMAP_THRESHOLD",
+    "AFTER_TRIM_THRESHOLD",
     "DEFAULT_THRESHOLD",
     "MMAP_THRESHOLD",
     "TRIM_THRESHOLD",
@@ -50,8 +58,12 @@ _log = logging.getLogger("hfsweep")
 MMAP_THRESHOLD = 32 << 20
 #: free memory at the top of the heap is handed back to the system only beyond this
 TRIM_THRESHOLD = 1 << 30
-#: glibc's default mmap and trim thresholds, set back when the last run ends
+#: glibc's default mmap and trim thresholds, where its adaptive rule starts from
 DEFAULT_THRESHOLD = 128 << 10
+#: the thresholds once the last run ends: where glibc's adaptive rule leaves them after the
+#: process freed a block of :data:`MMAP_THRESHOLD` (the trim threshold twice the mmap one)
+AFTER_MMAP_THRESHOLD = MMAP_THRESHOLD
+AFTER_TRIM_THRESHOLD = 2 * MMAP_THRESHOLD
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -105,10 +117,11 @@ def _raise() -> None:
 
 
 def _restore() -> None:
-    """glibc's default thresholds again, and the memory kept beyond use handed back."""
+    """The thresholds glibc's adaptive rule would have reached (:data:`AFTER_MMAP_THRESHOLD`,
+    :data:`AFTER_TRIM_THRESHOLD`), and the freed memory kept handed back (``malloc_trim``)."""
     global _raised
     _raised = False
-    if _set(DEFAULT_THRESHOLD, DEFAULT_THRESHOLD):
+    if _set(AFTER_MMAP_THRESHOLD, AFTER_TRIM_THRESHOLD):
         try:
             ctypes.CDLL(None).malloc_trim(0)
         except (OSError, AttributeError) as exc:
@@ -119,7 +132,8 @@ def _restore() -> None:
 def retaining_freed_memory() -> Iterator[bool]:
     """Within the block, glibc keeps this process's freed memory for reuse (raised mmap and
     trim thresholds); yields whether it does. When the last open block ends (in any thread),
-    the thresholds are set back to glibc's defaults and the memory kept is handed back, unless
+    the thresholds are lowered to where glibc's adaptive rule would have taken them (32 MiB
+    and 64 MiB) and the freed memory kept is handed back, unless
     :func:`retain_freed_memory` made them the process's. :class:`~hfsweep.ArrayTrainer` runs
     on the CPU inside one."""
     global _open

@@ -70,19 +70,38 @@ def test_every_operator_lands_in_one_class(bench: tuple[ModuleType, ModuleType])
         assert times.op_class(name).startswith(start), (name, times.op_class(name))
 
 
-def test_a_smoke_run_writes_every_way(bench: tuple[ModuleType, ModuleType], tmp_path: Path) -> None:
+def test_a_smoke_run_writes_every_way(
+    bench: tuple[ModuleType, ModuleType], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     _, times = bench
+    retained: list[int] = []  # the trainer's allocator setting, not made in this test process
+    monkeypatch.setattr(times, "retain_freed_memory", lambda: retained.append(1) or True)
     stem = tmp_path / "op_times"
     argv = ["--models", "tiny_mlp", "--sizes", "2", "--steps", "2", "--warmup", "1"]
     assert times.main([*argv, "--out", str(stem)]) == 0
+    assert retained == [1]  # every way runs with the allocator setting the trainer runs with
     (row,) = json.loads(stem.with_suffix(".json").read_text())["rows"]
     for way in times.WAYS:  # the MLP has a hand-written version
         classes = row[way]
         assert classes["steps compared"] >= 1
-        parts = [v for k, v in classes.items() if k not in ("step", "steps compared")]
+        assert classes[times.FAULTS] >= 0  # a count per step, outside the step's sum
+        parts = [v for k, v in classes.items() if k not in ("step", "steps compared", times.FAULTS)]
         assert all(v >= 0 for v in parts)
         assert classes["step"] == pytest.approx(sum(parts))
         assert classes[times.OUTSIDE] > 0
     # the engine's stacked Linear is an autograd.Function; the ideal model has none
     assert row["fused"]["Python autograd.Function code (forward, backward)"] > 0
     assert "| tiny_mlp | 2 | step |" in stem.with_suffix(".md").read_text()
+
+
+def test_allocator_as_left_skips_the_trainers_setting(
+    bench: tuple[ModuleType, ModuleType], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, times = bench
+    retained: list[int] = []
+    monkeypatch.setattr(times, "retain_freed_memory", lambda: retained.append(1) or True)
+    argv = ["--models", "tiny_mlp", "--sizes", "2", "--steps", "2", "--warmup", "1"]
+    stem = tmp_path / "as_left"
+    assert times.main([*argv, "--allocator-as-left", "--out", str(stem)]) == 0
+    assert retained == []
+    assert "--allocator-as-left" in stem.with_suffix(".md").read_text()

@@ -113,6 +113,7 @@ class FusedArray(_Tracing, nn.Module):
         self._template_dicts = [
             (m.__dict__, per_member_attributes(m)) for m in self._template_modules
         ]
+        self._public_keys = [(frozenset(), ()) for _ in self._template_dicts]  # see _attributes
         self._state_plan: Any = False  # see _member_state_plan; False: not made yet
         #: every layer with per-member dropout streams, and the attribute it reads p from
         self._streams = [
@@ -549,6 +550,7 @@ class FusedArray(_Tracing, nn.Module):
         self._template_dicts = [
             (m.__dict__, per_member_attributes(m)) for m in self._template_modules
         ]
+        self._public_keys = [(frozenset(), ()) for _ in self._template_dicts]  # see _attributes
 
     def _apply(self, fn: Any, recurse: bool = True) -> FusedArray:
         self._traces.clear()

@@ -105,6 +105,9 @@ class _Tracing:
     _shared_traces: dict[Any, Any] | None
     _template_modules: list[nn.Module]
     _template_dicts: list[tuple[dict[str, Any], Any]]
+    #: per template dict: the key set its public settings were worked out from, and those
+    #: settings' names (see _attributes)
+    _public_keys: list[tuple[frozenset[str], tuple[str, ...]]]
     _grad_watch: _GradModeWatch | None
     _tracing_seconds: float
     _trace_after: int
@@ -297,16 +300,27 @@ class _Tracing:
     def _attributes(self) -> tuple[Any, ...]:
         """Every plain Python setting of the template's modules (train/eval mode included).
 
-        Part of every call's trace key (about 6 us for a small MLP): names and values, objects by
-        identity. Attributes that are per-member data in the array (dropout ``p``, read from
-        ``member_p``) are left out.
+        Part of every call's trace key: names and values, objects by identity. Attributes that
+        are per-member data in the array (dropout ``p``, read from ``member_p``) are left out.
+        Which of a module's keys are public settings is remembered with the key set it was
+        worked out from (:data:`_public_keys`): a call compares each module's keys with that set
+        (one comparison in C) and reads only the remembered settings' values, where reading
+        every key of every module's ``__dict__`` was most of the trace lookup's time. A key
+        added, removed or replaced since is seen by the comparison, and the settings are worked
+        out again; a changed value is read as before.
         """
         out: list[Any] = []
-        for d, per_member in self._template_dicts:
-            for k, v in d.items():
-                if k[0] != "_" and k not in per_member:
-                    out.append(k)
-                    out.append(v if type(v) in _PLAIN else id(v))
+        cache = self._public_keys
+        for i, (d, per_member) in enumerate(self._template_dicts):
+            keys, public = cache[i]
+            if d.keys() != keys:
+                keys = frozenset(d)
+                public = tuple(k for k in d if k[0] != "_" and k not in per_member)
+                cache[i] = (keys, public)
+            for k in public:
+                v = d[k]
+                out.append(k)
+                out.append(v if type(v) in _PLAIN else id(v))
         return tuple(out)
 
     def _lookup_trace(

@@ -43,10 +43,15 @@ def test_the_phases_train_as_the_whole_trainer_step(breakdown: ModuleType) -> No
         assert torch.equal(p, q)
 
 
-def test_a_smoke_run_writes_every_phase(breakdown: ModuleType, tmp_path: Path) -> None:
+def test_a_smoke_run_writes_every_phase(
+    breakdown: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    retained: list[int] = []  # the trainer's allocator setting, not made in this test process
+    monkeypatch.setattr(breakdown, "retain_freed_memory", lambda: retained.append(1) or True)
     stem = tmp_path / "sb"
     argv = ["--models", "tiny_mlp", "--sizes", "2", "--rounds", "1", "--iters", "2"]
     assert breakdown.main([*argv, "--warmup", "1", "--out", str(stem)]) == 0
+    assert retained == [1]  # every way runs with the allocator setting the trainer runs with
     (row,) = json.loads(stem.with_suffix(".json").read_text())["rows"]
     for way in ("plain", "trainer", "ideal"):
         assert row[f"{way}_step_us"] > 0
