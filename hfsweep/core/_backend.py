@@ -100,8 +100,20 @@ class _Backend(_Parts):
             remember=scaling.remember if scaling is not None else None,
             rungs=_rungs(self.scheduler),
             record=self.dir.write_elastic,
+            queued=self._queued_arrays,
         )
 
+    def _queued_arrays(self) -> int:
+        """About how many arrays the engine will still form: from the trials in the packer's
+        pools, and those the searcher may still be asked for (none past the time limit or once
+        it has no more) at the mix of keys asked so far (``Packer.queued_arrays``). The
+        allocator starts these before it grows an array."""
+        unasked = 0
+        limit = self.sc.budget.time_limit_s
+        if self.drivers is not None and not self.source.exhausted:
+            if limit is None or self._elapsed() < limit:
+                unasked = max(0, self.total - self.drivers.count)
+        return self.packer.queued_arrays(unasked)
 
 def _rungs(scheduler: object) -> tuple[float, ...]:
     """Where the trial scheduler may stop members, in budget units: every rung of every

@@ -138,7 +138,9 @@ class ElasticPolicy:
     gets each plan's status line (the progress display); ``clock`` is seconds (tests pass a
     fake one); ``scaling`` gives each compatibility key's scaling profile (None: perfect
     scaling assumed); ``rungs`` are the trial scheduler's rungs in ``by`` units (where members
-    may stop; empty: not known), from which each array's ``horizon_s`` is given.
+    may stop; empty: not known), from which each array's ``horizon_s`` is given; ``queued``
+    says about how many arrays the engine will still form from queued trials (None: none
+    known), which the allocator starts before it grows an array.
     """
 
     def __init__(
@@ -153,8 +155,10 @@ class ElasticPolicy:
         remember: Callable[[ScalingProfile], None] | None = None,
         rungs: Sequence[float] = (),
         record: Callable[[Mapping[str, Any]], None] | None = None,
+        queued: Callable[[], int] | None = None,
     ) -> None:
         self.settings = settings
+        self.queued = queued
         self.record = record
         self.rungs = tuple(sorted({float(r) for r in rungs}))
         self.scaling = scaling
@@ -459,7 +463,8 @@ class ElasticPolicy:
             for e in sorted(self._arrays.values(), key=lambda e: e.formed)
             if not e.begun
         ]
-        plan = self.allocator.decide(states, pools, total, now=now, event=event)
+        queued = 0 if self.queued is None else max(0, int(self.queued()))
+        plan = self.allocator.decide(states, pools, total, now=now, event=event, queued=queued)
         if quiet and all(d.after == d.before for d in plan.decisions):
             return
         self.plans.append(plan)
