@@ -108,12 +108,13 @@ class _Backend(_Parts):
         pools, and those the searcher may still be asked for (none past the time limit or once
         it has no more) at the mix of keys asked so far (``Packer.queued_arrays``). The
         allocator starts these before it grows an array."""
-        unasked = 0
         limit = self.sc.budget.time_limit_s
-        if self.drivers is not None and not self.source.exhausted:
-            if limit is None or self._elapsed() < limit:
-                unasked = max(0, self.total - self.drivers.count)
-        return self.packer.queued_arrays(unasked)
+        asking = self.drivers is not None and not self.source.exhausted
+        if not asking or (limit is not None and self._elapsed() >= limit):
+            return self.packer.queued_arrays(0)
+        assert self.drivers is not None
+        return self.packer.queued_arrays(max(0, self.total - self.drivers.count))
+
 
 def _rungs(scheduler: object) -> tuple[float, ...]:
     """Where the trial scheduler may stop members, in budget units: every rung of every
