@@ -101,6 +101,7 @@ class _Backend(_Parts):
             rungs=_rungs(self.scheduler),
             record=self.dir.write_elastic,
             queued=self._queued_arrays,
+            max_arrays=self.sc.ray.max_concurrent,
         )
 
     def _queued_arrays(self) -> int:

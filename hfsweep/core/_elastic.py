@@ -140,7 +140,9 @@ class ElasticPolicy:
     scaling assumed); ``rungs`` are the trial scheduler's rungs in ``by`` units (where members
     may stop; empty: not known), from which each array's ``horizon_s`` is given; ``queued``
     says about how many arrays the engine will still form from queued trials (None: none
-    known), which the allocator starts before it grows an array.
+    known), which the allocator starts before it grows an array; ``max_arrays`` is the most
+    arrays the engine holds at once (``ray.max_concurrent``; None: no bound), so that no more
+    queued arrays count than it can form beside the ones it has.
     """
 
     def __init__(
@@ -156,9 +158,11 @@ class ElasticPolicy:
         rungs: Sequence[float] = (),
         record: Callable[[Mapping[str, Any]], None] | None = None,
         queued: Callable[[], int] | None = None,
+        max_arrays: int | None = None,
     ) -> None:
         self.settings = settings
         self.queued = queued
+        self.max_arrays = max_arrays
         self.record = record
         self.rungs = tuple(sorted({float(r) for r in rungs}))
         self.scaling = scaling
@@ -464,6 +468,8 @@ class ElasticPolicy:
             if not e.begun
         ]
         queued = 0 if self.queued is None else max(0, int(self.queued()))
+        if self.max_arrays is not None:  # the engine forms no more arrays than this at once
+            queued = min(queued, max(0, self.max_arrays - len(self._arrays)))
         plan = self.allocator.decide(states, pools, total, now=now, event=event, queued=queued)
         if quiet and all(d.after == d.before for d in plan.decisions):
             return

@@ -129,6 +129,19 @@ def test_hfsweep_runs_policy_starts_a_queued_sweep_without_a_resize(tmp_path: Pa
     assert read_resize(folders[0]) == 1
 
 
+def test_no_more_queued_arrays_count_than_the_engine_may_form_at_once(tmp_path: Path) -> None:
+    """With ``ray.max_concurrent: 1`` the engine forms no second array while one runs, so the
+    queue holds no worker back: the array starts on both workers, as before the queue rule."""
+    folder = tmp_path / "0"
+    folder.mkdir()
+    clock, shown = FakeClock(), []
+    policy = fake_policy(clock, shown, queued=lambda: 5)
+    policy.max_arrays = 1
+    assert policy.started(str(folder), "k", 4, total=2) == 2
+    policy = fake_policy(clock, shown, queued=lambda: 5)
+    assert policy.started(str(folder), "k", 4, total=2) == 1
+
+
 def test_the_engine_counts_the_arrays_its_queued_trials_would_form() -> None:
     """``hfsweep run``'s count for the policy (``_Backend._queued_arrays``): each key's pooled
     trials in arrays of its size, and the trials the searcher may still be asked for (the
