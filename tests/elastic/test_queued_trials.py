@@ -114,7 +114,7 @@ def test_hfsweep_runs_policy_starts_a_queued_sweep_without_a_resize(tmp_path: Pa
     def start(queue_known: bool) -> list[int]:
         clock, shown = FakeClock(), []
         left = [3]
-        policy = fake_policy(clock, shown, queued=(lambda: left[0]) if queue_known else None)
+        policy = fake_policy(clock, shown, queued=(lambda held: left[0]) if queue_known else None)
         got = []
         for folder in folders:
             got.append(policy.started(folder, "k", 4, total=4))
@@ -135,21 +135,25 @@ def test_no_more_queued_arrays_count_than_the_engine_may_form_at_once(tmp_path: 
     folder = tmp_path / "0"
     folder.mkdir()
     clock, shown = FakeClock(), []
-    policy = fake_policy(clock, shown, queued=lambda: 5)
+    policy = fake_policy(clock, shown, queued=lambda held: 5)
     policy.max_arrays = 1
     assert policy.started(str(folder), "k", 4, total=2) == 2
-    policy = fake_policy(clock, shown, queued=lambda: 5)
+    policy = fake_policy(clock, shown, queued=lambda held: 5)
     assert policy.started(str(folder), "k", 4, total=2) == 1
 
 
-def test_the_engine_counts_the_arrays_its_queued_trials_would_form() -> None:
-    """``hfsweep run``'s count for the policy (``_Backend._queued_arrays``): each key's pooled
-    trials in arrays of its size, and the trials the searcher may still be asked for (the
-    sweep's trials less those asked) at the mix of keys asked so far; none of the latter once
-    the searcher has no more or the time limit is reached."""
+def test_the_engine_counts_the_arrays_it_will_still_start() -> None:
+    """``hfsweep run``'s count for the policy (``_Backend._queued_arrays``): the arrays it has
+    formed and not ended whose start the policy has not heard yet (it forms one for every free
+    slot before their threads start them), each key's pooled trials in arrays of its size, and
+    the trials the searcher may still be asked for (the sweep's trials less those asked) at the
+    mix of keys asked so far; none of the latter once the searcher has no more or the time
+    limit is reached."""
+    import threading
     from types import SimpleNamespace
 
     from hfsweep.core._backend import _Backend
+    from hfsweep.core._parts import _Array
     from hfsweep.core.packer import Packer
 
     asked = iter([("big", 0), ("big", 1), ("big", 2), ("one", 3)])
@@ -165,6 +169,7 @@ def test_the_engine_counts_the_arrays_its_queued_trials_would_form() -> None:
     # per 4 trials = 0.4375 an unasked trial
     assert packer.queued_arrays(0) == 2
     assert packer.queued_arrays(16) == 2 + 7
+    arrays = [_Array(0, "big", 4, done=True), _Array(1, "big", 4), _Array(2, "one", 1)]
     engine = SimpleNamespace(
         packer=packer,
         sc=SimpleNamespace(budget=SimpleNamespace(time_limit_s=None)),
@@ -172,14 +177,22 @@ def test_the_engine_counts_the_arrays_its_queued_trials_would_form() -> None:
         source=SimpleNamespace(exhausted=False),
         total=20,
         _elapsed=lambda: 5.0,
+        arrays=arrays,
+        dir=SimpleNamespace(array=lambda i: Path("run") / "arrays" / str(i)),
+        _lock=threading.RLock(),
     )
-    assert _Backend._queued_arrays(engine) == 2 + 7  # type: ignore[arg-type]
+    held = {str(Path("run") / "arrays" / "1")}  # array 2 formed, its start not heard yet
+
+    def count() -> int:
+        return _Backend._queued_arrays(engine, held)  # type: ignore[arg-type]
+
+    assert count() == 1 + 2 + 7
     engine.source.exhausted = True
-    assert _Backend._queued_arrays(engine) == 2  # type: ignore[arg-type]
+    assert count() == 1 + 2
     engine.source.exhausted, engine.sc.budget.time_limit_s = False, 5.0
-    assert _Backend._queued_arrays(engine) == 2  # type: ignore[arg-type]
+    assert count() == 1 + 2
     engine.drivers = None
-    assert _Backend._queued_arrays(engine) == 2  # type: ignore[arg-type]
+    assert count() == 1 + 2
     # before any trial was asked, each unasked trial counts as an array
     fresh: Packer[int] = Packer(
         ask=lambda a: None, size=lambda k, i: 1, may_ask=lambda: True, budget=5
