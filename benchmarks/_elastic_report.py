@@ -115,7 +115,11 @@ def markdown(
         "takes effect at once (the real design resizes at the next evaluation boundary; "
         "resizes of one array asked at one instant are one resize, as the engine's latest "
         "request replaces a pending one). Starting an array costs nothing in "
-        "either arm. No node failures.",
+        "either arm. No node failures. The elastic arm tells the allocator about how many "
+        "arrays the queued trials would form (`Packer.queued_arrays`, as `hfsweep run` does); "
+        "elastic-before does not (the allocator before it heard of the queue). A plan's "
+        "requests that return an array to the workers it had at the same instant cost nothing "
+        "(the trainer drops a request for the workers it has).",
         "- Static: every array gets one accelerator for life; a freed accelerator starts the next "
         "array at once.",
         "- Makespan: until the last trial ends. Idle: accelerators without an array, integrated "
