@@ -37,6 +37,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 PHASES = ("queue", "tail")
+#: the arms of every run, side by side: one array per accelerator; the elastic allocator not
+#: told the trials queued behind the formed array (as before issue 19's throughput rule); and
+#: the allocator told them, as ``hfsweep run`` tells it
+ARMS = ("static", "elastic-before", "elastic")
 KINDS = ("useful", "parallel", "resize", "idle")
 
 
@@ -96,7 +100,7 @@ def account_rows(rows: Sequence[Mapping[str, Any]], workers: int) -> list[list[s
     each kind's accelerator-hours (both phases, the tail's in brackets), when the last trial
     started, and the bounds."""
     out = []
-    for arm in ("static", "elastic"):
+    for arm in ARMS:
         sel = [r for r in rows if r["workers"] == workers and r["arm"] == arm]
         if not sel:
             continue
@@ -111,6 +115,59 @@ def account_rows(rows: Sequence[Mapping[str, Any]], workers: int) -> list[list[s
         ]
         out.append(cells)
     return out
+
+
+def phase_rows(rows: Sequence[Mapping[str, Any]], workers: int) -> list[list[str]]:
+    """Table cells: per elastic arm at ``workers`` accelerators, the medians over seeds of where
+    its makespan went by phase: when the last trial started (static's in brackets), the
+    resizes and their accelerator-seconds in the queue and in the tail, the tail's idle and
+    data-parallel accelerator-seconds, the tail's length, and the resizes and pause seconds of
+    the array that ended last (the sweep's critical path)."""
+    static = [r for r in rows if r["workers"] == workers and r["arm"] == "static"]
+    out = []
+    for arm in ARMS[1:]:
+        sel = [r for r in rows if r["workers"] == workers and r["arm"] == arm]
+        if not sel:
+            continue
+
+        def med(values: Sequence[float], digits: int = 0) -> str:
+            return f"{statistics.median(values):,.{digits}f}"
+
+        acc = [r["account"] for r in sel]
+        out.append(
+            [
+                str(workers),
+                arm,
+                f"{med([a['queue_end_s'] for a in acc])} "
+                f"({med([r['account']['queue_end_s'] for r in static])})",
+                med([a["resizes"]["queue"] for a in acc]),
+                med([a["seconds"]["queue"]["resize"] for a in acc]),
+                med([a["resizes"]["tail"] for a in acc]),
+                med([a["seconds"]["tail"]["resize"] for a in acc]),
+                med([a["seconds"]["tail"]["idle"] for a in acc]),
+                med([a["seconds"]["tail"]["parallel"] for a in acc]),
+                med([r["makespan_s"] - r["account"]["queue_end_s"] for r in sel]),
+                med([a.get("last_array", {}).get("resizes", 0) for a in acc]),
+                med([a.get("last_array", {}).get("paused_s", 0.0) for a in acc]),
+            ]
+        )
+    return out
+
+
+PHASE_COLUMNS = [
+    "accelerators",
+    "arm",
+    "last trial started s (static)",
+    "queue resizes",
+    "queue resize acc-s",
+    "tail resizes",
+    "tail resize acc-s",
+    "tail idle acc-s",
+    "tail parallel acc-s",
+    "tail s",
+    "last array's resizes",
+    "last array's pauses s",
+]
 
 
 def _hours(seconds: Sequence[float], digits: int) -> str:

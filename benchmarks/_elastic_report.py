@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from _elastic_account import ACCOUNT_COLUMNS, account_rows
+from _elastic_account import ACCOUNT_COLUMNS, ARMS, PHASE_COLUMNS, account_rows, phase_rows
 from _results import markdown_table
 
 from hfsweep.profiler import AllReduceCost
@@ -46,25 +46,27 @@ def markdown(
     ]
     for workers in args.workers:
         arms = {}
-        for arm in ("static", "elastic"):
+        for arm in ARMS:
             sel = [r for r in rows if r["workers"] == workers and r["arm"] == arm]
+            if not sel:
+                continue
             arms[arm] = {
                 k: statistics.median(r[k] for r in sel)
                 for k, v in sel[0].items()
                 if k != "arm" and isinstance(v, int | float)
             }
-        ratios = sorted(
-            s["makespan_s"] / e["makespan_s"]
-            for s, e in zip(
-                [r for r in rows if r["workers"] == workers and r["arm"] == "static"],
-                [r for r in rows if r["workers"] == workers and r["arm"] == "elastic"],
-                strict=True,
-            )
-        )
         for arm, m in arms.items():
+            ratios = sorted(
+                s["makespan_s"] / e["makespan_s"]
+                for s, e in zip(
+                    [r for r in rows if r["workers"] == workers and r["arm"] == "static"],
+                    [r for r in rows if r["workers"] == workers and r["arm"] == arm],
+                    strict=True,
+                )
+            )
             ratio = (
                 f"{statistics.median(ratios):.2f}x (seeds: {', '.join(f'{x:.2f}' for x in ratios)})"
-                if arm == "elastic"
+                if arm != "static"
                 else ""
             )
             lines.append(
@@ -113,7 +115,11 @@ def markdown(
         "takes effect at once (the real design resizes at the next evaluation boundary; "
         "resizes of one array asked at one instant are one resize, as the engine's latest "
         "request replaces a pending one). Starting an array costs nothing in "
-        "either arm. No node failures.",
+        "either arm. No node failures. The elastic arm tells the allocator about how many "
+        "arrays the queued trials would form (`Packer.queued_arrays`, as `hfsweep run` does); "
+        "elastic-before does not (the allocator before it heard of the queue). A plan's "
+        "requests that return an array to the workers it had at the same instant cost nothing "
+        "(the trainer drops a request for the workers it has).",
         "- Static: every array gets one accelerator for life; a freed accelerator starts the next "
         "array at once.",
         "- Makespan: until the last trial ends. Idle: accelerators without an array, integrated "
@@ -146,16 +152,23 @@ def _where_the_time_goes(rows: Sequence[Mapping[str, Any]], sizes: Sequence[int]
         "",
         *markdown_table(ACCOUNT_COLUMNS, [c for w in sizes for c in account_rows(rows, w)]),
         "",
+        "Where each elastic arm's makespan went, by phase (medians over the seeds; the queue: "
+        "until the last trial started; the tail: after; accelerator-seconds, acc-s): a resize "
+        "in the queue phase delays every trial still queued, one in the tail delays its array's "
+        "end, and the array that ended last is on the sweep's critical path.",
+        "",
+        *markdown_table(PHASE_COLUMNS, [c for w in sizes for c in phase_rows(rows, w)]),
+        "",
     ]
-    for workers in sizes:
-        pairs = _pairs(rows, workers)
+    for workers, arm in ((w, a) for w in sizes for a in ARMS[1:]):
+        pairs = _pairs(rows, workers, arm)
         if not pairs:
             continue
         useful = {
-            arm: statistics.median(
+            name: statistics.median(
                 r["useful_s"] / (workers * r["makespan_s"]) for r in (p[i] for p in pairs)
             )
-            for i, arm in enumerate(("static", "elastic"))
+            for i, name in enumerate(("static", "elastic"))
         }
         work = statistics.median(
             s["makespan_s"] / max(e["bounds"]["work"], e["bounds"]["path"]) for s, e in pairs
@@ -167,8 +180,9 @@ def _where_the_time_goes(rows: Sequence[Mapping[str, Any]], sizes: Sequence[int]
         resized = statistics.median(a.get("resizes", 0) for a in last)
         paused = statistics.median(a.get("paused_s", 0.0) for a in last)
         lines.append(
-            f"- {workers} accelerators: useful share of the accelerator-time {useful['elastic']:.0%} "
-            f"elastic, {useful['static']:.0%} static. Static's makespan over elastic's work "
+            f"- {workers} accelerators, {arm}: useful share of the accelerator-time "
+            f"{useful['elastic']:.0%} elastic, {useful['static']:.0%} static. Static's makespan "
+            "over elastic's work "
             f"bound: {work:.2f}x (the most any schedule of elastic's trained steps could gain "
             f"over static); over elastic's tail bound: {tail:.2f}x (the most after elastic's own "
             f"queue phase); elastic reached {got:.2f}x. "
@@ -186,9 +200,9 @@ def _where_the_time_goes(rows: Sequence[Mapping[str, Any]], sizes: Sequence[int]
 
 
 def _pairs(
-    rows: Sequence[Mapping[str, Any]], workers: int
+    rows: Sequence[Mapping[str, Any]], workers: int, arm: str = "elastic"
 ) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    """(static, elastic) rows of each seed at ``workers``, each with its useful seconds."""
+    """(static, ``arm``) rows of each seed at ``workers``, each with its useful seconds."""
     out = []
     for seed in sorted({r["seed"] for r in rows if r["workers"] == workers}):
         arms = {}
@@ -199,6 +213,6 @@ def _pairs(
                     **r,
                     "useful_s": sum(p["useful"] for p in seconds.values()),
                 }
-        if {"static", "elastic"} <= set(arms):
-            out.append((arms["static"], arms["elastic"]))
+        if {"static", arm} <= set(arms):
+            out.append((arms["static"], arms[arm]))
     return out

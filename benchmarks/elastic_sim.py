@@ -29,7 +29,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _elastic_account import Account, bounds
+from _elastic_account import ARMS, Account, bounds
 from _elastic_report import markdown
 
 from hfsweep.core.allocator import Allocator, ArrayState, WaitingPool
@@ -93,6 +93,9 @@ class Array:
     #: when its last resize was made: further resizes at the same instant are one resize (the
     #: engine's ``request_resize`` replaces a pending target; the array resizes once)
     resized_at: float = -1.0
+    #: the instant of its last change of workers, and (workers, busy_until, since) before it
+    instant: float = -1.0
+    base: tuple[int, float, float] = (0, 0.0, 0.0)
 
 
 @dataclass
@@ -148,6 +151,7 @@ class Sim:
         noise: float,
         seed: int,
         allocator: Allocator,
+        queue_seen: bool = True,
     ) -> None:
         self.models, self.cost, self.total = models, cost, workers
         self.elastic, self.spe, self.max_epochs, self.eta = (
@@ -158,6 +162,9 @@ class Sim:
         )
         self.noise, self.seed = noise, seed
         self.alloc = allocator
+        #: whether the allocator is told the arrays the queued trials would form (as
+        #: ``hfsweep run`` tells it, ``Packer.queued_arrays``); False: as before
+        self.queue_seen = queue_seen
         #: the searcher's trials not asked yet, in order; the engine's packer asks them one at
         #: a time into its pools (one per model) and forms arrays from full pools
         self.stream: deque[Trial] = deque(trials)
@@ -218,12 +225,24 @@ class Sim:
 
     def set_workers(self, a: Array, k: int, cost_s: float) -> None:
         self.advance(a)
+        if a.instant != self.now:  # the first change at this instant: what it changes from
+            a.instant, a.base = self.now, (a.workers, a.busy_until, a.since)
         if a.workers > 0 and k != a.workers and a.resized_at != self.now:
             self.resizes += 1
             self.account.resizes[self.phase()] += 1
             a.resizes, a.paused_s = a.resizes + 1, a.paused_s + cost_s
             a.busy_until = max(a.busy_until, self.now) + cost_s
             a.resized_at = self.now
+        elif a.resized_at == self.now and k == a.base[0]:
+            # asked back to the workers it had before this instant: the engine's latest request
+            # replaces the pending one, and the trainer drops a request for the workers it has
+            self.resizes -= 1
+            self.account.resizes[self.phase()] -= 1
+            a.resizes, a.paused_s = a.resizes - 1, a.paused_s - cost_s
+            a.busy_until, a.resized_at = a.base[1], -1.0
+            a.workers, a.since = k, a.base[2]
+            self.schedule(a)
+            return
         a.workers, a.since = k, self.now
         self.schedule(a)
 
@@ -404,7 +423,10 @@ class Sim:
             for a in self.arrays.values()
             if not a.begun
         ]
-        plan = self.alloc.decide(states, pools, self.total, now=self.now, event=event)
+        queued = self.packer.queued_arrays(len(self.stream)) if self.queue_seen else 0
+        plan = self.alloc.decide(
+            states, pools, self.total, now=self.now, event=event, queued=queued
+        )
         self.decisions += 1
         after = plan.workers()
         running = [a for a in self.arrays.values() if a.begun]
@@ -524,8 +546,11 @@ def simulate(
     profiles: Path = PROFILES,
     bandwidth: float | None = None,
     latency: float | None = None,
+    queue_seen: bool = True,
 ) -> Result:
-    """One arm: the same trials (``seed``) for static and elastic."""
+    """One arm: the same trials (``seed``) for static and elastic; ``queue_seen`` False: the
+    elastic allocator is not told the trials queued behind the formed array (before issue
+    19's throughput rule)."""
     models, cost = load_models(profiles, mix)
     if bandwidth is not None or latency is not None:
         cost = AllReduceCost(
@@ -548,6 +573,7 @@ def simulate(
         noise=noise,
         seed=seed + 1,
         allocator=allocator,
+        queue_seen=queue_seen,
     )
     return sim.run()
 
@@ -571,12 +597,13 @@ def main(argv: list[str] | None = None) -> int:
     for workers in args.workers:
         for seed in args.seeds:
             res = {}
-            for arm in ("static", "elastic"):
+            for arm in ARMS:
                 r = simulate(
                     workers=workers,
                     trials=args.trials,
                     mix=mix,
-                    elastic=arm == "elastic",
+                    elastic=arm != "static",
+                    queue_seen=arm == "elastic",
                     seed=seed,
                     steps_per_epoch=args.steps_per_epoch,
                     max_epochs=args.max_epochs,
@@ -603,10 +630,12 @@ def main(argv: list[str] | None = None) -> int:
                     }
                 )
                 print({k: v for k, v in rows[-1].items() if k != "account"}, flush=True)
-            ratio = res["static"].makespan_s / res["elastic"].makespan_s
-            print(
-                f"workers={workers} seed={seed}: static/elastic makespan {ratio:.2f}x", flush=True
-            )
+            for arm in ARMS[1:]:
+                ratio = res["static"].makespan_s / res[arm].makespan_s
+                print(
+                    f"workers={workers} seed={seed}: static/{arm} makespan {ratio:.2f}x",
+                    flush=True,
+                )
     command = "python benchmarks/elastic_sim.py " + " ".join(
         argv if argv is not None else sys.argv[1:]
     )

@@ -50,20 +50,35 @@ def _best(
     (the first ``len(resizes)``, each ``(workers now, cost)``), ``cost`` wherever ``k`` is
     neither their workers now nor 0; None if even the smallest choices do not fit. Ties go to
     fewer workers (choices in ascending order, strict >)."""
+    values = []
+    for i, (choices, weight, profile) in enumerate(zip(options, weights, profiles, strict=True)):
+        now, cost = resizes[i] if i < len(resizes) else (0, 0.0)
+        values.append(
+            [
+                (0.0 if k == 0 else weight * (2.0 - 1.0 / profile.speedup(k)))
+                - (cost if now > 0 and k not in (0, now) else 0.0)
+                for k in choices
+            ]
+        )
+    return _best_of(options, values, total)
+
+
+def _best_of(
+    options: Sequence[Sequence[int]], values: Sequence[Sequence[float]], total: int
+) -> list[int] | None:
+    """The DP itself: one of ``options[i]`` per array, using at most ``total`` workers, with the
+    largest sum of the matching ``values[i]``; None if even the smallest choices do not fit.
+    Ties go to fewer workers (choices in ascending order, strict >)."""
     if sum(min(o) for o in options) > total:
         return None
     neg = -math.inf
     best = np.full(total + 1, neg)
     best[0] = 0.0  # best[w]: the value using exactly w workers
     picks: list[np.ndarray] = []
-    for i, (choices, weight, profile) in enumerate(zip(options, weights, profiles, strict=True)):
+    for choices, worth in zip(options, values, strict=True):
         new = np.full(total + 1, neg)
         pick = np.zeros(total + 1, dtype=np.int64)
-        now, cost = resizes[i] if i < len(resizes) else (0, 0.0)
-        for k in choices:
-            value = 0.0 if k == 0 else weight * (2.0 - 1.0 / profile.speedup(k))
-            if now > 0 and k not in (0, now):
-                value -= cost
+        for k, value in zip(choices, worth, strict=True):
             if k > total:
                 continue
             shifted = np.full(total + 1, neg)

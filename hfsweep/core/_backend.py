@@ -5,7 +5,7 @@ sweep ends; see :mod:`hfsweep.core._parts`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -100,7 +100,28 @@ class _Backend(_Parts):
             remember=scaling.remember if scaling is not None else None,
             rungs=_rungs(self.scheduler),
             record=self.dir.write_elastic,
+            queued=self._queued_arrays,
+            max_arrays=self.sc.ray.max_concurrent,
         )
+
+    def _queued_arrays(self, held: Collection[str]) -> int:
+        """About how many more arrays the engine will start beside the policy's ``held``
+        folders: those it has formed and not ended whose start the policy has not heard yet
+        (the engine forms arrays for every free slot before their threads start them), and
+        those the trials in the packer's pools and the ones the searcher may still be asked
+        for (none past the time limit or once it has no more) would form at the mix of keys
+        asked so far (``Packer.queued_arrays``). The allocator starts these before it grows
+        an array."""
+        with self._lock:  # the lock ``show`` takes too, in the same order
+            unheard = sum(
+                1 for a in self.arrays if not a.done and str(self.dir.array(a.index)) not in held
+            )
+            limit = self.sc.budget.time_limit_s
+            asking = self.drivers is not None and not self.source.exhausted
+            if asking and (limit is None or self._elapsed() < limit):
+                assert self.drivers is not None
+                return unheard + self.packer.queued_arrays(self.total - self.drivers.count)
+            return unheard + self.packer.queued_arrays(0)
 
 
 def _rungs(scheduler: object) -> tuple[float, ...]:

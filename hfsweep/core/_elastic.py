@@ -77,7 +77,7 @@ import logging
 import statistics
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -138,7 +138,13 @@ class ElasticPolicy:
     gets each plan's status line (the progress display); ``clock`` is seconds (tests pass a
     fake one); ``scaling`` gives each compatibility key's scaling profile (None: perfect
     scaling assumed); ``rungs`` are the trial scheduler's rungs in ``by`` units (where members
-    may stop; empty: not known), from which each array's ``horizon_s`` is given.
+    may stop; empty: not known), from which each array's ``horizon_s`` is given; ``queued``
+    says, given the folders of the arrays the policy holds, about how many more arrays the
+    engine will start (formed ones it has not told the policy of yet, and those its queued
+    trials would form; None: none known), which the allocator starts before it grows an
+    array; ``max_arrays`` is the most
+    arrays the engine holds at once (``ray.max_concurrent``; None: no bound), so that no more
+    queued arrays count than it can form beside the ones it has.
     """
 
     def __init__(
@@ -153,8 +159,12 @@ class ElasticPolicy:
         remember: Callable[[ScalingProfile], None] | None = None,
         rungs: Sequence[float] = (),
         record: Callable[[Mapping[str, Any]], None] | None = None,
+        queued: Callable[[Collection[str]], int] | None = None,
+        max_arrays: int | None = None,
     ) -> None:
         self.settings = settings
+        self.queued = queued
+        self.max_arrays = max_arrays
         self.record = record
         self.rungs = tuple(sorted({float(r) for r in rungs}))
         self.scaling = scaling
@@ -459,7 +469,10 @@ class ElasticPolicy:
             for e in sorted(self._arrays.values(), key=lambda e: e.formed)
             if not e.begun
         ]
-        plan = self.allocator.decide(states, pools, total, now=now, event=event)
+        queued = 0 if self.queued is None else max(0, int(self.queued(set(self._arrays))))
+        if self.max_arrays is not None:  # the engine forms no more arrays than this at once
+            queued = min(queued, max(0, self.max_arrays - len(self._arrays)))
+        plan = self.allocator.decide(states, pools, total, now=now, event=event, queued=queued)
         if quiet and all(d.after == d.before for d in plan.decisions):
             return
         self.plans.append(plan)

@@ -117,6 +117,9 @@ class _Parts:
     def _can_ask(self) -> bool:
         raise NotImplementedError
 
+    def _elapsed(self) -> float:
+        raise NotImplementedError
+
     def _trial_info(self, number: int, array: int | None = None) -> TrialInfo:
         raise NotImplementedError
 

@@ -23,6 +23,18 @@ An array not running is worth 0, so starting a new array of waiting trials is cr
 whole one-worker time ``w`` (at least what it would otherwise wait): while trials wait, a worker
 starts them rather than growing an array, unless that array has far more member-seconds left.
 
+**While trials queue.** The engine forms one array at a time, so the allocator also hears
+how many more arrays the trials queued behind the formed ones would make (``decide(...,
+queued=n)``; ``hfsweep run`` estimates it with ``Packer.queued_arrays``). While those need at
+least the workers that every array's minimum leaves free, the plan maximises useful throughput
+instead, ``sum_i speedup_i(k_i)``: each queued array is a candidate on ``min_workers``, so a
+worker starts one rather than grow an array (``speedup(k + 1) - speedup(k) <= 1``), and a
+formed array starts on its minimum rather than on workers the next array formed would take
+back at a resize. In ``benchmarks/elastic_sim.py`` at 64 accelerators the member-seconds
+objective, told only of the one formed array, grew many-member arrays while 2,000 trials
+queued and shrank them again as arrays formed: 46 resizes before the last trial started. With
+workers to spare for every queued array, the queue changes nothing.
+
 **Bounds.** Every array gets between its ``min_workers`` and ``max_workers`` (or 0: paused) and
 never more than its profile has a point for (flat beyond: no gain, so not given).
 
@@ -56,12 +68,12 @@ progress line. The allocator also keeps the time its plans left arrays waiting a
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from ..sizing.scaling import ScalingProfile
-from ._allocator_dp import _best, _choices, _starts
+from ._allocator_dp import _best, _best_of, _choices, _starts
 
 __all__ = ["EVENTS", "Allocator", "ArrayState", "Decision", "Plan", "WaitingPool"]
 
@@ -284,9 +296,16 @@ class Allocator:
         *,
         now: float,
         event: str = "timer",
+        queued: int = 0,
     ) -> Plan:
         """Workers for every array in ``arrays`` and how many new arrays each pool in
-        ``waiting`` starts, given ``total`` workers in the cluster at clock time ``now``."""
+        ``waiting`` starts, given ``total`` workers in the cluster at clock time ``now``.
+        ``queued`` is about how many arrays the trials queued behind ``waiting`` would form
+        (the engine forms them as workers come free): while they need at least the workers
+        that every array's minimum leaves free, the plan maximises useful throughput (each
+        of them gets a worker before any array grows); otherwise they do not change it."""
+        if queued < 0:
+            raise ValueError(f"queued arrays must be >= 0, got {queued}")
         if total < 0:
             raise ValueError(f"total workers must be >= 0, got {total}")
         names = [a.name for a in arrays]
@@ -362,12 +381,18 @@ class Allocator:
         # resize_cost_s: each of its members finishes that much later, so the resize is
         # charged members * resize_cost_s member-seconds (a shrink too, not only a grow).
         resizes = [(a.workers, a.members * self.resize_cost_s) for a in served]
-        chosen = _best(options, weights, profiles, total, resizes)
+        # the arrays the queued trials would form, while they need more workers than the
+        # minimums leave free: candidates at their minimum (the engine forms them as workers
+        # come free). With workers to spare for all of them, none: the old objective decides.
+        contended = queued * low >= total - low * len(options)
+        queue = min(queued, total // low) if contended and not paused else 0
+        solve = self._solver(served, weights, profiles, total, resizes, queue)
+        chosen = solve(options)
         if chosen is None:  # the cooled-down arrays alone exceed the workers: relax the cooldown
             notes.append("cooldown lifted: the arrays' current workers exceed the cluster")
             options[: len(served)] = [_choices(a.profile, low, high, a.workers) for a in served]
             why_fixed.clear()
-            chosen = _best(options, weights, profiles, total, resizes)
+            chosen = solve(options)
             assert chosen is not None, "the minimums were checked to fit"
         if why_fixed and len(chosen) > len(served) and 0 in chosen[len(served) :]:
             # trials wait while arrays in their cooldown hold workers: the cooldown holds back
@@ -379,7 +404,7 @@ class Allocator:
                     relaxed[i] = [
                         k for k in _choices(a.profile, low, high, a.workers) if k <= a.workers
                     ]
-            again = _best(relaxed, weights, profiles, total, resizes)
+            again = solve(relaxed)
             if again is not None and _starts(again, len(served)) > _starts(chosen, len(served)):
                 chosen = again
                 for a, k in zip(served, chosen, strict=False):
@@ -387,6 +412,14 @@ class Allocator:
                         why_fixed.pop(a.name, None)
                 notes.append("cooldown lifted for the shrinks that start waiting trials")
 
+        held = sum(chosen[len(options) :])
+        if held:
+            notes.append(
+                f"{held} worker(s) kept for the ~{queued} array(s) of queued trials the engine "
+                "forms next: while trials queue, a worker starts one rather than grow an array "
+                "(most useful throughput)"
+            )
+        chosen = chosen[: len(options)]
         decisions = [
             self._explain(a, k, why_fixed.get(a.name) or why_short.get(a.name), forced, total)
             for a, k in zip(served, chosen, strict=False)
@@ -518,6 +551,49 @@ class Allocator:
             f"{len(rest)} paused"
         )
         return served, [(a, i + 1) for i, a in enumerate(rest)]
+
+    def _solver(
+        self,
+        served: Sequence[ArrayState],
+        weights: Sequence[float],
+        profiles: Sequence[ScalingProfile],
+        total: int,
+        resizes: Sequence[tuple[int, float]],
+        queue: int,
+    ) -> Callable[[list[list[int]]], list[int] | None]:
+        """The DP over ``options`` (the served arrays', then the pools' candidates) under the
+        objective the sweep's phase calls for; its choice ends with ``queue`` candidates for
+        the queued trials (0 or ``min_workers`` each), which the caller drops.
+
+        - **Trials queue for the free workers** (``queue`` > 0): the most useful throughput, ``sum_i
+          speedup_i(k_i)`` one-worker seconds trained per second, each array of queued trials
+          worth its ``min_workers`` and a formed one a hair more than its speed-up (both
+          before any grow that gains as much): a worker added to an array trains less than
+          one more array would (``speedup(k + 1) - speedup(k) <= 1``), and an array started
+          on more workers than the queue leaves it is shrunk again when the next array forms,
+          a resize for nothing.
+        - **Otherwise** (nothing queues, or the workers suffice for every queued array): the
+          members' remaining completion times (the module docstring). Where workers are to
+          spare (the simulator's 512 accelerators), the longest arrays, not the work, set the
+          makespan, and throughput would start them on their minimum, to grow later at a
+          resize each.
+        """
+        low = self.min_workers
+
+        def solve(options: list[list[int]]) -> list[int] | None:
+            if queue:
+                values = [
+                    [
+                        (0.0 if k == 0 else p.speedup(k)) + (2e-6 if i >= len(served) and k else 0)
+                        for k in ks
+                    ]
+                    for i, (ks, p) in enumerate(zip(options, profiles, strict=True))
+                ]
+                extra = [[0, low]] * queue
+                return _best_of(options + extra, values + [[0.0, low + 1e-6]] * queue, total)
+            return _best(options, list(weights), list(profiles), total, resizes)
+
+        return solve
 
     def _worth_growing(self, a: ArrayState, k: int, span: float | None = None) -> bool:
         """Whether growing ``a`` to ``k`` workers saves more than a resize costs within

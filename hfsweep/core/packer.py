@@ -17,7 +17,7 @@ whether more trials may be asked (the budget, a time limit, a searcher that is f
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
@@ -182,6 +182,8 @@ class Packer(Generic[T]):
         self.pools: Pools[T] = Pools()
         #: the array size of every key sized so far
         self.sizes: dict[str, int] = {}
+        #: trials asked so far per key (the searcher's mix of keys, for :meth:`queued_arrays`)
+        self.asked: Counter[str] = Counter()
 
     # ------------------------------------------------------------------ pooling
     def add(self, key: str, item: T, *, size_now: bool) -> None:
@@ -214,7 +216,24 @@ class Packer(Generic[T]):
             return None
         for key, item in asked:
             self.add(key, item, size_now=size_now)
+            self.asked[key] += 1
         return asked
+
+    def queued_arrays(self, unasked: int) -> int:
+        """About how many arrays the trials not yet in an array would form: each key's pooled
+        trials in arrays of its size, and ``unasked`` trials still to ask at the mix of keys
+        asked so far (arrays per trial, each key's share over its size; one array per trial
+        before any was asked), rounded up. The elastic allocator starts these before it grows
+        an array."""
+        pools = self.pools.as_dict()
+        pooled = sum(math.ceil(len(v) / self.sizes.get(k, 1)) for k, v in pools.items() if v)
+        if unasked <= 0:
+            return pooled
+        seen = sum(self.asked.values())
+        if not seen:
+            return pooled + unasked
+        per_trial = sum(n / self.sizes.get(k, 1) for k, n in self.asked.items()) / seen
+        return pooled + math.ceil(unasked * per_trial - 1e-9)
 
     # ------------------------------------------------------------------ arrays
     def fill(self, array: str = "") -> None:

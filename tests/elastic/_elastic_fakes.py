@@ -26,11 +26,13 @@ def fake_policy(
     *,
     scaling: Any = None,
     rungs: tuple[float, ...] = (),
+    queued: Any = None,
     **settings: object,
 ) -> ElasticPolicy:
     """An enabled policy on ``clock`` for a budget of 10 epochs that may resize at any time,
-    its status lines appended to ``shown``; ``rungs`` the trial scheduler's; ``settings``
-    override :class:`ElasticConfig`'s."""
+    its status lines appended to ``shown``; ``rungs`` the trial scheduler's; ``queued`` the
+    engine's count of trials still to form into arrays; ``settings`` override
+    :class:`ElasticConfig`'s."""
     config = ElasticConfig(enabled=True, **{"resize_every_s": 0.0, **settings})  # type: ignore[arg-type]
     return ElasticPolicy(
         config,
@@ -40,6 +42,7 @@ def fake_policy(
         clock=clock,
         scaling=scaling,
         rungs=rungs,
+        queued=queued,
     )
 
 

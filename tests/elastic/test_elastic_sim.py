@@ -88,14 +88,11 @@ def test_the_simulator_runs_both_arms(tmp_path: Path, monkeypatch: pytest.Monkey
     assert sim.main(argv) == 0
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
     assert [(r["seed"], r["arm"]) for r in rows] == [
-        (0, "static"),
-        (0, "elastic"),
-        (1, "static"),
-        (1, "elastic"),
+        (seed, arm) for seed in (0, 1) for arm in ("static", "elastic-before", "elastic")
     ]
     md = out.with_suffix(".md").read_text()
     assert "## Where the accelerator-time goes, and the bounds" in md
-    assert "| 4 | elastic |" in md and "bound: tail h" in md
+    assert "| 4 | elastic |" in md and "| 4 | elastic-before |" in md and "bound: tail h" in md
 
 
 def test_the_accounting_adds_up_and_the_bounds_hold(
@@ -149,3 +146,17 @@ def test_the_elastic_arm_forms_arrays_as_the_engine_does(
     assert offered, "formed arrays were offered to the allocator"
     assert all(len(pools) <= 1 for pools in seen)
     assert all(pool.arrays == 1 and str(pool.name).startswith("a") for pool in offered)
+
+
+def test_told_the_queue_the_elastic_arm_makes_no_resize_before_the_last_trial_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the trials queued behind the formed array counted (as ``hfsweep run`` counts them),
+    every array starts on one worker while trials queue, so no resize happens before the last
+    trial starts; the allocator told nothing of the queue (``queue_seen=False``, before) grew
+    and shrank arrays then."""
+    sim, kw, _, elastic = _both_arms(tmp_path, monkeypatch, workers=6, trials=60)
+    before = sim.simulate(elastic=True, queue_seen=False, **kw)
+    assert elastic.account.resizes["queue"] == 0
+    assert before.account.resizes["queue"] > 0
+    assert elastic.account.total("resize", "queue") == 0.0

@@ -86,9 +86,11 @@ def test_one_elastic_array_at_a_time_reproduces_the_local_backend(
 def test_two_elastic_arrays_share_the_workers_and_resize_exactly(
     local_ray: None, tmp_path: Path, told: Counter[int]
 ) -> None:
-    """Two arrays at once: the first starts on both workers, shrinks to one when the second
-    starts, and is decided again when the second ends; the trials end as with one pooled actor per
-    array (the Ray backend without elastic), whose arrays hold the same trials."""
+    """Two arrays at once: the first starts on one worker, since the second array's trials
+    queue behind it (before the queue rule it started on both and was shrunk when the second
+    started, a resize for nothing), the second on the other, and each is decided again when
+    the other ends; the trials end as with one pooled actor per array (the Ray backend without
+    elastic), whose arrays hold the same trials."""
     kw: dict[str, Any] = {"budget": {"trials": 8, "epochs": 3}, "fusion": _FUSION}
     pooled = hs.sweep(sweep_config(tmp_path / "pooled", backend="ray", **kw), progress=False)
     told.clear()
@@ -98,9 +100,10 @@ def test_two_elastic_arrays_share_the_workers_and_resize_exactly(
     _same_trials(elastic, pooled)
     assert told == Counter(range(8))
     log = (elastic.run_dir / "sweep.log").read_text()
-    assert "elastic [array started]: array 0: shrink 2->1" in log
-    assert "elastic: 2 arrays on 2/2 workers (-1 shrunk, 1 new) [array started]" in log
-    assert "-> 1 workers (asked for)" in log  # the resize happened at an evaluation boundary
+    assert "elastic [array started]: array 0: start 0->1" in log
+    assert "1 worker(s) kept for the ~1 array(s) of queued trials the engine forms next" in log
+    assert "shrink 2->1" not in log
+    assert "elastic: 2 arrays on 2/2 workers (1 new) [array started]" in log
     # when one array ends the other is decided again: it grows back to 2 workers, or keeps 1
     # where its remaining steps no longer pay for a resize (which ends first, and how far the
     # other has got by then, is up to the scheduling; the choice itself is tested on a fake
