@@ -112,6 +112,7 @@ output: run
                 **ENV,
                 **env,
                 "PYTHONUNBUFFERED": "1",
+                "PYTHONFAULTHANDLER": "1",
                 "HFSWEEP_CACHE_DIR": str(self.folder),
             },
             stdout=subprocess.PIPE,
@@ -132,10 +133,23 @@ output: run
 
     def finished(self, timeout: float = 120) -> str:
         """Wait for the process; it must have exited 0. Returns its stderr."""
-        assert self.proc is not None
-        _out, err = self.proc.communicate(timeout=timeout)
-        assert self.proc.returncode == 0, err
+        _out, err = self.communicate(timeout)
+        assert self.proc is not None and self.proc.returncode == 0, err
         return err
+
+    def communicate(self, timeout: float) -> tuple[str, str]:
+        """The process's output once it exits; one that does not within ``timeout`` seconds
+        is made to print every thread's stack (SIGABRT, caught by ``faulthandler``) and the
+        test fails with it, so that a hang says where it hangs."""
+        assert self.proc is not None
+        try:
+            return self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.send_signal(signal.SIGABRT)
+            _out, err = self.proc.communicate(timeout=30)
+            pytest.fail(
+                f"{self.sweep}: still running after {timeout} s; its stacks:\n{err[-20000:]}"
+            )
 
     def log(self) -> str:
         path = self.run / "sweep.log"
@@ -337,7 +351,7 @@ def test_a_live_drivers_trials_are_left_alone(tmp_path: Path, shared: str) -> No
     assert re.search(rf"{len(theirs)} running trials belong to other drivers", b.log())
     assert a.proc is not None
     a.proc.send_signal(signal.SIGINT)
-    _out, err = a.proc.communicate(timeout=60)
+    _out, err = a.communicate(60)
     assert a.proc.returncode == 130, err
     a.start()
     a.finished()
