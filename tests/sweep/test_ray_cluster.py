@@ -28,6 +28,7 @@ from _ray_cluster import loopback_cluster
 import hfsweep as hs
 from hfsweep.core.loop import _Engine
 
+from ._killed import _default_sigint
 from ._toy import GATE_ENV, GATED_TASK, sweep_config
 
 ray = pytest.importorskip("ray")
@@ -265,7 +266,7 @@ def _run(sweep: Path, *extra: str) -> subprocess.Popen[str]:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        preexec_fn=_default_sigint,
     )
 
 

@@ -27,6 +27,7 @@ from optuna.trial import TrialState
 
 from hfsweep.trainer import ArrayTrainer
 
+from ._killed import _default_sigint
 from ._toy import HOLD_AFTER, _tells
 
 HERE = Path(__file__).resolve().parent
@@ -118,6 +119,7 @@ output: run
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            preexec_fn=_default_sigint,  # the test's SIGINT reaches the sweep
         )
 
     def kill(self) -> bool:
