@@ -37,9 +37,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 PHASES = ("queue", "tail")
-#: the arms of every run, side by side: one array per accelerator; the elastic allocator not
-#: told the trials queued behind the formed array (as before issue 19's throughput rule); and
-#: the allocator told them, as ``hfsweep run`` tells it
+#: the arms of every run, side by side: one array per accelerator; the elastic allocator as it
+#: was before issue 19's end estimate (the queue's plain count, each array's remaining budget);
+#: and the allocator given the bounded queue count and the end estimate that knows ASHA's
+#: rungs, as ``hfsweep run`` gives them
 ARMS = ("static", "elastic-before", "elastic")
 KINDS = ("useful", "parallel", "resize", "idle")
 

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _elastic_account import ARMS, Account, bounds
 from _elastic_report import markdown
 
+from hfsweep.core._survival import RungSurvival
 from hfsweep.core.allocator import Allocator, ArrayState, WaitingPool
 from hfsweep.core.packer import Packer
 from hfsweep.profiler import (
@@ -152,6 +153,8 @@ class Sim:
         seed: int,
         allocator: Allocator,
         queue_seen: bool = True,
+        bounded_queue: bool = True,
+        knows_pruner: bool = True,
     ) -> None:
         self.models, self.cost, self.total = models, cost, workers
         self.elastic, self.spe, self.max_epochs, self.eta = (
@@ -165,6 +168,9 @@ class Sim:
         #: whether the allocator is told the arrays the queued trials would form (as
         #: ``hfsweep run`` tells it, ``Packer.queued_arrays``); False: as before
         self.queue_seen = queue_seen
+        #: whether the queue's count is ``Packer.queued_arrays``'s bounded estimate (issue 19's
+        #: fix of its overcount while few trials are asked), or the plain mix's, as before
+        self.bounded_queue = bounded_queue
         #: the searcher's trials not asked yet, in order; the engine's packer asks them one at
         #: a time into its pools (one per model) and forms arrays from full pools
         self.stream: deque[Trial] = deque(trials)
@@ -184,6 +190,13 @@ class Sim:
         while r < max_epochs:
             self.rungs[r] = []
             r *= eta
+        #: the end estimate that knows ASHA's rungs, as ``hfsweep run`` gives the allocator
+        #: (None: the allocator is not given it, as before)
+        self.survival = (
+            RungSurvival((tuple(float(r) for r in self.rungs),), float(eta), float(max_epochs))
+            if knows_pruner
+            else None
+        )
         self.idle_s = 0.0
         self.account = Account()
         self.resizes = 0
@@ -377,6 +390,19 @@ class Sim:
         m = self.models[a.model]
         return ((nxt - 1) * self.spe + a.steps_left) * m.step_s(len(a.members))
 
+    def expected(self, a: Array) -> tuple[float | None, float | None]:
+        """``(expected_s, expected_member_s)`` of ``a`` on one worker from the rung model
+        (``hfsweep.core._survival``), or ``(None, None)`` without it: each member's progress
+        in epochs (its full epochs and the array's current one's share) and one epoch's seconds
+        on one worker at the array's size."""
+        if self.survival is None:
+            return None, None
+        frac = (self.spe - a.steps_left) / self.spe
+        dones = [t.epoch + frac for t in a.members]
+        unit = self.spe * self.models[a.model].step_s(len(a.members))
+        member = sum(self.survival.member_units(d) for d in dones)
+        return self.survival.array_units(dones) * unit, member * unit
+
     def allocate(self, event: str) -> None:
         """Elastic, as ``hfsweep run`` does it: a plan at ``event``; then, while no formed
         array waits for workers and the workers give one more array its minimum, the engine
@@ -406,6 +432,7 @@ class Sim:
                 a.workers,
                 a.since,
                 self.horizon_s(a),
+                *self.expected(a),
             )
             for a in self.arrays.values()
             if a.begun
@@ -419,11 +446,16 @@ class Sim:
                 self.profile(a.model, len(a.members)),
                 name=a.name,
                 since=a.formed,
+                expected_member_s=self.expected(a)[1],
             )
             for a in self.arrays.values()
             if not a.begun
         ]
-        queued = self.packer.queued_arrays(len(self.stream)) if self.queue_seen else 0
+        queued = (
+            self.packer.queued_arrays(len(self.stream), bounded=self.bounded_queue)
+            if self.queue_seen
+            else 0
+        )
         plan = self.alloc.decide(
             states, pools, self.total, now=self.now, event=event, queued=queued
         )
@@ -547,10 +579,15 @@ def simulate(
     bandwidth: float | None = None,
     latency: float | None = None,
     queue_seen: bool = True,
+    bounded_queue: bool = True,
+    knows_pruner: bool = True,
 ) -> Result:
     """One arm: the same trials (``seed``) for static and elastic; ``queue_seen`` False: the
     elastic allocator is not told the trials queued behind the formed array (before issue
-    19's throughput rule)."""
+    19's throughput rule); ``bounded_queue`` False: told the queue's plain estimate, which
+    overcounts while few trials are asked; ``knows_pruner`` False: not given the end estimate
+    that knows ASHA's rungs (both False: the allocator before issue 19's end estimate, the
+    elastic-before arm)."""
     models, cost = load_models(profiles, mix)
     if bandwidth is not None or latency is not None:
         cost = AllReduceCost(
@@ -574,6 +611,8 @@ def simulate(
         seed=seed + 1,
         allocator=allocator,
         queue_seen=queue_seen,
+        bounded_queue=bounded_queue,
+        knows_pruner=knows_pruner,
     )
     return sim.run()
 
@@ -603,7 +642,8 @@ def main(argv: list[str] | None = None) -> int:
                     trials=args.trials,
                     mix=mix,
                     elastic=arm != "static",
-                    queue_seen=arm == "elastic",
+                    bounded_queue=arm == "elastic",
+                    knows_pruner=arm == "elastic",
                     seed=seed,
                     steps_per_epoch=args.steps_per_epoch,
                     max_epochs=args.max_epochs,

@@ -17,6 +17,7 @@ from ..sizing.device import resolve_device
 from ._elastic import ElasticPolicy
 from ._parts import _Parts
 from ._scaling import SweepScaling
+from ._survival import from_scheduler
 from .result import SweepError
 
 __all__: list[str] = []
@@ -102,6 +103,7 @@ class _Backend(_Parts):
             record=self.dir.write_elastic,
             queued=self._queued_arrays,
             max_arrays=self.sc.ray.max_concurrent,
+            pruner=from_scheduler(self.scheduler, budget.max_resource),
         )
 
     def _queued_arrays(self, held: Collection[str]) -> int:

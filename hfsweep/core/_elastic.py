@@ -49,6 +49,15 @@ What the allocator is given:
   would not pay for itself before it. Without rungs (FIFO, median stopping, Optuna pruners),
   or past the last rung, none is given (the array's remaining time counts). A member refilled
   behind the furthest one may reach an earlier rung; that one is not seen.
+- ``expected_s`` and ``expected_member_s``: with ``pruner`` (the trial scheduler's rung model,
+  :class:`~hfsweep.core._survival.RungSurvival`: ASHA's or Hyperband's rungs, bracket shares
+  and reduction factor), the one-worker seconds until the array's last member is expected to
+  stop, and its members' expected one-worker seconds in all, from each member's progress at
+  its last report (a member survives each rung ahead with probability 1/reduction factor),
+  in the same one-unit seconds. The allocator then weighs arrays by what their members are
+  expected to train, makes a resize only where it pays back within the array's expected time,
+  and in the tail gives idle workers to the array expected to end last, at once. Without it
+  (FIFO, median stopping, Optuna pruners) none is given, as before.
 - the scaling profile of the array's compatibility key: when the first array of a key is
   placed, the policy asks its ``scaling`` source (the engine's
   :class:`~hfsweep.core._scaling.SweepScaling` with ``ray.elastic.scaling: model``: the cached
@@ -86,6 +95,7 @@ from ..config.schema import ElasticConfig
 from ..parallel import request_resize
 from ..sizing.scaling import ScalingProfile
 from ..training.results import Evaluation
+from ._survival import RungSurvival
 from .allocator import Allocator, ArrayState, Plan, WaitingPool
 
 __all__ = ["ElasticPolicy", "ScalingSource"]
@@ -129,6 +139,8 @@ class _Running:
     trained: bool = False
     #: when the engine formed it (``started``), on the policy's clock
     formed: float = 0.0
+    #: each live member's budget units trained at its last report (None before one)
+    dones: list[float] | None = None
 
 
 class ElasticPolicy:
@@ -138,7 +150,8 @@ class ElasticPolicy:
     gets each plan's status line (the progress display); ``clock`` is seconds (tests pass a
     fake one); ``scaling`` gives each compatibility key's scaling profile (None: perfect
     scaling assumed); ``rungs`` are the trial scheduler's rungs in ``by`` units (where members
-    may stop; empty: not known), from which each array's ``horizon_s`` is given; ``queued``
+    may stop; empty: not known), from which each array's ``horizon_s`` is given; ``pruner``
+    their rung model (None: not known), from which each array's expected end is; ``queued``
     says, given the folders of the arrays the policy holds, about how many more arrays the
     engine will start (formed ones it has not told the policy of yet, and those its queued
     trials would form; None: none known), which the allocator starts before it grows an
@@ -161,8 +174,14 @@ class ElasticPolicy:
         record: Callable[[Mapping[str, Any]], None] | None = None,
         queued: Callable[[Collection[str]], int] | None = None,
         max_arrays: int | None = None,
+        pruner: RungSurvival | None = None,
     ) -> None:
         self.settings = settings
+        self.pruner = pruner
+        if pruner is not None:
+            _log.info(
+                "elastic: arrays' ends estimated from the trial scheduler's %s", pruner.describe()
+            )
         self.queued = queued
         self.max_arrays = max_arrays
         self.record = record
@@ -319,7 +338,13 @@ class ElasticPolicy:
             if entry is None or not evaluations:
                 return
             now = self.clock()
-            done = max(e.epoch if self.by == "epochs" else float(e.step) for e in evaluations)
+            units = sorted(
+                (e.epoch if self.by == "epochs" else float(e.step) for e in evaluations),
+                reverse=True,
+            )
+            done = units[0]
+            # the live members are taken to be the furthest (a refilled one lags behind)
+            entry.dones = units[:live] if 0 < live < len(units) else units
             if entry.seen is not None and done > entry.done:
                 per_unit = (now - entry.seen) / (done - entry.done)
                 if per_unit > 0:
@@ -452,6 +477,7 @@ class ElasticPolicy:
                 workers=e.workers,
                 since=e.since,
                 horizon_s=self._horizon_s(e),
+                **self._expected(e),
             )
             for e in self._arrays.values()
             if e.begun
@@ -465,6 +491,7 @@ class ElasticPolicy:
                 profile=self._profile(e.key, total),
                 name=self._name(e.folder),
                 since=e.formed,
+                expected_member_s=self._expected(e).get("expected_member_s"),
             )
             for e in sorted(self._arrays.values(), key=lambda e: e.formed)
             if not e.begun
@@ -545,6 +572,19 @@ class ElasticPolicy:
         left = max(0.0, self.budget - e.done)
         unit = e.unit_s if e.unit_s is not None else self._unit_s.get(e.key, 1.0)
         return left * unit
+
+    def _expected(self, e: _Running) -> dict[str, float]:
+        """``expected_s`` and ``expected_member_s`` of ``e`` from the pruner's rung model (see
+        the module docstring); none without one. Before its first report every member counts
+        at the array's progress (0 for a new array)."""
+        if self.pruner is None:
+            return {}
+        dones = e.dones if e.dones else [e.done] * e.members
+        unit = e.unit_s if e.unit_s is not None else self._unit_s.get(e.key, 1.0)
+        return {
+            "expected_s": self.pruner.array_units(dones) * unit,
+            "expected_member_s": sum(self.pruner.member_units(d) for d in dones) * unit,
+        }
 
     def _horizon_s(self, e: _Running) -> float | None:
         """Seconds on one worker from ``e``'s furthest member to the next rung above it, or

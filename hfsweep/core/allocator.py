@@ -59,6 +59,18 @@ worker to its next rung, where the trial scheduler may stop most of its members,
 In a simulated ASHA sweep (``benchmarks/elastic_sim.py``) the arrays grown just before a rung
 were mostly stopped there, the pause spent for nothing.
 
+**Knowing the pruner.** Where the trial scheduler's rungs and reduction factor are known
+(ASHA, asynchronous Hyperband: :mod:`hfsweep.core._survival`), each array also comes with the
+one-worker seconds until its last member is expected to stop (``ArrayState.expected_s``) and
+its members' expected member-seconds (``expected_member_s``), a member surviving each rung ahead
+with probability ``1 / reduction_factor``. Then (a) arrays, and formed arrays of waiting trials,
+are weighed by their members' expected member-seconds instead of ``members * remaining_s``
+(most members of an array stop at its next rung: its remaining budget overstates what a worker
+saves there); (b) a grow must save more than ``resize_cost_s`` within ``expected_s`` (instead of
+before the horizon); and (c) in the tail (no trial waits or queues), the array expected to end
+last on its workers is weighed at least as the heaviest array, so that freed workers go to the
+critical path first. Without the estimate every rule is as before.
+
 Every call of :meth:`Allocator.decide` returns a :class:`Plan`: one :class:`Decision` per array
 and per pool of waiting trials, each with a human-readable reason, and :meth:`Plan.status` for a
 progress line. The allocator also keeps the time its plans left arrays waiting and workers idle
@@ -95,6 +107,15 @@ class ArrayState:
     scheduler's next rung, such as ASHA's, or the budget), ``None`` where not known
     (``remaining_s`` then): a resize must pay for itself before it, since the array may end or
     shrink to a few members there.
+
+    ``expected_s`` and ``expected_member_s`` are the end estimate that knows the pruner
+    (:mod:`hfsweep.core._survival`, given where the trial scheduler's rungs and reduction factor
+    are known; ``None``: not known): the one-worker seconds until the array's last member is
+    expected to stop, and the one-worker member-seconds its members are expected to train in
+    all. Given them, the allocator weighs the array by ``expected_member_s`` (instead of
+    ``members * remaining_s``), a resize must pay for itself within ``expected_s`` (instead of
+    before the horizon), and in the tail of a sweep the array expected to end last gets
+    priority for freed workers (see the module docstring).
     """
 
     name: str
@@ -105,6 +126,8 @@ class ArrayState:
     workers: int = 0
     since: float = 0.0
     horizon_s: float | None = None
+    expected_s: float | None = None
+    expected_member_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.members < 1:
@@ -115,20 +138,29 @@ class ArrayState:
             )
         if self.workers < 0:
             raise ValueError(f"array {self.name!r}: workers must be >= 0, got {self.workers}")
-        if self.horizon_s is not None and not (
-            self.horizon_s >= 0 and math.isfinite(self.horizon_s)
-        ):
-            raise ValueError(
-                f"array {self.name!r}: horizon_s must be >= 0 or None, got {self.horizon_s}"
-            )
+        for name in ("horizon_s", "expected_s", "expected_member_s"):
+            value = getattr(self, name)
+            if value is not None and not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"array {self.name!r}: {name} must be >= 0 or None, got {value}")
 
     @property
     def payback_s(self) -> float:
-        """The one-worker seconds a resize has to pay for itself in: up to its horizon, or
+        """The one-worker seconds a resize has to pay for itself in: the array's expected
+        remaining time where the pruner is known (``expected_s``), else up to its horizon, or
         its end if that comes first."""
+        if self.expected_s is not None:
+            return min(self.expected_s, self.remaining_s)
         if self.horizon_s is None:
             return self.remaining_s
         return min(self.horizon_s, self.remaining_s)
+
+    @property
+    def weight_s(self) -> float:
+        """The member-seconds the objective weighs the array by: its members' expected
+        one-worker seconds left where the pruner is known, else ``members * remaining_s``."""
+        if self.expected_member_s is not None:
+            return max(self.expected_member_s, 1e-9)
+        return self.members * max(self.remaining_s, 1e-9)
 
 
 @dataclass(frozen=True)
@@ -141,7 +173,9 @@ class WaitingPool:
     formed and that waits for its first workers, ``"array 3"``; without one they are named
     ``new:<key>#i`` and ``pool:<key>``); ``since`` is when its trials began to wait on the
     allocator's clock (``None``: not known), so that a pool that waited ``max_wait_s`` starts
-    before any array grows.
+    before any array grows. ``expected_member_s`` is one new array's members' expected
+    one-worker seconds where the pruner is known (as :class:`ArrayState`'s; ``None``:
+    ``members * remaining_s``), so that waiting trials and running arrays are weighed alike.
     """
 
     key: str
@@ -151,6 +185,14 @@ class WaitingPool:
     profile: ScalingProfile
     name: str | None = None
     since: float | None = None
+    expected_member_s: float | None = None
+
+    @property
+    def weight_s(self) -> float:
+        """The member-seconds one new array is weighed by (see :attr:`ArrayState.weight_s`)."""
+        if self.expected_member_s is not None:
+            return max(self.expected_member_s, 1e-9)
+        return self.members * max(self.remaining_s, 1e-9)
 
     def overdue(self, now: float, max_wait_s: float) -> bool:
         """Whether its trials have waited ``max_wait_s`` or longer at ``now``."""
@@ -338,16 +380,24 @@ class Allocator:
                 )
             elif a.workers > 0:
                 kept = [k for k in choices if k <= a.workers or self._worth_growing(a, k)]
-                if a.horizon_s is not None and any(
+                short = any(
                     k not in kept and self._worth_growing(a, k, a.remaining_s) for k in choices
-                ):
+                )
+                if short and a.expected_s is not None:
+                    why_short[a.name] = (
+                        f"a grow would not repay its {self.resize_cost_s:g} s resize within the "
+                        f"~{a.expected_s:.0f} s on one worker it is expected to train (the trial "
+                        f"scheduler stops most members at their next rungs; "
+                        f"{a.remaining_s:.0f} s of budget left)"
+                    )
+                elif short and a.horizon_s is not None:
                     why_short[a.name] = (
                         f"a grow would not repay its {self.resize_cost_s:g} s resize before "
                         f"its next rung, ~{a.horizon_s:.0f} s away on one worker"
                     )
                 choices = kept
             options.append(choices)
-            weights.append(a.members * max(a.remaining_s, 1e-9))
+            weights.append(a.weight_s)
             profiles.append(a.profile)
         #: candidates that must start: the oldest overdue pools' first arrays, or, with no
         #: array running, the first waiting one (as many as the minimums leave room for)
@@ -374,7 +424,7 @@ class Allocator:
                 for i in range(pool.arrays):
                     starts = _choices(pool.profile, low, high, 0)
                     options.append(starts if (j, i) in must else [0, *starts])
-                    weights.append(pool.members * max(pool.remaining_s, 1e-9))
+                    weights.append(pool.weight_s)
                     profiles.append(pool.profile)
 
         # 3. The dynamic program over arrays x workers. A resize pauses the array for
@@ -386,6 +436,8 @@ class Allocator:
         # come free). With workers to spare for all of them, none: the old objective decides.
         contended = queued * low >= total - low * len(options)
         queue = min(queued, total // low) if contended and not paused else 0
+        if not queue and not paused and not any(p.arrays for p in waiting):
+            self._critical_first(served, weights, notes)
         solve = self._solver(served, weights, profiles, total, resizes, queue)
         chosen = solve(options)
         if chosen is None:  # the cooled-down arrays alone exceed the workers: relax the cooldown
@@ -595,6 +647,32 @@ class Allocator:
 
         return solve
 
+    @staticmethod
+    def _critical_first(
+        served: Sequence[ArrayState], weights: list[float], notes: list[str]
+    ) -> None:
+        """In the tail of a sweep (no trial waits or queues, none paused), the running array
+        expected to end last on its workers now (``expected_s / speedup``; only arrays with
+        the pruner's end estimate) is the sweep's critical path: it is weighed at least as
+        the heaviest array, so that freed workers go to it before any array it outweighs
+        (``weights`` changed in place, the reason in ``notes``)."""
+        known = [
+            (a.expected_s / a.profile.speedup(a.workers), i)
+            for i, a in enumerate(served)
+            if a.expected_s is not None and a.workers > 0
+        ]
+        if len(known) < 2:
+            return
+        end, i = max(known)
+        heaviest = max(weights[: len(served)])
+        if weights[i] >= heaviest:
+            return
+        weights[i] = heaviest
+        notes.append(
+            f"{served[i].name} is expected to end last (~{end:.0f} s on its "
+            f"{served[i].workers} worker(s)): weighed as the heaviest array for the free workers"
+        )
+
     def _worth_growing(self, a: ArrayState, k: int, span: float | None = None) -> bool:
         """Whether growing ``a`` to ``k`` workers saves more than a resize costs within
         ``span`` one-worker seconds, by default before the array's horizon (its next rung, or
@@ -615,10 +693,12 @@ class Allocator:
             return Decision(a.name, a.key, "keep", a.workers, k, reason)
         if a.workers == 0:
             return Decision(a.name, a.key, "start", 0, k, f"resumes on {k} worker(s) after waiting")
-        eta_before = a.remaining_s / p.speedup(a.workers)
-        eta_after = a.remaining_s / p.speedup(k)
+        left = a.remaining_s if a.expected_s is None else a.expected_s
+        eta_before = left / p.speedup(a.workers)
+        eta_after = left / p.speedup(k)
+        done = "done" if a.expected_s is None else "expected done"
         times = f"speed-up {p.speedup(a.workers):.2f}x -> {p.speedup(k):.2f}x, " + (
-            f"done in ~{eta_after:.0f} s instead of ~{eta_before:.0f} s"
+            f"{done} in ~{eta_after:.0f} s instead of ~{eta_before:.0f} s"
         )
         if k > a.workers:
             return Decision(a.name, a.key, "grow", a.workers, k, f"workers were free: {times}")
