@@ -47,6 +47,10 @@ __all__ = ["features_first_runs"]
 
 _aten = torch.ops.aten
 
+#: off: every Linear keeps the ``autograd.Function`` (read when a forward is traced). Only for
+#: ``benchmarks/linear_layout.py``, which times both ways side by side in one process
+_ENABLED = True
+
 #: the fewest Linears a run must have to be rewritten (one alone gains no product and costs
 #: the transposes at both ends)
 _MIN_RUN = 2
@@ -224,6 +228,8 @@ def _drop_dead(graph: fx.Graph) -> None:
 def features_first_runs(graph: fx.Graph) -> None:
     """Compute each run of at least two :func:`stacked_linear` calls that starts at an input of
     ``graph`` features-first with native products (see the module docstring)."""
+    if not _ENABLED:
+        return
     runs = _runs(graph)
     for run in runs:
         _rewrite(graph, run)
