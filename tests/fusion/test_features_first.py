@@ -195,3 +195,28 @@ def test_the_step_copies_no_weight_gradient_and_calls_no_python_function() -> No
     assert forward.ops["baddbmm"] == 3 and forward.ops["transpose_copy"] == 1  # [B, N, out]
     assert backward.ops["bmm"] == 5
     assert backward.ops["copy_"] == 0 and backward.ops["new_empty_strided"] == 0
+
+
+def test_one_input_per_member() -> None:
+    """``array(xs, shared=False)``: each member's own ``[N, in]`` batch, the run's input
+    transposed as a view; outputs and gradients as each model alone."""
+    torch.manual_seed(0)
+    refs = [_mlp() for _ in range(3)]
+    array = hs.fuse(copy.deepcopy(refs))
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        array.zero_grad()
+        xs = torch.randn(3, 5, 6, dtype=torch.float64, generator=gen)
+        out = array(xs, shared=False)
+        out.square().sum().backward()
+        params = dict(array.named_parameters())
+        for i, r in enumerate(refs):
+            r.zero_grad()
+            expected = r(xs[i])
+            torch.testing.assert_close(out[i], expected, rtol=1e-7, atol=1e-10)
+            expected.square().sum().backward()
+            for name, p in r.named_parameters():
+                fused = params[f"module.{name}"].grad
+                assert fused is not None and p.grad is not None
+                torch.testing.assert_close(fused[i], p.grad, rtol=1e-7, atol=1e-10)
+    assert array._last_call_traced and "stacked_linear" not in _code(array)
