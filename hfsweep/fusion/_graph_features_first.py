@@ -26,8 +26,8 @@ Operators: the run's first layer dispatches as many as with the ``autograd.Funct
 weight's transpose moves from the forward to the backward), every later one one more (autograd's
 bias gradient is a sum over the rows and a ``squeeze``: a view, no kernel on a GPU), and the
 run's output two (the copy and its backward's transpose): an MLP of three Linears 4 more per
-step. The step is faster all the same (no Python in the backward; ``benchmarks/results/
-*_issue21_linear*``). A Linear alone (between a ``LayerNorm`` and an attention, or after a
+step. The tiny MLP's step is faster for it, the medium MLP's the same within the measuring
+machine's noise (no Python in the backward; ``benchmarks/results/linear_layout_cpu_issue21_linear*``). A Linear alone (between a ``LayerNorm`` and an attention, or after a
 pool) keeps the ``autograd.Function``: transposes at both of its ends would cost more operators
 for no transpose saved. The products sum in another order than ``x @ w^T``: the same values
 within float rounding.

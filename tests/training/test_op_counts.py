@@ -112,8 +112,9 @@ MODEL_NAMES = ["tiny_mlp", "medium_mlp", "small_cnn", "cifar_resnet", "transform
 #: 1.17-1.19 (MLPs: 69 and 70 against 59), 1.10-1.11 (CNN), 1.09-1.10 (ResNet), 1.11-1.12
 #: (Transformer) for both paths at B=2. The MLPs' run of Linears is computed features-first
 #: with autograd's own products (hfsweep/fusion/_graph_features_first.py): 4 operators more
-#: than with the stacked Linear's autograd.Function (1.10-1.12), for a faster step without
-#: Python in the backward (benchmarks/results/*_issue21_linear*). Convolutions and BatchNorms read the stacked state through views made once
+#: than with the stacked Linear's autograd.Function (1.10-1.12), for a step without Python in
+#: the backward (the tiny MLP's faster, the medium's the same within noise: benchmarks/results/
+#: linear_layout_cpu_issue21_linear*). Convolutions and BatchNorms read the stacked state through views made once
 #: (hfsweep/fusion/_graph_fold.py; CNN 1.18-1.20 and ResNet 1.46-1.47 before, with a view of
 #: each weight, bias and running statistic per forward and around each residual add). The CNN
 #: pools with the members next to the channels (hfsweep/fusion/_graph_pool.py; 1.37-1.38
