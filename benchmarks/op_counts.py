@@ -64,8 +64,12 @@ MODELS["cifar_resnet"] = (
 #: of the largest differences this script writes (``fused - one`` by operator)
 REASONS: dict[str, str] = {
     "tiny_mlp": (
-        "within 1.2x. Of the 6 more: the batched Linear's transposes, bias unsqueezes and the "
-        "input's expand, about 10; the per-member cross-entropy (trainer: gather, scatter_add, "
+        "within 1.2x. Of the 10 more: the batched Linear's transposes, bias unsqueezes, the "
+        "bias gradients' squeezes and the input's expand, about 14 (the run of Linears is "
+        "computed features-first with autograd's own products, hfsweep/fusion/"
+        "_graph_features_first.py: 4 more than the stacked Linear's autograd.Function, a "
+        "squeeze per later layer and the output's transpose_copy forward and transpose "
+        "backward, and no Python); the per-member cross-entropy (trainer: gather, scatter_add, "
         "mean instead of nll_loss); the non-finite check, 4 (one multi-tensor norm over all "
         "gradients, which it does not write, the norms' stack and sum, one scalar read; "
         "hfsweep/optim); the optimizer 4 fewer (foreach) and 2 fewer for the profiler range "

@@ -175,3 +175,21 @@ def test_dropout_apply_times_both_ways(tmp_path, monkeypatch):
     for key in ("mask_ms", "multiplier_ms", "cpu_mask_ms", "cpu_multiplier_ms", "ratio"):
         assert _positive(row[key]), key
     assert 0 < row["mask_saved_bytes"] < row["multiplier_saved_bytes"]
+
+
+@pytest.mark.slow
+def test_linear_layout_times_both_ways(tmp_path, monkeypatch):
+    """``linear_layout.py`` at its smallest scale: both ways of both fused paths are timed beside
+    ideal and hand, and the features-first step dispatches the 4 operators more the rewrite's
+    docstring counts for a three-Linear MLP (``hfsweep/fusion/_graph_features_first.py``)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    script = importlib.import_module("linear_layout")
+    stem = tmp_path / "linear_layout"
+    argv = ["--models", "tiny_mlp", "--sizes", "2", "--rounds", "1", "--iters", "1"]
+    assert script.main([*argv, "--warmup", "4", "--out", str(stem)]) == 0
+    (row,) = json.loads(stem.with_suffix(".json").read_text())["rows"]
+    for path in ("plain", "trainer"):
+        for way in ("Function", "features-first"):
+            assert _positive(row[f"{path}, {way} us"]), (path, way)
+        assert row[f"{path}, features-first ops"] == row[f"{path}, Function ops"] + 4
+    assert _positive(row["ideal us"]) and _positive(row["hand us"])

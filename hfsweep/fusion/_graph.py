@@ -19,6 +19,7 @@ import torch
 from torch import fx
 
 from .._compat import TORCH_BINDING_OWNERS, OpOverload
+from ._graph_features_first import features_first_runs
 from ._graph_fold import fold_state_views
 from ._graph_linear import use_stacked_linear
 from ._graph_pool import drop_contiguous_copy, pool_members_with_channels
@@ -361,7 +362,8 @@ def _fold_views(graph: fx.Graph) -> None:
 def simplify(gm: fx.GraphModule, fold_state: bool = True) -> fx.GraphModule:
     """Remove no-op and dead nodes of a traced forward, pool with the members next to the
     channels (:func:`pool_members_with_channels`), merge chains of views, compute stacked
-    weights' gradients in their layout (:func:`use_stacked_linear`), read the stacked state of
+    weights' gradients in their layout (:func:`use_stacked_linear`, and for runs of Linears from
+    an input features-first with native products, :func:`features_first_runs`), read the stacked state of
     convolutions and BatchNorms through views made once (:func:`fold_state_views`; not with
     ``fold_state=False``: a graph ``torch.compile`` traces, whose inductor does its own) and
     retarget calls to public functions."""
@@ -380,6 +382,7 @@ def simplify(gm: fx.GraphModule, fold_state: bool = True) -> fx.GraphModule:
                 graph.erase_node(node)
                 changed = True
     use_stacked_linear(graph)
+    features_first_runs(graph)
     if fold_state:
         fold_state_views(graph)
     for node in graph.nodes:

@@ -4,7 +4,10 @@
 array forward (the fused ``Linear``) by a product whose backward computes ``w``'s gradient as
 ``grad^T @ x`` in ``[B, out, in]``: no copy of the gradient into the weight's layout. Checked here
 against autograd (``gradcheck``) and against plain PyTorch models trained alone (forward,
-backward, several optimizer steps), and by the operators the backward dispatches.
+backward, several optimizer steps), and by the operators the backward dispatches. A run of
+Linears from the graph's input (an MLP) is computed features-first with native products instead
+(``tests/fusion/test_features_first.py``); the models here put a ``LayerNorm`` before each
+Linear, so each is a Linear alone and keeps the product.
 """
 
 from __future__ import annotations
@@ -48,8 +51,14 @@ def test_the_product_and_its_gradients_match_autograd(bias: str) -> None:
 
 def _mlp(bias: bool = True) -> nn.Module:
     """In float64, so that the comparisons can be tight (the fused products sum in their own
-    order)."""
-    return nn.Sequential(nn.Linear(6, 8, bias=bias), nn.ReLU(), nn.Linear(8, 4, bias=bias)).double()
+    order). Each Linear reads a ``LayerNorm``'s output: a Linear alone, not a run."""
+    return nn.Sequential(
+        nn.LayerNorm(6),
+        nn.Linear(6, 8, bias=bias),
+        nn.ReLU(),
+        nn.LayerNorm(8),
+        nn.Linear(8, 4, bias=bias),
+    ).double()
 
 
 def _graph_targets(array: hs.FusedArray) -> set[str]:
@@ -104,4 +113,4 @@ def test_the_backward_copies_no_weight_gradient() -> None:
     with OpCounter() as c:
         out.sum().backward()
     assert c.ops["copy_"] == 0 and c.ops["new_empty_strided"] == 0 and c.ops["squeeze"] == 0
-    assert c.ops["bmm"] == 3  # the input's gradient of the second layer, both weights'
+    assert c.ops["bmm"] == 4  # both layers' inputs' gradients (LayerNorms' outputs), both weights'

@@ -109,8 +109,12 @@ def test_a_copy_from_the_cpu_to_a_device_is_no_host_read() -> None:
 MODEL_NAMES = ["tiny_mlp", "medium_mlp", "small_cnn", "cifar_resnet", "transformer"]
 
 #: operators per fused step / one member's step, at most (issue 21's goal is 1.2): measured
-#: 1.15-1.17 (MLPs), 1.14-1.15 (CNN), 1.09-1.10 (ResNet), 1.12 (Transformer) for both paths at
-#: B=2. Convolutions and BatchNorms read the stacked state through views made once
+#: 1.17-1.19 (MLPs: 69 and 70 against 59), 1.10-1.11 (CNN), 1.09-1.10 (ResNet), 1.11-1.12
+#: (Transformer) for both paths at B=2. The MLPs' run of Linears is computed features-first
+#: with autograd's own products (hfsweep/fusion/_graph_features_first.py): 4 operators more
+#: than with the stacked Linear's autograd.Function (1.10-1.12), for a step without Python in
+#: the backward (the tiny MLP's faster, the medium's the same within noise: benchmarks/results/
+#: linear_layout_cpu_issue21_linear*). Convolutions and BatchNorms read the stacked state through views made once
 #: (hfsweep/fusion/_graph_fold.py; CNN 1.18-1.20 and ResNet 1.46-1.47 before, with a view of
 #: each weight, bias and running statistic per forward and around each residual add). The CNN
 #: pools with the members next to the channels (hfsweep/fusion/_graph_pool.py; 1.37-1.38
