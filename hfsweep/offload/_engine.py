@@ -280,11 +280,13 @@ class OffloadedArray:
         for all members where the shard is member-independent."""
         slots = [self.array._slots[j] for j in shard.slots]
         host = self._host(shard)
+        array = shard.array
+        assert array is not None  # a graph shard (groups of units run in _streamed)
         for slot, t in zip(slots, tensors, strict=True):
             for d, name in slot.places:
                 d[name] = t
         try:
-            out = shard.array(x, shared=shard.shared_input)
+            out = array(x, shared=shard.shared_input)
         finally:
             for slot, t in zip(slots, host, strict=True):
                 for d, name in slot.places:

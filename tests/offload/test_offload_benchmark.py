@@ -78,6 +78,12 @@ def test_offload_blocks_quick_runs(tmp_path, monkeypatch) -> None:
     for row in rows.values():
         assert math.isfinite(row["step_ms"]) and row["step_ms"] > 0
     graph = rows["offloaded, encoder one layer call (graph cut)"]
-    blocks = rows["offloaded, between blocks"]
-    assert (graph["shards"], blocks["shards"]) == (2, 6)
-    assert blocks["largest_shard_bytes"] < graph["largest_shard_bytes"]
+    units = rows["offloaded, between blocks, one unit per shard"]
+    grouped = rows["offloaded, between blocks, grouped"]
+    # embeddings, 2 layers, pooler, dropout, classifier
+    assert (graph["shards"], units["shards"]) == (2, 6)
+    assert units["largest_shard_bytes"] < graph["largest_shard_bytes"]
+    assert grouped["shards"] < units["shards"]
+    assert grouped["fetches_per_step"] < units["fetches_per_step"]
+    # the same tensors copied in, fewer times: the backward fetches what its calls need
+    assert grouped["fetched_bytes_per_step"] == units["fetched_bytes_per_step"]
