@@ -70,7 +70,9 @@ class AlternatingArrays:
 
     ``engines`` are their :class:`~hfsweep.offload.OffloadedArray`\\ s, cut along the traced
     graph, sharing :attr:`ledger` and one ``transfer`` (default:
-    :func:`~hfsweep.offload.default_transfer` for ``device``). A training step::
+    :func:`~hfsweep.offload.default_transfer` for ``device``); ``shard_bytes`` sets every
+    array's shard limit itself (default: a quarter of the budget over the number of arrays,
+    or without a budget a quarter of each array's state). A training step::
 
         outs = arrays.forward([x_a, x_b])
         arrays.backward([loss_a(outs[0]), loss_b(outs[1])])
@@ -87,6 +89,7 @@ class AlternatingArrays:
         budget_bytes: int | None = None,
         transfer: Transfer | None = None,
         prefetch: bool = True,
+        shard_bytes: int | None = None,
     ) -> None:
         if not arrays:
             raise OffloadError("AlternatingArrays needs at least one array")
@@ -94,7 +97,9 @@ class AlternatingArrays:
             raise OffloadError("AlternatingArrays got the same array twice")
         self.ledger = ResidentLedger(budget_bytes)
         self.transfer = transfer if transfer is not None else default_transfer(device)
-        limit = None if budget_bytes is None else max(budget_bytes // (4 * len(arrays)), 1)
+        limit = shard_bytes
+        if limit is None and budget_bytes is not None:
+            limit = max(budget_bytes // (4 * len(arrays)), 1)
         self.engines = [
             OffloadedArray(
                 a,
