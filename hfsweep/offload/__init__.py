@@ -8,8 +8,8 @@ compute device shard by shard (issue 22; Hydra's parameter spilling and double b
   stream, events, ``non_blocking`` copies).
 - ``_shards``: cutting the model into runs of consecutive layers along a ``torch.fx`` trace
   (:func:`plan_shards`).
-- ``_units``: where fx cannot cut it, its repeated blocks and the modules around them, one
-  shard each (``plan_units``); ``_streamed``: the model's own forward run with those units
+- ``_units``: where fx cannot cut it, its repeated blocks and the modules around them,
+  grouped into shards by the graph cut's sizing rule (``plan_units``); ``_streamed``: the model's own forward run with those units
   streamed (``BlockRunner``).
 - ``_resident``: what the engine holds on the compute side until it releases it.
 - ``_engine``: :class:`OffloadedArray`, the shard-by-shard forward and backward.
