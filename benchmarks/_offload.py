@@ -1,5 +1,5 @@
-"""What the offload benchmarks share: a CPU transfer that counts the bytes it copies in, and
-the median time of a few training steps."""
+"""What the offload benchmarks share: a CPU transfer that counts the bytes it copies in and its
+fetches, and the median time of a few training steps."""
 
 from __future__ import annotations
 
@@ -13,14 +13,17 @@ from hfsweep.offload import CpuTransfer, Fetch
 
 
 class Counting(CpuTransfer):
-    """A CPU transfer that adds up the bytes it copies to the compute side."""
+    """A CPU transfer that adds up the bytes it copies to the compute side and counts its
+    fetches."""
 
     def __init__(self) -> None:
         super().__init__()
         self.fetched = 0
+        self.fetches = 0
 
     def fetch(self, tensors: Sequence[torch.Tensor]) -> Fetch:
         self.fetched += sum(t.numel() * t.element_size() for t in tensors)
+        self.fetches += 1
         return super().fetch(tensors)
 
 

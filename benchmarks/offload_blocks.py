@@ -3,11 +3,15 @@ encoder blocks against the encoder as one layer call.
 
 ``torch.fx`` cannot trace transformers' ``BertModel``, so offload's graph cut keeps the whole
 encoder in one shard (``cut="graph"``); the engine can instead run the model's own forward and
-stream the encoder's blocks, the embeddings, the pooler and the head one unit at a time
-(``cut="blocks"``, what ``auto`` does where the encoder is over the shard limit). Side by side,
-in alternating rounds, with the array on the device (not offloaded) as a third arm: the largest
-shard (the smallest shard limit, a quarter of the budget, each way can run within), the shards,
-the bytes copied to the compute side per training step (a counting ``CpuTransfer``), the
+stream the encoder's blocks, the embeddings, the pooler and the head (``cut="blocks"``, what
+``auto`` does where the encoder is over the shard limit), each unit a shard of its own (a
+shard limit below every unit: what a tight budget gives, and all the engine did before it
+grouped units) or consecutive units grouped into shards up to the limit (without a budget, a
+quarter of the array's state, as for the graph cut). Side by side, in alternating rounds,
+with the array on the device (not offloaded) as a fourth arm: the largest shard (the
+smallest shard limit, a quarter of the budget, each way can run within), the shards, the
+fetches and the bytes copied to the compute side per training step (a counting
+``CpuTransfer``), the
 ledger's peak in the forward and the backward, the peak of every live tensor's bytes in a
 forward and backward beyond the state (the profiler's CPU measure, which also sees the
 activations the ledger leaves out), and a step's median time. Every arm keeps the
@@ -75,11 +79,17 @@ class LoraBert(nn.Module):
 class Arm:
     """One way to train the array: ``step()`` runs a training step (forward, backward, AdamW)."""
 
-    def __init__(self, models: list[nn.Module], cut: str | None) -> None:
+    def __init__(
+        self, models: list[nn.Module], cut: str | None, shard_bytes: int | None = None
+    ) -> None:
         self.array = hs.fuse(copy.deepcopy(models))
         self.transfer = Counting()
         self.engine = (
-            None if cut is None else OffloadedArray(self.array, transfer=self.transfer, cut=cut)
+            None
+            if cut is None
+            else OffloadedArray(
+                self.array, transfer=self.transfer, cut=cut, shard_bytes=shard_bytes
+            )
         )
         self.opt = hs.optim.AdamW(self.array, lr=[1e-3] * self.array.size)
 
@@ -126,17 +136,21 @@ def main(argv: list[str] | None = None) -> int:
     arms = {
         "on the device": Arm(models, None),
         "offloaded, encoder one layer call (graph cut)": Arm(models, "graph"),
-        "offloaded, between blocks": Arm(models, "blocks"),
+        # a limit of one byte, without a budget: every unit over it, a shard of its own
+        "offloaded, between blocks, one unit per shard": Arm(models, "blocks", shard_bytes=1),
+        "offloaded, between blocks, grouped": Arm(models, "blocks"),
     }
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(1, args.vocab, (args.batch, args.length), generator=gen)
     ids[:, args.length // 2 :] *= torch.rand(args.batch, 1, generator=gen) < 0.5  # padding
     fetched: dict[str, int] = {}
+    fetches: dict[str, int] = {}
     for name, arm in arms.items():
-        arm.step(ids)  # warm-up: optimizer state, traces
-        before = arm.transfer.fetched
+        arm.step(ids)  # warm-up: optimizer state, traces, the order of the units' calls
+        before, count = arm.transfer.fetched, arm.transfer.fetches
         arm.step(ids)
         fetched[name] = arm.transfer.fetched - before
+        fetches[name] = arm.transfer.fetches - count
     peaks = {name: _step_peak(arm, ids) for name, arm in arms.items()}
     times: dict[str, list[float]] = {name: [] for name in arms}
     for _ in range(args.rounds):
@@ -154,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             "step_ms_range": [s * 1e3 for s in spread],
             "shards": len(shards) if engine is not None else None,
             "largest_shard_bytes": max(s.nbytes for s in shards) if shards else None,
+            "fetches_per_step": fetches[name] if engine is not None else None,
             "fetched_bytes_per_step": fetched[name] if engine is not None else None,
             "ledger_peak_forward_bytes": engine.ledger.peaks["forward"] if engine else None,
             "ledger_peak_backward_bytes": engine.ledger.peaks["backward"] if engine else None,
@@ -166,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                 name,
                 "-" if dash else str(len(shards)),
                 "-" if dash else _mib(row["largest_shard_bytes"]),  # type: ignore[arg-type]
+                "-" if dash else str(fetches[name]),
                 "-" if dash else _mib(fetched[name]),
                 "-" if dash else _mib(row["ledger_peak_forward_bytes"]),  # type: ignore[arg-type]
                 "-" if dash else _mib(row["ledger_peak_backward_bytes"]),  # type: ignore[arg-type]
@@ -182,8 +198,12 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.vocab}, frozen and kept once; peft LoRA r = 8 on query and value and the "
         f"classifier head per member; B = {args.size}, batch {args.batch} x {args.length} "
         "tokens, float32, AdamW",
-        "- no budget (the graph cut's encoder shard is over any budget the blocks need); the "
-        "largest shard is the smallest shard limit, a quarter of the budget, each way runs in",
+        "- no budget (the graph cut's encoder shard is over any budget the blocks need): the "
+        "shard limit is a quarter of the array's state, but 1 byte for one unit per shard "
+        "(every unit over it, as under a tight budget); the largest shard is the smallest "
+        "shard limit, a quarter of the budget, each way runs in",
+        "- fetches per step: the copies to the compute side a training step starts, forward "
+        "and backward (a shard prefetched counts once), after a warm-up step",
         "- the ledger counts what the engine holds (shards, their gradients, kept inputs), not "
         "the activations inside the unit or shard computing; the step's live peak counts "
         "every tensor a forward and backward make beyond the state (on this CPU one memory), "
@@ -201,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         "way",
         "shards",
         "largest shard MiB",
+        "fetches per step",
         "MiB copied in per step",
         "ledger peak forward MiB",
         "ledger peak backward MiB",

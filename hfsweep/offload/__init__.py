@@ -8,11 +8,14 @@ compute device shard by shard (issue 22; Hydra's parameter spilling and double b
   stream, events, ``non_blocking`` copies).
 - ``_shards``: cutting the model into runs of consecutive layers along a ``torch.fx`` trace
   (:func:`plan_shards`).
-- ``_units``: where fx cannot cut it, its repeated blocks and the modules around them, one
-  shard each (``plan_units``); ``_streamed``: the model's own forward run with those units
+- ``_units``: where fx cannot cut it, its repeated blocks and the modules around them,
+  grouped into shards by the graph cut's sizing rule (``plan_units``); ``_streamed``: the model's own forward run with those units
   streamed (``BlockRunner``).
 - ``_resident``: what the engine holds on the compute side until it releases it.
 - ``_engine``: :class:`OffloadedArray`, the shard-by-shard forward and backward.
+- ``_alternate``: :class:`AlternatingArrays`, several offloaded arrays stepped together, their
+  shards alternating so that one's transfers overlap another's compute (Hydra's shard
+  alternation; Python API only, not used by the trainer yet).
 - ``_policy``: the ``offload`` values and what ``auto`` decides: by memory
   (:func:`choose_offload`), and by measured throughput where both ways fit (:func:`choose_by_rate`).
 
@@ -20,6 +23,7 @@ Users reach it through ``hs.ArrayTrainer(..., offload="host")`` or ``fusion: {of
 in a sweep file; see docs/offload.md.
 """
 
+from ._alternate import AlternatingArrays
 from ._engine import OffloadedArray
 from ._errors import OffloadBudgetError, OffloadError
 from ._ledger import ResidentLedger
@@ -39,6 +43,7 @@ from ._transfer import CpuTransfer, CudaTransfer, Fetch, Transfer, default_trans
 
 __all__ = [
     "OFFLOAD_MODES",
+    "AlternatingArrays",
     "CpuTransfer",
     "CudaTransfer",
     "Fetch",

@@ -42,8 +42,8 @@ autograd (``torch.autograd.Function``, ``torch.autograd.backward``) for the shar
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Generator, Sequence
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -58,6 +58,18 @@ from ._transfer import Transfer, default_transfer
 from ._units import plan_units
 
 __all__ = ["CUTS", "OffloadedArray"]
+
+_T = TypeVar("_T")
+
+
+def _drain(steps: Generator[None, None, _T]) -> _T:
+    """Run ``steps`` to the end (one array alone: nothing runs between its shards)."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
 
 #: how the engine may cut a model: ``graph`` (a ``torch.fx`` trace), ``blocks`` (its repeated
 #: blocks, streamed while its own forward runs), ``auto`` (the graph, else the blocks)
@@ -97,6 +109,10 @@ class OffloadedArray:
     budget is given). Exactly the array's results: same outputs, gradients and buffer
     updates, within float rounding.
 
+    ``ledger`` counts the engine's bytes in a ledger it shares with other engines (arrays
+    stepped together, :class:`~hfsweep.offload.AlternatingArrays`) instead of a ledger of its
+    own; its budget is then the budget.
+
     ``cut`` says how the model is cut: ``"graph"`` along a ``torch.fx`` trace of its forward
     (module ``_shards``), ``"blocks"`` between its repeated blocks while its own forward runs
     (modules ``_units``, ``_streamed``: for models fx cannot cut, such as transformers'
@@ -114,6 +130,7 @@ class OffloadedArray:
         prefetch: bool = True,
         shard_bytes: int | None = None,
         cut: str = "auto",
+        ledger: ResidentLedger | None = None,
     ) -> None:
         if not isinstance(array, FusedArray):
             raise OffloadError(f"offload needs a FusedArray (hs.fuse), got {type(array).__name__}")
@@ -125,7 +142,13 @@ class OffloadedArray:
             )
         self.array = array
         self.prefetch = bool(prefetch)
-        self.ledger = ResidentLedger(budget_bytes)
+        if ledger is not None and budget_bytes not in (None, ledger.budget):
+            raise OffloadError(
+                f"budget_bytes={budget_bytes} with a ledger of budget {ledger.budget}: give one"
+            )
+        if ledger is not None:
+            budget_bytes = ledger.budget
+        self.ledger = ledger if ledger is not None else ResidentLedger(budget_bytes)
         if shard_bytes is not None and (
             isinstance(shard_bytes, bool) or not isinstance(shard_bytes, int) or shard_bytes < 1
         ):
@@ -280,11 +303,13 @@ class OffloadedArray:
         for all members where the shard is member-independent."""
         slots = [self.array._slots[j] for j in shard.slots]
         host = self._host(shard)
+        array = shard.array
+        assert array is not None  # a graph shard (groups of units run in _streamed)
         for slot, t in zip(slots, tensors, strict=True):
             for d, name in slot.places:
                 d[name] = t
         try:
-            out = shard.array(x, shared=shard.shared_input)
+            out = array(x, shared=shard.shared_input)
         finally:
             for slot, t in zip(slots, host, strict=True):
                 for d, name in slot.places:
@@ -312,23 +337,33 @@ class OffloadedArray:
 
     def _forward(self, x: Tensor, keep: bool) -> Tensor:
         """Run every shard on ``x``; with ``keep``, save what the backward needs."""
+        return _drain(self._forward_steps(x, keep))
+
+    def _forward_steps(self, x: Tensor, keep: bool) -> Generator[None, None, Tensor]:
+        """:meth:`_forward` one shard at a time: it yields before each shard computes (its
+        next shard's fetch not yet started), so that a scheduler can run other arrays'
+        shards in between (:class:`~hfsweep.offload.AlternatingArrays`); returns the output."""
         self._release()
         self._replan_if_unshared()
         try:
-            return self._forward_shards(x, keep)
-        except BaseException:
+            return (yield from self._forward_shards(x, keep))
+        except BaseException:  # an error, or a scheduler closing the steps: nothing stays held
             self._release()
             raise
 
-    def _forward_shards(self, x: Tensor, keep: bool) -> Tensor:
+    def _forward_shards(self, x: Tensor, keep: bool) -> Generator[None, None, Tensor]:
+        # grad mode and the ledger's phase are entered per shard, never held across a yield:
+        # another array's steps run in between, with their own
         n = len(self.shards)
         # the backward starts from the last shard and stops at this one: only its input and
         # those after it are kept
         stop = self._stop = self._first_backward(x) if keep else n
         with torch.no_grad(), self.ledger.phase("forward"):
             pending = self._fetch(0)
-            value = x
-            for k, shard in enumerate(self.shards):
+        value = x
+        for k, shard in enumerate(self.shards):
+            yield
+            with torch.no_grad(), self.ledger.phase("forward"):
                 resident = pending
                 if self.prefetch and k + 1 < n:
                     pending = self._fetch(k + 1)
@@ -361,17 +396,24 @@ class OffloadedArray:
     def _backward(self, grad: Tensor, generation: int) -> Tensor | None:
         """Shard by shard from the last: recompute, backward, gradients to the host. Returns the
         gradient of the input (``None`` when it needs none)."""
+        return _drain(self._backward_steps(grad, generation))
+
+    def _backward_steps(
+        self, grad: Tensor, generation: int
+    ) -> Generator[None, None, Tensor | None]:
+        """:meth:`_backward` one shard at a time, yielding before each shard (see
+        :meth:`_forward_steps`)."""
         if generation != self._generation or self._input is None:
             raise OffloadError(
                 "an offloaded array keeps one forward for backward at a time: backward went "
                 "through the output of an earlier forward, released by a later one"
             )
         try:
-            return self._backward_shards(grad)
+            return (yield from self._backward_shards(grad))
         finally:
             self._release()
 
-    def _backward_shards(self, grad: Tensor) -> Tensor | None:
+    def _backward_shards(self, grad: Tensor) -> Generator[None, None, Tensor | None]:
         x = self._input
         n, stop = len(self.shards), self._stop
         if stop >= n:
@@ -384,8 +426,9 @@ class OffloadedArray:
         resident: _Resident | None = self._last
         self._last = None
         x_grad: Tensor | None = None
-        with self.ledger.phase("backward"):
-            for k in reversed(range(stop, n)):
+        for k in reversed(range(stop, n)):
+            yield
+            with self.ledger.phase("backward"):
                 shard = self.shards[k]
                 if resident is None:
                     resident = self._fetch(k, self._before[k])

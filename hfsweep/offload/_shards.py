@@ -7,8 +7,10 @@ A cut may go between two nodes only where exactly one value flows across it (the
 the next shard takes as its input), that value is not what an untraceable submodule returned
 (not known to be one tensor), and no layer's tensors are used on both sides (tied weights stay
 in one shard), but for tensors kept once for all members: no forward writes them, so every
-shard that uses one (a frozen embedding tied to the output layer) copies it in. Shards are grown greedily in graph order up to ``limit`` bytes of stacked
-state (parameters and buffers of every member).
+shard that uses one (a frozen embedding tied to the output layer) copies it in. Shards are
+grown greedily in graph order up to ``limit`` bytes of stacked state (parameters and buffers
+of every member; :func:`grow_runs`, the rule the units streamed between blocks are grouped
+by too).
 
 Each shard runs as a :class:`~hfsweep.fusion.FusedArray` of its own whose template is a
 ``GraphModule`` over the array's own fused layers (the same module objects, so the same stacked
@@ -44,9 +46,14 @@ __all__ = ["Shard", "plan_shards"]
 @dataclass
 class Shard:
     """Consecutive layers of an array run as one :class:`FusedArray` (``array``), with the
-    indices of the array's stacked tensors it holds (``slots``) and their bytes."""
+    indices of the array's stacked tensors it holds (``slots``) and their bytes: what the
+    engine copies to the compute side in one fetch.
 
-    array: FusedArray
+    Where the model is streamed between its blocks (``_units``), a shard is a group of
+    consecutive units (``units``, each a ``Shard`` of its own whose ``array`` runs that unit,
+    called by the model's own code), fetched together; the group's ``array`` is ``None``."""
+
+    array: FusedArray | None
     slots: list[int]
     nbytes: int
     #: the graph nodes it runs (their names), for messages and the docs
@@ -55,8 +62,12 @@ class Shard:
     #: member-independent shard's output)
     shared_input: bool = True
     #: it is member-independent (see the module's docstring): ``array`` has one member and the
-    #: shard's output is one value for every member
+    #: shard's output is one value for every member (a group of units: every unit's tensors
+    #: are kept once for all members)
     shared_output: bool = False
+    #: the units of a group streamed between blocks, in module order (empty for a graph shard
+    #: and for a unit itself)
+    units: list[Shard] = field(default_factory=list)
 
 
 def _slot_index(array: FusedArray) -> dict[tuple[int, str], int]:
@@ -227,16 +238,7 @@ def plan_shards(array: FusedArray, limit: int, *, strict: bool = True) -> list[S
         # models return ModelOutput objects): no cut right after it
         unknown = bool(live) and live[0].op == "call_module" and str(live[0].target) in opaque
         allowed.append(len(live) == 1 and not tied and not unknown)
-    ranges: list[tuple[int, int]] = []
-    start, held = 0, set(node_slots[0])
-    for i in range(1, len(body)):
-        grown = held | node_slots[i]
-        if sum(sizes[j] for j in grown) > limit and allowed[i - 1]:
-            ranges.append((start, i))
-            start, held = i, set(node_slots[i])
-        else:
-            held = grown
-    ranges.append((start, len(body)))
+    ranges = grow_runs(node_slots, sizes, limit, allowed)
     shards = []
     shared_input = True  # the array's input is one value for every member
     for a, b in ranges:
@@ -328,6 +330,32 @@ def _shard_module(
         env[n] = graph.node_copy(n, lambda m: env[m])
     graph.output(fx.map_arg(result, lambda m: env[m]))  # type: ignore[arg-type,type-var]
     return fx.GraphModule(root, graph)
+
+
+def grow_runs(
+    holds: Sequence[set[int]], sizes: Sequence[int], limit: int, allowed: Sequence[bool]
+) -> list[tuple[int, int]]:
+    """The shard sizing rule, one for every way the engine cuts a model: runs ``[a, b)`` of
+    consecutive items (graph nodes, or units streamed between blocks), where item ``i`` holds
+    the stacked tensors ``holds[i]`` (indices into ``sizes``, their bytes). A run grows
+    greedily, item by item, while the bytes of the union of its items' tensors stay within
+    ``limit`` (a tensor two items share counts once); a cut after item ``i`` goes only where
+    ``allowed[i]``, so a run may end over the limit where no cut is allowed (the caller
+    refuses it, or takes ``limit`` as a target only). An item over the limit on its own is a
+    run of its own where the cuts around it are allowed."""
+    if not holds:
+        return []
+    runs: list[tuple[int, int]] = []
+    start, held = 0, set(holds[0])
+    for i in range(1, len(holds)):
+        grown = held | holds[i]
+        if sum(sizes[j] for j in grown) > limit and allowed[i - 1]:
+            runs.append((start, i))
+            start, held = i, set(holds[i])
+        else:
+            held = grown
+    runs.append((start, len(holds)))
+    return runs
 
 
 def stacked_bytes(tensors: Sequence[Tensor]) -> int:

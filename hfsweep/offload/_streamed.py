@@ -5,15 +5,23 @@ The whole array's forward runs as it does without offload (the user's ``forward`
 array's ``vmap``, eagerly), but each unit's ``forward`` is replaced, for the duration of the
 engine's call, by a call of a custom ``torch.autograd.Function`` that
 
-- in the forward (no autograd graph inside): fetches the unit's tensors to the compute side
-  (the next unit's are prefetched meanwhile), runs the unit as its own fused array on the
-  unit's inputs, writes its buffer updates (dropout call counters) back to the host, releases
-  its tensors and keeps its inputs (the *boundary activations*: the hidden states, the
-  attention mask) for the backward;
-- in the backward: fetches the unit again (the one called before it is prefetched), with its
-  buffers as they were before its call, recomputes it from the kept inputs with autograd, adds
-  its parameter gradients to the host parameters' ``.grad`` and hands autograd the gradients of
-  its inputs.
+- in the forward (no autograd graph inside): makes the unit's shard (its group of consecutive
+  units, see ``_units``) the one on the compute side, fetching it unless it is there already
+  (the shard the previous forward called next is prefetched meanwhile), runs the unit as its
+  own fused array on the unit's inputs with its tensors from the shard, writes its buffer
+  updates (dropout call counters) back to the host and keeps its inputs (the *boundary
+  activations*: the hidden states, the attention mask) for the backward; the shard is
+  released when the model's code calls a unit of another shard, or its forward ends;
+- in the backward: the same by shard in reverse (the shard of the call before is
+  prefetched), fetching of a shard only the units whose calls autograd goes back through,
+  with each unit's buffers as they were before its call; it recomputes the unit from the kept
+  inputs with autograd, adds its parameter gradients to the host parameters' ``.grad`` and
+  hands autograd the gradients of its inputs.
+
+A shard whose units the model's code calls one after another is fetched once per direction;
+one whose units it calls apart (a block called again at the end) is fetched again, and stays
+exact: a unit called twice computes the second time from the buffers its first call wrote,
+and its backward starts each recomputation from the buffers of its own call.
 
 The model's own code between the units (mask preprocessing, residual additions, slicing) runs
 once, with autograd, as it would in the whole array: no cut needs to know what crosses it, and
@@ -114,24 +122,53 @@ class _UnitFn(torch.autograd.Function):
         return outs, call.out_dims
 
 
-class BlockRunner:
-    """The units (``shards``, from :func:`~hfsweep.offload._units.plan_units`) of ``engine``'s
-    array streamed while the model's own forward runs (see the module's docstring).
+class _Group:
+    """Some of group ``index``'s stacked tensors (``slots``) on the compute side, fetched
+    together; each unit of the group takes its own from them. ``fresh`` maps a unit to the
+    call whose buffers (as before that call) the fetched tensors hold: a backward's
+    recomputation of that call needs no copy of them."""
 
-    Counted in the engine's ledger: each unit's tensors while fetched (a computing unit and a
-    prefetched one), its gradients before they go back to the host, and the kept inputs of
-    every call whose backward will run (each tensor once, however many units take it; the
+    def __init__(self, index: int, slots: Sequence[int], resident: _Resident) -> None:
+        self.index = index
+        self.resident = resident
+        self._at = {j: i for i, j in enumerate(slots)}
+        self.fresh: dict[int, int] = {}
+
+    def holds(self, slots: Sequence[int]) -> bool:
+        return all(j in self._at for j in slots)
+
+    def tensors(self, slots: Sequence[int]) -> list[Tensor]:
+        fetched = self.resident.tensors()
+        return [fetched[self._at[j]] for j in slots]
+
+
+class BlockRunner:
+    """The units of ``engine``'s array streamed while the model's own forward runs (see the
+    module's docstring), fetched by groups of consecutive units (``shards``, from
+    :func:`~hfsweep.offload._units.plan_units`): a group stays on the compute side while the
+    model's code calls its units, and goes when it calls a unit of another group.
+
+    Counted in the engine's ledger: each group's tensors while fetched (a computing group and
+    a prefetched one), a unit's gradients before they go back to the host, and the kept inputs
+    of every call whose backward will run (each tensor once, however many units take it; the
     caller's input is not counted). The tensors the model's own code between the units keeps
     for its backward are not counted (BERT's and GPT-2's keep none of a block's size)."""
 
     def __init__(self, engine: OffloadedArray, shards: list[Shard]) -> None:
         self.engine = engine
         self.shards = shards
-        self._modules = [s.array.module for s in shards]
+        #: every unit, in module order; ``_group_of[u]``: the shard (group) that holds unit u
+        self.units = [u for shard in shards for u in shard.units]
+        self._group_of = [g for g, shard in enumerate(shards) for _ in shard.units]
+        self._arrays: list[FusedArray] = []
+        for unit in self.units:
+            assert unit.array is not None  # every unit runs as an array of its own
+            self._arrays.append(unit.array)
+        self._modules = [a.module for a in self._arrays]
         self._originals = [m.forward for m in self._modules]
         self._had_forward = ["forward" in m.__dict__ for m in self._modules]
         # made once: the module's __dict__ is part of a unit array's trace key
-        self._wrappers = [self._wrapper(k) for k in range(len(shards))]
+        self._wrappers = [self._wrapper(k) for k in range(len(self.units))]
         self._single: dict[int, FusedArray] = {}
         self._inside = False
         self._generation = 0
@@ -143,7 +180,10 @@ class BlockRunner:
         self._forward_order: list[int] = []
         self._calls: list[_Call] = []
         self._pending = 0
-        self._prefetched: dict[tuple[str, int], _Resident] = {}
+        #: the group computing, by direction ("f": forward, "b": backward)
+        self._current: dict[str, _Group] = {}
+        #: the group prefetched next, by direction and group
+        self._prefetched: dict[tuple[str, int], _Group] = {}
         self._outstanding: list[_Resident] = []
         #: kept inputs by storage: [bytes, holders]
         self._saved: dict[int, list[int]] = {}
@@ -171,8 +211,7 @@ class BlockRunner:
             self.release()
             raise
         finally:
-            for key in [k for k in self._prefetched if k[0] == "f"]:
-                self._prefetched.pop(key).release()
+            self._leave("f")
         self._order = order
         if self._pending == 0:
             self.release()  # nothing kept for a backward
@@ -184,6 +223,7 @@ class BlockRunner:
             resident.release()
         self._outstanding = []
         self._prefetched = {}
+        self._current = {}
         for call in self._calls:
             if call.inputs is not None:
                 self._drop(call.inputs)
@@ -227,7 +267,7 @@ class BlockRunner:
                 raise OffloadError(
                     f"offload streams {type(self.engine.array._prototype).__name__} module by "
                     f"module and passes tensors and plain values into each; "
-                    f"{self.shards[k].nodes[0]} is called with a {type(leaf).__name__} (a cache "
+                    f"{self.units[k].nodes[0]} is called with a {type(leaf).__name__} (a cache "
                     "of past keys and values: use_cache=False). Use offload: none otherwise"
                 )
         call = _Call(self, k, leaves, spec, tensor_at, self._generation)
@@ -251,7 +291,7 @@ class BlockRunner:
         its inputs are one value for all members (the embeddings in front of per-member
         blocks); ``vmap`` would otherwise take its outputs for one value too."""
         slots = self.engine.array._slots
-        for j in self.shards[k].slots:
+        for j in self.units[k].slots:
             if not slots[j].shared:
                 d, name = slots[j].places[0]
                 value: Tensor = d[name]
@@ -266,46 +306,98 @@ class BlockRunner:
         slots = self.engine.array._slots
         return [
             i
-            for i, j in enumerate(self.shards[k].slots)
+            for i, j in enumerate(self.units[k].slots)
             if slots[j].is_param and self._host_state[j].requires_grad
         ]
 
-    # ------------------------------------------------------------------ forward and backward
+    # ------------------------------------------------------------------ groups on the compute side
     def _host(self, k: int) -> list[Tensor]:
-        return [self._host_state[j] for j in self.shards[k].slots]
+        return [self._host_state[j] for j in self.units[k].slots]
 
-    def _fetch(self, k: int, buffers: Sequence[Tensor] | None = None) -> _Resident:
-        host = self._host(k)
-        if buffers is not None:
-            for i, value in zip(self.engine._buffers(self.shards[k]), buffers, strict=True):
-                host[i] = value
+    def _fetch(self, g: int, calls: Sequence[_Call] | None = None) -> _Group:
+        """Start copying group ``g``'s tensors in: all of them (the forward), or (the backward)
+        those of the units of ``calls``, each unit's buffers as they were before the latest
+        of its calls there."""
+        shard = self.shards[g]
+        slots = shard.slots
+        latest: dict[int, _Call] = {}
+        if calls is not None:
+            for call in calls:
+                latest[call.unit] = call
+            slots = sorted({j for u in latest for j in self.units[u].slots})
+        host = [self._host_state[j] for j in slots]
+        at = {j: i for i, j in enumerate(slots)}
+        for u, call in latest.items():
+            unit = self.units[u]
+            for i, value in zip(self.engine._buffers(unit), call.before, strict=True):
+                host[at[unit.slots[i]]] = value
         engine = self.engine
-        resident = _Resident(
-            engine.transfer.fetch(host), self.shards[k].nbytes, engine.ledger, "shard state"
-        )
+        nbytes = sum(t.numel() * t.element_size() for t in host)
+        resident = _Resident(engine.transfer.fetch(host), nbytes, engine.ledger, "shard state")
         self._outstanding.append(resident)
-        return resident
+        group = _Group(g, slots, resident)
+        group.fresh = {u: call.index for u, call in latest.items()}
+        return group
 
+    def _enter(self, way: str, g: int, unit: int, calls: Sequence[_Call] | None) -> _Group:
+        """Group ``g`` as the one computing in direction ``way`` (holding ``unit``'s tensors):
+        the one computing already, else the prefetched one, else fetched now; the group it
+        replaces is released."""
+        current = self._current.get(way)
+        slots = self.units[unit].slots
+        if current is not None and current.index == g and current.holds(slots):
+            return current
+        self._leave(way, prefetched=False)
+        group = self._prefetched.pop((way, g), None)
+        if group is not None and not group.holds(slots):
+            group.resident.release()
+            group = None
+        if group is None:
+            group = self._fetch(g, calls)
+        self._current[way] = group
+        return group
+
+    def _leave(self, way: str, *, prefetched: bool = True) -> None:
+        """Release the group computing in direction ``way`` (and, with ``prefetched``, the
+        one prefetched for it)."""
+        current = self._current.pop(way, None)
+        if current is not None:
+            current.resident.release()
+        if prefetched:
+            for key in [k for k in self._prefetched if k[0] == way]:
+                self._prefetched.pop(key).resident.release()
+
+    def _prefetch(self, way: str, g: int, calls: Sequence[_Call] | None = None) -> None:
+        """Start copying group ``g`` in for direction ``way``; one prefetched at a time (one
+        the model's code did not call after all is released)."""
+        if (way, g) in self._prefetched:
+            return
+        for key in [k for k in self._prefetched if k[0] == way]:
+            self._prefetched.pop(key).resident.release()
+        self._prefetched[(way, g)] = self._fetch(g, calls)
+
+    # ------------------------------------------------------------------ forward and backward
     def _forward_call(
         self, call: _Call, tensors: Sequence[Tensor], keep: bool
     ) -> tuple[Tensor, ...]:
         k = call.unit
-        shard = self.shards[k]
+        unit = self.units[k]
         host = self._host(k)
-        at = self.engine._buffers(shard)
+        at = self.engine._buffers(unit)
         if keep:
             call.before = [host[i].clone() for i in at]
-        resident = self._prefetched.pop(("f", k), None) or self._fetch(k)
+        # a unit called again while its group stays computes on the buffers its earlier call
+        # wrote there, as the host holds them
+        group = self._enter("f", self._group_of[k], k, None)
         self._forward_order.append(k)
         self._position += 1
         self._prefetch_next(k)
-        fetched = resident.tensors()
+        fetched = group.tensors(unit.slots)
         outs = self._compute(call, fetched, tensors)
         if at:  # the call's buffer updates go back to the host
             written = self.engine.transfer.to_host([fetched[i] for i in at])
             for i, w in zip(at, written, strict=True):
                 host[i].copy_(w)
-        resident.release()
         if keep:
             call.inputs = list(tensors)
             self._hold(call.inputs)
@@ -315,13 +407,15 @@ class BlockRunner:
         return outs
 
     def _prefetch_next(self, k: int) -> None:
-        """Start copying in the unit the previous forward called next (or the next unit)."""
+        """Start copying in the group the previous forward called after unit ``k``'s (or, on
+        the first forward, the next group)."""
         if not self.engine.prefetch:
             return
-        order, at = self._order, self._position
-        nxt = order[at] if at < len(order) else k + 1
-        if nxt != k and nxt < len(self.shards) and ("f", nxt) not in self._prefetched:
-            self._prefetched[("f", nxt)] = self._fetch(nxt)
+        g = self._group_of[k]
+        ahead = [self._group_of[u] for u in self._order[self._position :]]
+        nxt = next((h for h in ahead if h != g), None if ahead else g + 1)
+        if nxt is not None and nxt < len(self.shards):
+            self._prefetch("f", nxt)
 
     def _compute(
         self, call: _Call, fetched: Sequence[Tensor], tensors: Sequence[Tensor]
@@ -330,11 +424,11 @@ class BlockRunner:
         ``fetched`` in place of its host tensors; records the output's structure and member
         dimensions in ``call``."""
         k = call.unit
-        shard = self.shards[k]
+        unit = self.units[k]
         size = self.engine.array.size
         unbatched = all(d is None for d in call.in_dims)
-        independent = unbatched and shard.shared_output
-        array = self._single_array(k) if independent else shard.array
+        independent = unbatched and unit.shared_output
+        array = self._single_array(k) if independent else self._arrays[k]
         if unbatched:
             inputs = list(tensors)
         else:  # every input with the member dimension first (one value for all: expanded)
@@ -346,7 +440,7 @@ class BlockRunner:
         for i, t in zip(call.tensor_at, inputs, strict=True):
             leaves[i] = t
         args, kwargs = pytree.tree_unflatten(leaves, call.spec)
-        slots = [self.engine.array._slots[j] for j in shard.slots]
+        slots = [self.engine.array._slots[j] for j in unit.slots]
         saved = [[(d, name, d[name]) for d, name in slot.places] for slot in slots]
         for slot, t in zip(slots, fetched, strict=True):
             for d, name in slot.places:
@@ -372,16 +466,12 @@ class BlockRunner:
         """Unit ``k`` as an array of one member: a call whose inputs and tensors are the same
         for every member runs once."""
         if k not in self._single:
-            shard = self.shards[k]
+            unit = self._arrays[k]
             array = FusedArray(
-                shard.array.module,
-                shard.array._prototype,
-                1,
-                list(shard.array._slots),
-                shard.array._trace_enabled,
+                unit.module, unit._prototype, 1, list(unit._slots), unit._trace_enabled
             )
-            array._defer_tracing(shard.array._trace_after)
-            array._draws_refused = shard.array._draws_refused
+            array._defer_tracing(unit._trace_after)
+            array._draws_refused = unit._draws_refused
             self._single[k] = array
         return self._single[k]
 
@@ -397,11 +487,18 @@ class BlockRunner:
                 "through the output of an earlier forward, released by a later one"
             )
         k = call.unit
+        unit = self.units[k]
         engine = self.engine
         with engine.ledger.phase("backward"):
-            resident = self._prefetched.pop(("b", call.index), None) or self._fetch(k, call.before)
+            index = self._group_of[k]
+            group = self._enter("b", index, k, self._kept(index))
             self._prefetch_previous(call)
-            fetched = resident.tensors()
+            fetched = group.tensors(unit.slots)
+            if group.fresh.pop(k, None) != call.index:
+                # the fetched buffers are not this call's: put back those it started from
+                with torch.no_grad():
+                    for i, before in zip(engine._buffers(unit), call.before, strict=True):
+                        fetched[i].copy_(before)
             trained = self._trained(k)
             for i in trained:
                 fetched[i].requires_grad_(True)
@@ -419,7 +516,6 @@ class BlockRunner:
                     [o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True
                 )
             self._to_host_grads(k, trained, found[: len(trained)])
-            resident.release()
             rest = iter(found[len(trained) :])
             out = [next(rest) if s.requires_grad else None for s in sources]
             self._drop(call.inputs)
@@ -429,14 +525,27 @@ class BlockRunner:
                 self.release()
         return out
 
+    def _kept(self, g: int) -> list[_Call]:
+        """The calls of group ``g``'s units whose backward has not run yet, in forward order."""
+        return [c for c in self._calls if c.inputs is not None and self._group_of[c.unit] == g]
+
     def _prefetch_previous(self, call: _Call) -> None:
-        """Start copying in the unit of the kept call before ``call`` (the next backward)."""
-        if not self.engine.prefetch or call.index < 1:
+        """Start copying in the group of the kept call before ``call`` that is not ``call``'s
+        group (the next group the backward needs), with what its kept calls need."""
+        if not self.engine.prefetch:
             return
-        prev = self._calls[call.index - 1]
-        key = ("b", prev.index)
-        if prev.inputs is not None and key not in self._prefetched:
-            self._prefetched[key] = self._fetch(prev.unit, prev.before)
+        g = self._group_of[call.unit]
+        prev = next(
+            (
+                c
+                for c in reversed(self._calls[: call.index])
+                if c.inputs is not None and self._group_of[c.unit] != g
+            ),
+            None,
+        )
+        if prev is not None:
+            h = self._group_of[prev.unit]
+            self._prefetch("b", h, self._kept(h))
 
     def _to_host_grads(self, k: int, trained: list[int], grads: Sequence[Tensor | None]) -> None:
         """Add unit ``k``'s parameter gradients to the host parameters' ``.grad``."""

@@ -16,6 +16,13 @@ Each unit runs as a :class:`~hfsweep.fusion.FusedArray` of its own over the arra
 (the same stacked tensors, dropout streams and LoRA settings), as the traced shards do, so it
 computes exactly what that module computes inside the whole array. The engine's side of it is
 ``_streamed``.
+
+Consecutive units (in module order) are grouped into one shard while the group's stacked
+state fits the shard limit, by the rule the graph cut sizes its shards with
+(:func:`~hfsweep.offload._shards.grow_runs`; a tensor two units share counts once): a group is
+fetched to the compute side once for all its units, so a model of many small blocks makes one
+fetch per group, not per block, where the budget allows; under a tight budget each block is a
+shard of its own, as before. A unit is never cut inside.
 """
 
 from __future__ import annotations
@@ -27,7 +34,14 @@ from torch import nn
 from ..fusion import FusedArray
 from ..fusion._state import _Slot
 from ._errors import OffloadError
-from ._shards import _DRAWS_REFUSED, Shard, _check_one_input, _module_slots, _slot_index
+from ._shards import (
+    _DRAWS_REFUSED,
+    Shard,
+    _check_one_input,
+    _module_slots,
+    _slot_index,
+    grow_runs,
+)
 
 __all__ = ["plan_units", "repeated_blocks"]
 
@@ -102,11 +116,12 @@ def _within(slot: _Slot, path: str) -> _Slot:
 
 
 def plan_units(array: FusedArray, limit: int, *, strict: bool = True) -> list[Shard]:
-    """One shard per unit of ``array`` (its repeated blocks and the modules around them, see
-    the module's docstring), each holding at most ``limit`` bytes of stacked state (tensors
-    kept once for all members counted once); :class:`OffloadError` where a unit holds more
-    (``strict``), where the model has no repeated blocks, or where a buffer a forward may
-    write is tied into two units."""
+    """The shards of ``array`` streamed between its blocks: groups of consecutive units (its
+    repeated blocks and the modules around them, see the module's docstring), each group
+    holding at most ``limit`` bytes of stacked state (tensors kept once for all members
+    counted once, a tensor tied into two units of a group once); :class:`OffloadError` where
+    one unit holds more (``strict``; else it is a group of its own), where the model has no
+    repeated blocks, or where a buffer a forward may write is tied into two units."""
     name = type(array._prototype).__name__
     _check_one_input(array._prototype)  # the engine passes one tensor in
     template = array.module
@@ -166,4 +181,26 @@ def plan_units(array: FusedArray, limit: int, *, strict: bool = True) -> list[Sh
             f"offload streams {name}'s blocks and the modules around them; {stray[:4]} belong "
             "to none of them. Use offload: none for this model"
         )
-    return shards
+    return _groups(shards, sizes, limit)
+
+
+def _groups(units: list[Shard], sizes: list[int], limit: int) -> list[Shard]:
+    """``units`` grouped, in order, into shards of at most ``limit`` bytes where they fit
+    (:func:`~hfsweep.offload._shards.grow_runs`, a cut allowed between any two units)."""
+    runs = grow_runs([set(u.slots) for u in units], sizes, limit, [True] * len(units))
+    groups = []
+    for a, b in runs:
+        members = units[a:b]
+        slots = sorted(set().union(*(u.slots for u in members)))
+        groups.append(
+            Shard(
+                None,
+                slots,
+                sum(sizes[j] for j in slots),
+                [n for u in members for n in u.nodes],
+                False,
+                all(u.shared_output for u in members),
+                members,
+            )
+        )
+    return groups

@@ -18,14 +18,16 @@ from hfsweep.tasks import TensorBatches
 
 class Counting(CpuTransfer):
     """A CPU transfer (``delay`` seconds per fetch, in a background thread) that adds up the
-    bytes it copies to the compute side."""
+    bytes it copies to the compute side and counts its fetches."""
 
     def __init__(self, delay: float = 0.0) -> None:
         super().__init__(delay)
         self.fetched = 0
+        self.fetches = 0
 
     def fetch(self, tensors: Sequence[Tensor]) -> Fetch:
         self.fetched += sum(t.numel() * t.element_size() for t in tensors)
+        self.fetches += 1
         return super().fetch(tensors)
 
 

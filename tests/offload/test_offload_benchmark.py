@@ -1,7 +1,8 @@
 """The offload benchmarks run at their smallest scale and write their tables:
 ``benchmarks/offload_pipeline.py`` (every arm gives a finite, positive time),
 ``benchmarks/offload_auto.py`` (both rates measured, a choice made), ``offload_shared.py`` and
-``offload_blocks.py`` (the bytes they report); no timing is asserted."""
+``offload_blocks.py`` (the bytes they report), ``offload_alternate.py`` (every arm timed); no
+timing is asserted."""
 
 from __future__ import annotations
 
@@ -78,6 +79,28 @@ def test_offload_blocks_quick_runs(tmp_path, monkeypatch) -> None:
     for row in rows.values():
         assert math.isfinite(row["step_ms"]) and row["step_ms"] > 0
     graph = rows["offloaded, encoder one layer call (graph cut)"]
-    blocks = rows["offloaded, between blocks"]
-    assert (graph["shards"], blocks["shards"]) == (2, 6)
-    assert blocks["largest_shard_bytes"] < graph["largest_shard_bytes"]
+    units = rows["offloaded, between blocks, one unit per shard"]
+    grouped = rows["offloaded, between blocks, grouped"]
+    # embeddings, 2 layers, pooler, dropout, classifier
+    assert (graph["shards"], units["shards"]) == (2, 6)
+    assert units["largest_shard_bytes"] < graph["largest_shard_bytes"]
+    assert grouped["shards"] < units["shards"]
+    assert grouped["fetches_per_step"] < units["fetches_per_step"]
+    # the same tensors copied in, fewer times: the backward fetches what its calls need
+    assert grouped["fetched_bytes_per_step"] == units["fetched_bytes_per_step"]
+
+
+@pytest.mark.slow
+def test_offload_alternate_quick_runs(tmp_path, monkeypatch) -> None:
+    """``benchmarks/offload_alternate.py`` at its smallest: every arm gives a finite, positive
+    time, and the models are written beside them."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    script = importlib.import_module("offload_alternate")
+    stem = tmp_path / "offload_alternate_test"
+    argv = ["--layers", "2", "--width", "16", "--size", "2", "--batch-b", "32", "--steps", "1"]
+    argv += ["--rounds", "1", "--factors", "1", "--out", str(stem)]
+    assert script.main(argv) == 0
+    (row,) = json.loads(stem.with_suffix(".json").read_text())["rows"]
+    for key in ("compute_a_ms", "alone_sum_ms", "alternated_ms", "max_model_ms"):
+        assert math.isfinite(row[key]) and row[key] > 0, key
+    assert "| 1 |" in stem.with_suffix(".md").read_text()

@@ -158,13 +158,12 @@ def test_an_encoder_over_a_quarter_of_the_budget_streams_block_by_block() -> Non
     engine = OffloadedArray(host, budget_bytes=budget)  # refused before: "over the shard limit"
     with pytest.raises(OffloadError, match="over the shard limit"):
         OffloadedArray(host, budget_bytes=budget, cut="graph")  # the fx cut alone
-    names = [s.nodes[0] for s in engine.shards]
-    assert names == [
-        "model.bert.embeddings",
-        *[f"model.bert.encoder.layer.{i}" for i in range(3)],
-        "model.bert.pooler",
-        "model.dropout",
-        "model.classifier",
+    # each block a shard of its own (two do not fit the limit); the small modules after the
+    # encoder fetched together
+    assert [s.nodes for s in engine.shards] == [
+        ["model.bert.embeddings"],
+        *[[f"model.bert.encoder.layer.{i}"] for i in range(3)],
+        ["model.bert.pooler", "model.dropout", "model.classifier"],
     ]
     assert max(s.nbytes for s in engine.shards) <= budget // 4
     _train_side_by_side(whole, host, engine)
@@ -182,12 +181,16 @@ def test_lora_adapters_on_a_frozen_bert_stream_with_the_base_kept_once() -> None
     whole, host = _pair([Classifier(i, lora=True).double() for i in range(B)])
     assert host.shared_frozen
     transfer = Counting()
-    engine = OffloadedArray(host, transfer=transfer, cut="blocks")
-    units = {s.nodes[0]: s for s in engine.shards}
-    embeddings = units["model.base_model.model.bert.embeddings"]
-    layer = units["model.base_model.model.bert.encoder.layer.0"].array.module
-    base = layer.attention.self.query.base_layer.weight
+    units = {u.nodes[0]: u for s in OffloadedArray(host, cut="blocks").shards for u in s.units}
+    prefix = "model.base_model.model.bert"
+    embeddings, first = units[f"{prefix}.embeddings"], units[f"{prefix}.encoder.layer.0"]
+    base = first.array.module.attention.self.query.base_layer.weight
     assert base.dim() == 2  # kept once: not stacked per member
+    # shards that fetch the embeddings with the first block: that group's backward fetch
+    # takes the block's tensors only
+    limit = embeddings.nbytes + first.nbytes
+    engine = OffloadedArray(host, transfer=transfer, cut="blocks", shard_bytes=limit)
+    assert engine.shards[0].nodes == [embeddings.nodes[0], first.nodes[0]]
     # one forward copies every unit in once; the backward all but the embeddings
     total = sum(s.nbytes for s in engine.shards)
     for run in (whole, engine):  # the same step on both: their dropout streams stay level
@@ -198,15 +201,23 @@ def test_lora_adapters_on_a_frozen_bert_stream_with_the_base_kept_once() -> None
     _train_side_by_side(whole, host, engine)
 
 
-def test_a_gpt2_causal_lm_with_tied_embeddings_streams_its_blocks() -> None:
+@pytest.mark.parametrize("together", [False, True], ids=["tied-in-two-shards", "one-shard"])
+def test_a_gpt2_causal_lm_with_tied_embeddings_streams_its_blocks(together: bool) -> None:
     """GPT-2's ``h`` blocks streamed, its output layer (tied to the token embeddings, trained
     per member) fetched by both units that use it, their gradients added up on the host; with
-    a transfer in a background thread (prefetch overlapping compute)."""
+    a transfer in a background thread (prefetch overlapping compute). With a shard limit over
+    the whole model, every unit is one shard, the tied tensor in it once."""
     whole, host = _pair([CausalLM(i).double() for i in range(2)])
-    engine = OffloadedArray(host, transfer=CpuTransfer(delay=0.001), cut="blocks")
-    names = [s.nodes[0] for s in engine.shards]
-    assert [n for n in names if ".h." in n] == [f"lm.transformer.h.{i}" for i in range(3)]
-    assert {"lm.transformer.wte", "lm.lm_head"} <= set(names)
+    limit = 10**9 if together else None
+    engine = OffloadedArray(
+        host, transfer=CpuTransfer(delay=0.001), cut="blocks", shard_bytes=limit
+    )
+    units = [u.nodes[0] for s in engine.shards for u in s.units]
+    assert [n for n in units if ".h." in n] == [f"lm.transformer.h.{i}" for i in range(3)]
+    holding = [s for s in engine.shards if {"lm.transformer.wte", "lm.lm_head"} & set(s.nodes)]
+    assert len(holding) == (1 if together else 2)
+    if together:
+        assert holding[0].nbytes < sum(u.nbytes for u in holding[0].units)  # tied: counted once
     _train_side_by_side(whole, host, engine)
     engine.close()
 

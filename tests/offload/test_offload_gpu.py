@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import hfsweep as hs
-from hfsweep.offload import CudaTransfer, OffloadedArray
+from hfsweep.offload import AlternatingArrays, CudaTransfer, OffloadedArray
 
 pytestmark = pytest.mark.gpu
 
@@ -169,9 +169,46 @@ def test_a_bert_classifier_streamed_between_its_blocks_on_cuda_trains_as_the_who
         whole.manual_seed(i, i + 1)
         host.manual_seed(i, i + 1)
     engine = OffloadedArray(host, device="cuda", cut="blocks")
-    assert any(".encoder.layer.0" in s.nodes[0] for s in engine.shards)
+    assert any(".encoder.layer.0" in n for s in engine.shards for n in s.nodes)
+    assert any(len(s.units) > 1 for s in engine.shards)  # units grouped (no budget)
     opt_w = hs.optim.AdamW(whole, lr=[1e-2, 3e-3, 1e-3])
     opt_h = hs.optim.AdamW(host, lr=[1e-2, 3e-3, 1e-3])
     ids = (_ids(step).cuda() for step in range(3))
     _train_side_by_side(whole, host, engine, opt_w, opt_h, ids)
     assert engine.ledger.resident == 0
+
+
+def test_two_arrays_alternated_on_cuda_train_as_each_whole() -> None:
+    """Two arrays stepped together by ``AlternatingArrays`` on CUDA (one side stream for both
+    arrays' copies, one ledger): each exact against its whole array on the device (float64)."""
+    made = [
+        [
+            nn.Sequential(*[nn.Linear(16, w) if i == 0 else nn.Linear(w, w) for i in range(4)])
+            for _ in range(3)
+        ]
+        for w in (16, 24)
+    ]
+    made = [[m.double() for m in ms] for ms in made]
+    wholes = [hs.fuse(copy.deepcopy(ms)).to("cuda") for ms in made]
+    hosts = [hs.fuse(ms) for ms in made]
+    pair = AlternatingArrays(hosts, device="cuda", budget_bytes=4 * 2**20)
+    assert isinstance(pair.transfer, CudaTransfer)
+    opts = [hs.optim.AdamW(a, lr=[1e-2, 3e-3, 1e-3]) for a in [*wholes, *hosts]]
+    inputs = _random_inputs()
+    for _ in range(3):
+        x = next(inputs)
+        outs = pair.forward([x, x])
+        for out, whole in zip(outs, wholes, strict=True):
+            out_w = whole(x)
+            torch.testing.assert_close(out, out_w, rtol=1e-7, atol=1e-12)
+            out_w.square().mean().backward()
+        pair.backward([o.square().mean() for o in outs])
+        for o in opts:
+            o.step()
+            o.zero_grad(set_to_none=True)
+    for whole, host in zip(wholes, hosts, strict=True):
+        pairs = zip(whole.state_dict().items(), host.state_dict().values(), strict=True)
+        for (name, tw), th in pairs:
+            torch.testing.assert_close(th.cuda(), tw, rtol=1e-7, atol=1e-12, msg=name)
+    assert pair.ledger.peak <= 4 * 2**20 and pair.ledger.resident == 0
+    pair.close()

@@ -1,0 +1,171 @@
+"""Offloaded arrays stepped together, their shards alternating (``hfsweep.offload.
+AlternatingArrays``): each array trains exactly as the same array without offload (float64:
+forward, gradients, many steps of different optimizers and schedules, BatchNorm, dropout
+streams), the arrays' shards are fetched in turn through the one transfer, and the
+shared ledger holds the arrays' shards together within the one budget. No timing: the
+overlap is measured by ``benchmarks/offload_alternate.py``."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import hfsweep as hs
+from hfsweep.offload import AlternatingArrays, CpuTransfer, OffloadError
+
+B = 3
+
+
+def _models(seed: int, width: int, depth: int) -> list[nn.Module]:
+    torch.manual_seed(seed)
+    out = []
+    for _ in range(B):
+        layers: list[nn.Module] = [nn.Linear(6, width), nn.BatchNorm1d(width), nn.Tanh()]
+        for _ in range(depth):
+            layers += [nn.Dropout(0.2), nn.Linear(width, width), nn.ReLU()]
+        layers.append(nn.Linear(width, 3))
+        out.append(nn.Sequential(*layers).double())
+    return out
+
+
+def _arrays() -> tuple[list[hs.FusedArray], list[hs.FusedArray]]:
+    """Three arrays of different architectures and depths, and their twins not offloaded."""
+    made = [_models(0, 8, 1), _models(1, 12, 3), _models(2, 6, 2)]
+    whole = [hs.fuse(copy.deepcopy(m)) for m in made]
+    host = [hs.fuse(m, share_frozen=False) for m in made]
+    for a in [*whole, *host]:
+        for i in range(B):
+            a.manual_seed(i, 100 + i)
+    return whole, host
+
+
+def _optimizers(k: int, array: hs.FusedArray) -> tuple[object, object]:
+    if k == 0:
+        opt = hs.optim.SGD(array, lr=[0.1, 0.05, 0.02], momentum=[0.0, 0.5, 0.9])
+        sched = hs.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=[4, 6, 8])
+    elif k == 1:
+        opt = hs.optim.AdamW(array, lr=[1e-2, 3e-3, 1e-3], weight_decay=[0.0, 0.01, 0.1])
+        sched = hs.optim.lr_scheduler.StepLR(opt, step_size=[1, 2, 3], gamma=[0.5, 0.7, 0.9])
+    else:
+        opt = hs.optim.RMSprop(array, lr=[1e-3, 3e-3, 1e-2])
+        sched = hs.optim.lr_scheduler.StepLR(opt, step_size=[2, 2, 2], gamma=[0.5, 0.6, 0.7])
+    return opt, sched
+
+
+def _record(arrays: AlternatingArrays) -> list[int]:
+    """A list that each engine's fetches append its index to, in the order they start."""
+    order: list[int] = []
+    for k, engine in enumerate(arrays.engines):
+        fetch = engine._fetch
+
+        def recorded(*args: Any, _k: int = k, _fetch: Any = fetch) -> Any:
+            order.append(_k)
+            return _fetch(*args)
+
+        engine._fetch = recorded  # type: ignore[method-assign]
+    return order
+
+
+def test_alternated_arrays_train_exactly_as_each_alone() -> None:
+    whole, host = _arrays()
+    arrays = AlternatingArrays(host, transfer=CpuTransfer(delay=0.001))
+    assert len({len(e.shards) for e in arrays.engines}) > 1  # one ends before the others
+    optimizers = [_optimizers(k, a) for k in range(3) for a in (whole[k], host[k])]
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        xs = [torch.randn(5, 6, generator=gen, dtype=torch.float64) for _ in range(3)]
+        targets = [torch.randn(B, 5, 3, generator=gen, dtype=torch.float64) for _ in range(3)]
+        outs = arrays.forward(xs)
+        losses = [((o - t) ** 2).mean(dim=(1, 2)).sum() for o, t in zip(outs, targets, strict=True)]
+        arrays.backward(losses)
+        for w, x, out, t in zip(whole, xs, outs, targets, strict=True):
+            out_w = w(x)
+            torch.testing.assert_close(out, out_w, rtol=1e-7, atol=1e-12)
+            ((out_w - t) ** 2).mean(dim=(1, 2)).sum().backward()
+        for w, h in zip(whole, host, strict=True):
+            for (name, pw), ph in zip(w.named_parameters(), h.parameters(), strict=True):
+                torch.testing.assert_close(ph.grad, pw.grad, rtol=1e-7, atol=1e-12, msg=name)
+        for opt, sched in optimizers:
+            opt.step()  # type: ignore[attr-defined]
+            opt.zero_grad(set_to_none=True)  # type: ignore[attr-defined]
+            sched.step()  # type: ignore[attr-defined]
+        assert arrays.ledger.resident == 0
+    for w, h in zip(whole, host, strict=True):
+        for (name, tw), th in zip(w.state_dict().items(), h.state_dict().values(), strict=True):
+            torch.testing.assert_close(th, tw, rtol=1e-7, atol=1e-12, msg=name)
+        assert all(h.rng_state(i) == w.rng_state(i) for i in range(B))
+    # an evaluation forward, alternated too, keeps nothing
+    for a in [*whole, *host]:
+        a.eval()
+    x = torch.randn(4, 6, dtype=torch.float64)
+    with torch.no_grad():
+        for out, w in zip(arrays.forward([x, x, x]), whole, strict=True):
+            torch.testing.assert_close(out, w(x), rtol=1e-7, atol=1e-12)
+    assert arrays.ledger.resident == 0
+    arrays.close()
+
+
+def _turns(counts: list[int]) -> list[int]:
+    """Which array fetches, in order, where array i fetches ``counts[i]`` shards in turns."""
+    return [i for r in range(max(counts)) for i, c in enumerate(counts) if r < c]
+
+
+def test_the_fetches_alternate_between_the_arrays() -> None:
+    """One step: every array's first shard is fetched, then the arrays take turns (each shard
+    computing while the next array's is copied in), in the forward and in the backward; an
+    array with fewer shards drops out of the turns when it is done."""
+    _, host = _arrays()
+    arrays = AlternatingArrays(host, transfer=CpuTransfer(delay=0.001))
+    order = _record(arrays)
+    x = torch.randn(5, 6, dtype=torch.float64)
+    outs = arrays.forward([x, x, x])
+    n = [len(e.shards) for e in arrays.engines]
+    assert order == _turns(n)  # shard k of each, in turn
+    order.clear()
+    arrays.backward([o.square().sum() for o in outs])
+    # the last shard of each stayed from the forward; the others fetched in turn
+    assert order == _turns([k - 1 for k in n])
+    arrays.close()
+
+
+def test_the_arrays_share_one_budget() -> None:
+    """Within one budget the shards of each array hold at most a quarter of it over the number
+    of arrays; the shared ledger counts every array's shards, held together, under it."""
+    _, host = _arrays()
+    state = max(sum(t.numel() * t.element_size() for t in a._state()) for a in host)
+    budget = 3 * state
+    arrays = AlternatingArrays(host, budget_bytes=budget, transfer=CpuTransfer(0.001))
+    for engine in arrays.engines:
+        assert engine.ledger is arrays.ledger
+        assert max(s.nbytes for s in engine.shards) <= budget // (4 * 3)
+    x = torch.randn(5, 6, dtype=torch.float64)
+    for _ in range(2):
+        outs = arrays.forward([x, x, x])
+        arrays.backward([o.square().sum() for o in outs])
+    peaks = arrays.ledger.peaks
+    assert 0 < peaks["forward"] <= budget and 0 < peaks["backward"] <= budget
+    # more than any one array's two largest shards: several arrays' shards were held at once
+    largest = max(sum(sorted(s.nbytes for s in e.shards)[-2:]) for e in arrays.engines)
+    assert peaks["forward"] > largest
+    assert arrays.ledger.resident == 0
+    arrays.close()
+
+
+def test_refusals() -> None:
+    _, host = _arrays()
+    with pytest.raises(OffloadError, match="the same array twice"):
+        AlternatingArrays([host[0], host[0]])
+    arrays = AlternatingArrays(host[:2])
+    x = torch.randn(5, 6, dtype=torch.float64)
+    with pytest.raises(OffloadError, match="one input per array"):
+        arrays.forward([x])
+    with pytest.raises(OffloadError, match="an input requires one"):
+        arrays.forward([x, x.clone().requires_grad_()])
+    outs = arrays.forward([x, x])
+    arrays.backward([o.sum() for o in outs])
+    with pytest.raises(OffloadError, match="ran already"):
+        arrays.backward([o.sum() for o in outs])
