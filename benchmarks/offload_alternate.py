@@ -27,11 +27,10 @@ import copy
 import os
 import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from _offload import median_step
 from _results import RESULTS, write_results
 from torch import nn
 
@@ -43,15 +42,6 @@ def _array(layers: int, width: int, size: int) -> hs.FusedArray:
     torch.manual_seed(0)
     models = [nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)]) for _ in range(size)]
     return hs.fuse(models, share_frozen=False)
-
-
-def _time(step: Callable[[], None], steps: int) -> float:
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 class _Alone:
@@ -125,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         assert len(p.engine.shards) == n
         p.step()
     calibration = max(5, args.steps)  # the delays rest on it: more steps than a round's
-    balanced = sum(_time(p.step, calibration) for p in plain) / fetches
+    balanced = sum(median_step(p.step, calibration) for p in plain) / fetches
     for p in plain:
         p.close()
 
@@ -145,9 +135,9 @@ def main(argv: list[str] | None = None) -> int:
         times: dict[str, list[float]] = {name: [] for name in [*arms, "forward a", "forward b"]}
         for _ in range(args.rounds):
             for name, arm in arms.items():
-                times[name].append(_time(arm.step, args.steps))
+                times[name].append(median_step(arm.step, args.steps))
                 if name.startswith("compute") and isinstance(arm, _Alone):
-                    times[f"forward {name[-1]}"].append(_time(arm.forward, args.steps))
+                    times[f"forward {name[-1]}"].append(median_step(arm.forward, args.steps))
         for arm in arms.values():
             arm.close()
         load.append(os.getloadavg())

@@ -22,6 +22,7 @@ from .._compat import TORCH_BINDING_OWNERS, OpOverload
 from ._graph_features_first import features_first_runs
 from ._graph_fold import fold_state_views
 from ._graph_linear import use_stacked_linear
+from ._graph_ops import pointwise
 from ._graph_pool import drop_contiguous_copy, pool_members_with_channels
 
 __all__ = ["PUBLIC_FUNCTIONS", "simplify"]
@@ -195,7 +196,7 @@ def _merge_views(graph: fx.Graph, node: fx.Node) -> bool:
 
 def _unary_pointwise(node: fx.Node) -> bool:
     """An elementwise op of one tensor that has no effect besides its result (``relu``)."""
-    return _pointwise(node) and not any(isinstance(a, fx.Node) for a in node.args[1:])
+    return pointwise(node) and not any(isinstance(a, fx.Node) for a in node.args[1:])
 
 
 def _hoist_pointwise(graph: fx.Graph, node: fx.Node) -> bool:
@@ -237,12 +238,7 @@ def _pointwise_of_permutes(graph: fx.Graph, node: fx.Node) -> bool:
     member dimension to the front for an elementwise op of two tensors that hold it elsewhere
     (a residual connection between convolutions) and the next convolution moves it back. The
     permutes then meet their inverses and cancel (:func:`_merge_permutes`)."""
-    target = node.target
-    if node.op != "call_function" or not isinstance(target, OpOverload) or node.kwargs:
-        return False
-    if torch.Tag.pointwise not in target.tags or target._schema.is_mutable:
-        return False
-    if torch.Tag.nondeterministic_seeded in target.tags:
+    if not pointwise(node):
         return False
     inputs = [a for a in node.args if isinstance(a, fx.Node)]
     if not inputs or any(
@@ -263,7 +259,7 @@ def _pointwise_of_permutes(graph: fx.Graph, node: fx.Node) -> bool:
         return False
     with graph.inserting_before(node):
         args = tuple(a.args[0] if isinstance(a, fx.Node) else a for a in node.args)
-        whole = graph.call_function(target, args)
+        whole = graph.call_function(cast(OpOverload, node.target), args)
         whole.meta["val"] = whole_val
         permuted = graph.call_function(_aten.permute.default, (whole, dims))
         permuted.meta["val"] = val
@@ -281,7 +277,7 @@ def _pointwise_of_views(graph: fx.Graph, node: fx.Node) -> bool:
     connection) to add them, and the next convolution folds them back in. One view is left,
     which then meets the next layer's and cancels (:func:`_hoist_pointwise`, :func:`_merge_views`);
     the backward loses the views' too."""
-    if not _pointwise(node):
+    if not pointwise(node):
         return False
     inputs = [a for a in node.args if isinstance(a, fx.Node)]
     if len(inputs) < 2 or any(a.target is not _aten.view.default for a in inputs):
@@ -309,16 +305,6 @@ def _pointwise_of_views(graph: fx.Graph, node: fx.Node) -> bool:
         if not a.users:  # a view read elsewhere too stays for that reader
             graph.erase_node(a)
     return True
-
-
-def _pointwise(node: fx.Node) -> bool:
-    """An elementwise op without keyword arguments and with no effect besides its result."""
-    target = node.target
-    if node.op != "call_function" or not isinstance(target, OpOverload) or node.kwargs:
-        return False
-    if torch.Tag.pointwise not in target.tags or target._schema.is_mutable:
-        return False
-    return torch.Tag.nondeterministic_seeded not in target.tags
 
 
 def _merge_permutes(graph: fx.Graph, node: fx.Node) -> bool:

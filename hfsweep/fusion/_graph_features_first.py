@@ -40,8 +40,8 @@ from typing import Any
 import torch
 from torch import Tensor, fx
 
-from .._compat import OpOverload
 from ._graph_linear import stacked_linear
+from ._graph_ops import pointwise
 
 __all__ = ["features_first_runs"]
 
@@ -70,12 +70,7 @@ def _eligible(node: fx.Node) -> bool:
 def _elementwise(node: fx.Node, src: fx.Node) -> bool:
     """A deterministic elementwise op of ``src`` alone (other arguments plain values), with no
     effect besides its result: it computes the same values in either layout."""
-    target = node.target
-    if node.op != "call_function" or not isinstance(target, OpOverload) or node.kwargs:
-        return False
-    if torch.Tag.pointwise not in target.tags or target._schema.is_mutable:
-        return False
-    if torch.Tag.nondeterministic_seeded in target.tags:
+    if not pointwise(node):
         return False
     if not node.args or node.args[0] is not src:
         return False
