@@ -16,15 +16,22 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
+def _run(name: str, argv: list[str], tmp_path: Path, monkeypatch) -> tuple[list[dict], Path]:
+    """Run ``benchmarks/<name>.py`` with ``argv`` writing into ``tmp_path``; its JSON rows and
+    the stem its tables were written to."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    script = importlib.import_module(name)
+    stem = tmp_path / f"{name}_test"
+    assert script.main([*argv, "--out", str(stem)]) == 0
+    return json.loads(stem.with_suffix(".json").read_text())["rows"], stem
+
+
 @pytest.mark.slow
 def test_offload_pipeline_quick_runs(tmp_path, monkeypatch) -> None:
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    script = importlib.import_module("offload_pipeline")
-    stem = tmp_path / "offload_pipeline_test"
     argv = ["--layers", "3", "--width", "16", "--size", "2", "--batch", "8", "--steps", "1"]
-    argv += ["--rounds", "1", "--factors", "1", "--out", str(stem)]
-    assert script.main(argv) == 0
-    (row,) = json.loads(stem.with_suffix(".json").read_text())["rows"]
+    (row,), stem = _run(
+        "offload_pipeline", [*argv, "--rounds", "1", "--factors", "1"], tmp_path, monkeypatch
+    )
     for key in ("compute_step_ms", "prefetch_off_ms", "prefetch_on_ms", "max_model_ms"):
         assert math.isfinite(row[key]) and row[key] > 0, key
     assert "| 1 |" in stem.with_suffix(".md").read_text()
@@ -33,12 +40,8 @@ def test_offload_pipeline_quick_runs(tmp_path, monkeypatch) -> None:
 @pytest.mark.slow
 def test_offload_auto_quick_runs(tmp_path, monkeypatch) -> None:
     """``benchmarks/offload_auto.py`` at its smallest: both ways measured, a choice made."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    script = importlib.import_module("offload_auto")
-    stem = tmp_path / "offload_auto_test"
-    argv = ["--size", "2", "--fits", "1", "--seconds", "0.05", "--out", str(stem)]
-    assert script.main(argv) == 0
-    (row,) = json.loads(stem.with_suffix(".json").read_text())["rows"]
+    argv = ["--size", "2", "--fits", "1", "--seconds", "0.05"]
+    (row,), stem = _run("offload_auto", argv, tmp_path, monkeypatch)
     assert row["fit_size"] == 1 and row["mode"] in ("host", "split")
     for key in ("offloaded_rate", "split_rate"):
         assert math.isfinite(row[key]) and row[key] > 0, key
@@ -49,12 +52,9 @@ def test_offload_auto_quick_runs(tmp_path, monkeypatch) -> None:
 def test_offload_shared_quick_runs(tmp_path, monkeypatch) -> None:
     """``benchmarks/offload_shared.py`` at its smallest: every way timed; the backbone kept once
     is copied in once per step (B - 1 backbones fewer than its per-member copies)."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    script = importlib.import_module("offload_shared")
-    stem = tmp_path / "offload_shared_test"
     argv = ["--layers", "2", "--width", "16", "--size", "3", "--batch", "4", "--steps", "1"]
-    assert script.main([*argv, "--rounds", "1", "--out", str(stem)]) == 0
-    rows = {r["way"]: r for r in json.loads(stem.with_suffix(".json").read_text())["rows"]}
+    found, _ = _run("offload_shared", [*argv, "--rounds", "1"], tmp_path, monkeypatch)
+    rows = {r["way"]: r for r in found}
     for row in rows.values():
         assert math.isfinite(row["step_ms"]) and row["step_ms"] > 0
     once, copies = rows["offloaded, backbone once"], rows["offloaded, B backbones"]
@@ -69,13 +69,11 @@ def test_offload_blocks_quick_runs(tmp_path, monkeypatch) -> None:
     blocks, the largest shard is smaller than the graph cut's encoder shard."""
     pytest.importorskip("transformers")
     pytest.importorskip("peft")
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    script = importlib.import_module("offload_blocks")
-    stem = tmp_path / "offload_blocks_test"
     argv = ["--layers", "2", "--width", "16", "--vocab", "50", "--size", "2", "--batch", "2"]
-    argv += ["--steps", "1", "--rounds", "1", "--out", str(stem)]
-    assert script.main(argv) == 0
-    rows = {r["way"]: r for r in json.loads(stem.with_suffix(".json").read_text())["rows"]}
+    found, _ = _run(
+        "offload_blocks", [*argv, "--steps", "1", "--rounds", "1"], tmp_path, monkeypatch
+    )
+    rows = {r["way"]: r for r in found}
     for row in rows.values():
         assert math.isfinite(row["step_ms"]) and row["step_ms"] > 0
     graph = rows["offloaded, encoder one layer call (graph cut)"]
@@ -94,13 +92,9 @@ def test_offload_blocks_quick_runs(tmp_path, monkeypatch) -> None:
 def test_offload_alternate_quick_runs(tmp_path, monkeypatch) -> None:
     """``benchmarks/offload_alternate.py`` at its smallest: every arm gives a finite, positive
     time, and the models are written beside them."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    script = importlib.import_module("offload_alternate")
-    stem = tmp_path / "offload_alternate_test"
     argv = ["--layers", "2", "--width", "16", "--size", "2", "--batch-b", "32", "--steps", "1"]
-    argv += ["--rounds", "1", "--factors", "1", "--out", str(stem)]
-    assert script.main(argv) == 0
-    (row,) = json.loads(stem.with_suffix(".json").read_text())["rows"]
+    argv += ["--rounds", "1", "--factors", "1"]
+    (row,), stem = _run("offload_alternate", argv, tmp_path, monkeypatch)
     for key in ("compute_a_ms", "alone_sum_ms", "alternated_ms", "max_model_ms"):
         assert math.isfinite(row[key]) and row[key] > 0, key
     assert "| 1 |" in stem.with_suffix(".md").read_text()
