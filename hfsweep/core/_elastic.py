@@ -56,7 +56,8 @@ What the allocator is given:
   its last report (a member survives each rung ahead with probability 1/reduction factor),
   in the same one-unit seconds. The allocator then weighs arrays by what their members are
   expected to train, makes a resize only where it pays back within the array's expected time,
-  and in the tail gives idle workers to the array expected to end last, at once. Without it
+  and in the tail weighs the array expected to end last at least as the heaviest one, so that
+  freed workers go to it first. Without it
   (FIFO, median stopping, Optuna pruners) none is given, as before.
 - the scaling profile of the array's compatibility key: when the first array of a key is
   placed, the policy asks its ``scaling`` source (the engine's
