@@ -32,6 +32,7 @@ from sweep._killed import (
     reaped,
     start_cli,
     start_python,
+    unlogged_tells,
     wait_for_tells,
 )
 from sweep._toy import HOLD_AFTER
@@ -137,16 +138,18 @@ def _engine_lifecycle(door: str, backend: str, folder: Path, hold: pytest.Monkey
         proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL
     assert finished(run) < TRIALS  # killed mid-sweep
+    unlogged = unlogged_tells(run)  # told as the kill came, the line cut off: one at most
+    assert len(unlogged) <= 1, unlogged
     hold.delenv("HFSWEEP_TEST_HOLD_LOG")
 
     with reaped(_start_engine(door, folder, resume=True)) as resumed:
         _out, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err
-    trials = check_final_study(run, TRIALS)  # the shared helper: told once, by the log
+    trials = check_final_study(run, TRIALS, unlogged)  # the shared helper: told once, by the log
     log = (run / "sweep.log").read_text()
     outcome = Outcome(
         states={str(t.number): t.state.name for t in trials},
-        told=Counter(re.findall(TOLD_LINE, log)),
+        told=Counter(re.findall(TOLD_LINE, log)) + Counter(str(n) for n in unlogged),
         refilled={str(t.number) for t in trials if t.user_attrs.get("start_step", 0) > 0},
         resumed=re.search(r"array \d+ \(.*\): resuming with", log) is not None,
     )

@@ -85,6 +85,16 @@ class _Hooks(_Parts):
             self.study.tell(trial, value)
         else:
             self.study.tell(trial, state=status.trial_state())
+        # the log's line straight after the study's tell: a SIGKILL between them loses the line
+        # (the tell is what is kept), and the less runs in between the rarer that is
+        _log.info(
+            "trial %d %s after %d steps: %s=%s",
+            number,
+            status.value,
+            result.steps,
+            self.sc.metric,
+            value,
+        )
         told = value if status is not Status.FAILED else None
         self.tracking.trial_ended(
             number, status, told, error, info=lambda: self._trial_info(number)
@@ -96,14 +106,6 @@ class _Hooks(_Parts):
         if status is Status.COMPLETED and value is not None and self._improves(value, number):
             self.progress.set_best(value, number)
         self._publish()
-        _log.info(
-            "trial %d %s after %d steps: %s=%s",
-            number,
-            status.value,
-            result.steps,
-            self.sc.metric,
-            value,
-        )
 
     def _lost(self, number: int) -> bool:
         """Whether running trial ``number`` was adopted by another driver (this one's

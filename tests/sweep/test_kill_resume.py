@@ -18,6 +18,7 @@ from ._killed import (
     interrupt_after,
     reaped,
     start_cli,
+    unlogged_tells,
     wait_for_tells,
 )
 from ._toy import HOLD_AFTER
@@ -77,6 +78,9 @@ def test_sigkill_then_resume_finishes_the_sweep(
         proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL
     assert finished(run) < TRIALS  # killed mid-sweep
+    # a tell in flight when the kill came: told to the study, its log line cut off
+    unlogged = unlogged_tells(run)
+    assert len(unlogged) <= 1, unlogged
     monkeypatch.delenv("HFSWEEP_TEST_HOLD_LOG")  # the runs after this one are not held
 
     again = start_cli(sweep)
@@ -85,7 +89,7 @@ def test_sigkill_then_resume_finishes_the_sweep(
     with reaped(start_cli(sweep, "--resume", session=True)) as resumed:
         _out, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err
-    check_final_study(run, TRIALS)
+    check_final_study(run, TRIALS, unlogged)
 
 
 def test_ctrl_c_stops_cleanly_and_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
