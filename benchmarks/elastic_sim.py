@@ -185,18 +185,20 @@ class Sim:
         self.heap: list[tuple[float, int, str, int]] = []
         self.now = 0.0
         self.seq = 0
-        self.rungs: dict[int, list[float]] = {}
+        #: ASHA's rung model (rungs at 1, eta, eta**2, ... below the budget): the one source of
+        #: the rungs ASHA stops members at, each array's horizon and, where the allocator is
+        #: given it, its expected end, as ``hfsweep run``'s policy reads one rung model
+        rungs: list[float] = []
         r = 1
         while r < max_epochs:
-            self.rungs[r] = []
+            rungs.append(float(r))
             r *= eta
+        self.model = RungSurvival((tuple(rungs),), float(eta), float(max_epochs))
+        #: the values recorded at each rung (in epochs) of the model
+        self.rungs: dict[int, list[float]] = {int(r): [] for r in self.model.rungs}
         #: the end estimate that knows ASHA's rungs, as ``hfsweep run`` gives the allocator
         #: (None: the allocator is not given it, as before)
-        self.survival = (
-            RungSurvival((tuple(float(r) for r in self.rungs),), float(eta), float(max_epochs))
-            if knows_pruner
-            else None
-        )
+        self.survival = self.model if knows_pruner else None
         self.idle_s = 0.0
         self.account = Account()
         self.resizes = 0
@@ -384,7 +386,7 @@ class Sim:
         """Seconds on one worker until the first of ``a``'s members reaches its next rung (where
         ASHA may stop it) or the budget."""
         nxt = min(
-            min([r for r in self.rungs if r > t.epoch], default=self.max_epochs) - t.epoch
+            min([r for r in self.model.rungs if r > t.epoch], default=self.max_epochs) - t.epoch
             for t in a.members
         )
         m = self.models[a.model]

@@ -11,7 +11,6 @@ from contextlib import contextmanager
 import torch
 
 from ..executors import ExecutorError, LocalExecutor
-from ..schedulers import ASHAScheduler
 from ..sizing.device import DTYPES as _DTYPES
 from ..sizing.device import resolve_device
 from ._elastic import ElasticPolicy
@@ -75,7 +74,10 @@ class _Backend(_Parts):
         """The allocator's policy for the Ray executor's elastic arrays; its plans go to the
         progress line. With ``ray.elastic.scaling: model`` it gets each compatibility key's
         scaling profile from a :class:`SweepScaling` (cached, or modelled in this process on the
-        sweep's device and cached); with ``perfect``, perfect scaling is assumed."""
+        sweep's device and cached); with ``perfect``, perfect scaling is assumed. The trial
+        scheduler's rung model (``from_scheduler``: ASHA's or Hyperband's, every bracket's
+        rungs; None for the others) is the policy's one source of rungs, for each array's
+        horizon and its expected end alike."""
 
         def show(line: str) -> None:
             with self._lock:
@@ -99,7 +101,6 @@ class _Backend(_Parts):
             show=show,
             scaling=scaling,
             remember=scaling.remember if scaling is not None else None,
-            rungs=_rungs(self.scheduler),
             record=self.dir.write_elastic,
             queued=self._queued_arrays,
             max_arrays=self.sc.ray.max_concurrent,
@@ -124,15 +125,3 @@ class _Backend(_Parts):
                 assert self.drivers is not None
                 return unheard + self.packer.queued_arrays(self.total - self.drivers.count)
             return unheard + self.packer.queued_arrays(0)
-
-
-def _rungs(scheduler: object) -> tuple[float, ...]:
-    """Where the trial scheduler may stop members, in budget units: every rung of every
-    bracket of ASHA or Hyperband (a member's bracket is not known before its first report, so
-    the earliest rung of any counts); none for the others (FIFO, median stopping, Optuna
-    pruners: not known in advance)."""
-    if not isinstance(scheduler, ASHAScheduler):
-        return ()
-    return tuple(
-        sorted({r for b in range(scheduler.n_brackets) for r in scheduler.rung_resources(b)})
-    )

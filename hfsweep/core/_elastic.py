@@ -43,9 +43,11 @@ What the allocator is given:
   its reports (time per unit on k workers times the profile's speed-up at k). Before its second
   report (and for an array waiting for its first workers) an array's unit is the one last
   measured on an array of its compatibility key, or one second where none was.
-- ``horizon_s``: with ``rungs`` (the trial scheduler's rungs in budget units, ASHA's or
-  Hyperband's, where members may stop), the budget from the array's furthest member to the
-  next rung above it, times the same one-unit seconds; the allocator makes no resize that
+- ``horizon_s``: with the trial scheduler's rungs in budget units (ASHA's or Hyperband's, where
+  members may stop: the ``pruner``'s, every bracket's, :attr:`RungSurvival.rungs
+  <hfsweep.core._survival.RungSurvival.rungs>`, where one is given; else ``rungs``, for a caller
+  that knows where members may stop but has no rung model), the budget from the array's
+  furthest member to the next rung above it, times the same one-unit seconds; the allocator makes no resize that
   would not pay for itself before it. Without rungs (FIFO, median stopping, Optuna pruners),
   or past the last rung, none is given (the array's remaining time counts). A member refilled
   behind the furthest one may reach an earlier rung; that one is not seen.
@@ -150,9 +152,16 @@ class ElasticPolicy:
     ``budget`` is a trial's budget in ``by`` units (``"epochs"`` or ``"steps"``); ``show``
     gets each plan's status line (the progress display); ``clock`` is seconds (tests pass a
     fake one); ``scaling`` gives each compatibility key's scaling profile (None: perfect
-    scaling assumed); ``rungs`` are the trial scheduler's rungs in ``by`` units (where members
-    may stop; empty: not known), from which each array's ``horizon_s`` is given; ``pruner``
-    their rung model (None: not known), from which each array's expected end is; ``queued``
+    scaling assumed); ``pruner`` is the trial scheduler's rung model (None: not known), from
+    which each array's expected end and ``horizon_s`` are given; ``rungs`` the scheduler's rungs
+    in ``by`` units (where members may stop; empty: not known) for a caller without a rung
+    model. The pruner is the one source of rungs where it is given (:attr:`rungs` reads it):
+    ``rungs`` given beside it must be the same rungs (every bracket's below the budget) and its
+    budget the policy's, else a :class:`ValueError` says which differ. They are refused rather
+    than one silently preferred because two rung sources that disagree mean a caller built them
+    from different schedulers or budgets, and the horizon and the expected end would then judge
+    one array by two rung structures; ``rungs`` is kept (not removed) for callers and tests that
+    know the rungs but not the reduction factor or the brackets' shares. ``queued``
     says, given the folders of the arrays the policy holds, about how many more arrays the
     engine will start (formed ones it has not told the policy of yet, and those its queued
     trials would form; None: none known), which the allocator starts before it grows an
@@ -178,7 +187,11 @@ class ElasticPolicy:
         pruner: RungSurvival | None = None,
     ) -> None:
         self.settings = settings
-        self.pruner = pruner
+        self.budget = float(budget)
+        #: the rungs given without a rung model (read through :attr:`rungs`)
+        self._rungs = tuple(sorted({float(r) for r in rungs}))
+        self._pruner: RungSurvival | None = None
+        self.pruner = pruner  # checked against ``rungs`` and ``budget`` (the setter)
         if pruner is not None:
             _log.info(
                 "elastic: arrays' ends estimated from the trial scheduler's %s", pruner.describe()
@@ -186,7 +199,6 @@ class ElasticPolicy:
         self.queued = queued
         self.max_arrays = max_arrays
         self.record = record
-        self.rungs = tuple(sorted({float(r) for r in rungs}))
         self.scaling = scaling
         self.remember = remember
         #: each key's profile as the source gave it, before measured points replaced any
@@ -207,7 +219,6 @@ class ElasticPolicy:
             resize_cost_s=settings.resize_cost_s,
             max_wait_s=settings.max_wait_s,
         )
-        self.budget = float(budget)
         self.by = by
         self.show = show
         self.clock = clock
@@ -218,6 +229,25 @@ class ElasticPolicy:
         self.plans: list[Plan] = []
         #: the seconds per budget unit on one worker last measured per compatibility key
         self._unit_s: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ the rung model
+    @property
+    def pruner(self) -> RungSurvival | None:
+        """The trial scheduler's rung model (None: not known): each array's expected end and,
+        where given, the one source of its horizon's rungs."""
+        return self._pruner
+
+    @pruner.setter
+    def pruner(self, pruner: RungSurvival | None) -> None:
+        if pruner is not None:
+            _check_rung_sources(pruner, self._rungs, self.budget)
+        self._pruner = pruner
+
+    @property
+    def rungs(self) -> tuple[float, ...]:
+        """The rungs each array's ``horizon_s`` is measured to, in budget units: the pruner's
+        (every bracket's below the budget) where one is given, else the ``rungs`` given."""
+        return self._pruner.rungs if self._pruner is not None else self._rungs
 
     # ------------------------------------------------------------------ the executor's events
     def started(
@@ -608,6 +638,24 @@ class ElasticPolicy:
     @staticmethod
     def _name(folder: str) -> str:
         return f"array {Path(folder).name}"
+
+
+def _check_rung_sources(pruner: RungSurvival, rungs: Sequence[float], budget: float) -> None:
+    """Refuse a rung model that disagrees with the ``rungs`` or ``budget`` given beside it
+    (see :class:`ElasticPolicy`): the error names both values and what would be valid."""
+    if pruner.budget != budget:
+        raise ValueError(
+            f"ElasticPolicy: the pruner's budget is {pruner.budget:g} but the policy's budget is "
+            f"{budget:g}; build the pruner (RungSurvival, from_scheduler) with the policy's "
+            "budget (budget.max_resource)"
+        )
+    given = tuple(r for r in sorted({float(r) for r in rungs}) if r < budget)
+    if given and given != pruner.rungs:
+        raise ValueError(
+            f"ElasticPolicy: rungs={list(given)} disagree with the pruner's rungs "
+            f"{list(pruner.rungs)} ({pruner.describe()}); give the pruner alone (its rungs are "
+            "the horizon's), or rungs equal to its rungs"
+        )
 
 
 def _short(key: str, limit: int = 120) -> str:

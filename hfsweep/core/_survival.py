@@ -65,6 +65,14 @@ class RungSurvival:
         if self.shares and not all(s > 0 for s in self.shares):
             raise ValueError(f"bracket shares must be > 0, got {self.shares}")
 
+    @property
+    def rungs(self) -> tuple[float, ...]:
+        """Every rung of every bracket below the budget, in budget units, sorted: where the
+        scheduler may stop a member whose bracket is not known (before its first report, any
+        bracket's earliest rung counts). The elastic policy's horizons come from these, so that
+        the horizon and the expected end read one rung model."""
+        return tuple(sorted({float(r) for b in self.brackets for r in b if r < self.budget - _EPS}))
+
     def _weights(self) -> list[float]:
         shares = self.shares or (1.0,) * len(self.brackets)
         total = float(sum(shares))
@@ -114,9 +122,8 @@ class RungSurvival:
 
     def describe(self) -> str:
         """``rungs at 1, 3, 9 of 27 (reduction factor 3)`` for the log."""
-        rungs = sorted({r for b in self.brackets for r in b})
         return (
-            f"rungs at {', '.join(f'{r:g}' for r in rungs)} of {self.budget:g} "
+            f"rungs at {', '.join(f'{r:g}' for r in self.rungs)} of {self.budget:g} "
             f"(reduction factor {self.reduction_factor:g}, {len(self.brackets)} bracket(s); "
             f"a member survives each rung ahead with probability 1/{self.reduction_factor:g})"
         )

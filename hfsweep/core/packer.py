@@ -221,36 +221,49 @@ class Packer(Generic[T]):
 
     def queued_arrays(self, unasked: int, *, bounded: bool = True) -> int:
         """About how many arrays the trials not yet in an array would form: each key's pooled
-        trials in arrays of its size, and ``unasked`` trials still to ask at the mix of keys
-        asked so far (one array per trial before any was asked), rounded up. The elastic
-        allocator starts these before it grows an array.
+        trials in arrays of its size (a key not sized yet: one array each), and ``unasked``
+        trials still to ask at the mix of keys asked so far, rounded up. The elastic allocator
+        starts these before it grows an array.
 
-        The unasked trials' arrays per trial is the mean, over the ``n`` trials asked, of
-        ``1 / size`` of each one's key. While few are asked that mean is noisy, and the plans
-        that read it come just after a pool filled, often the pool of a key of small arrays
-        (each trial of a key of arrays of 1 is a whole array): in the simulator's seed 2 at 512
-        accelerators, 100 trials asked, a quarter of them of arrays of 1, said 508 arrays where
-        the true mix makes 430, more than the free workers, and the allocator kept workers for
-        a queue that never needed them. With ``bounded`` (the default) the estimate is one
-        standard error below that mean, so that it overcounts only about one time in six: the
-        standard error is the trials' spread of ``1 / size`` (with one more trial at the
-        largest spread a value in (0, 1] can have, 1/2, so that a handful of alike trials does
-        not look certain) over ``sqrt(n)``; and never below the arrays of the largest size
-        seen. After one trial of a key of arrays of 1 that is still one array per trial left:
-        nothing asked yet tells of larger arrays. ``bounded=False`` is the mean itself, the
-        estimate before (``benchmarks/elastic_sim.py``'s
-        elastic-before arm)."""
+        The unasked trials' arrays per trial is the mean, over the ``n`` trials asked of keys
+        that have an array size, of ``1 / size`` of each one's key. A key asked but not sized
+        yet (its first trial came in a refill of another key's array, ``size_now=False``; it
+        is sized when the next array starts) is left out of the mix: its size is not known,
+        and counting it as arrays of 1, as before, made one such trial among few asked say
+        that most trials left are an array each (one trial of a key of arrays of 4 and one
+        not sized yet: 63 arrays for 100 trials left by the mean, 33 one standard error below
+        it, where the one key known says 25). With no
+        trial of a sized key asked (none at all, or a resumed sweep's packer, which has not
+        asked yet) nothing is known of the mix and each unasked trial counts as an array: the
+        most arrays they could form.
+
+        While few are asked that mean is noisy, and the plans that read it come just after a
+        pool filled, often the pool of a key of small arrays (each trial of a key of arrays of
+        1 is a whole array): in the simulator's seed 2 at 512 accelerators, 100 trials asked,
+        a quarter of them of arrays of 1, said 508 arrays where the true mix makes 430, more
+        than the free workers, and the allocator kept workers for a queue that never needed
+        them. With ``bounded`` (the default) the estimate is one standard error below that
+        mean, so that it overcounts only about one time in six: the standard error is the
+        trials' spread of ``1 / size`` (with one more trial at the largest spread a value in
+        (0, 1] can have, 1/2, so that a handful of alike trials does not look certain) over
+        ``sqrt(n)``; and never below the arrays of the largest size seen. With a single trial
+        asked (``n = 1``) there is no spread to measure: the estimate is that trial's key's
+        arrays, ``ceil(unasked / size)`` (one trial of a key of arrays of 4, 100 left: 25;
+        of arrays of 1: one array per trial left, since nothing asked tells of larger arrays).
+        ``bounded=False`` is the mean itself, the estimate before
+        (``benchmarks/elastic_sim.py``'s elastic-before arm)."""
         pools = self.pools.as_dict()
         pooled = sum(math.ceil(len(v) / self.sizes.get(k, 1)) for k, v in pools.items() if v)
         if unasked <= 0:
             return pooled
-        seen = sum(self.asked.values())
+        mix = {k: n for k, n in self.asked.items() if k in self.sizes and n > 0}
+        seen = sum(mix.values())
         if not seen:
             return pooled + unasked
-        per = {k: 1.0 / self.sizes.get(k, 1) for k in self.asked}
-        per_trial = sum(n * per[k] for k, n in self.asked.items()) / seen
-        if bounded:
-            spread = sum(n * (per[k] - per_trial) ** 2 for k, n in self.asked.items()) + 0.25
+        per = {k: 1.0 / self.sizes[k] for k in mix}
+        per_trial = sum(n * per[k] for k, n in mix.items()) / seen
+        if bounded and seen >= 2:
+            spread = sum(n * (per[k] - per_trial) ** 2 for k, n in mix.items()) + 0.25
             error = math.sqrt(spread / (seen + 1) / seen)
             per_trial = max(per_trial - error, min(per.values()))
         return pooled + math.ceil(unasked * per_trial - 1e-9)

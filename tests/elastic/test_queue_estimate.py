@@ -48,10 +48,9 @@ def test_an_early_mix_heavy_in_small_arrays_is_not_believed() -> None:
 
 def test_one_trial_asked_says_nothing_of_larger_arrays() -> None:
     """After one cifar_resnet trial (arrays of 1) both say every one of the 1,999 trials left
-    is an array: one standard error below the mean (0.65, with one more trial of the largest
-    spread a value in (0, 1] can have) is below the arrays of the largest size seen, which is
-    1. Nothing asked yet tells of a larger array; the bound helps once tens of trials are
-    asked (above). With many asked it comes close to the mean."""
+    is an array: with one trial no spread is measured, and the estimate is its key's arrays,
+    one a trial. Nothing asked yet tells of a larger array; the bound helps once tens of
+    trials are asked (above). With many asked it comes close to the mean."""
     one = _asked({"cifar": 1})
     assert one.queued_arrays(1999, bounded=False) == 1999 == one.queued_arrays(1999)
     many = _asked({"token": 300, "cifar": 200, "mlp": 500})
@@ -68,3 +67,47 @@ def test_never_below_the_arrays_of_the_largest_size_seen() -> None:
     packer.pools.add("cifar", 1)
     assert packer.queued_arrays(1900) == 31
     assert packer.queued_arrays(0) == 1
+
+
+def _keyed(sized: int, unsized: int, size: int = 4) -> Packer[int]:
+    """A packer that asked ``sized`` trials of key "a" (arrays of ``size``, sized as they were
+    asked) and then ``unsized`` of key "b" in refills (``size_now=False``: not sized until the
+    next array starts), their arrays formed (its pools empty)."""
+    keys = iter(["a"] * sized + ["b"] * unsized)
+    packer: Packer[int] = Packer(
+        ask=lambda array: [(next(keys), 0)],
+        size=lambda key, item: size,
+        may_ask=lambda: True,
+        budget=2000,
+    )
+    for _ in range(sized):
+        packer.ask("", size_now=True)
+    for _ in range(unsized):
+        packer.ask("", size_now=False)
+    packer.pools.take("a", 10**6)
+    packer.pools.take("b", 10**6)
+    return packer
+
+
+def test_one_trial_of_a_key_of_arrays_of_4_says_a_quarter_array_per_trial_left() -> None:
+    """A single trial asked, its key of arrays of 4, 100 left: 25 arrays, bounded or not. With
+    one trial there is no spread to measure, so no standard error is taken: the estimate is
+    the one key's arrays, ``ceil(100 / 4)``, not one array per trial left."""
+    one = _keyed(1, 0)
+    assert one.queued_arrays(100) == 25 == one.queued_arrays(100, bounded=False)
+    assert one.queued_arrays(99) == 25  # rounded up
+
+
+def test_a_key_not_sized_yet_is_left_out_of_the_mix() -> None:
+    """One trial of a key of arrays of 4 and one of a key asked in a refill, not sized yet: its
+    size is not known, so it is left out of the mix, and the 100 trials left form 25 arrays,
+    as after the sized trial alone. It counted as arrays of 1 before: 63 arrays by the mean,
+    33 one standard error below it. Its pooled trial still counts as one array (its size is
+    not known); with no sized key asked, each trial left is one array (nothing is known)."""
+    packer = _keyed(1, 1)
+    assert packer.queued_arrays(100) == 25 == packer.queued_arrays(100, bounded=False)
+    packer.pools.add("b", 0)
+    assert packer.queued_arrays(100) == 26
+    assert _keyed(0, 1).queued_arrays(100) == 100
+    many = _keyed(30, 10)
+    assert many.queued_arrays(100) == _keyed(30, 0).queued_arrays(100)
