@@ -272,6 +272,7 @@ class _Resume(_Parts):
             )
             with self._journal_held():
                 self._on_finish(result)
+        self._recall_mix(trials)
         best = self._best_trial()
         if best is not None and best.value is not None:
             self.progress.set_best(best.value, best.number)
@@ -284,6 +285,25 @@ class _Resume(_Parts):
             )
         if self.drivers.foreign:
             _log.info("%d running trials belong to other drivers", self.drivers.foreign)
+
+    def _recall_mix(self, trials: list[optuna.trial.FrozenTrial]) -> None:
+        """The packer's mix of keys asked so far (what :meth:`Packer.queued_arrays` estimates
+        the trials still to ask from, for the elastic allocator), rebuilt from the trials the
+        study holds: a resumed packer has asked nothing yet, and would otherwise count every
+        trial left as an array of its own until it asks one. Every driver's trials count (they
+        are draws from the same searcher's space); one not asked yet (WAITING), or whose config
+        the task refuses, is left out."""
+        from optuna.trial import TrialState
+
+        for t in trials:
+            if t.state == TrialState.WAITING:
+                continue
+            try:
+                config = self.sc.trial_config(self._params(t))
+                key = self.task.compatibility_key(config)
+            except (ValueError, TypeError):  # failed before all its params were recorded
+                continue
+            self.packer.asked[key] += 1
 
     def _catch_up(self, trials: list[optuna.trial.FrozenTrial]) -> None:
         """Bring a restored ledger that is older than the study up to it: the ends of this

@@ -233,9 +233,9 @@ class Packer(Generic[T]):
         that most trials left are an array each (one trial of a key of arrays of 4 and one
         not sized yet: 63 arrays for 100 trials left by the mean, 33 one standard error below
         it, where the one key known says 25). With no
-        trial of a sized key asked (none at all, or a resumed sweep's packer, which has not
-        asked yet) nothing is known of the mix and each unasked trial counts as an array: the
-        most arrays they could form.
+        trial of a sized key asked nothing is known of the mix and each unasked trial counts
+        as an array: the most arrays they could form. (A resumed sweep fills :attr:`asked`
+        from its study's trials before it plans, ``_Resume._recall_mix``.)
 
         While few are asked that mean is noisy, and the plans that read it come just after a
         pool filled, often the pool of a key of small arrays (each trial of a key of arrays of

@@ -7,6 +7,14 @@ simulator's mix: cifar_resnet in arrays of 1 (a fifth of the trials), token_tran
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sweep._toy import sweep_config
+
+import hfsweep as hs
+from hfsweep.core.loop import _Engine
 from hfsweep.core.packer import Packer
 
 SIZES = {"cifar": 1, "token": 16, "mlp": 64}
@@ -111,3 +119,28 @@ def test_a_key_not_sized_yet_is_left_out_of_the_mix() -> None:
     assert _keyed(0, 1).queued_arrays(100) == 100
     many = _keyed(30, 10)
     assert many.queued_arrays(100) == _keyed(30, 0).queued_arrays(100)
+
+
+def test_a_resumed_sweep_recalls_the_mix_of_the_trials_its_study_holds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sweep of 4 trials in one array of 4, resumed with a budget of 12: before it asks its
+    first trial the packer's mix is the 4 trials of the study (one key, arrays of 4), so the 8
+    trials still to ask count as 2 arrays, not as 8 arrays of one trial each."""
+    run = tmp_path / "run"
+    hs.sweep(sweep_config(run, budget={"trials": 4, "epochs": 1}), progress=False)
+    seen: list[tuple[dict[str, int], int]] = []
+    recall = _Engine._recall_mix
+
+    def recalling(engine: _Engine, trials: Any) -> None:
+        recall(engine, trials)
+        seen.append((dict(engine.packer.asked), engine.packer.queued_arrays(8)))
+
+    monkeypatch.setattr(_Engine, "_recall_mix", recalling)
+    result = hs.sweep(
+        sweep_config(run, budget={"trials": 12, "epochs": 1}), resume=True, progress=False
+    )
+    assert result.counts["completed"] == 12
+    [(asked, queued)] = seen
+    assert list(asked.values()) == [4]  # one key, every trial of the first run
+    assert queued == 2
