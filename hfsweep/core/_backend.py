@@ -5,6 +5,7 @@ sweep ends; see :mod:`hfsweep.core._parts`.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 
@@ -18,6 +19,8 @@ from ._parts import _Parts
 from ._scaling import SweepScaling
 from ._survival import from_scheduler
 from .result import SweepError
+
+_log = logging.getLogger("hfsweep.sweep")
 
 __all__: list[str] = []
 
@@ -94,7 +97,7 @@ class _Backend(_Parts):
                 backend="nccl" if device.startswith("cuda") else "gloo",
                 max_workers=settings.max_workers_per_array or 64,
             )
-        return ElasticPolicy(
+        policy = ElasticPolicy(
             settings,
             budget=budget.max_resource,
             by=budget.resource,
@@ -106,6 +109,22 @@ class _Backend(_Parts):
             max_arrays=self.sc.ray.max_concurrent,
             pruner=from_scheduler(self.scheduler, budget.max_resource),
         )
+        if self.resume:
+            self._carry_elastic_totals(policy)
+        return policy
+
+    def _carry_elastic_totals(self, policy: ElasticPolicy) -> None:
+        """A resumed sweep's policy goes on from the waits, idle time and plans its earlier
+        runs wrote to ``elastic.json``; a file that cannot be read is logged, and the totals
+        start from zero (they are a record, not the sweep's state)."""
+        try:
+            earlier = self.dir.read_elastic()
+            if earlier is not None:
+                policy.carry_on(earlier)
+        except (OSError, ValueError) as exc:
+            _log.warning(
+                "elastic: the earlier runs' totals were not read, so they start from zero: %s", exc
+            )
 
     def _queued_arrays(self, held: Collection[str]) -> int:
         """About how many more arrays the engine will start beside the policy's ``held``

@@ -86,6 +86,7 @@ What the allocator is given:
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import threading
 import time
@@ -227,6 +228,8 @@ class ElasticPolicy:
         self._total: int | None = None
         #: every plan, in order (for tests and the log)
         self.plans: list[Plan] = []
+        #: plans the sweep's earlier runs made (:meth:`carry_on`)
+        self._earlier_plans = 0
         #: the seconds per budget unit on one worker last measured per compatibility key
         self._unit_s: dict[str, float] = {}
 
@@ -578,13 +581,37 @@ class ElasticPolicy:
         with self._lock:
             return self._totals()
 
+    def carry_on(self, earlier: Mapping[str, Any]) -> None:
+        """Go on from the totals of a sweep's earlier runs (its ``elastic.json``, read when it
+        is resumed with ``--resume``): the waits, idle time and plans shown and written from
+        now on include theirs, up to their last plan (a driver killed after it loses the time
+        since). Before any plan; ``ValueError`` names a value that is not a count or a number
+        of seconds >= 0."""
+        values: dict[str, float] = {}
+        for name in ("arrays_waited_s", "workers_idle_s", "plans"):
+            value = earlier.get(name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not (value >= 0 and math.isfinite(value))
+                or (name == "plans" and not float(value).is_integer())
+            ):
+                valid = "an integer >= 0" if name == "plans" else "a finite number >= 0"
+                raise ValueError(f"{name} is {value!r}, not {valid}")
+            values[name] = float(value)
+        with self._lock:
+            if self.plans:
+                raise RuntimeError("carry_on() after the policy's first plan")
+            self.allocator.carried = (values["arrays_waited_s"], values["workers_idle_s"])
+            self._earlier_plans = int(values["plans"])
+
     def _totals(self) -> dict[str, Any]:
         """:meth:`totals` (called under the lock)."""
         waited, idle = self.allocator.waits(self.clock())
         return {
             "arrays_waited_s": waited,
             "workers_idle_s": idle,
-            "plans": len(self.plans),
+            "plans": self._earlier_plans + len(self.plans),
             "workers": self._total,
         }
 

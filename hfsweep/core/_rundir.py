@@ -192,6 +192,22 @@ class RunDir:
         another version's)."""
         return self.ledger_file().read()
 
+    def read_elastic(self) -> dict[str, Any] | None:
+        """The elastic allocator's totals an earlier run wrote (:meth:`write_elastic`), or
+        ``None`` if there is no ``elastic.json``. Raises :class:`ValueError`, naming the file,
+        when it is not a JSON object (cut short, or edited)."""
+        try:
+            text = self.elastic.read_text()
+        except FileNotFoundError:
+            return None
+        try:
+            found = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{self.elastic} is not JSON ({exc})") from None
+        if not isinstance(found, dict):
+            raise ValueError(f"{self.elastic} holds a {type(found).__name__}, not an object")
+        return found
+
     def remove_array(self, index: int) -> None:
         shutil.rmtree(self.array(index), ignore_errors=True)
 

@@ -131,6 +131,9 @@ class Allocator:
         self.max_wait_s = max_wait_s
         #: the last plan (its waits and idle workers count until the next)
         self.last: Plan | None = None
+        #: ``(array-seconds waited, worker-seconds idle)`` before this allocator's first plan:
+        #: a resumed sweep's earlier runs (``elastic.json``), which its totals go on from
+        self.carried: tuple[float, float] = (0.0, 0.0)
 
     def decide(
         self,
@@ -338,12 +341,12 @@ class Allocator:
 
     def waits(self, now: float) -> tuple[float, float]:
         """``(array-seconds waited, worker-seconds idle)`` from this allocator's first plan to
-        ``now``: each plan's arrays without workers and idle workers, held until the next plan
-        (or ``now``). The plans' view: a resize counts from its plan, not from the boundary
-        where the array makes it."""
+        ``now``, on top of :attr:`carried`: each plan's arrays without workers and idle
+        workers, held until the next plan (or ``now``). The plans' view: a resize counts from
+        its plan, not from the boundary where the array makes it."""
         last = self.last
         if last is None:
-            return 0.0, 0.0
+            return self.carried
         dt = max(0.0, now - last.now)
         return last.waited_s + last.waiting * dt, last.idle_s + last.idle * dt
 

@@ -104,6 +104,7 @@ def test_the_engine_gives_the_policy_the_schedulers_rung_model_alone() -> None:
         scheduler=HYPERBAND,
         dir=SimpleNamespace(write_elastic=lambda totals: None),
         _queued_arrays=lambda held: 0,
+        resume=False,
     )
     policy = _Backend._elastic_policy(engine)  # type: ignore[arg-type]
     assert policy.pruner == _model() and policy.rungs == (1.0, 3.0, 9.0)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -129,3 +130,91 @@ def test_the_totals_go_to_elastic_json_at_every_plan_and_into_the_summary(
     ) in summary
     assert summary.endswith(f"Run directory: {run.path} (trials.csv, best.json, histories/, "
                             "checkpoints/, elastic.json)")  # fmt: skip
+
+
+def test_a_resumed_sweep_goes_on_from_the_totals_its_earlier_runs_wrote(tmp_path: Path) -> None:
+    """``elastic.json`` from the run before a ``--resume`` (40 s waited, 10 s idle, 4 plans):
+    the resumed policy's status line, totals and file count on from them."""
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    run.write_elastic({"arrays_waited_s": 40.0, "workers_idle_s": 10.0, "plans": 4, "workers": 2})
+    clock, shown = FakeClock(), []
+    policy = fake_policy(clock, shown)
+    policy.record = run.write_elastic
+    earlier = run.read_elastic()
+    assert earlier is not None
+    policy.carry_on(earlier)
+    folder = tmp_path / "0"
+    folder.mkdir()
+    assert policy.started(str(folder), "k", 1, total=2) == 2  # both workers: none idle
+    assert shown[-1].endswith("[array started]; arrays waited 40 s, workers idle 10 s")
+    clock.now = 30.0
+    policy.ended(str(folder), total=2)
+    clock.now = 35.0  # both workers idle for 5 s since
+    assert policy.totals() == {
+        "arrays_waited_s": 40.0,
+        "workers_idle_s": 20.0,
+        "plans": 5,  # the start's plan (the rest after the end is not a plan, as above)
+        "workers": 2,
+    }
+    assert json.loads(run.elastic.read_text())["plans"] == 5
+
+
+@pytest.mark.parametrize(
+    ("earlier", "named"),
+    [
+        ({"arrays_waited_s": -1.0, "workers_idle_s": 0.0, "plans": 1}, "arrays_waited_s is -1.0"),
+        ({"arrays_waited_s": 0.0, "workers_idle_s": "3", "plans": 1}, "workers_idle_s is '3'"),
+        ({"arrays_waited_s": 0.0, "workers_idle_s": 0.0, "plans": 1.5}, "plans is 1.5"),
+        ({"arrays_waited_s": 0.0, "workers_idle_s": 0.0}, "plans is None"),
+    ],
+)
+def test_totals_that_are_not_counts_or_seconds_are_refused(
+    earlier: dict[str, object], named: str
+) -> None:
+    policy = fake_policy(FakeClock(), [])
+    with pytest.raises(ValueError, match=re.escape(named)):
+        policy.carry_on(earlier)
+    assert policy.totals()["plans"] == 0
+
+
+def test_a_torn_elastic_json_is_named(tmp_path: Path) -> None:
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    assert run.read_elastic() is None  # none written: nothing to go on from
+    run.elastic.write_text('{"arrays_waited_s": 4')
+    with pytest.raises(ValueError, match=r"elastic\.json is not JSON"):
+        run.read_elastic()
+    run.elastic.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="holds a list, not an object"):
+        run.read_elastic()
+
+
+def test_the_engine_carries_the_totals_on_and_logs_a_file_it_cannot_read(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``hfsweep run --resume``'s side (``_Backend._carry_elastic_totals``): the earlier runs'
+    totals go to the policy; a torn ``elastic.json`` is logged, naming the file, and the totals
+    start from zero (they are a record of the run, not its state)."""
+    from types import SimpleNamespace
+
+    from hfsweep.core._backend import _Backend
+
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    engine = SimpleNamespace(dir=run)
+    run.write_elastic({"arrays_waited_s": 7.0, "workers_idle_s": 3.0, "plans": 2, "workers": 2})
+    policy = fake_policy(FakeClock(), [])
+    _Backend._carry_elastic_totals(engine, policy)  # type: ignore[arg-type]
+    assert policy.totals() == {
+        "arrays_waited_s": 7.0,
+        "workers_idle_s": 3.0,
+        "plans": 2,
+        "workers": None,
+    }
+    run.elastic.write_text('{"arrays_waited_s": 7')
+    policy = fake_policy(FakeClock(), [])
+    with caplog.at_level(logging.WARNING, logger="hfsweep.sweep"):
+        _Backend._carry_elastic_totals(engine, policy)  # type: ignore[arg-type]
+    assert "elastic.json is not JSON" in caplog.text and "start from zero" in caplog.text
+    assert policy.totals()["plans"] == 0

@@ -6,6 +6,7 @@ here: the refusal to run again without --resume, elastic arrays, and Ctrl-C."""
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 from pathlib import Path
@@ -81,6 +82,9 @@ def test_sigkill_then_resume_finishes_the_sweep(
     # a tell in flight when the kill came: told to the study, its log line cut off
     unlogged = unlogged_tells(run)
     assert len(unlogged) <= 1, unlogged
+    # the elastic allocator's totals as of the killed driver's last plan, which the resumed
+    # run goes on from
+    earlier = json.loads((run / "elastic.json").read_text()) if backend == "ray-elastic" else {}
     monkeypatch.delenv("HFSWEEP_TEST_HOLD_LOG")  # the runs after this one are not held
 
     again = start_cli(sweep)
@@ -90,6 +94,11 @@ def test_sigkill_then_resume_finishes_the_sweep(
         _out, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err
     check_final_study(run, TRIALS, unlogged)
+    if earlier:
+        totals = json.loads((run / "elastic.json").read_text())
+        assert totals["plans"] > earlier["plans"] > 0
+        assert totals["arrays_waited_s"] >= earlier["arrays_waited_s"]
+        assert totals["workers_idle_s"] >= earlier["workers_idle_s"]
 
 
 def test_ctrl_c_stops_cleanly_and_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
