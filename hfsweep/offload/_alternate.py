@@ -28,8 +28,8 @@ refused).
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
-from typing import Any
+from collections.abc import Callable, Generator, Sequence
+from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor
@@ -40,7 +40,13 @@ from ._errors import OffloadError
 from ._ledger import ResidentLedger
 from ._transfer import Transfer, default_transfer
 
-__all__ = ["AlternatingArrays"]
+__all__ = ["SCHEDULES", "AlternatingArrays", "Schedule"]
+
+#: how :meth:`AlternatingArrays.step` orders the arrays' steps: ``lockstep`` (every forward,
+#: then every backward) or ``shifted`` (each array's step starts when the one before it in
+#: the list has entered its backward)
+Schedule = Literal["lockstep", "shifted"]
+SCHEDULES: tuple[str, ...] = get_args(Schedule)
 
 
 def _alternate(steps: Sequence[Generator[None, None, Any]]) -> list[Any]:
@@ -63,6 +69,61 @@ def _alternate(steps: Sequence[Generator[None, None, Any]]) -> list[Any]:
     return results
 
 
+class _ArrayStep:
+    """One array's whole training step (its forward, its loss, its backward) as one generator
+    of its shards, yielding between them as the engine's steps do; :attr:`backward` turns
+    true once its forward and loss are done (what the shifted schedule waits for) and
+    :attr:`loss` holds the loss (detached) by then."""
+
+    def __init__(self, engine: OffloadedArray, x: Tensor, loss: Callable[[Tensor], Tensor]) -> None:
+        self.backward = False
+        self.loss: Tensor | None = None
+        self.steps = self._run(engine, x, loss)
+
+    def _run(
+        self, engine: OffloadedArray, x: Tensor, loss_of: Callable[[Tensor], Tensor]
+    ) -> Generator[None, None, None]:
+        out = yield from engine._forward_steps(x, True)
+        generation = engine._generation
+        out.requires_grad_(True)
+        try:
+            with torch.enable_grad():
+                loss = loss_of(out)
+                torch.autograd.backward([loss])  # the loss's own code, down to the output
+        except BaseException:
+            engine._release()  # the forward kept its boundary activations for the backward
+            raise
+        self.loss = loss.detach()
+        self.backward = True
+        if out.grad is None:  # the loss does not depend on it: nothing to train
+            engine._release()
+            return
+        yield from engine._backward_steps(out.grad, generation)
+
+
+def _shifted(steps: Sequence[_ArrayStep]) -> None:
+    """Run ``steps`` one shard each in turn, as :func:`_alternate` does, but start step
+    ``i + 1`` only once step ``i`` has entered its backward (or is done): the arrays'
+    phases are shifted by one forward. Where one fails, the others started are closed."""
+    running = [0]
+    started = 1
+    try:
+        while running:
+            for i in list(running):
+                try:
+                    next(steps[i].steps)
+                except StopIteration:
+                    running.remove(i)
+            # the next array joins the turns once the latest one started is in its backward
+            while started < len(steps) and steps[started - 1].backward:
+                running.append(started)
+                started += 1
+    except BaseException:
+        for i in running:
+            steps[i].steps.close()
+        raise
+
+
 class AlternatingArrays:
     """``arrays`` (:class:`~hfsweep.fusion.FusedArray`\\ s) offloaded to ``device`` within
     one budget of ``budget_bytes`` (``None``: recorded only), stepped together with their
@@ -78,6 +139,17 @@ class AlternatingArrays:
         arrays.backward([loss_a(outs[0]), loss_b(outs[1])])
         # then each array's optimizer steps on its host parameters, as alone
 
+    or, the losses given as functions of the outputs, ordered by ``schedule``::
+
+        arrays.step([x_a, x_b], [loss_a, loss_b])
+
+    ``schedule`` (one of :data:`SCHEDULES`) orders :meth:`step`: ``"lockstep"`` (the
+    default) runs every forward, then every backward, as :meth:`forward` and
+    :meth:`backward` do; ``"shifted"`` starts each array's step once the array before it in
+    ``arrays`` is in its backward (see the module's docstring: put the compute-bound array
+    first). :meth:`forward` and :meth:`backward` are the lockstep's halves whatever the
+    schedule: a shifted step cannot be cut into all the forwards, then all the backwards.
+
     An engine may also be called alone (``arrays.engines[0](x)``), as any offloaded array.
     """
 
@@ -90,7 +162,11 @@ class AlternatingArrays:
         transfer: Transfer | None = None,
         prefetch: bool = True,
         shard_bytes: int | None = None,
+        schedule: Schedule = "lockstep",
     ) -> None:
+        if schedule not in SCHEDULES:
+            raise OffloadError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        self.schedule: Schedule = schedule
         if not arrays:
             raise OffloadError("AlternatingArrays needs at least one array")
         if len({id(a) for a in arrays}) != len(arrays):
@@ -115,12 +191,8 @@ class AlternatingArrays:
         self._outputs: list[Tensor | None] = []
         self._generations: list[int] = []
 
-    def forward(self, inputs: Sequence[Tensor]) -> list[Tensor]:
-        """Every array's output (``[B, N, ...]``) on its input, their shards alternating.
-        With autograd on, each output is a leaf that requires a gradient: compute the losses
-        from them and hand them to :meth:`backward`. The inputs take no gradient."""
-        if len(inputs) != len(self.engines):
-            raise OffloadError(f"forward takes one input per array ({len(self.engines)})")
+    def _check_inputs(self, inputs: Sequence[Tensor]) -> None:
+        """One tensor per array, none requiring a gradient (the arrays' inputs get none)."""
         for x in inputs:
             if not isinstance(x, Tensor):
                 raise OffloadError(f"an offloaded array takes one tensor input, got {type(x)}")
@@ -129,6 +201,14 @@ class AlternatingArrays:
                     "AlternatingArrays trains the arrays' parameters and gives their inputs no "
                     "gradient; an input requires one: step that array alone (its engine)"
                 )
+
+    def forward(self, inputs: Sequence[Tensor]) -> list[Tensor]:
+        """Every array's output (``[B, N, ...]``) on its input, their shards alternating.
+        With autograd on, each output is a leaf that requires a gradient: compute the losses
+        from them and hand them to :meth:`backward`. The inputs take no gradient."""
+        if len(inputs) != len(self.engines):
+            raise OffloadError(f"forward takes one input per array ({len(self.engines)})")
+        self._check_inputs(inputs)
         keep = torch.is_grad_enabled()
         outs: list[Tensor] = _alternate(
             [e._forward_steps(x, keep) for e, x in zip(self.engines, inputs, strict=True)]
@@ -164,6 +244,44 @@ class AlternatingArrays:
             steps.append(engine._backward_steps(out.grad, generation))
         self._outputs = [None] * len(self.engines)
         _alternate(steps)
+
+    def step(
+        self, inputs: Sequence[Tensor], losses: Sequence[Callable[[Tensor], Tensor]]
+    ) -> list[Tensor]:
+        """One training step of every array: its forward on its input, its loss
+        (``losses[i](output)``, a scalar computed from the array's output) and its backward,
+        ordered by :attr:`schedule`; the gradients are added to each array's host
+        parameters' ``.grad`` as :meth:`backward` adds them. Returns the losses (detached).
+
+        ``"lockstep"`` is :meth:`forward`, the losses, then :meth:`backward`. ``"shifted"``
+        starts array ``i + 1``'s step only once array ``i`` has computed its loss and entered
+        its backward, so that one array's forward fetches run against the one before it's
+        backward compute; each loss is then computed before the arrays after it have run
+        their forward, which is why the shift needs the losses as functions here. Where a
+        step fails, nothing stays held on the compute side."""
+        if len(inputs) != len(self.engines) or len(losses) != len(self.engines):
+            raise OffloadError(f"step takes one input and one loss per array ({len(self.engines)})")
+        if not torch.is_grad_enabled():
+            raise OffloadError("step trains the arrays: it needs autograd on")
+        self._check_inputs(inputs)
+        try:
+            if self.schedule == "lockstep":
+                outs = self.forward(inputs)
+                values = [loss(out) for loss, out in zip(losses, outs, strict=True)]
+                self.backward(values)
+                return [v.detach() for v in values]
+            steps = [
+                _ArrayStep(e, x, loss)
+                for e, x, loss in zip(self.engines, inputs, losses, strict=True)
+            ]
+            self._outputs = []  # a backward of an earlier forward is no longer valid
+            _shifted(steps)
+        except BaseException:
+            self._outputs = []
+            for engine in self.engines:
+                engine._release()
+            raise
+        return [s.loss for s in steps if s.loss is not None]
 
     def close(self) -> None:
         """Drop what the engines hold on the compute side and stop the transfer."""

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 import hfsweep as hs
-from hfsweep.offload import AlternatingArrays, CpuTransfer, OffloadError
+from hfsweep.offload import SCHEDULES, AlternatingArrays, CpuTransfer, OffloadError
+from hfsweep.offload._alternate import Schedule
 
 B = 3
 
@@ -169,3 +170,160 @@ def test_refusals() -> None:
     arrays.backward([o.sum() for o in outs])
     with pytest.raises(OffloadError, match="ran already"):
         arrays.backward([o.sum() for o in outs])
+
+
+def _loss(target: torch.Tensor) -> Any:
+    """The tests' loss of an output against ``target``, as a function for ``step``."""
+    return lambda out: ((out - target) ** 2).mean(dim=(1, 2)).sum()
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_step_trains_exactly_as_each_alone(schedule: Schedule) -> None:
+    """``step`` under either schedule (the shifted one starting each array's step once the one
+    before it is in its backward): every array's losses, gradients, state dicts and dropout
+    streams as the same array without offload, over five steps of three optimizers."""
+    whole, host = _arrays()
+    arrays = AlternatingArrays(host, transfer=CpuTransfer(delay=0.001), schedule=schedule)
+    assert arrays.schedule == schedule
+    optimizers = [_optimizers(k, a) for k in range(3) for a in (whole[k], host[k])]
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        xs = [torch.randn(5, 6, generator=gen, dtype=torch.float64) for _ in range(3)]
+        targets = [torch.randn(B, 5, 3, generator=gen, dtype=torch.float64) for _ in range(3)]
+        losses = arrays.step(xs, [_loss(t) for t in targets])
+        assert arrays.ledger.resident == 0
+        for w, x, t, loss in zip(whole, xs, targets, losses, strict=True):
+            loss_w = _loss(t)(w(x))
+            torch.testing.assert_close(loss, loss_w.detach(), rtol=1e-7, atol=1e-12)
+            loss_w.backward()
+        for w, h in zip(whole, host, strict=True):
+            for (name, pw), ph in zip(w.named_parameters(), h.parameters(), strict=True):
+                torch.testing.assert_close(ph.grad, pw.grad, rtol=1e-7, atol=1e-12, msg=name)
+        for opt, sched in optimizers:
+            opt.step()  # type: ignore[attr-defined]
+            opt.zero_grad(set_to_none=True)  # type: ignore[attr-defined]
+            sched.step()  # type: ignore[attr-defined]
+    for w, h in zip(whole, host, strict=True):
+        for (name, tw), th in zip(w.state_dict().items(), h.state_dict().values(), strict=True):
+            torch.testing.assert_close(th, tw, rtol=1e-7, atol=1e-12, msg=name)
+        assert all(h.rng_state(i) == w.rng_state(i) for i in range(B))
+    arrays.close()
+
+
+def test_the_shifted_step_starts_each_array_in_the_backward_of_the_one_before() -> None:
+    """Shifted: the first array's forward fetches alone; the second's forward starts once the
+    first is in its backward (its fetches then alternate with the first's backward ones), the
+    third's once the second is; the lockstep's ``step`` fetches as forward and backward do."""
+    _, host = _arrays()
+    n = [len(e.shards) for e in AlternatingArrays(host).engines]
+    x = torch.randn(5, 6, dtype=torch.float64)
+    orders = {}
+    for schedule in SCHEDULES:
+        _, host = _arrays()
+        arrays = AlternatingArrays(host, transfer=CpuTransfer(0.001), schedule=schedule)
+        orders[schedule] = _record(arrays)
+        arrays.step([x, x, x], [lambda o: o.square().sum()] * 3)
+        arrays.close()
+    assert orders["lockstep"] == _turns(n) + _turns([k - 1 for k in n])
+    shifted = orders["shifted"]
+    assert shifted[: n[0]] == [0] * n[0]  # the first array's forward, alone
+    for i in (1, 2):
+        # array i's first fetch comes after array i - 1's forward ones and its first backward
+        # one (its shard n - 2, fetched while its shard n - 1, kept from the forward,
+        # computes: in the round array i joins, array i - 1 has its turn first)
+        first = shifted.index(i)
+        assert shifted[:first].count(i - 1) == n[i - 1] + 1
+        assert i + 1 not in shifted[:first]
+    assert sorted(shifted) == sorted(orders["lockstep"])  # the same fetches, reordered
+
+
+def _budgeted(schedule: Schedule) -> tuple[AlternatingArrays, int]:
+    _, host = _arrays()
+    state = max(sum(t.numel() * t.element_size() for t in a._state()) for a in host)
+    budget = 3 * state
+    arrays = AlternatingArrays(
+        host, budget_bytes=budget, transfer=CpuTransfer(0.001), schedule=schedule
+    )
+    return arrays, budget
+
+
+def test_the_shifted_step_stays_within_the_budget_and_under_the_lockstep_peak() -> None:
+    """Within one budget the shifted step's shared ledger peaks under it, and never above the
+    lockstep's: an array's shards and boundary activations are held while the one before it
+    runs its backward, but by then that one has let go of some of its own."""
+    peaks = {}
+    x = torch.randn(5, 6, dtype=torch.float64)
+    for schedule in SCHEDULES:
+        arrays, budget = _budgeted(schedule)
+        for engine in arrays.engines:
+            assert max(s.nbytes for s in engine.shards) <= budget // (4 * 3)
+        for _ in range(2):
+            arrays.step([x, x, x], [lambda o: o.square().sum()] * 3)
+        assert 0 < arrays.ledger.peak <= budget
+        assert arrays.ledger.resident == 0
+        peaks[schedule] = arrays.ledger.peak
+        arrays.close()
+    assert peaks["shifted"] <= peaks["lockstep"]
+
+
+class _Failed(RuntimeError):
+    pass
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("where", ["loss", "forward"])
+def test_a_failure_in_one_array_closes_the_others(schedule: Schedule, where: str) -> None:
+    """The second array's loss or one of its shards fails: the error comes through, nothing
+    stays held on the compute side (the arrays under way are closed, what the finished ones
+    kept is released), and the next step trains as before."""
+    _, host = _arrays()
+    arrays = AlternatingArrays(host, transfer=CpuTransfer(0.001), schedule=schedule)
+    x = torch.randn(5, 6, dtype=torch.float64)
+    ok = [lambda o: o.square().sum()] * 3
+
+    def failing(out: torch.Tensor) -> torch.Tensor:
+        raise _Failed("the loss")
+
+    losses = list(ok)
+    if where == "loss":
+        losses[1] = failing
+    else:
+        engine = arrays.engines[1]
+        run = engine._run
+        calls = iter(range(100))
+
+        def fails_at_the_third_shard(*args: Any) -> Any:
+            if next(calls) == 2:
+                raise _Failed("a shard")
+            return run(*args)
+
+        engine._run = fails_at_the_third_shard  # type: ignore[method-assign]
+    with pytest.raises(_Failed):
+        arrays.step([x, x, x], losses)
+    assert arrays.ledger.resident == 0
+    assert arrays.ledger.by_kind == dict.fromkeys(arrays.ledger.by_kind, 0)
+    if where == "forward":
+        arrays.engines[1]._run = run  # type: ignore[method-assign]
+    assert len(arrays.step([x, x, x], ok)) == 3
+    assert arrays.ledger.resident == 0
+    arrays.close()
+
+
+def test_step_refusals() -> None:
+    _, host = _arrays()
+    with pytest.raises(OffloadError, match=r"schedule must be one of \('lockstep', 'shifted'\)"):
+        AlternatingArrays(host[:2], schedule="staggered")  # type: ignore[arg-type]
+    arrays = AlternatingArrays(host[:2], schedule="shifted")
+    x = torch.randn(5, 6, dtype=torch.float64)
+    loss = [lambda o: o.sum()] * 2
+    with pytest.raises(OffloadError, match="one input and one loss per array"):
+        arrays.step([x], loss)
+    with pytest.raises(OffloadError, match="an input requires one"):
+        arrays.step([x, x.clone().requires_grad_()], loss)
+    with torch.no_grad(), pytest.raises(OffloadError, match="needs autograd on"):
+        arrays.step([x, x], loss)
+    # a step's backward is its own: backward() after it has no forward to go through
+    arrays.step([x, x], loss)
+    with pytest.raises(OffloadError, match="after a forward"):
+        arrays.backward([torch.zeros(()), torch.zeros(())])
+    arrays.close()
