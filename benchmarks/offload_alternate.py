@@ -11,13 +11,18 @@ Alternated (``hfsweep.offload.AlternatingArrays``: one transfer thread, one ledg
 computing while b's is copied in and the other way round), the two together should take about
 the larger of the sum of both arrays' transfers and the sum of both arrays' computes.
 
+Two schedules of the alternated step (``AlternatingArrays.step``): ``lockstep`` (both
+forwards, then both backwards) and ``shifted`` (the second array's step starts once the first
+is in its backward), the shifted one with b first (its backward's compute against a's
+forward fetches) and with a first (the order that should not help).
+
 Each round times, alternating: a and b without delay (their computes), a and b alone with
-the delay and prefetch, and the two alternated with the delay. The delay is a factor times
-the delay at which the sum of transfers equals the sum of computes (measured first), where
-alternation has the most to gain. A step is a forward and backward (the optimizer step, on
+the delay and prefetch, and the two alternated with the delay under each schedule. The
+delay is a factor times the delay at which the sum of transfers equals the sum of computes
+(measured first), where alternation has the most to gain. A step is a forward and backward (the optimizer step, on
 the host, left out).
 
-    python benchmarks/offload_alternate.py
+    python benchmarks/offload_alternate.py --rounds 3 --threads 1
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from torch import nn
 
 import hfsweep as hs
 from hfsweep.offload import AlternatingArrays, CpuTransfer, OffloadedArray
+from hfsweep.offload._alternate import Schedule
 
 
 def _array(layers: int, width: int, size: int) -> hs.FusedArray:
@@ -65,25 +71,81 @@ class _Alone:
         self.engine.close()
 
 
+def _square_mean(out: torch.Tensor) -> torch.Tensor:
+    return out.square().mean()
+
+
 class _Together:
-    """The arrays alternated: one transfer, one ledger."""
+    """The arrays alternated under ``schedule``, in the order of ``xs``: one transfer, one
+    ledger."""
 
     def __init__(
-        self, arrays: list[hs.FusedArray], delay: float, layer: int, xs: list[torch.Tensor]
+        self,
+        array: hs.FusedArray,
+        delay: float,
+        layer: int,
+        xs: list[torch.Tensor],
+        schedule: Schedule,
     ) -> None:
-        self.arrays = [copy.deepcopy(a) for a in arrays]
-        self.alt = AlternatingArrays(self.arrays, transfer=CpuTransfer(delay), shard_bytes=layer)
+        self.arrays = [copy.deepcopy(array) for _ in xs]
+        self.alt = AlternatingArrays(
+            self.arrays, transfer=CpuTransfer(delay), shard_bytes=layer, schedule=schedule
+        )
         self.xs = xs
 
     def step(self) -> None:
-        outs = self.alt.forward(self.xs)
-        self.alt.backward([o.square().mean() for o in outs])
+        self.alt.step(self.xs, [_square_mean] * len(self.xs))
         for a in self.arrays:
             for p in a.parameters():
                 p.grad = None
 
     def close(self) -> None:
         self.alt.close()
+
+
+def _shifted_phases(
+    n: int, delay: float, forward_1: float, backward_1: float, forward_2: float, backward_2: float
+) -> float:
+    """The shifted schedule's phase model (seconds) for arrays of ``n`` shards, the first
+    array's forward and backward computes ``forward_1``, ``backward_1`` and the second's:
+    three stretches, each the larger of its fetches and its computes. The first's forward
+    runs alone (n fetches); its backward (n - 1 fetches) against the second's forward (n);
+    then the second's backward alone (n - 1). The backward's compute is the no-delay step's
+    less the forward's (the forward without autograd)."""
+    return (
+        max(n * delay, forward_1)
+        + max((2 * n - 1) * delay, backward_1 + forward_2)
+        + max((n - 1) * delay, backward_2)
+    )
+
+
+def _lockstep_turns(n: int, delay: float, forwards: float, backwards: float) -> float:
+    """The lockstep's turn model (seconds): ``n`` forward rounds, each waiting on both
+    arrays' fetches (two delays) or their computes (``forwards`` over ``n``); the first
+    backward round (its shards kept from the forward) only computes; ``n - 1`` backward
+    rounds, each two delays or ``backwards`` over ``n``."""
+    return (
+        n * max(2 * delay, forwards / n) + backwards / n + (n - 1) * max(2 * delay, backwards / n)
+    )
+
+
+def _shifted_turns(
+    n: int, delay: float, forward_1: float, backward_1: float, forward_2: float, backward_2: float
+) -> float:
+    """The shifted schedule's turn model (seconds), the first array's forward and backward
+    computes ``forward_1``, ``backward_1``, then the second's: the first's ``n`` forward
+    rounds alone (one delay or a shard's compute); its first backward round (kept shard;
+    the second's first turn only starts a fetch); ``n - 1`` rounds of its backward against
+    the second's forward (two delays, or both shards' computes); the second's last forward
+    shard alone; its first backward round; ``n - 1`` rounds of its backward alone."""
+    return (
+        n * max(delay, forward_1 / n)
+        + backward_1 / n
+        + (n - 1) * max(2 * delay, (backward_1 + forward_2) / n)
+        + max(delay, forward_2 / n)
+        + backward_2 / n
+        + (n - 1) * max(delay, backward_2 / n)
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,7 +190,9 @@ def main(argv: list[str] | None = None) -> int:
             "compute b": _Alone(array, 0.0, layer, xs[1]),
             "alone a": _Alone(array, delay, layer, xs[0]),
             "alone b": _Alone(array, delay, layer, xs[1]),
-            "alternated": _Together([array, array], delay, layer, xs),
+            "lockstep": _Together(array, delay, layer, xs, "lockstep"),
+            "shifted b first": _Together(array, delay, layer, xs[::-1], "shifted"),
+            "shifted a first": _Together(array, delay, layer, xs, "shifted"),
         }
         for arm in arms.values():
             arm.step()  # warm-up (traces)
@@ -152,6 +216,15 @@ def main(argv: list[str] | None = None) -> int:
         phases = max(2 * n * delay, forwards) + max(
             2 * (n - 1) * delay, max(computes - forwards, 0.0)
         )
+        fa, fb = t["forward a"], t["forward b"]
+        ba, bb = max(t["compute a"] - fa, 0.0), max(t["compute b"] - fb, 0.0)
+        shifted_b = _shifted_phases(n, delay, fb, bb, fa, ba)
+        shifted_a = _shifted_phases(n, delay, fa, ba, fb, bb)
+        turns = {
+            "lockstep": _lockstep_turns(n, delay, fa + fb, ba + bb),
+            "shifted b first": _shifted_turns(n, delay, fb, bb, fa, ba),
+            "shifted a first": _shifted_turns(n, delay, fa, ba, fb, bb),
+        }
         row = {
             "factor": factor,
             "delay_ms": delay * 1e3,
@@ -166,8 +239,17 @@ def main(argv: list[str] | None = None) -> int:
             "alone_a_ms": t["alone a"] * 1e3,
             "alone_b_ms": t["alone b"] * 1e3,
             "alone_sum_ms": alone * 1e3,
-            "alternated_ms": t["alternated"] * 1e3,
-            "alternated/alone": t["alternated"] / alone,
+            "lockstep_ms": t["lockstep"] * 1e3,
+            "lockstep/alone": t["lockstep"] / alone,
+            "turn_model_lockstep_ms": turns["lockstep"] * 1e3,
+            "turn_model_shifted_b_first_ms": turns["shifted b first"] * 1e3,
+            "turn_model_shifted_a_first_ms": turns["shifted a first"] * 1e3,
+            "shifted_phase_model_b_first_ms": shifted_b * 1e3,
+            "shifted_phase_model_a_first_ms": shifted_a * 1e3,
+            "shifted_b_first_ms": t["shifted b first"] * 1e3,
+            "shifted_a_first_ms": t["shifted a first"] * 1e3,
+            "shifted_b_first/lockstep": t["shifted b first"] / t["lockstep"],
+            "shifted_a_first/lockstep": t["shifted a first"] / t["lockstep"],
             "ranges_ms": {k: [min(v) * 1e3, max(v) * 1e3] for k, v in times.items()},
         }
         rows.append(row)
@@ -179,12 +261,19 @@ def main(argv: list[str] | None = None) -> int:
                 f"{t['compute b'] * 1e3:.0f}",
                 f"{transfers * 1e3:.0f}",
                 f"{max(computes, transfers) * 1e3:.0f}",
-                f"{phases * 1e3:.0f}",
-                f"{t['alone a'] * 1e3:.0f}",
-                f"{t['alone b'] * 1e3:.0f}",
                 f"{alone * 1e3:.0f}",
-                f"{t['alternated'] * 1e3:.0f}",
-                f"{t['alternated'] / alone:.2f}",
+                f"{phases * 1e3:.0f}",
+                f"{turns['lockstep'] * 1e3:.0f}",
+                f"{t['lockstep'] * 1e3:.0f}",
+                f"{t['lockstep'] / alone:.2f}",
+                f"{shifted_b * 1e3:.0f}",
+                f"{turns['shifted b first'] * 1e3:.0f}",
+                f"{t['shifted b first'] * 1e3:.0f}",
+                f"{t['shifted b first'] / t['lockstep']:.2f}",
+                f"{shifted_a * 1e3:.0f}",
+                f"{turns['shifted a first'] * 1e3:.0f}",
+                f"{t['shifted a first'] * 1e3:.0f}",
+                f"{t['shifted a first'] / t['lockstep']:.2f}",
             ]
         )
     notes = [
@@ -196,13 +285,28 @@ def main(argv: list[str] | None = None) -> int:
         f"{n - 1} in the backward) equals the sum of their computes as measured first",
         "- compute a, b: each alone without delay; sum of transfers: fetches x delay; max "
         "model: the larger of the sum of transfers and the sum of computes (a + b); alone: "
-        "each with the delay and prefetch, one after the other (their sum); alternated: both "
-        "stepped together by AlternatingArrays with one delayed transfer",
+        "each with the delay and prefetch, one after the other (their sum); lockstep, "
+        "shifted: both stepped together by AlternatingArrays.step with one delayed "
+        "transfer, schedule 'lockstep' (a's and b's forwards, then their backwards) or "
+        "'shifted' (the second array's step starts once the first is in its backward), b "
+        "first or a first",
         f"- phase model: the arrays alternate in lockstep (both forwards, then both "
         f"backwards), so per phase the larger of its transfers ({2 * n} fetches in the "
         f"forward, {2 * (n - 1)} in the backward) and its computes (the forward: each array's "
         "forward without autograd, timed in the rounds; the backward: the no-delay steps less "
         "those forwards), added up",
+        f"- phase model shifted (first X, then Y): the first's forward alone, max({n} "
+        f"fetches, X's forward), then the first's backward against the second's forward, "
+        f"max({2 * n - 1} fetches, X's backward + Y's forward), then the second's backward "
+        f"alone, max({n - 1} fetches, Y's backward), added up",
+        "- turn model: the schedule as it runs, one shard per array per round of turns, each "
+        "array with one fetch in flight (the next shard's, started when its shard starts "
+        "computing); per round the larger of the delays of the fetches its shards wait for "
+        "(one per array computing, none for the backward's first shard, kept from the "
+        "forward) and the computes of its shards (each array's forward or backward over "
+        f"its {n} shards), added up: a round in which both arrays fetch takes two delays "
+        "however little the transfer-bound array computes",
+        "- alone a, b (each alone with the delay) are in the JSON",
         f"- medians of {args.steps} steps per arm and round, {args.rounds} alternating rounds; "
         "a step is forward and backward (no optimizer step)",
         "- load average (1, 5, 15 min) before and after each factor: "
@@ -218,19 +322,26 @@ def main(argv: list[str] | None = None) -> int:
         "compute b ms",
         "sum of transfers ms",
         "max model ms",
-        "phase model ms",
-        "alone a ms",
-        "alone b ms",
         "alone a + b ms",
-        "alternated ms",
-        "alternated / alone",
+        "lockstep: phase model ms",
+        "turn model ms",
+        "measured ms",
+        "lockstep / alone",
+        "shifted b first: phase model ms",
+        "turn model ms",
+        "measured ms",
+        "/ lockstep",
+        "shifted a first: phase model ms",
+        "turn model ms",
+        "measured ms",
+        "/ lockstep",
     ]
     write_results(
         args.out,
         "offload_alternate.py",
         argv,
         torch.device("cpu"),
-        "Offload: two arrays' shards alternated against each alone with prefetch (CPU)",
+        "Offload: two arrays' shards alternated (lockstep, shifted) against each alone with prefetch (CPU)",
         notes,
         columns,
         cells,
