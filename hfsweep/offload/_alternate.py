@@ -6,24 +6,58 @@ so its step takes about the sum over its shards of the larger of the two. Where 
 shards wait on their transfers (large weights, little compute: a small batch) and another's on
 their compute, each alone leaves one side idle: the first the compute, the second the link.
 Stepped together, array ``a``'s shard ``k`` computes while array ``b``'s shard ``k`` is
-copied in, then ``b``'s shard ``k`` while ``a``'s shard ``k + 1`` is, and so on, in the
-forward and again in the backward: the copies go through one transfer (one side stream or
-thread, in the order they are started) and the computes through the calling thread, so the
-step takes about the larger of the sum of every array's transfers and the sum of every
-array's computes, not the sum of each array's step alone
-(``benchmarks/offload_alternate.py``).
+copied in, then ``b``'s shard ``k`` while ``a``'s shard ``k + 1`` is, and so on: the copies
+go through one transfer (one side stream or thread, in the order they are started) and the
+computes through the calling thread. At best the step then takes the larger of the sum of
+every array's transfers and the sum of every array's computes instead of the sum of each
+array's step alone; measured (``benchmarks/offload_alternate.py``), it takes less than the
+steps alone but stays above that bound.
 
-Each array trains exactly as it would alone: its shards compute the same values in the same
-order, only other arrays' shards run in between; each keeps its own dropout streams, buffers
-and gradients. The arrays share one budget and one :class:`~hfsweep.offload.ResidentLedger`:
-each array's shards hold at most a quarter of the budget divided by the number of arrays,
-so the two shards each array may hold at once (computing, prefetched) take at most half of
-it, and the boundary activations of all the arrays the other half.
+Two schedules (``schedule``, :data:`SCHEDULES`) order the arrays' turns in :meth:`~
+AlternatingArrays.step`:
+
+- ``lockstep`` (the default; :meth:`~AlternatingArrays.forward` and
+  :meth:`~AlternatingArrays.backward` are its halves): every array's forward, shard by shard
+  in turn, then every array's backward. A's forward fetches then run against b's forward,
+  which is the lighter half of b's compute.
+- ``shifted``: array ``i + 1``'s step (forward, loss, backward) starts only once array ``i``
+  has computed its loss and entered its backward; the arrays started take turns. With the
+  compute-bound array first, the transfer-bound one's forward fetches run against the
+  compute-bound one's backward, the heavier half. The order of ``arrays`` matters: the
+  transfer-bound one first puts its backward against the other's light forward.
+
+Measured on a 2-core CPU with an injected delay per fetch
+(``benchmarks/results/offload_alternate_cpu.md``: two arrays of six shards, a on a batch of
+8, b on 1024; two runs, ``offload_alternate_cpu_run2.md`` the second), the shift does not
+pay: with b first it took 0.96 to 1.12 of the lockstep's step over the four delays, with a
+first 1.09 to 1.22; the lockstep took 0.81 to 0.91 of the two arrays stepped alone. Why: each array has one fetch in flight (its next shard's, started
+when its shard starts computing) and takes one shard per turn, so a round of turns in which
+both arrays fetch takes two delays however little the transfer-bound array computes, and in
+either schedule each of the transfer-bound array's turns either shares a round with a fetch
+of the other's or runs alone; the shift trades the lockstep's two-delay forward rounds for
+rounds of b's forward and of a's backward alone, about the same time (the benchmark's turn
+model, which tracks the measurement; the coarser phase model, which lets a's fetches hide
+behind b's backward whatever their number, promises a few percent the turns cannot give).
+A gain would need the transfer-bound array to keep several fetches in flight, or to take
+several turns while the other computes one shard: not built.
+
+Each array trains exactly as it would alone, under either schedule: its shards compute the
+same values in the same order, only other arrays' shards run in between; each keeps its own
+dropout streams, buffers and gradients. The arrays share one budget and one
+:class:`~hfsweep.offload.ResidentLedger`: each array's shards hold at most a quarter of the
+budget divided by the number of arrays ``m``. An array waiting for its turn holds at most one
+shard (the one its next turn computes), the one computing two and that shard's gradients on
+their way to the host, so for ``m >= 2`` shards and gradients take at most ``(m + 2) / 4m`` of the
+budget, no more than half, and the boundary activations the other half. The shift keeps that
+division: an array not started or done holds nothing, and while one array's forward adds its
+boundary activations the one before it, in its backward, lets go of its own, so the shift
+never holds more of them than the lockstep does at the end of its forwards (every array's
+all at once); the tests check its ledger's peak against the lockstep's.
 
 What this is not yet: the trainer (``hs.ArrayTrainer``) and ``hfsweep run``'s executor step
 one array at a time and do not use it; arrays cut between their blocks (``cut="blocks"``, whose
 own forward calls the units) are not alternated (they are cut along the graph here, or
-refused).
+refused); no schedule keeps more than one fetch in flight per array.
 """
 
 from __future__ import annotations
@@ -147,7 +181,7 @@ class AlternatingArrays:
     default) runs every forward, then every backward, as :meth:`forward` and
     :meth:`backward` do; ``"shifted"`` starts each array's step once the array before it in
     ``arrays`` is in its backward (see the module's docstring: put the compute-bound array
-    first). :meth:`forward` and :meth:`backward` are the lockstep's halves whatever the
+    first; measured, it is no faster than the lockstep). :meth:`forward` and :meth:`backward` are the lockstep's halves whatever the
     schedule: a shifted step cannot be cut into all the forwards, then all the backwards.
 
     An engine may also be called alone (``arrays.engines[0](x)``), as any offloaded array.
