@@ -13,7 +13,7 @@ every array's transfers and the sum of every array's computes instead of the sum
 array's step alone; measured (``benchmarks/offload_alternate.py``), it takes less than the
 steps alone but stays above that bound.
 
-Two schedules (``schedule``, :data:`SCHEDULES`) order the arrays' turns in :meth:`~
+Three schedules (``schedule``, :data:`SCHEDULES`) order the arrays' turns in :meth:`~
 AlternatingArrays.step`:
 
 - ``lockstep`` (the default; :meth:`~AlternatingArrays.forward` and
@@ -25,6 +25,18 @@ AlternatingArrays.step`:
   compute-bound array first, the transfer-bound one's forward fetches run against the
   compute-bound one's backward, the heavier half. The order of ``arrays`` matters: the
   transfer-bound one first puts its backward against the other's light forward.
+- ``ready``: every array's step (forward, loss, backward) starts at once, and each turn goes
+  to an array whose next shard is in (its fetch done: :meth:`~hfsweep.offload.Fetch.ready`),
+  the first after the one that took the last turn; where none is in, to the one whose fetch
+  started first (the one transfer copies in that order). Turns are weighted by readiness
+  instead of one per array per round: while the compute-bound array computes a shard, the
+  transfer copies several of the transfer-bound one's in, which then takes several turns in
+  a row. That pays only where an array has several fetches in flight: ``prefetch_depth``.
+
+``prefetch_depth`` (one int, or one per array) is how many shards ahead of the one computing
+an array has fetched or on their way (:class:`~hfsweep.offload.OffloadedArray`'s, default 1,
+each next fetch started as a shard starts computing). Give the transfer-bound array more, so
+that its fetches queue behind the compute-bound one's long shards.
 
 Measured on a 2-core CPU with an injected delay per fetch
 (``benchmarks/results/offload_alternate_cpu.md``: two arrays of six shards, a on a batch of
@@ -38,8 +50,9 @@ of the other's or runs alone; the shift trades the lockstep's two-delay forward 
 rounds of b's forward and of a's backward alone, about the same time (the benchmark's turn
 model, which tracks the measurement; the coarser phase model, which lets a's fetches hide
 behind b's backward whatever their number, promises a few percent the turns cannot give).
-A gain would need the transfer-bound array to keep several fetches in flight, or to take
-several turns while the other computes one shard: not built.
+A gain needs the transfer-bound array to keep several fetches in flight and to take several
+turns while the other computes one shard: the ``ready`` schedule with ``prefetch_depth``
+(measured in the benchmark's results file beside the lockstep).
 
 Each array trains exactly as it would alone, under either schedule: its shards compute the
 same values in the same order, only other arrays' shards run in between; each keeps its own
@@ -48,7 +61,14 @@ dropout streams, buffers and gradients. The arrays share one budget and one
 budget divided by the number of arrays ``m``. An array waiting for its turn holds at most one
 shard (the one its next turn computes), the one computing two and that shard's gradients on
 their way to the host, so for ``m >= 2`` shards and gradients take at most ``(m + 2) / 4m`` of the
-budget, no more than half, and the boundary activations the other half. The shift keeps that
+budget, no more than half, and the boundary activations the other half. With
+``prefetch_depth`` ``d_i`` per array, an array waiting holds at most ``d_i`` shards and the
+one computing ``d_i + 1`` and its gradients, ``D + 2`` shards in all for ``D`` the sum of
+the depths; the shard limit is then the budget over the larger of ``4m`` and ``2 (D + 2)``
+(``4m`` where every depth is 1, as before), so the shards and gradients still take at most
+half. Deeper prefetch means smaller shards within a budget, not a larger share: the budget's
+division stays. The ``ready`` schedule holds no more boundary activations than the lockstep
+at the end of its forwards (every array's all at once), the most any order can hold. The shift keeps that
 division: an array not started or done holds nothing, and while one array's forward adds its
 boundary activations the one before it, in its backward, lets go of its own, so the shift
 never holds more of them than the lockstep does at the end of its forwards (every array's
@@ -57,7 +77,7 @@ all at once); the tests check its ledger's peak against the lockstep's.
 What this is not yet: the trainer (``hs.ArrayTrainer``) and ``hfsweep run``'s executor step
 one array at a time and do not use it; arrays cut between their blocks (``cut="blocks"``, whose
 own forward calls the units) are not alternated (they are cut along the graph here, or
-refused); no schedule keeps more than one fetch in flight per array.
+refused).
 """
 
 from __future__ import annotations
@@ -78,8 +98,9 @@ __all__ = ["SCHEDULES", "AlternatingArrays", "Schedule"]
 
 #: how :meth:`AlternatingArrays.step` orders the arrays' steps: ``lockstep`` (every forward,
 #: then every backward) or ``shifted`` (each array's step starts when the one before it in
-#: the list has entered its backward)
-Schedule = Literal["lockstep", "shifted"]
+#: the list has entered its backward) or ``ready`` (every step at once, the turn to an array
+#: whose next shard is in)
+Schedule = Literal["lockstep", "shifted", "ready"]
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
 
 
@@ -158,6 +179,66 @@ def _shifted(steps: Sequence[_ArrayStep]) -> None:
         raise
 
 
+def _pick(running: Sequence[int], engines: Sequence[OffloadedArray], last: int) -> int:
+    """The array whose turn it is under the ``ready`` schedule: the first after ``last`` (in
+    turn, so that none is starved) whose next shard is in; else the one whose next shard's
+    fetch started first (one transfer copies in that order, so it is in first); else (each
+    fetches its next shard when it resumes, as without prefetch) the first after ``last``."""
+    after = [i for i in running if i > last] + [i for i in running if i <= last]
+    waiting = [(i, engines[i]._waiting) for i in after]
+    for i, resident in waiting:
+        if resident is not None and resident.ready():
+            return i
+    started = [(resident.order, i) for i, resident in waiting if resident is not None]
+    return min(started)[1] if started else after[0]
+
+
+def _ready(steps: Sequence[_ArrayStep], engines: Sequence[OffloadedArray]) -> None:
+    """Run ``steps`` together, every one started at once (a start only begins its first
+    fetches), each turn one shard of the array :func:`_pick` chooses: an array whose shards
+    wait on the link takes several turns in a row while another's fetches are still on their
+    way, and none waits on a copy while another could compute. Where one fails, the others
+    are closed."""
+    running = list(range(len(steps)))
+
+    def advance(i: int) -> None:
+        try:
+            next(steps[i].steps)
+        except StopIteration:
+            running.remove(i)
+
+    try:
+        for i in list(running):
+            advance(i)
+        last = -1
+        while running:
+            last = _pick(running, engines, last)
+            advance(last)
+    except BaseException:
+        for i in running:
+            steps[i].steps.close()
+        raise
+
+
+def _depths(prefetch_depth: int | Sequence[int], m: int) -> list[int]:
+    """``prefetch_depth`` as one depth per array (an int: the same for all); refused with the
+    value and what is valid where it is neither an int >= 1 nor ``m`` of them."""
+    if isinstance(prefetch_depth, int):
+        depths: list[Any] = [prefetch_depth] * m
+    elif isinstance(prefetch_depth, list | tuple):
+        depths = list(prefetch_depth)
+    else:
+        depths = []  # refused below
+    if len(depths) != m or any(
+        isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in depths
+    ):
+        raise OffloadError(
+            f"prefetch_depth must be an int >= 1 or one such int per array ({m}), "
+            f"got {prefetch_depth!r}"
+        )
+    return depths
+
+
 class AlternatingArrays:
     """``arrays`` (:class:`~hfsweep.fusion.FusedArray`\\ s) offloaded to ``device`` within
     one budget of ``budget_bytes`` (``None``: recorded only), stepped together with their
@@ -181,8 +262,12 @@ class AlternatingArrays:
     default) runs every forward, then every backward, as :meth:`forward` and
     :meth:`backward` do; ``"shifted"`` starts each array's step once the array before it in
     ``arrays`` is in its backward (see the module's docstring: put the compute-bound array
-    first; measured, it is no faster than the lockstep). :meth:`forward` and :meth:`backward` are the lockstep's halves whatever the
-    schedule: a shifted step cannot be cut into all the forwards, then all the backwards.
+    first; measured, it is no faster than the lockstep); ``"ready"`` starts every step at
+    once and gives each turn to an array whose next shard is in. :meth:`forward` and
+    :meth:`backward` are the lockstep's halves whatever the schedule: a shifted or ready step
+    cannot be cut into all the forwards, then all the backwards. ``prefetch_depth`` (an int
+    for all, or one per array, each >= 1) is how many shards ahead each array fetches; with
+    a budget, deeper prefetch makes the shards smaller (see the module's docstring).
 
     An engine may also be called alone (``arrays.engines[0](x)``), as any offloaded array.
     """
@@ -197,19 +282,24 @@ class AlternatingArrays:
         prefetch: bool = True,
         shard_bytes: int | None = None,
         schedule: Schedule = "lockstep",
+        prefetch_depth: int | Sequence[int] = 1,
     ) -> None:
         if schedule not in SCHEDULES:
             raise OffloadError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
         self.schedule: Schedule = schedule
         if not arrays:
             raise OffloadError("AlternatingArrays needs at least one array")
+        depths = _depths(prefetch_depth, len(arrays))
         if len({id(a) for a in arrays}) != len(arrays):
             raise OffloadError("AlternatingArrays got the same array twice")
         self.ledger = ResidentLedger(budget_bytes)
         self.transfer = transfer if transfer is not None else default_transfer(device)
         limit = shard_bytes
         if limit is None and budget_bytes is not None:
-            limit = max(budget_bytes // (4 * len(arrays)), 1)
+            # waiting arrays hold their depth's shards, the one computing one more and its
+            # gradients: (sum of depths + 2) shards in half the budget (see the module)
+            parts = max(4 * len(arrays), 2 * (sum(depths) + 2))
+            limit = max(budget_bytes // parts, 1)
         self.engines = [
             OffloadedArray(
                 a,
@@ -219,8 +309,9 @@ class AlternatingArrays:
                 shard_bytes=limit,
                 cut="graph",
                 ledger=self.ledger,
+                prefetch_depth=depth,
             )
-            for a in arrays
+            for a, depth in zip(arrays, depths, strict=True)
         ]
         self._outputs: list[Tensor | None] = []
         self._generations: list[int] = []
@@ -309,7 +400,10 @@ class AlternatingArrays:
                 for e, x, loss in zip(self.engines, inputs, losses, strict=True)
             ]
             self._outputs = []  # a backward of an earlier forward is no longer valid
-            _shifted(steps)
+            if self.schedule == "shifted":
+                _shifted(steps)
+            else:
+                _ready(steps, self.engines)
         except BaseException:
             self._outputs = []
             for engine in self.engines:

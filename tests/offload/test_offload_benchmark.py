@@ -90,14 +90,15 @@ def test_offload_blocks_quick_runs(tmp_path, monkeypatch) -> None:
 
 @pytest.mark.slow
 def test_offload_alternate_quick_runs(tmp_path, monkeypatch) -> None:
-    """``benchmarks/offload_alternate.py`` at its smallest: every arm (the lockstep and the
-    shifted schedules among them) gives a finite, positive time, and the models are written
-    beside them."""
+    """``benchmarks/offload_alternate.py`` at its smallest: every arm (the lockstep, shifted
+    and ready schedules among them, the ready one also with a deeper prefetch) gives a
+    finite, positive time, and the models are written beside them."""
     argv = ["--layers", "2", "--width", "16", "--size", "2", "--batch-b", "32", "--steps", "1"]
     argv += ["--rounds", "1", "--factors", "1"]
     (row,), stem = _run("offload_alternate", argv, tmp_path, monkeypatch)
     keys = ["compute_a_ms", "alone_sum_ms", "lockstep_ms", "max_model_ms"]
-    keys += ["shifted_b_first_ms", "shifted_a_first_ms", "shifted_phase_model_b_first_ms"]
+    keys += ["shifted_b_first_ms", "shifted_phase_model_b_first_ms", "turn_model_lockstep_ms"]
+    keys += ["ready_ms", "ready_deep_ms", "ready_deep/max_model"]
     for key in keys:
         assert math.isfinite(row[key]) and row[key] > 0, key
     assert "| 1 |" in stem.with_suffix(".md").read_text()
