@@ -11,13 +11,16 @@ Alternated (``hfsweep.offload.AlternatingArrays``: one transfer thread, one ledg
 computing while b's is copied in and the other way round), the two together should take about
 the larger of the sum of both arrays' transfers and the sum of both arrays' computes.
 
-Two schedules of the alternated step (``AlternatingArrays.step``): ``lockstep`` (both
-forwards, then both backwards) and ``shifted`` (the second array's step starts once the first
-is in its backward), the shifted one with b first (its backward's compute against a's
-forward fetches) and with a first (the order that should not help).
+Three schedules of the alternated step (``AlternatingArrays.step``): ``lockstep`` (both
+forwards, then both backwards), ``shifted`` with b first (a's step starts once b is in its
+backward: b's backward compute against a's forward fetches; a first, measured worse in
+``results/offload_alternate_cpu_run2.md``, is no longer timed) and ``ready`` (both steps at
+once, each turn to an array whose next shard is in), the last also with array a fetching
+``--depth`` shards ahead (``prefetch_depth=(depth, 1)``): while b computes one shard, the
+one transfer copies several of a's in, and a then takes several turns in a row.
 
 Each round times, alternating: a and b without delay (their computes), a and b alone with
-the delay and prefetch, and the two alternated with the delay under each schedule. The
+the delay and prefetch, and the two alternated with the delay under each arm. The
 delay is a factor times the delay at which the sum of transfers equals the sum of computes
 (measured first), where alternation has the most to gain. A step is a forward and backward (the optimizer step, on
 the host, left out).
@@ -76,8 +79,8 @@ def _square_mean(out: torch.Tensor) -> torch.Tensor:
 
 
 class _Together:
-    """The arrays alternated under ``schedule``, in the order of ``xs``: one transfer, one
-    ledger."""
+    """The arrays alternated under ``schedule``, in the order of ``xs``, each with its
+    ``depths`` of prefetch: one transfer, one ledger."""
 
     def __init__(
         self,
@@ -86,10 +89,15 @@ class _Together:
         layer: int,
         xs: list[torch.Tensor],
         schedule: Schedule,
+        depths: tuple[int, ...] | int = 1,
     ) -> None:
         self.arrays = [copy.deepcopy(array) for _ in xs]
         self.alt = AlternatingArrays(
-            self.arrays, transfer=CpuTransfer(delay), shard_bytes=layer, schedule=schedule
+            self.arrays,
+            transfer=CpuTransfer(delay),
+            shard_bytes=layer,
+            schedule=schedule,
+            prefetch_depth=depths,
         )
         self.xs = xs
 
@@ -159,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--factors", type=float, nargs="+", default=[0.5, 0.75, 1.0, 1.5])
     parser.add_argument(
+        "--depth", type=int, default=3, help="array a's prefetch depth in the 'ready deep' arm"
+    )
+    parser.add_argument(
         "--threads", type=int, default=None, help="torch threads (default: torch's own)"
     )
     parser.add_argument("--out", type=Path, default=RESULTS / "offload_alternate_cpu")
@@ -192,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
             "alone b": _Alone(array, delay, layer, xs[1]),
             "lockstep": _Together(array, delay, layer, xs, "lockstep"),
             "shifted b first": _Together(array, delay, layer, xs[::-1], "shifted"),
-            "shifted a first": _Together(array, delay, layer, xs, "shifted"),
+            "ready": _Together(array, delay, layer, xs, "ready"),
+            "ready deep": _Together(array, delay, layer, xs, "ready", (args.depth, 1)),
         }
         for arm in arms.values():
             arm.step()  # warm-up (traces)
@@ -219,12 +231,11 @@ def main(argv: list[str] | None = None) -> int:
         fa, fb = t["forward a"], t["forward b"]
         ba, bb = max(t["compute a"] - fa, 0.0), max(t["compute b"] - fb, 0.0)
         shifted_b = _shifted_phases(n, delay, fb, bb, fa, ba)
-        shifted_a = _shifted_phases(n, delay, fa, ba, fb, bb)
         turns = {
             "lockstep": _lockstep_turns(n, delay, fa + fb, ba + bb),
             "shifted b first": _shifted_turns(n, delay, fb, bb, fa, ba),
-            "shifted a first": _shifted_turns(n, delay, fa, ba, fb, bb),
         }
+        bound = max(computes, transfers)
         row = {
             "factor": factor,
             "delay_ms": delay * 1e3,
@@ -242,14 +253,18 @@ def main(argv: list[str] | None = None) -> int:
             "lockstep_ms": t["lockstep"] * 1e3,
             "lockstep/alone": t["lockstep"] / alone,
             "turn_model_lockstep_ms": turns["lockstep"] * 1e3,
+            "lockstep/max_model": t["lockstep"] / bound,
             "turn_model_shifted_b_first_ms": turns["shifted b first"] * 1e3,
-            "turn_model_shifted_a_first_ms": turns["shifted a first"] * 1e3,
             "shifted_phase_model_b_first_ms": shifted_b * 1e3,
-            "shifted_phase_model_a_first_ms": shifted_a * 1e3,
             "shifted_b_first_ms": t["shifted b first"] * 1e3,
-            "shifted_a_first_ms": t["shifted a first"] * 1e3,
             "shifted_b_first/lockstep": t["shifted b first"] / t["lockstep"],
-            "shifted_a_first/lockstep": t["shifted a first"] / t["lockstep"],
+            "ready_ms": t["ready"] * 1e3,
+            "ready/lockstep": t["ready"] / t["lockstep"],
+            "ready/max_model": t["ready"] / bound,
+            "ready_deep_depth_a": args.depth,
+            "ready_deep_ms": t["ready deep"] * 1e3,
+            "ready_deep/lockstep": t["ready deep"] / t["lockstep"],
+            "ready_deep/max_model": t["ready deep"] / bound,
             "ranges_ms": {k: [min(v) * 1e3, max(v) * 1e3] for k, v in times.items()},
         }
         rows.append(row)
@@ -260,20 +275,19 @@ def main(argv: list[str] | None = None) -> int:
                 f"{t['compute a'] * 1e3:.0f}",
                 f"{t['compute b'] * 1e3:.0f}",
                 f"{transfers * 1e3:.0f}",
-                f"{max(computes, transfers) * 1e3:.0f}",
+                f"{bound * 1e3:.0f}",
                 f"{alone * 1e3:.0f}",
-                f"{phases * 1e3:.0f}",
                 f"{turns['lockstep'] * 1e3:.0f}",
                 f"{t['lockstep'] * 1e3:.0f}",
                 f"{t['lockstep'] / alone:.2f}",
-                f"{shifted_b * 1e3:.0f}",
-                f"{turns['shifted b first'] * 1e3:.0f}",
+                f"{t['lockstep'] / bound:.2f}",
                 f"{t['shifted b first'] * 1e3:.0f}",
                 f"{t['shifted b first'] / t['lockstep']:.2f}",
-                f"{shifted_a * 1e3:.0f}",
-                f"{turns['shifted a first'] * 1e3:.0f}",
-                f"{t['shifted a first'] * 1e3:.0f}",
-                f"{t['shifted a first'] / t['lockstep']:.2f}",
+                f"{t['ready'] * 1e3:.0f}",
+                f"{t['ready'] / t['lockstep']:.2f}",
+                f"{t['ready deep'] * 1e3:.0f}",
+                f"{t['ready deep'] / t['lockstep']:.2f}",
+                f"{t['ready deep'] / bound:.2f}",
             ]
         )
     notes = [
@@ -286,19 +300,20 @@ def main(argv: list[str] | None = None) -> int:
         "- compute a, b: each alone without delay; sum of transfers: fetches x delay; max "
         "model: the larger of the sum of transfers and the sum of computes (a + b); alone: "
         "each with the delay and prefetch, one after the other (their sum); lockstep, "
-        "shifted: both stepped together by AlternatingArrays.step with one delayed "
-        "transfer, schedule 'lockstep' (a's and b's forwards, then their backwards) or "
-        "'shifted' (the second array's step starts once the first is in its backward), b "
-        "first or a first",
+        "shifted, ready: both stepped together by AlternatingArrays.step with one delayed "
+        "transfer, schedule 'lockstep' (a's and b's forwards, then their backwards), "
+        "'shifted' (b first: a's step starts once b is in its backward) or 'ready' (both "
+        "steps at once, each turn to an array whose next shard is in, else to the one whose "
+        "fetch started first), each array one shard fetched ahead; 'ready, a depth "
+        f"{args.depth}': the ready schedule with a fetching {args.depth} shards ahead (b one)",
         f"- phase model: the arrays alternate in lockstep (both forwards, then both "
         f"backwards), so per phase the larger of its transfers ({2 * n} fetches in the "
         f"forward, {2 * (n - 1)} in the backward) and its computes (the forward: each array's "
         "forward without autograd, timed in the rounds; the backward: the no-delay steps less "
         "those forwards), added up",
-        f"- phase model shifted (first X, then Y): the first's forward alone, max({n} "
-        f"fetches, X's forward), then the first's backward against the second's forward, "
-        f"max({2 * n - 1} fetches, X's backward + Y's forward), then the second's backward "
-        f"alone, max({n - 1} fetches, Y's backward), added up",
+        "- phase model shifted (in the JSON, b first): b's forward alone, max(n fetches, b's "
+        "forward), then b's backward against a's forward, max(2n - 1 fetches, b's backward + "
+        "a's forward), then a's backward alone, max(n - 1 fetches, a's backward), added up",
         "- turn model: the schedule as it runs, one shard per array per round of turns, each "
         "array with one fetch in flight (the next shard's, started when its shard starts "
         "computing); per round the larger of the delays of the fetches its shards wait for "
@@ -306,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
         "forward) and the computes of its shards (each array's forward or backward over "
         f"its {n} shards), added up: a round in which both arrays fetch takes two delays "
         "however little the transfer-bound array computes",
-        "- alone a, b (each alone with the delay) are in the JSON",
+        "- alone a, b (each alone with the delay), the lockstep's phase model and the shifted "
+        "schedule's models are in the JSON",
         f"- medians of {args.steps} steps per arm and round, {args.rounds} alternating rounds; "
         "a step is forward and backward (no optimizer step)",
         "- load average (1, 5, 15 min) before and after each factor: "
@@ -323,25 +339,24 @@ def main(argv: list[str] | None = None) -> int:
         "sum of transfers ms",
         "max model ms",
         "alone a + b ms",
-        "lockstep: phase model ms",
-        "turn model ms",
+        "lockstep: turn model ms",
         "measured ms",
         "lockstep / alone",
-        "shifted b first: phase model ms",
-        "turn model ms",
-        "measured ms",
+        "lockstep / max model",
+        "shifted b first ms",
         "/ lockstep",
-        "shifted a first: phase model ms",
-        "turn model ms",
-        "measured ms",
+        "ready ms",
         "/ lockstep",
+        f"ready, a depth {args.depth} ms",
+        "/ lockstep",
+        "/ max model",
     ]
     write_results(
         args.out,
         "offload_alternate.py",
         argv,
         torch.device("cpu"),
-        "Offload: two arrays' shards alternated (lockstep, shifted) against each alone with prefetch (CPU)",
+        "Offload: two arrays' shards alternated (lockstep, shifted, ready, ready with a deeper prefetch) against each alone with prefetch (CPU)",
         notes,
         columns,
         cells,
