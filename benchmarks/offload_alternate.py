@@ -15,9 +15,10 @@ Three schedules of the alternated step (``AlternatingArrays.step``): ``lockstep`
 forwards, then both backwards), ``shifted`` with b first (a's step starts once b is in its
 backward: b's backward compute against a's forward fetches; a first, measured worse in
 ``results/offload_alternate_cpu_run2.md``, is no longer timed) and ``ready`` (both steps at
-once, each turn to an array whose next shard is in), the last also with array a fetching
-``--depth`` shards ahead (``prefetch_depth=(depth, 1)``): while b computes one shard, the
-one transfer copies several of a's in, and a then takes several turns in a row.
+once, each turn to an array whose next shard is in), the last also with deeper prefetch
+(``--depths A,B ...``: ``prefetch_depth=(A, B)``, by default 3,1 and 2,2): with a deeper, the
+one transfer may copy several of a's shards in while b computes one, and a then takes
+several turns in a row; the 2,2 arm gives b a shard of slack too.
 
 Each round times, alternating: a and b without delay (their computes), a and b alone with
 the delay and prefetch, and the two alternated with the delay under each arm. The
@@ -156,6 +157,17 @@ def _shifted_turns(
     )
 
 
+def _pair(text: str) -> tuple[int, int]:
+    """``"A,B"`` as the two arrays' prefetch depths."""
+    a, b = (int(v) for v in text.split(","))
+    return a, b
+
+
+def _deep(depths: tuple[int, int]) -> str:
+    """The name of the ready arm with ``depths``."""
+    return f"ready {depths[0]},{depths[1]}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=6)
@@ -167,7 +179,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--factors", type=float, nargs="+", default=[0.5, 0.75, 1.0, 1.5])
     parser.add_argument(
-        "--depth", type=int, default=3, help="array a's prefetch depth in the 'ready deep' arm"
+        "--depths",
+        type=_pair,
+        nargs="+",
+        default=[(3, 1), (2, 2)],
+        help="a's and b's prefetch depths (A,B) of each deeper 'ready' arm",
     )
     parser.add_argument(
         "--threads", type=int, default=None, help="torch threads (default: torch's own)"
@@ -204,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
             "lockstep": _Together(array, delay, layer, xs, "lockstep"),
             "shifted b first": _Together(array, delay, layer, xs[::-1], "shifted"),
             "ready": _Together(array, delay, layer, xs, "ready"),
-            "ready deep": _Together(array, delay, layer, xs, "ready", (args.depth, 1)),
+            **{_deep(ds): _Together(array, delay, layer, xs, "ready", ds) for ds in args.depths},
         }
         for arm in arms.values():
             arm.step()  # warm-up (traces)
@@ -261,10 +277,15 @@ def main(argv: list[str] | None = None) -> int:
             "ready_ms": t["ready"] * 1e3,
             "ready/lockstep": t["ready"] / t["lockstep"],
             "ready/max_model": t["ready"] / bound,
-            "ready_deep_depth_a": args.depth,
-            "ready_deep_ms": t["ready deep"] * 1e3,
-            "ready_deep/lockstep": t["ready deep"] / t["lockstep"],
-            "ready_deep/max_model": t["ready deep"] / bound,
+            **{f"{_deep(ds).replace(' ', '_')}_ms": t[_deep(ds)] * 1e3 for ds in args.depths},
+            **{
+                f"{_deep(ds).replace(' ', '_')}/lockstep": t[_deep(ds)] / t["lockstep"]
+                for ds in args.depths
+            },
+            **{
+                f"{_deep(ds).replace(' ', '_')}/max_model": t[_deep(ds)] / bound
+                for ds in args.depths
+            },
             "ranges_ms": {k: [min(v) * 1e3, max(v) * 1e3] for k, v in times.items()},
         }
         rows.append(row)
@@ -285,9 +306,16 @@ def main(argv: list[str] | None = None) -> int:
                 f"{t['shifted b first'] / t['lockstep']:.2f}",
                 f"{t['ready'] * 1e3:.0f}",
                 f"{t['ready'] / t['lockstep']:.2f}",
-                f"{t['ready deep'] * 1e3:.0f}",
-                f"{t['ready deep'] / t['lockstep']:.2f}",
-                f"{t['ready deep'] / bound:.2f}",
+                f"{t['ready'] / bound:.2f}",
+                *[
+                    cell
+                    for ds in args.depths
+                    for cell in (
+                        f"{t[_deep(ds)] * 1e3:.0f}",
+                        f"{t[_deep(ds)] / t['lockstep']:.2f}",
+                        f"{t[_deep(ds)] / bound:.2f}",
+                    )
+                ],
             ]
         )
     notes = [
@@ -304,8 +332,8 @@ def main(argv: list[str] | None = None) -> int:
         "transfer, schedule 'lockstep' (a's and b's forwards, then their backwards), "
         "'shifted' (b first: a's step starts once b is in its backward) or 'ready' (both "
         "steps at once, each turn to an array whose next shard is in, else to the one whose "
-        "fetch started first), each array one shard fetched ahead; 'ready, a depth "
-        f"{args.depth}': the ready schedule with a fetching {args.depth} shards ahead (b one)",
+        "fetch started first), each array one shard fetched ahead; 'ready A,B': the ready "
+        "schedule with a fetching A shards ahead and b B (prefetch_depth=(A, B))",
         f"- phase model: the arrays alternate in lockstep (both forwards, then both "
         f"backwards), so per phase the larger of its transfers ({2 * n} fetches in the "
         f"forward, {2 * (n - 1)} in the backward) and its computes (the forward: each array's "
@@ -347,9 +375,8 @@ def main(argv: list[str] | None = None) -> int:
         "/ lockstep",
         "ready ms",
         "/ lockstep",
-        f"ready, a depth {args.depth} ms",
-        "/ lockstep",
         "/ max model",
+        *[cell for ds in args.depths for cell in (f"{_deep(ds)} ms", "/ lockstep", "/ max model")],
     ]
     write_results(
         args.out,

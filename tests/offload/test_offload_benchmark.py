@@ -98,7 +98,7 @@ def test_offload_alternate_quick_runs(tmp_path, monkeypatch) -> None:
     (row,), stem = _run("offload_alternate", argv, tmp_path, monkeypatch)
     keys = ["compute_a_ms", "alone_sum_ms", "lockstep_ms", "max_model_ms"]
     keys += ["shifted_b_first_ms", "shifted_phase_model_b_first_ms", "turn_model_lockstep_ms"]
-    keys += ["ready_ms", "ready_deep_ms", "ready_deep/max_model"]
+    keys += ["ready_ms", "ready_3,1_ms", "ready_2,2/max_model"]
     for key in keys:
         assert math.isfinite(row[key]) and row[key] > 0, key
     assert "| 1 |" in stem.with_suffix(".md").read_text()
