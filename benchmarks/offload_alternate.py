@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 from _offload import median_step
+from _queue_model import queue_model
 from _results import RESULTS, write_results
 from torch import nn
 
@@ -252,6 +253,14 @@ def main(argv: list[str] | None = None) -> int:
             "shifted b first": _shifted_turns(n, delay, fb, bb, fa, ba),
         }
         bound = max(computes, transfers)
+        # the queue model per arm, from each array's forward and backward per shard
+        per_a, per_b = (fa / n, ba / n), (fb / n, bb / n)
+        queue = {
+            "lockstep": queue_model("lockstep", n, delay, [per_a, per_b]),
+            "shifted b first": queue_model("shifted", n, delay, [per_b, per_a]),
+            "ready": queue_model("ready", n, delay, [per_a, per_b]),
+            **{_deep(ds): queue_model("ready", n, delay, [per_a, per_b], ds) for ds in args.depths},
+        }
         row = {
             "factor": factor,
             "delay_ms": delay * 1e3,
@@ -286,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{_deep(ds).replace(' ', '_')}/max_model": t[_deep(ds)] / bound
                 for ds in args.depths
             },
+            "queue_model_ms": {k: v * 1e3 for k, v in queue.items()},
             "ranges_ms": {k: [min(v) * 1e3, max(v) * 1e3] for k, v in times.items()},
         }
         rows.append(row)
@@ -298,22 +308,18 @@ def main(argv: list[str] | None = None) -> int:
                 f"{transfers * 1e3:.0f}",
                 f"{bound * 1e3:.0f}",
                 f"{alone * 1e3:.0f}",
-                f"{turns['lockstep'] * 1e3:.0f}",
+                f"{queue['lockstep'] * 1e3:.0f}",
                 f"{t['lockstep'] * 1e3:.0f}",
                 f"{t['lockstep'] / alone:.2f}",
                 f"{t['lockstep'] / bound:.2f}",
-                f"{t['shifted b first'] * 1e3:.0f}",
-                f"{t['shifted b first'] / t['lockstep']:.2f}",
-                f"{t['ready'] * 1e3:.0f}",
-                f"{t['ready'] / t['lockstep']:.2f}",
-                f"{t['ready'] / bound:.2f}",
                 *[
                     cell
-                    for ds in args.depths
+                    for arm in ["shifted b first", "ready", *map(_deep, args.depths)]
                     for cell in (
-                        f"{t[_deep(ds)] * 1e3:.0f}",
-                        f"{t[_deep(ds)] / t['lockstep']:.2f}",
-                        f"{t[_deep(ds)] / bound:.2f}",
+                        f"{queue[arm] * 1e3:.0f}",
+                        f"{t[arm] * 1e3:.0f}",
+                        f"{t[arm] / t['lockstep']:.2f}",
+                        f"{t[arm] / bound:.2f}",
                     )
                 ],
             ]
@@ -349,8 +355,13 @@ def main(argv: list[str] | None = None) -> int:
         "forward) and the computes of its shards (each array's forward or backward over "
         f"its {n} shards), added up: a round in which both arrays fetch takes two delays "
         "however little the transfer-bound array computes",
-        "- alone a, b (each alone with the delay), the lockstep's phase model and the shifted "
-        "schedule's models are in the JSON",
+        "- queue model (benchmarks/_queue_model.py): the arm's turns and fetches replayed on "
+        "one clock, the link one first-in-first-out queue (each fetch a delay, started once "
+        "the link is free and the turns have asked for it), the compute one thread (each "
+        "array's forward or backward over its shards, as timed in the rounds): what the "
+        "order of turns and fetches costs, copies and overheads left out",
+        "- alone a, b (each alone with the delay), the lockstep's phase and turn models and "
+        "the shifted schedule's are in the JSON",
         f"- medians of {args.steps} steps per arm and round, {args.rounds} alternating rounds; "
         "a step is forward and backward (no optimizer step)",
         "- load average (1, 5, 15 min) before and after each factor: "
@@ -367,16 +378,15 @@ def main(argv: list[str] | None = None) -> int:
         "sum of transfers ms",
         "max model ms",
         "alone a + b ms",
-        "lockstep: turn model ms",
+        "lockstep: queue model ms",
         "measured ms",
-        "lockstep / alone",
-        "lockstep / max model",
-        "shifted b first ms",
-        "/ lockstep",
-        "ready ms",
-        "/ lockstep",
+        "/ alone",
         "/ max model",
-        *[cell for ds in args.depths for cell in (f"{_deep(ds)} ms", "/ lockstep", "/ max model")],
+        *[
+            cell
+            for arm in ["shifted b first", "ready", *map(_deep, args.depths)]
+            for cell in (f"{arm}: queue model ms", "measured ms", "/ lockstep", "/ max model")
+        ],
     ]
     write_results(
         args.out,

@@ -99,6 +99,14 @@ def test_offload_alternate_quick_runs(tmp_path, monkeypatch) -> None:
     keys = ["compute_a_ms", "alone_sum_ms", "lockstep_ms", "max_model_ms"]
     keys += ["shifted_b_first_ms", "shifted_phase_model_b_first_ms", "turn_model_lockstep_ms"]
     keys += ["ready_ms", "ready_3,1_ms", "ready_2,2/max_model"]
+    assert set(row["queue_model_ms"]) == {
+        "lockstep",
+        "shifted b first",
+        "ready",
+        "ready 3,1",
+        "ready 2,2",
+    }
+    assert all(math.isfinite(v) and v > 0 for v in row["queue_model_ms"].values())
     for key in keys:
         assert math.isfinite(row[key]) and row[key] > 0, key
     assert "| 1 |" in stem.with_suffix(".md").read_text()
