@@ -409,6 +409,25 @@ def test_one_array_alone_with_a_deeper_prefetch_is_exact_and_holds_its_depth(dep
     engine.close()
 
 
+@pytest.mark.parametrize("depth", [1, 3])
+def test_one_array_alone_with_a_deeper_prefetch_stays_within_its_budget(depth: int) -> None:
+    """Alone within a budget, the shard limit is the budget over ``depth + 3`` (a quarter at
+    depth 1): the shards ahead, the one computing and its gradients leave a part for the
+    boundary activations, and the ledger's peak stays under the budget."""
+    _, host = _arrays()
+    state = sum(t.numel() * t.element_size() for t in host[1]._state())
+    budget = 3 * state
+    engine = OffloadedArray(
+        host[1], budget_bytes=budget, transfer=CpuTransfer(0.001), prefetch_depth=depth
+    )
+    assert max(s.nbytes for s in engine.shards) <= budget // (depth + 3)
+    x = torch.randn(5, 6, dtype=torch.float64)
+    for _ in range(2):
+        engine(x).square().sum().backward()
+    assert 0 < engine.ledger.peak <= budget and engine.ledger.resident == 0
+    engine.close()
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_a_deeper_prefetch_stays_within_the_budget(schedule: Schedule) -> None:
     """Within one budget, with depths (3, 1, 2): each array's shards hold at most the budget
