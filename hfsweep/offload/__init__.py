@@ -15,8 +15,8 @@ compute device shard by shard (issue 22; Hydra's parameter spilling and double b
 - ``_engine``: :class:`OffloadedArray`, the shard-by-shard forward and backward.
 - ``_alternate``: :class:`AlternatingArrays`, several offloaded arrays stepped together, their
   shards alternating so that one's transfers overlap another's compute (Hydra's shard
-  alternation; in lockstep, or phase-shifted by one forward: ``SCHEDULES``; Python API only,
-  not used by the trainer yet).
+  alternation; in lockstep, phase-shifted by one forward, or by readiness: ``SCHEDULES``;
+  each array ``prefetch_depth`` shards ahead; Python API only, not used by the trainer yet).
 - ``_policy``: the ``offload`` values and what ``auto`` decides: by memory
   (:func:`choose_offload`), and by measured throughput where both ways fit (:func:`choose_by_rate`).
 

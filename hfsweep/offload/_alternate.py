@@ -31,30 +31,34 @@ AlternatingArrays.step`:
   started first (the one transfer copies in that order). Turns are weighted by readiness
   instead of one per array per round: while the compute-bound array computes a shard, the
   transfer copies several of the transfer-bound one's in, which then takes several turns in
-  a row. That pays only where an array has several fetches in flight: ``prefetch_depth``.
+  a row where it has several fetches in flight (``prefetch_depth``); measured, it does not pay
+  (below).
 
 ``prefetch_depth`` (one int, or one per array) is how many shards ahead of the one computing
 an array has fetched or on their way (:class:`~hfsweep.offload.OffloadedArray`'s, default 1,
-each next fetch started as a shard starts computing). Give the transfer-bound array more, so
-that its fetches queue behind the compute-bound one's long shards.
+each next fetch started as a shard starts computing).
 
 Measured on a 2-core CPU with an injected delay per fetch
 (``benchmarks/results/offload_alternate_cpu.md``: two arrays of six shards, a on a batch of
-8, b on 1024; two runs, ``offload_alternate_cpu_run2.md`` the second), the shift does not
-pay: with b first it took 0.96 to 1.12 of the lockstep's step over the four delays, with a
-first 1.09 to 1.22; the lockstep took 0.81 to 0.91 of the two arrays stepped alone. Why: each array has one fetch in flight (its next shard's, started
-when its shard starts computing) and takes one shard per turn, so a round of turns in which
-both arrays fetch takes two delays however little the transfer-bound array computes, and in
-either schedule each of the transfer-bound array's turns either shares a round with a fetch
-of the other's or runs alone; the shift trades the lockstep's two-delay forward rounds for
-rounds of b's forward and of a's backward alone, about the same time (the benchmark's turn
-model, which tracks the measurement; the coarser phase model, which lets a's fetches hide
-behind b's backward whatever their number, promises a few percent the turns cannot give).
-A gain needs the transfer-bound array to keep several fetches in flight and to take several
-turns while the other computes one shard: the ``ready`` schedule with ``prefetch_depth``
-(measured in the benchmark's results file beside the lockstep).
+8, transfer-bound, b on 1024, compute-bound; ``docs/offload.md`` says which run is which),
+no schedule and no depth beats the lockstep by more than the noise, and the deeper prefetch
+for the transfer-bound array, which the turn model of the runs before asked for, is slower:
+``prefetch_depth=(3, 1)`` under ``ready`` took 1.01 to 1.17 of the lockstep's step over four
+delays (0.98 to 1.22 in a second, noisier run: above the lockstep in seven rows of eight),
+``ready`` at depth 1 0.93 to 1.04, the shift with b first 0.94 to 1.14 (0.96 to 1.12 in the
+runs before, a first 1.09 to 1.22); the lockstep 0.82 to 0.97 of the two arrays stepped
+alone, and in the first run every arm at least 8% above the larger of the sum of transfers
+and the sum of
+computes. Why (the benchmark's queue model, ``benchmarks/_queue_model.py``, which replays the
+turns and fetches with the link as one first-in-first-out queue and follows the first run's
+ratios): the link copies in the order fetches start, so more of a's fetches in flight do not
+overlap each other, they take the link earlier, in b's forward, where one fetch per array
+per shard already keeps it busy, and queue ahead of b's next fetch: b's compute waits. The
+link's gaps are in b's backward, later. The next thing to try would be a's fetches started
+late and given the link only where b's next shard is in (a priority on the link, or
+fetches held back): not built, nor modelled. So the lockstep stays the default, ``ready`` and the depth are options.
 
-Each array trains exactly as it would alone, under either schedule: its shards compute the
+Each array trains exactly as it would alone, under any schedule and depth: its shards compute the
 same values in the same order, only other arrays' shards run in between; each keeps its own
 dropout streams, buffers and gradients. The arrays share one budget and one
 :class:`~hfsweep.offload.ResidentLedger`: each array's shards hold at most a quarter of the
