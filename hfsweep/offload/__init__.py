@@ -15,7 +15,8 @@ compute device shard by shard (issue 22; Hydra's parameter spilling and double b
 - ``_engine``: :class:`OffloadedArray`, the shard-by-shard forward and backward.
 - ``_alternate``: :class:`AlternatingArrays`, several offloaded arrays stepped together, their
   shards alternating so that one's transfers overlap another's compute (Hydra's shard
-  alternation; Python API only, not used by the trainer yet).
+  alternation; in lockstep, phase-shifted by one forward, or by readiness: ``SCHEDULES``;
+  each array ``prefetch_depth`` shards ahead; Python API only, not used by the trainer yet).
 - ``_policy``: the ``offload`` values and what ``auto`` decides: by memory
   (:func:`choose_offload`), and by measured throughput where both ways fit (:func:`choose_by_rate`).
 
@@ -23,7 +24,7 @@ Users reach it through ``hs.ArrayTrainer(..., offload="host")`` or ``fusion: {of
 in a sweep file; see docs/offload.md.
 """
 
-from ._alternate import AlternatingArrays
+from ._alternate import SCHEDULES, AlternatingArrays
 from ._engine import OffloadedArray
 from ._errors import OffloadBudgetError, OffloadError
 from ._ledger import ResidentLedger
@@ -43,6 +44,7 @@ from ._transfer import CpuTransfer, CudaTransfer, Fetch, Transfer, default_trans
 
 __all__ = [
     "OFFLOAD_MODES",
+    "SCHEDULES",
     "AlternatingArrays",
     "CpuTransfer",
     "CudaTransfer",

@@ -6,19 +6,77 @@ so its step takes about the sum over its shards of the larger of the two. Where 
 shards wait on their transfers (large weights, little compute: a small batch) and another's on
 their compute, each alone leaves one side idle: the first the compute, the second the link.
 Stepped together, array ``a``'s shard ``k`` computes while array ``b``'s shard ``k`` is
-copied in, then ``b``'s shard ``k`` while ``a``'s shard ``k + 1`` is, and so on, in the
-forward and again in the backward: the copies go through one transfer (one side stream or
-thread, in the order they are started) and the computes through the calling thread, so the
-step takes about the larger of the sum of every array's transfers and the sum of every
-array's computes, not the sum of each array's step alone
-(``benchmarks/offload_alternate.py``).
+copied in, then ``b``'s shard ``k`` while ``a``'s shard ``k + 1`` is, and so on: the copies
+go through one transfer (one side stream or thread, in the order they are started) and the
+computes through the calling thread. At best the step then takes the larger of the sum of
+every array's transfers and the sum of every array's computes instead of the sum of each
+array's step alone; measured (``benchmarks/offload_alternate.py``), it takes less than the
+steps alone but stays above that bound.
 
-Each array trains exactly as it would alone: its shards compute the same values in the same
-order, only other arrays' shards run in between; each keeps its own dropout streams, buffers
-and gradients. The arrays share one budget and one :class:`~hfsweep.offload.ResidentLedger`:
-each array's shards hold at most a quarter of the budget divided by the number of arrays,
-so the two shards each array may hold at once (computing, prefetched) take at most half of
-it, and the boundary activations of all the arrays the other half.
+Three schedules (``schedule``, :data:`SCHEDULES`) order the arrays' turns in :meth:`~
+AlternatingArrays.step`:
+
+- ``lockstep`` (the default; :meth:`~AlternatingArrays.forward` and
+  :meth:`~AlternatingArrays.backward` are its halves): every array's forward, shard by shard
+  in turn, then every array's backward. A's forward fetches then run against b's forward,
+  which is the lighter half of b's compute.
+- ``shifted``: array ``i + 1``'s step (forward, loss, backward) starts only once array ``i``
+  has computed its loss and entered its backward; the arrays started take turns. With the
+  compute-bound array first, the transfer-bound one's forward fetches run against the
+  compute-bound one's backward, the heavier half. The order of ``arrays`` matters: the
+  transfer-bound one first puts its backward against the other's light forward.
+- ``ready``: every array's step (forward, loss, backward) starts at once, and each turn goes
+  to an array whose next shard is in (its fetch done: :meth:`~hfsweep.offload.Fetch.ready`),
+  the first after the one that took the last turn; where none is in, to the one whose fetch
+  started first (the one transfer copies in that order). Turns are weighted by readiness
+  instead of one per array per round: while the compute-bound array computes a shard, the
+  transfer copies several of the transfer-bound one's in, which then takes several turns in
+  a row where it has several fetches in flight (``prefetch_depth``); measured, it does not pay
+  (below).
+
+``prefetch_depth`` (one int, or one per array) is how many shards ahead of the one computing
+an array has fetched or on their way (:class:`~hfsweep.offload.OffloadedArray`'s, default 1,
+each next fetch started as a shard starts computing).
+
+Measured on a 2-core CPU with an injected delay per fetch
+(``benchmarks/results/offload_alternate_cpu.md``: two arrays of six shards, a on a batch of
+8, transfer-bound, b on 1024, compute-bound; ``docs/offload.md`` says which run is which),
+no schedule and no depth beats the lockstep by more than the noise, and the deeper prefetch
+for the transfer-bound array, which the turn model of the runs before asked for, is slower:
+``prefetch_depth=(3, 1)`` under ``ready`` took 1.01 to 1.17 of the lockstep's step over four
+delays (0.98 to 1.22 in a second, noisier run: above the lockstep in seven rows of eight),
+``ready`` at depth 1 0.93 to 1.04, the shift with b first 0.94 to 1.14 (0.96 to 1.12 in the
+runs before, a first 1.09 to 1.22); the lockstep 0.82 to 0.97 of the two arrays stepped
+alone, and in the first run every arm at least 8% above the larger of the sum of transfers
+and the sum of
+computes. Why (the benchmark's queue model, ``benchmarks/_queue_model.py``, which replays the
+turns and fetches with the link as one first-in-first-out queue and follows the first run's
+ratios): the link copies in the order fetches start, so more of a's fetches in flight do not
+overlap each other, they take the link earlier, in b's forward, where one fetch per array
+per shard already keeps it busy, and queue ahead of b's next fetch: b's compute waits. The
+link's gaps are in b's backward, later. The next thing to try would be a's fetches started
+late and given the link only where b's next shard is in (a priority on the link, or
+fetches held back): not built, nor modelled. So the lockstep stays the default, ``ready`` and the depth are options.
+
+Each array trains exactly as it would alone, under any schedule and depth: its shards compute the
+same values in the same order, only other arrays' shards run in between; each keeps its own
+dropout streams, buffers and gradients. The arrays share one budget and one
+:class:`~hfsweep.offload.ResidentLedger`: each array's shards hold at most a quarter of the
+budget divided by the number of arrays ``m``. An array waiting for its turn holds at most one
+shard (the one its next turn computes), the one computing two and that shard's gradients on
+their way to the host, so for ``m >= 2`` shards and gradients take at most ``(m + 2) / 4m`` of the
+budget, no more than half, and the boundary activations the other half. With
+``prefetch_depth`` ``d_i`` per array, an array waiting holds at most ``d_i`` shards and the
+one computing ``d_i + 1`` and its gradients, ``D + 2`` shards in all for ``D`` the sum of
+the depths; the shard limit is then the budget over the larger of ``4m`` and ``2 (D + 2)``
+(``4m`` where every depth is 1, as before), so the shards and gradients still take at most
+half. Deeper prefetch means smaller shards within a budget, not a larger share: the budget's
+division stays. The ``ready`` schedule holds no more boundary activations than the lockstep
+at the end of its forwards (every array's all at once), the most any order can hold. The shift keeps that
+division: an array not started or done holds nothing, and while one array's forward adds its
+boundary activations the one before it, in its backward, lets go of its own, so the shift
+never holds more of them than the lockstep does at the end of its forwards (every array's
+all at once); the tests check its ledger's peak against the lockstep's.
 
 What this is not yet: the trainer (``hs.ArrayTrainer``) and ``hfsweep run``'s executor step
 one array at a time and do not use it; arrays cut between their blocks (``cut="blocks"``, whose
@@ -28,8 +86,8 @@ refused).
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
-from typing import Any
+from collections.abc import Callable, Generator, Sequence
+from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor
@@ -40,7 +98,14 @@ from ._errors import OffloadError
 from ._ledger import ResidentLedger
 from ._transfer import Transfer, default_transfer
 
-__all__ = ["AlternatingArrays"]
+__all__ = ["SCHEDULES", "AlternatingArrays", "Schedule"]
+
+#: how :meth:`AlternatingArrays.step` orders the arrays' steps: ``lockstep`` (every forward,
+#: then every backward) or ``shifted`` (each array's step starts when the one before it in
+#: the list has entered its backward) or ``ready`` (every step at once, the turn to an array
+#: whose next shard is in)
+Schedule = Literal["lockstep", "shifted", "ready"]
+SCHEDULES: tuple[str, ...] = get_args(Schedule)
 
 
 def _alternate(steps: Sequence[Generator[None, None, Any]]) -> list[Any]:
@@ -63,6 +128,121 @@ def _alternate(steps: Sequence[Generator[None, None, Any]]) -> list[Any]:
     return results
 
 
+class _ArrayStep:
+    """One array's whole training step (its forward, its loss, its backward) as one generator
+    of its shards, yielding between them as the engine's steps do; :attr:`backward` turns
+    true once its forward and loss are done (what the shifted schedule waits for) and
+    :attr:`loss` holds the loss (detached) by then."""
+
+    def __init__(self, engine: OffloadedArray, x: Tensor, loss: Callable[[Tensor], Tensor]) -> None:
+        self.backward = False
+        self.loss: Tensor | None = None
+        self.steps = self._run(engine, x, loss)
+
+    def _run(
+        self, engine: OffloadedArray, x: Tensor, loss_of: Callable[[Tensor], Tensor]
+    ) -> Generator[None, None, None]:
+        out = yield from engine._forward_steps(x, True)
+        generation = engine._generation
+        out.requires_grad_(True)
+        try:
+            with torch.enable_grad():
+                loss = loss_of(out)
+                torch.autograd.backward([loss])  # the loss's own code, down to the output
+        except BaseException:
+            engine._release()  # the forward kept its boundary activations for the backward
+            raise
+        self.loss = loss.detach()
+        self.backward = True
+        if out.grad is None:  # the loss does not depend on it: nothing to train
+            engine._release()
+            return
+        yield from engine._backward_steps(out.grad, generation)
+
+
+def _shifted(steps: Sequence[_ArrayStep]) -> None:
+    """Run ``steps`` one shard each in turn, as :func:`_alternate` does, but start step
+    ``i + 1`` only once step ``i`` has entered its backward (or is done): the arrays'
+    phases are shifted by one forward. Where one fails, the others started are closed."""
+    running = [0]
+    started = 1
+    try:
+        while running:
+            for i in list(running):
+                try:
+                    next(steps[i].steps)
+                except StopIteration:
+                    running.remove(i)
+            # the next array joins the turns once the latest one started is in its backward
+            while started < len(steps) and steps[started - 1].backward:
+                running.append(started)
+                started += 1
+    except BaseException:
+        for i in running:
+            steps[i].steps.close()
+        raise
+
+
+def _pick(running: Sequence[int], engines: Sequence[OffloadedArray], last: int) -> int:
+    """The array whose turn it is under the ``ready`` schedule: the first after ``last`` (in
+    turn, so that none is starved) whose next shard is in; else the one whose next shard's
+    fetch started first (one transfer copies in that order, so it is in first); else (each
+    fetches its next shard when it resumes, as without prefetch) the first after ``last``."""
+    after = [i for i in running if i > last] + [i for i in running if i <= last]
+    waiting = [(i, engines[i]._waiting) for i in after]
+    for i, resident in waiting:
+        if resident is not None and resident.ready():
+            return i
+    started = [(resident.order, i) for i, resident in waiting if resident is not None]
+    return min(started)[1] if started else after[0]
+
+
+def _ready(steps: Sequence[_ArrayStep], engines: Sequence[OffloadedArray]) -> None:
+    """Run ``steps`` together, every one started at once (a start only begins its first
+    fetches), each turn one shard of the array :func:`_pick` chooses: an array whose shards
+    wait on the link takes several turns in a row while another's fetches are still on their
+    way, and none waits on a copy while another could compute. Where one fails, the others
+    are closed."""
+    running = list(range(len(steps)))
+
+    def advance(i: int) -> None:
+        try:
+            next(steps[i].steps)
+        except StopIteration:
+            running.remove(i)
+
+    try:
+        for i in list(running):
+            advance(i)
+        last = -1
+        while running:
+            last = _pick(running, engines, last)
+            advance(last)
+    except BaseException:
+        for i in running:
+            steps[i].steps.close()
+        raise
+
+
+def _depths(prefetch_depth: int | Sequence[int], m: int) -> list[int]:
+    """``prefetch_depth`` as one depth per array (an int: the same for all); refused with the
+    value and what is valid where it is neither an int >= 1 nor ``m`` of them."""
+    if isinstance(prefetch_depth, int):
+        depths: list[Any] = [prefetch_depth] * m
+    elif isinstance(prefetch_depth, list | tuple):
+        depths = list(prefetch_depth)
+    else:
+        depths = []  # refused below
+    if len(depths) != m or any(
+        isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in depths
+    ):
+        raise OffloadError(
+            f"prefetch_depth must be an int >= 1 or one such int per array ({m}), "
+            f"got {prefetch_depth!r}"
+        )
+    return depths
+
+
 class AlternatingArrays:
     """``arrays`` (:class:`~hfsweep.fusion.FusedArray`\\ s) offloaded to ``device`` within
     one budget of ``budget_bytes`` (``None``: recorded only), stepped together with their
@@ -78,6 +258,21 @@ class AlternatingArrays:
         arrays.backward([loss_a(outs[0]), loss_b(outs[1])])
         # then each array's optimizer steps on its host parameters, as alone
 
+    or, the losses given as functions of the outputs, ordered by ``schedule``::
+
+        arrays.step([x_a, x_b], [loss_a, loss_b])
+
+    ``schedule`` (one of :data:`SCHEDULES`) orders :meth:`step`: ``"lockstep"`` (the
+    default) runs every forward, then every backward, as :meth:`forward` and
+    :meth:`backward` do; ``"shifted"`` starts each array's step once the array before it in
+    ``arrays`` is in its backward (see the module's docstring: put the compute-bound array
+    first; measured, it is no faster than the lockstep); ``"ready"`` starts every step at
+    once and gives each turn to an array whose next shard is in. :meth:`forward` and
+    :meth:`backward` are the lockstep's halves whatever the schedule: a shifted or ready step
+    cannot be cut into all the forwards, then all the backwards. ``prefetch_depth`` (an int
+    for all, or one per array, each >= 1) is how many shards ahead each array fetches; with
+    a budget, deeper prefetch makes the shards smaller (see the module's docstring).
+
     An engine may also be called alone (``arrays.engines[0](x)``), as any offloaded array.
     """
 
@@ -90,16 +285,25 @@ class AlternatingArrays:
         transfer: Transfer | None = None,
         prefetch: bool = True,
         shard_bytes: int | None = None,
+        schedule: Schedule = "lockstep",
+        prefetch_depth: int | Sequence[int] = 1,
     ) -> None:
+        if schedule not in SCHEDULES:
+            raise OffloadError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        self.schedule: Schedule = schedule
         if not arrays:
             raise OffloadError("AlternatingArrays needs at least one array")
+        depths = _depths(prefetch_depth, len(arrays))
         if len({id(a) for a in arrays}) != len(arrays):
             raise OffloadError("AlternatingArrays got the same array twice")
         self.ledger = ResidentLedger(budget_bytes)
         self.transfer = transfer if transfer is not None else default_transfer(device)
         limit = shard_bytes
         if limit is None and budget_bytes is not None:
-            limit = max(budget_bytes // (4 * len(arrays)), 1)
+            # waiting arrays hold their depth's shards, the one computing one more and its
+            # gradients: (sum of depths + 2) shards in half the budget (see the module)
+            parts = max(4 * len(arrays), 2 * (sum(depths) + 2))
+            limit = max(budget_bytes // parts, 1)
         self.engines = [
             OffloadedArray(
                 a,
@@ -109,18 +313,15 @@ class AlternatingArrays:
                 shard_bytes=limit,
                 cut="graph",
                 ledger=self.ledger,
+                prefetch_depth=depth,
             )
-            for a in arrays
+            for a, depth in zip(arrays, depths, strict=True)
         ]
         self._outputs: list[Tensor | None] = []
         self._generations: list[int] = []
 
-    def forward(self, inputs: Sequence[Tensor]) -> list[Tensor]:
-        """Every array's output (``[B, N, ...]``) on its input, their shards alternating.
-        With autograd on, each output is a leaf that requires a gradient: compute the losses
-        from them and hand them to :meth:`backward`. The inputs take no gradient."""
-        if len(inputs) != len(self.engines):
-            raise OffloadError(f"forward takes one input per array ({len(self.engines)})")
+    def _check_inputs(self, inputs: Sequence[Tensor]) -> None:
+        """One tensor per array, none requiring a gradient (the arrays' inputs get none)."""
         for x in inputs:
             if not isinstance(x, Tensor):
                 raise OffloadError(f"an offloaded array takes one tensor input, got {type(x)}")
@@ -129,6 +330,14 @@ class AlternatingArrays:
                     "AlternatingArrays trains the arrays' parameters and gives their inputs no "
                     "gradient; an input requires one: step that array alone (its engine)"
                 )
+
+    def forward(self, inputs: Sequence[Tensor]) -> list[Tensor]:
+        """Every array's output (``[B, N, ...]``) on its input, their shards alternating.
+        With autograd on, each output is a leaf that requires a gradient: compute the losses
+        from them and hand them to :meth:`backward`. The inputs take no gradient."""
+        if len(inputs) != len(self.engines):
+            raise OffloadError(f"forward takes one input per array ({len(self.engines)})")
+        self._check_inputs(inputs)
         keep = torch.is_grad_enabled()
         outs: list[Tensor] = _alternate(
             [e._forward_steps(x, keep) for e, x in zip(self.engines, inputs, strict=True)]
@@ -164,6 +373,47 @@ class AlternatingArrays:
             steps.append(engine._backward_steps(out.grad, generation))
         self._outputs = [None] * len(self.engines)
         _alternate(steps)
+
+    def step(
+        self, inputs: Sequence[Tensor], losses: Sequence[Callable[[Tensor], Tensor]]
+    ) -> list[Tensor]:
+        """One training step of every array: its forward on its input, its loss
+        (``losses[i](output)``, a scalar computed from the array's output) and its backward,
+        ordered by :attr:`schedule`; the gradients are added to each array's host
+        parameters' ``.grad`` as :meth:`backward` adds them. Returns the losses (detached).
+
+        ``"lockstep"`` is :meth:`forward`, the losses, then :meth:`backward`. ``"shifted"``
+        starts array ``i + 1``'s step only once array ``i`` has computed its loss and entered
+        its backward, so that one array's forward fetches run against the one before it's
+        backward compute; each loss is then computed before the arrays after it have run
+        their forward, which is why the shift needs the losses as functions here. Where a
+        step fails, nothing stays held on the compute side."""
+        if len(inputs) != len(self.engines) or len(losses) != len(self.engines):
+            raise OffloadError(f"step takes one input and one loss per array ({len(self.engines)})")
+        if not torch.is_grad_enabled():
+            raise OffloadError("step trains the arrays: it needs autograd on")
+        self._check_inputs(inputs)
+        try:
+            if self.schedule == "lockstep":
+                outs = self.forward(inputs)
+                values = [loss(out) for loss, out in zip(losses, outs, strict=True)]
+                self.backward(values)
+                return [v.detach() for v in values]
+            steps = [
+                _ArrayStep(e, x, loss)
+                for e, x, loss in zip(self.engines, inputs, losses, strict=True)
+            ]
+            self._outputs = []  # a backward of an earlier forward is no longer valid
+            if self.schedule == "shifted":
+                _shifted(steps)
+            else:
+                _ready(steps, self.engines)
+        except BaseException:
+            self._outputs = []
+            for engine in self.engines:
+                engine._release()
+            raise
+        return [s.loss for s in steps if s.loss is not None]
 
     def close(self) -> None:
         """Drop what the engines hold on the compute side and stop the transfer."""

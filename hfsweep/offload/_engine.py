@@ -42,6 +42,7 @@ autograd (``torch.autograd.Function``, ``torch.autograd.backward``) for the shar
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Generator, Sequence
 from typing import Any, TypeVar
 
@@ -105,7 +106,11 @@ class OffloadedArray:
 
     ``transfer`` moves tensors (default: :func:`~hfsweep.offload.default_transfer` for
     ``device``); ``prefetch=False`` fetches each shard only when it is needed (no overlap; the
-    benchmark's baseline). ``shard_bytes`` sets the shard limit itself (a hard limit when a
+    benchmark's baseline). ``prefetch_depth`` (default 1) is how many shards ahead of the one
+    computing are fetched or on their way: more keeps a slow link busy while other arrays
+    compute (:class:`~hfsweep.offload.AlternatingArrays`); with a budget, the shard limit is
+    then the budget over ``prefetch_depth + 3`` (a quarter at depth 1), so that the shards held
+    still leave a part for the boundary activations. ``shard_bytes`` sets the shard limit itself (a hard limit when a
     budget is given). Exactly the array's results: same outputs, gradients and buffer
     updates, within float rounding.
 
@@ -131,6 +136,7 @@ class OffloadedArray:
         shard_bytes: int | None = None,
         cut: str = "auto",
         ledger: ResidentLedger | None = None,
+        prefetch_depth: int = 1,
     ) -> None:
         if not isinstance(array, FusedArray):
             raise OffloadError(f"offload needs a FusedArray (hs.fuse), got {type(array).__name__}")
@@ -142,6 +148,14 @@ class OffloadedArray:
             )
         self.array = array
         self.prefetch = bool(prefetch)
+        if (
+            isinstance(prefetch_depth, bool)
+            or not isinstance(prefetch_depth, int)
+            or prefetch_depth < 1
+        ):
+            raise OffloadError(f"prefetch_depth must be an int >= 1, got {prefetch_depth!r}")
+        #: how many shards ahead of the one computing are fetched (with prefetch)
+        self.prefetch_depth = prefetch_depth
         if ledger is not None and budget_bytes not in (None, ledger.budget):
             raise OffloadError(
                 f"budget_bytes={budget_bytes} with a ledger of budget {ledger.budget}: give one"
@@ -175,6 +189,9 @@ class OffloadedArray:
         self._outstanding: list[_Resident] = []
         #: counts the forwards kept for backward: a backward must be the latest one's
         self._generation = 0
+        #: while a step is suspended between shards: the fetch its next shard waits on
+        #: (``None``: it fetches when it resumes); a scheduler of several arrays reads it
+        self._waiting: _Resident | None = None
 
     # ------------------------------------------------------------------ public
     def __call__(self, x: Tensor) -> Tensor:
@@ -204,7 +221,9 @@ class OffloadedArray:
         if self._shard_bytes is not None:
             limit = self._shard_bytes
         elif self._budget is not None:
-            limit = self._budget // 4
+            # the shard computing, the depth's shards ahead and the gradients (at most a
+            # shard) take depth + 2 parts, the boundary activations the last: quarters at 1
+            limit = self._budget // (self.prefetch_depth + 3)
         else:
             limit = max(math.ceil(stacked_bytes(self.array._state()) / 4), 1)
         strict = self._budget is not None
@@ -329,6 +348,7 @@ class OffloadedArray:
             resident.release()
         self._outstanding = []
         self._last = None
+        self._waiting = None
         for held in self._saved:
             held.release()
         self._saved = []
@@ -358,15 +378,22 @@ class OffloadedArray:
         # the backward starts from the last shard and stops at this one: only its input and
         # those after it are kept
         stop = self._stop = self._first_backward(x) if keep else n
+        # with prefetch, shards k .. k + depth - 1 are fetched (or on their way) when shard k's
+        # turn comes, and shard k + depth's fetch starts as it computes
+        ahead = self.prefetch_depth if self.prefetch else 1
         with torch.no_grad(), self.ledger.phase("forward"):
-            pending = self._fetch(0)
+            pending = deque(self._fetch(j) for j in range(min(ahead, n)))
+        following = len(pending)  # the next shard to fetch
         value = x
         for k, shard in enumerate(self.shards):
+            self._waiting = pending[0]
             yield
+            self._waiting = None
             with torch.no_grad(), self.ledger.phase("forward"):
-                resident = pending
-                if self.prefetch and k + 1 < n:
-                    pending = self._fetch(k + 1)
+                resident = pending.popleft()
+                if self.prefetch and following < n:
+                    pending.append(self._fetch(following))
+                    following += 1
                 tensors = resident.tensors()
                 at = self._buffers(shard)
                 host = self._host(shard)
@@ -386,8 +413,9 @@ class OffloadedArray:
                 if keep and k < n - 1:
                     # shard k+1's input, needed where its backward runs
                     self._saved.append(_Held(value if k + 1 >= stop else None, self.ledger))
-                if not self.prefetch and k + 1 < n:
-                    pending = self._fetch(k + 1)
+                if not self.prefetch and following < n:
+                    pending.append(self._fetch(following))
+                    following += 1
         if keep:
             self._input = x
             self._generation += 1
@@ -423,25 +451,32 @@ class OffloadedArray:
                 "an offloaded array keeps one forward for backward at a time: backward went "
                 "through the output of an earlier forward, released by a later one"
             )
-        resident: _Resident | None = self._last
+        # as in the forward: shards k .. k - depth + 1 are in (or on their way) when shard
+        # k's turn comes, the last one kept from the forward
+        pending: deque[_Resident] = deque([self._last])
         self._last = None
+        following = n - 2  # the next shard to fetch
         x_grad: Tensor | None = None
         for k in reversed(range(stop, n)):
+            self._waiting = pending[0] if pending else None
             yield
+            self._waiting = None
             with self.ledger.phase("backward"):
                 shard = self.shards[k]
-                if resident is None:
-                    resident = self._fetch(k, self._before[k])
-                pending = None
-                if self.prefetch and k > stop:
-                    pending = self._fetch(k - 1, self._before[k - 1])
+                if not pending:  # without prefetch
+                    pending.append(self._fetch(k, self._before[k]))
+                    following = k - 1
+                resident = pending.popleft()
+                if self.prefetch:
+                    while following >= stop and following >= k - self.prefetch_depth:
+                        pending.append(self._fetch(following, self._before[following]))
+                        following -= 1
                 grad = self._shard_backward(k, shard, resident, grad, x, needs_input=k > stop)
                 resident.release()
                 if k > 0:
                     self._saved[k - 1].release()
                 elif x.requires_grad:
                     x_grad = grad
-                resident = pending
         return x_grad
 
     def _shard_backward(

@@ -4,6 +4,7 @@ a shard's parameter gradients on their way to the host (:func:`grads_to_host`)."
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -13,9 +14,13 @@ from ._ledger import ResidentLedger
 from ._shards import stacked_bytes
 from ._transfer import Fetch, Transfer
 
+#: numbers the fetches in the order they start (one transfer copies them in that order)
+_started = itertools.count()
+
 
 class _Resident:
-    """A shard's tensors on the compute side, counted in the ledger until released."""
+    """A shard's tensors on the compute side, counted in the ledger until released;
+    :attr:`order` numbers its fetch among all started (the earlier, the sooner it is in)."""
 
     def __init__(self, fetch: Fetch, nbytes: int, ledger: ResidentLedger, kind: str) -> None:
         self._fetch = fetch
@@ -23,7 +28,12 @@ class _Resident:
         self.nbytes = nbytes
         self._ledger = ledger
         self._kind = kind
+        self.order = next(_started)
         ledger.add(kind, nbytes)  # counted from the moment the copy is started
+
+    def ready(self) -> bool:
+        """Whether the copy is in (:meth:`tensors` would not wait on it)."""
+        return self._tensors is not None or self._fetch.ready()
 
     def tensors(self) -> list[Tensor]:
         if self._tensors is None:

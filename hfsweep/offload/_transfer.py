@@ -35,6 +35,12 @@ class Fetch(ABC):
     def wait(self) -> list[Tensor]:
         """The copied tensors, ready for the compute stream."""
 
+    def ready(self) -> bool:
+        """Whether :meth:`wait` would return without waiting on the copy (a scheduler of
+        several arrays gives the turn to one whose next shard is in; ``True`` where a
+        transfer cannot tell)."""
+        return True
+
 
 class _Done(Fetch):
     def __init__(self, tensors: list[Tensor]) -> None:
@@ -50,6 +56,9 @@ class _Threaded(Fetch):
 
     def wait(self) -> list[Tensor]:
         return self._future.result()
+
+    def ready(self) -> bool:
+        return self._future.done()
 
 
 class Transfer(ABC):
@@ -130,6 +139,9 @@ class _CudaFetch(Fetch):
         for t in self._tensors:
             t.record_stream(current)  # freed later: not reused before the compute stream is done
         return self._tensors
+
+    def ready(self) -> bool:
+        return bool(self._done.query())
 
 
 class CudaTransfer(Transfer):

@@ -90,11 +90,23 @@ def test_offload_blocks_quick_runs(tmp_path, monkeypatch) -> None:
 
 @pytest.mark.slow
 def test_offload_alternate_quick_runs(tmp_path, monkeypatch) -> None:
-    """``benchmarks/offload_alternate.py`` at its smallest: every arm gives a finite, positive
-    time, and the models are written beside them."""
+    """``benchmarks/offload_alternate.py`` at its smallest: every arm (the lockstep, shifted
+    and ready schedules among them, the ready one also with a deeper prefetch) gives a
+    finite, positive time, and the models are written beside them."""
     argv = ["--layers", "2", "--width", "16", "--size", "2", "--batch-b", "32", "--steps", "1"]
     argv += ["--rounds", "1", "--factors", "1"]
     (row,), stem = _run("offload_alternate", argv, tmp_path, monkeypatch)
-    for key in ("compute_a_ms", "alone_sum_ms", "alternated_ms", "max_model_ms"):
+    keys = ["compute_a_ms", "alone_sum_ms", "lockstep_ms", "max_model_ms"]
+    keys += ["shifted_b_first_ms", "shifted_phase_model_b_first_ms", "turn_model_lockstep_ms"]
+    keys += ["ready_ms", "ready_3,1_ms", "ready_2,2/max_model"]
+    assert set(row["queue_model_ms"]) == {
+        "lockstep",
+        "shifted b first",
+        "ready",
+        "ready 3,1",
+        "ready 2,2",
+    }
+    assert all(math.isfinite(v) and v > 0 for v in row["queue_model_ms"].values())
+    for key in keys:
         assert math.isfinite(row[key]) and row[key] > 0, key
     assert "| 1 |" in stem.with_suffix(".md").read_text()
