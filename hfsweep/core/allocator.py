@@ -59,6 +59,12 @@ worker to its next rung, where the trial scheduler may stop most of its members,
 In a simulated ASHA sweep (``benchmarks/elastic_sim.py``) the arrays grown just before a rung
 were mostly stopped there, the pause spent for nothing.
 
+**A resize not made yet** (``ArrayState.pending``: asked by an earlier plan; the array makes it
+at its next evaluation boundary, and a later request replaces it) may be re-targeted in the tail
+of a sweep (no trial waits or queues): it is out of its cooldown and charged no second pause,
+so workers freed one after another before it resizes go to it in one step rather than one each
+to several arrays that then cool. Before the tail the cooldown holds for it as for any array.
+
 **Knowing the pruner.** Where the trial scheduler's rungs and reduction factor are known
 (ASHA, asynchronous Hyperband: :mod:`hfsweep.core._survival`), each array also comes with the
 one-worker seconds until its last member is expected to stop (``ArrayState.expected_s``) and
