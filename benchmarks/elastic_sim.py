@@ -435,6 +435,8 @@ class Sim:
                 a.since,
                 self.horizon_s(a),
                 *self.expected(a),
+                # resized at this instant: a later request at the same instant replaces it
+                pending=a.resized_at == self.now,
             )
             for a in self.arrays.values()
             if a.begun

@@ -43,6 +43,13 @@ class ArrayState:
     ``members * remaining_s``), a resize must pay for itself within ``expected_s`` (instead of
     before the horizon), and in the tail of a sweep the array expected to end last gets
     priority for freed workers (see the module docstring).
+
+    ``pending`` says that ``workers`` is a resize an earlier plan asked for and the array has
+    not made yet (it resizes at its next evaluation boundary, and a later request replaces a
+    pending one: one pause, to the latest count). In the tail of a sweep (no trial waits or
+    queues) such an array may be resized again within its cooldown, and no second pause is
+    charged for it, so that workers freed one after another before it makes its resize go to
+    it in one step instead of one each to several arrays that then cool.
     """
 
     name: str
@@ -55,6 +62,7 @@ class ArrayState:
     horizon_s: float | None = None
     expected_s: float | None = None
     expected_member_s: float | None = None
+    pending: bool = False
 
     def __post_init__(self) -> None:
         if self.members < 1:

@@ -96,7 +96,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config.schema import ElasticConfig
-from ..parallel import request_resize
+from ..parallel import read_resize, request_resize
 from ..sizing.scaling import ScalingProfile
 from ..training.results import Evaluation
 from ._survival import RungSurvival
@@ -512,6 +512,8 @@ class ElasticPolicy:
                 since=e.since,
                 horizon_s=self._horizon_s(e),
                 **self._expected(e),
+                # asked for and not made yet: the launcher removes the request at its restart
+                pending=e.launched > 0 and e.workers > 0 and read_resize(e.folder) is not None,
             )
             for e in self._arrays.values()
             if e.begun

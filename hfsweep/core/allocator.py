@@ -59,6 +59,12 @@ worker to its next rung, where the trial scheduler may stop most of its members,
 In a simulated ASHA sweep (``benchmarks/elastic_sim.py``) the arrays grown just before a rung
 were mostly stopped there, the pause spent for nothing.
 
+**A resize not made yet** (``ArrayState.pending``: asked by an earlier plan; the array makes it
+at its next evaluation boundary, and a later request replaces it) may be re-targeted in the tail
+of a sweep (no trial waits or queues): it is out of its cooldown and charged no second pause,
+so workers freed one after another before it resizes go to it in one step rather than one each
+to several arrays that then cool. Before the tail the cooldown holds for it as for any array.
+
 **Knowing the pruner.** Where the trial scheduler's rungs and reduction factor are known
 (ASHA, asynchronous Hyperband: :mod:`hfsweep.core._survival`), each array also comes with the
 one-worker seconds until its last member is expected to stop (``ArrayState.expected_s``) and
@@ -175,14 +181,21 @@ class Allocator:
         why_fixed: dict[str, str] = {}
         #: arrays whose grows the horizon ruled out (each a reason, should they keep)
         why_short: dict[str, str] = {}
+        #: the tail (no trial waits or queues, none paused): a pending resize may be re-targeted
+        tail = not queued and not paused and not any(p.arrays for p in waiting)
+        #: arrays whose pending resize this plan may re-target (no cooldown, no second pause)
+        retarget = {a.name for a in served if tail and a.pending and a.workers > 0}
         for a in served:
             choices = _choices(a.profile, low, high, a.workers)
             cooling = a.workers > 0 and now - a.since < self.resize_every_s
+            cooling = cooling and a.name not in retarget
             if cooling and not forced:
                 choices = [a.workers]
                 why_fixed[a.name] = (
                     f"resized {now - a.since:.0f} s ago, cooldown {self.resize_every_s:g} s"
                 )
+            elif a.name in retarget:  # its pause is paid whatever count it resizes to
+                pass
             elif a.workers > 0:
                 kept = [k for k in choices if k <= a.workers or self._worth_growing(a, k)]
                 short = any(
@@ -235,7 +248,11 @@ class Allocator:
         # 3. The dynamic program over arrays x workers. A resize pauses the array for
         # resize_cost_s: each of its members finishes that much later, so the resize is
         # charged members * resize_cost_s member-seconds (a shrink too, not only a grow).
-        resizes = [(a.workers, a.members * self.resize_cost_s) for a in served]
+        # A pending resize re-targeted in the tail pauses the array once, whatever its count.
+        resizes = [
+            (a.workers, 0.0 if a.name in retarget else a.members * self.resize_cost_s)
+            for a in served
+        ]
         # the arrays the queued trials would form, while they need more workers than the
         # minimums leave free: candidates at their minimum (the engine forms them as workers
         # come free). With workers to spare for all of them, none: the old objective decides.
@@ -243,6 +260,11 @@ class Allocator:
         queue = min(queued, total // low) if contended and not paused else 0
         if not queue and not paused and not any(p.arrays for p in waiting):
             self._critical_first(served, weights, notes)
+        if retarget:
+            notes.append(
+                f"pending resize(s) of {', '.join(sorted(retarget))} may be re-targeted: "
+                "the array makes one resize, to the latest count, one pause"
+            )
         solve = self._solver(served, weights, profiles, total, resizes, queue)
         chosen = solve(options)
         if chosen is None:  # the cooled-down arrays alone exceed the workers: relax the cooldown
