@@ -186,14 +186,20 @@ def _shifted(steps: Sequence[_ArrayStep]) -> None:
 def _pick(running: Sequence[int], engines: Sequence[OffloadedArray], last: int) -> int:
     """The array whose turn it is under the ``ready`` schedule: the first after ``last`` (in
     turn, so that none is starved) whose next shard is in; else the one whose next shard's
-    fetch started first (one transfer copies in that order, so it is in first); else (each
+    fetch is first on the link (the copy under way, then the urgent fetches, then the others,
+    each in the order started: one transfer copies in that order, so it is in first); else (each
     fetches its next shard when it resumes, as without prefetch) the first after ``last``."""
     after = [i for i in running if i > last] + [i for i in running if i <= last]
     waiting = [(i, engines[i]._waiting) for i in after]
     for i, resident in waiting:
         if resident is not None and resident.ready():
             return i
-    started = [(resident.order, i) for i, resident in waiting if resident is not None]
+    # the link's order: the copy under way, then the urgent fetches, then the others
+    started = [
+        ((not resident.started(), not resident.urgent, resident.order), i)
+        for i, resident in waiting
+        if resident is not None
+    ]
     return min(started)[1] if started else after[0]
 
 
@@ -243,6 +249,20 @@ def _depths(prefetch_depth: int | Sequence[int], m: int) -> list[int]:
     return depths
 
 
+def _urgent(urgent: Sequence[int], m: int) -> set[int]:
+    """``urgent`` as a set of array indices; refused with the value and what is valid where
+    it is not a list or tuple of distinct ints in ``range(m)``."""
+    valid = isinstance(urgent, list | tuple) and all(
+        not isinstance(i, bool) and isinstance(i, int) and 0 <= i < m for i in urgent
+    )
+    if not valid or len(set(urgent)) != len(urgent):
+        raise OffloadError(
+            f"urgent must be a list or tuple of distinct array indices in 0..{m - 1}, "
+            f"got {urgent!r}"
+        )
+    return set(urgent)
+
+
 class AlternatingArrays:
     """``arrays`` (:class:`~hfsweep.fusion.FusedArray`\\ s) offloaded to ``device`` within
     one budget of ``budget_bytes`` (``None``: recorded only), stepped together with their
@@ -272,6 +292,12 @@ class AlternatingArrays:
     cannot be cut into all the forwards, then all the backwards. ``prefetch_depth`` (an int
     for all, or one per array, each >= 1) is how many shards ahead each array fetches; with
     a budget, deeper prefetch makes the shards smaller (see the module's docstring).
+    ``urgent`` (array indices) marks the arrays whose fetches go first on the one transfer:
+    ahead of the others' not yet started (a copy under way is not interrupted); for the
+    compute-bound array, so that a deeper prefetch of a transfer-bound one fills the link's
+    gaps instead of queueing ahead of it. :class:`~hfsweep.offload.CpuTransfer` honours it;
+    :class:`~hfsweep.offload.CudaTransfer` copies on one stream in the order issued and
+    does not. It changes when shards are in, not what any array computes.
 
     An engine may also be called alone (``arrays.engines[0](x)``), as any offloaded array.
     """
@@ -287,6 +313,7 @@ class AlternatingArrays:
         shard_bytes: int | None = None,
         schedule: Schedule = "lockstep",
         prefetch_depth: int | Sequence[int] = 1,
+        urgent: Sequence[int] = (),
     ) -> None:
         if schedule not in SCHEDULES:
             raise OffloadError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
@@ -294,6 +321,7 @@ class AlternatingArrays:
         if not arrays:
             raise OffloadError("AlternatingArrays needs at least one array")
         depths = _depths(prefetch_depth, len(arrays))
+        first = _urgent(urgent, len(arrays))
         if len({id(a) for a in arrays}) != len(arrays):
             raise OffloadError("AlternatingArrays got the same array twice")
         self.ledger = ResidentLedger(budget_bytes)
@@ -317,6 +345,8 @@ class AlternatingArrays:
             )
             for a, depth in zip(arrays, depths, strict=True)
         ]
+        for i in first:
+            self.engines[i]._urgent = True
         self._outputs: list[Tensor | None] = []
         self._generations: list[int] = []
 
