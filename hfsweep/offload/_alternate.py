@@ -28,7 +28,8 @@ AlternatingArrays.step`:
 - ``ready``: every array's step (forward, loss, backward) starts at once, and each turn goes
   to an array whose next shard is in (its fetch done: :meth:`~hfsweep.offload.Fetch.ready`),
   the first after the one that took the last turn; where none is in, to the one whose fetch
-  started first (the one transfer copies in that order). Turns are weighted by readiness
+  is first on the link (the copy under way, then urgent fetches, then the others in the
+  order started: the one transfer copies in that order). Turns are weighted by readiness
   instead of one per array per round: while the compute-bound array computes a shard, the
   transfer copies several of the transfer-bound one's in, which then takes several turns in
   a row where it has several fetches in flight (``prefetch_depth``); measured, it does not pay
@@ -54,9 +55,18 @@ turns and fetches with the link as one first-in-first-out queue and follows the 
 ratios): the link copies in the order fetches start, so more of a's fetches in flight do not
 overlap each other, they take the link earlier, in b's forward, where one fetch per array
 per shard already keeps it busy, and queue ahead of b's next fetch: b's compute waits. The
-link's gaps are in b's backward, later. The next thing to try would be a's fetches started
-late and given the link only where b's next shard is in (a priority on the link, or
-fetches held back): not built, nor modelled. So the lockstep stays the default, ``ready`` and the depth are options.
+link's gaps are in b's backward, later.
+
+``urgent`` (array indices) is that priority on the link: the urgent arrays' fetches are
+copied before the others' not yet started (a copy under way is not interrupted;
+:class:`~hfsweep.offload.CpuTransfer` honours it, :class:`~hfsweep.offload.CudaTransfer`'s
+one stream copies in the order issued and does not), so a's deeper prefetch only takes the
+link where b has no fetch waiting. The queue model with a two-class link, replayed on both
+runs' rows (``python benchmarks/_queue_model.py RESULT.json``), predicted ``ready`` with
+``prefetch_depth=(3, 1)`` and ``urgent=(1,)`` at 0.905 to 0.977 of the lockstep (over 5% in
+five rows of eight); measured: see ``docs/offload.md``
+(``benchmarks/results/offload_alternate_priority_cpu.md``). The lockstep stays the default;
+``ready``, the depth and ``urgent`` are options.
 
 Each array trains exactly as it would alone, under any schedule and depth: its shards compute the
 same values in the same order, only other arrays' shards run in between; each keeps its own
