@@ -21,10 +21,10 @@ class Counting(CpuTransfer):
         self.fetched = 0
         self.fetches = 0
 
-    def fetch(self, tensors: Sequence[torch.Tensor]) -> Fetch:
+    def fetch(self, tensors: Sequence[torch.Tensor], urgent: bool = False) -> Fetch:
         self.fetched += sum(t.numel() * t.element_size() for t in tensors)
         self.fetches += 1
-        return super().fetch(tensors)
+        return super().fetch(tensors, urgent)
 
 
 def median_step(step: Callable[[], None], steps: int) -> float:

@@ -18,7 +18,10 @@ backward: b's backward compute against a's forward fetches; a first, measured wo
 once, each turn to an array whose next shard is in), the last also with deeper prefetch
 (``--depths A,B ...``: ``prefetch_depth=(A, B)``, by default 3,1 and 2,2): with a deeper, the
 one transfer may copy several of a's shards in while b computes one, and a then takes
-several turns in a row; the 2,2 arm gives b a shard of slack too.
+several turns in a row; the 2,2 arm gives b a shard of slack too. With ``--urgent``, each
+ready arm is timed again with b's fetches urgent (``urgent=(1,)``: ahead of a's not started
+on the one transfer, so a's deeper prefetch fills the link's gaps instead of queueing ahead
+of b's next shard), its queue model on the two-class link beside it.
 
 Each round times, alternating: a and b without delay (their computes), a and b alone with
 the delay and prefetch, and the two alternated with the delay under each arm. The
@@ -92,6 +95,7 @@ class _Together:
         xs: list[torch.Tensor],
         schedule: Schedule,
         depths: tuple[int, ...] | int = 1,
+        urgent: tuple[int, ...] = (),
     ) -> None:
         self.arrays = [copy.deepcopy(array) for _ in xs]
         self.alt = AlternatingArrays(
@@ -100,6 +104,7 @@ class _Together:
             shard_bytes=layer,
             schedule=schedule,
             prefetch_depth=depths,
+            urgent=urgent,
         )
         self.xs = xs
 
@@ -187,6 +192,11 @@ def main(argv: list[str] | None = None) -> int:
         help="a's and b's prefetch depths (A,B) of each deeper 'ready' arm",
     )
     parser.add_argument(
+        "--urgent",
+        action="store_true",
+        help="also time each ready arm with b's fetches urgent on the link (urgent=(1,))",
+    )
+    parser.add_argument(
         "--threads", type=int, default=None, help="torch threads (default: torch's own)"
     )
     parser.add_argument("--out", type=Path, default=RESULTS / "offload_alternate_cpu")
@@ -198,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     layer = args.size * (args.width * args.width + args.width) * 4
     xs = [torch.randn(args.batch_a, args.width), torch.randn(args.batch_b, args.width)]
     fetches = 2 * (2 * n - 1)  # per array: n in the forward, n - 1 in the backward
+    # the ready arms timed again with b's fetches urgent (None: depth 1)
+    urgent_depths: list[tuple[int, int] | None] = [None, *args.depths] if args.urgent else []
+    urgent_arms = [f"{_deep(ds) if ds else 'ready'} b urgent" for ds in urgent_depths]
 
     # the computes, to set the delays (measured again in every round)
     plain = [_Alone(array, 0.0, layer, x) for x in xs]
@@ -222,6 +235,12 @@ def main(argv: list[str] | None = None) -> int:
             "shifted b first": _Together(array, delay, layer, xs[::-1], "shifted"),
             "ready": _Together(array, delay, layer, xs, "ready"),
             **{_deep(ds): _Together(array, delay, layer, xs, "ready", ds) for ds in args.depths},
+            **{
+                f"{_deep(ds) if ds else 'ready'} b urgent": _Together(
+                    array, delay, layer, xs, "ready", ds or 1, (1,)
+                )
+                for ds in urgent_depths
+            },
         }
         for arm in arms.values():
             arm.step()  # warm-up (traces)
@@ -260,6 +279,10 @@ def main(argv: list[str] | None = None) -> int:
             "shifted b first": queue_model("shifted", n, delay, [per_b, per_a]),
             "ready": queue_model("ready", n, delay, [per_a, per_b]),
             **{_deep(ds): queue_model("ready", n, delay, [per_a, per_b], ds) for ds in args.depths},
+            **{
+                name: queue_model("ready", n, delay, [per_a, per_b], ds, urgent={1})
+                for name, ds in zip(urgent_arms, urgent_depths, strict=True)
+            },
         }
         row = {
             "factor": factor,
@@ -295,6 +318,15 @@ def main(argv: list[str] | None = None) -> int:
                 f"{_deep(ds).replace(' ', '_')}/max_model": t[_deep(ds)] / bound
                 for ds in args.depths
             },
+            **{
+                key: value
+                for arm in urgent_arms
+                for key, value in (
+                    (f"{arm.replace(' ', '_')}_ms", t[arm] * 1e3),
+                    (f"{arm.replace(' ', '_')}/lockstep", t[arm] / t["lockstep"]),
+                    (f"{arm.replace(' ', '_')}/max_model", t[arm] / bound),
+                )
+            },
             "queue_model_ms": {k: v * 1e3 for k, v in queue.items()},
             "ranges_ms": {k: [min(v) * 1e3, max(v) * 1e3] for k, v in times.items()},
         }
@@ -314,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{t['lockstep'] / bound:.2f}",
                 *[
                     cell
-                    for arm in ["shifted b first", "ready", *map(_deep, args.depths)]
+                    for arm in ["shifted b first", "ready", *map(_deep, args.depths), *urgent_arms]
                     for cell in (
                         f"{queue[arm] * 1e3:.0f}",
                         f"{t[arm] * 1e3:.0f}",
@@ -339,7 +371,9 @@ def main(argv: list[str] | None = None) -> int:
         "'shifted' (b first: a's step starts once b is in its backward) or 'ready' (both "
         "steps at once, each turn to an array whose next shard is in, else to the one whose "
         "fetch started first), each array one shard fetched ahead; 'ready A,B': the ready "
-        "schedule with a fetching A shards ahead and b B (prefetch_depth=(A, B))",
+        "schedule with a fetching A shards ahead and b B (prefetch_depth=(A, B)); '... b urgent': "
+        "the same arm with b's fetches urgent on the link (urgent=(1,): taken before a's not "
+        "started, a copy under way not interrupted)",
         f"- phase model: the arrays alternate in lockstep (both forwards, then both "
         f"backwards), so per phase the larger of its transfers ({2 * n} fetches in the "
         f"forward, {2 * (n - 1)} in the backward) and its computes (the forward: each array's "
@@ -359,7 +393,8 @@ def main(argv: list[str] | None = None) -> int:
         "one clock, the link one first-in-first-out queue (each fetch a delay, started once "
         "the link is free and the turns have asked for it), the compute one thread (each "
         "array's forward or backward over its shards, as timed in the rounds): what the "
-        "order of turns and fetches costs, copies and overheads left out",
+        "order of turns and fetches costs, copies and overheads left out; for the 'b urgent' arms "
+        "the link is a two-class queue (b's fetches asked for by then first, else a's)",
         "- alone a, b (each alone with the delay), the lockstep's phase and turn models and "
         "the shifted schedule's are in the JSON",
         f"- medians of {args.steps} steps per arm and round, {args.rounds} alternating rounds; "
@@ -384,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
         "/ max model",
         *[
             cell
-            for arm in ["shifted b first", "ready", *map(_deep, args.depths)]
+            for arm in ["shifted b first", "ready", *map(_deep, args.depths), *urgent_arms]
             for cell in (f"{arm}: queue model ms", "measured ms", "/ lockstep", "/ max model")
         ],
     ]

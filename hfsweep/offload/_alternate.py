@@ -28,7 +28,8 @@ AlternatingArrays.step`:
 - ``ready``: every array's step (forward, loss, backward) starts at once, and each turn goes
   to an array whose next shard is in (its fetch done: :meth:`~hfsweep.offload.Fetch.ready`),
   the first after the one that took the last turn; where none is in, to the one whose fetch
-  started first (the one transfer copies in that order). Turns are weighted by readiness
+  is first on the link (the copy under way, then urgent fetches, then the others in the
+  order started: the one transfer copies in that order). Turns are weighted by readiness
   instead of one per array per round: while the compute-bound array computes a shard, the
   transfer copies several of the transfer-bound one's in, which then takes several turns in
   a row where it has several fetches in flight (``prefetch_depth``); measured, it does not pay
@@ -54,9 +55,18 @@ turns and fetches with the link as one first-in-first-out queue and follows the 
 ratios): the link copies in the order fetches start, so more of a's fetches in flight do not
 overlap each other, they take the link earlier, in b's forward, where one fetch per array
 per shard already keeps it busy, and queue ahead of b's next fetch: b's compute waits. The
-link's gaps are in b's backward, later. The next thing to try would be a's fetches started
-late and given the link only where b's next shard is in (a priority on the link, or
-fetches held back): not built, nor modelled. So the lockstep stays the default, ``ready`` and the depth are options.
+link's gaps are in b's backward, later.
+
+``urgent`` (array indices) is that priority on the link: the urgent arrays' fetches are
+copied before the others' not yet started (a copy under way is not interrupted;
+:class:`~hfsweep.offload.CpuTransfer` honours it, :class:`~hfsweep.offload.CudaTransfer`'s
+one stream copies in the order issued and does not), so a's deeper prefetch only takes the
+link where b has no fetch waiting. The queue model with a two-class link, replayed on both
+runs' rows (``python benchmarks/_queue_model.py RESULT.json``), predicted ``ready`` with
+``prefetch_depth=(3, 1)`` and ``urgent=(1,)`` at 0.905 to 0.977 of the lockstep (over 5% in
+five rows of eight); measured: see ``docs/offload.md``
+(``benchmarks/results/offload_alternate_priority_cpu.md``). The lockstep stays the default;
+``ready``, the depth and ``urgent`` are options.
 
 Each array trains exactly as it would alone, under any schedule and depth: its shards compute the
 same values in the same order, only other arrays' shards run in between; each keeps its own
@@ -186,14 +196,20 @@ def _shifted(steps: Sequence[_ArrayStep]) -> None:
 def _pick(running: Sequence[int], engines: Sequence[OffloadedArray], last: int) -> int:
     """The array whose turn it is under the ``ready`` schedule: the first after ``last`` (in
     turn, so that none is starved) whose next shard is in; else the one whose next shard's
-    fetch started first (one transfer copies in that order, so it is in first); else (each
+    fetch is first on the link (the copy under way, then the urgent fetches, then the others,
+    each in the order started: one transfer copies in that order, so it is in first); else (each
     fetches its next shard when it resumes, as without prefetch) the first after ``last``."""
     after = [i for i in running if i > last] + [i for i in running if i <= last]
     waiting = [(i, engines[i]._waiting) for i in after]
     for i, resident in waiting:
         if resident is not None and resident.ready():
             return i
-    started = [(resident.order, i) for i, resident in waiting if resident is not None]
+    # the link's order: the copy under way, then the urgent fetches, then the others
+    started = [
+        ((not resident.started(), not resident.urgent, resident.order), i)
+        for i, resident in waiting
+        if resident is not None
+    ]
     return min(started)[1] if started else after[0]
 
 
@@ -243,6 +259,20 @@ def _depths(prefetch_depth: int | Sequence[int], m: int) -> list[int]:
     return depths
 
 
+def _urgent(urgent: Sequence[int], m: int) -> set[int]:
+    """``urgent`` as a set of array indices; refused with the value and what is valid where
+    it is not a list or tuple of distinct ints in ``range(m)``."""
+    valid = isinstance(urgent, list | tuple) and all(
+        not isinstance(i, bool) and isinstance(i, int) and 0 <= i < m for i in urgent
+    )
+    if not valid or len(set(urgent)) != len(urgent):
+        raise OffloadError(
+            f"urgent must be a list or tuple of distinct array indices in 0..{m - 1}, "
+            f"got {urgent!r}"
+        )
+    return set(urgent)
+
+
 class AlternatingArrays:
     """``arrays`` (:class:`~hfsweep.fusion.FusedArray`\\ s) offloaded to ``device`` within
     one budget of ``budget_bytes`` (``None``: recorded only), stepped together with their
@@ -272,6 +302,12 @@ class AlternatingArrays:
     cannot be cut into all the forwards, then all the backwards. ``prefetch_depth`` (an int
     for all, or one per array, each >= 1) is how many shards ahead each array fetches; with
     a budget, deeper prefetch makes the shards smaller (see the module's docstring).
+    ``urgent`` (array indices) marks the arrays whose fetches go first on the one transfer:
+    ahead of the others' not yet started (a copy under way is not interrupted); for the
+    compute-bound array, so that a deeper prefetch of a transfer-bound one fills the link's
+    gaps instead of queueing ahead of it. :class:`~hfsweep.offload.CpuTransfer` honours it;
+    :class:`~hfsweep.offload.CudaTransfer` copies on one stream in the order issued and
+    does not. It changes when shards are in, not what any array computes.
 
     An engine may also be called alone (``arrays.engines[0](x)``), as any offloaded array.
     """
@@ -287,6 +323,7 @@ class AlternatingArrays:
         shard_bytes: int | None = None,
         schedule: Schedule = "lockstep",
         prefetch_depth: int | Sequence[int] = 1,
+        urgent: Sequence[int] = (),
     ) -> None:
         if schedule not in SCHEDULES:
             raise OffloadError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
@@ -294,6 +331,7 @@ class AlternatingArrays:
         if not arrays:
             raise OffloadError("AlternatingArrays needs at least one array")
         depths = _depths(prefetch_depth, len(arrays))
+        first = _urgent(urgent, len(arrays))
         if len({id(a) for a in arrays}) != len(arrays):
             raise OffloadError("AlternatingArrays got the same array twice")
         self.ledger = ResidentLedger(budget_bytes)
@@ -317,6 +355,8 @@ class AlternatingArrays:
             )
             for a, depth in zip(arrays, depths, strict=True)
         ]
+        for i in first:
+            self.engines[i]._urgent = True
         self._outputs: list[Tensor | None] = []
         self._generations: list[int] = []
 

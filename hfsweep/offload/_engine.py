@@ -192,6 +192,9 @@ class OffloadedArray:
         #: while a step is suspended between shards: the fetch its next shard waits on
         #: (``None``: it fetches when it resumes); a scheduler of several arrays reads it
         self._waiting: _Resident | None = None
+        #: whether its fetches go ahead of others' not started on a shared link
+        #: (set by ``AlternatingArrays(urgent=...)``)
+        self._urgent = False
 
     # ------------------------------------------------------------------ public
     def __call__(self, x: Tensor) -> Tensor:
@@ -313,7 +316,11 @@ class OffloadedArray:
         if buffers is not None:
             for i, value in zip(self._buffers(shard), buffers, strict=True):
                 host[i] = value
-        resident = _Resident(self.transfer.fetch(host), shard.nbytes, self.ledger, "shard state")
+        if self._urgent:  # ahead of other arrays' fetches on the link (AlternatingArrays)
+            fetch = self.transfer.fetch(host, urgent=True)
+        else:
+            fetch = self.transfer.fetch(host)
+        resident = _Resident(fetch, shard.nbytes, self.ledger, "shard state", self._urgent)
         self._outstanding.append(resident)
         return resident
 

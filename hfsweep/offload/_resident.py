@@ -20,10 +20,14 @@ _started = itertools.count()
 
 class _Resident:
     """A shard's tensors on the compute side, counted in the ledger until released;
-    :attr:`order` numbers its fetch among all started (the earlier, the sooner it is in)."""
+    :attr:`order` numbers its fetch among all started (the earlier, the sooner it is in,
+    among those of :attr:`urgent`'s class: an urgent fetch goes before the others not started)."""
 
-    def __init__(self, fetch: Fetch, nbytes: int, ledger: ResidentLedger, kind: str) -> None:
+    def __init__(
+        self, fetch: Fetch, nbytes: int, ledger: ResidentLedger, kind: str, urgent: bool = False
+    ) -> None:
         self._fetch = fetch
+        self.urgent = urgent
         self._tensors: list[Tensor] | None = None
         self.nbytes = nbytes
         self._ledger = ledger
@@ -34,6 +38,11 @@ class _Resident:
     def ready(self) -> bool:
         """Whether the copy is in (:meth:`tensors` would not wait on it)."""
         return self._tensors is not None or self._fetch.ready()
+
+    def started(self) -> bool:
+        """Whether the copy is under way or in (one not started may be passed by an urgent
+        one on the link)."""
+        return self._tensors is not None or self._fetch.started()
 
     def tensors(self) -> list[Tensor]:
         if self._tensors is None:

@@ -8,10 +8,14 @@ engine can start copying the next shard in while the current one computes (doubl
   optional ``delay`` (seconds per fetch) is spent in a background thread before the copy, to
   stand in for a slow link: the pipeline's overlap can then be seen and measured on a CPU
   (``benchmarks/offload_pipeline.py``). PyTorch ops release the GIL, so compute in the calling
-  thread runs while the background thread sleeps or copies.
+  thread runs while the background thread sleeps or copies. The thread takes urgent fetches
+  (``fetch(..., urgent=True)``) before the others not yet started, each class in the order
+  started; a copy under way is not interrupted (a priority on the link: several arrays
+  alternated give the compute-bound one's fetches the link first, see ``_alternate.py``).
 - :class:`CudaTransfer`: pinned host memory, ``non_blocking`` copies issued on a side stream, and
   an event per fetch that the compute stream waits on (``record_stream`` keeps the caching
-  allocator from reusing a copy's memory before the compute stream is done with it).
+  allocator from reusing a copy's memory before the compute stream is done with it). Its
+  copies run on one stream in the order issued: ``urgent`` is accepted and has no effect.
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ from __future__ import annotations
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 from torch import Tensor
@@ -39,6 +44,11 @@ class Fetch(ABC):
         """Whether :meth:`wait` would return without waiting on the copy (a scheduler of
         several arrays gives the turn to one whose next shard is in; ``True`` where a
         transfer cannot tell)."""
+        return True
+
+    def started(self) -> bool:
+        """Whether the copy is under way or done (``True`` where a transfer cannot tell):
+        one not started may still be passed by an urgent one."""
         return True
 
 
@@ -60,6 +70,9 @@ class _Threaded(Fetch):
     def ready(self) -> bool:
         return self._future.done()
 
+    def started(self) -> bool:
+        return self._future.running() or self._future.done()
+
 
 class Transfer(ABC):
     """Copies between host storage and the compute device ``device``."""
@@ -67,8 +80,9 @@ class Transfer(ABC):
     device: torch.device
 
     @abstractmethod
-    def fetch(self, tensors: Sequence[Tensor]) -> Fetch:
-        """Start copying host ``tensors`` to the compute side (new tensors)."""
+    def fetch(self, tensors: Sequence[Tensor], urgent: bool = False) -> Fetch:
+        """Start copying host ``tensors`` to the compute side (new tensors); ``urgent``: ahead
+        of the fetches not urgent that have not started, where the transfer can reorder."""
 
     @abstractmethod
     def to_host(self, tensors: Sequence[Tensor]) -> list[Tensor]:
@@ -85,33 +99,81 @@ class Transfer(ABC):
 class CpuTransfer(Transfer):
     """Host and compute side are both the CPU: a transfer is a copy. ``delay`` seconds are
     spent per :meth:`fetch` in a background thread before it copies (0: copy at once, in the
-    calling thread). Returns to the host are copies without delay."""
+    calling thread). The thread takes urgent fetches before the others not yet started.
+    Returns to the host are copies without delay."""
 
     def __init__(self, delay: float = 0.0) -> None:
         if isinstance(delay, bool) or not isinstance(delay, int | float) or not delay >= 0:
             raise ValueError(f"delay must be a number of seconds >= 0, got {delay!r}")
         self.device = torch.device("cpu")
         self.delay = float(delay)
-        self._pool: ThreadPoolExecutor | None = None
+        self._link: _Link | None = None
         self._lock = threading.Lock()
 
-    def fetch(self, tensors: Sequence[Tensor]) -> Fetch:
+    def fetch(self, tensors: Sequence[Tensor], urgent: bool = False) -> Fetch:
         items = list(tensors)
         if self.delay == 0:
             return _Done(_copies(items))
         with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="hfsweep-offload")
-            return _Threaded(self._pool.submit(_after(self.delay, lambda: _copies(items))))
+            if self._link is None:
+                self._link = _Link()
+            return _Threaded(self._link.submit(_after(self.delay, lambda: _copies(items)), urgent))
 
     def to_host(self, tensors: Sequence[Tensor]) -> list[Tensor]:
         return _copies(list(tensors))
 
     def close(self) -> None:
         with self._lock:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
-                self._pool = None
+            if self._link is not None:
+                self._link.shutdown()
+                self._link = None
+
+
+_Job = tuple[Future[list[Tensor]], Callable[[], list[Tensor]]]
+
+
+class _Link:
+    """One background thread running jobs one at a time: the urgent ones before the others
+    queued, each class first in, first out; a job under way runs to its end. (A thread pool
+    of one worker would run them in the order submitted only.)"""
+
+    def __init__(self) -> None:
+        self._queues: tuple[deque[_Job], deque[_Job]] = (deque(), deque())  # urgent, other
+        self._more = threading.Condition()
+        self._closing = False
+        self._thread = threading.Thread(target=self._serve, name="hfsweep-offload", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], list[Tensor]], urgent: bool) -> Future[list[Tensor]]:
+        """Queue ``job`` (urgent: ahead of the others not started); its future."""
+        future: Future[list[Tensor]] = Future()
+        with self._more:
+            self._queues[0 if urgent else 1].append((future, job))
+            self._more.notify()
+        return future
+
+    def _serve(self) -> None:
+        while True:
+            with self._more:
+                while not any(self._queues) and not self._closing:
+                    self._more.wait()
+                queue = next((q for q in self._queues if q), None)
+                if queue is None:  # closing, nothing left
+                    return
+                future, job = queue.popleft()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(job())
+            except BaseException as error:  # handed to whoever waits on the fetch
+                future.set_exception(error)
+
+    def shutdown(self) -> None:
+        """Run what is queued, then stop the thread (as a pool's ``shutdown(wait=True)``)."""
+        with self._more:
+            self._closing = True
+            self._more.notify()
+        self._thread.join()
 
 
 def _copies(tensors: list[Tensor]) -> list[Tensor]:
@@ -154,7 +216,7 @@ class CudaTransfer(Transfer):
             raise ValueError(f"CudaTransfer needs a CUDA device, got {self.device}")
         self.stream = torch.cuda.Stream(self.device)
 
-    def fetch(self, tensors: Sequence[Tensor]) -> Fetch:
+    def fetch(self, tensors: Sequence[Tensor], urgent: bool = False) -> Fetch:
         with torch.no_grad(), torch.cuda.stream(self.stream):
             out = [t.detach().to(self.device, non_blocking=True) for t in tensors]
             done = torch.cuda.Event()

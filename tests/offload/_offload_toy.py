@@ -25,10 +25,10 @@ class Counting(CpuTransfer):
         self.fetched = 0
         self.fetches = 0
 
-    def fetch(self, tensors: Sequence[Tensor]) -> Fetch:
+    def fetch(self, tensors: Sequence[Tensor], urgent: bool = False) -> Fetch:
         self.fetched += sum(t.numel() * t.element_size() for t in tensors)
         self.fetches += 1
-        return super().fetch(tensors)
+        return super().fetch(tensors, urgent)
 
 
 class Net(nn.Module):

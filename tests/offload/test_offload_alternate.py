@@ -8,6 +8,8 @@ overlap is measured by ``benchmarks/offload_alternate.py``."""
 from __future__ import annotations
 
 import copy
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -23,6 +25,7 @@ from hfsweep.offload import (
     OffloadError,
 )
 from hfsweep.offload._alternate import Schedule, _pick
+from hfsweep.offload._transfer import _Link
 
 B = 3
 
@@ -493,12 +496,19 @@ def test_a_failure_with_a_deeper_prefetch_releases_everything(where: str) -> Non
 class _Waiting:
     """A stand-in for a fetch a suspended array waits on (``order``: when it started)."""
 
-    def __init__(self, order: int, ready: bool) -> None:
+    def __init__(
+        self, order: int, ready: bool, urgent: bool = False, started: bool = False
+    ) -> None:
         self.order = order
         self._ready = ready
+        self.urgent = urgent
+        self._started = started
 
     def ready(self) -> bool:
         return self._ready
+
+    def started(self) -> bool:
+        return self._started or self._ready
 
 
 class _Engine:
@@ -533,3 +543,100 @@ def test_bad_prefetch_depths_are_refused_naming_the_value(depth: Any) -> None:
             OffloadError, match=f"prefetch_depth must be an int >= 1, got {depth!r}"
         ):
             OffloadedArray(host[0], prefetch_depth=depth)
+
+
+def test_the_ready_turn_follows_the_link_s_order_where_none_is_in() -> None:
+    """None in: the copy under way first, then an urgent fetch not started (it passes the
+    others on the link), then the others in the order started."""
+    engines: Any = [_Engine(_Waiting(3, False)), _Engine(_Waiting(5, False, urgent=True))]
+    assert _pick([0, 1], engines, -1) == 1  # urgent, asked for later: in first
+    engines[0]._waiting._started = True
+    assert _pick([0, 1], engines, -1) == 0  # a copy under way is not interrupted
+
+
+def test_the_link_takes_urgent_jobs_before_the_others_queued() -> None:
+    """The transfer's thread: a job under way runs to its end; of those queued the urgent
+    ones go first, each class in the order submitted; closing runs what is queued."""
+    link, ran, hold = _Link(), [], threading.Event()
+
+    def job(name: str) -> Any:
+        def run() -> list[torch.Tensor]:
+            if name == "first":
+                hold.wait(10)
+            ran.append(name)
+            return []
+
+        return run
+
+    futures = [link.submit(job("first"), False)]
+    while not futures[0].running():  # the first under way before the others are queued
+        time.sleep(0.001)
+    for name, urgent in [("a1", False), ("b1", True), ("a2", False), ("b2", True)]:
+        futures.append(link.submit(job(name), urgent))
+    hold.set()
+    link.shutdown()
+    assert ran == ["first", "b1", "b2", "a1", "a2"]
+    assert all(f.done() for f in futures)
+
+
+def test_a_failing_copy_reaches_whoever_waits_on_it() -> None:
+    link = _Link()
+
+    def fails() -> list[torch.Tensor]:
+        raise RuntimeError("copy failed")
+
+    with pytest.raises(RuntimeError, match="copy failed"):
+        link.submit(fails, True).result(10)
+    link.shutdown()
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("urgent", [(1,), (0, 2)])
+def test_urgent_fetches_train_exactly_as_each_alone(
+    schedule: Schedule, urgent: tuple[int, ...]
+) -> None:
+    """Some arrays' fetches ahead of the others' on the link, with a deeper prefetch: the
+    shards come in in another order, and each array still trains as its twin."""
+    whole, host = _arrays()
+    arrays = AlternatingArrays(
+        host,
+        transfer=CpuTransfer(delay=0.001),
+        schedule=schedule,
+        prefetch_depth=(3, 1, 2),
+        urgent=urgent,
+    )
+    assert [e._urgent for e in arrays.engines] == [i in urgent for i in range(3)]
+    _train_as_alone(arrays, whole, 5)
+    arrays.close()
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_urgent_fetches_stay_within_the_budget(schedule: Schedule) -> None:
+    """The priority changes when shards are in, not how many are held: the shared ledger's
+    peak stays under the budget, as without it."""
+    _, host = _arrays()
+    state = max(sum(t.numel() * t.element_size() for t in a._state()) for a in host)
+    budget = 6 * state
+    arrays = AlternatingArrays(
+        host,
+        budget_bytes=budget,
+        transfer=CpuTransfer(0.001),
+        schedule=schedule,
+        prefetch_depth=(3, 1, 2),
+        urgent=[1],
+    )
+    x = torch.randn(5, 6, dtype=torch.float64)
+    for _ in range(2):
+        arrays.step([x, x, x], [lambda o: o.square().sum()] * 3)
+    assert 0 < arrays.ledger.peak <= budget
+    assert arrays.ledger.by_kind["shard state"] == 0 == arrays.ledger.resident
+    arrays.close()
+
+
+@pytest.mark.parametrize("urgent", [1, (3,), (-1,), (0, 0), (True,), (0.0,), "0", None])
+def test_bad_urgent_values_are_refused_naming_the_value(urgent: Any) -> None:
+    _, host = _arrays()
+    with pytest.raises(OffloadError, match="urgent must be a list or tuple") as refused:
+        AlternatingArrays(host, urgent=urgent)
+    message = str(refused.value)
+    assert repr(urgent) in message and "distinct array indices in 0..2" in message

@@ -110,3 +110,15 @@ def test_offload_alternate_quick_runs(tmp_path, monkeypatch) -> None:
     for key in keys:
         assert math.isfinite(row[key]) and row[key] > 0, key
     assert "| 1 |" in stem.with_suffix(".md").read_text()
+
+
+@pytest.mark.slow
+def test_offload_alternate_urgent_arms_run(tmp_path, monkeypatch) -> None:
+    """``--urgent``: each ready arm timed again with b's fetches urgent, its queue model on
+    the two-class link beside it; finite, positive times."""
+    argv = ["--layers", "2", "--width", "16", "--size", "2", "--batch-b", "32", "--steps", "1"]
+    argv += ["--rounds", "1", "--factors", "1", "--depths", "3,1", "--urgent"]
+    (row,), _ = _run("offload_alternate", argv, tmp_path, monkeypatch)
+    assert {"ready b urgent", "ready 3,1 b urgent"} <= set(row["queue_model_ms"])
+    for key in ["ready_b_urgent_ms", "ready_3,1_b_urgent_ms", "ready_3,1_b_urgent/lockstep"]:
+        assert math.isfinite(row[key]) and row[key] > 0, key
