@@ -307,7 +307,8 @@ class AlternatingArrays:
     compute-bound array, so that a deeper prefetch of a transfer-bound one fills the link's
     gaps instead of queueing ahead of it. :class:`~hfsweep.offload.CpuTransfer` honours it;
     :class:`~hfsweep.offload.CudaTransfer` copies on one stream in the order issued and
-    does not. It changes when shards are in, not what any array computes.
+    does not (``Transfer.reorders``), so there it marks nothing and the ready schedule
+    follows the order issued. It changes when shards are in, not what any array computes.
 
     An engine may also be called alone (``arrays.engines[0](x)``), as any offloaded array.
     """
@@ -355,7 +356,9 @@ class AlternatingArrays:
             )
             for a, depth in zip(arrays, depths, strict=True)
         ]
-        for i in first:
+        # only where the link reorders: on one that copies in the order issued (one CUDA
+        # stream), marking them would make the ready schedule wait on the wrong array
+        for i in first if self.transfer.reorders else ():
             self.engines[i]._urgent = True
         self._outputs: list[Tensor | None] = []
         self._generations: list[int] = []

@@ -78,6 +78,9 @@ class Transfer(ABC):
     """Copies between host storage and the compute device ``device``."""
 
     device: torch.device
+    #: whether :meth:`fetch`'s ``urgent`` reorders the copies (an urgent fetch passes those
+    #: not started); where it does not, the copies run in the order issued
+    reorders: bool = False
 
     @abstractmethod
     def fetch(self, tensors: Sequence[Tensor], urgent: bool = False) -> Fetch:
@@ -101,6 +104,8 @@ class CpuTransfer(Transfer):
     spent per :meth:`fetch` in a background thread before it copies (0: copy at once, in the
     calling thread). The thread takes urgent fetches before the others not yet started.
     Returns to the host are copies without delay."""
+
+    reorders = True
 
     def __init__(self, delay: float = 0.0) -> None:
         if isinstance(delay, bool) or not isinstance(delay, int | float) or not delay >= 0:

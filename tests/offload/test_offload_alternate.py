@@ -633,6 +633,20 @@ def test_urgent_fetches_stay_within_the_budget(schedule: Schedule) -> None:
     arrays.close()
 
 
+def test_urgent_is_not_marked_where_the_link_copies_in_the_order_issued() -> None:
+    """A transfer that does not reorder (as one CUDA stream): marking the urgent arrays'
+    fetches would make the ready schedule wait on the array whose copy is not first on the
+    link, so none is marked, and the order of the turns is the link's own."""
+
+    class _InOrder(CpuTransfer):
+        reorders = False
+
+    _, host = _arrays()
+    arrays = AlternatingArrays(host, transfer=_InOrder(), schedule="ready", urgent=(1,))
+    assert not any(e._urgent for e in arrays.engines)
+    arrays.close()
+
+
 @pytest.mark.parametrize("urgent", [1, (3,), (-1,), (0, 0), (True,), (0.0,), "0", None])
 def test_bad_urgent_values_are_refused_naming_the_value(urgent: Any) -> None:
     _, host = _arrays()
