@@ -301,9 +301,42 @@ def open_storage(
     )
 
     def build() -> BaseStorage:
-        return _CachedStorage(RDBStorage(expanded, engine_kwargs=engine_kwargs(expanded)))
+        for attempt in range(_CREATE_TRIES):
+            try:
+                return _CachedStorage(RDBStorage(expanded, engine_kwargs=engine_kwargs(expanded)))
+            except Exception as exc:
+                if attempt == _CREATE_TRIES - 1 or not _created_meanwhile(exc):
+                    raise
+                # another driver created the schema between Optuna's check and its CREATE:
+                # it exists now, and the next try finds it
+                _log.info(
+                    "storage %s: another process was creating its tables; opening it again",
+                    mask(expanded),
+                )
+                time.sleep(_CREATE_WAIT_S * (attempt + 1))
+        raise AssertionError("unreachable")
 
     return RetryingStorage(retrier.run(build), retrier)
+
+
+#: tries to open an RDB storage whose tables another process is creating at the same moment
+_CREATE_TRIES = 5
+_CREATE_WAIT_S = 0.2
+
+
+def _created_meanwhile(exc: BaseException) -> bool:
+    """Whether opening an RDB storage failed because another process created the same table,
+    type or row at the same moment (two drivers started together on an empty database:
+    Optuna checks what exists, then creates it, and the slower one's CREATE or its version
+    row collides): SQLAlchemy's ``IntegrityError``, or a ``ProgrammingError`` saying that
+    the object already exists."""
+    from sqlalchemy import exc as sa
+
+    return any(
+        isinstance(cause, sa.IntegrityError)
+        or (isinstance(cause, sa.ProgrammingError) and "already exists" in str(cause))
+        for cause in _chain(exc)
+    )
 
 
 def study_exists(storage: BaseStorage, name: str) -> bool:

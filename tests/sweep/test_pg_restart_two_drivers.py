@@ -25,7 +25,11 @@ from hfsweep.core import _drivers
 from hfsweep.core._drivers import Beat, Drivers
 from hfsweep.core._journal import journal_storage
 
-from .test_two_drivers import _check, _Driver, _finished, _wait
+from ._toy import GATE_ENV
+from .test_two_drivers import HERE, _check, _Driver, _wait
+
+#: arrays that hold after their first epoch while the gate file exists
+GATED = f"{HERE / '_toy.py'}:GATED_TASK"
 
 #: the drivers' grace period here (as in test_two_drivers.py), and the server's time down: with
 #: its stop and start the storage is away about 3.5 s, longer than the grace period (on the code
@@ -90,19 +94,30 @@ def test_an_outage_gives_every_other_driver_a_new_grace_period(
 def test_two_drivers_ride_out_a_database_restart_longer_than_their_grace_period(
     postgres_server: Any, tmp_path: Path
 ) -> None:
+    """The drivers train GATED_TASK, whose arrays hold after their first epoch while the gate
+    file exists, so that the restart comes while both are mid-sweep however fast they train
+    (the 12 trials took 4 s once, and a driver finished before the server went down); the gate
+    opens once both have reached the server again."""
     url = postgres_server.create_database()
-    a, b = _Driver(tmp_path / "a", url), _Driver(tmp_path / "b", url)
-    env = {"HFSWEEP_DRIVER_GRACE_S": str(GRACE_S)}
+    a, b = _Driver(tmp_path / "a", url, GATED), _Driver(tmp_path / "b", url, GATED)
+    gate = tmp_path / "gate"
+    gate.touch()
+    env = {"HFSWEEP_DRIVER_GRACE_S": str(GRACE_S), GATE_ENV: str(gate)}
     a.start(**env)
     b.start(**env)
     try:
         _wait(
-            "a finished trial while both drivers train",
-            lambda: _finished(url) >= 1 and "training" in a.log() and "training" in b.log(),
+            "both drivers training", lambda: "training" in a.log() and "training" in b.log(), a, b
+        )
+        postgres_server.restart(down_s=DOWN_S)  # pg_ctl stop -m fast: open connections are cut
+        # still held: each driver's calls (its heartbeat's at least) ride the outage out
+        _wait(
+            "both drivers reaching the server again",
+            lambda: all("reachable again after" in d.log() for d in (a, b)),
             a,
             b,
         )
-        postgres_server.restart(down_s=DOWN_S)  # pg_ctl stop -m fast: open connections are cut
+        gate.unlink()
         a.finished(timeout=300)
         b.finished(timeout=300)
     finally:
