@@ -10,9 +10,9 @@ apart from the dynamic program and its rules (``allocator.py``) so that each mod
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Any, Literal
 
 from ..sizing.scaling import ScalingProfile
 
@@ -223,3 +223,22 @@ class Plan:
             + (f" ({detail})" if detail else "")
             + f" [{self.event}]"
         )
+
+
+def earlier_totals(earlier: Mapping[str, Any]) -> tuple[float, float, int]:
+    """``(arrays_waited_s, workers_idle_s, plans)`` of an earlier run's totals (its
+    ``elastic.json``), checked: ``ValueError`` names a value that is not a count or a number
+    of seconds >= 0."""
+    values: dict[str, float] = {}
+    for name in ("arrays_waited_s", "workers_idle_s", "plans"):
+        value = earlier.get(name)
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not (value >= 0 and math.isfinite(value))
+            or (name == "plans" and not float(value).is_integer())
+        ):
+            valid = "an integer >= 0" if name == "plans" else "a finite number >= 0"
+            raise ValueError(f"{name} is {value!r}, not {valid}")
+        values[name] = float(value)
+    return values["arrays_waited_s"], values["workers_idle_s"], int(values["plans"])

@@ -73,20 +73,15 @@ What the allocator is given:
   an array (never one across a relaunch, which holds the restart) gives that array's key a
   measured rate at the worker count it trained on, in member-units/s (its live members over the
   seconds per budget unit). Once a key has rates at two or more worker counts, their medians
-  replace the profile's points there, anchored at the smallest measured count (whose point stays
-  the profile's unless it is 1 worker), so the allocator's speed-ups become measured ones; a
-  point not measured above a measured one keeps the profile's error there (it is scaled by the
-  measured/profile ratio of the nearest measured count below it: a model 2.5x optimistic at 2
-  workers is not believed at 4). The change is logged against what the profile said, and the
-  key's profile is handed to the
-  source's ``remember`` (the scaling cache) when an array of it ends, so the next sweep starts
-  from the measured points.
+  replace the profile's points (:func:`~hfsweep.core._scaling.measured_profile`), so the
+  allocator's speed-ups become measured ones. The change is logged against what the profile
+  said, and the key's profile is handed to the source's ``remember`` (the scaling cache) when
+  an array of it ends, so the next sweep starts from the measured points.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import statistics
 import threading
 import time
@@ -99,7 +94,9 @@ from ..config.schema import ElasticConfig
 from ..parallel import read_resize, request_resize
 from ..sizing.scaling import ScalingProfile
 from ..training.results import Evaluation
-from ._survival import RungSurvival
+from ._allocation import earlier_totals
+from ._scaling import measured_profile, short_key
+from ._survival import RungSurvival, check_rung_sources
 from .allocator import Allocator, ArrayState, Plan, WaitingPool
 
 __all__ = ["ElasticPolicy", "ScalingSource"]
@@ -243,7 +240,7 @@ class ElasticPolicy:
     @pruner.setter
     def pruner(self, pruner: RungSurvival | None) -> None:
         if pruner is not None:
-            _check_rung_sources(pruner, self._rungs, self.budget)
+            check_rung_sources(pruner, self._rungs, self.budget)
         self._pruner = pruner
 
     @property
@@ -433,7 +430,7 @@ class ElasticPolicy:
         _log.info(
             "elastic: scaling profile of %s's kind of array (key %s): %s: %s%s",
             name,
-            _short(key),
+            short_key(key),
             how,
             profile.describe(),
             k2,
@@ -457,16 +454,8 @@ class ElasticPolicy:
         if given is None or len(rates) < 2:
             return
         median = {k: statistics.median(r) for k, r in rates.items()}
-        k0 = min(median)
-        anchor = given.rate(k0)
-        points = {**given.points, **{k: anchor * m / median[k0] for k, m in median.items()}}
-        for k in given.points:
-            below = [m for m in median if m < k]
-            if k not in median and below:  # the model's error at the nearest measured count
-                kb = max(below)
-                points[k] = given.rate(k) * points[kb] / given.rate(kb)
-        measured = {k for k in median if k != k0 or k0 == 1}
-        learnt = ScalingProfile(given.key, points, frozenset(given.measured | measured))
+        learnt = measured_profile(given, median)
+        points = learnt.points
         self.profiles[key] = learnt
         logged = self._logged.setdefault(key, {})
         changed = [
@@ -485,7 +474,7 @@ class ElasticPolicy:
         _log.info(
             "elastic: measured scaling of key %s (median of the arrays' intervals at %s "
             "worker(s)): %s",
-            _short(key),
+            short_key(key),
             "/".join(str(k) for k in sorted(median)),
             said,
         )
@@ -589,23 +578,12 @@ class ElasticPolicy:
         now on include theirs, up to their last plan (a driver killed after it loses the time
         since). Before any plan; ``ValueError`` names a value that is not a count or a number
         of seconds >= 0."""
-        values: dict[str, float] = {}
-        for name in ("arrays_waited_s", "workers_idle_s", "plans"):
-            value = earlier.get(name)
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, (int, float))
-                or not (value >= 0 and math.isfinite(value))
-                or (name == "plans" and not float(value).is_integer())
-            ):
-                valid = "an integer >= 0" if name == "plans" else "a finite number >= 0"
-                raise ValueError(f"{name} is {value!r}, not {valid}")
-            values[name] = float(value)
+        waited, idle, plans = earlier_totals(earlier)
         with self._lock:
             if self.plans:
                 raise RuntimeError("carry_on() after the policy's first plan")
-            self.allocator.carried = (values["arrays_waited_s"], values["workers_idle_s"])
-            self._earlier_plans = int(values["plans"])
+            self.allocator.carried = (waited, idle)
+            self._earlier_plans = plans
 
     def _totals(self) -> dict[str, Any]:
         """:meth:`totals` (called under the lock)."""
@@ -667,26 +645,3 @@ class ElasticPolicy:
     @staticmethod
     def _name(folder: str) -> str:
         return f"array {Path(folder).name}"
-
-
-def _check_rung_sources(pruner: RungSurvival, rungs: Sequence[float], budget: float) -> None:
-    """Refuse a rung model that disagrees with the ``rungs`` or ``budget`` given beside it
-    (see :class:`ElasticPolicy`): the error names both values and what would be valid."""
-    if pruner.budget != budget:
-        raise ValueError(
-            f"ElasticPolicy: the pruner's budget is {pruner.budget:g} but the policy's budget is "
-            f"{budget:g}; build the pruner (RungSurvival, from_scheduler) with the policy's "
-            "budget (budget.max_resource)"
-        )
-    given = tuple(r for r in sorted({float(r) for r in rungs}) if r < budget)
-    if given and given != pruner.rungs:
-        raise ValueError(
-            f"ElasticPolicy: rungs={list(given)} disagree with the pruner's rungs "
-            f"{list(pruner.rungs)} ({pruner.describe()}); give the pruner alone (its rungs are "
-            "the horizon's), or rungs equal to its rungs"
-        )
-
-
-def _short(key: str, limit: int = 120) -> str:
-    """A compatibility key cut for the log."""
-    return key if len(key) <= limit else key[: limit - 3] + "..."

@@ -140,3 +140,28 @@ class SweepScaling:
             f"{allreduce.latency_s * 1e6:.0f} us per hop)"
         )
         return profile, how
+
+
+def measured_profile(given: ScalingProfile, median: Mapping[int, float]) -> ScalingProfile:
+    """``given`` (the scaling source's profile of a key) with its points replaced by the
+    ``median`` measured rates (member-units/s by worker count, two counts or more), anchored
+    at the smallest measured count (whose point stays ``given``'s unless it is 1 worker). A
+    point not measured above a measured one keeps the profile's error there: it is scaled by
+    the measured/profile ratio of the nearest measured count below it, so a model 2.5x
+    optimistic at 2 workers is not believed at 4 (the elastic policy's measured feedback,
+    :mod:`hfsweep.core._elastic`)."""
+    k0 = min(median)
+    anchor = given.rate(k0)
+    points = {**given.points, **{k: anchor * m / median[k0] for k, m in median.items()}}
+    for k in given.points:
+        below = [m for m in median if m < k]
+        if k not in median and below:  # the model's error at the nearest measured count
+            kb = max(below)
+            points[k] = given.rate(k) * points[kb] / given.rate(kb)
+    measured = {k for k in median if k != k0 or k0 == 1}
+    return ScalingProfile(given.key, points, frozenset(given.measured | measured))
+
+
+def short_key(key: str, limit: int = 120) -> str:
+    """A compatibility key cut for the log."""
+    return key if len(key) <= limit else key[: limit - 3] + "..."

@@ -143,3 +143,21 @@ def from_scheduler(scheduler: object, budget: float) -> RungSurvival | None:
     if not any(brackets):
         return None
     return RungSurvival(brackets, float(scheduler.reduction_factor), float(budget), shares)
+
+
+def check_rung_sources(pruner: RungSurvival, rungs: Sequence[float], budget: float) -> None:
+    """Refuse a rung model that disagrees with the ``rungs`` or ``budget`` given beside it
+    (see :class:`ElasticPolicy`): the error names both values and what would be valid."""
+    if pruner.budget != budget:
+        raise ValueError(
+            f"ElasticPolicy: the pruner's budget is {pruner.budget:g} but the policy's budget is "
+            f"{budget:g}; build the pruner (RungSurvival, from_scheduler) with the policy's "
+            "budget (budget.max_resource)"
+        )
+    given = tuple(r for r in sorted({float(r) for r in rungs}) if r < budget)
+    if given and given != pruner.rungs:
+        raise ValueError(
+            f"ElasticPolicy: rungs={list(given)} disagree with the pruner's rungs "
+            f"{list(pruner.rungs)} ({pruner.describe()}); give the pruner alone (its rungs are "
+            "the horizon's), or rungs equal to its rungs"
+        )
