@@ -279,14 +279,10 @@ class _Failed(RuntimeError):
     pass
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("where", ["loss", "forward"])
-def test_a_failure_in_one_array_closes_the_others(schedule: Schedule, where: str) -> None:
-    """The second array's loss or one of its shards fails: the error comes through, nothing
-    stays held on the compute side (the arrays under way are closed, what the finished ones
-    kept is released), and the next step trains as before."""
-    _, host = _arrays()
-    arrays = AlternatingArrays(host, transfer=CpuTransfer(0.001), schedule=schedule)
+def _fail_then_step_again(arrays: AlternatingArrays, where: str) -> None:
+    """The second of ``arrays``' three arrays fails in its loss or at its third shard
+    (``where``): the error comes through, nothing stays held on the compute side, and the next
+    step trains all three as before; then ``arrays`` is closed."""
     x = torch.randn(5, 6, dtype=torch.float64)
     ok = [lambda o: o.square().sum()] * 3
 
@@ -316,6 +312,17 @@ def test_a_failure_in_one_array_closes_the_others(schedule: Schedule, where: str
     assert len(arrays.step([x, x, x], ok)) == 3
     assert arrays.ledger.resident == 0
     arrays.close()
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("where", ["loss", "forward"])
+def test_a_failure_in_one_array_closes_the_others(schedule: Schedule, where: str) -> None:
+    """The second array's loss or one of its shards fails: the error comes through, nothing
+    stays held on the compute side (the arrays under way are closed, what the finished ones
+    kept is released), and the next step trains as before."""
+    _, host = _arrays()
+    arrays = AlternatingArrays(host, transfer=CpuTransfer(0.001), schedule=schedule)
+    _fail_then_step_again(arrays, where)
 
 
 def test_step_refusals() -> None:
@@ -463,34 +470,7 @@ def test_a_failure_with_a_deeper_prefetch_releases_everything(where: str) -> Non
     arrays = AlternatingArrays(
         host, transfer=CpuTransfer(0.001), schedule="ready", prefetch_depth=3
     )
-    x = torch.randn(5, 6, dtype=torch.float64)
-    ok = [lambda o: o.square().sum()] * 3
-
-    def failing(out: torch.Tensor) -> torch.Tensor:
-        raise _Failed("the loss")
-
-    losses = list(ok)
-    if where == "loss":
-        losses[1] = failing
-    else:
-        engine = arrays.engines[1]
-        run = engine._run
-        calls = iter(range(100))
-
-        def fails_at_the_third_shard(*args: Any) -> Any:
-            if next(calls) == 2:
-                raise _Failed("a shard")
-            return run(*args)
-
-        engine._run = fails_at_the_third_shard  # type: ignore[method-assign]
-    with pytest.raises(_Failed):
-        arrays.step([x, x, x], losses)
-    assert arrays.ledger.by_kind == dict.fromkeys(arrays.ledger.by_kind, 0)
-    if where == "forward":
-        arrays.engines[1]._run = run  # type: ignore[method-assign]
-    assert len(arrays.step([x, x, x], ok)) == 3
-    assert arrays.ledger.resident == 0
-    arrays.close()
+    _fail_then_step_again(arrays, where)
 
 
 class _Waiting:
