@@ -21,9 +21,10 @@ steps of every way are not timed.
 ``fused / ideal`` is the ideal step's time over the fused step's (1.0: fusion costs nothing over
 one model on a B-times-larger batch).
 
-``--optimizer`` measures instead what compiling the fused optimizer step itself would give
-(``torch.compile(opt.step)`` of ``hs.optim.AdamW`` over a tiny MLP's array, against the eager
-step; gradients set once, steps timed alone): the reason the compiled path leaves it eager.
+``--optimizer`` times the fused optimizer step alone instead (``hs.optim.AdamW`` and ``SGD``
+over a tiny MLP's array, gradients set once): eager, ``opt.compile()`` (the update compiled, as
+``compile=True`` trains) and ``torch.compile(opt.step)`` (the whole step, which dynamo breaks
+where it reads the device), side by side.
 Usage::
 
     python benchmarks/compile_fused.py                    # writes benchmarks/results/compile_fused_cpu.md
@@ -164,23 +165,41 @@ COLUMNS = [
 ]
 
 
-def optimizer_step(size: int, rounds: int) -> dict[str, Any]:
-    """Median seconds of ``hs.optim.AdamW.step`` eager and under ``torch.compile`` (tiny MLP
-    array of ``size``), the compiled step's first call and its graph breaks."""
+#: the optimizers ``--optimizer`` times: (class, per-member hyperparameters of member i)
+OPTIMIZERS: dict[str, tuple[Any, Callable[[int], dict[str, float]]]] = {
+    "adamw": (hs.optim.AdamW, lambda i: {"lr": LR * (1 + i), "weight_decay": 0.01}),
+    "sgd": (hs.optim.SGD, lambda i: {"lr": LR * (1 + i), "momentum": 0.9}),
+}
+OPTIMIZER_WAYS = ("eager", "compile()", "torch.compile(step)")
+
+
+def optimizer_step(name: str, size: int, rounds: int) -> dict[str, Any]:
+    """Median seconds of one fused optimizer step (tiny MLP array of ``size``, gradients set
+    once) three ways side by side: eager, ``opt.compile()`` (the update compiled, hfsweep's
+    compiled path) and ``torch.compile(opt.step)`` (the whole step handed to dynamo, which
+    breaks its graph where the step reads the device), with each compiled way's first two
+    calls and the graph breaks of the last."""
     torch.manual_seed(0)
     models = [MODELS["tiny_mlp"][0]() for _ in range(size)]
     x, y = _batch("tiny_mlp", BATCH["tiny_mlp"])
-    arrays = [hs.fuse(copy.deepcopy(models)) for _ in range(2)]
-    opts = [hs.optim.AdamW(a, lr=[LR * (1 + i) for i in range(size)]) for a in arrays]
+    cls, member = OPTIMIZERS[name]
+    arrays = [hs.fuse(copy.deepcopy(models)) for _ in OPTIMIZER_WAYS]
+    per_member = [member(i) for i in range(size)]
+    kwargs = {k: [h[k] for h in per_member] for k in per_member[0]}
+    opts = [cls(a, **kwargs) for a in arrays]
     for a in arrays:
         hs.member_losses(a(x), y).sum().backward()
+    opts[1].compile()
     torch._dynamo.utils.counters.clear()
-    compiled = torch.compile(opts[1].step)
-    began = time.perf_counter()
-    compiled()
-    compiled()  # the optimizer state exists from the second step on: a recompile
-    first_s = time.perf_counter() - began
-    steps = {"eager": opts[0].step, "compiled": compiled}
+    whole = torch.compile(opts[2].step)
+    steps = {"eager": opts[0].step, "compile()": opts[1].step, "torch.compile(step)": whole}
+    first: dict[str, float] = {}
+    for k, step in steps.items():
+        began = time.perf_counter()
+        step()
+        step()  # the optimizer state exists from the second step on: a recompile
+        first[k] = time.perf_counter() - began
+    breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
     for step in steps.values():
         for _ in range(3):
             step()
@@ -188,14 +207,21 @@ def optimizer_step(size: int, rounds: int) -> dict[str, Any]:
     for _ in range(rounds):
         for k, step in steps.items():
             samples[k].append(_timed(step, 50))
-    breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+    medians = {k: statistics.median(v) for k, v in samples.items()}
     return {
+        "optimizer": name,
         "size": size,
-        "eager_s": statistics.median(samples["eager"]),
-        "compiled_s": statistics.median(samples["compiled"]),
-        "first_two_steps_s": first_s,
-        "graph_breaks": breaks,
+        "seconds": medians,
+        "samples": samples,
+        "first_two_steps_s": first,
+        "graph_breaks_torch_compile_step": breaks,
     }
+
+
+def _load() -> str:
+    import os
+
+    return ", ".join(f"{v:.1f}" for v in os.getloadavg())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -207,34 +233,49 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", type=Path, default=RESULTS / "compile_fused_cpu")
     parser.add_argument("--optimizer", action="store_true", help="the optimizer step instead")
+    parser.add_argument(
+        "--optimizers", nargs="+", default=list(OPTIMIZERS), choices=list(OPTIMIZERS)
+    )
     args = parser.parse_args(argv)
     retain_freed_memory()  # the allocator setting hfsweep's trainer runs with
     if args.optimizer:
-        rows = [optimizer_step(size, args.rounds) for size in args.sizes]
+        rows = [
+            optimizer_step(name, size, args.rounds)
+            for name in args.optimizers
+            for size in args.sizes
+        ]
         write_results(
             args.out,
             "compile_fused.py",
             argv,
             torch.device("cpu"),
-            "The fused optimizer step (hs.optim.AdamW) eager vs torch.compile(opt.step)",
+            "The fused optimizer step eager vs opt.compile() vs torch.compile(opt.step)",
             [
-                f"- tiny MLP array ({MODELS['tiny_mlp'][2]}), per-member lr; median of "
-                f"{args.rounds} interleaved rounds of 50 steps; the CPU was shared",
+                f"- tiny MLP array ({MODELS['tiny_mlp'][2]}), per-member lr (AdamW: weight decay "
+                f"0.01; SGD: momentum 0.9), gradients set once; median of {args.rounds} "
+                "interleaved rounds of 50 steps per way",
+                "- compile(): hfsweep's compiled update (the non-finite check, idle rows and step "
+                "counts eager around it); torch.compile(step): the whole step given to dynamo",
+                f"- load average (1, 5, 15 min) at the end: {_load()}",
             ],
             [
+                "optimizer",
                 "B",
                 "eager ms/step",
-                "compiled ms/step",
-                "first two compiled steps s",
-                "graph breaks",
+                "compile() ms/step",
+                "torch.compile(step) ms/step",
+                "eager / compile()",
+                "first two calls s: compile(), torch.compile(step)",
+                "graph breaks of torch.compile(step)",
             ],
             [
                 [
+                    r["optimizer"],
                     str(r["size"]),
-                    f"{r['eager_s'] * 1e3:.3f}",
-                    f"{r['compiled_s'] * 1e3:.3f}",
-                    f"{r['first_two_steps_s']:.1f}",
-                    str(r["graph_breaks"]),
+                    *(f"{r['seconds'][k] * 1e3:.3f}" for k in OPTIMIZER_WAYS),
+                    f"{r['seconds']['eager'] / r['seconds']['compile()']:.2f}",
+                    ", ".join(f"{r['first_two_steps_s'][k]:.1f}" for k in OPTIMIZER_WAYS[1:]),
+                    str(r["graph_breaks_torch_compile_step"]),
                 ]
                 for r in rows
             ],

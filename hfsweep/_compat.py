@@ -33,6 +33,8 @@ __all__ = [
     "TorchDispatchMode",
     "compile_backward_eagerly",
     "distribution_contains",
+    "dynamo_graphs_compiled",
+    "dynamo_refused",
     "flatten_dense_tensors",
     "is_batched_tensor",
     "mark_static_address",
@@ -132,6 +134,31 @@ def compile_backward_eagerly() -> Any | None:
     if not hasattr(config, "force_non_lazy_backward_lowering"):
         return None
     return config.patch(force_non_lazy_backward_lowering=True)
+
+
+def dynamo_graphs_compiled() -> int:
+    """How many graphs dynamo has compiled in this process (``torch._dynamo.utils.counters``; 0
+    where this torch does not count them): a call that moved it compiled a new graph, so its
+    time is compiling, not a step's."""
+    try:
+        from torch._dynamo.utils import counters
+
+        return int(counters["stats"]["unique_graphs"])
+    except (ImportError, AttributeError, KeyError, TypeError):
+        return 0
+
+
+def dynamo_refused(exc: BaseException) -> bool:
+    """Whether ``exc`` is dynamo's refusal to compile a call (an unsupported construct, a backend
+    failure, the recompile limit reached), raised before the compiled code runs, so that running
+    the same call uncompiled instead changes nothing twice."""
+    import torch._dynamo.exc as dynamo_exc
+
+    refusals: tuple[type[BaseException], ...] = (dynamo_exc.TorchDynamoException,)
+    limit = getattr(dynamo_exc, "FailOnRecompileLimitHit", None)
+    if isinstance(limit, type):
+        refusals = (*refusals, limit)
+    return isinstance(exc, refusals)
 
 
 def optimizer_step_observed(optimizer: torch.optim.Optimizer) -> bool:

@@ -193,3 +193,20 @@ def test_linear_layout_times_both_ways(tmp_path, monkeypatch):
             assert _positive(row[f"{path}, {way} us"]), (path, way)
         assert row[f"{path}, features-first ops"] == row[f"{path}, Function ops"] + 4
     assert _positive(row["ideal us"]) and _positive(row["hand us"])
+
+
+@pytest.mark.slow
+def test_compile_fused_times_the_optimizer_three_ways(tmp_path, monkeypatch):
+    """``compile_fused.py --optimizer`` at its smallest scale: the eager step, the compiled
+    update (``opt.compile()``) and ``torch.compile(opt.step)`` are each timed, per optimizer."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    script = importlib.import_module("compile_fused")
+    stem = tmp_path / "compile_fused_optimizer"
+    argv = ["--optimizer", "--optimizers", "sgd", "--sizes", "2", "--rounds", "1"]
+    assert script.main([*argv, "--out", str(stem)]) == 0
+    (row,) = json.loads(stem.with_suffix(".json").read_text())["rows"]
+    assert (row["optimizer"], row["size"]) == ("sgd", 2)
+    for way in ("eager", "compile()", "torch.compile(step)"):
+        assert _positive(row["seconds"][way]), way
+        assert len(row["samples"][way]) == 1
+    assert "| optimizer |" in stem.with_suffix(".md").read_text()

@@ -9,6 +9,7 @@ with ``torch.where``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -18,6 +19,7 @@ from ._base import (
     Flags,
     FusedOptimizer,
     Group,
+    GroupUpdate,
     HyperParameter,
     ParamsT,
     State,
@@ -35,6 +37,13 @@ _Tensors = tuple[Tensor, ...] | list[Tensor]
 def _as_member_view(values: Tensor, like: Tensor) -> Tensor:
     """``[B]`` values as ``[B, 1, ...]`` for broadcasting against ``like`` (in its dtype)."""
     return values.to(like.dtype).view(values.shape[0], *([1] * (like.dim() - 1)))
+
+
+def _view_key(p: Tensor) -> tuple[int, torch.dtype]:
+    """The key of the hyperparameter views ``p`` broadcasts against (parameters of one key share
+    them: see ``FusedOptimizer._member_views``): values derived from the views are made once per
+    key. A key, not the views' identity, so that ``torch.compile`` guards on no object's id."""
+    return (p.dim(), p.dtype)
 
 
 def _gradient(
@@ -57,6 +66,49 @@ def _gradients(work: Work, group: Group, flags: Flags, *, l2: bool = True) -> _T
     if l2 and flags["any_weight_decay"]:
         g = torch._foreach_addcmul(g, params, [hp["weight_decay"] for hp in hps])
     return g
+
+
+def _each(one: Callable[..., None], work: Work, group: Group, flags: Flags, *consts: Any) -> None:
+    """``one(p, grad, state, views, group, flags, *consts)``, one parameter's update, on every
+    parameter of ``work`` in turn (where the multi-tensor form does not apply)."""
+    for p, state, hp in zip(*work, strict=True):
+        one(p, cast(Tensor, p.grad), state, hp, group, flags, *consts)
+
+
+def _sgd_one(p: Tensor, grad: Tensor, state: State, hp: Views, group: Group, flags: Flags) -> None:
+    """One parameter's SGD step (torch's single-tensor arithmetic, per member)."""
+    g = _gradient(p, grad, hp, group, flags)
+    if flags["any_momentum"]:
+        buf = state["momentum_buffer"]
+        if flags["first_step_rule"]:
+            # per member: keep the buffer at 0 and take the gradient whole on a first step
+            # or without momentum (torch has no buffer then), else buf*m + (1-d)*g
+            plain = (state["step"] == 0) | (group["momentum"] == 0)
+            keep = torch.where(plain, 0.0, group["momentum"])
+            take = torch.where(plain, 1.0, 1 - group["dampening"])
+            buf.mul_(_as_member_view(keep, p)).addcmul_(g, _as_member_view(take, p))
+        else:
+            buf.mul_(hp["momentum"]).add_(g)
+        g = torch.addcmul(g, buf, hp["momentum"]) if group["nesterov"] else buf
+    p.addcmul_(g, hp["neg_lr"])
+
+
+def _sgd_group(work: Work, group: Group, flags: Flags) -> None:
+    """:func:`_sgd_one` on all parameters at once with ``torch._foreach_*`` operations (the
+    same op per tensor, hyperparameters broadcast per tensor). The per-member first-step
+    rule needs each parameter's step counts, so it keeps the per-parameter path."""
+    if flags["any_momentum"] and flags["first_step_rule"]:
+        _each(_sgd_one, work, group, flags)
+        return
+    params, states, hps = work
+    g: _Tensors = _gradients(work, group, flags)
+    if flags["any_momentum"]:
+        momentum = [hp["momentum"] for hp in hps]
+        bufs = [state["momentum_buffer"] for state in states]
+        torch._foreach_mul_(bufs, momentum)
+        torch._foreach_add_(bufs, g)
+        g = torch._foreach_addcmul(g, bufs, momentum) if group["nesterov"] else bufs
+    torch._foreach_addcmul_(params, g, [hp["neg_lr"] for hp in hps])
 
 
 class SGD(FusedOptimizer):
@@ -97,40 +149,8 @@ class SGD(FusedOptimizer):
         flags["first_step_rule"] = flags["any_dampening"]
         return flags
 
-    def _update(
-        self, p: Tensor, grad: Tensor, state: State, hp: Views, group: Group, flags: Flags
-    ) -> None:
-        g = _gradient(p, grad, hp, group, flags)
-        if flags["any_momentum"]:
-            buf = state["momentum_buffer"]
-            if flags["first_step_rule"]:
-                # per member: keep the buffer at 0 and take the gradient whole on a first step
-                # or without momentum (torch has no buffer then), else buf*m + (1-d)*g
-                plain = (state["step"] == 0) | (group["momentum"] == 0)
-                keep = torch.where(plain, 0.0, group["momentum"])
-                take = torch.where(plain, 1.0, 1 - group["dampening"])
-                buf.mul_(_as_member_view(keep, p)).addcmul_(g, _as_member_view(take, p))
-            else:
-                buf.mul_(hp["momentum"]).add_(g)
-            g = torch.addcmul(g, buf, hp["momentum"]) if group["nesterov"] else buf
-        p.addcmul_(g, hp["neg_lr"])
-
-    def _update_group(self, work: Work, group: Group, flags: Flags) -> None:
-        """:meth:`_update` on all parameters at once with ``torch._foreach_*`` operations (the
-        same op per tensor, hyperparameters broadcast per tensor). The per-member first-step
-        rule needs each parameter's step counts, so it keeps the per-parameter path."""
-        if flags["any_momentum"] and flags["first_step_rule"]:
-            super()._update_group(work, group, flags)
-            return
-        params, states, hps = work
-        g: _Tensors = _gradients(work, group, flags)
-        if flags["any_momentum"]:
-            momentum = [hp["momentum"] for hp in hps]
-            bufs = [state["momentum_buffer"] for state in states]
-            torch._foreach_mul_(bufs, momentum)
-            torch._foreach_add_(bufs, g)
-            g = torch._foreach_addcmul(g, bufs, momentum) if group["nesterov"] else bufs
-        torch._foreach_addcmul_(params, g, [hp["neg_lr"] for hp in hps])
+    def _group_update(self, group: Group, flags: Flags) -> tuple[GroupUpdate, tuple[Any, ...]]:
+        return _sgd_group, ()
 
     def _has_state(self, st: dict[str, Any], i: int, group: dict[str, Any]) -> bool:
         return float(st["step"][i]) > 0 and float(group["momentum"][i]) != 0
@@ -148,6 +168,92 @@ class SGD(FusedOptimizer):
             st["step"][i] = 1  # the buffer exists: the next step is not a first step
         else:
             st["step"][i] = 0
+
+
+def _adam_one(
+    p: Tensor,
+    grad: Tensor,
+    state: State,
+    hp: Views,
+    group: Group,
+    flags: Flags,
+    decoupled: bool,
+    beta2: float | None,
+) -> None:
+    """One parameter's Adam (``decoupled``: AdamW) step; ``beta2`` is the members' one value
+    where they share it (a host float: no read of the device), else ``None``."""
+    if flags["any_weight_decay"] and decoupled:
+        p.mul_(1 - hp["lr"] * hp["weight_decay"])
+    g = _gradient(p, grad, hp, group, flags, l2=not decoupled)
+    exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+    exp_avg.lerp_(g, 1 - hp["beta1"])
+    if beta2 is not None:
+        exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    else:
+        exp_avg_sq.mul_(hp["beta2"]).addcmul_(g, g * (1 - hp["beta2"]))
+    step = state["step"].to(torch.float64) + 1
+    step_size = group["lr"] / (1 - group["beta1"] ** step)
+    bias2_sqrt = (1 - group["beta2"] ** step).sqrt()
+    if group["amsgrad"]:
+        torch.maximum(state["max_exp_avg_sq"], exp_avg_sq, out=state["max_exp_avg_sq"])
+        denom = state["max_exp_avg_sq"].sqrt()
+    else:
+        denom = exp_avg_sq.sqrt()
+    # torch: p -= step_size * m / (sqrt(v) / bias2_sqrt + eps). With step_size folded into the
+    # denominator this is one addcdiv_; a member with lr 0 gets an infinite denominator.
+    moving = step_size > 0
+    inv = torch.where(moving, 1 / (bias2_sqrt * step_size), 0.0)
+    eps = torch.where(moving, group["eps"] / step_size, torch.inf)
+    denom.mul_(_as_member_view(inv, p)).add_(_as_member_view(eps, p))
+    p.addcdiv_(exp_avg, denom, value=-1)
+
+
+def _adam_group(
+    work: Work, group: Group, flags: Flags, decoupled: bool, beta2: float | None
+) -> None:
+    """:func:`_adam_one` on all parameters at once: the same arithmetic, each elementwise
+    step one ``torch._foreach_*`` operator for every parameter, and the per-member bias
+    corrections computed once for all parameters (``[P, B]``) instead of per parameter.
+    Parameters of several dtypes keep the per-parameter path."""
+    params, states, hps = work
+    if len({p.dtype for p in params}) != 1:
+        _each(_adam_one, work, group, flags, decoupled, beta2)
+        return
+    pairs = list(zip(params, hps, strict=True))
+    if flags["any_weight_decay"] and decoupled:
+        decay = {_view_key(p): 1 - hp["lr"] * hp["weight_decay"] for p, hp in pairs}
+        torch._foreach_mul_(params, [decay[_view_key(p)] for p in params])
+    g = _gradients(work, group, flags, l2=not decoupled)
+    exp_avgs = [st["exp_avg"] for st in states]
+    exp_avg_sqs = [st["exp_avg_sq"] for st in states]
+    one_minus = {_view_key(p): (1 - hp["beta1"], 1 - hp["beta2"]) for p, hp in pairs}
+    torch._foreach_lerp_(exp_avgs, g, [one_minus[_view_key(p)][0] for p in params])
+    if beta2 is not None:
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, g, g, value=1 - beta2)
+    else:
+        torch._foreach_mul_(exp_avg_sqs, [hp["beta2"] for hp in hps])
+        scaled = torch._foreach_mul(g, [one_minus[_view_key(p)][1] for p in params])
+        torch._foreach_addcmul_(exp_avg_sqs, g, scaled)
+    # the per-member scalars of every parameter at once, [P, B] in float64 as _update has them
+    step = torch.stack([st["step"] for st in states]).to(torch.float64) + 1
+    step_size = group["lr"] / (1 - group["beta1"] ** step)
+    bias2_sqrt = (1 - group["beta2"] ** step).sqrt()
+    if group["amsgrad"]:
+        max_sqs = [st["max_exp_avg_sq"] for st in states]
+        torch._foreach_maximum_(max_sqs, exp_avg_sqs)
+        denom = torch._foreach_sqrt(max_sqs)
+    else:
+        denom = torch._foreach_sqrt(exp_avg_sqs)
+    moving = step_size > 0
+    inv = torch.where(moving, 1 / (bias2_sqrt * step_size), 0.0).to(params[0].dtype)
+    eps = torch.where(moving, group["eps"] / step_size, torch.inf).to(params[0].dtype)
+    shapes = [(p.shape[0], *([1] * (p.dim() - 1))) for p in params]
+    invs = [v.view(shape) for v, shape in zip(inv.unbind(0), shapes, strict=True)]
+    epss = [v.view(shape) for v, shape in zip(eps.unbind(0), shapes, strict=True)]
+    torch._foreach_mul_(denom, invs)
+    torch._foreach_add_(denom, epss)
+    torch._foreach_addcdiv_(params, exp_avgs, denom, value=-1)
 
 
 class _AdamBase(FusedOptimizer):
@@ -181,79 +287,10 @@ class _AdamBase(FusedOptimizer):
         check_range(group, "beta2", index, 0.0, 1.0, high_open=True)
         check_range(group, "weight_decay", index, 0.0)
 
-    def _update(
-        self, p: Tensor, grad: Tensor, state: State, hp: Views, group: Group, flags: Flags
-    ) -> None:
-        if flags["any_weight_decay"] and self.decoupled:
-            p.mul_(1 - hp["lr"] * hp["weight_decay"])
-        g = _gradient(p, grad, hp, group, flags, l2=not self.decoupled)
-        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-        exp_avg.lerp_(g, 1 - hp["beta1"])
-        if flags["shared_beta2"]:
-            beta2 = self._host(group, "beta2")[0]  # the host copy: no read of the device
-            exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        else:
-            exp_avg_sq.mul_(hp["beta2"]).addcmul_(g, g * (1 - hp["beta2"]))
-        step = state["step"].to(torch.float64) + 1
-        step_size = group["lr"] / (1 - group["beta1"] ** step)
-        bias2_sqrt = (1 - group["beta2"] ** step).sqrt()
-        if group["amsgrad"]:
-            torch.maximum(state["max_exp_avg_sq"], exp_avg_sq, out=state["max_exp_avg_sq"])
-            denom = state["max_exp_avg_sq"].sqrt()
-        else:
-            denom = exp_avg_sq.sqrt()
-        # torch: p -= step_size * m / (sqrt(v) / bias2_sqrt + eps). With step_size folded into the
-        # denominator this is one addcdiv_; a member with lr 0 gets an infinite denominator.
-        moving = step_size > 0
-        inv = torch.where(moving, 1 / (bias2_sqrt * step_size), 0.0)
-        eps = torch.where(moving, group["eps"] / step_size, torch.inf)
-        denom.mul_(_as_member_view(inv, p)).add_(_as_member_view(eps, p))
-        p.addcdiv_(exp_avg, denom, value=-1)
-
-    def _update_group(self, work: Work, group: Group, flags: Flags) -> None:
-        """:meth:`_update` on all parameters at once: the same arithmetic, each elementwise
-        step one ``torch._foreach_*`` operator for every parameter, and the per-member bias
-        corrections computed once for all parameters (``[P, B]``) instead of per parameter.
-        Parameters of several dtypes keep the per-parameter path."""
-        params, states, hps = work
-        if len({p.dtype for p in params}) != 1:
-            super()._update_group(work, group, flags)
-            return
-        if flags["any_weight_decay"] and self.decoupled:
-            decay = {id(hp): 1 - hp["lr"] * hp["weight_decay"] for hp in hps}
-            torch._foreach_mul_(params, [decay[id(hp)] for hp in hps])
-        g = _gradients(work, group, flags, l2=not self.decoupled)
-        exp_avgs = [st["exp_avg"] for st in states]
-        exp_avg_sqs = [st["exp_avg_sq"] for st in states]
-        one_minus = {id(hp): (1 - hp["beta1"], 1 - hp["beta2"]) for hp in hps}
-        torch._foreach_lerp_(exp_avgs, g, [one_minus[id(hp)][0] for hp in hps])
-        if flags["shared_beta2"]:
-            beta2 = self._host(group, "beta2")[0]  # the host copy: no read of the device
-            torch._foreach_mul_(exp_avg_sqs, beta2)
-            torch._foreach_addcmul_(exp_avg_sqs, g, g, value=1 - beta2)
-        else:
-            torch._foreach_mul_(exp_avg_sqs, [hp["beta2"] for hp in hps])
-            scaled = torch._foreach_mul(g, [one_minus[id(hp)][1] for hp in hps])
-            torch._foreach_addcmul_(exp_avg_sqs, g, scaled)
-        # the per-member scalars of every parameter at once, [P, B] in float64 as _update has them
-        step = torch.stack([st["step"] for st in states]).to(torch.float64) + 1
-        step_size = group["lr"] / (1 - group["beta1"] ** step)
-        bias2_sqrt = (1 - group["beta2"] ** step).sqrt()
-        if group["amsgrad"]:
-            max_sqs = [st["max_exp_avg_sq"] for st in states]
-            torch._foreach_maximum_(max_sqs, exp_avg_sqs)
-            denom = torch._foreach_sqrt(max_sqs)
-        else:
-            denom = torch._foreach_sqrt(exp_avg_sqs)
-        moving = step_size > 0
-        inv = torch.where(moving, 1 / (bias2_sqrt * step_size), 0.0).to(params[0].dtype)
-        eps = torch.where(moving, group["eps"] / step_size, torch.inf).to(params[0].dtype)
-        shapes = [(self.size, *([1] * (p.dim() - 1))) for p in params]
-        invs = [v.view(shape) for v, shape in zip(inv.unbind(0), shapes, strict=True)]
-        epss = [v.view(shape) for v, shape in zip(eps.unbind(0), shapes, strict=True)]
-        torch._foreach_mul_(denom, invs)
-        torch._foreach_add_(denom, epss)
-        torch._foreach_addcdiv_(params, exp_avgs, denom, value=-1)
+    def _group_update(self, group: Group, flags: Flags) -> tuple[GroupUpdate, tuple[Any, ...]]:
+        # the members' shared beta2 from the host copy: no read of the device
+        beta2 = self._host(group, "beta2")[0] if flags["shared_beta2"] else None
+        return _adam_group, (self.decoupled, beta2)
 
     def _group_flags(self, group: dict[str, Any]) -> dict[str, bool]:
         flags = super()._group_flags(group)
@@ -304,6 +341,34 @@ class AdamW(_AdamBase):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize)
 
 
+def _rmsprop_one(
+    p: Tensor, grad: Tensor, state: State, hp: Views, group: Group, flags: Flags
+) -> None:
+    """One parameter's RMSprop step (torch's single-tensor arithmetic, per member)."""
+    g = _gradient(p, grad, hp, group, flags)
+    square_avg = state["square_avg"]
+    square_avg.mul_(hp["alpha"]).addcmul_(g, g * (1 - hp["alpha"]))
+    if group["centered"]:
+        grad_avg = state["grad_avg"]
+        grad_avg.lerp_(g, 1 - hp["alpha"])
+        avg = torch.addcmul(square_avg, grad_avg, grad_avg, value=-1).sqrt_()
+    else:
+        avg = square_avg.sqrt()
+    avg.add_(hp["eps"])
+    if flags["any_momentum"]:
+        # members without momentum: buf*0 + g/avg is the plain update, exactly
+        buf = state["momentum_buffer"]
+        buf.mul_(hp["momentum"]).addcdiv_(g, avg)
+        p.addcmul_(buf, hp["neg_lr"])
+    else:
+        p.addcmul_(g.div(avg), hp["neg_lr"])
+
+
+def _rmsprop_group(work: Work, group: Group, flags: Flags) -> None:
+    """:func:`_rmsprop_one` on every parameter of ``work``."""
+    _each(_rmsprop_one, work, group, flags)
+
+
 class RMSprop(FusedOptimizer):
     """``torch.optim.RMSprop`` with per-member ``lr``, ``alpha``, ``eps``, ``weight_decay`` and
     ``momentum``; ``centered`` is shared."""
@@ -337,32 +402,31 @@ class RMSprop(FusedOptimizer):
         for name in ("lr", "eps", "weight_decay", "momentum", "alpha"):
             check_range(group, name, index, 0.0)
 
-    def _update(
-        self, p: Tensor, grad: Tensor, state: State, hp: Views, group: Group, flags: Flags
-    ) -> None:
-        g = _gradient(p, grad, hp, group, flags)
-        square_avg = state["square_avg"]
-        square_avg.mul_(hp["alpha"]).addcmul_(g, g * (1 - hp["alpha"]))
-        if group["centered"]:
-            grad_avg = state["grad_avg"]
-            grad_avg.lerp_(g, 1 - hp["alpha"])
-            avg = torch.addcmul(square_avg, grad_avg, grad_avg, value=-1).sqrt_()
-        else:
-            avg = square_avg.sqrt()
-        avg.add_(hp["eps"])
-        if flags["any_momentum"]:
-            # members without momentum: buf*0 + g/avg is the plain update, exactly
-            buf = state["momentum_buffer"]
-            buf.mul_(hp["momentum"]).addcdiv_(g, avg)
-            p.addcmul_(buf, hp["neg_lr"])
-        else:
-            p.addcmul_(g.div(avg), hp["neg_lr"])
+    def _group_update(self, group: Group, flags: Flags) -> tuple[GroupUpdate, tuple[Any, ...]]:
+        return _rmsprop_group, ()
 
     def _export_state(self, st: dict[str, Any], i: int, group: dict[str, Any]) -> dict[str, Any]:
         out = super()._export_state(st, i, group)
         if float(group["momentum"][i]) <= 0:
             out.pop("momentum_buffer")  # torch keeps no buffer without momentum
         return out
+
+
+def _adagrad_one(
+    p: Tensor, grad: Tensor, state: State, hp: Views, group: Group, flags: Flags
+) -> None:
+    """One parameter's Adagrad step (torch's single-tensor arithmetic, per member)."""
+    g = _gradient(p, grad, hp, group, flags)
+    step = state["step"].to(torch.float64) + 1
+    clr = _as_member_view(group["lr"] / (1 + (step - 1) * group["lr_decay"]), p)
+    state["sum"].addcmul_(g, g)
+    std = state["sum"].sqrt().add_(hp["eps"])
+    p.addcmul_(g.div(std), clr.neg())
+
+
+def _adagrad_group(work: Work, group: Group, flags: Flags) -> None:
+    """:func:`_adagrad_one` on every parameter of ``work``."""
+    _each(_adagrad_one, work, group, flags)
 
 
 class Adagrad(FusedOptimizer):
@@ -407,12 +471,5 @@ class Adagrad(FusedOptimizer):
     def _has_state(self, st: dict[str, Any], i: int, group: dict[str, Any]) -> bool:
         return True  # torch creates Adagrad's state with the optimizer
 
-    def _update(
-        self, p: Tensor, grad: Tensor, state: State, hp: Views, group: Group, flags: Flags
-    ) -> None:
-        g = _gradient(p, grad, hp, group, flags)
-        step = state["step"].to(torch.float64) + 1
-        clr = _as_member_view(group["lr"] / (1 + (step - 1) * group["lr_decay"]), p)
-        state["sum"].addcmul_(g, g)
-        std = state["sum"].sqrt().add_(hp["eps"])
-        p.addcmul_(g.div(std), clr.neg())
+    def _group_update(self, group: Group, flags: Flags) -> tuple[GroupUpdate, tuple[Any, ...]]:
+        return _adagrad_group, ()

@@ -14,7 +14,6 @@ to and from the ``state_dict`` that the matching ``torch.optim`` optimizer would
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 from collections.abc import Callable, Mapping
@@ -24,10 +23,12 @@ import torch
 from torch import Tensor, nn
 
 from .._checks import is_int
-from .._compat import optimizer_step_observed
+from ._compiled import CompiledUpdate
+from ._compiled import GroupUpdate as GroupUpdate
 from ._groups import HyperParameter as HyperParameter
 from ._groups import ParamsT as ParamsT
 from ._groups import member_values, param_groups
+from ._observed import observed_step
 
 __all__ = ["FusedOptimizer", "HyperParameter"]
 
@@ -49,31 +50,6 @@ Group = dict[str, Any]
 Flags = dict[str, bool]
 #: a group's parameters that have gradients, with their states and hyperparameter views
 Work = tuple[list[Tensor], list[State], list[Views]]
-
-
-def _observed_step(step: Callable[..., Any]) -> Callable[..., Any]:
-    """``step`` through torch's optimizer wrapper only while something watches it.
-
-    ``torch.optim.Optimizer`` wraps every optimizer class's ``step`` (``profile_hook_step``): a
-    profiler range around the step and the step pre- and post-hooks, the optimizer's own
-    (``register_step_pre_hook``...) and every optimizer's
-    (``torch.optim.optimizer.register_optimizer_step_pre_hook``...). With no hook registered and
-    no profiler running, that range is a fixed cost of every step and the hooks are empty loops:
-    then the step runs as it is, and otherwise through torch's very wrapper, so hooks and
-    profiler traces see it as they see any optimizer's. The mark ``hooked`` tells torch that
-    the class's ``step`` is wrapped already."""
-    observed = torch.optim.Optimizer.profile_hook_step(step)
-
-    @functools.wraps(step)
-    def wrapper(self: FusedOptimizer, *args: Any, **kwargs: Any) -> Any:
-        # a subclass's own step is torch-wrapped already (it has no mark): called through
-        # super(), this one must not run the hooks a second time
-        if type(self).step is wrapper and optimizer_step_observed(self):
-            return observed(self, *args, **kwargs)
-        return step(self, *args, **kwargs)
-
-    wrapper.hooked = True  # type: ignore[attr-defined]
-    return wrapper
 
 
 class FusedOptimizer(torch.optim.Optimizer):
@@ -125,6 +101,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         #: per param group: one ``[P, B]`` tensor whose rows are its parameters' ``step``
         #: counts (the states hold the row views), so a step counts with one ``add_``
         self._step_blocks: dict[int, tuple[Tensor, list[Tensor]]] = {}
+        #: the group updates compiled (:meth:`compile`), or ``None``: eager
+        self._compiled: CompiledUpdate | None = None
         self._refresh()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -178,7 +156,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             state[key][i].zero_()
 
     # ------------------------------------------------------------------ stepping
-    @_observed_step
+    @observed_step
     @torch.no_grad()
     def step(
         self, closure: Callable[[], float] | None = None, *, skip: Tensor | None = None
@@ -229,7 +207,11 @@ class FusedOptimizer(torch.optim.Optimizer):
             steps = [state["step"] for state in states]
             block = self._step_block(index, states, steps)
             saved = _inactive_rows(params, states, inactive)
-            self._update_group(work, group, self._flags[index])
+            update, constants = self._group_update(group, self._flags[index])
+            if self._compiled is None:
+                update(work, group, self._flags[index], *constants)
+            else:
+                self._compiled(update, work, group, self._flags[index], *constants)
             if block is None:  # some parameters had no gradient: only theirs count
                 torch._foreach_add_([state["step"] for state in states], 1)
             else:
@@ -294,6 +276,21 @@ class FusedOptimizer(torch.optim.Optimizer):
             states.append(state)
             hps.append(hp)
         return params, states, hps
+
+    def compile(self, mode: str | None = None) -> None:
+        """Compile every later step's update arithmetic with ``torch.compile`` (``mode``:
+        inductor's default when ``None``), exactly the eager update's results within float
+        rounding. The non-finite check, the idle members' rows and the step counts stay eager
+        (they read the device into Python); graphs are shared by all optimizers of the same
+        class, shapes and options. A call dynamo refuses runs uncompiled from then on, with one
+        ``hfsweep.fusion.CompileFallbackWarning`` (see ``hfsweep.optim._compiled``)."""
+        self._compiled = CompiledUpdate(type(self).__name__, mode)
+
+    def _group_update(self, group: Group, flags: Flags) -> tuple[GroupUpdate, tuple[Any, ...]]:
+        """The function updating one group, ``update(work, group, flags, *constants)``, and its
+        constants: the subclasses' are plain functions of their arguments, what
+        :meth:`compile` compiles; by default :meth:`_update_group` (this optimizer's)."""
+        return self._update_group, ()
 
     def _update_group(self, work: Work, group: Group, flags: Flags) -> None:
         """Update every parameter of a group (see :meth:`_update`); subclasses may do it with

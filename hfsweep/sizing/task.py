@@ -166,8 +166,8 @@ def measure_step(
     steps are timed (:func:`time_steps`: ``min_seconds`` at most unless the times settle
     sooner, and at least ``min_steps``); the step time is the median, which other processes'
     interruptions do not move. Then one more step measures peak memory. ``traces``: a trace
-    cache the array shares (see :func:`profile_task`). ``compile``: the array and the loss
-    compiled as the trainer's ``compile`` does; its peak memory is not measured (0: the op by
+    cache the array shares (see :func:`profile_task`). ``compile``: the array, the loss and
+    the optimizer's update compiled as the trainer's ``compile`` does; its peak memory is not measured (0: the op by
     op tracker would not see inside compiled kernels). ``first_step``: a list the first warm-up
     step's seconds are appended to (tracing and compiling included). ``share_frozen``: the
     array keeps frozen tensors every member holds identically once, as the trainer's arrays
@@ -230,6 +230,8 @@ def _time_array(
         array._share_traces(traces)
     array.train()
     opt = make_optimizer(array, configs)
+    if mode is not None:  # the update compiled as the trainer compiles it
+        opt.compile()
     sched = make_schedule(opt, configs, [10**9] * size, 1)
     smoothing = (
         torch.tensor([c["label_smoothing"] for c in configs], dtype=dtype, device=device)

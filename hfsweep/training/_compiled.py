@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._compat import dynamo_graphs_compiled
 from ..fusion._compile import warn_fallback
 from .task import Task, TaskError
 
@@ -35,7 +36,7 @@ class CompiledLoss:
         if self._compiled is None:
             return self._task.member_loss(outputs, target, smoothing)
         start = time.perf_counter()
-        frames = _compiled_frames()
+        frames = dynamo_graphs_compiled()
         try:
             losses: Tensor = self._compiled(outputs, target, smoothing)
         except (TaskError, torch.OutOfMemoryError):
@@ -52,15 +53,8 @@ class CompiledLoss:
             self._compiled = None
             return self._task.member_loss(outputs, target, smoothing)
         self._ran = True
-        if _compiled_frames() != frames:  # this call compiled (a new shape): not a step's time
+        if (
+            dynamo_graphs_compiled() != frames
+        ):  # this call compiled (a new shape): not a step's time
             self.seconds += time.perf_counter() - start
         return losses
-
-
-def _compiled_frames() -> int:
-    """How many frames dynamo has compiled in this process (0 where torch does not say)."""
-    counters = getattr(getattr(torch, "_dynamo", None), "utils", None)
-    try:
-        return int(counters.counters["stats"]["unique_graphs"])  # type: ignore[union-attr]
-    except (AttributeError, KeyError, TypeError):
-        return 0

@@ -153,6 +153,8 @@ def _build_live(
             _set_member_dropout(array, i, float(c["dropout"]))
     spe = t.steps_per_epoch(filler.config)
     opt = make_optimizer(array, configs)
+    if t._update is not None:
+        opt._compiled = t._update  # one for all the trainer's arrays: one fallback, one timer
     budgets = [(s or filler).budget for s in state.slots]
     sched = make_schedule(opt, configs, budgets, spe)
     for i, s in enumerate(state.slots):

@@ -203,7 +203,7 @@ class _Run:
         started = time.perf_counter()
         live = self._build(state, built)
         build_s = models_s + time.perf_counter() - started
-        timer = _StepTimer(self.t.device, live.array, self.t._loss)
+        timer = _StepTimer(self.t.device, live.array, self.t._loss, self.t._update)
         _log.info("training an array of %d members (%d steps per epoch)", len(state.slots), spe)
         counts = _StepCounts(state.slots, eval_every)
         try:

@@ -92,10 +92,11 @@ class _StepTimer:
     evaluations, with the time spent tracing and compiling left out. On CUDA the clock stops
     after a synchronize, so queued kernels count in the steps that launched them."""
 
-    def __init__(self, device: torch.device, array: FusedArray, loss: Any = None) -> None:
+    def __init__(self, device: torch.device, array: FusedArray, *compiled: Any) -> None:
         self._device = device
         self._array = array
-        self._loss = loss  #: a CompiledLoss, whose compiling is left out too
+        #: the compiled loss and optimizer update (or ``None``), whose compiling is left out too
+        self._compiled = compiled
         self._seconds = 0.0
         self._steps = 0
         self._stretch = 0
@@ -110,8 +111,11 @@ class _StepTimer:
         self._stretch = 0
 
     def _left_out(self) -> float:
-        """Seconds spent tracing and compiling so far (the array's, and the compiled loss's)."""
-        return self._array._tracing_seconds + float(getattr(self._loss, "seconds", 0.0))
+        """Seconds spent tracing and compiling so far (the array's, the compiled loss's and the
+        compiled optimizer update's)."""
+        return self._array._tracing_seconds + sum(
+            float(getattr(c, "seconds", 0.0)) for c in self._compiled
+        )
 
     def step(self) -> None:
         """One training step of the stretch is done."""

@@ -24,6 +24,7 @@ from .._malloc import retaining_freed_memory
 from .._usercode import Phase
 from ..fusion._compile import check_compile, mode_for
 from ..offload import OffloadChoice, check_offload
+from ..optim._compiled import CompiledUpdate
 from ._compiled import CompiledLoss
 from .checkpoint import _DELIVERED, _FINAL_STATES, _read_delivered, _result_from_record
 from .packed import load as load_packed
@@ -76,7 +77,8 @@ class ArrayTrainer:
     ``float64`` is for exactness tests; models are built on the CPU from their seed, then moved
     to ``device``. ``compile`` compiles each array's traced forward and backward and the task's
     loss with ``torch.compile`` (see ``compile`` of :func:`hfsweep.fuse`; ``True``: CUDA graphs
-    on CUDA); the time compiling takes is left out of the measured step times.
+    on CUDA), and its optimizer's update (:meth:`hfsweep.optim.FusedOptimizer.compile`,
+    inductor's default mode); the time compiling takes is left out of the measured step times.
 
     ``offload`` (``"none"``, ``"host"``, ``"auto"``) keeps an array's stacked parameters and
     optimizer state in host memory and runs it on ``device`` shard by shard (see
@@ -152,6 +154,9 @@ class ArrayTrainer:
         mode = mode_for(self.compile, self.device)
         #: the task's loss compiled (``compile``), or ``None``: ``task.member_loss`` as it is
         self._loss = CompiledLoss(task, mode) if mode is not None else None
+        #: every array's optimizer update compiled (``compile``; inductor's default mode on
+        #: every device: CUDA graphs of the update are not tried yet), or ``None``
+        self._update = CompiledUpdate(f"{task.name!r}'s optimizer", None) if mode else None
         self.keep_states = keep_states
         self.final_states = final_states
         #: the data of the last compatibility key trained (an executor shares one between

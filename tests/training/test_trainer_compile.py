@@ -1,5 +1,5 @@
-"""``hs.ArrayTrainer(..., compile=True)``: the compiled fused step (forward, backward and the
-task's loss compiled; the fused optimizer as it is) trains every member exactly as the
+"""``hs.ArrayTrainer(..., compile=True)``: the compiled fused step (forward, backward, the
+task's loss and the fused optimizer's update compiled) trains every member exactly as the
 uncompiled trainer does, per-member dropout, label smoothing, clipping and schedules included."""
 
 from __future__ import annotations
@@ -31,7 +31,13 @@ CONFIGS: list[dict[str, Any]] = [
 
 def _run(**kw: Any) -> list[hs.MemberResult]:
     trainer = hs.ArrayTrainer(make_task(), dtype=torch.float64, eval_every=3, **kw)
-    return trainer.run([hs.Member(f"m{i}", c) for i, c in enumerate(CONFIGS)])
+    results = trainer.run([hs.Member(f"m{i}", c) for i, c in enumerate(CONFIGS)])
+    if trainer.compile:  # the optimizer's update compiled too, its compiling left out
+        assert trainer._update is not None and trainer._update.fallback is None
+        assert trainer._update.seconds > 0
+    else:
+        assert trainer._update is None
+    return results
 
 
 @pytest.mark.slow
