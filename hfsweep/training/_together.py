@@ -94,10 +94,23 @@ def train_together(
     step (their checkpoints, written at their last evaluation, resume them) and the error is
     raised."""
     _check(jobs, schedule, prefetch_depth)
-    driver = _Driver(list(jobs), schedule, prefetch_depth, transfer)
-    cpu = jobs[0].trainer.device.type == "cpu"
+    first = jobs[0].trainer
+    driver = _Driver(
+        first.device, first.device_memory, len(jobs), schedule, prefetch_depth, transfer
+    )
+    results: dict[int, list[MemberResult]] = {}
+    cpu = first.device.type == "cpu"
     with retaining_freed_memory() if cpu else contextlib.nullcontext():
-        return driver.run()
+        try:
+            keys = [driver.add(job) for job in jobs]
+            while driver.training:
+                for key, outcome in driver.round().items():
+                    if isinstance(outcome, Exception):
+                        raise outcome
+                    results[key] = outcome
+        finally:
+            driver.stop()  # after an error: the others stop at their current step
+    return [results[k] for k in keys]
 
 
 def _check(jobs: Sequence[ArrayJob], schedule: str, prefetch_depth: int) -> None:
@@ -161,29 +174,33 @@ _Reply = Tensor | BaseException | None
 
 
 class _Driver:
-    """The runs of ``jobs`` advanced in turn (see the module's docstring): each to its next
-    step request or its end, then every request in one alternating step."""
+    """Runs advanced in turn (see the module's docstring): :meth:`add` a job's run, then each
+    :meth:`round` takes every run to its next step request or its end and runs the requests
+    as one alternating step. Runs may be added between rounds (an executor's arrays start
+    while others train); ``arrays`` is how many may train at once, which divides the budget."""
 
     def __init__(
         self,
-        jobs: list[ArrayJob],
-        schedule: Schedule,
-        prefetch_depth: int,
-        transfer: Transfer | None,
+        device: torch.device,
+        device_memory: int | None,
+        arrays: int,
+        schedule: Schedule = "lockstep",
+        prefetch_depth: int = 1,
+        transfer: Transfer | None = None,
     ) -> None:
-        self.jobs = jobs
         self.schedule: Schedule = schedule
         self.depth = prefetch_depth
-        first = jobs[0].trainer
-        self.device = first.device
-        self.transfer = transfer if transfer is not None else default_transfer(self.device)
-        budget = first.device_memory
-        self.ledger = ResidentLedger(budget)
-        m = len(jobs)
+        self.device = device
+        self.transfer = transfer if transfer is not None else default_transfer(device)
+        self.ledger = ResidentLedger(device_memory)
         # as AlternatingArrays: waiting arrays hold their depth's shards, the one computing
         # one more and its gradients, within half the budget
-        parts = max(4 * m, 2 * (m * prefetch_depth + 2))
-        self.shard_bytes = None if budget is None else max(budget // parts, 1)
+        parts = max(4 * arrays, 2 * (arrays * prefetch_depth + 2))
+        self.shard_bytes = None if device_memory is None else max(device_memory // parts, 1)
+        self._loops: dict[int, _Loop] = {}
+        self._rng: dict[int, dict[str, Any]] = {}
+        self._replies: dict[int, _Reply] = {}
+        self._added = 0
 
     def _engine(self, array: FusedArray) -> OffloadedArray:
         """An array's engine: cut along the graph, on the shared ledger and transfer."""
@@ -197,43 +214,71 @@ class _Driver:
             prefetch_depth=self.depth,
         )
 
-    def run(self) -> list[list[MemberResult]]:
-        loops: list[_Loop] = []
-        for job in self.jobs:
-            run = _Run(job.trainer, job.report, job.refill, job.on_finish)
-            run.engine_for = self._engine
-            loops.append(run.steps(job.members, job.resume, job.start_step))
-        caller = _rng_state()
-        # every run starts on the caller's generators, as run() alone does
-        rng = [caller] * len(loops)
-        results: dict[int, list[MemberResult]] = {}
-        replies: dict[int, _Reply] = dict.fromkeys(range(len(loops)))
+    def add(self, job: ArrayJob) -> int:
+        """Start ``job``'s run (on torch's global generators as they are now, as ``run()``
+        starts on the caller's); its key in :meth:`round`'s outcomes."""
+        run = _Run(job.trainer, job.report, job.refill, job.on_finish)
+        run.engine_for = self._engine
+        key = self._added
+        self._added += 1
+        self._loops[key] = run.steps(job.members, job.resume, job.start_step)
+        self._rng[key] = _rng_state()
+        self._replies[key] = None
+        return key
+
+    @property
+    def training(self) -> bool:
+        """Whether a run added has not ended."""
+        return bool(self._loops)
+
+    def round(self) -> dict[int, list[MemberResult] | Exception]:
+        """Every run to its next step or its end, then their steps as one; the runs that
+        ended in it (their results, or the exception their run raised), by key. Torch's
+        global generators are as they were before (each run's are its own)."""
+        outer = _rng_state()
+        ended: dict[int, list[MemberResult] | Exception] = {}
+        requests: dict[int, StepRequest] = {}
         try:
-            while replies:
-                requests: dict[int, StepRequest] = {}
-                for i, reply in replies.items():
-                    _set_rng_state(rng[i])
-                    try:
-                        if isinstance(reply, BaseException):
-                            requests[i] = loops[i].throw(reply)
-                        else:
-                            requests[i] = loops[i].send(reply)  # type: ignore[arg-type]
-                    except StopIteration as done:
-                        results[i] = done.value
-                    finally:
-                        rng[i] = _rng_state()
-                replies = self._step(requests) if requests else {}
+            for key, reply in self._replies.items():
+                loop = self._loops[key]
+                _set_rng_state(self._rng[key])
+                try:
+                    if isinstance(reply, BaseException):
+                        requests[key] = loop.throw(reply)
+                    else:
+                        requests[key] = loop.send(reply)  # type: ignore[arg-type]
+                except StopIteration as done:
+                    ended[key] = done.value
+                except Exception as exc:  # that run's end; the others go on
+                    ended[key] = exc
+                finally:
+                    self._rng[key] = _rng_state()
         finally:
-            for loop in loops:  # after an error: the others stop here (no-op once ended)
+            _set_rng_state(outer)
+        for key in ended:
+            del self._loops[key], self._rng[key]
+        self._replies = self._step(requests) if requests else {}
+        return ended
+
+    def stop(self) -> None:
+        """Stop every run not ended at its current step (its checkpoint, written at its last
+        evaluation, resumes it) and close the transfer."""
+        outer = _rng_state()
+        try:
+            for loop in self._loops.values():
                 loop.close()
-            _set_rng_state(caller)
+        finally:
+            self._loops.clear()
+            self._rng.clear()
+            self._replies.clear()
+            _set_rng_state(outer)
             self.transfer.close()
-        return [results[i] for i in range(len(loops))]
 
     def _step(self, requests: Mapping[int, StepRequest]) -> dict[int, _Reply]:
         """Every request's forward, loss and backward as one alternating step; each run's
-        ``[B]`` losses, or (out of memory) the error for each, which its loop handles as
-        alone (it restores its buffers and goes on as smaller arrays)."""
+        ``[B]`` losses, or the step's error for each (out of memory: each run handles it as
+        alone, restoring its buffers and going on as smaller arrays; any other: it ends each
+        run it reaches, as it would end the run alone)."""
         order = sorted(requests)
         reqs = [requests[i] for i in order]
         losses: list[Tensor | None] = [None] * len(reqs)
@@ -245,7 +290,7 @@ class _Driver:
         try:
             with Phase("the forward and backward passes (arrays alternating)"):
                 arrays.step([r.x for r in reqs], [_loss(r, losses, k) for k, r in enumerate(reqs)])
-        except torch.OutOfMemoryError as exc:
+        except Exception as exc:
             return dict.fromkeys(order, exc)
         replies: dict[int, _Reply] = {}
         for i, r, value in zip(order, reqs, losses, strict=True):
