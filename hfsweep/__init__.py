@@ -13,12 +13,13 @@ from .fusion import FusedArray, fuse, member_losses
 from .searchers import Searcher
 from .sizing.task import profile_task
 from .tracking import Callback
-from .training import ArrayTrainer, Evaluation, Member, MemberResult
+from .training import ArrayJob, ArrayTrainer, Evaluation, Member, MemberResult, train_together
 from .training.task import Task, TaskError
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "ArrayJob",
     "ArrayTrainer",
     "Callback",
     "Evaluation",
@@ -40,4 +41,5 @@ __all__ = [
     "profile_task",
     "retrain",
     "sweep",
+    "train_together",
 ]

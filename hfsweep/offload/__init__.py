@@ -16,7 +16,8 @@ compute device shard by shard (issue 22; Hydra's parameter spilling and double b
 - ``_alternate``: :class:`AlternatingArrays`, several offloaded arrays stepped together, their
   shards alternating so that one's transfers overlap another's compute (Hydra's shard
   alternation; in lockstep, phase-shifted by one forward, or by readiness: ``SCHEDULES``;
-  each array ``prefetch_depth`` shards ahead; Python API only, not used by the trainer yet).
+  each array ``prefetch_depth`` shards ahead; the trainer's through ``hs.train_together``,
+  not used by ``hfsweep run`` yet).
 - ``_policy``: the ``offload`` values and what ``auto`` decides: by memory
   (:func:`choose_offload`), and by measured throughput where both ways fit (:func:`choose_by_rate`).
 

@@ -88,8 +88,10 @@ boundary activations the one before it, in its backward, lets go of its own, so 
 never holds more of them than the lockstep does at the end of its forwards (every array's
 all at once); the tests check its ledger's peak against the lockstep's.
 
-What this is not yet: the trainer (``hs.ArrayTrainer``) and ``hfsweep run``'s executor step
-one array at a time and do not use it; arrays cut between their blocks (``cut="blocks"``, whose
+The trainer uses it through :func:`hfsweep.train_together` (several ``ArrayTrainer`` runs,
+each step of all of them one :meth:`~AlternatingArrays.step` over engines it builds:
+:meth:`AlternatingArrays.of_engines`). What this is not yet: ``hfsweep run``'s executor steps
+one array at a time and does not use it; arrays cut between their blocks (``cut="blocks"``, whose
 own forward calls the units) are not alternated (they are cut along the graph here, or
 refused).
 """
@@ -362,6 +364,43 @@ class AlternatingArrays:
             self.engines[i]._urgent = True
         self._outputs: list[Tensor | None] = []
         self._generations: list[int] = []
+
+    @classmethod
+    def of_engines(
+        cls, engines: Sequence[OffloadedArray], *, schedule: Schedule = "lockstep"
+    ) -> AlternatingArrays:
+        """Engines built already (each :class:`~hfsweep.offload.OffloadedArray` cut along
+        the graph, all sharing one ledger and one transfer) stepped together as the arrays of
+        an :class:`AlternatingArrays` built from their arrays would be. For a caller whose
+        arrays come and go while others train (the trainer's driver,
+        :func:`~hfsweep.training.train_together`): its engines, their shard limits and
+        prefetch depths are its own, and :meth:`close` here closes them and their transfer."""
+        if schedule not in SCHEDULES:
+            raise OffloadError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        if not engines:
+            raise OffloadError("AlternatingArrays needs at least one array")
+        if len({id(e) for e in engines}) != len(engines):
+            raise OffloadError("AlternatingArrays got the same engine twice")
+        first = engines[0]
+        for e in engines:
+            if e.ledger is not first.ledger or e.transfer is not first.transfer:
+                raise OffloadError(
+                    "engines stepped together must share one ledger and one transfer "
+                    "(OffloadedArray(..., ledger=..., transfer=...))"
+                )
+            if e._blocks is not None:
+                raise OffloadError(
+                    "an array cut between its blocks (cut='blocks') cannot be alternated: "
+                    "cut it along the graph (cut='graph') or step it alone"
+                )
+        arrays = cls.__new__(cls)
+        arrays.schedule = schedule
+        arrays.ledger = first.ledger
+        arrays.transfer = first.transfer
+        arrays.engines = list(engines)
+        arrays._outputs = []
+        arrays._generations = []
+        return arrays
 
     def _check_inputs(self, inputs: Sequence[Tensor]) -> None:
         """One tensor per array, none requiring a gradient (the arrays' inputs get none)."""

@@ -2,6 +2,8 @@
 
 One job per module, each importing only those below it in this list:
 
+- ``_together``: :func:`train_together`, several offloaded arrays' runs (:class:`ArrayJob`)
+  trained at once, each step of all of them one alternating step of their shards.
 - ``trainer``: :class:`ArrayTrainer`, what a caller builds and runs.
 - ``run``: one run of it: the arrays it trains, evaluations, ends, refills, checkpoints.
 - ``_evaluation``: what one evaluation computes: validation sums, history records, endings.
@@ -19,7 +21,17 @@ One job per module, each importing only those below it in this list:
 Users import these names from :mod:`hfsweep` (and :mod:`hfsweep.trainer`).
 """
 
+from ._together import ArrayJob, train_together
 from .results import Evaluation, Member, MemberResult, RefillHook, ReportHook
 from .trainer import ArrayTrainer
 
-__all__ = ["ArrayTrainer", "Evaluation", "Member", "MemberResult", "RefillHook", "ReportHook"]
+__all__ = [
+    "ArrayJob",
+    "ArrayTrainer",
+    "Evaluation",
+    "Member",
+    "MemberResult",
+    "RefillHook",
+    "ReportHook",
+    "train_together",
+]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +55,9 @@ class _Live:
     smoothes: bool = False  #: whether any member smoothes labels (else the loss skips the term)
     #: the offload engine running ``array`` shard by shard (``offload: host``), else ``None``
     engine: OffloadedArray | None = None
+    #: whether the engine's transfer is its own (closed with it), not a driver's that several
+    #: arrays trained together share (:func:`~hfsweep.training.train_together`)
+    owns_transfer: bool = True
 
     def forward(self, x: Any) -> Any:
         """Every member's output on the shared input ``x``: the array's call, or its offload
@@ -63,8 +66,12 @@ class _Live:
 
     def close(self) -> None:
         """Release the offload engine's compute-side state and threads (after training)."""
-        if self.engine is not None:
+        if self.engine is None:
+            return
+        if self.owns_transfer:
             self.engine.close()
+        else:  # the transfer goes on for the other arrays; the driver closes it
+            self.engine._release()
 
     def refresh(self) -> None:
         """Read the per-member settings of the slots again, after members joined."""
@@ -126,11 +133,17 @@ class _Live:
 
 
 def _build_live(
-    t: ArrayTrainer, key: str, state: _ArrayState, built: Mapping[int, nn.Module]
+    t: ArrayTrainer,
+    key: str,
+    state: _ArrayState,
+    built: Mapping[int, nn.Module],
+    engine_for: Callable[[FusedArray], OffloadedArray] | None = None,
 ) -> _Live:
     """The live array of ``state``'s slots on ``t``'s device: new members' models from
     ``built``, restored members' weights, optimizer and schedule state and dropout streams from
-    their saved state; idle slots are filled with copies and kept inactive."""
+    their saved state; idle slots are filled with copies and kept inactive. An offloaded
+    array's engine is ``engine_for(array)`` where given (a driver's, sharing its ledger and
+    transfer with the arrays trained together), else one of its own."""
     live = [s for s in state.slots if s is not None]
     filler = live[0]
     models = _models(t, state, filler, built)
@@ -172,7 +185,10 @@ def _build_live(
     array.train()
     engine = None
     if offload == "host":
-        engine = OffloadedArray(array, device=t.device, budget_bytes=t.device_memory)
+        if engine_for is not None:
+            engine = engine_for(array)
+        else:
+            engine = OffloadedArray(array, device=t.device, budget_bytes=t.device_memory)
         _log.info(
             "offload: host, %d shards of at most %d bytes, %d tensors kept once for all members",
             len(engine.shards),
@@ -187,7 +203,16 @@ def _build_live(
     loss_sum = torch.tensor(
         [s.loss_sum if s else 0.0 for s in state.slots], dtype=torch.float64, device=t.device
     )
-    result = _Live(state, array, opt, sched, smoothing, loss_sum, engine=engine)
+    result = _Live(
+        state,
+        array,
+        opt,
+        sched,
+        smoothing,
+        loss_sum,
+        engine=engine,
+        owns_transfer=engine_for is None,
+    )
     result.refresh()
     return result
 

@@ -1,14 +1,22 @@
 """One call of :meth:`ArrayTrainer.run <hfsweep.training.trainer.ArrayTrainer.run>`: the arrays
 it trains one after another (more than one after an out-of-memory split or a compaction), each
-member's evaluations, ends and refills, and the checkpoint written at every evaluation."""
+member's evaluations, ends and refills, and the checkpoint written at every evaluation.
+
+The run's loop is a generator (:meth:`_Run.steps`): alone it never yields (:meth:`_Run.execute`
+drains it), and under :func:`~hfsweep.training.train_together` it yields each training step's
+forward, loss and backward as a :class:`StepRequest` to the driver, which steps several runs'
+requests together (their offloaded shards alternating) and sends each its ``[B]`` losses back,
+or throws the step's out-of-memory error in. Everything else (data, evaluation, refill,
+checkpoints) stays in the run's own loop, so a run trains the same either way."""
 
 from __future__ import annotations
 
 import json
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +26,7 @@ from torch import Tensor, nn
 from .._io import append_lines, atomic_save
 from .._usercode import CHECKPOINT, OPTIMIZER_STEP, Phase, describe
 from ..fusion import FusedArray
+from ..offload import OffloadedArray
 from ._evaluation import endings, record_evaluations, validation_sums
 from ._frozen import share_frozen_storage
 from ._offload_auto import split_for_offload
@@ -58,6 +67,31 @@ if TYPE_CHECKING:
 _log = logging.getLogger("hfsweep.trainer")
 
 
+@dataclass
+class StepRequest:
+    """One training step a run hands to its driver: the forward, loss and backward of
+    ``live``'s array on the batch ``(x, y)``; the driver sends back the ``[B]`` losses."""
+
+    run: _Run
+    live: _Live
+    x: Any
+    y: Any
+
+
+#: what :meth:`_Run.steps` yields, is sent, and returns
+_Steps = Generator[StepRequest, Tensor, list[MemberResult]]
+
+
+def _drain(steps: Generator[StepRequest, Tensor, Any]) -> Any:
+    """Run ``steps`` of a run alone to its end (it steps its arrays itself: it never yields)."""
+    try:
+        request = next(steps)
+    except StopIteration as done:
+        return done.value
+    steps.close()
+    raise RuntimeError(f"a run trained alone handed its step out: {request!r}")
+
+
 class _Run:
     """One call of :meth:`ArrayTrainer.run`: a queue of arrays (more than one after an OOM split)."""
 
@@ -82,11 +116,22 @@ class _Run:
         self.user_rng: dict[str, Any] = {}
         #: measured seconds per training step by array size (this run's key), for compaction
         self.step_seconds: dict[int, float] = {}
+        #: set by a driver training several runs together (:func:`~hfsweep.training.
+        #: train_together`): the offload engine of each array built, sharing the driver's
+        #: ledger and transfer; the run then yields its steps to the driver
+        self.engine_for: Callable[[FusedArray], OffloadedArray] | None = None
 
     # ------------------------------------------------------------------ entry
     def execute(
         self, members: Sequence[Member], resume: bool, start_step: int = 0
     ) -> list[MemberResult]:
+        """Train ``members`` alone (see :meth:`ArrayTrainer.run`); one result per member."""
+        results: list[MemberResult] = _drain(self.steps(members, resume, start_step))
+        return results
+
+    def steps(self, members: Sequence[Member], resume: bool, start_step: int = 0) -> _Steps:
+        """:meth:`execute` as a generator: it yields a :class:`StepRequest` at each training
+        step where a driver set :attr:`engine_for`, and returns the results."""
         ckpt = self._checkpoint_path()
         with fork_rng():
             self.user_rng = _rng_state()
@@ -105,7 +150,7 @@ class _Run:
                 self.queue = [_ArrayState(list(slots), *divmod(start_step, spe))]
             self._deliver()
             while self.queue:
-                reshaped = self._train(self.queue[0])
+                reshaped = yield from self._train(self.queue[0])
                 if reshaped is None:
                     self.queue.pop(0)
                 else:
@@ -183,7 +228,9 @@ class _Run:
         return _SlotState(spec)
 
     # ------------------------------------------------------------------ one array
-    def _train(self, state: _ArrayState) -> list[_ArrayState] | None:
+    def _train(
+        self, state: _ArrayState
+    ) -> Generator[StepRequest, Tensor, list[_ArrayState] | None]:
         """Train ``state`` until no member is left. Returns the arrays to train instead, with
         every member's current state, when it must change shape: two halves after an
         out-of-memory error, or a compact array once at most half of the slots are busy and no
@@ -207,7 +254,9 @@ class _Run:
         _log.info("training an array of %d members (%d steps per epoch)", len(state.slots), spe)
         counts = _StepCounts(state.slots, eval_every)
         try:
-            return self._train_steps(state, live, counts, timer, ref, eval_every, build_s)
+            return (
+                yield from self._train_steps(state, live, counts, timer, ref, eval_every, build_s)
+            )
         finally:
             counts.flush(state.slots, eval_every)  # whatever ends the steps: counts up to date
             live.close()
@@ -221,7 +270,7 @@ class _Run:
         ref: Mapping[str, Any],
         eval_every: int,
         build_s: float,
-    ) -> list[_ArrayState] | None:
+    ) -> Generator[StepRequest, Tensor, list[_ArrayState] | None]:
         """The training steps of :meth:`_train` (``ref``: a member's config), until no member
         is left or the array must change shape."""
         spe = self.t.steps_per_epoch(ref)
@@ -241,7 +290,7 @@ class _Run:
                 torch._foreach_copy_(backup, buffers)
             out_of_memory = ""
             try:
-                losses = self._backward(live, x, y)
+                losses = yield from self._step(live, x, y)
             except torch.OutOfMemoryError as exc:
                 out_of_memory = describe(exc, limit=300)
             if out_of_memory:
@@ -294,6 +343,15 @@ class _Run:
                 timer.resume()
         return None
 
+    def _step(self, live: _Live, x: Any, y: Any) -> Generator[StepRequest, Tensor, Tensor]:
+        """Forward and backward of one training step: :meth:`_backward` here, or, with a
+        driver (:attr:`engine_for`), handed to it as a :class:`StepRequest`; the ``[B]``
+        losses either way (the driver throws a failed step's out-of-memory error in)."""
+        if self.engine_for is None:
+            return self._backward(live, x, y)
+        losses = yield StepRequest(self, live, x, y)
+        return losses
+
     def _backward(self, live: _Live, x: Any, y: Any) -> Tensor:
         """Forward and backward of one training step on the batch ``(x, y)``; the ``[B]``
         losses (a data-parallel worker reduces its shard's with the others')."""
@@ -345,7 +403,7 @@ class _Run:
 
     def _build(self, state: _ArrayState, built: Mapping[int, nn.Module]) -> _Live:
         """The live array of ``state`` (``built``: the new members' models, by slot)."""
-        return _build_live(self.t, self.key or "", state, built)
+        return _build_live(self.t, self.key or "", state, built, self.engine_for)
 
     def _new_models(self, state: _ArrayState) -> dict[int, nn.Module]:
         """The models of the members that start training in ``state`` (no saved state), by
