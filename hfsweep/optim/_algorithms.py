@@ -9,7 +9,6 @@ with ``torch.where``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -25,6 +24,8 @@ from ._base import (
     State,
     Views,
     Work,
+    each_parameter,
+    view_key,
 )
 from ._groups import check_range
 
@@ -37,13 +38,6 @@ _Tensors = tuple[Tensor, ...] | list[Tensor]
 def _as_member_view(values: Tensor, like: Tensor) -> Tensor:
     """``[B]`` values as ``[B, 1, ...]`` for broadcasting against ``like`` (in its dtype)."""
     return values.to(like.dtype).view(values.shape[0], *([1] * (like.dim() - 1)))
-
-
-def _view_key(p: Tensor) -> tuple[int, torch.dtype]:
-    """The key of the hyperparameter views ``p`` broadcasts against (parameters of one key share
-    them: see ``FusedOptimizer._member_views``): values derived from the views are made once per
-    key. A key, not the views' identity, so that ``torch.compile`` guards on no object's id."""
-    return (p.dim(), p.dtype)
 
 
 def _gradient(
@@ -66,13 +60,6 @@ def _gradients(work: Work, group: Group, flags: Flags, *, l2: bool = True) -> _T
     if l2 and flags["any_weight_decay"]:
         g = torch._foreach_addcmul(g, params, [hp["weight_decay"] for hp in hps])
     return g
-
-
-def _each(one: Callable[..., None], work: Work, group: Group, flags: Flags, *consts: Any) -> None:
-    """``one(p, grad, state, views, group, flags, *consts)``, one parameter's update, on every
-    parameter of ``work`` in turn (where the multi-tensor form does not apply)."""
-    for p, state, hp in zip(*work, strict=True):
-        one(p, cast(Tensor, p.grad), state, hp, group, flags, *consts)
 
 
 def _sgd_one(p: Tensor, grad: Tensor, state: State, hp: Views, group: Group, flags: Flags) -> None:
@@ -98,7 +85,7 @@ def _sgd_group(work: Work, group: Group, flags: Flags) -> None:
     same op per tensor, hyperparameters broadcast per tensor). The per-member first-step
     rule needs each parameter's step counts, so it keeps the per-parameter path."""
     if flags["any_momentum"] and flags["first_step_rule"]:
-        _each(_sgd_one, work, group, flags)
+        each_parameter(_sgd_one, work, group, flags)
         return
     params, states, hps = work
     g: _Tensors = _gradients(work, group, flags)
@@ -217,23 +204,23 @@ def _adam_group(
     Parameters of several dtypes keep the per-parameter path."""
     params, states, hps = work
     if len({p.dtype for p in params}) != 1:
-        _each(_adam_one, work, group, flags, decoupled, beta2)
+        each_parameter(_adam_one, work, group, flags, decoupled, beta2)
         return
     pairs = list(zip(params, hps, strict=True))
     if flags["any_weight_decay"] and decoupled:
-        decay = {_view_key(p): 1 - hp["lr"] * hp["weight_decay"] for p, hp in pairs}
-        torch._foreach_mul_(params, [decay[_view_key(p)] for p in params])
+        decay = {view_key(p): 1 - hp["lr"] * hp["weight_decay"] for p, hp in pairs}
+        torch._foreach_mul_(params, [decay[view_key(p)] for p in params])
     g = _gradients(work, group, flags, l2=not decoupled)
     exp_avgs = [st["exp_avg"] for st in states]
     exp_avg_sqs = [st["exp_avg_sq"] for st in states]
-    one_minus = {_view_key(p): (1 - hp["beta1"], 1 - hp["beta2"]) for p, hp in pairs}
-    torch._foreach_lerp_(exp_avgs, g, [one_minus[_view_key(p)][0] for p in params])
+    one_minus = {view_key(p): (1 - hp["beta1"], 1 - hp["beta2"]) for p, hp in pairs}
+    torch._foreach_lerp_(exp_avgs, g, [one_minus[view_key(p)][0] for p in params])
     if beta2 is not None:
         torch._foreach_mul_(exp_avg_sqs, beta2)
         torch._foreach_addcmul_(exp_avg_sqs, g, g, value=1 - beta2)
     else:
         torch._foreach_mul_(exp_avg_sqs, [hp["beta2"] for hp in hps])
-        scaled = torch._foreach_mul(g, [one_minus[_view_key(p)][1] for p in params])
+        scaled = torch._foreach_mul(g, [one_minus[view_key(p)][1] for p in params])
         torch._foreach_addcmul_(exp_avg_sqs, g, scaled)
     # the per-member scalars of every parameter at once, [P, B] in float64 as _update has them
     step = torch.stack([st["step"] for st in states]).to(torch.float64) + 1
@@ -366,7 +353,7 @@ def _rmsprop_one(
 
 def _rmsprop_group(work: Work, group: Group, flags: Flags) -> None:
     """:func:`_rmsprop_one` on every parameter of ``work``."""
-    _each(_rmsprop_one, work, group, flags)
+    each_parameter(_rmsprop_one, work, group, flags)
 
 
 class RMSprop(FusedOptimizer):
@@ -426,7 +413,7 @@ def _adagrad_one(
 
 def _adagrad_group(work: Work, group: Group, flags: Flags) -> None:
     """:func:`_adagrad_one` on every parameter of ``work``."""
-    _each(_adagrad_one, work, group, flags)
+    each_parameter(_adagrad_one, work, group, flags)
 
 
 class Adagrad(FusedOptimizer):

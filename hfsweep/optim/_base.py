@@ -52,6 +52,21 @@ Flags = dict[str, bool]
 Work = tuple[list[Tensor], list[State], list[Views]]
 
 
+def view_key(p: Tensor) -> tuple[int, torch.dtype]:
+    """The key of the hyperparameter views ``p`` shares with its kind (values derived from views
+    are made once per key; a key, not an id, so ``torch.compile`` guards on no object's id)."""
+    return (p.dim(), p.dtype)
+
+
+def each_parameter(
+    one: Callable[..., None], work: Work, group: Group, flags: Flags, *consts: Any
+) -> None:
+    """``one(p, grad, state, views, group, flags, *consts)``, one parameter's update, on every
+    parameter of ``work`` in turn (where the multi-tensor form does not apply)."""
+    for p, state, hp in zip(*work, strict=True):
+        one(p, cast(Tensor, p.grad), state, hp, group, flags, *consts)
+
+
 class FusedOptimizer(torch.optim.Optimizer):
     """Base class of the ``hs.optim`` optimizers (see the module docstring).
 
@@ -268,7 +283,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             state = self.state[p]
             if not state:
                 self._init_state(p, state, group)
-            key = (p.dim(), p.dtype)
+            key = view_key(p)
             hp = views.get(key)
             if hp is None:
                 hp = views[key] = self._views_for(group, p)
@@ -295,8 +310,7 @@ class FusedOptimizer(torch.optim.Optimizer):
     def _update_group(self, work: Work, group: Group, flags: Flags) -> None:
         """Update every parameter of a group (see :meth:`_update`); subclasses may do it with
         multi-tensor operations, which run the same kernel on each tensor with less overhead."""
-        for p, state, hp in zip(*work, strict=True):
-            self._update(p, cast(Tensor, p.grad), state, hp, group, flags)
+        each_parameter(self._update, work, group, flags)
 
     def _member_views(
         self, index: int, group: dict[str, Any]
