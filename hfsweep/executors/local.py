@@ -118,6 +118,17 @@ class LocalExecutor(Executor):
     ) -> None:
         """Train ``members`` (and the trials ``refill`` adds) until every one has ended.
         (``requeue`` is for executors that may hand trials back; this one never does.)"""
+        self._trainer(checkpoint_dir, members).run(
+            members,
+            report=hooks.report,
+            refill=hooks.refill,
+            on_finish=hooks.on_finish,
+            resume=resume,
+        )
+
+    def _trainer(self, checkpoint_dir: Folder, members: Sequence[Member]) -> ArrayTrainer:
+        """The trainer of one array in ``checkpoint_dir``: this executor's settings, the
+        profiler's choices for its key, and the sweep's shared traces and data."""
         compile = self.compile
         if compile == "auto":
             key = self.task.compatibility_key(members[0].config) if members else ""
@@ -140,10 +151,4 @@ class LocalExecutor(Executor):
             trainer._offload_plans[(key, choice.size)] = choice
         trainer._trace_cache = self._trace_cache
         trainer._data_cache = self._data_cache
-        trainer.run(
-            members,
-            report=hooks.report,
-            refill=hooks.refill,
-            on_finish=hooks.on_finish,
-            resume=resume,
-        )
+        return trainer

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -38,22 +40,33 @@ _log = logging.getLogger("hfsweep.trainer")
 
 
 class _DataCache:
-    """``task.build_data(config)`` of the last compatibility key asked for, kept for the next
-    asks of that key: the arrays of a sweep and its profiler share the loaded data. One entry,
-    so a sweep over several shared configs (batch sizes, say) holds one dataset at a time."""
+    """``task.build_data(config)`` of the last ``entries`` compatibility keys asked for, kept
+    for the next asks of those keys: the arrays of a sweep and its profiler share the loaded
+    data. One entry by default, so a sweep over several shared configs (batch sizes, say)
+    holds one dataset at a time; an executor that trains several arrays at once keeps one
+    per array, so that arrays of different keys do not rebuild each other's data at every
+    evaluation. Safe to share between threads (the profiler may build while arrays train)."""
 
-    def __init__(self) -> None:
-        self._key: tuple[str, str] | None = None
-        self._data: tuple[Iterable[Any], Iterable[Any]] | None = None
+    def __init__(self, entries: int = 1) -> None:
+        self.entries = max(1, entries)
+        self._data: OrderedDict[tuple[str, str], tuple[Iterable[Any], Iterable[Any]]] = (
+            OrderedDict()
+        )
+        self._lock = threading.Lock()
 
     def get(self, task: Task, config: Mapping[str, Any]) -> tuple[Iterable[Any], Iterable[Any]]:
         """``(train, val)`` of ``config`` (complete, as ``task.resolve`` returns it)."""
         key = (task.name, task.compatibility_key(config))
-        if self._data is None or key != self._key:
-            self._data = None  # the old data can go before the new is built
-            self._data = task.build_data(config)
-            self._key = key
-        return self._data
+        with self._lock:
+            data = self._data.get(key)
+            if data is not None:
+                self._data.move_to_end(key)
+                return data
+            while len(self._data) >= self.entries:  # the old data can go before the new is built
+                self._data.popitem(last=False)
+            data = task.build_data(config)
+            self._data[key] = data
+            return data
 
 
 class ArrayTrainer:
