@@ -3,7 +3,8 @@ stop, refill, SIGKILL, resume.
 
 The front doors are the CLI (``python -m hfsweep run ... --resume``), the Python API (``hs.sweep``
 in a process of its own) and the Ray Tune plugin (``Tuner.fit``, then ``Tuner.restore``); the
-executors are the local one and the Ray one (``backend: ray``, a local Ray of the sweep's own;
+executors are the local one (also with ``fusion.alternate: 2``: two offloaded arrays at once,
+their shards alternating) and the Ray one (``backend: ray``, a local Ray of the sweep's own;
 the Tune plugin runs on Ray only). Each case runs a small ASHA sweep of the toy task in a
 subprocess, SIGKILLs it mid-sweep, resumes it in another, and reads what it ended with into one
 :class:`Outcome`, which :func:`check` holds to the same rules: every trial of the budget ended,
@@ -97,7 +98,12 @@ def check(outcome: Outcome, budget: int) -> None:
 # ---------------------------------------------------------------- the engine's front doors
 def _engine_config(folder: Path, backend: str) -> dict[str, Any]:
     """The sweep: 12 trials of the toy task that holds after two tells (``HELD_TASK``, so the
-    kill lands mid-sweep however slowly this test polls), arrays of 4, ASHA."""
+    kill lands mid-sweep however slowly this test polls), arrays of 4, ASHA. ``local-alternate``:
+    the local backend with two offloaded arrays at once, their shards alternating."""
+    fusion: dict[str, Any] = {"size": 4, "device": "cpu"}
+    if backend == "local-alternate":
+        backend = "local"
+        fusion.update(offload="host", alternate=2)
     return {
         "task": f"{TOY}:HELD_TASK",
         "search_space": {
@@ -109,7 +115,7 @@ def _engine_config(folder: Path, backend: str) -> dict[str, Any]:
         "budget": {"trials": TRIALS, "epochs": 4},
         "metric": "val_accuracy",
         "mode": "max",
-        "fusion": {"size": 4, "device": "cpu"},
+        "fusion": fusion,
         "backend": backend,
         "output": str(folder / "run"),
         "seed": 0,
@@ -216,6 +222,7 @@ def _lines(path: Path) -> list[str]:
 CASES = [
     pytest.param("local", "cli", id="local-cli"),
     pytest.param("local", "api", id="local-api"),
+    pytest.param("local-alternate", "cli", id="local-alternate-cli"),
     pytest.param("ray", "cli", id="ray-cli"),
     pytest.param("ray", "api", id="ray-api"),
     pytest.param("ray", "tune", id="ray-tune"),

@@ -81,6 +81,7 @@ _FUSION = (
     "compile",
     "offload",
     "device_memory",
+    "alternate",
 )
 _RAY = (
     "address",
@@ -158,6 +159,12 @@ class _Parser(_Fields):
                 "fusion.compile",
                 f"{fusion.compile!r} is not supported with backend 'ray' yet (its workers train "
                 "uncompiled); give false, or backend: local",
+            )
+        if backend == "ray" and fusion.alternate > 1:
+            raise self.error(
+                "fusion.alternate",
+                f"{fusion.alternate} is not supported with backend 'ray' yet (each Ray worker "
+                "trains one array at a time); give alternate: 1, or backend: local",
             )
         if backend == "ray" and ray.elastic.enabled and fusion.offload != "none":
             raise self.error(
@@ -342,6 +349,14 @@ class _Parser(_Fields):
                     "offload: host or auto (or remove it)",
                 )
             memory = self.integer(memory, "fusion.device_memory", 1)
+        alternate = self.integer(f.get("alternate", 1), "fusion.alternate", 1, 64, "arrays")
+        if alternate > 1 and offload != "host":
+            raise self.error(
+                "fusion.alternate",
+                f"{alternate} trains that many offloaded arrays at once, their shards in turn; "
+                f"it needs offload: host (got offload: {offload}); give alternate: 1, or "
+                "offload: host",
+            )
         return FusionConfig(
             size=size,
             device=device,
@@ -351,6 +366,7 @@ class _Parser(_Fields):
             compile=compile,
             offload=offload,
             device_memory=memory,
+            alternate=alternate,
         )
 
     def ray(self, raw: object, backend: str) -> RayConfig:

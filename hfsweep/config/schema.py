@@ -139,7 +139,9 @@ class FusionConfig:
     memory, streamed through the device shard by shard, or ``auto``: ``host`` only when the
     array does not fit the device; see docs/offload.md) with ``device_memory`` bytes for it on
     the device (``None``: a CUDA device's free memory; on the CPU ``auto`` then keeps arrays as
-    they are)."""
+    they are). ``alternate`` (with ``offload: host`` and the local backend) trains that many
+    offloaded arrays at once on the device, their shards alternating so one array's transfers
+    overlap another's compute (1: one array at a time)."""
 
     size: int | Literal["auto"] = "auto"
     device: str = "auto"
@@ -149,6 +151,7 @@ class FusionConfig:
     compile: bool | Literal["auto"] = False
     offload: str = "none"
     device_memory: int | None = None
+    alternate: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         """The ``fusion:`` mapping."""

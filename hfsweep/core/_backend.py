@@ -8,10 +8,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
 from ..executors import ExecutorError, LocalExecutor
+from ..executors._alternating import AlternatingExecutor
 from ..sizing.device import DTYPES as _DTYPES
 from ..sizing.device import resolve_device
 from ._elastic import ElasticPolicy
@@ -56,8 +58,7 @@ class _Backend(_Parts):
             device = resolve_device(sc.fusion.device)
             if device.startswith("cuda") and not torch.cuda.is_available():
                 raise SweepError(f"fusion.device is {device!r} but torch sees no CUDA device")
-            self.executor = LocalExecutor(
-                self.task,
+            settings: dict[str, Any] = dict(
                 device=device,
                 dtype=dtype,
                 eval_every=sc.fusion.eval_every,
@@ -67,7 +68,16 @@ class _Backend(_Parts):
                 offload=sc.fusion.offload,
                 device_memory=sc.fusion.device_memory,
             )
-            self.where = str(self.executor.device)
+            if sc.fusion.alternate > 1:
+                self.executor = AlternatingExecutor(
+                    self.task, alternate=sc.fusion.alternate, **settings
+                )
+                self.where = (
+                    f"{device} ({sc.fusion.alternate} offloaded arrays at once, alternating)"
+                )
+            else:
+                self.executor = LocalExecutor(self.task, **settings)
+                self.where = str(self.executor.device)
         try:
             yield
         finally:

@@ -1,0 +1,232 @@
+"""The local executor with ``fusion.alternate``: several offloaded arrays trained at once on one
+device, their shards alternating (issue 22, Hydra's shard alternation in ``hfsweep run``).
+
+The engine calls :meth:`~AlternatingExecutor.run_array` from up to ``alternate`` threads of its
+own pool and blocks each call until its array has ended. The arrays train together through
+the trainer level's driver (:class:`hfsweep.training._together._Driver`, what
+:func:`hfsweep.train_together` runs): one driver thread takes each array's run in as its call
+arrives, advances every run to its next step and steps them as one
+:class:`~hfsweep.offload.AlternatingArrays` step, so one array's shard fetches overlap
+another's compute. An array that starts while others train joins at the next round, and one
+that ends leaves the others going on.
+
+The contract of :meth:`Executor.run_array <hfsweep.executors.Executor.run_array>` holds: each
+hook (``report``, ``refill``, ``on_finish``) is called in the thread that called ``run_array``
+(the driver thread hands the call over and waits for its answer, as a Ray worker hands its
+hooks to the driver); a run's error ends that array only and is raised from its own call (the
+engine then stops the sweep, :meth:`close` stopping the others at their current step); after
+:meth:`close`, every array still training raises :class:`~hfsweep.executors.Stopped`, its
+checkpoint (written at its last evaluation) resuming it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .._malloc import retaining_freed_memory
+from ..training._together import ArrayJob, _Driver
+from ..training.results import Member, MemberResult
+from ..training.task import Task
+from ._errors import Stopped
+from .base import ArrayHooks, Folder
+from .local import LocalExecutor
+
+__all__ = ["AlternatingExecutor"]
+
+_log = logging.getLogger("hfsweep.executors")
+
+#: what an array's thread is sent: ("call", hook, args, answer queue), ("done", results),
+#: ("error", exception) or ("stopped", None)
+_Message = tuple[Any, ...]
+
+
+class _Mailbox:
+    """One array's line between the driver thread and the thread of its ``run_array`` call:
+    the driver sends hook calls and the array's end, the array's thread runs the calls and
+    answers them (:meth:`serve`)."""
+
+    def __init__(self) -> None:
+        self._inbox: queue.Queue[_Message] = queue.Queue()
+
+    def proxy(self, hook: Callable[..., Any]) -> Callable[..., Any]:
+        """``hook`` as the driver thread calls it: run in the array's thread, its answer (or
+        its exception) returned here."""
+
+        def call(*args: Any) -> Any:
+            answer: queue.Queue[tuple[bool, Any]] = queue.Queue(maxsize=1)
+            self._inbox.put(("call", hook, args, answer))
+            ok, value = answer.get()
+            if not ok:
+                raise value
+            return value
+
+        return call
+
+    def end(self, outcome: list[MemberResult] | BaseException | None) -> None:
+        """The array ended: with its results, an error, or ``None`` (stopped by close)."""
+        if outcome is None:
+            self._inbox.put(("stopped", None))
+        elif isinstance(outcome, BaseException):
+            self._inbox.put(("error", outcome))
+        else:
+            self._inbox.put(("done", outcome))
+
+    def serve(self) -> None:
+        """Run the hook calls the driver sends, in this thread, until the array ends; raise
+        its error, or :class:`Stopped` where the executor was closed."""
+        while True:
+            message = self._inbox.get()
+            kind = message[0]
+            if kind == "call":
+                _kind, hook, args, answer = message
+                try:
+                    value = hook(*args)
+                except BaseException as exc:  # the run raises it, as its hook raised alone
+                    answer.put((False, exc))
+                else:
+                    answer.put((True, value))
+            elif kind == "done":
+                return
+            elif kind == "error":
+                raise message[1]
+            else:
+                raise Stopped("the executor was closed while the array trained")
+
+
+class AlternatingExecutor(LocalExecutor):
+    """A :class:`~hfsweep.executors.LocalExecutor` that trains up to ``alternate`` offloaded
+    arrays at once on its device, their shards alternating (see the module docstring).
+
+    Its arrays offload (``offload="host"``: each array's state in host memory, streamed
+    through the device shard by shard) and share one budget on the device,
+    ``device_memory`` (each array's shards at most a quarter of it over ``alternate``, as
+    :func:`hfsweep.train_together` cuts them). ``schedule`` and ``prefetch_depth`` are
+    :class:`~hfsweep.offload.AlternatingArrays`'. The other arguments are the local
+    executor's; ``compile`` must stay off (offloaded arrays run uncompiled).
+    """
+
+    def __init__(
+        self,
+        task: Task,
+        *,
+        alternate: int,
+        schedule: str = "lockstep",
+        prefetch_depth: int = 1,
+        **settings: Any,
+    ) -> None:
+        super().__init__(task, **settings)
+        if isinstance(alternate, bool) or not isinstance(alternate, int) or alternate < 1:
+            raise ValueError(f"alternate must be an int >= 1 (arrays at once), got {alternate!r}")
+        if self.offload != "host":
+            raise ValueError(
+                f"alternate={alternate} trains offloaded arrays' shards in turn; it needs "
+                f"offload='host', got offload={self.offload!r}"
+            )
+        self.alternate = alternate
+        self.schedule = schedule
+        self.prefetch_depth = prefetch_depth
+        # arrays of different keys train at once: each keeps its data (their evaluations
+        # would otherwise rebuild each other's)
+        self._data_cache.entries = max(self._data_cache.entries, alternate)
+        self._cond = threading.Condition()
+        self._pending: list[tuple[ArrayJob, _Mailbox]] = []
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    @property
+    def slots(self) -> int:
+        """``alternate`` arrays at once, each ``run_array`` call in a thread of the engine's."""
+        return self.alternate
+
+    def run_array(
+        self, checkpoint_dir: Folder, members: Sequence[Member], hooks: ArrayHooks, *, resume: bool
+    ) -> None:
+        """Train ``members`` (and the trials ``refill`` adds) with the other arrays in
+        training until every one has ended, the hooks called in this thread."""
+        box = _Mailbox()
+        job = ArrayJob(
+            self._trainer(checkpoint_dir, members),
+            members,
+            report=box.proxy(hooks.report),
+            refill=box.proxy(hooks.refill),
+            on_finish=box.proxy(hooks.on_finish),
+            resume=resume,
+        )
+        with self._cond:
+            if self._closed:
+                raise Stopped("the executor was closed before the array started")
+            self._pending.append((job, box))
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._drive, name="hfsweep-alternate", daemon=True
+                )
+                self._thread.start()
+        box.serve()
+
+    def close(self) -> None:
+        """Stop every array still training at its current step (each raises
+        :class:`Stopped` from its ``run_array``) and wait for the driver thread to end. Safe
+        to call more than once."""
+        with self._cond:
+            self._closed = True
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=120)
+            if thread.is_alive():
+                _log.warning("the alternating arrays' driver did not stop within 120 s")
+
+    def _drive(self) -> None:
+        """The driver thread: takes arrays in as they arrive, steps every array in training
+        as one, hands each array's end to its thread; ends when no array is left (the next
+        ``run_array`` starts another) or the executor is closed."""
+        driver = _Driver(
+            self.device,
+            self.device_memory,
+            self.alternate,
+            self.schedule,  # type: ignore[arg-type]  # checked by the sweep file's parser
+            self.prefetch_depth,
+        )
+        boxes: dict[int, _Mailbox] = {}
+        failure: BaseException | None = None
+        cpu = self.device.type == "cpu"
+        try:
+            with retaining_freed_memory() if cpu else contextlib.nullcontext():
+                while self._round(driver, boxes):
+                    pass
+        except BaseException as exc:  # the driver's own failure: every array's error
+            failure = exc
+            raise
+        finally:
+            driver.stop()
+            with self._cond:
+                left: list[tuple[ArrayJob, _Mailbox]] = []
+                if self._closed or failure is not None:  # else they are the next thread's
+                    left, self._pending = self._pending, []
+                if self._thread is threading.current_thread():
+                    self._thread = None
+            for box in [*boxes.values(), *(b for _j, b in left)]:
+                box.end(failure)
+
+    def _round(self, driver: _Driver, boxes: dict[int, _Mailbox]) -> bool:
+        """Take the arrays that arrived in, step every array once, hand over the ends;
+        ``False`` when the driver thread should end (closed, or no array left)."""
+        with self._cond:
+            if self._closed:
+                return False
+            arriving, self._pending = self._pending, []
+            if not arriving and not boxes:
+                self._thread = None  # the next run_array starts another thread
+                return False
+        for job, box in arriving:
+            try:
+                boxes[driver.add(job)] = box
+            except Exception as exc:  # that array's start failed: its error alone
+                box.end(exc)
+        for key, outcome in driver.round().items():
+            boxes.pop(key).end(outcome)
+        return True
