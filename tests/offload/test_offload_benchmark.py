@@ -1,8 +1,8 @@
 """The offload benchmarks run at their smallest scale and write their tables:
 ``benchmarks/offload_pipeline.py`` (every arm gives a finite, positive time),
 ``benchmarks/offload_auto.py`` (both rates measured, a choice made), ``offload_shared.py`` and
-``offload_blocks.py`` (the bytes they report), ``offload_alternate.py`` (every arm timed); no
-timing is asserted."""
+``offload_blocks.py`` (the bytes they report), ``offload_alternate.py`` and
+``offload_together.py`` (every arm timed); no timing is asserted."""
 
 from __future__ import annotations
 
@@ -122,3 +122,14 @@ def test_offload_alternate_urgent_arms_run(tmp_path, monkeypatch) -> None:
     assert {"ready b urgent", "ready 3,1 b urgent"} <= set(row["queue_model_ms"])
     for key in ["ready_b_urgent_ms", "ready_3,1_b_urgent_ms", "ready_3,1_b_urgent/lockstep"]:
         assert math.isfinite(row[key]) and row[key] > 0, key
+
+
+@pytest.mark.slow
+def test_offload_together_quick_runs(tmp_path, monkeypatch) -> None:
+    argv = ["--layers", "3", "--width", "32", "--size", "2", "--batch-a", "4", "--batch-b", "64"]
+    argv += ["--steps", "2", "--rounds", "1", "--factors", "1"]
+    (row,), stem = _run("offload_together", argv, tmp_path, monkeypatch)
+    for key in ("compute_a_ms", "transfer_a_ms", "one_after_another_ms", "together_ms"):
+        assert math.isfinite(row[key]) and row[key] > 0, key
+    assert row["transfer_a_ms"] == pytest.approx(row["transfer_b_ms"])  # one model, one link
+    assert "| 1 |" in stem.with_suffix(".md").read_text()
