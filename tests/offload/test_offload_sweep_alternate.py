@@ -21,6 +21,7 @@ import pytest
 import torch
 import yaml
 from sweep._toy import TASK
+from test_offload_sweep import BASE as OFFLOAD_SWEEP
 
 import hfsweep as hs
 from hfsweep.cli import main
@@ -29,15 +30,8 @@ from hfsweep.executors import ArrayHooks, Stopped
 from hfsweep.executors._alternating import AlternatingExecutor
 from hfsweep.offload import AlternatingArrays
 
-BASE: dict[str, Any] = {
-    "task": "digits_mlp",
-    "search_space": "sgd_momentum",
-    "searcher": {"name": "random"},
-    "budget": {"trials": 6, "epochs": 1},
-    "metric": "val_accuracy",
-    "mode": "max",
-    "seed": 3,
-}
+#: test_offload_sweep's sweep, with six trials: three arrays of two
+BASE: dict[str, Any] = {**OFFLOAD_SWEEP, "budget": {"trials": 6, "epochs": 1}}
 
 
 def test_alternate_is_read_and_checked_with_its_yaml_path() -> None:
