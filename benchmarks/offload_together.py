@@ -27,6 +27,7 @@ C_b)``; together, about ``max(T_a + T_b, C_a + C_b)``.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -39,7 +40,8 @@ from _results import RESULTS, write_results
 from torch import nn
 
 import hfsweep as hs
-from hfsweep.offload import CpuTransfer, Fetch
+from hfsweep.offload import SCHEDULES, CpuTransfer, Fetch
+from hfsweep.offload._alternate import Schedule
 from hfsweep.tasks import TensorBatches
 
 
@@ -109,12 +111,19 @@ def _jobs(task: hs.Task, arrays: list[list[hs.Member]], memory: int) -> list[hs.
     ]
 
 
-def _run(task: hs.Task, groups: list[list[list[hs.Member]]], memory: int, link: _Link) -> float:
+def _run(
+    task: hs.Task,
+    groups: list[list[list[hs.Member]]],
+    memory: int,
+    link: _Link,
+    schedule: Schedule = "lockstep",
+) -> float:
     """Seconds to train each group of arrays with ``train_together``, one group after the
-    other, on ``link`` (reopened for each group: ``train_together`` closes it)."""
+    other, on ``link`` (reopened for each group: ``train_together`` closes it), under
+    ``schedule``."""
     start = time.perf_counter()
     for arrays in groups:
-        hs.train_together(_jobs(task, arrays, memory), transfer=link)
+        hs.train_together(_jobs(task, arrays, memory), transfer=link, schedule=schedule)
     return time.perf_counter() - start
 
 
@@ -128,12 +137,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20, help="training steps per array")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--factors", type=float, nargs="+", default=[0.5, 1.0, 2.0])
+    parser.add_argument(
+        "--schedules",
+        nargs="+",
+        default=["lockstep"],
+        choices=list(SCHEDULES),
+        help="train_together's schedules timed together (lockstep always)",
+    )
     parser.add_argument("--latency-ms", type=float, default=0.2, help="per fetch")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--out", type=Path, default=RESULTS / "offload_together_cpu")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    load_start = os.getloadavg()[0]
     task = _task(args.layers, args.width, args.steps)
     a = _members("a", args.size, args.batch_a, 1)
     b = _members("b", args.size, args.batch_b, 1)
@@ -152,18 +169,22 @@ def main(argv: list[str] | None = None) -> int:
         calib[name] = (seconds / args.steps, link.fetched // args.steps)
     mean_step = (calib["a"][0] + calib["b"][0]) / 2
 
+    others = [f"together {s}" for s in args.schedules if s != "lockstep"]
     rows: list[dict[str, Any]] = []
     cells: list[list[str]] = []
     for factor in args.factors:
         # one array's fetches per step take factor x the mean no-delay step
         bandwidth = calib["a"][1] / (factor * mean_step)
         inf = float("inf")
-        arms: dict[str, tuple[list[list[list[hs.Member]]], float]] = {
-            "compute": ([[a], [b]], inf),
-            "one after another": ([[a], [b]], bandwidth),
-            "together": ([[a, b]], bandwidth),
-            "together, no delay": ([[a, b]], inf),
+        arms: dict[str, tuple[list[list[list[hs.Member]]], float, Schedule]] = {
+            "compute": ([[a], [b]], inf, "lockstep"),
+            "one after another": ([[a], [b]], bandwidth, "lockstep"),
+            "together": ([[a, b]], bandwidth, "lockstep"),
+            "together, no delay": ([[a, b]], inf, "lockstep"),
         }
+        for schedule in args.schedules:
+            if schedule != "lockstep":
+                arms[f"together {schedule}"] = ([[a, b]], bandwidth, schedule)
         times: dict[str, list[float]] = {name: [] for name in arms}
         computes: dict[str, list[float]] = {"a": [], "b": []}
         for _ in range(args.rounds):
@@ -172,8 +193,9 @@ def main(argv: list[str] | None = None) -> int:
                     _run(task, [[a if name == "a" else b]], memory, _Link(latency, float("inf")))
                     / args.steps
                 )
-            for name, (groups, limit) in arms.items():
-                times[name].append(_run(task, groups, memory, _Link(latency, limit)) / steps)
+            for name, (groups, limit, schedule) in arms.items():
+                link = _Link(latency, limit)
+                times[name].append(_run(task, groups, memory, link, schedule) / steps)
         c_a, c_b = (statistics.median(computes[n]) for n in ("a", "b"))
         t_a, t_b = calib["a"][1] / bandwidth, calib["b"][1] / bandwidth
         one, together = (statistics.median(times[n]) for n in ("one after another", "together"))
@@ -207,6 +229,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"{one * 2e3:.1f} ({model_one * 1e3:.1f})",
                 f"{together * 2e3:.1f} ({model_together * 1e3:.1f})",
                 f"{one / together:.2f}x ({model_one / model_together:.2f}x)",
+                *(
+                    f"{statistics.median(times[n]) * 2e3:.1f} "
+                    f"({one / statistics.median(times[n]):.2f}x)"
+                    for n in others
+                ),
             ]
         )
         print(cells[-1], flush=True)
@@ -221,7 +248,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.rounds} rounds, the arms alternating in each",
         "- ms per step of both arrays (one step of a and one of b); in brackets the model: "
         "one after another `max(T_a, C_a) + max(T_b, C_b)`, together `max(T_a + T_b, C_a + C_b)`",
-        "- compute: each array alone without a bandwidth limit; no delay: together without one",
+        f"- load average (1 min) at the start and the end: {load_start:.1f}, "
+        f"{os.getloadavg()[0]:.1f} (the machine is shared)",
+        "- compute: each array alone without a bandwidth limit; no delay: together without one; "
+        "together: train_together's lockstep schedule (what fusion.alternate runs), 'together "
+        "ready': its ready schedule (each turn to an array whose next shard is in)",
     ]
     columns = [
         "factor",
@@ -232,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         "one after another (model)",
         "together (model)",
         "together speed-up (model)",
+        *(f"{n} (speed-up)" for n in others),
     ]
     write_results(
         args.out,

@@ -127,9 +127,10 @@ def test_offload_alternate_urgent_arms_run(tmp_path, monkeypatch) -> None:
 @pytest.mark.slow
 def test_offload_together_quick_runs(tmp_path, monkeypatch) -> None:
     argv = ["--layers", "3", "--width", "32", "--size", "2", "--batch-a", "4", "--batch-b", "64"]
-    argv += ["--steps", "2", "--rounds", "1", "--factors", "1"]
+    argv += ["--steps", "2", "--rounds", "1", "--factors", "1", "--schedules", "lockstep", "ready"]
     (row,), stem = _run("offload_together", argv, tmp_path, monkeypatch)
-    for key in ("compute_a_ms", "transfer_a_ms", "one_after_another_ms", "together_ms"):
+    keys = ("compute_a_ms", "transfer_a_ms", "one_after_another_ms", "together_ms")
+    for key in (*keys, "together_ready_ms"):
         assert math.isfinite(row[key]) and row[key] > 0, key
     assert row["transfer_a_ms"] == pytest.approx(row["transfer_b_ms"])  # one model, one link
     assert "| 1 |" in stem.with_suffix(".md").read_text()
