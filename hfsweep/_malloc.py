@@ -39,7 +39,11 @@ import platform
 import sys
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "AFTER_MMAP_THRESHOLD",
@@ -49,6 +53,7 @@ __all__ = [
     "TRIM_THRESHOLD",
     "retain_freed_memory",
     "retaining_freed_memory",
+    "retaining_freed_memory_on",
 ]
 
 _log = logging.getLogger("hfsweep")
@@ -162,3 +167,9 @@ def retain_freed_memory() -> bool:
             _raise()
         _pinned = _raised
         return _raised
+
+
+def retaining_freed_memory_on(device: torch.device) -> AbstractContextManager[object]:
+    """:func:`retaining_freed_memory` where ``device`` is the CPU (its activations are in this
+    process's heap), a block that does nothing on any other device."""
+    return retaining_freed_memory() if device.type == "cpu" else nullcontext()

@@ -19,7 +19,6 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -27,7 +26,7 @@ from torch import Tensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .._compat import TorchDispatchMode, pytree
-from .._malloc import retaining_freed_memory
+from .._malloc import retaining_freed_memory_on
 from ..fusion import FusedArray, fuse
 from ..fusion._compile import check_compile, mode_for
 from ..offload import OffloadChoice, OffloadedArray, check_offload, offload_budget
@@ -178,7 +177,7 @@ def measure_step(
     on the device); its peak is the engine's
     ledger peak, the bytes it held on the compute side.
     """
-    with _as_the_trainer_runs(device):
+    with retaining_freed_memory_on(device):
         resolved = task.resolve(config)
         configs = [{**resolved, "seed": i} for i in range(size)]
         models = [task.build_model(c).to(dtype) for c in configs]
@@ -198,11 +197,6 @@ def measure_step(
         finally:
             if engine is not None:
                 engine.close()
-
-
-def _as_the_trainer_runs(device: torch.device) -> AbstractContextManager[object]:
-    """On the CPU, glibc keeps freed memory for reuse, as while the trainer runs."""
-    return retaining_freed_memory() if device.type == "cpu" else nullcontext()
 
 
 def _time_array(
@@ -431,7 +425,7 @@ def profile_task(
 
     beyond_device = engine_budget is not None and sizes is None and not compare_compiled
     failed: BaseException | None = None
-    with _as_the_trainer_runs(device):  # one block for every size measured
+    with retaining_freed_memory_on(device):  # one block for every size measured
         try:
             measurements, memory = profile_sizes(
                 measure,
@@ -452,7 +446,7 @@ def profile_task(
         def offloaded(size: int) -> Measurement:
             return step(size, offload=True, device_memory=engine_budget)
 
-        with _as_the_trainer_runs(device):
+        with retaining_freed_memory_on(device):
             beyond, tried = offload_beyond(
                 offloaded, measurements, memory, budget, max_size=max_size, knee=knee
             )

@@ -23,7 +23,6 @@ whose own forward draws from torch's global generator would see the arrays' draw
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._malloc import retaining_freed_memory
+from .._malloc import retaining_freed_memory_on
 from .._usercode import Phase
 from ..fusion import FusedArray
 from ..offload import (
@@ -99,8 +98,7 @@ def train_together(
         first.device, first.device_memory, len(jobs), schedule, prefetch_depth, transfer
     )
     results: dict[int, list[MemberResult]] = {}
-    cpu = first.device.type == "cpu"
-    with retaining_freed_memory() if cpu else contextlib.nullcontext():
+    with retaining_freed_memory_on(first.device):
         try:
             keys = [driver.add(job) for job in jobs]
             while driver.training:
