@@ -154,17 +154,19 @@ def main(argv: list[str] | None = None) -> int:
     task = _task(args.layers, args.width, args.steps)
     a = _members("a", args.size, args.batch_a, 1)
     b = _members("b", args.size, args.batch_b, 1)
-    # the shared budget: one layer's stacked weights per shard when the two train together
+    # the budget: 16 layers' stacked weights, so shards of up to 2 layers together (a
+    # sixteenth over the 8 parts of two arrays) and up to 2.7 alone (over 6 parts)
     layer = args.size * (args.width * args.width + args.width) * 4
     memory = 16 * layer
     latency = args.latency_ms / 1e3
+    inf = float("inf")
     steps = 2 * args.steps  # both arrays' steps
 
     # calibration: each array alone without a bandwidth limit (latency only), its bytes
     calib: dict[str, tuple[float, int]] = {}
     for name, members in (("a", a), ("b", b)):
-        _run(task, [[members]], memory, _Link(latency, float("inf")))  # warm-up
-        link = _Link(latency, float("inf"))
+        _run(task, [[members]], memory, _Link(latency, inf))  # warm-up
+        link = _Link(latency, inf)
         seconds = _run(task, [[members]], memory, link)
         calib[name] = (seconds / args.steps, link.fetched // args.steps)
     mean_step = (calib["a"][0] + calib["b"][0]) / 2
@@ -175,7 +177,6 @@ def main(argv: list[str] | None = None) -> int:
     for factor in args.factors:
         # one array's fetches per step take factor x the mean no-delay step
         bandwidth = calib["a"][1] / (factor * mean_step)
-        inf = float("inf")
         arms: dict[str, tuple[list[list[list[hs.Member]]], float, Schedule]] = {
             "compute": ([[a], [b]], inf, "lockstep"),
             "one after another": ([[a], [b]], bandwidth, "lockstep"),
@@ -190,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.rounds):
             for name in ("a", "b"):
                 computes[name].append(
-                    _run(task, [[a if name == "a" else b]], memory, _Link(latency, float("inf")))
+                    _run(task, [[a if name == "a" else b]], memory, _Link(latency, inf))
                     / args.steps
                 )
             for name, (groups, limit, schedule) in arms.items():

@@ -21,14 +21,13 @@ checkpoint (written at its last evaluation) resuming it.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import queue
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._malloc import retaining_freed_memory
+from .._malloc import retaining_freed_memory_on
 from ..training._together import ArrayJob, _Driver
 from ..training.results import Member, MemberResult
 from ..training.task import Task
@@ -105,8 +104,8 @@ class AlternatingExecutor(LocalExecutor):
     Its arrays offload (``offload="host"``: each array's state in host memory, streamed
     through the device shard by shard) and share one budget on the device,
     ``device_memory`` (each array's shards at most a quarter of it over ``alternate``, as
-    :func:`hfsweep.train_together` cuts them). ``schedule`` and ``prefetch_depth`` are
-    :class:`~hfsweep.offload.AlternatingArrays`'. The other arguments are the local
+    :func:`hfsweep.train_together` cuts them), stepped with the lockstep schedule and one
+    shard of prefetch (``train_together``'s defaults). The other arguments are the local
     executor's; ``compile`` must stay off (offloaded arrays run uncompiled).
     """
 
@@ -115,8 +114,6 @@ class AlternatingExecutor(LocalExecutor):
         task: Task,
         *,
         alternate: int,
-        schedule: str = "lockstep",
-        prefetch_depth: int = 1,
         **settings: Any,
     ) -> None:
         super().__init__(task, **settings)
@@ -128,8 +125,6 @@ class AlternatingExecutor(LocalExecutor):
                 f"offload='host', got offload={self.offload!r}"
             )
         self.alternate = alternate
-        self.schedule = schedule
-        self.prefetch_depth = prefetch_depth
         # arrays of different keys train at once: each keeps its data (their evaluations
         # would otherwise rebuild each other's)
         self._data_cache.entries = max(self._data_cache.entries, alternate)
@@ -184,18 +179,11 @@ class AlternatingExecutor(LocalExecutor):
         """The driver thread: takes arrays in as they arrive, steps every array in training
         as one, hands each array's end to its thread; ends when no array is left (the next
         ``run_array`` starts another) or the executor is closed."""
-        driver = _Driver(
-            self.device,
-            self.device_memory,
-            self.alternate,
-            self.schedule,  # type: ignore[arg-type]  # checked by the sweep file's parser
-            self.prefetch_depth,
-        )
+        driver = _Driver(self.device, self.device_memory, self.alternate)
         boxes: dict[int, _Mailbox] = {}
         failure: BaseException | None = None
-        cpu = self.device.type == "cpu"
         try:
-            with retaining_freed_memory() if cpu else contextlib.nullcontext():
+            with retaining_freed_memory_on(self.device):
                 while self._round(driver, boxes):
                     pass
         except BaseException as exc:  # the driver's own failure: every array's error
