@@ -52,8 +52,9 @@ A sweep file is one YAML mapping. Every key, with its default::
       device_memory: null       # bytes offload may hold on the device (an int >= 1, with offload
                                 #   host or auto); null: a CUDA device's free memory (on a cpu,
                                 #   auto then keeps arrays as they are)
-      alternate: 1              # offloaded arrays trained at once, their shards alternating (an
-                                #   int >= 1; > 1 needs offload: host and backend: local)
+      alternate: 1              # offloaded arrays trained at once on a device, their shards
+                                #   alternating (an int >= 1; > 1 needs offload: host; on backend
+                                #   ray, in each worker)
     backend: local              # local (in-process) or ray (arrays on a Ray cluster)
     ray:                        # only with backend: ray
       address: null             # null: start a local Ray for the run; "auto", "host:6379" or

@@ -160,12 +160,6 @@ class _Parser(_Fields):
                 f"{fusion.compile!r} is not supported with backend 'ray' yet (its workers train "
                 "uncompiled); give false, or backend: local",
             )
-        if backend == "ray" and fusion.alternate > 1:
-            raise self.error(
-                "fusion.alternate",
-                f"{fusion.alternate} is not supported with backend 'ray' yet (each Ray worker "
-                "trains one array at a time); give alternate: 1, or backend: local",
-            )
         if backend == "ray" and ray.elastic.enabled and fusion.offload != "none":
             raise self.error(
                 "fusion.offload",

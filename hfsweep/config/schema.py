@@ -139,8 +139,8 @@ class FusionConfig:
     memory, streamed through the device shard by shard, or ``auto``: ``host`` only when the
     array does not fit the device; see docs/offload.md) with ``device_memory`` bytes for it on
     the device (``None``: a CUDA device's free memory; on the CPU ``auto`` then keeps arrays as
-    they are). ``alternate`` (with ``offload: host`` and the local backend) trains that many
-    offloaded arrays at once on the device, their shards alternating so one array's transfers
+    they are). ``alternate`` (with ``offload: host``) trains that many
+    offloaded arrays at once on the device (on the Ray backend, in each worker), their shards alternating so one array's transfers
     overlap another's compute (1: one array at a time)."""
 
     size: int | Literal["auto"] = "auto"

@@ -48,6 +48,7 @@ class _Backend(_Parts):
                     share_frozen=sc.fusion.share_frozen,
                     offload=sc.fusion.offload,
                     device_memory=sc.fusion.device_memory,
+                    alternate=sc.fusion.alternate,
                 )
             except ExecutorError as exc:
                 raise SweepError(f"backend ray: {exc}") from exc

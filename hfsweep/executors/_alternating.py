@@ -51,6 +51,8 @@ class _Mailbox:
 
     def __init__(self) -> None:
         self._inbox: queue.Queue[_Message] = queue.Queue()
+        #: the most arrays in training at once while this one trained (itself included)
+        self.widest = 0
 
     def proxy(self, hook: Callable[..., Any]) -> Callable[..., Any]:
         """``hook`` as the driver thread calls it: run in the array's thread, its answer (or
@@ -132,6 +134,8 @@ class AlternatingExecutor(LocalExecutor):
         self._pending: list[tuple[ArrayJob, _Mailbox]] = []
         self._thread: threading.Thread | None = None
         self._closed = False
+        #: each ended array's widest round (see :meth:`together`), by its folder
+        self._together: dict[str, int] = {}
 
     @property
     def slots(self) -> int:
@@ -162,6 +166,19 @@ class AlternatingExecutor(LocalExecutor):
                 )
                 self._thread.start()
         box.serve()
+        _log.info(
+            "%s: trained with up to %d array(s) at once, their shards alternating",
+            checkpoint_dir,
+            box.widest,
+        )
+        with self._cond:
+            self._together[str(checkpoint_dir)] = box.widest
+
+    def together(self, checkpoint_dir: Folder) -> int:
+        """The most arrays that trained at once (itself included) while the array in
+        ``checkpoint_dir`` trained, once it has ended (0 when unknown); asked once."""
+        with self._cond:
+            return self._together.pop(str(checkpoint_dir), 0)
 
     def close(self) -> None:
         """Stop every array still training at its current step (each raises
@@ -215,6 +232,8 @@ class AlternatingExecutor(LocalExecutor):
                 boxes[driver.add(job)] = box
             except Exception as exc:  # that array's start failed: its error alone
                 box.end(exc)
+        for box in boxes.values():
+            box.widest = max(box.widest, len(boxes))
         for key, outcome in driver.round().items():
             boxes.pop(key).end(outcome)
         return True

@@ -10,7 +10,9 @@ out-of-memory kill), its array restarts from its last checkpoint on another acto
 trainer's checkpoints are written to the run directory, which every node must see (one
 machine, or a shared file system on a cluster). The cluster of ``ray.address`` is checked to
 answer within ``ray.connect_timeout_s`` before the driver connects (see
-:mod:`hfsweep.executors._connect`).
+:mod:`hfsweep.executors._connect`). With ``alternate`` above one (``fusion.alternate``), an actor
+trains up to that many offloaded arrays at once, their shards alternating on its device; an
+array shares an actor only when the cluster has no room for one of its own.
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ _INIT: dict[str, Any] = {
 
 
 class RayExecutor(Executor):
-    """Trains arrays of ``task`` in Ray actors; ``slots`` arrays train at once.
+    """Trains arrays of ``task`` in Ray actors; ``slots`` arrays train at once, up to
+    ``alternate`` of them (offloaded, ``offload="host"``) in each actor.
 
     Connects to the Ray cluster at ``settings.address``, or uses the Ray this process already
     initialised, or starts a local one for the run (shut down by :meth:`close`).
@@ -74,9 +77,17 @@ class RayExecutor(Executor):
         share_frozen: bool = True,
         offload: str = "none",
         device_memory: int | None = None,
+        alternate: int = 1,
     ) -> None:
         import ray
 
+        if isinstance(alternate, bool) or not isinstance(alternate, int) or alternate < 1:
+            raise ValueError(f"alternate must be an int >= 1 (arrays at once), got {alternate!r}")
+        if alternate > 1 and (offload != "host" or settings.elastic.enabled):
+            raise ValueError(
+                f"alternate={alternate} trains offloaded arrays' shards in turn; it needs "
+                f"offload='host' (got {offload!r}) and arrays that are not elastic"
+            )
         self.task = task
         self.device = device
         self.dtype = dtype
@@ -86,6 +97,8 @@ class RayExecutor(Executor):
         #: (``None``: that device's free memory)
         self.offload = offload
         self.device_memory = device_memory
+        #: the most arrays one actor trains at once, their shards alternating
+        self.alternate = alternate
         self.settings = settings
         self._owns_ray = not ray.is_initialized()
         #: threads inside run_array or array_size (close waits for them before ray.shutdown)
@@ -165,11 +178,13 @@ class RayExecutor(Executor):
         if want_gpu:
             bundle["GPU"] = want_gpu
         self._remote: Any = None  # ArrayWorker as a Ray actor class, made once
+        most = settings.max_concurrent
         self._pool = ActorPool(
             bundle,
             self._new_actor,
-            most=settings.max_concurrent,
+            most=None if most is None else -(-most // self.alternate),
             place_wait_s=lambda: _PLACE_WAIT_S,
+            capacity=self.alternate,
         )
         # a cluster's workers may still be joining: wait a while for room for one array
         deadline = time.monotonic() + (_JOIN_WAIT_S if settings.address is not None else 0.0)
@@ -188,11 +203,12 @@ class RayExecutor(Executor):
             )
         resources = ray.cluster_resources()
         _log.info(
-            "Ray backend: up to %d array(s) at once, each %g CPUs and %g GPUs (cluster: %g CPUs, "
-            "%g GPUs); more or fewer as nodes join or leave",
+            "Ray backend: up to %d array(s) at once, each %g CPUs and %g GPUs%s (cluster: %g "
+            "CPUs, %g GPUs); more or fewer as nodes join or leave",
             self.slots,
             self.cpus_per_array,
             want_gpu,
+            f", up to {self.alternate} alternating in each" if self.alternate > 1 else "",
             resources.get("CPU", 0.0),
             resources.get("GPU", 0.0),
         )
@@ -200,7 +216,8 @@ class RayExecutor(Executor):
     @property
     def slots(self) -> int:
         """Arrays to train at once now: what the cluster's alive nodes hold, at most
-        ``ray.max_concurrent`` (see :meth:`ActorPool.width`); with ``ray.elastic``, as many
+        ``ray.max_concurrent`` (see :meth:`ActorPool.width`), times ``alternate`` (within
+        ``ray.max_concurrent``); with ``ray.elastic``, as many
         arrays as the workers give each its ``min_workers_per_array``, and no more than the
         policy admits (while an array waits for workers, the engine forms no other)."""
         if self.elastic:
@@ -210,7 +227,8 @@ class RayExecutor(Executor):
                 self.settings.max_concurrent,
                 self.policy.admits() if self.policy is not None else None,
             )
-        return self._pool.width()
+        slots = self._pool.width() * self.alternate
+        return min(slots, self.settings.max_concurrent or slots)
 
     @property
     def elastic(self) -> bool:
@@ -235,10 +253,17 @@ class RayExecutor(Executor):
 
         if self._remote is None:
             self._remote = ray.remote(
-                num_cpus=self.cpus_per_array, num_gpus=self.gpus_per_array, max_restarts=0
+                num_cpus=self.cpus_per_array,
+                num_gpus=self.gpus_per_array,
+                max_restarts=0,
             )(ArrayWorker)
         strategy = PlacementGroupSchedulingStrategy(placement_group=group)
-        return self._remote.options(scheduling_strategy=strategy).remote(
+        # alternating: each array's start and reply calls wait in a thread of their own, and
+        # where and array_size still answer
+        concurrency = self.alternate + 2 if self.alternate > 1 else 1
+        return self._remote.options(
+            scheduling_strategy=strategy, max_concurrency=concurrency
+        ).remote(
             self.task,
             device=self.device,
             dtype=self.dtype,
@@ -247,6 +272,7 @@ class RayExecutor(Executor):
             share_frozen=self.share_frozen,
             offload=self.offload,
             device_memory=self.device_memory,
+            alternate=self.alternate,
         )
 
     def _acquire(self) -> Any:
@@ -481,7 +507,14 @@ class RayExecutor(Executor):
                 raise ExecutorError(f"the Ray worker training {folder} failed:\n{text}")
             else:
                 raise ExecutorError(f"unknown event {kind!r} from the Ray worker")
-            kind, payload = ray.get(actor.reply.remote(answer))
+            kind, payload = ray.get(actor.reply.remote(answer, folder))
+        if self.alternate > 1:
+            _log.info(
+                "%s: trained with up to %s array(s) at once on %s",
+                folder,
+                payload,
+                self._pool.where(actor),
+            )
 
 
 def _elastic_slots(workers: int, least: int, most: int | None, admitted: int | None) -> int:

@@ -10,6 +10,12 @@ elsewhere) is noticed within :data:`_POLL_S`, whatever state the cluster is in.
 
 :meth:`ActorPool.width` is the allocator's seam: how many arrays train at once, re-decided on
 every call from the cluster's resources now (nodes lost or joined) and ``ray.max_concurrent``.
+
+With ``capacity`` above one (``fusion.alternate``: offloaded arrays trained together on one
+device), an actor trains up to that many arrays at once. An array still gets an actor of its
+own while the cluster has room for one; it shares a busy actor only when it has none, the
+least loaded first. An actor whose array failed takes no new array and is killed once its
+last array has left it.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ class ActorPool:
     how long a reservation may stay unplaced while the cluster's total says it fits (other work
     holds the resources, or no single node has them) before the pool goes on with the actors it
     has, or, having none, gives up with an :class:`ExecutorError`. ``most`` caps the actors
-    (``ray.max_concurrent``).
+    (``ray.max_concurrent``); ``capacity`` is the most arrays one actor trains at once.
     """
 
     def __init__(
@@ -50,14 +56,17 @@ class ActorPool:
         *,
         most: int | None,
         place_wait_s: Callable[[], float],
+        capacity: int = 1,
     ) -> None:
         self.bundle = bundle
+        self.capacity = capacity
         self._make_actor = make_actor
         self._most = most
         self._place_wait_s = place_wait_s
         self._cond = threading.Condition()
         self._idle: list[Any] = []
-        self._busy: set[Any] = set()
+        self._load: dict[Any, int] = {}  # busy actor -> the arrays it trains now
+        self._retired: set[Any] = set()  # busy actors that take no new array
         self._groups: dict[Any, Any] = {}  # actor -> the placement group reserved for it
         self._where: dict[Any, str] = {}  # actor -> its host, process and node
         self._actors = 0  # actors started (idle, busy or starting)
@@ -112,11 +121,16 @@ class ActorPool:
                         raise Stopped
                     if self._idle:
                         actor = self._idle.pop()
-                        self._busy.add(actor)
+                        self._load[actor] = 1
                         return actor  # a reservation of ours is given back below
                     reserve = group is None and self._actors + self._pending < room
                     if reserve:
                         self._pending += 1
+                    elif group is None:
+                        shared = self._least_loaded()
+                        if shared is not None:
+                            self._load[shared] += 1
+                            return shared
                 if reserve:
                     group = self._reserve()
                     since = time.monotonic()
@@ -133,6 +147,16 @@ class ActorPool:
         finally:
             if group is not None:
                 self._give_back(group)
+
+    def _least_loaded(self) -> Any:
+        """A busy actor with room for one more array (the least loaded) that has started, or
+        ``None``; called holding the lock."""
+        open_ = [
+            (n, i, a)
+            for i, (a, n) in enumerate(self._load.items())
+            if n < self.capacity and a not in self._retired and a in self._where
+        ]
+        return min(open_)[2] if open_ else None
 
     def _reserve(self) -> Any:
         from ray.util.placement_group import placement_group
@@ -172,7 +196,7 @@ class ActorPool:
             raise
         with self._cond:
             self._groups[actor] = group
-            self._busy.add(actor)
+            self._load[actor] = 1
         try:
             ref = ready(actor)
             while not ray.wait([ref], timeout=_POLL_S)[0]:
@@ -225,15 +249,23 @@ class ActorPool:
         return f"{self.bundle.get('CPU', 0.0):g} CPUs, {self.bundle.get('GPU', 0.0):g} GPUs"
 
     def release(self, actor: Any, *, dead: bool = False) -> None:
-        """``actor`` is done with its array: idle again, or killed (``dead``: its process
-        died, or it is in a state no other array may inherit)."""
+        """``actor`` is done with one of its arrays: idle again once it trains none, or killed
+        (``dead``: its process died, or it is in a state no other array may inherit; an actor
+        still training other arrays takes no new one and is killed when the last leaves)."""
         with self._cond:
-            self._busy.discard(actor)
-            if dead or self._closed:
-                self._actors -= 1
-                self._kill(actor)
+            left = self._load.get(actor, 1) - 1
+            if dead:
+                self._retired.add(actor)
+            if left > 0:
+                self._load[actor] = left
             else:
-                self._idle.append(actor)
+                self._load.pop(actor, None)
+                if actor in self._retired or self._closed:
+                    self._retired.discard(actor)
+                    self._actors -= 1
+                    self._kill(actor)
+                else:
+                    self._idle.append(actor)
             self._cond.notify_all()
 
     def _kill(self, actor: Any) -> None:
@@ -258,7 +290,7 @@ class ActorPool:
         a second, and give their reservations back."""
         with self._cond:
             self._closed = True
-            actors = [*self._idle, *self._busy]
+            actors = [*self._idle, *self._load]
             self._idle.clear()
             self._cond.notify_all()
         for actor in actors:

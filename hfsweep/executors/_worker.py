@@ -5,6 +5,11 @@ holds the searcher, the scheduler and the study. In an actor, the array trains i
 its own; each hook call puts an event in a queue and waits for the driver's answer, which the
 driver sends with the next :meth:`ArrayWorker.reply`. So the driver sees the same sequence of
 hook calls as with the local backend, and the engine's crash safety holds unchanged.
+
+With ``alternate`` above one (``fusion.alternate``), the actor trains up to that many offloaded
+arrays at once through an :class:`~hfsweep.executors._alternating.AlternatingExecutor`, their
+shards alternating on its device; each array has its own line of events and answers, named by
+its folder, and the actor serves their calls concurrently (a threaded actor).
 """
 
 from __future__ import annotations
@@ -23,18 +28,21 @@ from .._usercode import describe, keep_traceback, label, phase_of, remote_traceb
 from ..sizing.device import resolve_device
 from ..training.task import Task
 from ..training.trainer import Member
+from ._alternating import AlternatingExecutor
 from .base import ArrayHooks
 from .local import LocalExecutor
 
 __all__ = ["ArrayWorker", "Event"]
 
 #: ``(kind, payload)``: ``("report", [Evaluation])``, ``("refill", None)``,
-#: ``("finish", MemberResult)``, ``("done", None)`` or ``("error", (exception, traceback))``
+#: ``("finish", MemberResult)``, ``("done", arrays)`` (the most arrays that trained at once on
+#: this actor while it trained) or ``("error", (exception, traceback))``
 Event = tuple[str, Any]
 
 
 class ArrayWorker:
-    """Trains one array at a time on this actor's device (see the module docstring).
+    """Trains one array at a time on this actor's device, or up to ``alternate`` offloaded
+    arrays at once (see the module docstring).
 
     ``device`` ``"auto"`` means CUDA when the actor sees a GPU, else the CPU; ``threads`` caps
     torch's intra-op threads at the CPUs the actor reserved, so arrays sharing a machine do not
@@ -55,6 +63,7 @@ class ArrayWorker:
         share_frozen: bool = True,
         offload: str = "none",
         device_memory: int | None = None,
+        alternate: int = 1,
     ) -> None:
         torch.set_num_threads(max(1, threads))
         device = resolve_device(device)
@@ -63,8 +72,7 @@ class ArrayWorker:
                 f"fusion.device is {device!r} but the Ray worker on {socket.gethostname()} sees "
                 "no CUDA device; give the arrays GPUs (ray.gpus_per_array) or use device: cpu"
             )
-        self.local = LocalExecutor(
-            task,
+        settings: dict[str, Any] = dict(
             device=device,
             dtype=dtype,
             eval_every=eval_every,
@@ -72,8 +80,14 @@ class ArrayWorker:
             offload=offload,
             device_memory=device_memory,
         )
-        self._events: queue.Queue[Event] = queue.Queue()
-        self._answers: queue.Queue[Any] = queue.Queue()
+        self.local = (
+            AlternatingExecutor(task, alternate=alternate, **settings)
+            if alternate > 1
+            else LocalExecutor(task, **settings)
+        )
+        #: each array's (events, answers), by its folder
+        self._lines: dict[str, tuple[queue.Queue[Event], queue.Queue[Any]]] = {}
+        self._lock = threading.Lock()
 
     def where(self) -> str:
         """This worker's host, process, device (and offload, where on) and Ray node, for the
@@ -84,6 +98,8 @@ class ArrayWorker:
         device = str(self.local.device)
         if self.local.offload != "none":
             device = f"{device} (offload: {self.local.offload})"
+        if isinstance(self.local, AlternatingExecutor):
+            device = f"{device}, up to {self.local.alternate} arrays alternating"
         return f"{socket.gethostname()} pid {os.getpid()} {device} node {node}"
 
     def array_size(self, config: Mapping[str, Any]) -> tuple[int, str]:
@@ -91,38 +107,61 @@ class ArrayWorker:
         return self.local.array_size(config)
 
     def start(self, folder: str, members: Sequence[Member], resume: bool) -> Event:
-        """Start training an array in a thread; returns its first event."""
-        self._events = queue.Queue()
-        self._answers = queue.Queue()
+        """Start training the array in ``folder`` in a thread; returns its first event."""
+        line: tuple[queue.Queue[Event], queue.Queue[Any]] = (queue.Queue(), queue.Queue())
+        with self._lock:
+            self._lines[folder] = line
         thread = threading.Thread(
-            target=self._train, args=(folder, list(members), resume), daemon=True
+            target=self._train, args=(folder, list(members), resume, line), daemon=True
         )
         thread.start()
-        return self._events.get()
+        return self._next(folder)
 
-    def reply(self, answer: Any) -> Event:
-        """Answer the last event; returns the next one."""
-        self._answers.put(answer)
-        return self._events.get()
+    def reply(self, answer: Any, folder: str) -> Event:
+        """Answer the last event of the array in ``folder``; returns its next one."""
+        with self._lock:
+            _events, answers = self._lines[folder]
+        answers.put(answer)
+        return self._next(folder)
 
-    def _hook(self, kind: str, payload: Any) -> Any:
-        self._events.put((kind, payload))
-        return self._answers.get()
+    def _next(self, folder: str) -> Event:
+        """The next event of the array in ``folder``; its line is closed after its last."""
+        with self._lock:
+            events, _answers = self._lines[folder]
+        event = events.get()
+        if event[0] in ("done", "error"):
+            with self._lock:
+                self._lines.pop(folder, None)
+        return event
 
-    def _train(self, folder: str, members: list[Member], resume: bool) -> None:
+    def _train(
+        self,
+        folder: str,
+        members: list[Member],
+        resume: bool,
+        line: tuple[queue.Queue[Event], queue.Queue[Any]],
+    ) -> None:
+        events, answers = line
+
+        def hook(kind: str, payload: Any) -> Any:
+            events.put((kind, payload))
+            return answers.get()
+
         try:
             hooks = ArrayHooks(
-                report=lambda evaluations: self._hook("report", evaluations),
-                refill=lambda: self._hook("refill", None),
-                on_finish=lambda result: self._hook("finish", result),
+                report=lambda evaluations: hook("report", evaluations),
+                refill=lambda: hook("refill", None),
+                on_finish=lambda result: hook("finish", result),
             )
             self.local.run_array(folder, members, hooks, resume=resume)
         except BaseException as exc:  # handed to the driver, which raises it
             text = traceback.format_exc()
             keep_traceback(exc, text)
-            self._events.put(("error", (_picklable(exc), text)))
+            events.put(("error", (_picklable(exc), text)))
         else:
-            self._events.put(("done", None))
+            local = self.local
+            together = local.together(folder) if isinstance(local, AlternatingExecutor) else 1
+            events.put(("done", together))
 
 
 def _picklable(exc: BaseException) -> BaseException:

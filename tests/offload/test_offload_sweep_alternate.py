@@ -53,12 +53,16 @@ def test_alternate_is_read_and_checked_with_its_yaml_path() -> None:
         parse_sweep({**BASE, "fusion": {"offload": "host", "alternate": 65}})
 
 
-def test_alternate_on_the_ray_backend_is_refused() -> None:
+def test_alternate_is_read_for_the_ray_backend_and_refused_with_elastic_arrays() -> None:
+    """On ``backend: ray`` each worker alternates its arrays (tests/sweep/test_ray_backend.py);
+    elastic arrays, which refuse offload, refuse it with their offload."""
     pytest.importorskip("ray")
-    with pytest.raises(
-        ConfigError, match=r"fusion\.alternate: 2 is not supported with backend 'ray' yet"
-    ):
-        parse_sweep({**BASE, "backend": "ray", "fusion": {"offload": "host", "alternate": 2}})
+    fusion = {"offload": "host", "alternate": 2}
+    assert parse_sweep({**BASE, "backend": "ray", "fusion": fusion}).fusion.alternate == 2
+    with pytest.raises(ConfigError, match=r"fusion\.offload: 'host' is not supported with ray"):
+        parse_sweep(
+            {**BASE, "backend": "ray", "fusion": fusion, "ray": {"elastic": {"enabled": True}}}
+        )
 
 
 def _sweep(folder: Path, alternate: int) -> list[dict[str, str]]:

@@ -9,6 +9,7 @@ checkpoint exactly.
 from __future__ import annotations
 
 import os
+import re
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ import pytest
 import hfsweep as hs
 
 from . import _crashy
-from ._toy import sweep_config
+from ._toy import TASK, sweep_config
 
 ray = pytest.importorskip("ray")
 
@@ -295,3 +296,55 @@ def test_a_task_that_raises_in_a_worker_ends_as_on_the_local_backend(
         trials = optuna.load_study(study_name="sweep", storage=storage).get_trials()
         assert trials and {t.state.name for t in trials} == {"FAIL"}
         assert all(cause in t.user_attrs["error"] for t in trials)
+
+
+#: two offloaded arrays at once in the one actor the local Ray holds (its 2 CPUs), alternating
+_ALTERNATE: dict[str, Any] = {
+    "backend": "ray",
+    "ray": {"cpus_per_array": 2},
+    "fusion": {"size": 2, "device": "cpu", "dtype": "float64", "offload": "host", "alternate": 2},
+    "scheduler": "fifo",
+    "budget": {"trials": 6, "epochs": 2},
+}
+
+
+def _as_alone(result: hs.SweepResult, task: hs.Task) -> None:
+    """Every trial of ``result`` ended as it trains alone (``hs.retrain``)."""
+    for t in result.study.get_trials():
+        again = hs.retrain(result.run_dir, t.number, task=task)
+        assert again.matches, again.table()
+
+
+@pytest.mark.slow
+def test_offloaded_arrays_alternate_in_one_ray_worker_each_trial_as_alone(
+    local_ray: None, tmp_path: Path, told: Counter[int]
+) -> None:
+    """``fusion.alternate: 2`` on the Ray backend: the cluster holds one actor, which trains two
+    offloaded arrays at once, their shards alternating (the worker says how many trained at
+    once), and every trial ends as it trains alone."""
+    result = hs.sweep(sweep_config(tmp_path / "run", **_ALTERNATE), progress=False)
+    assert result.counts == {"completed": 6, "stopped": 0, "failed": 0, "running": 0}
+    assert told == Counter(range(6))
+    log = (result.run_dir / "sweep.log").read_text()
+    assert "up to 2 array(s) at once" in log and "up to 2 alternating in each" in log
+    assert len(set(re.findall(r"trains on .* pid (\d+) ", log))) == 1  # the one actor
+    assert "trained with up to 2 array(s) at once on " in log  # two arrays in one step
+    _as_alone(result, TASK)
+
+
+@pytest.mark.slow
+def test_a_dead_worker_alternating_two_arrays_resumes_both_exactly(
+    local_ray: None, tmp_path: Path, told: Counter[int]
+) -> None:
+    """The one actor training two alternating arrays dies: both arrays go on from their
+    checkpoints on a new actor, no trial is told twice, and every trial ends as alone."""
+    flag = Path(os.environ[_FLAG])
+    flag.write_text("")
+    config = sweep_config(tmp_path / "run", **{**_ALTERNATE, "task": _crashy.TASK})
+    result = hs.sweep(config, progress=False)
+    assert not flag.exists()  # a worker drew the batch and died
+    log = (result.run_dir / "sweep.log").read_text()
+    assert "died" in log and "restarting it (1 of 3 restarts)" in log
+    assert result.counts == {"completed": 6, "stopped": 0, "failed": 0, "running": 0}
+    assert told == Counter(range(6))
+    _as_alone(result, _crashy.TASK)
