@@ -5,7 +5,7 @@ The front doors are the CLI (``python -m hfsweep run ... --resume``), the Python
 in a process of its own) and the Ray Tune plugin (``Tuner.fit``, then ``Tuner.restore``); the
 executors are the local one (also with ``fusion.alternate: 2``: two offloaded arrays at once,
 their shards alternating) and the Ray one (``backend: ray``, a local Ray of the sweep's own;
-the Tune plugin runs on Ray only). Each case runs a small ASHA sweep of the toy task in a
+also with ``fusion.alternate: 2`` in its one worker; the Tune plugin runs on Ray only). Each case runs a small ASHA sweep of the toy task in a
 subprocess, SIGKILLs it mid-sweep, resumes it in another, and reads what it ended with into one
 :class:`Outcome`, which :func:`check` holds to the same rules: every trial of the budget ended,
 ASHA stopped some, a freed slot was refilled, an array went on from its checkpoint, no trial was
@@ -99,12 +99,17 @@ def check(outcome: Outcome, budget: int) -> None:
 def _engine_config(folder: Path, backend: str) -> dict[str, Any]:
     """The sweep: 12 trials of the toy task that holds after two tells (``HELD_TASK``, so the
     kill lands mid-sweep however slowly this test polls), arrays of 4, ASHA. ``local-alternate``:
-    the local backend with two offloaded arrays at once, their shards alternating."""
+    the local backend with two offloaded arrays at once, their shards alternating;
+    ``ray-alternate``: the same in the one Ray worker the local Ray's 2 CPUs hold."""
     fusion: dict[str, Any] = {"size": 4, "device": "cpu"}
-    if backend == "local-alternate":
-        backend = "local"
+    extra: dict[str, Any] = {}
+    if backend.endswith("-alternate"):
+        backend = backend.removesuffix("-alternate")
         fusion.update(offload="host", alternate=2)
+        if backend == "ray":
+            extra["ray"] = {"cpus_per_array": 2}
     return {
+        **extra,
         "task": f"{TOY}:HELD_TASK",
         "search_space": {
             "lr": {"type": "float", "low": 1e-3, "high": 0.5, "log": True},
@@ -224,6 +229,7 @@ CASES = [
     pytest.param("local", "api", id="local-api"),
     pytest.param("local-alternate", "cli", id="local-alternate-cli"),
     pytest.param("ray", "cli", id="ray-cli"),
+    pytest.param("ray-alternate", "cli", id="ray-alternate-cli"),
     pytest.param("ray", "api", id="ray-api"),
     pytest.param("ray", "tune", id="ray-tune"),
 ]
@@ -233,7 +239,7 @@ CASES = [
 def test_a_killed_sweep_resumes_to_the_same_end(
     executor: str, door: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if executor == "ray":
+    if executor.startswith("ray"):
         pytest.importorskip("ray")
     if door == "tune":
         outcome = _tune_lifecycle(tmp_path)
