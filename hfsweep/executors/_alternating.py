@@ -17,14 +17,19 @@ hooks to the driver); a run's error ends that array only and is raised from its 
 engine then stops the sweep, :meth:`close` stopping the others at their current step); after
 :meth:`close`, every array still training raises :class:`~hfsweep.executors.Stopped`, its
 checkpoint (written at its last evaluation) resuming it.
+
+A profile (:meth:`~AlternatingExecutor.array_size`, ``fusion.size: auto`` for a key that appears
+mid-sweep) measures the device alone: the arrays in training are held between two of their
+steps while it runs (see :class:`_Gate`), so its timings are not the arrays' load.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from .._malloc import retaining_freed_memory_on
@@ -44,13 +49,67 @@ _log = logging.getLogger("hfsweep.executors")
 _Message = tuple[Any, ...]
 
 
+class _Gate:
+    """Keeps the device to a profile while one runs: the driver thread computes only while no
+    profile holds the gate, and a profile starts only once the driver is not computing,
+    between rounds or waiting on a hook call (one driver thread steps every array, so while it
+    waits for a hook's answer nothing trains). A profile asked from inside a hook call (the
+    engine sizing a new key as it answers) therefore starts at once, and one asked while the
+    driver waits on a hook that needs the engine's lock the profile holds does not deadlock."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._holds = 0  # profiles running or waiting to
+        self._computing = False  # the driver thread is in a round, outside hook calls
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Hold the arrays between two steps for the ``with`` block (a profile)."""
+        with self._cond:
+            self._holds += 1
+            self._cond.wait_for(lambda: not self._computing)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._holds -= 1
+                self._cond.notify_all()
+
+    def _compute(self, computing: bool) -> None:
+        with self._cond:
+            if computing:
+                self._cond.wait_for(lambda: self._holds == 0)
+            self._computing = computing
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def computing(self) -> Iterator[None]:
+        """The driver thread's round: starts once no profile holds the gate."""
+        self._compute(True)
+        try:
+            yield
+        finally:
+            self._compute(False)
+
+    @contextlib.contextmanager
+    def calling(self) -> Iterator[None]:
+        """A hook call of the driver thread, during which a profile may run; the round goes
+        on only once none holds the gate."""
+        self._compute(False)
+        try:
+            yield
+        finally:
+            self._compute(True)
+
+
 class _Mailbox:
     """One array's line between the driver thread and the thread of its ``run_array`` call:
     the driver sends hook calls and the array's end, the array's thread runs the calls and
     answers them (:meth:`serve`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, gate: _Gate) -> None:
         self._inbox: queue.Queue[_Message] = queue.Queue()
+        self._gate = gate
         #: the most arrays in training at once while this one trained (itself included)
         self.widest = 0
 
@@ -60,8 +119,9 @@ class _Mailbox:
 
         def call(*args: Any) -> Any:
             answer: queue.Queue[tuple[bool, Any]] = queue.Queue(maxsize=1)
-            self._inbox.put(("call", hook, args, answer))
-            ok, value = answer.get()
+            with self._gate.calling():
+                self._inbox.put(("call", hook, args, answer))
+                ok, value = answer.get()
             if not ok:
                 raise value
             return value
@@ -136,6 +196,7 @@ class AlternatingExecutor(LocalExecutor):
         self._closed = False
         #: each ended array's widest round (see :meth:`together`), by its folder
         self._together: dict[str, int] = {}
+        self._gate = _Gate()
 
     @property
     def slots(self) -> int:
@@ -147,7 +208,7 @@ class AlternatingExecutor(LocalExecutor):
     ) -> None:
         """Train ``members`` (and the trials ``refill`` adds) with the other arrays in
         training until every one has ended, the hooks called in this thread."""
-        box = _Mailbox()
+        box = _Mailbox(self._gate)
         job = ArrayJob(
             self._trainer(checkpoint_dir, members),
             members,
@@ -173,6 +234,14 @@ class AlternatingExecutor(LocalExecutor):
         )
         with self._cond:
             self._together[str(checkpoint_dir)] = box.widest
+
+    def array_size(self, config: Mapping[str, Any]) -> tuple[int, str]:
+        """The profiler's array size for ``config`` (the local executor's), measured with the
+        arrays in training held between two of their steps (see :class:`_Gate`): a profile
+        times the device alone, and holds the sweep's training while it runs, once per model
+        and device (profiles are cached)."""
+        with self._gate.held():
+            return super().array_size(config)
 
     def together(self, checkpoint_dir: Folder) -> int:
         """The most arrays that trained at once (itself included) while the array in
@@ -227,13 +296,14 @@ class AlternatingExecutor(LocalExecutor):
             if not arriving and not boxes:
                 self._thread = None  # the next run_array starts another thread
                 return False
-        for job, box in arriving:
-            try:
-                boxes[driver.add(job)] = box
-            except Exception as exc:  # that array's start failed: its error alone
-                box.end(exc)
-        for box in boxes.values():
-            box.widest = max(box.widest, len(boxes))
-        for key, outcome in driver.round().items():
-            boxes.pop(key).end(outcome)
+        with self._gate.computing():
+            for job, box in arriving:
+                try:
+                    boxes[driver.add(job)] = box
+                except Exception as exc:  # that array's start failed: its error alone
+                    box.end(exc)
+            for box in boxes.values():
+                box.widest = max(box.widest, len(boxes))
+            for key, outcome in driver.round().items():
+                boxes.pop(key).end(outcome)
         return True

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import csv
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -231,6 +232,61 @@ def test_close_stops_the_arrays_and_they_resume_to_the_same_end(tmp_path: Path) 
     assert 0 < a2.reports < 5 and 0 < b2.reports < 5, (a2.reports, b2.reports)
     _same(a.results + a2.results, _alone(tmp_path / "a_alone", _members("a")))
     _same(b.results + b2.results, _alone(tmp_path / "b_alone", _members("b")))
+
+
+def _timed(record: list[tuple[float, float]], fn: Any) -> Any:
+    def timed(*args: Any, **kw: Any) -> Any:
+        start = time.monotonic()
+        try:
+            return fn(*args, **kw)
+        finally:
+            record.append((start, time.monotonic()))
+
+    return timed
+
+
+@pytest.mark.parametrize("where", ["engine", "hook"])
+def test_a_profile_holds_the_arrays_between_two_steps(
+    where: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``array_size`` while two arrays train: asked from another thread (the engine's loop
+    sizing a new key) or from inside a hook call (the engine sizing one as it answers), the
+    profile runs while no alternating step does, and the arrays then go on to the ends they
+    have alone."""
+    import hfsweep.sizing.task as sizing
+
+    steps: list[tuple[float, float]] = []
+    profiles: list[tuple[float, float]] = []
+    monkeypatch.setattr(AlternatingArrays, "step", _timed(steps, AlternatingArrays.step))
+    monkeypatch.setattr(sizing, "profile_task", _timed(profiles, sizing.profile_task))
+    ex = _executor()
+    sized: list[tuple[int, str]] = []
+    asking: list[threading.Thread] = []
+
+    def size() -> None:
+        sized.append(ex.array_size({"lr": 0.1, "seed": 0, "epochs": 2}))
+
+    def size_once(array: _Array) -> None:
+        if array.reports == 2 and not asking:
+            asking.append(threading.Thread(target=size))
+            if where == "engine":
+                asking[0].start()
+            else:
+                asking[0].run()  # in this hook call
+
+    a = _Array(ex, tmp_path / "a", _members("a"), on_report=size_once)
+    b = _Array(ex, tmp_path / "b", _members("b"))
+    _both([a, b])
+    if where == "engine":
+        asking[0].join(timeout=120)
+    ex.close()
+    assert a.error is None and b.error is None
+    assert len(sized) == 1 and sized[0][0] >= 1
+    ((start, end),) = profiles
+    assert not [s for s in steps if s[0] < end and start < s[1]]  # no step during the profile
+    assert [s for s in steps if s[1] <= start] and [s for s in steps if s[0] >= end]
+    _same(a.results, _alone(tmp_path / "a_alone", _members("a")))
+    _same(b.results, _alone(tmp_path / "b_alone", _members("b")))
 
 
 def test_the_executor_refuses_what_it_cannot_alternate() -> None:
