@@ -175,6 +175,9 @@ class OffloadedArray:
         self._budget = budget_bytes
         #: the optimizer step on the compute side (:meth:`step_on_device`), or ``None``: host
         self._stepper: _DeviceStep | None = None
+        #: parameter-sized tensors of optimizer state the shard limit leaves room for (the
+        #: most any device step set has asked for: a layout cut for it stays)
+        self._reserved = 0
         if cut not in CUTS:
             raise OffloadError(f"cut must be one of {CUTS}, got {cut!r}")
         self.cut = cut
@@ -229,7 +232,8 @@ class OffloadedArray:
         is not called (with no host gradients it would do nothing), an LR schedule steps as
         usual after the backward. With a budget, the shards are cut again to leave room for
         the optimizer state of one shard (as many parameter-sized tensors as its state keeps)
-        beside the shards held; between steps only. A model streamed between its blocks is
+        beside the shards held; between steps only. Shards so cut stay so when the step goes
+        back to the host (``offload_step="auto"`` measures both on one layout). A model streamed between its blocks is
         refused (a tensor tied into two units is in two shards and would be stepped twice)."""
         stepper = None if optimizer is None else _DeviceStep(optimizer, self.device)
         if stepper is not None and self._blocks is not None:
@@ -238,11 +242,13 @@ class OffloadedArray:
                 "streamed between its blocks (cut='blocks'), which is not supported yet: use "
                 "offload_step='host'"
             )
-        parts = 0 if self._stepper is None else self._stepper.parts
         self._stepper = stepper
-        if (0 if stepper is None else stepper.parts) != parts and self._budget is not None:
-            self._release()
-            self._plan()
+        parts = 0 if stepper is None else stepper.parts
+        if parts > self._reserved:
+            self._reserved = parts
+            if self._budget is not None and self._shard_bytes is None:
+                self._release()
+                self._plan()
 
     # ------------------------------------------------------------------ internals
     def _plan(self) -> None:
@@ -256,8 +262,7 @@ class OffloadedArray:
             # shard) take depth + 2 parts, the boundary activations the last: quarters at 1
             # (with the device step, one shard's optimizer state takes as many parts more
             # as the optimizer keeps parameter-sized tensors)
-            parts = 0 if self._stepper is None else self._stepper.parts
-            limit = self._budget // (self.prefetch_depth + 3 + parts)
+            limit = self._budget // (self.prefetch_depth + 3 + self._reserved)
         else:
             limit = max(math.ceil(stacked_bytes(self.array._state()) / 4), 1)
         strict = self._budget is not None
