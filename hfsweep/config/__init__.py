@@ -54,6 +54,9 @@ A sweep file is one YAML mapping. Every key, with its default::
                                 #   auto then keeps arrays as they are)
       alternate: 1              # offloaded arrays trained at once, their shards alternating (an
                                 #   int >= 1; > 1 needs offload: host and backend: local)
+      offload_step: host        # where an offloaded array's optimizer steps: host, device (each
+                                #   shard after its backward; not with grad_clip) or auto (both
+                                #   timed on the array's first steps, the faster kept)
     backend: local              # local (in-process) or ray (arrays on a Ray cluster)
     ray:                        # only with backend: ray
       address: null             # null: start a local Ray for the run; "auto", "host:6379" or

@@ -48,6 +48,7 @@ class _Backend(_Parts):
                     share_frozen=sc.fusion.share_frozen,
                     offload=sc.fusion.offload,
                     device_memory=sc.fusion.device_memory,
+                    offload_step=sc.fusion.offload_step,
                 )
             except ExecutorError as exc:
                 raise SweepError(f"backend ray: {exc}") from exc
@@ -67,6 +68,7 @@ class _Backend(_Parts):
                 compile=sc.fusion.compile,
                 offload=sc.fusion.offload,
                 device_memory=sc.fusion.device_memory,
+                offload_step=sc.fusion.offload_step,
             )
             if sc.fusion.alternate > 1:
                 self.executor = AlternatingExecutor(

@@ -74,6 +74,7 @@ class RayExecutor(Executor):
         share_frozen: bool = True,
         offload: str = "none",
         device_memory: int | None = None,
+        offload_step: str = "host",
     ) -> None:
         import ray
 
@@ -86,6 +87,7 @@ class RayExecutor(Executor):
         #: (``None``: that device's free memory)
         self.offload = offload
         self.device_memory = device_memory
+        self.offload_step = offload_step
         self.settings = settings
         self._owns_ray = not ray.is_initialized()
         #: threads inside run_array or array_size (close waits for them before ray.shutdown)
@@ -247,6 +249,7 @@ class RayExecutor(Executor):
             share_frozen=self.share_frozen,
             offload=self.offload,
             device_memory=self.device_memory,
+            offload_step=self.offload_step,
         )
 
     def _acquire(self) -> Any:

@@ -55,6 +55,7 @@ class ArrayWorker:
         share_frozen: bool = True,
         offload: str = "none",
         device_memory: int | None = None,
+        offload_step: str = "host",
     ) -> None:
         torch.set_num_threads(max(1, threads))
         device = resolve_device(device)
@@ -71,6 +72,7 @@ class ArrayWorker:
             share_frozen=share_frozen,
             offload=offload,
             device_memory=device_memory,
+            offload_step=offload_step,
         )
         self._events: queue.Queue[Event] = queue.Queue()
         self._answers: queue.Queue[Any] = queue.Queue()
