@@ -235,6 +235,8 @@ class OffloadedArray:
         beside the shards held; between steps only. Shards so cut stay so when the step goes
         back to the host (``offload_step="auto"`` measures both on one layout). A model streamed between its blocks is
         refused (a tensor tied into two units is in two shards and would be stepped twice)."""
+        if self._stepper is not None and self._stepper.optimizer is optimizer:
+            return  # as it is (the trainer says so before every step)
         stepper = None if optimizer is None else _DeviceStep(optimizer, self.device)
         if stepper is not None and self._blocks is not None:
             raise OffloadError(
