@@ -615,7 +615,7 @@ class OffloadedArray:
         update them and their state on the compute side, write both back to the host."""
         params = [host[i] for i, _ in stepped]
         fetched, resident = state
-        if [id(p) for p in fetched] != [id(p) for p in params]:
+        if resident is None or [id(p) for p in fetched] != [id(p) for p in params]:
             # a first step (states made now) or a parameter without a gradient: fetch the
             # states of exactly those stepped, as the host step would make and update them
             if resident is not None:
