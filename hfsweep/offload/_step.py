@@ -19,8 +19,9 @@ the shards from the last, so a member whose loss or output is not finite is caug
 shard stepped, before any of its tensors moved; one whose gradients become non-finite only in an
 earlier shard (finite further on) is isolated from that shard on, the shards stepped before
 keeping this step's update (the host step, which sees every gradient first, leaves all of them
-as they were). What cannot be stepped shard by shard is refused by the trainer: clipping by a
-norm over all shards, the AMP scaler's unscaling and skip (see docs/offload.md).
+as they were). Clipping by a norm over all shards cannot be stepped shard by shard: the
+trainer refuses it with ``offload_step="device"``; the AMP scaler, which unscales and skips by
+the host gradients, is not used with the device step (see docs/offload.md).
 """
 
 from __future__ import annotations
