@@ -55,6 +55,9 @@ A sweep file is one YAML mapping. Every key, with its default::
       alternate: 1              # offloaded arrays trained at once on a device, their shards
                                 #   alternating (an int >= 1; > 1 needs offload: host; on backend
                                 #   ray, in each worker)
+      offload_step: host        # where an offloaded array's optimizer steps: host, device (each
+                                #   shard after its backward; not with grad_clip) or auto (both
+                                #   timed on the array's first steps, the faster kept)
     backend: local              # local (in-process) or ray (arrays on a Ray cluster)
     ray:                        # only with backend: ray
       address: null             # null: start a local Ray for the run; "auto", "host:6379" or

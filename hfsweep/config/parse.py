@@ -22,7 +22,7 @@ from typing import Any, Literal
 from .._checks import is_int
 from .._dburl import mask
 from .._journal_url import is_journal, resolve
-from ..offload import OFFLOAD_MODES
+from ..offload import OFFLOAD_MODES, OFFLOAD_STEPS
 from ..search_spaces import SearchSpace, SpaceError, load_space
 from ..search_spaces._yaml import load_yaml
 from ..training.task import Task, TaskError
@@ -82,6 +82,7 @@ _FUSION = (
     "offload",
     "device_memory",
     "alternate",
+    "offload_step",
 )
 _RAY = (
     "address",
@@ -351,6 +352,19 @@ class _Parser(_Fields):
                 f"it needs offload: host (got offload: {offload}); give alternate: 1, or "
                 "offload: host",
             )
+        step = self.choice(f.get("offload_step", "host"), OFFLOAD_STEPS, "fusion.offload_step")
+        if step != "host" and offload == "none":
+            raise self.error(
+                "fusion.offload_step",
+                f"{step!r} says where an offloaded array's optimizer steps; it needs offload: "
+                "host or auto (got offload: none); give offload_step: host, or offload",
+            )
+        if step != "host" and alternate > 1:
+            raise self.error(
+                "fusion.offload_step",
+                f"{step!r} is not supported with alternate: {alternate} yet (arrays trained "
+                "together step on the host); give offload_step: host, or alternate: 1",
+            )
         return FusionConfig(
             size=size,
             device=device,
@@ -361,6 +375,7 @@ class _Parser(_Fields):
             offload=offload,
             device_memory=memory,
             alternate=alternate,
+            offload_step=step,
         )
 
     def ray(self, raw: object, backend: str) -> RayConfig:

@@ -139,9 +139,12 @@ class FusionConfig:
     memory, streamed through the device shard by shard, or ``auto``: ``host`` only when the
     array does not fit the device; see docs/offload.md) with ``device_memory`` bytes for it on
     the device (``None``: a CUDA device's free memory; on the CPU ``auto`` then keeps arrays as
-    they are). ``alternate`` (with ``offload: host``) trains that many
-    offloaded arrays at once on the device (on the Ray backend, in each worker), their shards alternating so one array's transfers
-    overlap another's compute (1: one array at a time)."""
+    they are). ``alternate`` (with ``offload: host``) trains that many offloaded arrays at once
+    on the device (on the Ray backend, in each worker), their shards alternating so one array's
+    transfers overlap another's compute (1: one array at a time). ``offload_step`` (with
+    ``offload`` ``host`` or ``auto``) is where an offloaded array's optimizer steps: ``host``
+    (the default), ``device`` (each shard on the device right after its backward) or ``auto``
+    (both timed on the array's first steps, the faster kept)."""
 
     size: int | Literal["auto"] = "auto"
     device: str = "auto"
@@ -152,6 +155,7 @@ class FusionConfig:
     offload: str = "none"
     device_memory: int | None = None
     alternate: int = 1
+    offload_step: str = "host"
 
     def to_dict(self) -> dict[str, Any]:
         """The ``fusion:`` mapping."""

@@ -49,6 +49,7 @@ class _Backend(_Parts):
                     offload=sc.fusion.offload,
                     device_memory=sc.fusion.device_memory,
                     alternate=sc.fusion.alternate,
+                    offload_step=sc.fusion.offload_step,
                 )
             except ExecutorError as exc:
                 raise SweepError(f"backend ray: {exc}") from exc
@@ -68,6 +69,7 @@ class _Backend(_Parts):
                 compile=sc.fusion.compile,
                 offload=sc.fusion.offload,
                 device_memory=sc.fusion.device_memory,
+                offload_step=sc.fusion.offload_step,
             )
             if sc.fusion.alternate > 1:
                 self.executor = AlternatingExecutor(

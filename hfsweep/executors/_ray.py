@@ -78,6 +78,7 @@ class RayExecutor(Executor):
         offload: str = "none",
         device_memory: int | None = None,
         alternate: int = 1,
+        offload_step: str = "host",
     ) -> None:
         import ray
 
@@ -99,6 +100,7 @@ class RayExecutor(Executor):
         self.device_memory = device_memory
         #: the most arrays one actor trains at once, their shards alternating
         self.alternate = alternate
+        self.offload_step = offload_step
         self.settings = settings
         self._owns_ray = not ray.is_initialized()
         #: threads inside run_array or array_size (close waits for them before ray.shutdown)
@@ -273,6 +275,7 @@ class RayExecutor(Executor):
             offload=self.offload,
             device_memory=self.device_memory,
             alternate=self.alternate,
+            offload_step=self.offload_step,
         )
 
     def _acquire(self) -> Any:

@@ -64,6 +64,7 @@ class ArrayWorker:
         offload: str = "none",
         device_memory: int | None = None,
         alternate: int = 1,
+        offload_step: str = "host",
     ) -> None:
         torch.set_num_threads(max(1, threads))
         device = resolve_device(device)
@@ -79,6 +80,7 @@ class ArrayWorker:
             share_frozen=share_frozen,
             offload=offload,
             device_memory=device_memory,
+            offload_step=offload_step,
         )
         self.local = (
             AlternatingExecutor(task, alternate=alternate, **settings)

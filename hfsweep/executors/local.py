@@ -53,6 +53,7 @@ class LocalExecutor(Executor):
         compile: bool | str = False,
         offload: str = "none",
         device_memory: int | None = None,
+        offload_step: str = "host",
     ) -> None:
         self.task = task
         self.device = torch.device(device)
@@ -68,6 +69,8 @@ class LocalExecutor(Executor):
         self._compile_choice: dict[str, bool] = {}
         self.offload = offload
         self.device_memory = device_memory
+        #: where an offloaded array's optimizer steps (``fusion.offload_step``)
+        self.offload_step = offload_step
         #: ``offload: auto``: the profiler's offloaded array size and why, by compatibility key
         self._offload_choice: dict[str, OffloadChoice] = {}
         #: traced forwards shared by every array of this sweep (see ArrayTrainer)
@@ -146,6 +149,7 @@ class LocalExecutor(Executor):
             final_states=self.final_states,
             offload=self.offload,
             device_memory=self.device_memory,
+            offload_step=self.offload_step,
         )
         for key, choice in self._offload_choice.items():
             trainer._offload_plans[(key, choice.size)] = choice

@@ -13,13 +13,16 @@ compute device shard by shard (issue 22; Hydra's parameter spilling and double b
   streamed (``BlockRunner``).
 - ``_resident``: what the engine holds on the compute side until it releases it.
 - ``_engine``: :class:`OffloadedArray`, the shard-by-shard forward and backward.
+- ``_step``: the optimizer step on the compute device, each shard after its backward
+  (:meth:`OffloadedArray.step_on_device`, ``offload_step="device"``).
 - ``_alternate``: :class:`AlternatingArrays`, several offloaded arrays stepped together, their
   shards alternating so that one's transfers overlap another's compute (Hydra's shard
   alternation; in lockstep, phase-shifted by one forward, or by readiness: ``SCHEDULES``;
   each array ``prefetch_depth`` shards ahead; the trainer's through ``hs.train_together``,
   not used by ``hfsweep run`` yet).
 - ``_policy``: the ``offload`` values and what ``auto`` decides: by memory
-  (:func:`choose_offload`), and by measured throughput where both ways fit (:func:`choose_by_rate`).
+  (:func:`choose_offload`), and by measured throughput where both ways fit (:func:`choose_by_rate`);
+  the ``offload_step`` values and where ``auto`` steps (:func:`choose_step`).
 
 Users reach it through ``hs.ArrayTrainer(..., offload="host")`` or ``fusion: {offload: host}``
 in a sweep file; see docs/offload.md.
@@ -31,10 +34,13 @@ from ._errors import OffloadBudgetError, OffloadError
 from ._ledger import ResidentLedger
 from ._policy import (
     OFFLOAD_MODES,
+    OFFLOAD_STEPS,
     OffloadChoice,
     check_offload,
+    check_offload_step,
     choose_by_rate,
     choose_offload,
+    choose_step,
     fit_size,
     frozen_bytes,
     offload_budget,
@@ -45,6 +51,7 @@ from ._transfer import CpuTransfer, CudaTransfer, Fetch, Transfer, default_trans
 
 __all__ = [
     "OFFLOAD_MODES",
+    "OFFLOAD_STEPS",
     "SCHEDULES",
     "AlternatingArrays",
     "CpuTransfer",
@@ -58,8 +65,10 @@ __all__ = [
     "Shard",
     "Transfer",
     "check_offload",
+    "check_offload_step",
     "choose_by_rate",
     "choose_offload",
+    "choose_step",
     "default_transfer",
     "fit_size",
     "frozen_bytes",

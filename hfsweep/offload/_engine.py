@@ -17,7 +17,10 @@ One training step, for shards ``0..n-1``:
   its backward; its parameter gradients go back to the host and are added to the host
   parameters' ``.grad`` as autograd would; the gradient of its input goes on to shard k-1.
 - the optimizer steps on the host parameters (the fused optimizers of :mod:`hfsweep.optim` work
-  on the stacked host tensors; nothing of it is on the compute side).
+  on the stacked host tensors; nothing of it is on the compute side); or, after
+  :meth:`OffloadedArray.step_on_device`, each shard is stepped on the compute side right after
+  its backward, its optimizer state fetched for it and written back with its parameters
+  (module ``_step``).
 
 Frozen tensors kept once for all members (``share_frozen``) are kept once in host storage too,
 copied in once per shard for all members and never given a gradient; a member-independent
@@ -54,6 +57,7 @@ from ._errors import OffloadError
 from ._ledger import ResidentLedger
 from ._resident import _Held, _Resident, grads_to_host
 from ._shards import Shard, plan_shards, stacked_bytes
+from ._step import _DeviceStep, _state_values
 from ._streamed import BlockRunner
 from ._transfer import Transfer, default_transfer
 from ._units import plan_units
@@ -169,6 +173,11 @@ class OffloadedArray:
             raise OffloadError(f"shard_bytes must be an int >= 1, got {shard_bytes!r}")
         self._shard_bytes = shard_bytes
         self._budget = budget_bytes
+        #: the optimizer step on the compute side (:meth:`step_on_device`), or ``None``: host
+        self._stepper: _DeviceStep | None = None
+        #: parameter-sized tensors of optimizer state the shard limit leaves room for (the
+        #: most any device step set has asked for: a layout cut for it stays)
+        self._reserved = 0
         if cut not in CUTS:
             raise OffloadError(f"cut must be one of {CUTS}, got {cut!r}")
         self.cut = cut
@@ -216,6 +225,33 @@ class OffloadedArray:
         self._release()
         self.transfer.close()
 
+    def step_on_device(self, optimizer: Any | None) -> None:
+        """Step ``optimizer`` (an ``hs.optim`` optimizer of this array's parameters) on the
+        compute side, each shard right after its backward (``None``: back to the host step,
+        the default). Its parameters' gradients then never reach the host: ``optimizer.step()``
+        is not called (with no host gradients it would do nothing), an LR schedule steps as
+        usual after the backward. With a budget, the shards are cut again to leave room for
+        the optimizer state of one shard (as many parameter-sized tensors as its state keeps)
+        beside the shards held; between steps only. Shards so cut stay so when the step goes
+        back to the host (``offload_step="auto"`` measures both on one layout). A model streamed between its blocks is
+        refused (a tensor tied into two units is in two shards and would be stepped twice)."""
+        if self._stepper is not None and self._stepper.optimizer is optimizer:
+            return  # as it is (the trainer says so before every step)
+        stepper = None if optimizer is None else _DeviceStep(optimizer, self.device)
+        if stepper is not None and self._blocks is not None:
+            raise OffloadError(
+                "offload_step='device' steps each shard after its backward; this model is "
+                "streamed between its blocks (cut='blocks'), which is not supported yet: use "
+                "offload_step='host'"
+            )
+        self._stepper = stepper
+        parts = 0 if stepper is None else stepper.parts
+        if parts > self._reserved:
+            self._reserved = parts
+            if self._budget is not None and self._shard_bytes is None:
+                self._release()
+                self._plan()
+
     # ------------------------------------------------------------------ internals
     def _plan(self) -> None:
         """Put the array's tensors in host storage and cut it into shards, for the layout its
@@ -226,7 +262,9 @@ class OffloadedArray:
         elif self._budget is not None:
             # the shard computing, the depth's shards ahead and the gradients (at most a
             # shard) take depth + 2 parts, the boundary activations the last: quarters at 1
-            limit = self._budget // (self.prefetch_depth + 3)
+            # (with the device step, one shard's optimizer state takes as many parts more
+            # as the optimizer keeps parameter-sized tensors)
+            limit = self._budget // (self.prefetch_depth + 3 + self._reserved)
         else:
             limit = max(math.ceil(stacked_bytes(self.array._state()) / 4), 1)
         strict = self._budget is not None
@@ -321,6 +359,31 @@ class OffloadedArray:
         else:
             fetch = self.transfer.fetch(host)
         resident = _Resident(fetch, shard.nbytes, self.ledger, "shard state", self._urgent)
+        self._outstanding.append(resident)
+        return resident
+
+    def _fetch_state(self, shard: Shard) -> tuple[list[Tensor], _Resident | None]:
+        """Start copying in the optimizer state of the shard's trained parameters that have
+        one (the device step's; a parameter's first step makes its state after its backward,
+        as the host step would, only where it got a gradient): those parameters, the fetch."""
+        stepper = self._stepper
+        assert stepper is not None
+        host = self._host(shard)
+        state = stepper.optimizer.state
+        params = [
+            host[i] for i in self._trained(shard) if stepper.steps(host[i]) and state.get(host[i])
+        ]
+        if not params:
+            return [], None
+        return params, self._fetch_tensors(stepper.state_tensors(params), "optimizer state")
+
+    def _fetch_tensors(self, tensors: list[Tensor], kind: str) -> _Resident:
+        """Start copying ``tensors`` in, counted in the ledger as ``kind`` until released."""
+        if self._urgent:
+            fetch = self.transfer.fetch(tensors, urgent=True)
+        else:
+            fetch = self.transfer.fetch(tensors)
+        resident = _Resident(fetch, stacked_bytes(tensors), self.ledger, kind, self._urgent)
         self._outstanding.append(resident)
         return resident
 
@@ -464,6 +527,8 @@ class OffloadedArray:
         self._last = None
         following = n - 2  # the next shard to fetch
         x_grad: Tensor | None = None
+        if self._stepper is not None:
+            self._stepper.begin()
         for k in reversed(range(stop, n)):
             self._waiting = pending[0] if pending else None
             yield
@@ -474,11 +539,15 @@ class OffloadedArray:
                     pending.append(self._fetch(k, self._before[k]))
                     following = k - 1
                 resident = pending.popleft()
+                # the device step's state, copied in while the shard recomputes
+                state = self._fetch_state(shard) if self._stepper is not None else None
                 if self.prefetch:
                     while following >= stop and following >= k - self.prefetch_depth:
                         pending.append(self._fetch(following, self._before[following]))
                         following -= 1
-                grad = self._shard_backward(k, shard, resident, grad, x, needs_input=k > stop)
+                grad = self._shard_backward(
+                    k, shard, resident, grad, x, needs_input=k > stop, state=state
+                )
                 resident.release()
                 if k > 0:
                     self._saved[k - 1].release()
@@ -495,10 +564,12 @@ class OffloadedArray:
         x: Tensor,
         *,
         needs_input: bool,
+        state: tuple[list[Tensor], _Resident | None] | None = None,
     ) -> Tensor:
         """Recompute shard ``k`` with autograd and run its backward from ``grad``; add its
-        parameter gradients to the host's. Returns its input's gradient (where
-        ``needs_input``, or the array's input needs one)."""
+        parameter gradients to the host's, or, with the device step, step its parameters with
+        them and its optimizer ``state`` (:meth:`_fetch_state`). Returns its input's gradient
+        (where ``needs_input``, or the array's input needs one)."""
         tensors = resident.tensors()
         host = self._host(shard)
         trained = self._trained(shard)
@@ -520,5 +591,52 @@ class OffloadedArray:
         grads = torch.autograd.grad(out, inputs, grad, allow_unused=True)
         # a parameter the shard did not use gets no gradient, as with autograd on the array
         used = [(i, g) for i, g in zip(trained, grads, strict=False) if g is not None]
-        grads_to_host(used, host, self.transfer, self.ledger)
+        stepper = self._stepper
+        if stepper is None or state is None:
+            grads_to_host(used, host, self.transfer, self.ledger)
+        else:
+            others = [(i, g) for i, g in used if not stepper.steps(host[i])]
+            if others:  # not the optimizer's: their gradients go to the host as without it
+                grads_to_host(others, host, self.transfer, self.ledger)
+            stepped = [(i, g) for i, g in used if stepper.steps(host[i])]
+            if stepped:
+                self._step_shard(stepper, host, tensors, stepped, state)
         return grads[-1] if source.requires_grad else grad
+
+    def _step_shard(
+        self,
+        stepper: _DeviceStep,
+        host: Sequence[Tensor],
+        tensors: Sequence[Tensor],
+        stepped: Sequence[tuple[int, Tensor]],
+        state: tuple[list[Tensor], _Resident | None],
+    ) -> None:
+        """The device step of a shard's parameters at ``stepped`` (positions and gradients):
+        update them and their state on the compute side, write both back to the host."""
+        params = [host[i] for i, _ in stepped]
+        fetched, resident = state
+        if resident is None or [id(p) for p in fetched] != [id(p) for p in params]:
+            # a first step (states made now) or a parameter without a gradient: fetch the
+            # states of exactly those stepped, as the host step would make and update them
+            if resident is not None:
+                resident.release()
+            resident = self._fetch_tensors(stepper.state_tensors(params), "optimizer state")
+        grads = [g for _, g in stepped]
+        nbytes = stacked_bytes(grads)
+        self.ledger.add("gradients", nbytes)
+        try:
+            with self.ledger.phase("step"):
+                out = stepper.step(
+                    params, [tensors[i] for i, _ in stepped], grads, resident.tensors()
+                )
+            back = self.transfer.to_host(out)
+            targets: list[Tensor] = []
+            for p in params:
+                targets.append(p)
+                targets.extend(_state_values(stepper.optimizer.state[p]))
+            with torch.no_grad():
+                for t, b in zip(targets, back, strict=True):
+                    t.copy_(b)
+        finally:
+            self.ledger.remove("gradients", nbytes)
+            resident.release()

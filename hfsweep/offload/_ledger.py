@@ -1,8 +1,9 @@
 """The compute side's ledger: how many bytes the offload engine holds on the device at each moment.
 
 Every tensor the engine puts on the compute side (a shard's parameters and buffers, fetched or
-prefetched; a shard's gradients before they go back to the host; the activations kept at shard
-boundaries for the backward pass) is added when it is allocated and removed when the engine lets
+prefetched; a shard's gradients before they go back to the host or until the device step is
+done; the activations kept at shard boundaries for the backward pass; a shard's optimizer state
+while the device step has it) is added when it is allocated and removed when the engine lets
 go of it. An addition that would take the total over the budget raises
 :class:`~hfsweep.offload.OffloadBudgetError` before anything is allocated, so the total never
 exceeds the budget. The activations inside the shard being computed are transient and not counted:
@@ -18,8 +19,9 @@ from ._errors import OffloadBudgetError
 
 __all__ = ["ResidentLedger"]
 
-#: what the engine holds on the compute side, by kind
-KINDS = ("shard state", "gradients", "boundary activations")
+#: what the engine holds on the compute side, by kind (``optimizer state``: a shard's state
+#: fetched for the optimizer step on the device, ``offload_step="device"``)
+KINDS = ("shard state", "gradients", "boundary activations", "optimizer state")
 
 
 def _mib(n: float) -> str:

@@ -33,10 +33,13 @@ from torch import nn
 
 __all__ = [
     "OFFLOAD_MODES",
+    "OFFLOAD_STEPS",
     "OffloadChoice",
     "check_offload",
+    "check_offload_step",
     "choose_by_rate",
     "choose_offload",
+    "choose_step",
     "fit_size",
     "frozen_bytes",
     "offload_budget",
@@ -54,6 +57,35 @@ def check_offload(value: object, where: str = "offload") -> str:
             f"{where} must be one of {', '.join(map(repr, OFFLOAD_MODES))}, got {value!r}"
         )
     return value
+
+
+#: where an offloaded array's optimizer step runs (``offload_step``): ``host`` (the fused CPU
+#: step on the host tensors, the default), ``device`` (each shard on the compute device after
+#: its backward), ``auto`` (both measured on the array's first steps, the faster kept)
+OFFLOAD_STEPS = ("host", "device", "auto")
+
+
+def check_offload_step(value: object, where: str = "offload_step") -> str:
+    """``value`` if it is one of :data:`OFFLOAD_STEPS`, else ``ValueError`` naming ``where``."""
+    if not isinstance(value, str) or value not in OFFLOAD_STEPS:
+        raise ValueError(
+            f"{where} must be one of {', '.join(map(repr, OFFLOAD_STEPS))}, got {value!r}"
+        )
+    return value
+
+
+def choose_step(host_seconds: float, device_seconds: float, steps: int) -> tuple[str, str]:
+    """``("host" | "device", reason)``: where ``offload_step: auto`` steps an array whose
+    training steps took ``host_seconds`` with the host step and ``device_seconds`` with the
+    device step (each the fastest of ``steps`` measured steps); a tie goes to the host (the
+    default, no optimizer state on the device)."""
+    mode = "device" if device_seconds < host_seconds else "host"
+    where = "on the device, shard by shard" if mode == "device" else "on the host"
+    return mode, (
+        f"offload_step: auto steps the optimizer {where}: a training step took "
+        f"{host_seconds * 1e3:.2f} ms with the host step and {device_seconds * 1e3:.2f} ms with "
+        f"the device step (the fastest of {steps} each, after one of each to warm up)"
+    )
 
 
 def _kept_once(module: nn.Module) -> set[int]:

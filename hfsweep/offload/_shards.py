@@ -249,7 +249,8 @@ def plan_shards(array: FusedArray, limit: int, *, strict: bool = True) -> list[S
             raise OffloadError(
                 f"offload: the smallest run of layers that can be cut out around {names[:4]} "
                 f"holds {nbytes} bytes of stacked state, over the shard limit of {limit} bytes "
-                "(a quarter of the budget unless shard_bytes says otherwise); give a larger budget "
+                "(a quarter of the budget, less with a deeper prefetch or the optimizer step on the "
+                "device, unless shard_bytes says otherwise); give a larger budget "
                 "(device_memory) or fewer members"
             )
         source = inputs[0] if a == 0 else crossing[a - 1][0]

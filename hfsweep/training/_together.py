@@ -137,6 +137,12 @@ def _check(jobs: Sequence[ArrayJob], schedule: str, prefetch_depth: int) -> None
                 f"{where}.trainer has offload={t.offload!r}; train_together alternates offloaded "
                 "arrays' shards: give ArrayTrainer(..., offload='host')"
             )
+        if t.offload_step != "host":
+            raise ValueError(
+                f"{where}.trainer has offload_step={t.offload_step!r}; arrays trained together "
+                "step their optimizers on the host (the device step is not alternated yet): "
+                "give offload_step='host'"
+            )
         if t._run_class is not _Run:
             raise ValueError(
                 f"{where}.trainer runs {t._run_class.__name__}, not the plain trainer's run: "

@@ -22,6 +22,7 @@ from ..optim import FusedOptimizer
 from ..optim.lr_scheduler import FusedLRScheduler
 from ._frozen import share_frozen_storage
 from ._offload_auto import offload_mode
+from ._offload_step import _StepPlace
 from .checkpoint import _member_state
 from .spec import _ArrayState, _SlotState
 from .step import _set_member_dropout, any_smoothing
@@ -58,6 +59,8 @@ class _Live:
     #: whether the engine's transfer is its own (closed with it), not a driver's that several
     #: arrays trained together share (:func:`~hfsweep.training.train_together`)
     owns_transfer: bool = True
+    #: where the offloaded array's optimizer step runs (``offload_step``), else ``None``
+    step_place: _StepPlace | None = None
 
     def forward(self, x: Any) -> Any:
         """Every member's output on the shared input ``x``: the array's call, or its offload
@@ -184,11 +187,20 @@ def _build_live(
         s.saved = None
     array.train()
     engine = None
+    place = None
     if offload == "host":
         if engine_for is not None:
             engine = engine_for(array)
         else:
             engine = OffloadedArray(array, device=t.device, budget_bytes=t.device_memory)
+        place = _StepPlace(
+            t.offload_step,
+            engine,
+            opt,
+            t._offload_steps.get((key, len(state.slots))),
+            lambda mode: t._offload_steps.__setitem__((key, len(state.slots)), mode),
+        )
+        place.prepare()
         _log.info(
             "offload: host, %d shards of at most %d bytes, %d tensors kept once for all members",
             len(engine.shards),
@@ -212,6 +224,7 @@ def _build_live(
         loss_sum,
         engine=engine,
         owns_transfer=engine_for is None,
+        step_place=place,
     )
     result.refresh()
     return result

@@ -289,6 +289,9 @@ class _Run:
                 # their values so that a step failed by out-of-memory can be replayed exactly
                 torch._foreach_copy_(backup, buffers)
             out_of_memory = ""
+            place = live.step_place
+            if place is not None:  # offloaded: where this step's optimizer step runs
+                place.begin(live.clip is not None)
             try:
                 losses = yield from self._step(live, x, y)
             except torch.OutOfMemoryError as exc:
@@ -303,7 +306,9 @@ class _Run:
                 counts.flush(state.slots, eval_every)
                 return self._out_of_memory(live, out_of_memory)
             with Phase(OPTIMIZER_STEP):
-                update(opt, live.sched)
+                update(opt, live.sched, stepped=place is not None and place.on_device)
+            if place is not None:
+                place.end()
             state.epoch, state.batch = epoch, index + 1
             if state.batch >= spe:
                 state.epoch, state.batch = epoch + 1, 0

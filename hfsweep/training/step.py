@@ -174,9 +174,11 @@ class _StepCounts:
         return due
 
 
-def update(opt: FusedOptimizer, sched: FusedLRScheduler | None) -> None:
-    """The optimizer and schedule step that ends a training step."""
-    opt.step()
+def update(opt: FusedOptimizer, sched: FusedLRScheduler | None, *, stepped: bool = False) -> None:
+    """The optimizer and schedule step that ends a training step (``stepped``: the optimizer
+    has stepped already, on the device during the backward: only the schedule steps)."""
+    if not stepped:
+        opt.step()
     opt.zero_grad(set_to_none=True)
     if sched is not None:
         sched.step()

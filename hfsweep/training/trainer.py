@@ -25,7 +25,7 @@ from torch import Tensor
 from .._malloc import retaining_freed_memory
 from .._usercode import Phase
 from ..fusion._compile import check_compile, mode_for
-from ..offload import OffloadChoice, check_offload
+from ..offload import OffloadChoice, check_offload, check_offload_step
 from ..optim._compiled import CompiledUpdate
 from ._compiled import CompiledLoss
 from .checkpoint import _DELIVERED, _FINAL_STATES, _read_delivered, _result_from_record
@@ -104,7 +104,11 @@ class ArrayTrainer:
     docs/offload.md). An offloaded array keeps the frozen tensors every member holds
     identically once with ``share_frozen``, as on the device (in host storage, copied in once
     for all members), and runs uncompiled: ``compile`` with ``offload`` other than ``"none"``
-    is refused.
+    is refused. ``offload_step`` says where an offloaded array's optimizer steps: ``"host"``
+    (the default: the fused step on the host tensors), ``"device"`` (each shard on ``device``
+    right after its backward, its optimizer state fetched for it; refused with a member that
+    clips its gradients) or ``"auto"`` (both timed on the array's first steps, the faster
+    kept and logged); every value trains the same results (see docs/offload.md).
     """
 
     #: what :meth:`run` executes (a data-parallel worker's trainer sets its own, on shards)
@@ -125,6 +129,7 @@ class ArrayTrainer:
         compile: bool | str = False,
         offload: str = "none",
         device_memory: int | None = None,
+        offload_step: str = "host",
     ) -> None:
         if eval_every is not None and (not isinstance(eval_every, int) or eval_every < 1):
             raise ValueError(f"eval_every must be an integer >= 1 (steps), got {eval_every!r}")
@@ -134,6 +139,13 @@ class ArrayTrainer:
                 f"{final_states!r}"
             )
         check_offload(offload, "ArrayTrainer(offload=...)")
+        check_offload_step(offload_step, "ArrayTrainer(offload_step=...)")
+        if offload_step != "host" and offload == "none":
+            raise ValueError(
+                f"offload_step={offload_step!r} says where an offloaded array's optimizer "
+                "steps; it needs offload='host' or 'auto' (got offload='none'): give "
+                "offload_step='host', or offload"
+            )
         if device_memory is not None and (
             isinstance(device_memory, bool)
             or not isinstance(device_memory, int)
@@ -144,6 +156,10 @@ class ArrayTrainer:
             )
         self.offload = offload
         self.device_memory = device_memory
+        #: where an offloaded array's optimizer step runs (see _offload_step)
+        self.offload_step = offload_step
+        #: ``offload_step="auto"``'s choices by compatibility key and array size
+        self._offload_steps: dict[tuple[str, int], str] = {}
         #: ``offload="auto"``'s choices by compatibility key and array size (see _offload_auto)
         self._offload_plans: dict[tuple[str, int], OffloadChoice] = {}
         self.task = task

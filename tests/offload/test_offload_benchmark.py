@@ -2,7 +2,8 @@
 ``benchmarks/offload_pipeline.py`` (every arm gives a finite, positive time),
 ``benchmarks/offload_auto.py`` (both rates measured, a choice made), ``offload_shared.py`` and
 ``offload_blocks.py`` (the bytes they report), ``offload_alternate.py`` and
-``offload_together.py`` (every arm timed); no timing is asserted."""
+``offload_together.py`` (every arm timed), ``offload_step.py`` (both steps timed, the same
+training); no timing is asserted."""
 
 from __future__ import annotations
 
@@ -134,3 +135,23 @@ def test_offload_together_quick_runs(tmp_path, monkeypatch) -> None:
         assert math.isfinite(row[key]) and row[key] > 0, key
     assert row["transfer_a_ms"] == pytest.approx(row["transfer_b_ms"])  # one model, one link
     assert "| 1 |" in stem.with_suffix(".md").read_text()
+
+
+@pytest.mark.slow
+def test_offload_step_quick_runs(tmp_path, monkeypatch) -> None:
+    """``benchmarks/offload_step.py`` at its smallest: both steps timed for both optimizers,
+    the device step copying the optimizer state in and back, both arms trained alike."""
+    argv = ["--layers", "2", "--width", "32", "--size", "2", "--batch", "4", "--steps", "1"]
+    rows, stem = _run("offload_step", [*argv, "--rounds", "1"], tmp_path, monkeypatch)
+    assert [(r["optimizer"], r["step"]) for r in rows] == [
+        ("adamw", "host"),
+        ("adamw", "device"),
+        ("sgd", "host"),
+        ("sgd", "device"),
+    ]
+    for host, device in (rows[:2], rows[2:]):
+        for row in (host, device):
+            assert math.isfinite(row["step_ms"]) and row["step_ms"] > 0
+            assert row["max_param_diff_host_vs_device"] <= 1e-6
+        assert device["fetched_bytes_per_step"] > host["fetched_bytes_per_step"]
+    assert stem.with_suffix(".md").exists()
