@@ -104,6 +104,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--profiles", type=Path, default=PROFILES)
     p.add_argument("--out", type=Path, default=RESULTS / "elastic_sim")
+    p.add_argument(
+        "--note",
+        action="append",
+        default=[],
+        help="a line for the results file's header (where an input such as --resize-cost-s "
+        "comes from); repeatable",
+    )
     args = p.parse_args(argv)
     mix = {k: float(v) for k, v in (item.split("=") for item in args.mix.split(","))}
     rows: list[dict[str, Any]] = []
