@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"workers={workers} seed={seed}: static/{arm} makespan {ratio:.2f}x",
                     flush=True,
                 )
-    command = "python benchmarks/elastic_sim.py " + " ".join(
+    command = "python benchmarks/elastic_sim.py " + shlex.join(
         argv if argv is not None else sys.argv[1:]
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
