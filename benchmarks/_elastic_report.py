@@ -39,6 +39,7 @@ def markdown(
         f"- command: `{command}`",
         f"- profiles: `{args.profiles.name}` ({profiles.get('command', 'see scaling_profile.py')})",
         f"- seeds: {', '.join(map(str, args.seeds))} (medians shown; every seed in the JSON)",
+        *(f"- {note}" for note in getattr(args, "note", None) or []),
         "",
         "| accelerators | arm | makespan h | accelerator-h idle | trials ended / h "
         "| time to final best trial h | resizes | static/elastic makespan |",

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -104,6 +105,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--profiles", type=Path, default=PROFILES)
     p.add_argument("--out", type=Path, default=RESULTS / "elastic_sim")
+    p.add_argument(
+        "--note",
+        action="append",
+        default=[],
+        help="a line for the results file's header (where an input such as --resize-cost-s "
+        "comes from); repeatable",
+    )
     args = p.parse_args(argv)
     mix = {k: float(v) for k, v in (item.split("=") for item in args.mix.split(","))}
     rows: list[dict[str, Any]] = []
@@ -150,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"workers={workers} seed={seed}: static/{arm} makespan {ratio:.2f}x",
                     flush=True,
                 )
-    command = "python benchmarks/elastic_sim.py " + " ".join(
+    command = "python benchmarks/elastic_sim.py " + shlex.join(
         argv if argv is not None else sys.argv[1:]
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)

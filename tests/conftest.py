@@ -33,6 +33,8 @@ RAY_TESTS = (
     "tests/test_lifecycle.py::test_a_killed_sweep_resumes_to_the_same_end[ray-",
     # a data-parallel array's workers as actors in a placement group, on the shared Ray
     "tests/parallel/test_ray_data_parallel.py::",
+    # a data-parallel array resized on the shared Ray, its actors kept across the resize
+    "tests/parallel/test_ray_resize.py::",
     # a benchmark's smoke run with its own local Ray (ray.init in the script)
     "tests/test_benchmarks.py::test_sweep_end_to_end_quick_runs",
     # the README's Tune quick start, on the shared Ray

@@ -210,3 +210,41 @@ def test_compile_fused_times_the_optimizer_three_ways(tmp_path, monkeypatch):
         assert _positive(row["seconds"][way]), way
         assert len(row["samples"][way]) == 1
     assert "| optimizer |" in stem.with_suffix(".md").read_text()
+
+
+def test_resize_pause_splits_a_resize_into_its_phases(monkeypatch):
+    """``resize_pause.py``'s reading of the probe's events (no Ray): a grow 1 -> 2 whose phases
+    end at the slowest worker's events, and add up to the pause from rank 0's checkpoint to
+    the last worker's first step."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    script = importlib.import_module("resize_pause")
+
+    def ev(event, t, rank=None, pid=1, **kw):
+        return {"event": event, "t": t, "rank": rank, "pid": pid, **kw}
+
+    events = [
+        ev("launch_start", 0.0, workers=1),
+        ev("checkpoint_start", 10.0, 0),
+        ev("checkpoint_end", 10.5, 0),
+        ev("boundary_end", 10.6, 0, raised="ResizeRequested"),
+        ev("launch_end", 11.0),
+        ev("launch_start", 11.5, workers=2),
+        ev("place_end", 12.0),
+        ev("actor_up", 14.0, pid=2),
+        ev("train_start", 14.1, 0),
+        ev("train_start", 14.5, 1, pid=2),
+        ev("pg_init_end", 14.6, 0),
+        ev("pg_init_end", 14.7, 1, pid=2),
+        ev("load_end", 15.0, 0),
+        ev("load_end", 15.2, 1, pid=2),
+        ev("build_end", 15.5, 0),
+        ev("build_end", 16.0, 1, pid=2),
+        ev("first_step", 16.1, 0),
+        ev("first_step", 16.5, 1, pid=2),
+    ]
+    (row,) = script.resizes_of(events)
+    assert (row["from"], row["to"], row["new_actors"]) == (1, 2, 1)
+    assert row["total"] == pytest.approx(6.5)
+    spans = [row[name] for name, _ in script.PHASES]
+    assert spans == pytest.approx([0.5, 0.5, 0.5, 0.5, 2.0, 0.5, 0.2, 0.5, 0.8, 0.5])
+    assert sum(spans) == pytest.approx(row["total"])

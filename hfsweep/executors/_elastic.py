@@ -2,9 +2,10 @@
 (the engine's allocator) gives it, its hooks relayed to the driver.
 
 With ``ray.elastic.enabled`` every array of ``hfsweep run`` trains through
-:func:`~hfsweep.parallel.train_data_parallel_ray`: k Ray actors in one placement group, k
-chosen by a :class:`WorkerPolicy` when the array starts and again before every relaunch (a
-resize the policy asked for at an evaluation boundary, or workers lost). Rank 0's actor calls
+:func:`~hfsweep.parallel.train_data_parallel_ray`: k Ray actors in placement groups (those that
+go on kept across a resize), k chosen by a :class:`WorkerPolicy` when the array starts and
+again before every relaunch (a resize the policy asked for at an evaluation boundary, or
+workers lost). Rank 0's actor calls
 the engine's hooks; they must run in the driver (it holds the searcher, the scheduler and the
 study), so rank 0 gets :class:`_Relay` hooks that put each call in a Ray queue and wait for the
 driver's answer, which :func:`run_elastic_array` gives from the thread that called

@@ -1,13 +1,14 @@
 """A data-parallel array's k workers as Ray actors in one placement group.
 
 :func:`train_data_parallel_ray` is :func:`~hfsweep.parallel.train_data_parallel` on a Ray
-cluster: each launch reserves k bundles (``cpus_per_worker`` CPUs and ``gpus_per_worker`` GPUs
-each) in a placement group, starts one actor per bundle, has rank 0's actor pick its node's
-address and a free port for the ``torch.distributed`` rendezvous, and trains. Resizes and lost
-workers are handled as on one machine (the same loop, from the same checkpoint): an actor whose
-process dies (SIGKILL, a node lost) counts as a lost worker, the other actors are killed, the
-placement group is given back, and k - 1 new actors resume the array. A worker that hangs
-without dying counts as lost too: when the others' collectives time out waiting for it
+cluster: each launch holds k actors (``cpus_per_worker`` CPUs and ``gpus_per_worker`` GPUs
+each) in placement groups, has rank 0's actor pick its node's address and a free port for the
+``torch.distributed`` rendezvous, and trains. Resizes and lost workers are handled as on one
+machine (the same loop, from the same checkpoint). A resize keeps the actors that go on and
+starts only those it adds, ahead of the boundary where it happens (:class:`_Crew`). An actor
+whose process dies (SIGKILL, a node lost) counts as a lost worker: the other actors are killed,
+the placement groups are given back, and k - 1 new actors resume the array. A worker that
+hangs without dying counts as lost too: when the others' collectives time out waiting for it
 (``timeout_s``, :data:`~hfsweep.parallel.COLLECTIVE_TIMEOUT_S`) and it has not ended a grace
 period later, it is killed and the array goes on without it. The checkpoint folder must be one
 every worker's node sees (one machine, or a shared file system).
@@ -65,6 +66,7 @@ def train_data_parallel_ray(
     place_timeout_s: float = 120.0,
     target: Callable[[int, int], int] | None = None,
     refill: RefillHook | None = None,
+    keep_workers: bool = True,
     **trainer_options: Any,
 ) -> list[MemberResult]:
     """Train ``members`` as one array on ``workers`` Ray actors (Ray initialised by the
@@ -73,18 +75,26 @@ def train_data_parallel_ray(
     ``place_timeout_s`` bounds the wait for the placement group (a :class:`WorkerError` says
     the cluster cannot hold the array); ``target(workers, lost)`` has the last word on the
     workers of each relaunch (see :func:`~hfsweep.parallel._launch.elastic_loop`); ``refill``
-    (run in rank 0's process, like ``report``) gives members for free slots."""
+    (run in rank 0's process, like ``report``) gives members for free slots. With
+    ``keep_workers`` (the default) the actors that go on across a resize are kept, and those a
+    grow adds start while the array still trains (:class:`_Crew`); without, every launch starts
+    new actors."""
     if gpus_per_worker:
         trainer_options = {"device": "cuda", **trainer_options}
     directory, _, backend = prepare_launch(workers, checkpoint_dir, backend, trainer_options)
     bundle = {"CPU": float(cpus_per_worker), "GPU": float(gpus_per_worker)}
     bundle = {k: v for k, v in bundle.items() if v}
 
+    crew = _Crew(bundle, keep_workers)
+
     def launch(job: _Job) -> tuple[str, Any]:
-        return _launch(job, bundle, threads, timeout_s, place_timeout_s, trainer_options)
+        return _launch(job, crew, threads, timeout_s, place_timeout_s, trainer_options)
 
     job = _Job(task, list(members), workers, directory, resume, report, on_finish, backend, refill)
-    return elastic_loop(job, launch, target)
+    try:
+        return elastic_loop(job, launch, target)
+    finally:
+        crew.end()
 
 
 def _place(group: Any, job: _Job, place_timeout_s: float) -> int | None:
@@ -114,7 +124,15 @@ def _place(group: Any, job: _Job, place_timeout_s: float) -> int | None:
 
 
 class _Worker:
-    """One worker of a data-parallel array, in a Ray actor."""
+    """One worker of a data-parallel array, in a Ray actor (kept across the array's resizes:
+    see :class:`_Crew`)."""
+
+    def warm(self) -> None:
+        """Import what the first launch in this process would import on its critical path:
+        ``torch._dynamo``, which ``torch.optim``'s first optimizer built in a process imports
+        (seconds on a small CPU). Called as the actor starts, so that it overlaps the
+        placement of the other actors, or the array's training at its old size."""
+        import torch._dynamo  # noqa: F401
 
     def rendezvous(self) -> str:
         """``host:port`` for the process group's rendezvous, on this actor's node."""
@@ -136,86 +154,204 @@ class _Worker:
         return outcome if rank == 0 else (outcome[0], None)
 
 
+class _Crew:
+    """The worker actors of one data-parallel array across its launches.
+
+    The actors are held as segments: a placement group (``PACK``) and one actor per bundle,
+    rank order being segment order. With ``keep``, a launch that ends in a resize keeps the
+    actors that go on: a shrink ends the last ranks' actors (a segment cut in the middle is
+    given back whole, its bundles cannot be released one by one, and its leading ranks start
+    again in a segment of their own), a grow adds a segment for the added ranks. The actors
+    kept skip a process start, the imports of torch and hfsweep (and, on a GPU, the CUDA
+    context): a resize's pause is then the checkpoint, the process group's rendezvous and the
+    state load (``benchmarks/resize_pause.py`` measures it). A grow asked for while the array
+    trains (:func:`~hfsweep.parallel.request_resize`) starts its segment at once
+    (:meth:`ahead`), so its actors start, and :meth:`_Worker.warm`, while the array still
+    trains at its old size. Any other end of a launch (done, a worker lost or raised, an
+    exception) ends every actor, as without ``keep``: a relaunch after a loss starts afresh."""
+
+    def __init__(self, bundle: dict[str, float], keep: bool) -> None:
+        self.bundle, self.keep = bundle, keep
+        self.segments: list[tuple[Any, list[Any]]] = []
+        #: a segment started ahead of a grow, not yet part of the array
+        self.spare: tuple[Any, list[Any]] | None = None
+        #: the placement groups already placed (ids)
+        self.placed: set[Any] = set()
+
+    @property
+    def actors(self) -> list[Any]:
+        return [a for _, actors in self.segments for a in actors]
+
+    def _segment(self, n: int) -> tuple[Any, list[Any]]:
+        """A new placement group of ``n`` bundles and an actor in each (created now; Ray starts
+        them once the group is placed), each warming up where actors are kept."""
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        group = placement_group([dict(self.bundle)] * n, strategy="PACK")
+        remote = ray.remote(_Worker)
+        actors: list[Any] = [
+            remote.options(
+                num_cpus=self.bundle.get("CPU", 0),
+                num_gpus=self.bundle.get("GPU", 0),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=group, placement_group_bundle_index=i
+                ),
+            ).remote()
+            for i in range(n)
+        ]
+        if self.keep:
+            for a in actors:
+                a.warm.remote()
+        return group, actors
+
+    def _end(self, segment: tuple[Any, list[Any]]) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        group, actors = segment
+        for a in actors:
+            with contextlib.suppress(Exception):
+                ray.kill(a)
+        with contextlib.suppress(Exception):
+            remove_placement_group(group)
+        self.placed.discard(group.id)
+
+    def shrink(self, workers: int) -> None:
+        """End the actors beyond the first ``workers`` (see the class docstring); 0 ends all."""
+        while len(self.actors) > workers:
+            group, actors = self.segments.pop()
+            self._end((group, actors))
+        if workers == 0 and self.spare is not None:
+            self._end(self.spare)
+            self.spare = None
+
+    def end(self) -> None:
+        """End every actor and give back every placement group."""
+        self.shrink(0)
+
+    def ahead(self, job: _Job) -> None:
+        """Where a grow is asked for while ``job`` trains, start the added actors now."""
+        if not self.keep or self.spare is not None:
+            return
+        with contextlib.suppress(ValueError, OSError):  # a request being rewritten: next look
+            asked = read_resize(job.directory)
+            if asked is not None and asked > len(self.actors):
+                _log.info(
+                    "array in %s: starting %d more worker(s) ahead of its resize to %d",
+                    job.directory,
+                    asked - len(self.actors),
+                    asked,
+                )
+                self.spare = self._segment(asked - len(self.actors))
+
+    def fit(self, job: _Job, place_timeout_s: float) -> int | None:
+        """Hold exactly ``job.workers`` placed actors: ``None``, or the workers a resize asked
+        for while a placement group waited (see :func:`_place`)."""
+        k = job.workers
+        self.shrink(k)
+        spare, self.spare = self.spare, None
+        if spare is not None:
+            if len(self.actors) + len(spare[1]) <= k:
+                self.segments.append(spare)
+            else:
+                self._end(spare)
+        if len(self.actors) < k:
+            self.segments.append(self._segment(k - len(self.actors)))
+        for group, _ in self.segments:
+            if group.id in self.placed:
+                continue
+            asked = _place(group, job, place_timeout_s)
+            if asked is not None:
+                return asked
+            self.placed.add(group.id)
+        return None
+
+
 def _launch(
     job: _Job,
-    bundle: dict[str, float],
+    crew: _Crew,
     threads: int,
     timeout_s: float,
     place_timeout_s: float,
     options: dict[str, Any],
 ) -> tuple[str, Any]:
     """One launch of ``job`` on Ray: ``("done", results)``, ``("resize", workers)`` or
-    ``("lost", actors that died)``."""
+    ``("lost", actors that died)``. After a resize, ``crew`` keeps the actors that go on
+    (with ``keep``); after anything else its actors are ended."""
+    outcome: tuple[str, Any] | None = None
+    try:
+        outcome = _train_on(job, crew, threads, timeout_s, place_timeout_s, options)
+        return outcome
+    finally:
+        if outcome is not None and outcome[0] == "resize" and crew.keep:
+            crew.shrink(outcome[1])  # the workers not going on are free before the relaunch
+        else:
+            crew.end()
+
+
+def _train_on(
+    job: _Job,
+    crew: _Crew,
+    threads: int,
+    timeout_s: float,
+    place_timeout_s: float,
+    options: dict[str, Any],
+) -> tuple[str, Any]:
     import ray
     from ray.exceptions import RayActorError
-    from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    group = placement_group([dict(bundle)] * job.workers, strategy="PACK")
-    actors: list[Any] = []
-    try:
-        asked = _place(group, job, place_timeout_s)
-        if asked is not None:  # resized while it waited: relaunch without having trained
-            return "resize", asked
-        remote = ray.remote(_Worker)
-        actors = [
-            remote.options(
-                num_cpus=bundle.get("CPU", 0),
-                num_gpus=bundle.get("GPU", 0),
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=group, placement_group_bundle_index=rank
-                ),
-            ).remote()
-            for rank in range(job.workers)
-        ]
-        address = ray.get(actors[0].rendezvous.remote())
-        refs = [
-            a.train.remote(rank, address, job, threads, timeout_s, options)
-            for rank, a in enumerate(actors)
-        ]
-        outcomes: dict[int, Any] = {}
-        died: set[int] = set()
-        raised: dict[int, Exception] = {}
-        pending = list(refs)
-        failed = False
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=_GRACE_S if failed else None)
-            if not ready:  # the others did not end on their own after a failure
+    asked = crew.fit(job, place_timeout_s)
+    if asked is not None:  # resized while it waited: relaunch without having trained
+        return "resize", asked
+    actors = crew.actors
+    address = ray.get(actors[0].rendezvous.remote())
+    refs = [
+        a.train.remote(rank, address, job, threads, timeout_s, options)
+        for rank, a in enumerate(actors)
+    ]
+    outcomes: dict[int, Any] = {}
+    died: set[int] = set()
+    raised: dict[int, Exception] = {}
+    pending = list(refs)
+    failed = False
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=_GRACE_S if failed else _POLL_S)
+        if not ready:
+            if failed:  # the others did not end on their own after a failure
                 break
-            for ref in ready:
-                rank = refs.index(ref)
-                try:
-                    outcomes[rank] = ray.get(ref)
-                except RayActorError:
-                    died.add(rank)
-                    failed = True
-                except Exception as exc:  # the worker raised (RayTaskError)
-                    raised[rank] = exc
-                    failed = True
-        if died:
-            return "lost", len(died)
-        hung = [refs.index(ref) for ref in pending]
-        if hung and all(phase_of(unwrap(e)) == COLLECTIVE for e in raised.values()):
-            # the others' collectives timed out waiting for workers that never ended: those
-            # hang (alive, not training); they are killed below and count as lost
-            _log.warning(
-                "worker(s) %s of the data-parallel array in %s did not end %.0f s after the "
-                "others' collectives failed (timed out waiting for them): counted as lost",
-                ", ".join(map(str, hung)),
-                job.directory,
-                _GRACE_S,
-            )
-            return "lost", len(hung)
-        if raised:
-            text = "\n".join(f"worker {rank}: {error}" for rank, error in sorted(raised.items()))
-            raise_worker_error(
-                f"a worker of the data-parallel array in {job.directory} raised:\n{text}",
-                {rank: unwrap(error) for rank, error in raised.items()},
-            )
-        return outcomes[0]
-    finally:
-        for a in actors:
-            with contextlib.suppress(Exception):
-                ray.kill(a)
-        with contextlib.suppress(Exception):
-            remove_placement_group(group)
+            crew.ahead(job)  # a grow asked for meanwhile: its actors start now
+            continue
+        for ref in ready:
+            rank = refs.index(ref)
+            try:
+                outcomes[rank] = ray.get(ref)
+            except RayActorError:
+                died.add(rank)
+                failed = True
+            except Exception as exc:  # the worker raised (RayTaskError)
+                raised[rank] = exc
+                failed = True
+    if died:
+        return "lost", len(died)
+    hung = [refs.index(ref) for ref in pending]
+    if hung and all(phase_of(unwrap(e)) == COLLECTIVE for e in raised.values()):
+        # the others' collectives timed out waiting for workers that never ended: those
+        # hang (alive, not training); they are killed and count as lost
+        _log.warning(
+            "worker(s) %s of the data-parallel array in %s did not end %.0f s after the "
+            "others' collectives failed (timed out waiting for them): counted as lost",
+            ", ".join(map(str, hung)),
+            job.directory,
+            _GRACE_S,
+        )
+        return "lost", len(hung)
+    if raised:
+        text = "\n".join(f"worker {rank}: {error}" for rank, error in sorted(raised.items()))
+        raise_worker_error(
+            f"a worker of the data-parallel array in {job.directory} raised:\n{text}",
+            {rank: unwrap(error) for rank, error in raised.items()},
+        )
+    result: tuple[str, Any] = outcomes[0]
+    return result

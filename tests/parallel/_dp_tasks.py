@@ -86,7 +86,7 @@ def _world() -> int:
 
 class Recorder:
     """A report hook (and ``on_finish`` hook) that appends one line per evaluation (``eval
-    <member> <step> <workers>``) or delivered member (``done <member>``) to ``path``, and asks
+    <member> <step> <workers> <pid of the process it ran in: rank 0's>``) or delivered member (``done <member>``) to ``path``, and asks
     for ``resize[step]`` workers at the evaluation of that step (``request_resize``)."""
 
     def __init__(self, path: str, directory: str, resize: Mapping[int, int] | None = None) -> None:
@@ -97,7 +97,7 @@ class Recorder:
 
         with open(self.path, "a") as f:
             for e in evaluations:
-                f.write(f"eval {e.member} {e.step} {_world()}\n")
+                f.write(f"eval {e.member} {e.step} {_world()} {os.getpid()}\n")
         step = evaluations[0].step
         if step in self.resize:
             request_resize(self.directory, self.resize[step])
