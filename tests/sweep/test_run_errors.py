@@ -114,11 +114,11 @@ class _BrokenStep:
         self.after = after
         self.error = error
 
-    def __call__(self, opt: Any, sched: Any) -> None:
+    def __call__(self, opt: Any, sched: Any, **options: Any) -> None:
         self.calls += 1
         if self.calls >= self.after:
             raise self.error("a bug in the fused optimizer step")
-        self.real(opt, sched)
+        self.real(opt, sched, **options)
 
 
 def _no_dry_run(monkeypatch: pytest.MonkeyPatch) -> None:
