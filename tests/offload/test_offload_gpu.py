@@ -49,15 +49,17 @@ def _train_side_by_side(
 
 
 def _peak_of_two_steps(
-    engine: OffloadedArray, opt: hs.optim.FusedOptimizer, x: torch.Tensor
+    engine: OffloadedArray, opt: hs.optim.FusedOptimizer, x: torch.Tensor, stepped: bool = False
 ) -> int:
-    """The CUDA allocator's peak over two training steps, above what was allocated before."""
+    """The CUDA allocator's peak over two training steps, above what was allocated before
+    (``stepped``: the engine steps ``opt`` on the device in the backward)."""
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     for _ in range(2):
         engine(x).square().mean().backward()
-        opt.step()
+        if not stepped:
+            opt.step()
         opt.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
     return int(torch.cuda.max_memory_allocated() - base)
@@ -212,3 +214,54 @@ def test_two_arrays_alternated_on_cuda_train_as_each_whole() -> None:
             torch.testing.assert_close(th.cuda(), tw, rtol=1e-7, atol=1e-12, msg=name)
     assert pair.ledger.peak <= 4 * 2**20 and pair.ledger.resident == 0
     pair.close()
+
+
+def test_the_device_step_on_cuda_trains_as_the_whole_array_float64() -> None:
+    """``step_on_device``: each shard's AdamW update on the GPU right after its backward, its
+    state fetched there; the same outputs and end state as the whole array stepped on CUDA,
+    and no gradient back on the host."""
+    models = [
+        nn.Sequential(
+            nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4)
+        ).double()
+        for _ in range(3)
+    ]
+    whole = hs.fuse(copy.deepcopy(models)).to("cuda")
+    host = hs.fuse(models, share_frozen=False)
+    engine = OffloadedArray(host, device="cuda")
+    assert len(engine.shards) >= 3
+    lr = [1e-2, 5e-3, 1e-3]
+    opt_w, opt_h = hs.optim.AdamW(whole, lr=lr), hs.optim.AdamW(host, lr=lr)
+    engine.step_on_device(opt_h)
+    inputs = _random_inputs()
+    for _ in range(3):
+        x = next(inputs)
+        out_w, out_h = whole(x), engine(x)
+        torch.testing.assert_close(out_h, out_w, rtol=1e-7, atol=1e-12)
+        out_w.square().mean().backward()
+        out_h.square().mean().backward()
+        assert all(p.grad is None for p in host.parameters())
+        opt_w.step()
+        for o in (opt_w, opt_h):
+            o.zero_grad(set_to_none=True)
+    for (name, tw), th in zip(whole.state_dict().items(), host.state_dict().values(), strict=True):
+        torch.testing.assert_close(th.cuda(), tw, rtol=1e-7, atol=1e-12, msg=name)
+
+
+def test_the_device_step_of_an_array_over_twice_the_budget_stays_within_it_on_cuda() -> None:
+    """The AdamW state fetched shard by shard for the device step counts in the budget: the
+    CUDA allocator's peak stays under it, as with the host step."""
+    layers, width, size = 8, 1024, 8
+    models = [nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)]) for _ in range(size)]
+    host = hs.fuse(models, share_frozen=False)
+    params = sum(p.numel() * p.element_size() for p in host.parameters())
+    budget = int(0.6 * params)
+    assert 4 * params >= 2 * budget  # weights, gradients, two AdamW moments
+    engine = OffloadedArray(host, device="cuda", budget_bytes=budget)
+    opt = hs.optim.AdamW(host, lr=[1e-3] * size)
+    engine.step_on_device(opt)
+    x = torch.randn(32, width, device="cuda")
+    peak = _peak_of_two_steps(engine, opt, x, stepped=True)
+    transient = 16 * 2**20  # activations inside one shard's recomputation ([8, 32, 1024] floats)
+    assert engine.ledger.peak <= budget
+    assert peak <= budget + transient, (peak, budget)
