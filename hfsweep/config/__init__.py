@@ -56,7 +56,7 @@ A sweep file is one YAML mapping. Every key, with its default::
                                 #   alternating (an int >= 1; > 1 needs offload: host; on backend
                                 #   ray, in each worker)
       offload_step: host        # where an offloaded array's optimizer steps: host, device (each
-                                #   shard after its backward; not with grad_clip) or auto (both
+                                #   shard after its backward; host while a member clips) or auto (both
                                 #   timed on the array's first steps, the faster kept)
     backend: local              # local (in-process) or ray (arrays on a Ray cluster)
     ray:                        # only with backend: ray

@@ -29,17 +29,13 @@ that trains a parameter (or at the input, where it needs a gradient): the shards
 frozen backbone in front of trained heads) are neither fetched nor recomputed, as autograd on
 the whole array would not go through them either.
 
-Why not PyTorch's own. ``torch.utils.checkpoint`` recomputes a segment with the parameters it ran
-with, which here have left the compute side by then, and it would run each forward's buffer
-updates twice; the engine recomputes itself, with the shard fetched again and its buffers put
-back. FSDP2's ``CPUOffloadPolicy`` (``fully_shard(..., offload_policy=CPUOffloadPolicy())``)
-keeps parameters on the host and runs the optimizer there, but it turns parameters into
-``DTensor``\\ s sharded over a process group and unshards them per module with its own hooks:
-the fused array's stacked tensors are swapped in and out of one module tree under ``vmap`` and
-replayed from traces, which FSDP's parameter management does not see. What the engine does use
-from PyTorch: pinned memory, ``non_blocking`` copies on a side stream with events
-(:class:`~hfsweep.offload.CudaTransfer`), ``torch.fx`` to find where a model can be cut, and
-autograd (``torch.autograd.Function``, ``torch.autograd.backward``) for the shard-wise backward.
+Why not PyTorch's own: ``torch.utils.checkpoint`` recomputes with the parameters it ran with
+(gone from the compute side by then) and runs buffer updates twice; FSDP2's
+``CPUOffloadPolicy`` shards ``DTensor`` parameters over a process group with its own per-module
+hooks, which the fused array's stacked tensors, swapped under ``vmap`` and replayed from
+traces, escape. Used from PyTorch: pinned memory, ``non_blocking``
+copies on a side stream with events (:class:`~hfsweep.offload.CudaTransfer`), ``torch.fx`` to
+find cuts, and autograd for the shard-wise backward.
 """
 
 from __future__ import annotations
@@ -113,10 +109,9 @@ class OffloadedArray:
     benchmark's baseline). ``prefetch_depth`` (default 1) is how many shards ahead of the one
     computing are fetched or on their way: more keeps a slow link busy while other arrays
     compute (:class:`~hfsweep.offload.AlternatingArrays`); with a budget, the shard limit is
-    then the budget over ``prefetch_depth + 3`` (a quarter at depth 1), so that the shards held
-    still leave a part for the boundary activations. ``shard_bytes`` sets the shard limit itself (a hard limit when a
-    budget is given). Exactly the array's results: same outputs, gradients and buffer
-    updates, within float rounding.
+    then the budget over ``prefetch_depth + 3`` (a quarter at depth 1), leaving a part for the
+    boundary activations. ``shard_bytes`` sets the shard limit itself (a hard limit with a
+    budget). Exactly the array's results (outputs, gradients, buffer updates) within rounding.
 
     ``ledger`` counts the engine's bytes in a ledger it shares with other engines (arrays
     stepped together, :class:`~hfsweep.offload.AlternatingArrays`) instead of a ledger of its
@@ -198,11 +193,9 @@ class OffloadedArray:
         self._outstanding: list[_Resident] = []
         #: counts the forwards kept for backward: a backward must be the latest one's
         self._generation = 0
-        #: while a step is suspended between shards: the fetch its next shard waits on
-        #: (``None``: it fetches when it resumes); a scheduler of several arrays reads it
+        #: the fetch a step suspended between shards waits on (``None``: fetched on resume)
         self._waiting: _Resident | None = None
-        #: whether its fetches go ahead of others' not started on a shared link
-        #: (set by ``AlternatingArrays(urgent=...)``)
+        #: its fetches go first on a shared link (``AlternatingArrays(urgent=...)``)
         self._urgent = False
 
     # ------------------------------------------------------------------ public
@@ -225,32 +218,46 @@ class OffloadedArray:
         self._release()
         self.transfer.close()
 
+    @property
+    def shards_stepped(self) -> int:
+        """Shards this backward's device step has begun to update (then it cannot be replayed)."""
+        return self._stepper.written if self._stepper is not None else 0
+
+    @property
+    def steps_on_device(self) -> bool:
+        """Whether a backward steps the optimizer shard by shard (never for a streamed model)."""
+        return self._stepper is not None and self._blocks is None
+
     def step_on_device(self, optimizer: Any | None) -> None:
         """Step ``optimizer`` (an ``hs.optim`` optimizer of this array's parameters) on the
         compute side, each shard right after its backward (``None``: back to the host step,
         the default). Its parameters' gradients then never reach the host: ``optimizer.step()``
         is not called (with no host gradients it would do nothing), an LR schedule steps as
         usual after the backward. With a budget, the shards are cut again to leave room for
-        the optimizer state of one shard (as many parameter-sized tensors as its state keeps)
-        beside the shards held; between steps only. Shards so cut stay so when the step goes
-        back to the host (``offload_step="auto"`` measures both on one layout). A model streamed between its blocks is
-        refused (a tensor tied into two units is in two shards and would be stepped twice)."""
+        one shard's optimizer state beside the shards held (between steps only; they stay so
+        on the host step). A model streamed between its blocks is refused (a tensor tied into
+        two units is in two shards and would be stepped twice)."""
         if self._stepper is not None and self._stepper.optimizer is optimizer:
             return  # as it is (the trainer says so before every step)
         stepper = None if optimizer is None else _DeviceStep(optimizer, self.device)
-        if stepper is not None and self._blocks is not None:
+        self._stepper, reserved = stepper, self._reserved
+        parts = 0 if stepper is None else stepper.parts
+        if parts > reserved:
+            self._reserved = parts
+            if self._budget is not None and self._shard_bytes is None:
+                try:
+                    self._release()
+                    self._plan()
+                except BaseException:
+                    self._stepper, self._reserved = None, reserved
+                    raise
+        if stepper is not None and self._blocks is not None:  # also where the re-cut fell back
+            self._stepper = None
             raise OffloadError(
                 "offload_step='device' steps each shard after its backward; this model is "
                 "streamed between its blocks (cut='blocks'), which is not supported yet: use "
                 "offload_step='host'"
             )
-        self._stepper = stepper
-        parts = 0 if stepper is None else stepper.parts
-        if parts > self._reserved:
-            self._reserved = parts
-            if self._budget is not None and self._shard_bytes is None:
-                self._release()
-                self._plan()
 
     # ------------------------------------------------------------------ internals
     def _plan(self) -> None:
@@ -624,6 +631,7 @@ class OffloadedArray:
         grads = [g for _, g in stepped]
         nbytes = stacked_bytes(grads)
         self.ledger.add("gradients", nbytes)
+        stepper.written += 1
         try:
             with self.ledger.phase("step"):
                 out = stepper.step(

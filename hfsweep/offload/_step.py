@@ -65,6 +65,9 @@ class _DeviceStep:
         }
         #: per param group, its values on the device (made once per backward)
         self._device_groups: dict[int, dict[str, Any]] = {}
+        #: shards of this backward whose update has begun (their host tensors may have moved:
+        #: such a step cannot be replayed)
+        self.written = 0
 
     @property
     def parts(self) -> int:
@@ -76,6 +79,7 @@ class _DeviceStep:
         """A backward starts: the hyperparameters (an LR schedule may have moved them since the
         last step) are taken to the device again when first needed."""
         self._device_groups = {}
+        self.written = 0
 
     def steps(self, p: Tensor) -> bool:
         """Whether ``p`` (a host parameter) is this optimizer's to step."""

@@ -232,11 +232,26 @@ class _Crew:
         self.shrink(0)
 
     def ahead(self, job: _Job) -> None:
-        """Where a grow is asked for while ``job`` trains, start the added actors now."""
-        if not self.keep or self.spare is not None:
+        """Where a grow is asked for while ``job`` trains, start the added actors now; where
+        the request that started them was withdrawn or lowered (the allocator re-planned),
+        end them, so their resources go where the plan now says."""
+        if not self.keep:
             return
         with contextlib.suppress(ValueError, OSError):  # a request being rewritten: next look
             asked = read_resize(job.directory)
+            if self.spare is not None:
+                if asked is None or asked != len(self.actors) + len(self.spare[1]):
+                    _log.info(
+                        "array in %s: its resize request changed (now %s); ending the %d "
+                        "worker(s) started ahead of it",
+                        job.directory,
+                        asked,
+                        len(self.spare[1]),
+                    )
+                    self._end(self.spare)
+                    self.spare = None
+                else:
+                    return
             if asked is not None and asked > len(self.actors):
                 _log.info(
                     "array in %s: starting %d more worker(s) ahead of its resize to %d",
@@ -244,7 +259,15 @@ class _Crew:
                     asked - len(self.actors),
                     asked,
                 )
-                self.spare = self._segment(asked - len(self.actors))
+                try:
+                    self.spare = self._segment(asked - len(self.actors))
+                except Exception as exc:  # the boundary starts them instead; training goes on
+                    _log.warning(
+                        "array in %s: could not start workers ahead of its resize (%s); they "
+                        "start at its boundary",
+                        job.directory,
+                        exc,
+                    )
 
     def fit(self, job: _Job, place_timeout_s: float) -> int | None:
         """Hold exactly ``job.workers`` placed actors: ``None``, or the workers a resize asked
@@ -306,7 +329,10 @@ def _train_on(
     if asked is not None:  # resized while it waited: relaunch without having trained
         return "resize", asked
     actors = crew.actors
-    address = ray.get(actors[0].rendezvous.remote())
+    try:
+        address = ray.get(actors[0].rendezvous.remote())
+    except RayActorError:  # a kept rank 0 that died between launches: a lost worker
+        return "lost", 1
     refs = [
         a.train.remote(rank, address, job, threads, timeout_s, options)
         for rank, a in enumerate(actors)

@@ -11,9 +11,12 @@
   kept for the trainer's later arrays of the same compatibility key and size. Every step is
   exact either way, so the measured steps are training steps, not extra work.
 
-Clipping by a member's norm needs every shard's gradients before any shard steps: ``device``
-with a member that clips is refused (:class:`~hfsweep.offload.OffloadError` naming
-``grad_clip``), ``auto`` then steps on the host and says so.
+Clipping by a member's norm needs every shard's gradients before any shard steps: while a
+member that clips trains, the array steps on the host, with a warning under ``device`` (a
+sweep's refill may bring such a member in at any step: refusing it then would end the sweep)
+and a log line under ``auto``. A step whose device update has begun cannot be replayed after
+an out-of-memory error (:attr:`_StepPlace.replayable`): the trainer fails that array's members
+instead of splitting it.
 """
 
 from __future__ import annotations
@@ -76,24 +79,28 @@ class _StepPlace:
         self.engine.step_on_device(None)
 
     @property
+    def replayable(self) -> bool:
+        """Whether the step under way can be replayed from its start (after an out-of-memory
+        error): not once the device step has updated a shard on the host."""
+        return not (self.on_device and self.engine.shards_stepped > 0)
+
+    @property
     def on_device(self) -> bool:
         """Whether the step now under way steps on the device (the host must not step)."""
-        return self._kind == "device"
+        return self._kind == "device" and self.engine.steps_on_device
 
     def begin(self, clips: bool) -> None:
         """A training step starts; ``clips``: some member of the array clips its gradients."""
-        if clips and self.mode == "device":
-            raise OffloadError(
-                "offload_step='device' steps each shard right after its backward, but a "
-                "member clips its gradients (grad_clip), which needs the norm over every "
-                "shard's gradients first: give offload_step 'host' or 'auto', or no grad_clip"
-            )
         kind = self._decided
+        if not clips:  # auto measures again once no member clips
+            self._clipped = False
         if clips and kind != "host":
             if not self._clipped:
-                _log.info(
-                    "offload_step: auto steps on the host: a member clips its gradients "
-                    "(grad_clip), which needs every shard's gradients before any shard steps"
+                _log.log(
+                    logging.WARNING if self.mode == "device" else logging.INFO,
+                    "offload_step: %s steps on the host while a member clips its gradients "
+                    "(grad_clip), which needs every shard's gradients before any shard steps",
+                    self.mode,
                 )
             self._clipped = True
             kind = "host"

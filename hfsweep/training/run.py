@@ -304,6 +304,9 @@ class _Run:
                 if self.t.device.type == "cuda":
                     torch.cuda.empty_cache()
                 counts.flush(state.slots, eval_every)
+                if place is not None and not place.replayable:
+                    self._unreplayable(live, out_of_memory)
+                    return None
                 return self._out_of_memory(live, out_of_memory)
             with Phase(OPTIMIZER_STEP):
                 update(opt, live.sched, stepped=place is not None and place.on_device)
@@ -382,6 +385,19 @@ class _Run:
         why = f"out of memory on {self.t.device} training alone in an array: {error}"
         self._finish(live, busy[0], "failed", why)
         return None
+
+    def _unreplayable(self, live: _Live, error: str) -> None:
+        """A training step ran out of memory after the device step had updated some of its
+        shards on the host: it cannot be replayed exactly, so the array's members fail with
+        the reason (and what to change) instead of splitting and replaying it."""
+        why = (
+            f"out of memory on {self.t.device} after the device optimizer step had updated some "
+            "shards (offload_step: device cannot replay such a step exactly; give offload_step "
+            f"host, or a smaller fusion.device_memory): {error}"
+        )
+        for i, slot in enumerate(live.state.slots):
+            if slot is not None:
+                self._finish(live, i, "failed", why)
 
     def _compact_size(
         self, state: _ArrayState, array: FusedArray, busy: int, build_s: float

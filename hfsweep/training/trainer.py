@@ -106,9 +106,11 @@ class ArrayTrainer:
     for all members), and runs uncompiled: ``compile`` with ``offload`` other than ``"none"``
     is refused. ``offload_step`` says where an offloaded array's optimizer steps: ``"host"``
     (the default: the fused step on the host tensors), ``"device"`` (each shard on ``device``
-    right after its backward, its optimizer state fetched for it; refused with a member that
-    clips its gradients) or ``"auto"`` (both timed on the array's first steps, the faster
-    kept and logged); every value trains the same results (see docs/offload.md).
+    right after its backward, its optimizer state fetched for it; on the host, with a
+    warning, while a member clips its gradients) or ``"auto"`` (both timed on the array's
+    first steps, the faster kept and logged); every value trains the same results, except
+    that an out-of-memory error once a shard's device update has begun fails the array's
+    members rather than replaying the step (see docs/offload.md).
     """
 
     #: what :meth:`run` executes (a data-parallel worker's trainer sets its own, on shards)

@@ -321,22 +321,70 @@ def test_resume_with_the_device_step_equals_an_uninterrupted_run(tmp_path: Path)
         assert_same(a, b, rng=True)
 
 
-def test_clipping_is_refused_with_device_and_steps_on_the_host_under_auto(
-    caplog: pytest.LogCaptureFixture,
+@pytest.mark.parametrize("mode", ["device", "auto"])
+def test_an_array_with_a_clipping_member_steps_on_the_host_and_says_so(
+    mode: str, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """A member that clips (a refill may bring one in at any step) makes its array step on the
+    host, exactly as without offload: a warning under ``device``, a log line under ``auto``."""
     task = toy_task()
-    device = hs.ArrayTrainer(task, dtype=torch.float64, offload="host", offload_step="device")
-    with pytest.raises(OffloadError, match=r"offload_step='device' .* \(grad_clip\)"):
-        device.run(members(SGD))  # members 0 and 2 clip
-    plain = hs.ArrayTrainer(task, dtype=torch.float64).run(members(SGD))
+    plain = hs.ArrayTrainer(task, dtype=torch.float64).run(members(SGD))  # members 0, 2 clip
     with caplog.at_level(logging.INFO, logger="hfsweep.trainer"):
-        auto = hs.ArrayTrainer(task, dtype=torch.float64, offload="host", offload_step="auto").run(
+        got = hs.ArrayTrainer(task, dtype=torch.float64, offload="host", offload_step=mode).run(
             members(SGD)
         )
-    for a, b in zip(auto, plain, strict=True):
+    for a, b in zip(got, plain, strict=True):
         assert_same(a, b, rng=True)
-    said = [r.getMessage() for r in caplog.records if "offload_step: auto" in r.getMessage()]
-    assert len(said) == 1 and "steps on the host: a member clips" in said[0]
+    said = [
+        r for r in caplog.records if f"offload_step: {mode} steps on the host" in r.getMessage()
+    ]
+    assert len(said) == 1 and "(grad_clip)" in said[0].getMessage()
+    assert said[0].levelno == (logging.WARNING if mode == "device" else logging.INFO)
+
+
+@pytest.mark.parametrize("where", ["before any shard stepped", "in a shard's update"])
+def test_out_of_memory_in_a_device_step_replays_only_what_it_can(
+    where: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An out-of-memory error in the backward before any shard's device update is replayed
+    as without offload (the array split, every member exact); one once a shard's update has
+    begun cannot be replayed exactly (the host's parameters and state may have moved): the
+    array's members fail, saying why and what to change, rather than train on wrong values."""
+    from hfsweep.offload import _step as stepping
+
+    task = toy_task()
+    reference = hs.ArrayTrainer(task, dtype=torch.float64).run(members(SGD_NO_CLIP))
+    begin, step = stepping._DeviceStep.begin, stepping._DeviceStep.step
+    seen = {"backward": 0, "raised": False}
+
+    def raise_once(stepper: Any) -> None:
+        if not seen["raised"] and stepper.optimizer.size == 3 and seen["backward"] == 3:
+            seen["raised"] = True
+            raise torch.OutOfMemoryError("simulated: out of memory")
+
+    def counted_begin(self: Any) -> None:
+        seen["backward"] += 1
+        begin(self)
+        if where == "before any shard stepped":
+            raise_once(self)
+
+    def failing_step(self: Any, *args: Any) -> Any:
+        if where == "in a shard's update" and self.written == 2:  # one shard written back
+            raise_once(self)
+        return step(self, *args)
+
+    monkeypatch.setattr(stepping._DeviceStep, "begin", counted_begin)
+    monkeypatch.setattr(stepping._DeviceStep, "step", failing_step)
+    got = hs.ArrayTrainer(
+        task, dtype=torch.float64, offload="host", offload_step="device", device_memory=48 * 1024
+    ).run(members(SGD_NO_CLIP))
+    assert seen["raised"]
+    if where == "before any shard stepped":
+        for a, b in zip(got, reference, strict=True):
+            assert_same(a, b, rng=True)
+    else:
+        assert [r.status for r in got] == ["failed"] * 3
+        assert all("cannot replay such a step exactly" in (r.error or "") for r in got)
 
 
 def test_offload_step_arguments_are_checked() -> None:
