@@ -19,6 +19,7 @@ import torch
 import yaml
 from _offload_toy import ADAMW, SGD, toy_task
 from _same_results import assert_same, members
+from test_offload_sweep import BASE
 from torch import nn
 
 import hfsweep as hs
@@ -399,17 +400,6 @@ def test_offload_step_arguments_are_checked() -> None:
     trainer = hs.ArrayTrainer(toy_task(), offload="host", offload_step="device")
     with pytest.raises(ValueError, match=r"jobs\[0\]\.trainer has offload_step='device'"):
         hs.train_together([hs.ArrayJob(trainer, members(SGD_NO_CLIP))])
-
-
-BASE: dict[str, Any] = {
-    "task": "digits_mlp",
-    "search_space": "sgd_momentum",
-    "searcher": {"name": "random"},
-    "budget": {"trials": 4, "epochs": 1},
-    "metric": "val_accuracy",
-    "mode": "max",
-    "seed": 3,
-}
 
 
 def test_fusion_offload_step_is_read_and_checked_with_its_yaml_path() -> None:
