@@ -39,6 +39,7 @@ __all__ = [
     "COMPILE_MODES",
     "CompileFallbackWarning",
     "check_compile",
+    "compile_error",
     "compile_graph",
     "compiling_backward_now",
     "mode_for",
@@ -104,6 +105,22 @@ def compiling_backward_now() -> AbstractContextManager[object]:
     forward. A no-op where torch lacks the setting."""
     patch = compile_backward_eagerly()
     return nullcontext() if patch is None else patch
+
+
+def compile_error(exc: BaseException) -> str:
+    """``exc`` in one line for a fallback warning: its type and first line. Where dynamo's own
+    error stands in front of another (a compiled graph that failed at run time, dynamo then
+    refusing a frame of the code formatting that failure: "Attempt to trace generator"), the
+    first error is named as well, since it is the one that says what to mend."""
+
+    def line(e: BaseException) -> str:
+        first = str(e).strip().splitlines()
+        return f"{type(e).__name__}: {first[0] if first else ''}"
+
+    cause = exc.__context__
+    if cause is None or type(exc).__module__ != "torch._dynamo.exc":
+        return line(exc)
+    return f"{line(cause)}; torch.compile then raised {line(exc)}"
 
 
 def warn_fallback(reason: str, stacklevel: int = 4) -> None:

@@ -25,7 +25,13 @@ from .._compat import pytree
 from .._errors import FusionError
 from ..nn._shard import current_shard
 from ._check import describe_path
-from ._compile import compile_graph, compiling_backward_now, mode_for, warn_fallback
+from ._compile import (
+    compile_error,
+    compile_graph,
+    compiling_backward_now,
+    mode_for,
+    warn_fallback,
+)
 from ._graph import simplify
 from ._random import FunctionalStream, member_randomness
 from ._recompute import intercepting
@@ -257,11 +263,7 @@ class _Tracing:
                     t.copy_(value)
             if trace.plain is not None:  # the compiled graph failed: go on with the trace
                 trace.graph, trace.plain = trace.plain, None
-                first = str(exc).strip().splitlines()
-                warn_fallback(
-                    f"torch.compile failed on the traced forward ({type(exc).__name__}: "
-                    f"{first[0] if first else ''})"
-                )
+                warn_fallback(f"torch.compile failed on the traced forward ({compile_error(exc)})")
                 return self._replay(trace, state, tensors)
             self._drop_trace(trace)
             warnings.warn(

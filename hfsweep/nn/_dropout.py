@@ -367,6 +367,11 @@ def _apply_op(input: Tensor, multiplier: Tensor, member_dims: int) -> tuple[Tens
     ``multiplier``: the ``bool`` mask (``multiplier != 0``) and each member's scale
     (:func:`_member_scales`). One op for the three, so that a step dispatches one operator per
     dropout, as ``input * multiplier`` did."""
+    return _apply(input, multiplier, member_dims)
+
+
+def _apply(input: Tensor, multiplier: Tensor, member_dims: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The arithmetic of ``hfsweep::dropout_apply``, on real tensors or fake ones."""
     return input * multiplier, multiplier.bool(), _member_scales(multiplier, member_dims)
 
 
@@ -374,17 +379,9 @@ def _apply_op(input: Tensor, multiplier: Tensor, member_dims: int) -> tuple[Tens
 def _apply_fake(
     input: Tensor, multiplier: Tensor, member_dims: int
 ) -> tuple[Tensor, Tensor, Tensor]:
-    shape = torch.broadcast_shapes(input.shape, multiplier.shape)
-    out = input.new_empty(shape, dtype=torch.promote_types(input.dtype, multiplier.dtype))
-    keep = multiplier.new_empty(multiplier.shape, dtype=torch.bool)
-    return out, keep, multiplier.new_empty(_scales_shape(multiplier, member_dims))
-
-
-def _scales_shape(multiplier: Tensor, member_dims: int) -> tuple[int, ...]:
-    """The shape of :func:`_member_scales`: the member dimensions, then 1s."""
-    if multiplier.dim() <= member_dims or multiplier.numel() == 0:
-        return tuple(multiplier.shape)
-    return (*multiplier.shape[:member_dims], *([1] * (multiplier.dim() - member_dims)))
+    # the op's own arithmetic on fake tensors: each output has the strides the kernels give it
+    # (a product follows a permuted input's layout), which a compiled graph checks at run time
+    return _apply(input, multiplier, member_dims)
 
 
 def _member_scales(multiplier: Tensor, member_dims: int) -> Tensor:
@@ -441,6 +438,10 @@ def _masked_scaled_op(grad: Tensor, keep: Tensor, scale: Tensor) -> Tensor:
 
 @_masked_scaled_op.register_fake
 def _masked_scaled_fake(grad: Tensor, keep: Tensor, scale: Tensor) -> Tensor:
+    # the layout of the op's branch for these tensors: torch's product follows the gradient's
+    # strides, NumPy's writes a new contiguous tensor
+    if grad.device.type != "cpu" or grad.dtype not in _NUMPY_FLOATS:
+        return grad * (keep * scale)
     return grad.new_empty(torch.broadcast_shapes(grad.shape, keep.shape))
 
 

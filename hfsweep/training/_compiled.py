@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from .._compat import dynamo_graphs_compiled
-from ..fusion._compile import warn_fallback
+from ..fusion._compile import compile_error, warn_fallback
 from .task import Task, TaskError
 
 __all__ = ["CompiledLoss"]
@@ -44,10 +44,9 @@ class CompiledLoss:
         except Exception as exc:
             if self._ran:
                 raise
-            first = str(exc).strip().splitlines()
             warn_fallback(
-                f"torch.compile failed on task {self._task.name!r}'s loss ({type(exc).__name__}: "
-                f"{first[0] if first else ''}); the loss runs uncompiled",
+                f"torch.compile failed on task {self._task.name!r}'s loss ({compile_error(exc)}); "
+                "the loss runs uncompiled",
                 stacklevel=3,
             )
             self._compiled = None

@@ -59,6 +59,30 @@ def test_compiled_cnn_with_batchnorm_matches_torch_in_float32() -> None:
     assert array._compile_seconds > 0
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # compiling on a shared 2-core CPU
+def test_compiled_transformer_encoder_layer_runs_compiled_and_matches_torch() -> None:
+    """A Transformer encoder layer (attention whose output is permuted back, dropout layers of
+    p=0 still in the graph, LayerNorm) compiles, with no fallback, and trains as B torch layers.
+    Its dropout op's fake kernel once gave the product a layout the real one does not have, and
+    the compiled graph's check of it sent every compiled Transformer back to the plain trace."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CompileFallbackWarning)
+        array = assert_fusion_matches(
+            lambda: nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True),
+            lambda g: (torch.randn(4, 6, 16, generator=g),),
+            size=2,
+            steps=2,
+            modes=("train",),
+            dtype=torch.float32,
+            rtol=1e-4,
+            atol=1e-5,
+            compile=True,
+        )
+    assert array._compile_seconds > 0
+    assert _compiled_traces(array) >= 1  # every signature it ran compiled (no fallback)
+
+
 class _DropoutNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -189,3 +213,27 @@ def test_cuda_graphs_match_the_uncompiled_array_on_cuda() -> None:
     for p1, p0 in zip(arrays[1].parameters(), arrays[0].parameters(), strict=True):
         torch.testing.assert_close(p1, p0, rtol=1e-4, atol=1e-5)
     assert arrays[1]._compile_seconds > 0
+
+
+def test_a_fallback_names_the_error_dynamo_stood_in_front_of() -> None:
+    """A compiled graph that fails at run time can reach the caller as dynamo's "Attempt to trace
+    generator" (raised while torch formats the first error): the warning names the first."""
+    from torch._dynamo.exc import Unsupported
+
+    from hfsweep.fusion._compile import compile_error
+
+    try:
+        try:
+            raise AssertionError("expected size 4==4, stride 16==128 at dim=1\nError in op: x")
+        except AssertionError:
+            raise Unsupported("Attempt to trace generator\n  Explanation: ...") from None
+    except Unsupported as exc:
+        assert exc.__context__ is not None  # `from None` hides it from the report, not here
+        text = compile_error(exc)
+    assert text == (
+        "AssertionError: expected size 4==4, stride 16==128 at dim=1; torch.compile then raised "
+        "Unsupported: Attempt to trace generator"
+    )
+    assert compile_error(ValueError("inductor could not lower op foo\nmore")) == (
+        "ValueError: inductor could not lower op foo"
+    )
