@@ -28,6 +28,7 @@ where it reads the device), side by side.
 Usage::
 
     python benchmarks/compile_fused.py                    # writes benchmarks/results/compile_fused_cpu.md
+    python benchmarks/compile_fused.py --device cuda      # CUDA graphs too: results/compile_fused_cuda.md
     python benchmarks/compile_fused.py --models tiny_mlp --sizes 2 --rounds 1 --out /tmp/cf
 """
 
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -57,19 +59,22 @@ WAYS = ("eager", "compiled", "ideal")
 LR = 0.01
 
 
-def _batch(name: str, batch: int) -> tuple[Tensor, Tensor]:
+def _batch(name: str, batch: int, device: torch.device) -> tuple[Tensor, Tensor]:
     gen = torch.Generator().manual_seed(1)
     x = MODELS[name][1](batch, gen)
     y = torch.randint(0, 10, (batch,), generator=gen)
-    return x, y
+    return x.to(device), y.to(device)
 
 
-def make_steps(name: str, size: int, batch: int) -> tuple[dict[str, Callable[[], None]], Any]:
-    """One training step of each way, and the compiled array (for its compile time)."""
+def make_steps(
+    name: str, size: int, batch: int, device: torch.device
+) -> tuple[dict[str, Callable[[], None]], Any]:
+    """One training step of each way on ``device``, and the compiled array (for its compile
+    time)."""
     build = MODELS[name][0]
     torch.manual_seed(0)
-    models = [build() for _ in range(size)]
-    x, y = _batch(name, batch)
+    models = [build().to(device) for _ in range(size)]
+    x, y = _batch(name, batch, device)
     lrs = [LR * (1 + i / size) for i in range(size)]
 
     def fused_step(array: hs.FusedArray) -> Callable[[], None]:
@@ -84,7 +89,7 @@ def make_steps(name: str, size: int, batch: int) -> tuple[dict[str, Callable[[],
 
     eager = hs.fuse(models)
     compiled = hs.fuse([copy.deepcopy(m) for m in models], compile=True)
-    big = build()
+    big = build().to(device)
     big_opt = torch.optim.SGD(big.parameters(), lr=LR)
     xb = x.repeat(size, *([1] * (x.dim() - 1)))
     yb = y.repeat(size)
@@ -98,29 +103,41 @@ def make_steps(name: str, size: int, batch: int) -> tuple[dict[str, Callable[[],
     return steps, compiled
 
 
-def _timed(step: Callable[[], None], iters: int) -> float:
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(step: Callable[[], None], iters: int, device: torch.device) -> float:
+    """Seconds per call of ``step`` over ``iters`` calls, the device's queue drained at both
+    ends (on a GPU the calls only enqueue kernels)."""
+    _sync(device)
     start = time.perf_counter()
     for _ in range(iters):
         step()
+    _sync(device)
     return (time.perf_counter() - start) / iters
 
 
-def measure(name: str, size: int, rounds: int, round_s: float, warmup: int) -> dict[str, Any]:
+def measure(
+    name: str, size: int, rounds: int, round_s: float, warmup: int, device: torch.device
+) -> dict[str, Any]:
     """The median seconds per step of every way, the compile time and the first step's."""
     batch = BATCH[name]
-    steps, compiled = make_steps(name, size, batch)
+    steps, compiled = make_steps(name, size, batch, device)
     began = time.perf_counter()
     steps["compiled"]()
+    _sync(device)
     first_s = time.perf_counter() - began
     iters: dict[str, int] = {}
     for way in WAYS:
         for _ in range(warmup):
             steps[way]()
-        iters[way] = max(1, round(round_s / max(_timed(steps[way], 1), 1e-6)))
+        iters[way] = max(1, round(round_s / max(_timed(steps[way], 1, device), 1e-6)))
     samples: dict[str, list[float]] = {way: [] for way in WAYS}
     for _ in range(rounds):
         for way in WAYS:
-            samples[way].append(_timed(steps[way], iters[way]))
+            samples[way].append(_timed(steps[way], iters[way], device))
     row: dict[str, Any] = {"model": name, "size": size, "batch": batch}
     for way in WAYS:
         row[f"{way}_s"] = statistics.median(samples[way])
@@ -173,15 +190,15 @@ OPTIMIZERS: dict[str, tuple[Any, Callable[[int], dict[str, float]]]] = {
 OPTIMIZER_WAYS = ("eager", "compile()", "torch.compile(step)")
 
 
-def optimizer_step(name: str, size: int, rounds: int) -> dict[str, Any]:
+def optimizer_step(name: str, size: int, rounds: int, device: torch.device) -> dict[str, Any]:
     """Median seconds of one fused optimizer step (tiny MLP array of ``size``, gradients set
     once) three ways side by side: eager, ``opt.compile()`` (the update compiled, hfsweep's
     compiled path) and ``torch.compile(opt.step)`` (the whole step handed to dynamo, which
     breaks its graph where the step reads the device), with each compiled way's first two
     calls and the graph breaks of the last."""
     torch.manual_seed(0)
-    models = [MODELS["tiny_mlp"][0]() for _ in range(size)]
-    x, y = _batch("tiny_mlp", BATCH["tiny_mlp"])
+    models = [MODELS["tiny_mlp"][0]().to(device) for _ in range(size)]
+    x, y = _batch("tiny_mlp", BATCH["tiny_mlp"], device)
     cls, member = OPTIMIZERS[name]
     arrays = [hs.fuse(copy.deepcopy(models)) for _ in OPTIMIZER_WAYS]
     per_member = [member(i) for i in range(size)]
@@ -198,6 +215,7 @@ def optimizer_step(name: str, size: int, rounds: int) -> dict[str, Any]:
         began = time.perf_counter()
         step()
         step()  # the optimizer state exists from the second step on: a recompile
+        _sync(device)
         first[k] = time.perf_counter() - began
     breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
     for step in steps.values():
@@ -206,7 +224,7 @@ def optimizer_step(name: str, size: int, rounds: int) -> dict[str, Any]:
     samples: dict[str, list[float]] = {k: [] for k in steps}
     for _ in range(rounds):
         for k, step in steps.items():
-            samples[k].append(_timed(step, 50))
+            samples[k].append(_timed(step, 50, device))
     medians = {k: statistics.median(v) for k, v in samples.items()}
     return {
         "optimizer": name,
@@ -219,8 +237,6 @@ def optimizer_step(name: str, size: int, rounds: int) -> dict[str, Any]:
 
 
 def _load() -> str:
-    import os
-
     return ", ".join(f"{v:.1f}" for v in os.getloadavg())
 
 
@@ -231,16 +247,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--round-s", type=float, default=0.5, help="seconds per way per round")
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=RESULTS / "compile_fused_cpu")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="default: results/compile_fused_<device type>"
+    )
     parser.add_argument("--optimizer", action="store_true", help="the optimizer step instead")
     parser.add_argument(
         "--optimizers", nargs="+", default=list(OPTIMIZERS), choices=list(OPTIMIZERS)
     )
     args = parser.parse_args(argv)
+    args.device = torch.device(args.device)
+    if args.out is None:
+        args.out = RESULTS / f"compile_fused_{args.device.type}"
+    args.load_at_start = _load()
     retain_freed_memory()  # the allocator setting hfsweep's trainer runs with
     if args.optimizer:
         rows = [
-            optimizer_step(name, size, args.rounds)
+            optimizer_step(name, size, args.rounds, args.device)
             for name in args.optimizers
             for size in args.sizes
         ]
@@ -248,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
             args.out,
             "compile_fused.py",
             argv,
-            torch.device("cpu"),
+            args.device,
             "The fused optimizer step eager vs opt.compile() vs torch.compile(opt.step)",
             [
                 f"- tiny MLP array ({MODELS['tiny_mlp'][2]}), per-member lr (AdamW: weight decay "
@@ -285,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     for name in args.models:
         for size in args.sizes:
-            row = measure(name, size, args.rounds, args.round_s, args.warmup)
+            row = measure(name, size, args.rounds, args.round_s, args.warmup, args.device)
             rows.append(row)
             print(" | ".join(_cells(row)), flush=True)
             _write(args, argv, rows)  # after every row: a long run interrupted keeps its rows
@@ -299,12 +322,13 @@ def _write(args: argparse.Namespace, argv: list[str] | None, rows: list[dict[str
         args.out,
         "compile_fused.py",
         argv,
-        torch.device("cpu"),
+        args.device,
         "Fused training step: eager vs compiled (torch.compile, inductor) vs ideal",
         [
             f"- models: {about}",
-            f"- median of {args.rounds} interleaved rounds per way (about {args.round_s} s each); "
-            "the CPU was shared with other jobs while this ran",
+            f"- median of {args.rounds} interleaved rounds per way (about {args.round_s} s each)",
+            f"- CPUs this process may run on: {sorted(os.sched_getaffinity(0))}; load average "
+            f"(1, 5, 15 min) at the start {args.load_at_start}, after the last row {_load()}",
             "- step: forward, hs.member_losses, backward, hs.optim.SGD (per-member lr); ideal: "
             "one model, batch x B, torch.optim.SGD, eager",
             "- compile s: the compiled array's first call (forward and backward compiled), "

@@ -16,7 +16,8 @@ runs on the same cores as the host step, so the times say what the extra copies 
 optimizer state cost here, nothing of a GPU (whose step would run on the GPU, with the state
 crossing its host link); bytes and peaks are exact.
 
-    python benchmarks/offload_step.py
+    python benchmarks/offload_step.py                  # results/offload_step_cpu.md
+    python benchmarks/offload_step.py --device cuda    # on a GPU: results/offload_step_cuda.md
 """
 
 from __future__ import annotations
@@ -26,11 +27,10 @@ import copy
 import os
 import statistics
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from _offload import Counting, median_step
+from _offload import counting_transfer, median_step, synchronize
 from _results import RESULTS, write_results
 from torch import nn
 
@@ -43,44 +43,42 @@ _OPTIMIZERS = {
 }
 
 
-class _Both(Counting):
-    """A counting CPU transfer that also adds up the bytes copied back to the host."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.returned = 0
-
-    def to_host(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        self.returned += sum(t.numel() * t.element_size() for t in tensors)
-        return super().to_host(tensors)
-
-
 class Arm:
     """One way to step: ``step()`` runs a training step of the offloaded array."""
 
     def __init__(
-        self, models: list[nn.Module], optimizer: str, budget: int, device: bool, batch: int
+        self,
+        models: list[nn.Module],
+        optimizer: str,
+        budget: int,
+        on_device: bool,
+        batch: int,
+        compute: torch.device,
     ) -> None:
         #: each arm draws the same batches (its own generator, the same seed)
         self.gen = torch.Generator().manual_seed(1)
         self.batch = batch
         self.width = models[0][0].in_features
+        self.compute = compute
         self.array = hs.fuse(copy.deepcopy(models))
         self.opt = _OPTIMIZERS[optimizer](self.array)
-        self.transfer = _Both()
-        self.engine = OffloadedArray(self.array, transfer=self.transfer, budget_bytes=budget)
+        self.transfer = counting_transfer(compute)
+        self.engine = OffloadedArray(
+            self.array, device=compute, transfer=self.transfer, budget_bytes=budget
+        )
         self.engine.step_on_device(self.opt)  # both cut for the device step: the same shards
-        self.device = device
-        if not device:
+        self.on_device = on_device
+        if not on_device:
             self.engine.step_on_device(None)
 
     def step(self) -> None:
-        x = torch.randn(self.batch, self.width, generator=self.gen)
-        y = torch.randn(self.batch, self.width, generator=self.gen)
+        x = torch.randn(self.batch, self.width, generator=self.gen).to(self.compute)
+        y = torch.randn(self.batch, self.width, generator=self.gen).to(self.compute)
         (self.engine(x) - y).square().mean().backward()
-        if not self.device:
+        if not self.on_device:
             self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        synchronize(self.compute)  # the step's time includes its queued kernels
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,8 +93,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--steps", type=int, default=5, help="timed steps per arm and round")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--out", type=Path, default=RESULTS / "offload_step_cpu")
+    parser.add_argument("--device", default="cpu", help="the compute side: cpu, cuda or cuda:N")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="default: results/offload_step_<device type>"
+    )
     args = parser.parse_args(argv)
+    compute = torch.device(args.device)
+    out = args.out if args.out is not None else RESULTS / f"offload_step_{compute.type}"
     torch.manual_seed(0)
     models = [
         nn.Sequential(
@@ -109,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, cells = [], []
     for optimizer in args.optimizers:
         arms = {
-            way: Arm(models, optimizer, budget, way == "device", args.batch)
+            way: Arm(models, optimizer, budget, way == "device", args.batch, compute)
             for way in ("host", "device")
         }
         moved: dict[str, tuple[int, int]] = {}
@@ -173,10 +176,18 @@ def main(argv: list[str] | None = None) -> int:
         "runs on the compute side, parameters and state go back",
         f"- load average while it ran (1, 5, 15 min): "
         f"{', '.join(f'{v:.1f}' for v in os.getloadavg())} (other jobs may share the cores)",
-        "- on a CPU the compute side is the host: both steps run on the same cores and a "
-        "transfer is a copy in one memory, so these times say what the device step's extra "
-        "copies cost here, not what a GPU would gain (no GPU was used)",
     ]
+    if compute.type == "cpu":
+        notes.append(
+            "- on a CPU the compute side is the host: both steps run on the same cores and a "
+            "transfer is a copy in one memory, so these times say what the device step's extra "
+            "copies cost here, not what a GPU would gain (no GPU was used)"
+        )
+    else:
+        notes.append(
+            f"- compute side {compute}: host storage pinned, copies on a side stream "
+            "(CudaTransfer); each timed step ends with a device synchronize"
+        )
     columns = [
         "optimizer",
         "step",
@@ -188,11 +199,12 @@ def main(argv: list[str] | None = None) -> int:
         "largest param difference host / device",
     ]
     write_results(
-        args.out,
+        out,
         "offload_step.py",
         argv,
-        torch.device("cpu"),
-        "Offload: the optimizer step on the host against on the device, shard by shard (CPU)",
+        compute,
+        "Offload: the optimizer step on the host against on the device, shard by shard "
+        f"({'CPU' if compute.type == 'cpu' else 'GPU'})",
         notes,
         columns,
         cells,

@@ -11,6 +11,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -248,3 +249,55 @@ def test_resize_pause_splits_a_resize_into_its_phases(monkeypatch):
     spans = [row[name] for name, _ in script.PHASES]
     assert spans == pytest.approx([0.5, 0.5, 0.5, 0.5, 2.0, 0.5, 0.2, 0.5, 0.8, 0.5])
     assert sum(spans) == pytest.approx(row["total"])
+
+
+GPU_SESSION = BENCHMARKS / "gpu_session.sh"
+
+
+def test_gpu_session_names_every_gpu_test_file():
+    """The prepared GPU run (``benchmarks/gpu_session.sh tests``) runs every test file that has
+    a ``gpu``-marked test: a new one left out would go unproven in a session lent a GPU."""
+    root = BENCHMARKS.parent
+    marked = {
+        str(p.relative_to(root))
+        for p in (root / "tests").rglob("test_*.py")
+        if re.search(r"^(@pytest\.mark\.gpu|pytestmark = pytest\.mark\.gpu)", p.read_text(), re.M)
+    }
+    script = GPU_SESSION.read_text()
+    listed = script[script.index("    tests=(\n") :].split(")", 1)[0].split()[1:]
+    assert marked and marked == set(listed)
+
+
+def test_gpu_session_refuses_an_unknown_mode():
+    import subprocess
+
+    done = subprocess.run(["bash", str(GPU_SESSION), "everything"], capture_output=True, text=True)
+    assert done.returncode == 2
+    assert "tests|bench|smoke (got 'everything')" in done.stderr
+
+
+@pytest.mark.slow
+def test_gpu_session_smoke_runs_every_step(tmp_path):
+    """``gpu_session.sh smoke``: every step of the GPU run, at its smallest on this CPU, passes
+    and lands in the archive the device tool brings back (so the commands and their flags are
+    right before a GPU session spends its minutes on them)."""
+    import subprocess
+    import sys
+    import tarfile
+
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
+    done = subprocess.run(
+        ["bash", str(GPU_SESSION), "smoke"], env=env, capture_output=True, text=True, timeout=1500
+    )
+    log = (tmp_path / "gpu_session.log").read_text()
+    assert done.returncode == 0, log[-3000:]
+    assert "every step passed" in log
+    with tarfile.open(tmp_path / "gpu_session.tgz") as tar:
+        names = {n.removeprefix("./") for n in tar.getnames()}
+    for name in (
+        "gpu_tests.xml",
+        "results/fusion_throughput_cpu_tiny_mlp.json",
+        "results/offload_step_cpu.json",
+        "results/compile_fused_cpu.json",
+    ):
+        assert name in names, (name, sorted(names))
