@@ -25,6 +25,7 @@ one ``torch._foreach`` pass over the stacked tensors). On CUDA ``compile=True`` 
 
 from __future__ import annotations
 
+import copy
 import logging
 import warnings
 from collections.abc import Callable, Sequence
@@ -94,8 +95,63 @@ def compile_graph(
     if mode == "reduce-overhead":
         for t in state:
             mark_static_address(t)
+    graph = _without_skipped_cat_inputs(graph)
     compiled = torch.compile(graph, backend="inductor", mode=mode, dynamic=False, fullgraph=True)
     return compiled
+
+
+_CATS = (torch.cat, torch.ops.aten.cat.default)
+
+
+def _without_skipped_cat_inputs(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``graph``, or a copy of it (the same module's constants) whose concatenations drop the
+    1-d empty tensors eager ``cat`` skips, a cat left with one tensor becoming the contiguous
+    copy eager ``cat`` made of it.
+
+    Hugging Face's key-value cache concatenates each new key to an empty ``[0]`` tensor. Eager
+    ``cat`` returns a contiguous copy of the key; compiled, the concatenation of one tensor is a
+    copy in the key's own (transposed) layout, and the attention's ``view`` of it, valid in the
+    eager run the trace recorded, fails to compile (every compiled GPT-2 ran uncompiled). The
+    trace recorded each result's layout (``meta["val"]``): a cat is rewritten only where its
+    result was contiguous, so the rewrite keeps the eager layout."""
+
+    def skipped(node: object) -> bool:
+        val = getattr(node, "meta", {}).get("val")
+        return isinstance(val, torch.Tensor) and val.dim() == 1 and val.numel() == 0
+
+    cats = [
+        n
+        for n in graph.graph.nodes
+        if n.op == "call_function"
+        and n.target in _CATS
+        and n.args
+        and isinstance(n.args[0], (list, tuple))
+        and any(skipped(t) for t in n.args[0])
+        and not all(skipped(t) for t in n.args[0])
+        and isinstance(n.meta.get("val"), torch.Tensor)
+        and n.meta["val"].is_contiguous()
+    ]
+    if not cats:
+        return graph
+    new = copy.deepcopy(graph.graph)
+    for node in [n for n in new.nodes if n.name in {c.name for c in cats}]:
+        kept = [t for t in node.args[0] if not skipped(t)]
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+        with new.inserting_before(node):
+            if len(kept) == 1:
+                replacement = new.call_function(
+                    torch.ops.aten.clone.default,
+                    (kept[0],),
+                    {"memory_format": torch.contiguous_format},
+                )
+            else:
+                replacement = new.call_function(torch.ops.aten.cat.default, (kept, dim))
+        replacement.meta = dict(node.meta)
+        node.replace_all_uses_with(replacement)
+        new.erase_node(node)
+    # the skipped tensors' nodes stay (no dead-code pass: it would also drop the in-place
+    # counter updates whose results nothing reads); inductor leaves out what is unused
+    return torch.fx.GraphModule(graph, new)
 
 
 def compiling_backward_now() -> AbstractContextManager[object]:

@@ -237,3 +237,42 @@ def test_a_fallback_names_the_error_dynamo_stood_in_front_of() -> None:
     assert compile_error(ValueError("inductor could not lower op foo\nmore")) == (
         "ValueError: inductor could not lower op foo"
     )
+
+
+class _CachedKeys(nn.Module):
+    """Keys concatenated to an empty cache, as Hugging Face's key-value cache does, then viewed
+    as the attention's matmul views them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        keys = self.proj(x).view(x.shape[0], x.shape[1], 2, 4).transpose(1, 2)
+        keys = torch.cat([torch.tensor([]), keys], dim=-2)  # eager skips the 1-d empty tensor
+        return keys.transpose(-1, -2).reshape(-1, 4, x.shape[1])
+
+
+def test_the_graph_compiled_drops_skipped_cat_inputs_and_keeps_the_eager_layout() -> None:
+    """What the compiled path hands inductor: the trace with the concatenation of one real
+    tensor written as the contiguous copy eager ``cat`` made; same values, same strides, and
+    the trace the uncompiled path replays left as it was."""
+    from hfsweep.fusion._compile import _CATS, _without_skipped_cat_inputs
+
+    torch.manual_seed(0)
+    array = hs.fuse([_CachedKeys() for _ in range(2)])
+    x = torch.randn(3, 5, 8)
+    expected = array(x)
+    (trace,) = array._traces.values()
+    graph = trace.graph.__self__
+    rewritten = _without_skipped_cat_inputs(graph)
+    assert rewritten is not graph
+    cats = [n for n in rewritten.graph.nodes if n.op == "call_function" and n.target in _CATS]
+    assert not cats
+    assert any(n.op == "call_function" and n.target in _CATS for n in graph.graph.nodes)
+    state = list(array._state())
+    with torch.no_grad():
+        out_graph, out_rewritten = graph(*state, x), rewritten(*state, x)
+    for a, b in zip(out_graph, out_rewritten, strict=True):
+        assert torch.equal(a, b) and a.stride() == b.stride()
+    assert torch.equal(out_rewritten[0], expected)

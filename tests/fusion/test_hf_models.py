@@ -79,3 +79,20 @@ def test_hf_model_fused_through_the_trace_matches_each_model_alone(name: str) ->
             lambda: _FirstOutput(MODELS[name]()), _tokens, size=2, steps=2, trace=True
         )
     assert array._last_call_traced, "the default path should replay a trace for this model"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # compiling on a shared 2-core CPU
+def test_gpt2_with_its_key_value_cache_compiles_and_matches_each_model_alone() -> None:
+    """``compile=True`` on GPT-2 (the cache on, as in training by default): its keys are
+    concatenated to an empty tensor, which compiled used to change the layout the attention's
+    view needs, and every signature ran uncompiled. Now it compiles, with no fallback, and
+    trains as each model alone (float64, train mode, two SGD steps)."""
+    from hfsweep.fusion._compile import CompileFallbackWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CompileFallbackWarning)
+        array = assert_fusion_matches(
+            lambda: _FirstOutput(_gpt2()), _tokens, size=2, steps=2, modes=("train",), compile=True
+        )
+    assert array._compile_seconds > 0
