@@ -13,6 +13,11 @@ answer within ``ray.connect_timeout_s`` before the driver connects (see
 :mod:`hfsweep.executors._connect`). With ``alternate`` above one (``fusion.alternate``), an actor
 trains up to that many offloaded arrays at once, their shards alternating on its device; an
 array shares an actor only when the cluster has no room for one of its own.
+
+``compile`` (``fusion.compile``) reaches every actor's trainers. With ``"auto"`` the profiler
+decides per compatibility key on the actor that answers :meth:`RayExecutor.array_size`; the
+driver keeps that choice and starts each array of the key with it, on whichever actor trains it
+and again when the array restarts after its actor died, so every array trains as profiled.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..fusion._compile import check_compile
 from ..training.task import Task
 from ..training.trainer import ArrayTrainer, Member
 from ._connect import ClusterUnreachable, connect, on_loopback, reach
@@ -63,7 +69,9 @@ class RayExecutor(Executor):
     ``alternate`` of them (offloaded, ``offload="host"``) in each actor.
 
     Connects to the Ray cluster at ``settings.address``, or uses the Ray this process already
-    initialised, or starts a local one for the run (shut down by :meth:`close`).
+    initialised, or starts a local one for the run (shut down by :meth:`close`). ``compile``:
+    as the local executor's, the choice of ``"auto"`` carried from the profiling actor to
+    the training ones (see the module docstring); not with offload or elastic arrays yet.
     """
 
     def __init__(
@@ -79,9 +87,18 @@ class RayExecutor(Executor):
         device_memory: int | None = None,
         alternate: int = 1,
         offload_step: str = "host",
+        compile: bool | str = False,
     ) -> None:
         import ray
 
+        if compile != "auto":
+            check_compile(compile, "compile")
+        if compile is not False and (offload != "none" or settings.elastic.enabled):
+            raise ValueError(
+                f"compile={compile!r} is not supported with offload={offload!r} or elastic "
+                "arrays yet (offloaded shards and data-parallel workers train uncompiled); "
+                "give compile=False, or offload='none' and arrays that are not elastic"
+            )
         if isinstance(alternate, bool) or not isinstance(alternate, int) or alternate < 1:
             raise ValueError(f"alternate must be an int >= 1 (arrays at once), got {alternate!r}")
         if alternate > 1 and (offload != "host" or settings.elastic.enabled):
@@ -101,6 +118,11 @@ class RayExecutor(Executor):
         #: the most arrays one actor trains at once, their shards alternating
         self.alternate = alternate
         self.offload_step = offload_step
+        #: every array's ``compile=``; ``"auto"``: the profiler's choice by compatibility key
+        self.compile = compile
+        #: ``compile: auto``: the profiling actors' choices by compatibility key, handed to the
+        #: actors that train the key
+        self._compile_choice: dict[str, bool] = {}
         self.settings = settings
         self._owns_ray = not ray.is_initialized()
         #: threads inside run_array or array_size (close waits for them before ray.shutdown)
@@ -276,6 +298,7 @@ class RayExecutor(Executor):
             device_memory=self.device_memory,
             alternate=self.alternate,
             offload_step=self.offload_step,
+            compile=self.compile,
         )
 
     def _acquire(self) -> Any:
@@ -351,7 +374,7 @@ class RayExecutor(Executor):
             while True:
                 actor = self._acquire()
                 try:
-                    size, reason = ray.get(actor.array_size.remote(dict(config)))
+                    size, reason, compiled = ray.get(actor.array_size.remote(dict(config)))
                 except RayActorError as exc:
                     self._release(actor, dead=True)
                     failures = self._died(exc, failures, "profiling array sizes")
@@ -361,6 +384,9 @@ class RayExecutor(Executor):
                     raise
                 # an elastic array's workers are actors of their own: free the resources
                 self._release(actor, dead=self.elastic)
+                if compiled is not None:  # kept for the actors that train the key
+                    with self._calls:
+                        self._compile_choice[self.task.compatibility_key(config)] = compiled
                 return int(size), str(reason)
 
     def run_array(
@@ -380,12 +406,14 @@ class RayExecutor(Executor):
         active = {m.id: m for m in members}
         failures = 0
         start: list[Member] = list(members)
+        # decided once: a restart (which may start with no member) trains as the first start
+        compile, how = self._array_compile(members)
         with self._call():
             while True:
                 actor = self._acquire()
-                _log.info("%s trains on %s", folder, self._pool.where(actor))
+                _log.info("%s trains on %s%s", folder, self._pool.where(actor), how)
                 try:
-                    self._drive(actor, folder, start, resume, active, hooks)
+                    self._drive(actor, folder, start, resume, active, hooks, compile)
                 except RayActorError as exc:
                     self._release(actor, dead=True)
                     failures = self._died(exc, failures, f"training {folder}")
@@ -397,6 +425,23 @@ class RayExecutor(Executor):
                     raise
                 self._release(actor)
                 return
+
+    def _array_compile(self, members: Sequence[Member]) -> tuple[bool | str, str]:
+        """The ``compile=`` an array of ``members`` trains with on any actor, and a note for
+        the log: ``compile`` itself, or with ``"auto"`` the profiler's choice for their key as
+        the driver kept it from :meth:`array_size` (uncompiled where no profile was taken: a
+        fixed ``fusion.size``, as on the local backend)."""
+        if self.compile is False:
+            return False, ""
+        if self.compile != "auto":
+            name = "true" if self.compile is True else self.compile
+            return self.compile, f", compiled (compile: {name})"
+        key = self.task.compatibility_key(members[0].config) if members else None
+        with self._calls:
+            chosen = self._compile_choice.get(key) if key is not None else None
+        if chosen is None:
+            return False, ", uncompiled (compile: auto, no profile taken for its key)"
+        return chosen, f", {'compiled' if chosen else 'uncompiled'} (compile: auto, as profiled)"
 
     def _run_elastic(
         self, folder: str, members: Sequence[Member], hooks: ArrayHooks, *, resume: bool
@@ -486,11 +531,13 @@ class RayExecutor(Executor):
         resume: bool,
         active: dict[str, Member],
         hooks: ArrayHooks,
+        compile: bool | str = False,
     ) -> None:
-        """Answer ``actor``'s hook events until its array is done."""
+        """Start ``actor`` on the array (compiled as ``compile`` says) and answer its hook
+        events until the array is done."""
         import ray
 
-        kind, payload = ray.get(actor.start.remote(folder, members, resume))
+        kind, payload = ray.get(actor.start.remote(folder, members, resume, compile))
         while kind != "done":
             answer: Any = None
             if kind == "report":
