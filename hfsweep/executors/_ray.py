@@ -121,8 +121,9 @@ class RayExecutor(Executor):
         #: every array's ``compile=``; ``"auto"``: the profiler's choice by compatibility key
         self.compile = compile
         #: ``compile: auto``: the profiling actors' choices by compatibility key, handed to the
-        #: actors that train the key
+        #: actors that train the key (under ``_choice_lock``: the engine's threads ask at once)
         self._compile_choice: dict[str, bool] = {}
+        self._choice_lock = threading.Lock()
         self.settings = settings
         self._owns_ray = not ray.is_initialized()
         #: threads inside run_array or array_size (close waits for them before ray.shutdown)
@@ -385,7 +386,7 @@ class RayExecutor(Executor):
                 # an elastic array's workers are actors of their own: free the resources
                 self._release(actor, dead=self.elastic)
                 if compiled is not None:  # kept for the actors that train the key
-                    with self._calls:
+                    with self._choice_lock:
                         self._compile_choice[self.task.compatibility_key(config)] = compiled
                 return int(size), str(reason)
 
@@ -437,7 +438,7 @@ class RayExecutor(Executor):
             name = "true" if self.compile is True else self.compile
             return self.compile, f", compiled (compile: {name})"
         key = self.task.compatibility_key(members[0].config) if members else None
-        with self._calls:
+        with self._choice_lock:
             chosen = self._compile_choice.get(key) if key is not None else None
         if chosen is None:
             return False, ", uncompiled (compile: auto, no profile taken for its key)"
