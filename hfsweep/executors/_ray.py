@@ -14,10 +14,11 @@ answer within ``ray.connect_timeout_s`` before the driver connects (see
 trains up to that many offloaded arrays at once, their shards alternating on its device; an
 array shares an actor only when the cluster has no room for one of its own.
 
-``compile`` (``fusion.compile``) reaches every actor's trainers. With ``"auto"`` the profiler
-decides per compatibility key on the actor that answers :meth:`RayExecutor.array_size`; the
-driver keeps that choice and starts each array of the key with it, on whichever actor trains it
-and again when the array restarts after its actor died, so every array trains as profiled.
+``compile`` (``fusion.compile``) reaches every actor's trainers (an elastic array's workers
+too). With ``"auto"`` the profiler decides per compatibility key on the actor that answers
+:meth:`RayExecutor.array_size`; the driver keeps that choice and starts each array of the key
+with it, on whichever actor trains it and again when the array restarts after its actor died
+(or relaunches on other workers), so every array trains as profiled.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ class RayExecutor(Executor):
     Connects to the Ray cluster at ``settings.address``, or uses the Ray this process already
     initialised, or starts a local one for the run (shut down by :meth:`close`). ``compile``:
     as the local executor's, the choice of ``"auto"`` carried from the profiling actor to
-    the training ones (see the module docstring); not with offload or elastic arrays yet.
+    the training ones (see the module docstring); not with offload yet.
     """
 
     def __init__(
@@ -93,11 +94,10 @@ class RayExecutor(Executor):
 
         if compile != "auto":
             check_compile(compile, "compile")
-        if compile is not False and (offload != "none" or settings.elastic.enabled):
+        if compile is not False and offload != "none":
             raise ValueError(
-                f"compile={compile!r} is not supported with offload={offload!r} or elastic "
-                "arrays yet (offloaded shards and data-parallel workers train uncompiled); "
-                "give compile=False, or offload='none' and arrays that are not elastic"
+                f"compile={compile!r} is not supported with offload={offload!r} yet (offloaded "
+                "shards train uncompiled); give compile=False, or offload='none'"
             )
         if isinstance(alternate, bool) or not isinstance(alternate, int) or alternate < 1:
             raise ValueError(f"alternate must be an int >= 1 (arrays at once), got {alternate!r}")
@@ -400,15 +400,17 @@ class RayExecutor(Executor):
         from ray.exceptions import RayActorError
 
         folder = str(checkpoint_dir)
+        # decided once: a restart (which may start with no member) trains as the first start
+        compile, how = self._array_compile(members)
         if self.elastic:
-            self._run_elastic(folder, members, hooks, resume=resume)
+            if how:
+                _log.info("%s trains data-parallel%s", folder, how)
+            self._run_elastic(folder, members, hooks, resume=resume, compile=compile)
             return
         #: members this array trains that have not ended: given, or added by refill
         active = {m.id: m for m in members}
         failures = 0
         start: list[Member] = list(members)
-        # decided once: a restart (which may start with no member) trains as the first start
-        compile, how = self._array_compile(members)
         with self._call():
             while True:
                 actor = self._acquire()
@@ -445,10 +447,17 @@ class RayExecutor(Executor):
         return chosen, f", {'compiled' if chosen else 'uncompiled'} (compile: auto, as profiled)"
 
     def _run_elastic(
-        self, folder: str, members: Sequence[Member], hooks: ArrayHooks, *, resume: bool
+        self,
+        folder: str,
+        members: Sequence[Member],
+        hooks: ArrayHooks,
+        *,
+        resume: bool,
+        compile: bool | str = False,
     ) -> None:
         """Train the array data-parallel on the workers the policy gives it (see
-        :mod:`hfsweep.executors._elastic`)."""
+        :mod:`hfsweep.executors._elastic`), each compiling it as ``compile`` says, on every
+        launch of it."""
         if self.policy is None:
             raise ExecutorError("ray.elastic is on but no allocator was given to the executor")
         bundle = {"CPU": self.cpus_per_array, "GPU": self.gpus_per_array}
@@ -458,6 +467,7 @@ class RayExecutor(Executor):
             "eval_every": self.eval_every,
             "keep_states": False,
             "final_states": "completed",
+            "compile": compile,
         }
         if device == "cpu":
             options["device"] = "cpu"

@@ -236,9 +236,7 @@ def test_the_actors_are_made_with_compile_and_say_so(monkeypatch: pytest.MonkeyP
     assert "compile" not in _Actor("b", False).worker.where()
 
 
-def test_compile_with_offload_or_elastic_arrays_is_refused(built: list[Any]) -> None:
-    from hfsweep.config.schema import ElasticConfig
-
+def test_compile_with_offload_is_refused(built: list[Any]) -> None:
     with pytest.raises(ValueError, match=r"compile=True is not supported with offload='host'"):
         _Executor(
             TASK,
@@ -249,12 +247,34 @@ def test_compile_with_offload_or_elastic_arrays_is_refused(built: list[Any]) -> 
             offload="host",
             compile=True,
         )
-    with pytest.raises(ValueError, match=r"compile='auto' is not supported .* elastic arrays"):
-        _Executor(
-            TASK,
-            device="cpu",
-            dtype=torch.float32,
-            eval_every=None,
-            settings=RayConfig(elastic=ElasticConfig(enabled=True)),
-            compile="auto",
-        )
+
+
+def test_an_elastic_array_is_launched_with_the_profilers_choice(
+    built: list[tuple[str, Any]], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``ray.elastic``: the data-parallel launcher gets the choice the profiling actor made in
+    its trainer options, which every launch and relaunch of the array builds its workers'
+    trainers from."""
+    from hfsweep.config.schema import ElasticConfig
+    from hfsweep.executors import _ray as ray_module
+
+    launched: list[dict[str, Any]] = []
+    monkeypatch.setattr(
+        ray_module, "run_elastic_array", lambda *a, **kw: launched.append(kw["options"])
+    )
+    _Executor.pool = _Pool([_Actor("a", "auto")])
+    executor = _Executor(
+        TASK,
+        device="cpu",
+        dtype=torch.float32,
+        eval_every=None,
+        settings=RayConfig(elastic=ElasticConfig(enabled=True)),
+        compile="auto",
+    )
+    executor.policy = object()  # type: ignore[assignment]
+    monkeypatch.setattr(executor._pool, "fit", lambda: 2, raising=False)
+    executor.array_size(_CONFIG)
+    with caplog.at_level(logging.INFO, logger="hfsweep.ray"):
+        executor.run_array("dp", [Member("trial-0", dict(_CONFIG))], _hooks(), resume=False)
+    assert [options["compile"] for options in launched] == [True]
+    assert "dp trains data-parallel, compiled (compile: auto, as profiled)" in caplog.text
