@@ -45,6 +45,7 @@ A sweep file is one YAML mapping. Every key, with its default::
                                 #   pretrained backbone) once, not once per member
       compile: false            # true: torch.compile each array's fused step (CUDA graphs on
                                 #   cuda); auto: the profiler times both, keeps the faster
+                                #   (backend ray too: in each worker, elastic arrays' included)
       offload: none             # none, host (state in host memory, run shard by shard) or
                                 #   auto (where the array does not fit the device: the profiler
                                 #   times it offloaded and split into arrays that fit, keeps the faster;

@@ -155,12 +155,6 @@ class _Parser(_Fields):
         if backend == "ray" and importlib.util.find_spec("ray") is None:
             raise self.error("backend", "backend 'ray' needs Ray: pip install 'ray[tune]'")
         ray = self.ray(top.get("ray"), backend)
-        if backend == "ray" and fusion.compile is not False:
-            raise self.error(
-                "fusion.compile",
-                f"{fusion.compile!r} is not supported with backend 'ray' yet (its workers train "
-                "uncompiled); give false, or backend: local",
-            )
         if backend == "ray" and ray.elastic.enabled and fusion.offload != "none":
             raise self.error(
                 "fusion.offload",

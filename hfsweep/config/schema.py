@@ -135,7 +135,7 @@ class FusionConfig:
     (frozen tensors identical in every member, a fine-tuning sweep's backbone, kept once:
     ``share_frozen`` of :func:`hfsweep.fuse`), ``compile`` (``True``: arrays compile their
     traced forward, backward and loss with ``torch.compile``; ``"auto"``: the profiler times
-    both and keeps the faster) and ``offload`` (``none``, ``host``: an array's state in host
+    both and keeps the faster; on the Ray backend too, elastic arrays included) and ``offload`` (``none``, ``host``: an array's state in host
     memory, streamed through the device shard by shard, or ``auto``: ``host`` only when the
     array does not fit the device; see docs/offload.md) with ``device_memory`` bytes for it on
     the device (``None``: a CUDA device's free memory; on the CPU ``auto`` then keeps arrays as

@@ -50,6 +50,7 @@ class _Backend(_Parts):
                     device_memory=sc.fusion.device_memory,
                     alternate=sc.fusion.alternate,
                     offload_step=sc.fusion.offload_step,
+                    compile=sc.fusion.compile,
                 )
             except ExecutorError as exc:
                 raise SweepError(f"backend ray: {exc}") from exc

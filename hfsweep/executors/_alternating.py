@@ -204,13 +204,20 @@ class AlternatingExecutor(LocalExecutor):
         return self.alternate
 
     def run_array(
-        self, checkpoint_dir: Folder, members: Sequence[Member], hooks: ArrayHooks, *, resume: bool
+        self,
+        checkpoint_dir: Folder,
+        members: Sequence[Member],
+        hooks: ArrayHooks,
+        *,
+        resume: bool,
+        compile: bool | str | None = None,
     ) -> None:
         """Train ``members`` (and the trials ``refill`` adds) with the other arrays in
-        training until every one has ended, the hooks called in this thread."""
+        training until every one has ended, the hooks called in this thread (``compile``: as
+        the local executor's; offloaded arrays refuse anything but ``False``)."""
         box = _Mailbox(self._gate)
         job = ArrayJob(
-            self._trainer(checkpoint_dir, members),
+            self._trainer(checkpoint_dir, members, compile=compile),
             members,
             report=box.proxy(hooks.report),
             refill=box.proxy(hooks.refill),

@@ -13,6 +13,12 @@ answer within ``ray.connect_timeout_s`` before the driver connects (see
 :mod:`hfsweep.executors._connect`). With ``alternate`` above one (``fusion.alternate``), an actor
 trains up to that many offloaded arrays at once, their shards alternating on its device; an
 array shares an actor only when the cluster has no room for one of its own.
+
+``compile`` (``fusion.compile``) reaches every actor's trainers (an elastic array's workers
+too). With ``"auto"`` the profiler decides per compatibility key on the actor that answers
+:meth:`RayExecutor.array_size`; the driver keeps that choice and starts each array of the key
+with it, on whichever actor trains it and again when the array restarts after its actor died
+(or relaunches on other workers), so every array trains as profiled.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..fusion._compile import check_compile
 from ..training.task import Task
 from ..training.trainer import ArrayTrainer, Member
 from ._connect import ClusterUnreachable, connect, on_loopback, reach
@@ -63,7 +70,9 @@ class RayExecutor(Executor):
     ``alternate`` of them (offloaded, ``offload="host"``) in each actor.
 
     Connects to the Ray cluster at ``settings.address``, or uses the Ray this process already
-    initialised, or starts a local one for the run (shut down by :meth:`close`).
+    initialised, or starts a local one for the run (shut down by :meth:`close`). ``compile``:
+    as the local executor's, the choice of ``"auto"`` carried from the profiling actor to
+    the training ones (see the module docstring); not with offload yet.
     """
 
     def __init__(
@@ -79,9 +88,17 @@ class RayExecutor(Executor):
         device_memory: int | None = None,
         alternate: int = 1,
         offload_step: str = "host",
+        compile: bool | str = False,
     ) -> None:
         import ray
 
+        if compile != "auto":
+            check_compile(compile, "compile")
+        if compile is not False and offload != "none":
+            raise ValueError(
+                f"compile={compile!r} is not supported with offload={offload!r} yet (offloaded "
+                "shards train uncompiled); give compile=False, or offload='none'"
+            )
         if isinstance(alternate, bool) or not isinstance(alternate, int) or alternate < 1:
             raise ValueError(f"alternate must be an int >= 1 (arrays at once), got {alternate!r}")
         if alternate > 1 and (offload != "host" or settings.elastic.enabled):
@@ -101,6 +118,12 @@ class RayExecutor(Executor):
         #: the most arrays one actor trains at once, their shards alternating
         self.alternate = alternate
         self.offload_step = offload_step
+        #: every array's ``compile=``; ``"auto"``: the profiler's choice by compatibility key
+        self.compile = compile
+        #: ``compile: auto``: the profiling actors' choices by compatibility key, handed to the
+        #: actors that train the key (under ``_choice_lock``: the engine's threads ask at once)
+        self._compile_choice: dict[str, bool] = {}
+        self._choice_lock = threading.Lock()
         self.settings = settings
         self._owns_ray = not ray.is_initialized()
         #: threads inside run_array or array_size (close waits for them before ray.shutdown)
@@ -276,6 +299,7 @@ class RayExecutor(Executor):
             device_memory=self.device_memory,
             alternate=self.alternate,
             offload_step=self.offload_step,
+            compile=self.compile,
         )
 
     def _acquire(self) -> Any:
@@ -351,7 +375,7 @@ class RayExecutor(Executor):
             while True:
                 actor = self._acquire()
                 try:
-                    size, reason = ray.get(actor.array_size.remote(dict(config)))
+                    size, reason, compiled = ray.get(actor.array_size.remote(dict(config)))
                 except RayActorError as exc:
                     self._release(actor, dead=True)
                     failures = self._died(exc, failures, "profiling array sizes")
@@ -361,6 +385,9 @@ class RayExecutor(Executor):
                     raise
                 # an elastic array's workers are actors of their own: free the resources
                 self._release(actor, dead=self.elastic)
+                if compiled is not None:  # kept for the actors that train the key
+                    with self._choice_lock:
+                        self._compile_choice[self.task.compatibility_key(config)] = compiled
                 return int(size), str(reason)
 
     def run_array(
@@ -373,8 +400,12 @@ class RayExecutor(Executor):
         from ray.exceptions import RayActorError
 
         folder = str(checkpoint_dir)
+        # decided once: a restart (which may start with no member) trains as the first start
+        compile, how = self._array_compile(members)
         if self.elastic:
-            self._run_elastic(folder, members, hooks, resume=resume)
+            if how:
+                _log.info("%s trains data-parallel%s", folder, how)
+            self._run_elastic(folder, members, hooks, resume=resume, compile=compile)
             return
         #: members this array trains that have not ended: given, or added by refill
         active = {m.id: m for m in members}
@@ -383,9 +414,9 @@ class RayExecutor(Executor):
         with self._call():
             while True:
                 actor = self._acquire()
-                _log.info("%s trains on %s", folder, self._pool.where(actor))
+                _log.info("%s trains on %s%s", folder, self._pool.where(actor), how)
                 try:
-                    self._drive(actor, folder, start, resume, active, hooks)
+                    self._drive(actor, folder, start, resume, active, hooks, compile)
                 except RayActorError as exc:
                     self._release(actor, dead=True)
                     failures = self._died(exc, failures, f"training {folder}")
@@ -398,11 +429,35 @@ class RayExecutor(Executor):
                 self._release(actor)
                 return
 
+    def _array_compile(self, members: Sequence[Member]) -> tuple[bool | str, str]:
+        """The ``compile=`` an array of ``members`` trains with on any actor, and a note for
+        the log: ``compile`` itself, or with ``"auto"`` the profiler's choice for their key as
+        the driver kept it from :meth:`array_size` (uncompiled where no profile was taken: a
+        fixed ``fusion.size``, as on the local backend)."""
+        if self.compile is False:
+            return False, ""
+        if self.compile != "auto":
+            name = "true" if self.compile is True else self.compile
+            return self.compile, f", compiled (compile: {name})"
+        key = self.task.compatibility_key(members[0].config) if members else None
+        with self._choice_lock:
+            chosen = self._compile_choice.get(key) if key is not None else None
+        if chosen is None:
+            return False, ", uncompiled (compile: auto, no profile taken for its key)"
+        return chosen, f", {'compiled' if chosen else 'uncompiled'} (compile: auto, as profiled)"
+
     def _run_elastic(
-        self, folder: str, members: Sequence[Member], hooks: ArrayHooks, *, resume: bool
+        self,
+        folder: str,
+        members: Sequence[Member],
+        hooks: ArrayHooks,
+        *,
+        resume: bool,
+        compile: bool | str = False,
     ) -> None:
         """Train the array data-parallel on the workers the policy gives it (see
-        :mod:`hfsweep.executors._elastic`)."""
+        :mod:`hfsweep.executors._elastic`), each compiling it as ``compile`` says, on every
+        launch of it."""
         if self.policy is None:
             raise ExecutorError("ray.elastic is on but no allocator was given to the executor")
         bundle = {"CPU": self.cpus_per_array, "GPU": self.gpus_per_array}
@@ -412,6 +467,7 @@ class RayExecutor(Executor):
             "eval_every": self.eval_every,
             "keep_states": False,
             "final_states": "completed",
+            "compile": compile,
         }
         if device == "cpu":
             options["device"] = "cpu"
@@ -486,11 +542,13 @@ class RayExecutor(Executor):
         resume: bool,
         active: dict[str, Member],
         hooks: ArrayHooks,
+        compile: bool | str = False,
     ) -> None:
-        """Answer ``actor``'s hook events until its array is done."""
+        """Start ``actor`` on the array (compiled as ``compile`` says) and answer its hook
+        events until the array is done."""
         import ray
 
-        kind, payload = ray.get(actor.start.remote(folder, members, resume))
+        kind, payload = ray.get(actor.start.remote(folder, members, resume, compile))
         while kind != "done":
             answer: Any = None
             if kind == "report":

@@ -10,6 +10,12 @@ With ``alternate`` above one (``fusion.alternate``), the actor trains up to that
 arrays at once through an :class:`~hfsweep.executors._alternating.AlternatingExecutor`, their
 shards alternating on its device; each array has its own line of events and answers, named by
 its folder, and the actor serves their calls concurrently (a threaded actor).
+
+With ``compile`` (``fusion.compile``), the arrays compile their fused step. ``"auto"`` leaves the
+choice to the profiler, which runs on whichever actor the driver asks for an array size; that
+actor answers the choice with the size, and the driver hands it to every actor that then trains
+the key (:meth:`ArrayWorker.start`), so no array trains uncompiled merely because another actor
+took its profile.
 """
 
 from __future__ import annotations
@@ -49,7 +55,8 @@ class ArrayWorker:
     oversubscribe it. A worker keeps its traced forwards across the arrays it trains.
     ``offload`` and ``device_memory``: as the local executor's, on this actor's device (without
     ``device_memory``, within a CUDA device's free memory; on a CPU ``auto`` then keeps arrays
-    as they are).
+    as they are). ``compile``: as the local executor's; each array's own comes with
+    :meth:`start` (see the module docstring).
     """
 
     def __init__(
@@ -65,6 +72,7 @@ class ArrayWorker:
         device_memory: int | None = None,
         alternate: int = 1,
         offload_step: str = "host",
+        compile: bool | str = False,
     ) -> None:
         torch.set_num_threads(max(1, threads))
         device = resolve_device(device)
@@ -85,36 +93,50 @@ class ArrayWorker:
         self.local = (
             AlternatingExecutor(task, alternate=alternate, **settings)
             if alternate > 1
-            else LocalExecutor(task, **settings)
+            else LocalExecutor(task, compile=compile, **settings)
         )
         #: each array's (events, answers), by its folder
         self._lines: dict[str, tuple[queue.Queue[Event], queue.Queue[Any]]] = {}
         self._lock = threading.Lock()
 
     def where(self) -> str:
-        """This worker's host, process, device (and offload, where on) and Ray node, for the
-        driver's log."""
+        """This worker's host, process, device (and offload or compile, where on) and Ray
+        node, for the driver's log."""
         import ray
 
         node = ray.get_runtime_context().get_node_id()
         device = str(self.local.device)
+        if self.local.compile is not False:
+            device = f"{device} (compile: {_compile_name(self.local.compile)})"
         if self.local.offload != "none":
             device = f"{device} (offload: {self.local.offload})"
         if isinstance(self.local, AlternatingExecutor):
             device = f"{device}, up to {self.local.alternate} arrays alternating"
         return f"{socket.gethostname()} pid {os.getpid()} {device} node {node}"
 
-    def array_size(self, config: Mapping[str, Any]) -> tuple[int, str]:
-        """The profiler's array size for ``config`` on this worker's device, and why."""
-        return self.local.array_size(config)
+    def array_size(self, config: Mapping[str, Any]) -> tuple[int, str, bool | None]:
+        """The profiler's array size for ``config`` on this worker's device, why, and (with
+        ``compile: auto``) whether it chose to compile the key (``None``: no choice taken),
+        for the driver to hand to the actors that train the key."""
+        size, reason = self.local.array_size(config)
+        return size, reason, self.local.compile_choice(config)
 
-    def start(self, folder: str, members: Sequence[Member], resume: bool) -> Event:
-        """Start training the array in ``folder`` in a thread; returns its first event."""
+    def start(
+        self,
+        folder: str,
+        members: Sequence[Member],
+        resume: bool,
+        compile: bool | str | None = None,
+    ) -> Event:
+        """Start training the array in ``folder`` in a thread; returns its first event.
+        ``compile``: the array's ``compile=`` as the driver decided it (with ``compile: auto``,
+        the profiler's choice for its key, wherever that profile ran); ``None``: this worker's
+        own setting."""
         line: tuple[queue.Queue[Event], queue.Queue[Any]] = (queue.Queue(), queue.Queue())
         with self._lock:
             self._lines[folder] = line
         thread = threading.Thread(
-            target=self._train, args=(folder, list(members), resume, line), daemon=True
+            target=self._train, args=(folder, list(members), resume, line, compile), daemon=True
         )
         thread.start()
         return self._next(folder)
@@ -142,6 +164,7 @@ class ArrayWorker:
         members: list[Member],
         resume: bool,
         line: tuple[queue.Queue[Event], queue.Queue[Any]],
+        compile: bool | str | None = None,
     ) -> None:
         events, answers = line
 
@@ -155,7 +178,7 @@ class ArrayWorker:
                 refill=lambda: hook("refill", None),
                 on_finish=lambda result: hook("finish", result),
             )
-            self.local.run_array(folder, members, hooks, resume=resume)
+            self.local.run_array(folder, members, hooks, resume=resume, compile=compile)
         except BaseException as exc:  # handed to the driver, which raises it
             text = traceback.format_exc()
             keep_traceback(exc, text)
@@ -164,6 +187,11 @@ class ArrayWorker:
             local = self.local
             together = local.together(folder) if isinstance(local, AlternatingExecutor) else 1
             events.put(("done", together))
+
+
+def _compile_name(compile: bool | str) -> str:
+    """``compile=`` as sweep.yaml spells it (``true``, ``false``, ``auto``, or a mode)."""
+    return str(compile).lower() if isinstance(compile, bool) else compile
 
 
 def _picklable(exc: BaseException) -> BaseException:

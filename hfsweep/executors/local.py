@@ -113,15 +113,30 @@ class LocalExecutor(Executor):
             self._offload_choice[key] = profile.offload
         return profile.chosen, profile.reason
 
+    def compile_choice(self, config: Mapping[str, Any]) -> bool | None:
+        """``compile: auto``: whether the profiler chose to compile ``config``'s compatibility
+        key on this device, or ``None`` where no profile of that key was taken here. The Ray
+        backend carries it from the actor that profiled the key to those that train it."""
+        return self._compile_choice.get(self.task.compatibility_key(config))
+
     def close(self) -> None:
         """Nothing to release: the arrays trained in this process."""
 
     def run_array(
-        self, checkpoint_dir: Folder, members: Sequence[Member], hooks: ArrayHooks, *, resume: bool
+        self,
+        checkpoint_dir: Folder,
+        members: Sequence[Member],
+        hooks: ArrayHooks,
+        *,
+        resume: bool,
+        compile: bool | str | None = None,
     ) -> None:
         """Train ``members`` (and the trials ``refill`` adds) until every one has ended.
-        (``requeue`` is for executors that may hand trials back; this one never does.)"""
-        self._trainer(checkpoint_dir, members).run(
+        (``requeue`` is for executors that may hand trials back; this one never does.)
+        ``compile``: this array's ``compile=`` as decided elsewhere (a Ray worker is told the
+        choice the profiling actor made, and a restarted array may start with no member to
+        look its key up by); ``None``: this executor's own (see :meth:`_trainer`)."""
+        self._trainer(checkpoint_dir, members, compile=compile).run(
             members,
             report=hooks.report,
             refill=hooks.refill,
@@ -129,10 +144,18 @@ class LocalExecutor(Executor):
             resume=resume,
         )
 
-    def _trainer(self, checkpoint_dir: Folder, members: Sequence[Member]) -> ArrayTrainer:
+    def _trainer(
+        self,
+        checkpoint_dir: Folder,
+        members: Sequence[Member],
+        *,
+        compile: bool | str | None = None,
+    ) -> ArrayTrainer:
         """The trainer of one array in ``checkpoint_dir``: this executor's settings, the
-        profiler's choices for its key, and the sweep's shared traces and data."""
-        compile = self.compile
+        profiler's choices for its key (``compile``, where given, instead of this executor's),
+        and the sweep's shared traces and data."""
+        if compile is None:
+            compile = self.compile
         if compile == "auto":
             key = self.task.compatibility_key(members[0].config) if members else ""
             compile = self._compile_choice.get(key, False)

@@ -113,7 +113,8 @@ class _DataParallelRun(_Run):
                 out = array(x)
             with Phase("the loss"):
                 smoothing = live.smoothing if live.smoothes else None
-                losses = self.task.member_loss(out, y, smoothing)
+                # the trainer's compiled loss (``compile``), as on one worker
+                losses = (self.t._loss or self.task.member_loss)(out, y, smoothing)
             with Phase("the backward pass"):
                 (losses.sum() * weight).backward()
             weighted = losses.detach() * weight

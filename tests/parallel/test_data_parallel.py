@@ -36,23 +36,23 @@ def _members(optimizer: str) -> list[hs.Member]:
     ]
 
 
-def _close(a: Any, b: Any, where: str) -> None:
+def _close(a: Any, b: Any, where: str, rtol: float = RTOL, atol: float = ATOL) -> None:
     if isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor), where
         if a.is_floating_point():
-            torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL, msg=where)
+            torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=where)
         else:
             assert torch.equal(a, b), where
     elif isinstance(a, dict):
         assert set(a) == set(b), where
         for k in a:
-            _close(a[k], b[k], f"{where}.{k}")
+            _close(a[k], b[k], f"{where}.{k}", rtol, atol)
     elif isinstance(a, list | tuple):
         assert len(a) == len(b), where
         for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _close(x, y, f"{where}[{i}]")
+            _close(x, y, f"{where}[{i}]", rtol, atol)
     elif isinstance(a, float):
-        assert b == pytest.approx(a, rel=RTOL, abs=ATOL), where
+        assert b == pytest.approx(a, rel=rtol, abs=atol), where
     else:
         assert a == b, where
 
@@ -139,6 +139,39 @@ def test_two_workers_train_the_array_exactly_as_one(
     )
     assert [r.steps for r in expected] == [-(-160 // batch_size) * 2] * 3
     _same_results(expected, got)
+
+
+@pytest.mark.slow
+def test_a_compiled_array_on_two_workers_matches_the_uncompiled_one(tmp_path: Path) -> None:
+    """``compile=True`` on a data-parallel array (``ray.elastic`` with ``fusion.compile``): each
+    worker compiles its shards' forward and backward, the loss and the optimizer's update, and
+    the array ends as the uncompiled one on two workers, within the compiled step's tolerance
+    (float32, rtol 1e-4 / atol 1e-5, as tests/fusion/test_compile.py). One epoch of SGD with
+    dropout and clipping: batches of 31 rows (16 + 15) and a last one of 5 (3 + 2). Both
+    workers' processes ran the loss compiled (its mark, tests/sweep/_compile_marks.py)."""
+    from sweep._compile_marks import marked, marks
+
+    task = marked(make_task())
+    members = [hs.Member(m.id, {**m.config, "epochs": 1}) for m in _members("sgd")]
+    runs = {}
+    before = marks()
+    for compile in (False, True):
+        runs[compile] = train_data_parallel(
+            task,
+            members,
+            workers=2,
+            checkpoint_dir=tmp_path / str(compile),
+            eval_every=3,
+            timeout_s=120,
+            compile=compile,
+        )
+    assert len(marks() - before) == 2  # the two workers, and only with compile on
+    expected, got = runs[False], runs[True]
+    assert [r.id for r in got] == [r.id for r in expected]
+    for e, g in zip(expected, got, strict=True):
+        assert (g.status, g.steps, g.error) == (e.status, e.steps, e.error), e.id
+        _close(e.history, g.history, f"{e.id}.history", rtol=1e-4, atol=1e-5)
+        _close(e.state, g.state, f"{e.id}.state", rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ import pytest
 
 import hfsweep as hs
 
-from . import _crashy
+from . import _compile_marks, _crashy
 from ._toy import TASK, sweep_config
 
 ray = pytest.importorskip("ray")
@@ -348,3 +348,80 @@ def test_a_dead_worker_alternating_two_arrays_resumes_both_exactly(
     assert result.counts == {"completed": 6, "stopped": 0, "failed": 0, "running": 0}
     assert told == Counter(range(6))
     _as_alone(result, _crashy.TASK)
+
+
+#: a compiled sweep kept small: one array of two trials, one epoch of 5 steps, in one actor
+#: (torch.compile takes tens of seconds a graph on a CPU), of the toy task whose loss marks the
+#: processes that ran it compiled
+_COMPILED: dict[str, Any] = {
+    "task": _compile_marks.TASK,
+    "backend": "ray",
+    "ray": {"max_concurrent": 1},
+    "scheduler": "fifo",
+    "budget": {"trials": 2, "epochs": 1},
+}
+
+
+def _trained_on(log: str, how: str) -> list[int]:
+    """The process ids of the workers the log's arrays trained on, each line ending ``how``."""
+    return [int(pid) for pid in re.findall(rf"trains on .* pid (\d+) .*, {re.escape(how)}", log)]
+
+
+@pytest.mark.slow
+def test_compiled_arrays_on_the_ray_backend_train_each_trial_as_alone(
+    local_ray: None, tmp_path: Path
+) -> None:
+    """``fusion.compile: true`` on the Ray backend: the worker compiles its array (its loss
+    leaves the worker's mark), and every trial ends as it trains alone, uncompiled
+    (``hs.retrain``: rtol 1e-4 in float32, the compiled step's tolerance)."""
+    fusion = {"size": 2, "device": "cpu", "dtype": "float32", "compile": True}
+    result = hs.sweep(sweep_config(tmp_path / "run", fusion=fusion, **_COMPILED), progress=False)
+    assert result.counts == {"completed": 2, "stopped": 0, "failed": 0, "running": 0}
+    log = (result.run_dir / "sweep.log").read_text()
+    assert "cpu (compile: true) node" in log  # the worker says so
+    (pid,) = _trained_on(log, "compiled (compile: true)")
+    assert pid in _compile_marks.marks()
+    _as_alone(result, _compile_marks.TASK)
+
+
+@pytest.mark.slow
+def test_compile_auto_on_the_ray_backend_trains_every_array_as_profiled(
+    local_ray: None, tmp_path: Path
+) -> None:
+    """``fusion.compile: auto`` with ``size: auto``: the profile taken on a worker chooses, and
+    each array trains as it chose. The first sweep's choice rests on timings, so it may go
+    either way; the test then stores that profile as choosing B=2, compiled (it keeps only its
+    B=1 and B=2 measurements), and a second sweep of 4 trials trains two arrays at once on two
+    workers: the one that took the (cached) profile and one that never profiled, which trains
+    compiled only if the driver hands it the choice. Every trial of both sweeps ends as it
+    trains alone (rtol 1e-4 in float32)."""
+    import dataclasses
+
+    from hfsweep.profiler import ProfileCache
+
+    cache = ProfileCache()  # the tests' own (tests/conftest.py), which the workers share
+    before = cache._read()
+    fusion = {"size": "auto", "device": "cpu", "dtype": "float32", "compile": "auto"}
+    first = hs.sweep(sweep_config(tmp_path / "first", fusion=fusion, **_COMPILED), progress=False)
+    assert first.counts["completed"] == 2
+    log = (first.run_dir / "sweep.log").read_text()
+    assert "cpu (compile: auto) node" in log
+    assert re.search(r"trains on .*, (un)?compiled \(compile: auto, as profiled\)", log)
+    _as_alone(first, _compile_marks.TASK)
+    profiled = [k for k, v in cache._read().items() if v != before.get(k) and v.get("compile")]
+    assert profiled  # the worker stored its choice with the profile
+    for key in profiled:  # B=2 the fastest of the sizes kept, compiled there
+        profile = cache.get(key)
+        assert profile is not None and profile.compile is not None
+        small = tuple(m for m in profile.measurements if m.size <= 2)
+        forced = dataclasses.replace(profile.compile, size=2, compiled=True, reason="the test's")
+        cache.put(dataclasses.replace(profile, measurements=small, compile=forced))
+    budget = {"trials": 4, "epochs": 1}
+    overrides = {**_COMPILED, "ray": {"max_concurrent": 2}, "budget": budget}
+    second = hs.sweep(sweep_config(tmp_path / "second", fusion=fusion, **overrides), progress=False)
+    assert second.counts["completed"] == 4
+    log = (second.run_dir / "sweep.log").read_text()
+    pids = _trained_on(log, "compiled (compile: auto, as profiled)")
+    assert len(pids) == 2 and len(set(pids)) == 2, log  # two arrays at once, two workers
+    assert set(pids) <= _compile_marks.marks()  # each compiled, the one that never profiled too
+    _as_alone(second, _compile_marks.TASK)

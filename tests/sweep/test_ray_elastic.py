@@ -261,3 +261,33 @@ def test_a_node_lost_under_an_elastic_sweep_shrinks_its_array_which_goes_on_exac
     assert "1 of 2 workers lost; going on with 1 from the last checkpoint" in log
     assert "1 worker(s) lost]: array 0: " in log
     assert log.count("workers lost") == 1
+
+
+def test_a_compiled_elastic_array_trains_each_trial_as_alone(
+    local_ray: None, tmp_path: Path
+) -> None:
+    """``fusion.compile: true`` with ``ray.elastic``: the array trains data-parallel on both
+    workers, each compiling its step (both workers' processes ran the loss compiled: its mark,
+    tests/sweep/_compile_marks.py), and every trial ends as it trains alone, on one worker and
+    uncompiled (``hs.retrain``; float64, for the reason of ``_FUSION``)."""
+    from . import _compile_marks
+    from .test_ray_backend import _as_alone
+
+    before = _compile_marks.marks()
+    result = hs.sweep(
+        sweep_config(
+            tmp_path / "run",
+            task=_compile_marks.TASK,
+            backend="ray",
+            ray={**_ELASTIC, "max_concurrent": 1},
+            fusion={**_FUSION, "size": 2, "compile": True},
+            budget={"trials": 2, "epochs": 1},
+        ),
+        progress=False,
+    )
+    assert result.counts == {"completed": 2, "stopped": 0, "failed": 0, "running": 0}
+    log = (result.run_dir / "sweep.log").read_text()
+    assert "arrays/0 trains data-parallel, compiled (compile: true)" in log
+    assert "trains data-parallel on 2 worker(s)" in log
+    assert len(_compile_marks.marks() - before) == 2  # the array's two workers
+    _as_alone(result, _compile_marks.TASK)
