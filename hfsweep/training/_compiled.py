@@ -4,10 +4,12 @@ The fused array compiles its own forward (and backward) through ``hs.fuse(..., c
 the per-member loss that follows it is the task's code, compiled here on its own so that its
 handful of element-wise ops and reductions become one or two kernels. A loss ``torch.compile``
 cannot compile runs eagerly from its first failure on, with one ``CompileFallbackWarning``.
+:func:`log_compiled` says at each array's end whether its fused step ran compiled.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -18,7 +20,9 @@ from .._compat import dynamo_graphs_compiled
 from ..fusion._compile import compile_error, warn_fallback
 from .task import Task, TaskError
 
-__all__ = ["CompiledLoss"]
+__all__ = ["CompiledLoss", "log_compiled"]
+
+_log = logging.getLogger("hfsweep.trainer")
 
 
 class CompiledLoss:
@@ -57,3 +61,23 @@ class CompiledLoss:
         ):  # this call compiled (a new shape): not a step's time
             self.seconds += time.perf_counter() - start
         return losses
+
+
+def log_compiled(array: Any, seconds: float) -> None:
+    """Say in the log whether the array's fused step ran compiled (``compile`` on), and what
+    tracing and compiling cost it: a fallback is warned of once, so that a later reader of
+    ``sweep.log`` knows what each array ran."""
+    traces = [*array._traces.values(), *(array._shared_traces or {}).values()]
+    compiled = sum(1 for t in traces if getattr(t, "plain", None) is not None)
+    if compiled:
+        _log.info(
+            "the array's fused step ran compiled (%d call signature(s)); tracing and compiling "
+            "took %.1f s, left out of the step times",
+            compiled,
+            seconds,
+        )
+    else:
+        _log.info(
+            "compile is on but no call signature of the array ran compiled (the "
+            "CompileFallbackWarning says why)"
+        )

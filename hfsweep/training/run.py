@@ -27,6 +27,7 @@ from .._io import append_lines, atomic_save
 from .._usercode import CHECKPOINT, OPTIMIZER_STEP, Phase, describe
 from ..fusion import FusedArray
 from ..offload import OffloadedArray
+from ._compiled import log_compiled
 from ._evaluation import endings, record_evaluations, validation_sums
 from ._frozen import share_frozen_storage
 from ._offload_auto import split_for_offload
@@ -260,6 +261,8 @@ class _Run:
         finally:
             counts.flush(state.slots, eval_every)  # whatever ends the steps: counts up to date
             live.close()
+            if self.t.compile is not False:
+                log_compiled(live.array, timer.left_out())
 
     def _train_steps(
         self,

@@ -102,6 +102,8 @@ class _StepTimer:
         self._stretch = 0
         self._start = 0.0
         self._traced = 0.0
+        #: what was traced and compiled before this array (the trainer's earlier arrays)
+        self._initial = self._left_out()
         self.resume()
 
     def resume(self) -> None:
@@ -116,6 +118,10 @@ class _StepTimer:
         return self._array._tracing_seconds + sum(
             float(getattr(c, "seconds", 0.0)) for c in self._compiled
         )
+
+    def left_out(self) -> float:
+        """Seconds spent tracing and compiling for this array so far."""
+        return self._left_out() - self._initial
 
     def step(self) -> None:
         """One training step of the stretch is done."""

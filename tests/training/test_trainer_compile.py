@@ -4,6 +4,7 @@ uncompiled trainer does, per-member dropout, label smoothing, clipping and sched
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -78,3 +79,33 @@ def test_compile_needs_the_trace_and_a_valid_value() -> None:
         hs.ArrayTrainer(make_task(), trace=False, compile=True)
     with pytest.raises(ValueError, match="compile='on' is not valid"):
         hs.ArrayTrainer(make_task(), compile="on")
+
+
+@pytest.mark.parametrize("works", [True, False], ids=["compiled", "fell-back"])
+def test_the_log_says_whether_the_array_ran_compiled(monkeypatch, caplog, works: bool) -> None:
+    """With ``compile`` on, each array's end says in the trainer's log (``sweep.log``) whether
+    its fused step ran compiled, and what tracing and compiling cost it. ``torch.compile`` is
+    stood in for: compiling returns the function itself, or a graph that fails when called."""
+
+    def stand_in(fn: Any, **kw: Any) -> Any:
+        if works:
+            return fn
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("inductor could not lower op foo")
+
+        return call
+
+    monkeypatch.setattr(torch, "compile", stand_in)
+    trainer = hs.ArrayTrainer(make_task(), dtype=torch.float64, eval_every=3, compile=True)
+    with caplog.at_level("INFO", logger="hfsweep.trainer"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", CompileFallbackWarning)
+        trainer.run([hs.Member(f"m{i}", c) for i, c in enumerate(CONFIGS[:2])])
+    said = [r.getMessage() for r in caplog.records if "compiled" in r.getMessage()]
+    if works:
+        assert len(said) == 1 and said[0].startswith("the array's fused step ran compiled ("), said
+    else:
+        assert said == [
+            "compile is on but no call signature of the array ran compiled (the "
+            "CompileFallbackWarning says why)"
+        ]
