@@ -184,26 +184,33 @@ class _Crew:
 
     def _segment(self, n: int) -> tuple[Any, list[Any]]:
         """A new placement group of ``n`` bundles and an actor in each (created now; Ray starts
-        them once the group is placed), each warming up where actors are kept."""
+        them once the group is placed), each warming up where actors are kept. Until it is
+        returned no one else holds the group: on any error or interrupt (Ctrl-C) while its
+        actors are made, those made so far are killed and the group is given back."""
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         group = placement_group([dict(self.bundle)] * n, strategy="PACK")
-        remote = ray.remote(_Worker)
-        actors: list[Any] = [
-            remote.options(
-                num_cpus=self.bundle.get("CPU", 0),
-                num_gpus=self.bundle.get("GPU", 0),
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=group, placement_group_bundle_index=i
-                ),
-            ).remote()
-            for i in range(n)
-        ]
-        if self.keep:
-            for a in actors:
-                a.warm.remote()
+        actors: list[Any] = []
+        try:
+            remote = ray.remote(_Worker)
+            for i in range(n):
+                actors.append(
+                    remote.options(
+                        num_cpus=self.bundle.get("CPU", 0),
+                        num_gpus=self.bundle.get("GPU", 0),
+                        scheduling_strategy=PlacementGroupSchedulingStrategy(
+                            placement_group=group, placement_group_bundle_index=i
+                        ),
+                    ).remote()
+                )
+            if self.keep:
+                for a in actors:
+                    a.warm.remote()
+        except BaseException:
+            self._end((group, actors))
+            raise
         return group, actors
 
     def _end(self, segment: tuple[Any, list[Any]]) -> None:
