@@ -148,10 +148,28 @@ class _Worker:
         threads: int,
         timeout_s: float,
         options: dict[str, Any],
-    ) -> tuple[str, Any]:
-        """:func:`~hfsweep.parallel._launch.train_worker` in this actor."""
-        outcome = train_worker(rank, address, job, threads, timeout_s, options)
-        return outcome if rank == 0 else (outcome[0], None)
+    ) -> tuple[tuple[str, Any], bool]:
+        """:func:`~hfsweep.parallel._launch.train_worker` in this actor: its outcome (rank
+        0's results, the other ranks' kind alone) and whether this actor can train again. It
+        cannot where it did not leave its process group (``destroy_process_group`` raised, or
+        the default group is still there): its next ``init_process_group`` would fail, a
+        launch later, as a worker error, so :class:`_Crew` ends it instead of keeping it."""
+        import torch.distributed as dist
+
+        errors: list[Exception] = []
+        outcome = train_worker(
+            rank, address, job, threads, timeout_s, options, on_leave_error=errors.append
+        )
+        reusable = not errors and not (dist.is_available() and dist.is_initialized())
+        if not reusable:
+            _log.warning(
+                "worker %d of the data-parallel array in %s did not leave its process group "
+                "(%s): its actor is not kept",
+                rank,
+                job.directory,
+                errors[0] if errors else "the default group is still initialised",
+            )
+        return (outcome if rank == 0 else (outcome[0], None)), reusable
 
 
 class _Crew:
@@ -237,6 +255,19 @@ class _Crew:
     def end(self) -> None:
         """End every actor and give back every placement group."""
         self.shrink(0)
+
+    def discard(self, actors: Sequence[Any]) -> None:
+        """End the segments holding any of ``actors`` (ones that cannot train again: a segment
+        is given back whole), keeping the others in rank order; the next :meth:`fit` starts
+        fresh actors in their place."""
+        doomed = {id(a) for a in actors}
+        kept: list[tuple[Any, list[Any]]] = []
+        for segment in self.segments:
+            if any(id(a) in doomed for a in segment[1]):
+                self._end(segment)
+            else:
+                kept.append(segment)
+        self.segments = kept
 
     def ahead(self, job: _Job) -> None:
         """Where a grow is asked for while ``job`` trains, start the added actors now; where
@@ -366,6 +397,15 @@ def _train_on(
             except Exception as exc:  # the worker raised (RayTaskError)
                 raised[rank] = exc
                 failed = True
+    spoiled = [actors[rank] for rank, (_, reusable) in outcomes.items() if not reusable]
+    if spoiled:  # still in a process group: fresh actors take their places
+        _log.warning(
+            "array in %s: %d worker actor(s) could not leave their process group; they are "
+            "ended, and the next launch starts fresh ones",
+            job.directory,
+            len(spoiled),
+        )
+        crew.discard(spoiled)
     if died:
         return "lost", len(died)
     hung = [refs.index(ref) for ref in pending]
@@ -386,5 +426,5 @@ def _train_on(
             f"a worker of the data-parallel array in {job.directory} raised:\n{text}",
             {rank: unwrap(error) for rank, error in raised.items()},
         )
-    result: tuple[str, Any] = outcomes[0]
+    result: tuple[str, Any] = outcomes[0][0]
     return result
