@@ -53,7 +53,7 @@ from ._errors import OffloadError
 from ._ledger import ResidentLedger
 from ._resident import _Held, _Resident, grads_to_host
 from ._shards import Shard, plan_shards, stacked_bytes
-from ._step import _DeviceStep, _state_values
+from ._step import _DeviceStep, _step_shard
 from ._streamed import BlockRunner
 from ._transfer import Transfer, default_transfer
 from ._units import plan_units
@@ -560,6 +560,8 @@ class OffloadedArray:
                     self._saved[k - 1].release()
                 elif x.requires_grad:
                     x_grad = grad
+        if self._stepper is not None:  # every shard stepped: the optimizer's post hooks
+            self._stepper.finish()
         return x_grad
 
     def _shard_backward(
@@ -607,44 +609,5 @@ class OffloadedArray:
                 grads_to_host(others, host, self.transfer, self.ledger)
             stepped = [(i, g) for i, g in used if stepper.steps(host[i])]
             if stepped:
-                self._step_shard(stepper, host, tensors, stepped, state)
+                _step_shard(self, stepper, host, tensors, stepped, state)
         return grads[-1] if source.requires_grad else grad
-
-    def _step_shard(
-        self,
-        stepper: _DeviceStep,
-        host: Sequence[Tensor],
-        tensors: Sequence[Tensor],
-        stepped: Sequence[tuple[int, Tensor]],
-        state: tuple[list[Tensor], _Resident | None],
-    ) -> None:
-        """The device step of a shard's parameters at ``stepped`` (positions and gradients):
-        update them and their state on the compute side, write both back to the host."""
-        params = [host[i] for i, _ in stepped]
-        fetched, resident = state
-        if resident is None or [id(p) for p in fetched] != [id(p) for p in params]:
-            # a first step (states made now) or a parameter without a gradient: fetch the
-            # states of exactly those stepped, as the host step would make and update them
-            if resident is not None:
-                resident.release()
-            resident = self._fetch_tensors(stepper.state_tensors(params), "optimizer state")
-        grads = [g for _, g in stepped]
-        nbytes = stacked_bytes(grads)
-        self.ledger.add("gradients", nbytes)
-        stepper.written += 1
-        try:
-            with self.ledger.phase("step"):
-                out = stepper.step(
-                    params, [tensors[i] for i, _ in stepped], grads, resident.tensors()
-                )
-            back = self.transfer.to_host(out)
-            targets: list[Tensor] = []
-            for p in params:
-                targets.append(p)
-                targets.extend(_state_values(stepper.optimizer.state[p]))
-            with torch.no_grad():
-                for t, b in zip(targets, back, strict=True):
-                    t.copy_(b)
-        finally:
-            self.ledger.remove("gradients", nbytes)
-            resident.release()
