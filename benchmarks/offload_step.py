@@ -68,11 +68,15 @@ class Arm:
         self.array = hs.fuse(copy.deepcopy(models))
         self.opt = _OPTIMIZERS[optimizer](self.array)
         self.transfer = _Both()
-        self.engine = OffloadedArray(self.array, transfer=self.transfer, budget_bytes=budget)
-        self.engine.step_on_device(self.opt)  # both cut for the device step: the same shards
+        # both cut for the device step, the same shards (an engine cuts the host step's with
+        # no room for optimizer state): the shard limit the device step's cut would have
+        limit = budget // (4 + len(self.opt.state_keys))
+        self.engine = OffloadedArray(
+            self.array, transfer=self.transfer, budget_bytes=budget, shard_bytes=limit
+        )
         self.device = device
-        if not device:
-            self.engine.step_on_device(None)
+        if device:
+            self.engine.step_on_device(self.opt)
 
     def step(self) -> None:
         x = torch.randn(self.batch, self.width, generator=self.gen)
