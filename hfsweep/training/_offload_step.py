@@ -70,8 +70,10 @@ class _StepPlace:
         (the engine keeps that cut and the host step's, each step taking its own: see
         :meth:`OffloadedArray.step_on_device`), or, where the engine cannot step on the device
         (a model streamed between its blocks, a budget that cannot hold its cut), refuse
-        ``device`` and have ``auto`` step on the host. The engine is left on the host step's
-        cut; :meth:`begin` sets each step's."""
+        ``device`` and have ``auto`` step on the host. The engine is left on the cut of the
+        step its first training step takes (the device step's under ``device`` or an earlier
+        ``auto`` choice of it, else the host step's: what the build logs); :meth:`begin`
+        sets each step's."""
         if self.mode == "host":
             return
         try:
@@ -81,7 +83,7 @@ class _StepPlace:
                 raise
             _log.info("offload_step: auto steps on the host: %s", exc)
             self._decided = "host"
-        self.engine.step_on_device(None)
+        self.engine.step_on_device(self.opt if self._decided == "device" else None)
 
     @property
     def replayable(self) -> bool:
