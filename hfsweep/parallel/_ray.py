@@ -186,7 +186,9 @@ class _Crew:
     trains (:func:`~hfsweep.parallel.request_resize`) starts its segment at once
     (:meth:`ahead`), so its actors start, and :meth:`_Worker.warm`, while the array still
     trains at its old size. Any other end of a launch (done, a worker lost or raised, an
-    exception) ends every actor, as without ``keep``: a relaunch after a loss starts afresh."""
+    exception) ends every actor, as without ``keep``: a relaunch after a loss starts afresh.
+    An actor that could not leave its process group at a resize is not kept either
+    (:meth:`discard`): its segment is ended and the next launch starts fresh actors instead."""
 
     def __init__(self, bundle: dict[str, float], keep: bool) -> None:
         self.bundle, self.keep = bundle, keep
