@@ -63,13 +63,19 @@ class Arm:
         self.array = hs.fuse(copy.deepcopy(models))
         self.opt = _OPTIMIZERS[optimizer](self.array)
         self.transfer = counting_transfer(compute)
+        # both cut for the device step, the same shards (an engine cuts the host step's with
+        # no room for optimizer state): the shard limit the device step's cut would have
+        limit = budget // (4 + len(self.opt.state_keys))
         self.engine = OffloadedArray(
-            self.array, device=compute, transfer=self.transfer, budget_bytes=budget
+            self.array,
+            device=compute,
+            transfer=self.transfer,
+            budget_bytes=budget,
+            shard_bytes=limit,
         )
-        self.engine.step_on_device(self.opt)  # both cut for the device step: the same shards
         self.on_device = on_device
-        if not on_device:
-            self.engine.step_on_device(None)
+        if on_device:
+            self.engine.step_on_device(self.opt)
 
     def step(self) -> None:
         x = torch.randn(self.batch, self.width, generator=self.gen).to(self.compute)

@@ -53,7 +53,7 @@ from ._errors import OffloadError
 from ._ledger import ResidentLedger
 from ._resident import _Held, _Resident, grads_to_host
 from ._shards import Shard, plan_shards, stacked_bytes
-from ._step import _DeviceStep, _state_values
+from ._step import _DeviceStep, _step_shard
 from ._streamed import BlockRunner
 from ._transfer import Transfer, default_transfer
 from ._units import plan_units
@@ -170,9 +170,12 @@ class OffloadedArray:
         self._budget = budget_bytes
         #: the optimizer step on the compute side (:meth:`step_on_device`), or ``None``: host
         self._stepper: _DeviceStep | None = None
-        #: parameter-sized tensors of optimizer state the shard limit leaves room for (the
-        #: most any device step set has asked for: a layout cut for it stays)
+        #: parameter-sized tensors of optimizer state the shard limit leaves room for: the
+        #: device step's optimizer's, none on the host step
         self._reserved = 0
+        #: every cut made, by shard limit and layout (a step switched back finds its own)
+        self._cuts: dict[tuple[int, tuple[bool, ...]], tuple[list[Shard], BlockRunner | None]]
+        self._cuts = {}
         if cut not in CUTS:
             raise OffloadError(f"cut must be one of {CUTS}, got {cut!r}")
         self.cut = cut
@@ -233,37 +236,42 @@ class OffloadedArray:
         compute side, each shard right after its backward (``None``: back to the host step,
         the default). Its parameters' gradients then never reach the host: ``optimizer.step()``
         is not called (with no host gradients it would do nothing), an LR schedule steps as
-        usual after the backward. With a budget, the shards are cut again to leave room for
-        one shard's optimizer state beside the shards held (between steps only; they stay so
-        on the host step). A model streamed between its blocks is refused (a tensor tied into
-        two units is in two shards and would be stepped twice)."""
+        usual after the backward. With a budget, the shards are cut for the step in use
+        (between steps only): leaving room for one shard's optimizer state beside the shards
+        held on the device step, none on the host step, so that a host step is cut as it is
+        without ever stepping on the device; each cut is made once and kept, so switching back
+        and forth traces nothing again. A model streamed between its blocks is refused (a
+        tensor tied into two units is in two shards and would be stepped twice), and so is a
+        cut the budget cannot hold; either way the engine stays as it was."""
         if self._stepper is not None and self._stepper.optimizer is optimizer:
             return  # as it is (the trainer says so before every step)
         stepper = None if optimizer is None else _DeviceStep(optimizer, self.device)
-        self._stepper, reserved = stepper, self._reserved
-        parts = 0 if stepper is None else stepper.parts
-        if parts > reserved:
-            self._reserved = parts
-            if self._budget is not None and self._shard_bytes is None:
-                try:
-                    self._release()
-                    self._plan()
-                except BaseException:
-                    self._stepper, self._reserved = None, reserved
-                    raise
-        if stepper is not None and self._blocks is not None:  # also where the re-cut fell back
-            self._stepper = None
-            raise OffloadError(
-                "offload_step='device' steps each shard after its backward; this model is "
-                "streamed between its blocks (cut='blocks'), which is not supported yet: use "
-                "offload_step='host'"
-            )
+        before = self._stepper, self._reserved
+        self._stepper, self._reserved = stepper, 0 if stepper is None else stepper.parts
+        try:
+            if self._reserved != before[1] and self._budget is not None:
+                self._release()
+                self._plan()
+            if stepper is not None and self._blocks is not None:  # the re-cut fell back too
+                raise OffloadError(
+                    "offload_step='device' steps each shard after its backward; this model is "
+                    "streamed between its blocks (cut='blocks'), which is not supported yet: "
+                    "use offload_step='host'"
+                )
+        except BaseException:
+            replanned = self._reserved != before[1] and self._budget is not None
+            self._stepper, self._reserved = before
+            if replanned:
+                self._plan()  # the cut it had, kept
+            raise
 
     # ------------------------------------------------------------------ internals
     def _plan(self) -> None:
         """Put the array's tensors in host storage and cut it into shards, for the layout its
-        tensors have now (which are kept once for all members)."""
+        tensors have now (which are kept once for all members), or take the cut made before
+        for this limit and layout."""
         self._to_host_storage()
+        self._layout = tuple(s.shared for s in self.array._slots)
         if self._shard_bytes is not None:
             limit = self._shard_bytes
         elif self._budget is not None:
@@ -274,6 +282,12 @@ class OffloadedArray:
             limit = self._budget // (self.prefetch_depth + 3 + self._reserved)
         else:
             limit = max(math.ceil(stacked_bytes(self.array._state()) / 4), 1)
+        # cuts of an earlier layout (before a tensor kept once became per member) never serve
+        self._cuts = {k: v for k, v in self._cuts.items() if k[1] == self._layout}
+        known = self._cuts.get((limit, self._layout))
+        if known is not None:
+            self.shards, self._blocks = known
+            return
         strict = self._budget is not None
         self._blocks = None
         if self.cut != "blocks":
@@ -294,7 +308,7 @@ class OffloadedArray:
         else:
             self.shards = plan_units(self.array, limit, strict=strict)
             self._blocks = BlockRunner(self, self.shards)
-        self._layout = tuple(s.shared for s in self.array._slots)
+        self._cuts[(limit, self._layout)] = (self.shards, self._blocks)
 
     def _replan_if_unshared(self) -> None:
         """A tensor kept once becomes per member when a module that writes it is switched to
@@ -560,6 +574,8 @@ class OffloadedArray:
                     self._saved[k - 1].release()
                 elif x.requires_grad:
                     x_grad = grad
+        if self._stepper is not None:  # every shard stepped: the optimizer's post hooks
+            self._stepper.finish()
         return x_grad
 
     def _shard_backward(
@@ -607,44 +623,5 @@ class OffloadedArray:
                 grads_to_host(others, host, self.transfer, self.ledger)
             stepped = [(i, g) for i, g in used if stepper.steps(host[i])]
             if stepped:
-                self._step_shard(stepper, host, tensors, stepped, state)
+                _step_shard(self, stepper, host, tensors, stepped, state)
         return grads[-1] if source.requires_grad else grad
-
-    def _step_shard(
-        self,
-        stepper: _DeviceStep,
-        host: Sequence[Tensor],
-        tensors: Sequence[Tensor],
-        stepped: Sequence[tuple[int, Tensor]],
-        state: tuple[list[Tensor], _Resident | None],
-    ) -> None:
-        """The device step of a shard's parameters at ``stepped`` (positions and gradients):
-        update them and their state on the compute side, write both back to the host."""
-        params = [host[i] for i, _ in stepped]
-        fetched, resident = state
-        if resident is None or [id(p) for p in fetched] != [id(p) for p in params]:
-            # a first step (states made now) or a parameter without a gradient: fetch the
-            # states of exactly those stepped, as the host step would make and update them
-            if resident is not None:
-                resident.release()
-            resident = self._fetch_tensors(stepper.state_tensors(params), "optimizer state")
-        grads = [g for _, g in stepped]
-        nbytes = stacked_bytes(grads)
-        self.ledger.add("gradients", nbytes)
-        stepper.written += 1
-        try:
-            with self.ledger.phase("step"):
-                out = stepper.step(
-                    params, [tensors[i] for i, _ in stepped], grads, resident.tensors()
-                )
-            back = self.transfer.to_host(out)
-            targets: list[Tensor] = []
-            for p in params:
-                targets.append(p)
-                targets.extend(_state_values(stepper.optimizer.state[p]))
-            with torch.no_grad():
-                for t, b in zip(targets, back, strict=True):
-                    t.copy_(b)
-        finally:
-            self.ledger.remove("gradients", nbytes)
-            resident.release()

@@ -22,19 +22,34 @@ keeping this step's update (the host step, which sees every gradient first, leav
 as they were). Clipping by a norm over all shards cannot be stepped shard by shard: the
 trainer refuses it with ``offload_step="device"``; the AMP scaler, which unscales and skips by
 the host gradients, is not used with the device step (see docs/offload.md).
+
+``optimizer.step()`` is not called, so :class:`_DeviceStep` runs torch's optimizer step hooks
+itself, once per step as ``step`` would: the pre hooks (the global ones of
+``torch.optim.optimizer.register_optimizer_step_pre_hook``, then the optimizer's
+``register_step_pre_hook`` ones) before the first shard's update, the post hooks (the
+optimizer's, then the global ones) after the last shard's, all with ``(optimizer, (optimizer,),
+{})``. A hook sees what ``step`` would show it, but for the gradients: those never leave the
+device, so the host parameters' ``.grad`` is ``None``.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from itertools import chain
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.optim.optimizer as _optim_hooks
 from torch import Tensor
 
 from ..optim import FusedOptimizer
 from ..optim._base import _inactive_rows
+from ._shards import stacked_bytes
+
+if TYPE_CHECKING:
+    from ._engine import OffloadedArray
+    from ._resident import _Resident
 
 __all__: list[str] = []
 
@@ -68,6 +83,8 @@ class _DeviceStep:
         #: shards of this backward whose update has begun (their host tensors may have moved:
         #: such a step cannot be replayed)
         self.written = 0
+        #: whether this backward's step ran the pre hooks (then :meth:`finish` runs the post)
+        self._hooked = False
 
     @property
     def parts(self) -> int:
@@ -80,6 +97,41 @@ class _DeviceStep:
         last step) are taken to the device again when first needed."""
         self._device_groups = {}
         self.written = 0
+        self._hooked = False
+
+    def finish(self) -> None:
+        """The backward is done, every shard stepped: the optimizer's step post hooks, once,
+        where its pre hooks ran (some shard was stepped)."""
+        if not self._hooked:
+            return
+        self._hooked = False
+        opt = self.optimizer
+        args = (opt,)
+        for hook in chain(
+            opt._optimizer_step_post_hooks.values(),
+            _optim_hooks._global_optimizer_post_hooks.values(),
+        ):
+            hook(opt, args, {})
+
+    def _pre_hooks(self) -> None:
+        """The optimizer's step pre hooks, as ``step`` runs them (a hook may return new
+        arguments, which the device step, called with none, has no use for)."""
+        self._hooked = True
+        opt = self.optimizer
+        args: tuple[Any, ...] = (opt,)
+        kwargs: dict[str, Any] = {}
+        for hook in chain(
+            _optim_hooks._global_optimizer_pre_hooks.values(),
+            opt._optimizer_step_pre_hooks.values(),
+        ):
+            result = hook(opt, args, kwargs)
+            if result is not None:
+                if not (isinstance(result, tuple) and len(result) == 2):
+                    raise RuntimeError(
+                        "an optimizer step pre hook must return None or a tuple of (new_args, "
+                        f"new_kwargs), but got {result}"
+                    )
+                args, kwargs = result
 
     def steps(self, p: Tensor) -> bool:
         """Whether ``p`` (a host parameter) is this optimizer's to step."""
@@ -125,6 +177,8 @@ class _DeviceStep:
         opt = self.optimizer
         if not params:
             return []
+        if not self._hooked:  # the step's first shard
+            self._pre_hooks()
         if opt.isolate_nonfinite:
             bad = _nonfinite(grads, opt._inactive)
             if bad:
@@ -207,3 +261,43 @@ def _nonfinite(grads: Sequence[Tensor], inactive: Tensor | None) -> list[int]:
         return []
     # x * 0 is 0 for finite x and NaN for inf and NaN
     return [int(i) for i in total.mul(0).ne(0).nonzero().flatten().tolist()]
+
+
+def _step_shard(
+    engine: OffloadedArray,
+    stepper: _DeviceStep,
+    host: Sequence[Tensor],
+    tensors: Sequence[Tensor],
+    stepped: Sequence[tuple[int, Tensor]],
+    state: tuple[list[Tensor], _Resident | None],
+) -> None:
+    """``engine``'s device step of a shard's parameters at ``stepped`` (positions within the
+    shard's tensors and their gradients): update them and their ``state`` (the fetch
+    :meth:`OffloadedArray._fetch_state` started) on the compute side with ``stepper``, write
+    both back to the ``host`` tensors."""
+    params = [host[i] for i, _ in stepped]
+    fetched, resident = state
+    if resident is None or [id(p) for p in fetched] != [id(p) for p in params]:
+        # a first step (states made now) or a parameter without a gradient: fetch the
+        # states of exactly those stepped, as the host step would make and update them
+        if resident is not None:
+            resident.release()
+        resident = engine._fetch_tensors(stepper.state_tensors(params), "optimizer state")
+    grads = [g for _, g in stepped]
+    nbytes = stacked_bytes(grads)
+    engine.ledger.add("gradients", nbytes)
+    stepper.written += 1
+    try:
+        with engine.ledger.phase("step"):
+            out = stepper.step(params, [tensors[i] for i, _ in stepped], grads, resident.tensors())
+        back = engine.transfer.to_host(out)
+        targets: list[Tensor] = []
+        for p in params:
+            targets.append(p)
+            targets.extend(_state_values(stepper.optimizer.state[p]))
+        with torch.no_grad():
+            for t, b in zip(targets, back, strict=True):
+                t.copy_(b)
+    finally:
+        engine.ledger.remove("gradients", nbytes)
+        resident.release()

@@ -362,10 +362,13 @@ def train_worker(
     threads: int,
     timeout_s: float,
     options: dict[str, Any],
+    on_leave_error: Callable[[Exception], None] | None = None,
 ) -> tuple[str, Any]:
     """Worker ``rank`` of ``job``: join the process group at ``address`` (``host:port`` of
     rank 0's rendezvous), train, leave the group; ``("done", results)`` or ``("resize",
-    workers)``."""
+    workers)``. An error leaving the group goes to ``on_leave_error`` (a process that trains
+    again, a kept Ray actor, must not: its group may still be there), and is dropped without
+    one (a worker process ends after its launch)."""
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
@@ -395,8 +398,11 @@ def train_worker(
         except ResizeRequested as asked:
             return "resize", asked.workers
     finally:
-        with contextlib.suppress(Exception):
+        try:
             dist.destroy_process_group()
+        except Exception as exc:
+            if on_leave_error is not None:
+                on_leave_error(exc)
 
 
 def free_port() -> int:

@@ -148,10 +148,28 @@ class _Worker:
         threads: int,
         timeout_s: float,
         options: dict[str, Any],
-    ) -> tuple[str, Any]:
-        """:func:`~hfsweep.parallel._launch.train_worker` in this actor."""
-        outcome = train_worker(rank, address, job, threads, timeout_s, options)
-        return outcome if rank == 0 else (outcome[0], None)
+    ) -> tuple[tuple[str, Any], bool]:
+        """:func:`~hfsweep.parallel._launch.train_worker` in this actor: its outcome (rank
+        0's results, the other ranks' kind alone) and whether this actor can train again. It
+        cannot where it did not leave its process group (``destroy_process_group`` raised, or
+        the default group is still there): its next ``init_process_group`` would fail, a
+        launch later, as a worker error, so :class:`_Crew` ends it instead of keeping it."""
+        import torch.distributed as dist
+
+        errors: list[Exception] = []
+        outcome = train_worker(
+            rank, address, job, threads, timeout_s, options, on_leave_error=errors.append
+        )
+        reusable = not errors and not (dist.is_available() and dist.is_initialized())
+        if not reusable:
+            _log.warning(
+                "worker %d of the data-parallel array in %s did not leave its process group "
+                "(%s): its actor is not kept",
+                rank,
+                job.directory,
+                errors[0] if errors else "the default group is still initialised",
+            )
+        return (outcome if rank == 0 else (outcome[0], None)), reusable
 
 
 class _Crew:
@@ -168,7 +186,9 @@ class _Crew:
     trains (:func:`~hfsweep.parallel.request_resize`) starts its segment at once
     (:meth:`ahead`), so its actors start, and :meth:`_Worker.warm`, while the array still
     trains at its old size. Any other end of a launch (done, a worker lost or raised, an
-    exception) ends every actor, as without ``keep``: a relaunch after a loss starts afresh."""
+    exception) ends every actor, as without ``keep``: a relaunch after a loss starts afresh.
+    An actor that could not leave its process group at a resize is not kept either
+    (:meth:`discard`): its segment is ended and the next launch starts fresh actors instead."""
 
     def __init__(self, bundle: dict[str, float], keep: bool) -> None:
         self.bundle, self.keep = bundle, keep
@@ -184,26 +204,33 @@ class _Crew:
 
     def _segment(self, n: int) -> tuple[Any, list[Any]]:
         """A new placement group of ``n`` bundles and an actor in each (created now; Ray starts
-        them once the group is placed), each warming up where actors are kept."""
+        them once the group is placed), each warming up where actors are kept. Until it is
+        returned no one else holds the group: on any error or interrupt (Ctrl-C) while its
+        actors are made, those made so far are killed and the group is given back."""
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         group = placement_group([dict(self.bundle)] * n, strategy="PACK")
-        remote = ray.remote(_Worker)
-        actors: list[Any] = [
-            remote.options(
-                num_cpus=self.bundle.get("CPU", 0),
-                num_gpus=self.bundle.get("GPU", 0),
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=group, placement_group_bundle_index=i
-                ),
-            ).remote()
-            for i in range(n)
-        ]
-        if self.keep:
-            for a in actors:
-                a.warm.remote()
+        actors: list[Any] = []
+        try:
+            remote = ray.remote(_Worker)
+            for i in range(n):
+                actors.append(
+                    remote.options(
+                        num_cpus=self.bundle.get("CPU", 0),
+                        num_gpus=self.bundle.get("GPU", 0),
+                        scheduling_strategy=PlacementGroupSchedulingStrategy(
+                            placement_group=group, placement_group_bundle_index=i
+                        ),
+                    ).remote()
+                )
+            if self.keep:
+                for a in actors:
+                    a.warm.remote()
+        except BaseException:
+            self._end((group, actors))
+            raise
         return group, actors
 
     def _end(self, segment: tuple[Any, list[Any]]) -> None:
@@ -230,6 +257,19 @@ class _Crew:
     def end(self) -> None:
         """End every actor and give back every placement group."""
         self.shrink(0)
+
+    def discard(self, actors: Sequence[Any]) -> None:
+        """End the segments holding any of ``actors`` (ones that cannot train again: a segment
+        is given back whole), keeping the others in rank order; the next :meth:`fit` starts
+        fresh actors in their place."""
+        doomed = {id(a) for a in actors}
+        kept: list[tuple[Any, list[Any]]] = []
+        for segment in self.segments:
+            if any(id(a) in doomed for a in segment[1]):
+                self._end(segment)
+            else:
+                kept.append(segment)
+        self.segments = kept
 
     def ahead(self, job: _Job) -> None:
         """Where a grow is asked for while ``job`` trains, start the added actors now; where
@@ -359,6 +399,15 @@ def _train_on(
             except Exception as exc:  # the worker raised (RayTaskError)
                 raised[rank] = exc
                 failed = True
+    spoiled = [actors[rank] for rank, (_, reusable) in outcomes.items() if not reusable]
+    if spoiled:  # still in a process group: fresh actors take their places
+        _log.warning(
+            "array in %s: %d worker actor(s) could not leave their process group; they are "
+            "ended, and the next launch starts fresh ones",
+            job.directory,
+            len(spoiled),
+        )
+        crew.discard(spoiled)
     if died:
         return "lost", len(died)
     hung = [refs.index(ref) for ref in pending]
@@ -379,5 +428,5 @@ def _train_on(
             f"a worker of the data-parallel array in {job.directory} raised:\n{text}",
             {rank: unwrap(error) for rank, error in raised.items()},
         )
-    result: tuple[str, Any] = outcomes[0]
+    result: tuple[str, Any] = outcomes[0][0]
     return result

@@ -31,6 +31,7 @@ import torch
 from ..offload import (
     OffloadChoice,
     OffloadError,
+    check_offload_step,
     choose_by_rate,
     fit_size,
     frozen_bytes,
@@ -47,8 +48,9 @@ __all__ = ["profile_offload"]
 _log = logging.getLogger("hfsweep.profiler")
 
 #: ``measure(size, offloaded)``: one :class:`Measurement` of an array of ``size`` members,
-#: offloaded (with the budget) or on the device
-MeasureFn = Callable[[int, bool], Measurement]
+#: offloaded (with the budget) or on the device; an offloaded array whose optimizer steps on
+#: the device is measured as ``measure(size, True, offload_step="device")``
+MeasureFn = Callable[..., Measurement]
 
 
 def profile_offload(
@@ -65,6 +67,7 @@ def profile_offload(
     data: tuple[Iterable[Any], Iterable[Any]] | None = None,
     measure: MeasureFn | None = None,
     share_frozen: bool = True,
+    offload_step: str = "host",
 ) -> OffloadChoice:
     """How an array of ``size`` members of ``config`` trains on ``device`` with ``device_memory``
     bytes there under ``offload: auto``: on the device as it is (``"none"``: it fits), offloaded
@@ -86,6 +89,14 @@ def profile_offload(
     do with ``fusion.share_frozen``: the estimate counts them once for the array
     (:func:`~hfsweep.offload.frozen_bytes`), the measured peaks and rates are of such arrays,
     and the choice is cached under a key of its own (as :func:`~hfsweep.profile_task`'s).
+    ``offload_step``: the trainer's (``fusion.offload_step``), so that the offloaded array is
+    measured as it will train: with the host step, with the device step, or (``auto``, which
+    trains the faster of the two) with both, the faster one's rate compared with splitting;
+    a config that clips its gradients is measured with the host step, on which the trainer
+    steps it. Where the device step cannot run the array (a model streamed between its
+    blocks, a budget that cannot hold its cut), ``auto`` measures the host step alone and
+    ``device`` counts as not offloadable. A step other than the host's is part of the cache
+    key.
     """
     from .task import _arch, _model_and_batch, _step_of  # task imports this module first
 
@@ -97,10 +108,13 @@ def profile_offload(
     fit = min(fit_size(member, device_memory, shared), size)
     if fit == 0:
         return _unmeasured(size, member, shared, device_memory)
+    steps = _offload_steps(check_offload_step(offload_step), resolved)
     arch = (
         f"{_arch(model, resolved, x, share_frozen)}|offload=auto|device_memory={device_memory}"
         f"|B={size}"
     )
+    if steps != ("host",):
+        arch += f"|offload_step={'+'.join(steps)}"
     key = cache_key(arch, int(y.shape[0]), dtype, device)
     if cache is not None and not refresh:
         hit = cache.get(key)
@@ -113,8 +127,8 @@ def profile_offload(
             share_frozen=share_frozen, device_memory=device_memory,
         )  # fmt: skip
 
-        def measure(n: int, offloaded: bool) -> Measurement:
-            return step(n, offload=offloaded)
+        def measure(n: int, offloaded: bool, offload_step: str = "host") -> Measurement:
+            return step(n, offload=offloaded, offload_step=offload_step)
 
     on_device: dict[int, Measurement] = {}
     fit, memory = _measured_fit(measure, on_device, size, fit, device_memory)
@@ -125,7 +139,7 @@ def profile_offload(
         return choice
     split = on_device[fit]
     try:
-        offloaded = measure(size, True)
+        offloaded, stepped = _measure_offloaded(measure, size, steps)
     except OffloadError as exc:  # the budget cannot hold the shards of an array this large
         _log.info("offload: auto cannot offload B=%d in %d bytes: %s", size, device_memory, exc)
         choice = OffloadChoice(
@@ -139,6 +153,12 @@ def profile_offload(
         choice = choose_by_rate(
             size, fit, device_memory, offloaded.samples_per_s, split.samples_per_s
         )
+        if steps != ("host",):
+            choice = dataclasses.replace(
+                choice,
+                reason=f"{choice.reason} (offloaded with the {stepped} step, offload_step: "
+                f"{offload_step})",
+            )
     _log.info(
         "offload: auto measured B'=%d on the device: %.1f member-samples/s (%.2f ms a step); "
         "B=%d offloaded: %s; chose %s",
@@ -151,6 +171,47 @@ def profile_offload(
     )
     _store(cache, key, device, y, dtype, on_device, device_memory, choice)
     return choice
+
+
+def _offload_steps(offload_step: str, resolved: Mapping[str, Any]) -> tuple[str, ...]:
+    """The optimizer steps the trainer may train the offloaded array with under
+    ``offload_step``: ``auto`` either (it keeps the faster), the host alone where the config
+    clips its gradients (the trainer steps such an array on the host)."""
+    if resolved.get("grad_clip") is not None:
+        return ("host",)
+    return ("host", "device") if offload_step == "auto" else (offload_step,)
+
+
+def _measure_offloaded(
+    measure: MeasureFn, size: int, steps: tuple[str, ...]
+) -> tuple[Measurement, str]:
+    """The array of ``size`` offloaded, measured with each of ``steps``: the fastest one's
+    measurement and step. A step the engine cannot run is left out (logged); where none runs,
+    the last one's :class:`~hfsweep.offload.OffloadError`."""
+    measured: dict[str, Measurement] = {}
+    error: OffloadError | None = None
+    for step in steps:
+        try:
+            measured[step] = (
+                measure(size, True) if step == "host" else measure(size, True, offload_step=step)
+            )
+        except OffloadError as exc:
+            if len(steps) > 1:
+                _log.info("offload: auto cannot measure B=%d with the %s step: %s", size, step, exc)
+            error = exc
+    if not measured:
+        assert error is not None
+        raise error
+    best = max(measured, key=lambda k: measured[k].samples_per_s)  # a tie: the host step
+    if len(measured) > 1:
+        _log.info(
+            "offload: auto measured B=%d offloaded: %s; the %s step is kept",
+            size,
+            ", ".join(f"{m.samples_per_s:.1f} member-samples/s with the {k} step"
+                      for k, m in measured.items()),
+            best,
+        )  # fmt: skip
+    return measured[best], best
 
 
 #: how many times B' is measured again where an array of the predicted B' peaked over the budget

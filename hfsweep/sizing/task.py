@@ -158,6 +158,7 @@ def measure_step(
     share_frozen: bool = True,
     offload: bool = False,
     device_memory: int | None = None,
+    offload_step: str = "host",
 ) -> Measurement:
     """Time the training step of an array of ``size`` members of ``config`` on ``batch``.
 
@@ -175,7 +176,10 @@ def measure_step(
     :class:`~hfsweep.offload.OffloadedArray` with ``device_memory`` bytes on ``device``, as the
     trainer's ``offload="host"`` runs it (frozen tensors kept once with ``share_frozen``, as
     on the device); its peak is the engine's
-    ledger peak, the bytes it held on the compute side.
+    ledger peak, the bytes it held on the compute side. ``offload_step`` (``"host"`` or
+    ``"device"``): where the offloaded array's optimizer steps, as the trainer's
+    ``offload_step`` (the device step cuts the shards for it and steps each after its
+    backward; a model it cannot step raises :class:`~hfsweep.offload.OffloadError`).
     """
     with retaining_freed_memory_on(device):
         resolved = task.resolve(config)
@@ -193,6 +197,7 @@ def measure_step(
                 task, array, engine, configs, device=device, dtype=dtype, batch=batch,
                 min_seconds=min_seconds, min_steps=min_steps, warmup=warmup, traces=traces,
                 compile=compile, first_step=first_step,
+                on_device=engine is not None and offload_step == "device",
             )  # fmt: skip
         finally:
             if engine is not None:
@@ -214,9 +219,11 @@ def _time_array(
     traces: dict[Any, Any] | None,
     compile: bool | str,
     first_step: list[float] | None,
+    on_device: bool = False,
 ) -> Measurement:
     """The timing of :func:`measure_step` on the built ``array`` (run by ``engine`` where it
-    is offloaded) of the members ``configs``."""
+    is offloaded; ``on_device``: with its optimizer stepped on the device) of the members
+    ``configs``."""
     size = len(configs)
     mode = mode_for(check_compile(compile), device)
     loss = CompiledLoss(task, mode) if mode is not None else None
@@ -227,6 +234,9 @@ def _time_array(
     if mode is not None:  # the update compiled as the trainer compiles it
         opt.compile()
     sched = make_schedule(opt, configs, [10**9] * size, 1)
+    if on_device:
+        assert engine is not None
+        engine.step_on_device(opt)
     smoothing = (
         torch.tensor([c["label_smoothing"] for c in configs], dtype=dtype, device=device)
         if any_smoothing(configs)
@@ -240,7 +250,7 @@ def _time_array(
 
     def step() -> None:
         backward(task, array, x, y, smoothing, None, loss, engine)
-        update(opt, sched)
+        update(opt, sched, stepped=on_device)
 
     warm_s = 0.0
     for k in range(max(warmup, 1 if first_step is not None else 0)):

@@ -61,6 +61,7 @@ class OffloadProfiler(Protocol):
         dtype: torch.dtype = ...,
         data: tuple[Iterable[Any], Iterable[Any]] | None = ...,
         share_frozen: bool = ...,
+        offload_step: str = ...,
     ) -> OffloadChoice: ...
 
 
@@ -115,6 +116,7 @@ def offload_plan(t: ArrayTrainer, key: str, config: Mapping[str, Any], size: int
             dtype=t.dtype,
             data=t._dataset(resolved),
             share_frozen=t.share_frozen,
+            offload_step=t.offload_step,  # measured offloaded as the array would step
         )
     _log.info("%s", choice.reason)
     plans[(key, size)] = choice

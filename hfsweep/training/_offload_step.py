@@ -9,7 +9,10 @@
   together: the device step runs inside the backward); the faster is kept
   (:func:`~hfsweep.offload.choose_step`), logged with both figures on ``hfsweep.trainer`` and
   kept for the trainer's later arrays of the same compatibility key and size. Every step is
-  exact either way, so the measured steps are training steps, not extra work.
+  exact either way, so the measured steps are training steps, not extra work. Each step runs
+  on its own step's cut (the device step's shards leave room for a shard's optimizer state;
+  the host step's do not): the host steps are timed, and once chosen trained, exactly as
+  ``host`` cuts them, the device steps as ``device`` does.
 
 Clipping by a member's norm needs every shard's gradients before any shard steps: while a
 member that clips trains, the array steps on the host, with a warning under ``device`` (a
@@ -64,9 +67,13 @@ class _StepPlace:
 
     def prepare(self) -> None:
         """At the array's build: cut the engine's shards for the device step where it may run
-        (so that the layout stays one for every step), or, where the engine cannot step on
-        the device (a model streamed between its blocks), refuse ``device`` and have ``auto``
-        step on the host."""
+        (the engine keeps that cut and the host step's, each step taking its own: see
+        :meth:`OffloadedArray.step_on_device`), or, where the engine cannot step on the device
+        (a model streamed between its blocks, a budget that cannot hold its cut), refuse
+        ``device`` and have ``auto`` step on the host. The engine is left on the cut of the
+        step its first training step takes (the device step's under ``device`` or an earlier
+        ``auto`` choice of it, else the host step's: what the build logs); :meth:`begin`
+        sets each step's."""
         if self.mode == "host":
             return
         try:
@@ -76,7 +83,7 @@ class _StepPlace:
                 raise
             _log.info("offload_step: auto steps on the host: %s", exc)
             self._decided = "host"
-        self.engine.step_on_device(None)
+        self.engine.step_on_device(self.opt if self._decided == "device" else None)
 
     @property
     def replayable(self) -> bool:

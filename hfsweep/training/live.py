@@ -69,12 +69,8 @@ class _Live:
 
     def close(self) -> None:
         """Release the offload engine's compute-side state and threads (after training)."""
-        if self.engine is None:
-            return
-        if self.owns_transfer:
-            self.engine.close()
-        else:  # the transfer goes on for the other arrays; the driver closes it
-            self.engine._release()
+        if self.engine is not None:
+            _close_engine(self.engine, owns_transfer=self.owns_transfer)
 
     def refresh(self) -> None:
         """Read the per-member settings of the slots again, after members joined."""
@@ -135,6 +131,15 @@ class _Live:
         return _ArrayState([*busy, *idle], self.state.epoch, self.state.batch)
 
 
+def _close_engine(engine: OffloadedArray, *, owns_transfer: bool) -> None:
+    """Release ``engine``'s compute-side state, and stop its transfer where it is its own (a
+    driver's transfer, shared by the arrays trained together, goes on: the driver closes it)."""
+    if owns_transfer:
+        engine.close()
+    else:
+        engine._release()
+
+
 def _build_live(
     t: ArrayTrainer,
     key: str,
@@ -193,14 +198,20 @@ def _build_live(
             engine = engine_for(array)
         else:
             engine = OffloadedArray(array, device=t.device, budget_bytes=t.device_memory)
-        place = _StepPlace(
-            t.offload_step,
-            engine,
-            opt,
-            t._offload_steps.get((key, len(state.slots))),
-            lambda mode: t._offload_steps.__setitem__((key, len(state.slots)), mode),
-        )
-        place.prepare()
+        try:
+            place = _StepPlace(
+                t.offload_step,
+                engine,
+                opt,
+                t._offload_steps.get((key, len(state.slots))),
+                lambda mode: t._offload_steps.__setitem__((key, len(state.slots)), mode),
+            )
+            place.prepare()
+        except BaseException:
+            # no _Live holds the engine yet, so nothing else would close it: its transfer's
+            # threads or streams, and what it holds on the compute side, go with the error
+            _close_engine(engine, owns_transfer=engine_for is None)
+            raise
         _log.info(
             "offload: host, %d shards of at most %d bytes, %d tensors kept once for all members",
             len(engine.shards),
