@@ -74,8 +74,11 @@ CASES: dict[str, Callable[[bool], tuple[Any, tuple[Any, ...]]]] = {
     "dropout_apply_backward_bfloat16": lambda permuted: (
         ops.dropout_apply_backward.default,
         (
-            (_permuted(2, 4, 8, 16) if permuted else torch.randn(2, 4, 8, 16, dtype=torch.float64))
-            .bfloat16(),
+            (
+                _permuted(2, 4, 8, 16)
+                if permuted
+                else torch.randn(2, 4, 8, 16, dtype=torch.float64)
+            ).bfloat16(),
             _multiplier((2, 4, 8, 16)) != 0,
             torch.full((2, 1, 1, 1), 1.25, dtype=torch.bfloat16),
         ),
