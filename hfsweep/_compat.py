@@ -32,6 +32,7 @@ __all__ = [
     "OpOverload",
     "TorchDispatchMode",
     "compile_backward_eagerly",
+    "compile_in_this_process",
     "distribution_contains",
     "dynamo_graphs_compiled",
     "dynamo_refused",
@@ -134,6 +135,20 @@ def compile_backward_eagerly() -> Any | None:
     if not hasattr(config, "force_non_lazy_backward_lowering"):
         return None
     return config.patch(force_non_lazy_backward_lowering=True)
+
+
+def compile_in_this_process() -> None:
+    """Have inductor compile in the calling process's own thread from now on
+    (``compile_threads = 1``), not in its thread or process pools. A process forked after its
+    parent compiled inherits the parent's thread pool object but none of its threads: work it
+    submits there never runs, and its first compile hangs (torch resets the process pool after
+    a fork, not the thread pool). Where this torch has no such setting, nothing changes."""
+    try:
+        import torch._inductor.config as config
+    except ImportError:
+        return
+    if hasattr(config, "compile_threads"):
+        config.compile_threads = 1
 
 
 def dynamo_graphs_compiled() -> int:

@@ -38,6 +38,7 @@ from typing import Any, NoReturn
 
 import torch
 
+from .._compat import compile_in_this_process
 from .._io import atomic_save, atomic_write_text
 from .._usercode import COLLECTIVE, NOT_TRAINING, keep_traceback, phase_of
 from ..training import Member, MemberResult
@@ -340,7 +341,10 @@ def _worker(
     options: dict[str, Any],
 ) -> None:
     """One worker process: train, and (rank 0) write the outcome; a worker that raises
-    writes its traceback, and its exception (the traceback text kept on it) where it pickles."""
+    writes its traceback, and its exception (the traceback text kept on it) where it pickles.
+    A forked worker of a parent that compiled would hang at its own first compile in the
+    parent's compile pool: it compiles in its own thread (its ``threads`` are few anyway)."""
+    compile_in_this_process()
     try:
         outcome = train_worker(rank, f"127.0.0.1:{port}", job, threads, timeout_s, options)
         if rank == 0:

@@ -142,15 +142,25 @@ def test_two_workers_train_the_array_exactly_as_one(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # each worker compiles four shard sizes on a shared 2-core CPU
 def test_a_compiled_array_on_two_workers_matches_the_uncompiled_one(tmp_path: Path) -> None:
     """``compile=True`` on a data-parallel array (``ray.elastic`` with ``fusion.compile``): each
     worker compiles its shards' forward and backward, the loss and the optimizer's update, and
     the array ends as the uncompiled one on two workers, within the compiled step's tolerance
     (float32, rtol 1e-4 / atol 1e-5, as tests/fusion/test_compile.py). One epoch of SGD with
     dropout and clipping: batches of 31 rows (16 + 15) and a last one of 5 (3 + 2). Both
-    workers' processes ran the loss compiled (its mark, tests/sweep/_compile_marks.py)."""
+    workers' processes ran the loss compiled (its mark, tests/sweep/_compile_marks.py).
+
+    This process compiles an array first, as a driver that profiled would: workers forked from
+    a parent that compiled once hung at their first compile, in the compile thread pool they
+    inherit without its threads."""
     from sweep._compile_marks import marked, marks
 
+    from hfsweep.testing import MLP
+
+    parent = hs.fuse([MLP(d_in=6, hidden=5, d_out=3) for _ in range(2)], compile=True)
+    parent(torch.randn(4, 6)).sum().backward()
+    assert parent._compile_seconds > 0
     task = marked(make_task())
     members = [hs.Member(m.id, {**m.config, "epochs": 1}) for m in _members("sgd")]
     runs = {}
@@ -162,7 +172,7 @@ def test_a_compiled_array_on_two_workers_matches_the_uncompiled_one(tmp_path: Pa
             workers=2,
             checkpoint_dir=tmp_path / str(compile),
             eval_every=3,
-            timeout_s=120,
+            timeout_s=900,  # a worker may wait at a collective while the other compiles
             compile=compile,
         )
     assert len(marks() - before) == 2  # the two workers, and only with compile on
