@@ -22,10 +22,12 @@ import hfsweep.nn  # noqa: F401  (registers the operators)
 ops = torch.ops.hfsweep
 
 
-def _permuted(*shape: int) -> torch.Tensor:
-    """A tensor of ``shape`` whose two middle dimensions are swapped in memory."""
-    t = torch.randn(shape[0], shape[2], shape[1], *shape[3:], dtype=torch.float64)
-    return t.transpose(1, 2)
+def _activations(permuted: bool) -> torch.Tensor:
+    """``[2, 4, 8, 16]`` in float64, contiguous or with its two middle dimensions swapped in
+    memory (as an attention output is)."""
+    if permuted:
+        return torch.randn(2, 8, 4, 16, dtype=torch.float64).transpose(1, 2)
+    return torch.randn(2, 4, 8, 16, dtype=torch.float64)
 
 
 def _keys(n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,11 +43,7 @@ CASES: dict[str, Callable[[bool], tuple[Any, tuple[Any, ...]]]] = {
     "dropout_apply": lambda permuted: (
         ops.dropout_apply.default,
         (
-            (
-                _permuted(2, 4, 8, 16)
-                if permuted
-                else torch.randn(2, 4, 8, 16, dtype=torch.float64)
-            ).requires_grad_(),
+            _activations(permuted).requires_grad_(),
             _multiplier((2, 1, 1, 16)),
             1,
         ),
@@ -53,7 +51,7 @@ CASES: dict[str, Callable[[bool], tuple[Any, tuple[Any, ...]]]] = {
     "dropout_apply_backward": lambda permuted: (
         ops.dropout_apply_backward.default,
         (
-            _permuted(2, 4, 8, 16) if permuted else torch.randn(2, 4, 8, 16, dtype=torch.float64),
+            _activations(permuted),
             _multiplier((2, 4, 8, 16)) != 0,
             torch.full((2, 1, 1, 1), 1.25, dtype=torch.float64),
         ),
@@ -61,11 +59,7 @@ CASES: dict[str, Callable[[bool], tuple[Any, tuple[Any, ...]]]] = {
     "dropout_apply_backward_float32": lambda permuted: (
         ops.dropout_apply_backward.default,
         (
-            (
-                _permuted(2, 4, 8, 16)
-                if permuted
-                else torch.randn(2, 4, 8, 16, dtype=torch.float64)
-            ).float(),
+            _activations(permuted).float(),
             _multiplier((2, 4, 8, 16)) != 0,
             torch.full((2, 1, 1, 1), 1.25),
         ),
@@ -74,11 +68,7 @@ CASES: dict[str, Callable[[bool], tuple[Any, tuple[Any, ...]]]] = {
     "dropout_apply_backward_bfloat16": lambda permuted: (
         ops.dropout_apply_backward.default,
         (
-            (
-                _permuted(2, 4, 8, 16)
-                if permuted
-                else torch.randn(2, 4, 8, 16, dtype=torch.float64)
-            ).bfloat16(),
+            _activations(permuted).bfloat16(),
             _multiplier((2, 4, 8, 16)) != 0,
             torch.full((2, 1, 1, 1), 1.25, dtype=torch.bfloat16),
         ),
@@ -91,11 +81,7 @@ CASES: dict[str, Callable[[bool], tuple[Any, tuple[Any, ...]]]] = {
     "linear": lambda permuted: (
         ops.linear.default,
         (
-            (
-                _permuted(2, 4, 8, 16)
-                if permuted
-                else torch.randn(2, 4, 8, 16, dtype=torch.float64)
-            ).requires_grad_(),
+            _activations(permuted).requires_grad_(),
             torch.randn(32, 16, dtype=torch.float64, requires_grad=True),
             torch.randn(32, dtype=torch.float64, requires_grad=True),
         ),
