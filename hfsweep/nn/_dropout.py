@@ -425,7 +425,7 @@ def _masked_scaled_op(grad: Tensor, keep: Tensor, scale: Tensor) -> Tensor:
     a positive scale, or a zero one where nothing is kept, leave as they are). On the CPU in
     NumPy, whose mixed float-times-bool loop and in-place scaling take a fraction of torch's
     (``benchmarks/dropout_apply.py``); elsewhere in torch, ``grad * (keep * scale)``."""
-    if grad.device.type != "cpu" or grad.dtype not in _NUMPY_FLOATS:
+    if not _in_numpy(grad):
         return grad * (keep * scale)
     out = torch.empty(torch.broadcast_shapes(grad.shape, keep.shape), dtype=grad.dtype)
     if out.numel():
@@ -436,11 +436,17 @@ def _masked_scaled_op(grad: Tensor, keep: Tensor, scale: Tensor) -> Tensor:
     return out
 
 
+def _in_numpy(grad: Tensor) -> bool:
+    """Whether ``hfsweep::dropout_apply_backward`` computes ``grad``'s product in NumPy (a CPU
+    tensor of a dtype NumPy has), which its fake kernel must know for the output's layout."""
+    return grad.device.type == "cpu" and grad.dtype in _NUMPY_FLOATS
+
+
 @_masked_scaled_op.register_fake
 def _masked_scaled_fake(grad: Tensor, keep: Tensor, scale: Tensor) -> Tensor:
     # the layout of the op's branch for these tensors: torch's product follows the gradient's
     # strides, NumPy's writes a new contiguous tensor
-    if grad.device.type != "cpu" or grad.dtype not in _NUMPY_FLOATS:
+    if not _in_numpy(grad):
         return grad * (keep * scale)
     return grad.new_empty(torch.broadcast_shapes(grad.shape, keep.shape))
 
