@@ -199,3 +199,42 @@ def test_main_job_is_hfsweep_run_on_an_example() -> None:
 
 def test_readme_stays_short() -> None:
     assert len((ROOT / "README.md").read_text().splitlines()) <= 250
+
+
+# ------------------------------------------------------------------ the site's links and its build
+_LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _relative_links(page: Path) -> list[str]:
+    """The link targets of a docs page that point at a file (not a URL or an anchor alone)."""
+    text = _FENCE.sub("", page.read_text())
+    targets = [m.group(1).split("#", 1)[0] for m in _LINK.finditer(text)]
+    return [t for t in targets if t and "://" not in t and not t.startswith("mailto:")]
+
+
+@pytest.mark.parametrize("page", sorted((ROOT / "docs").rglob("*.md")), ids=lambda p: p.name)
+def test_every_docs_link_stays_inside_the_site(page: Path) -> None:
+    """mkdocs --strict fails on a link to a file outside docs/ (the site holds only docs/), so a
+    link to ``../benchmarks/...`` must be written as a path, not a link; this says which at once,
+    without the 20 s build."""
+    docs = (ROOT / "docs").resolve()
+    for target in _relative_links(page):
+        resolved = (page.parent / target).resolve()
+        assert resolved.is_relative_to(docs) and resolved.exists(), (
+            f"{page.relative_to(ROOT)} links to {target!r}, which is not a file of the site "
+            "(docs/): write a path outside docs/ as `code`, not as a link"
+        )
+
+
+def test_ci_builds_the_docs_strictly_and_shows_the_warnings() -> None:
+    """``--quiet`` hides the warnings ``--strict`` counts, so a build with both cannot fail."""
+    builds = [
+        line
+        for line in (ROOT / ".ci" / "run").read_text().splitlines()
+        if "mkdocs build" in line and not line.lstrip().startswith(("#", "echo"))
+    ]
+    assert builds, ".ci/run does not build the documentation site"
+    for line in builds:
+        words = shlex.split(line)
+        assert "--strict" in words, line
+        assert not {"--quiet", "-q"} & set(words), line
