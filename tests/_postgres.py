@@ -23,6 +23,8 @@ import time
 import uuid
 from pathlib import Path
 
+from _ready import SERVER_START_S, start_with_retries
+
 #: where Debian's postgresql-NN package puts its server binaries, newest first
 _DEBIAN_BIN = sorted(Path("/usr/lib/postgresql").glob("*/bin"), reverse=True)
 USER = "hfsweep"
@@ -68,7 +70,7 @@ class PostgresServer:
         self.bin = bin_dir
         self.root = Path(tempfile.mkdtemp(prefix="hfsweep-pg-"))
         self.data = self.root / "data"
-        self.port = free_port()
+        self.port = 0  # chosen as the server starts
         self._as_postgres = os.geteuid() == 0
         if self._as_postgres:
             os.chmod(self.root, 0o755)
@@ -88,11 +90,28 @@ class PostgresServer:
         )  # fmt: skip
         with (self.data / "postgresql.conf").open("a") as conf:
             conf.write(
-                f"listen_addresses = '127.0.0.1'\nport = {self.port}\n"
+                f"listen_addresses = '127.0.0.1'\n"
                 f"unix_socket_directories = '{self.root}'\nfsync = off\n"
                 "synchronous_commit = off\nfull_page_writes = off\nmax_connections = 200\n"
             )
+        # a port found free may be taken before the server binds it: each try takes a new one
+        try:
+            start_with_retries(
+                f"PostgreSQL in {self.root}", self._start_on_a_free_port, self._stop_quietly
+            )
+        except BaseException:
+            shutil.rmtree(self.root, ignore_errors=True)
+            raise
+
+    def _start_on_a_free_port(self) -> None:
+        self.port = free_port()
+        with (self.data / "postgresql.conf").open("a") as conf:
+            conf.write(f"port = {self.port}\n")  # the file's last setting wins
         self.start()
+
+    def _stop_quietly(self) -> None:
+        with contextlib.suppress(subprocess.CalledProcessError):
+            self.stop("immediate")
 
     def _run(self, program: str, *args: str) -> None:
         cmd = [str(self.bin / program), *args]
@@ -101,11 +120,18 @@ class PostgresServer:
         subprocess.run(cmd, check=True, capture_output=True, cwd=self.root)
 
     def start(self) -> None:
-        self._run("pg_ctl", "-D", str(self.data), "-l", str(self.root / "log"), "-w", "start")
+        """Start the server and wait until it accepts connections (a generous wait: on a
+        loaded machine pg_ctl's default of 60 s has been too short)."""
+        self._run(
+            "pg_ctl", "-D", str(self.data), "-l", str(self.root / "log"),
+            "-w", "-t", str(SERVER_START_S), "start",
+        )  # fmt: skip
 
     def stop(self, mode: str = "fast") -> None:
         """Stop the server (``fast`` ends open connections, as a restart by an admin would)."""
-        self._run("pg_ctl", "-D", str(self.data), "-m", mode, "-w", "stop")
+        self._run(
+            "pg_ctl", "-D", str(self.data), "-m", mode, "-w", "-t", str(SERVER_START_S), "stop"
+        )
 
     def restart(self, down_s: float = 0.0) -> None:
         """Stop the server, wait ``down_s`` seconds, start it again."""

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from _ready import SERVER_START_S, start_with_retries
 
 
 @contextlib.contextmanager
@@ -21,16 +22,30 @@ def loopback_cluster(workers: int = 2) -> Iterator[Any]:
 
     if ray.is_initialized():
         pytest.skip("a Ray is already running in this process")
-    made = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 0, "node_ip_address": "127.0.0.1", "include_dashboard": False},
-    )
-    try:
+    started: list[Any] = []
+
+    def start() -> Any:
+        made = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": 0,
+                "node_ip_address": "127.0.0.1",
+                "include_dashboard": False,
+            },
+        )
+        started.append(made)
         for _ in range(workers):
             made.add_node(num_cpus=1, node_ip_address="127.0.0.1")
-        made.wait_for_nodes()
-        yield made
+        made.wait_for_nodes(timeout=SERVER_START_S)  # 30 s by default: short under load
+        return made
+
+    def clean_up() -> None:
+        while started:
+            started.pop().shutdown()
+
+    try:
+        yield start_with_retries(f"a {workers}-worker Ray cluster on loopback", start, clean_up)
     finally:
         if ray.is_initialized():
             ray.shutdown()
-        made.shutdown()
+        clean_up()

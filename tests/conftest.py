@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _ready import SERVER_START_S, start_with_retries
 
 #: the tests that start a local Ray (nodeid prefixes): under xdist (``-n``) they run on one
 #: worker, one after another, and first (see :func:`pytest_xdist_make_scheduler`). Two Rays of
@@ -130,12 +131,14 @@ class SharedRay:
             "HFSWEEP_TEST_CRASH_FLAG": str(self.root / "die-once"),
             "HFSWEEP_TUNE_TEST_CRASH_DIR": str(crash_dir),
             "RAY_DEDUP_LOGS": "0",
+            # Ray's wait for its GCS to bind a port (30 s by default) is too short under load
+            "RAY_gcs_server_port_wait_time_s": str(SERVER_START_S),
         }
         self._saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         from hfsweep.executors._connect import on_loopback
 
-        try:
+        def init() -> None:
             with on_loopback():  # else Ray moves 127.0.0.1 to another address of the machine
                 ray.init(
                     address="local",  # a Ray of its own, even where a `ray start` cluster runs
@@ -146,6 +149,10 @@ class SharedRay:
                     log_to_driver=False,
                     configure_logging=False,
                 )
+
+        try:
+            # Ray's raylet has a fixed 30 s to register, which a loaded machine can miss
+            start_with_retries("the tests' shared local Ray", init, ray.shutdown)
         except BaseException:
             self.stop()
             raise
