@@ -26,7 +26,8 @@ PASSWORDS = {
     "hash": "Qz#Wk#Jy",
     "percent": "Qz%Wk%Jy",
     "question": "Qz?Wk@Jy",
-    "long": "Qz@Wk:Jy/Vx#Rm%Tp?Hn" * 3,
+    "braces": "Qz{Wk}Jy",  # Optuna formats the URL with str.format
+    "long": "Qz@Wk:Jy/Vx#Rm%Tp?Hn{Gb}" * 3,
 }
 FORMS = ["raw", "name", "url"]
 _VAR, _URL_VAR = "HFSWEEP_TEST_SECRET_PW", "HFSWEEP_TEST_SECRET_URL"
@@ -87,6 +88,16 @@ def test_the_driver_gets_the_whole_password_and_messages_none_of_it(
     assert _leaks(password, scrub(said, url)) == []
     tail = password[-6:]  # a parser that quoted part of it
     assert tail not in scrub(f"no host {tail!r}", url)
+
+
+def test_the_config_repr_holds_no_password() -> None:
+    from hfsweep.config import parse_sweep
+
+    from ._toy import sweep_config
+
+    password = PASSWORDS["long"]
+    config = parse_sweep({**sweep_config("run"), "storage": f"postgresql://me:{password}@db/x"})
+    assert _leaks(password, repr(config)) == []
 
 
 def test_a_written_percent_escape_is_still_one() -> None:
