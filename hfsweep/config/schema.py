@@ -260,7 +260,7 @@ class SweepConfig:
     mode: Literal["max", "min"]
     fusion: FusionConfig
     backend: str
-    storage: str | None
+    storage: str | None = field(repr=False)  # it may hold a password: summary() masks it
     output: Path
     study_name: str
     seed: int

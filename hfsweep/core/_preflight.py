@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .._dburl import mask
+from .._dburl import mask, scrub
 from .._journal_url import is_journal
 from .._journal_url import problem as journal_problem
 from ..config import ConfigError
@@ -204,10 +204,10 @@ def _check_storage(sc: SweepConfig) -> None:
         if found is not None:
             raise _error(sc, "storage", f"{sc.storage}: {found}")
         return
-    from .._dburl import UnsetVariable, expand
+    from .._dburl import UnsetVariable, for_driver
 
     try:
-        written = expand(sc.storage)
+        written = for_driver(sc.storage)  # the password percent-encoded: SQLAlchemy reads it whole
     except UnsetVariable as exc:
         raise _error(sc, "storage", f"{mask(sc.storage)}: {exc}") from None
     try:
@@ -220,9 +220,12 @@ def _check_storage(sc: SweepConfig) -> None:
         ) from None  # fmt: skip
 
     def unreadable(exc: Exception) -> ConfigError:  # a port that is not a number...
+        # SQLAlchemy's own message may quote the URL: only a ValueError's is shown, scrubbed
+        why = f" ({scrub(str(exc), written)})" if type(exc) is ValueError else ""
         return _error(
-            sc, "storage", f"{mask(written)} is not a database URL SQLAlchemy can read ({exc}); "
-            "write dialect[+driver]://user:password@host:port/database"
+            sc, "storage", f"{mask(written)} is not a database URL SQLAlchemy can read{why}; "
+            "write dialect[+driver]://user:password@host:port/database (an @ in the query "
+            "string as %40)"
         )  # fmt: skip
 
     try:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from optuna.storages import BaseStorage
 
 from .._compat_optuna import BaseHeartbeat, FrozenStudy
-from .._dburl import expand, mask, scrub
+from .._dburl import for_driver, mask, scrub
 from ._study_lock import LockLost
 from .result import SweepError
 
@@ -105,7 +105,7 @@ def server_message(exc: BaseException, url: str) -> str:
 
 
 def check_connection(url: str, timeout_s: float = CONNECT_TIMEOUT_S) -> str | None:
-    """Connect to the database of ``url`` (expanded) once; return None if that works, else
+    """Connect to the database of ``url`` (as :func:`~hfsweep._dburl.for_driver` gives it) once; return None if that works, else
     the server's message. A file database (SQLite) is not opened: opening creates the file,
     and a check writes nothing. Gives up after about ``timeout_s`` seconds even where the
     driver takes no timeout."""
@@ -295,7 +295,7 @@ def open_storage(
     retries ``say`` shows."""
     from optuna.storages import RDBStorage, _CachedStorage
 
-    expanded = expand(url)
+    expanded = for_driver(url)  # the password percent-encoded: SQLAlchemy reads it whole
     retrier = _Retrier(
         where=str(mask(expanded)), url=expanded, retry_s=retry_s, resume=resume, say=say
     )

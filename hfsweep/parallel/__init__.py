@@ -15,12 +15,14 @@ One job per module, each importing only those below it in this list:
 - ``_run``: :class:`DataParallelTrainer`, the trainer of one worker; :func:`request_resize`.
 - ``_collectives``: the process group's collectives the workers use.
 - ``_split``: how a batch is split between the workers.
+- ``_sent``: what a worker process sends its launcher (outcome, exception) as plain data.
 """
 
 from ._collectives import Group
 from ._launch import COLLECTIVE_TIMEOUT_S, WorkerError, train_data_parallel
 from ._ray import train_data_parallel_ray
 from ._run import DataParallelTrainer, ResizeRequested, read_resize, request_resize
+from ._sent import WorkerRaised
 from ._split import batch_rows, shard_bounds, shard_sizes, take_rows
 
 __all__ = [
@@ -29,6 +31,7 @@ __all__ = [
     "Group",
     "ResizeRequested",
     "WorkerError",
+    "WorkerRaised",
     "batch_rows",
     "read_resize",
     "request_resize",

@@ -19,7 +19,9 @@ raised here, as the single-worker trainer (or a Ray actor, through :func:`~hfswe
 raises it: its type, its message and its phase label (so the engine fails the trials as with one
 worker), with the worker's traceback text kept on it (:func:`~hfsweep._usercode.remote_traceback`)
 and a :class:`WorkerError` naming every worker that failed as its ``__cause__``. Only an exception
-that cannot be pickled back is raised as the :class:`WorkerError` itself.
+that cannot be brought back is raised as the :class:`WorkerError` itself. Outcomes and
+exceptions come back as plain data, never as a pickle that could run code
+(:mod:`~hfsweep.parallel._sent`).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from ..training import Member, MemberResult
 from ..training.results import RefillHook, ReportHook
 from ..training.task import Task
 from ._run import RESIZE_FILE, DataParallelTrainer, ResizeRequested
+from ._sent import load_error, load_outcome, sent_error, sent_outcome
 
 __all__ = [
     "COLLECTIVE_TIMEOUT_S",
@@ -294,8 +297,13 @@ def _run_workers(
             p.join()
     codes = [p.exitcode for p in procs]
     if all(c == 0 for c in codes):
-        outcome: tuple[str, Any] = torch.load(scratch / "outcome.pt", weights_only=False)
-        return outcome
+        try:
+            return load_outcome(scratch / "outcome.pt")
+        except Exception as exc:  # not plain data: nothing of it was run
+            raise WorkerError(
+                f"the outcome of the data-parallel array in {job.directory} could not be read "
+                f"as plain data (tensors, numbers, strings, lists, dicts): {exc}"
+            ) from exc
     signalled = [
         rank
         for rank, (p, c) in enumerate(zip(procs, codes, strict=True))
@@ -316,18 +324,18 @@ def _run_workers(
 
 
 def _raised(scratch: Path, workers: int) -> dict[int, BaseException]:
-    """The exceptions the workers saved (rank -> exception); those that do not load back are
-    left out (their traceback text is in the :class:`WorkerError`)."""
+    """The exceptions the workers saved (rank -> exception, rebuilt from plain data by
+    :func:`~hfsweep.parallel._sent.load_error`); a file that does not load as plain data is
+    left out, none of it run (the worker's traceback text is in the :class:`WorkerError`)."""
     out: dict[int, BaseException] = {}
     for rank in range(workers):
         path = scratch / f"error-{rank}.pt"
         if path.exists():
             try:
-                exc = torch.load(path, weights_only=False)
-            except Exception:  # an exception class the parent cannot import or rebuild
-                continue
-            if isinstance(exc, BaseException):
-                out[rank] = exc
+                out[rank] = load_error(path, rank)
+            except Exception as exc:
+                why = " ".join(str(exc).split())[:300]
+                _log.warning("worker %d's exception in %s is not plain data: %s", rank, path, why)
     return out
 
 
@@ -348,14 +356,14 @@ def _worker(
     try:
         outcome = train_worker(rank, f"127.0.0.1:{port}", job, threads, timeout_s, options)
         if rank == 0:
-            atomic_save(outcome, scratch / "outcome.pt")
+            atomic_save(sent_outcome(outcome), scratch / "outcome.pt")
     except BaseException as exc:
         text = traceback.format_exc()
         atomic_write_text(scratch / f"error-{rank}.txt", text)
         if isinstance(exc, Exception):
             keep_traceback(exc, text)
-            with contextlib.suppress(Exception):  # an exception that does not pickle
-                atomic_save(exc, scratch / f"error-{rank}.pt")
+            with contextlib.suppress(Exception):  # the traceback text is written already
+                atomic_save(sent_error(exc, text), scratch / f"error-{rank}.pt")
         raise
 
 

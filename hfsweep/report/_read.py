@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from .._dburl import UnsetVariable, expand, scrub, shown
+from .._dburl import UnsetVariable, for_driver, scrub, shown
 from ._errors import _RUN_FIRST, ReportError
 
 if TYPE_CHECKING:
@@ -160,7 +160,7 @@ def _load_study(run: Path, sweep: _Sweep) -> optuna.Study:
     else:
         where = f"storage {shown(sweep.storage)!r} (from {run / 'sweep.json'})"
         try:
-            storage = _unmasked(expand(sweep.storage))
+            storage = for_driver(_unmasked(sweep.storage))
         except UnsetVariable as exc:
             raise ReportError(f"{where}: {exc}") from None
         database = _sqlite_file(storage)
