@@ -4,9 +4,11 @@ the engine's state from the ledger and the study (see :mod:`hfsweep.core._parts`
 
 from __future__ import annotations
 
+import csv
 import json
 import logging
 import warnings
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -129,6 +131,9 @@ class _Resume(_Parts):
 
             # the run directory's journal, or one that drivers share (see _journal_url)
             path = self.dir.journal if storage is None else journal_file(storage)
+            if storage is None and self.dir.state.exists() and not path.is_file():
+                # state.json is written after the journal: the study was there, and is lost
+                raise SweepError(self._study_lost(f"{path} is missing"))
             if storage is not None and self.dir.state.exists() and not path.is_file():
                 raise SweepError(
                     f"cannot resume {self.dir.path}: the journal {path} (storage {storage}) "
@@ -188,6 +193,38 @@ class _Resume(_Parts):
             seed = self.sc.searcher.seed + asked + self.drivers.seed_offset
             study.sampler = make_sampler(replace(self.sc.searcher, seed=seed), self.sc.space)
         return study
+
+    def _study_lost(self, what: str, counted: str | None = None) -> str:
+        """The refusal to go on without the run directory's study (its journal, ``what``
+        happened to it): what was lost, as ``trials.csv`` lists it (or as ``counted`` says,
+        from what this run holds in memory), and the ways on."""
+        try:
+            with open(self.dir.trials_csv, newline="", encoding="utf-8") as f:
+                rows: list[dict[str, str]] | None = list(csv.DictReader(f))
+        except (OSError, csv.Error, UnicodeDecodeError):
+            rows = None
+        if rows:
+            by_status = Counter(r.get("status") or r.get("state") or "?" for r in rows)
+            listed = (
+                f"{len(rows)} trial(s) as {self.dir.trials_csv} lists them ("
+                + ", ".join(f"{n} {status}" for status, n in sorted(by_status.items()))
+                + ")"
+            )
+        else:
+            listed = f"{self.dir.trials_csv} lists no trial" if rows == [] else ""
+        listed = "; ".join(x for x in (counted, listed) if x) or "no record of its trials is left"
+        kept = [
+            n for n in ("trials.csv", "histories", "checkpoints") if (self.dir.path / n).exists()
+        ]
+        again = f"hfsweep run {self.sc.source} --resume" if self.sc.source else "resume=True"
+        return (
+            f"{what}: it held this sweep's Optuna study, which is lost with it: {listed}. "
+            "Resuming without it would start a new, empty study and train every trial again, "
+            f"so hfsweep stops here. Restore {self.dir.journal.name} from a backup (or the "
+            f"copy of the whole run directory), then continue with `{again}`; or start the "
+            "sweep over in another `output` directory (`hfsweep run ... --output NEW_DIR`)"
+            + (f". What finished stays readable in {', '.join(kept)}" if kept else "")
+        )
 
     def _restore(self, saved: dict[str, Any] | None) -> None:
         """Rebuild the engine's state from ``state.json`` and the study."""

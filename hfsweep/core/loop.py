@@ -65,6 +65,7 @@ from .ledger import Ledger
 from .packer import NON_LEARNING, Packer, Pending, limit_for_learning
 from .result import (
     _DISK_ERRORS,
+    JournalLost,
     RunDirUnwritable,
     SweepError,
     SweepResult,
@@ -241,6 +242,12 @@ class _Engine(_Resume, _Hooks, _Outcome, _Tracked, _Backend):
                         self.drivers.close()
         except (RunDirBusy, UnsafeFileError) as exc:  # a file of the run dir was refused
             raise SweepError(str(exc)) from None
+        except JournalLost as exc:
+            if self.sc.storage is not None:  # a journal the drivers share: not the run dir's
+                raise
+            ended = len(self.ledger.ended)
+            counted = f"this run had {self.asked} trial(s) in it, {ended} of them ended"
+            raise SweepError(self._study_lost(str(exc), counted)) from None
         except (OSError, RuntimeError) as exc:
             # torch.save meeting a full disk raises RuntimeError (see _torch_write_failed)
             disk = exc if isinstance(exc, OSError) else _torch_write_failed(exc, self.dir.path)

@@ -51,7 +51,6 @@ fusion: {{size: {TRIALS}, device: cpu, dtype: float64}}
 backend: {backend}
 output: run
 """
-        + ("ray: {num_cpus: 2}\n" if backend == "ray" else "")
     )
     return sweep
 
@@ -206,11 +205,13 @@ def test_a_checkpoint_write_cut_by_sigkill_leaves_the_old_checkpoint_whole(
 
 @pytest.mark.slow
 def test_on_the_ray_backend_a_damaged_checkpoint_is_set_aside_too(
-    crashed: Path, undisturbed: dict[int, float | None], tmp_path: Path
+    crashed: Path, undisturbed: dict[int, float | None], tmp_path: Path, shared_ray: Any
 ) -> None:
     """The Ray backend resumes arrays from the same run directory: the checkpoint is checked
-    on the driver before any worker reads it."""
+    on the driver before any worker reads it (tests/conftest.py's local Ray: 2 CPUs,
+    loopback)."""
     pytest.importorskip("ray")
+    shared_ray.start()
     shutil.copytree(crashed, tmp_path, dirs_exist_ok=True)
     run = tmp_path / "run"
     (run / "arrays" / "0" / "array.pt").write_bytes(b"")
