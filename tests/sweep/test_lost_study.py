@@ -85,6 +85,6 @@ def test_a_journal_deleted_while_the_sweep_runs_stops_it_with_what_was_lost(
     assert "bug in hfsweep" not in message
     # no new journal in its place, holding a study without its first records
     assert not (run / "optuna.journal").exists()
-    with pytest.raises(hs.SweepError, match="optuna.journal is missing"):
+    with pytest.raises(hs.SweepError, match=r"optuna\.journal is missing"):
         hs.sweep(config, resume=True, progress=False)
     assert not (run / "optuna.journal").exists()
