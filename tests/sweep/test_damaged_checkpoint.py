@@ -188,6 +188,7 @@ atomic_save({"w": torch.zeros(3)}, Path(sys.argv[1]))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs POSIX signals")
 def test_a_checkpoint_write_cut_by_sigkill_leaves_the_old_checkpoint_whole(
     tmp_path: Path,
@@ -224,3 +225,40 @@ def test_on_the_ray_backend_a_damaged_checkpoint_is_set_aside_too(
     assert config.exists()
     trials = _study(run).get_trials()
     assert {t.number: t.value for t in trials} == undisturbed
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs POSIX signals")
+def test_after_a_sigkill_every_damaged_checkpoint_is_set_aside_and_the_budget_finishes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The issue's case: ``hfsweep run`` SIGKILLed mid-sweep (tests/sweep/test_kill_resume.py's
+    sweep: ASHA, refills, three arrays of 4), then every array checkpoint it left cut short.
+    The resume warns once per file, trains their trials again, and ends with every budgeted
+    trial finished and told once."""
+    from ._killed import check_final_study, interrupt_after, reaped, start_cli, unlogged_tells
+    from ._toy import HOLD_AFTER
+    from .test_kill_resume import TRIALS as KILLED_TRIALS
+    from .test_kill_resume import _write_sweep as write_killed_sweep
+
+    sweep = write_killed_sweep(tmp_path)
+    run = tmp_path / "run"
+    monkeypatch.setenv("HFSWEEP_TEST_HOLD_LOG", str(run / "sweep.log"))
+    with reaped(start_cli(sweep, session=True)) as proc:
+        interrupt_after(proc, run, HOLD_AFTER, signal.SIGKILL)
+        proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    monkeypatch.delenv("HFSWEEP_TEST_HOLD_LOG")
+    unlogged = unlogged_tells(run)
+    checkpoints = sorted((run / "arrays").glob("*/array.pt"))
+    assert checkpoints  # killed while arrays trained
+    for path in checkpoints:
+        path.write_bytes(path.read_bytes()[:100])
+
+    with reaped(start_cli(sweep, "--resume", session=True)) as resumed:
+        _out, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err
+    assert err.count(" is damaged: ") == len(checkpoints), err
+    assert "bug in hfsweep" not in err
+    assert len(list((run / "arrays").glob("array-*.pt.damaged-*"))) == len(checkpoints)
+    check_final_study(run, KILLED_TRIALS, unlogged)
