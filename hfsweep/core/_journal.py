@@ -21,9 +21,11 @@ import optuna
 from optuna.storages.journal import BaseJournalBackend, JournalFileBackend, JournalFileSymlinkLock
 
 from .._io import written
+from .result import JournalLost
 
 __all__ = [
     "GroupedJournalFileBackend",
+    "JournalLost",
     "JournalPrefix",
     "TornTail",
     "find_torn_tail",
@@ -218,7 +220,10 @@ class GroupedJournalFileBackend(BaseJournalBackend):
         holds nothing new. Only a read that ended exactly at the file's end counts: one that
         stopped before a torn tail must not, as another driver sharing the file may cut that
         tail off (:meth:`drop_torn_tail`) and append records of the same length after it."""
-        size = os.stat(self._path).st_size
+        try:
+            size = os.stat(self._path).st_size
+        except FileNotFoundError:
+            raise JournalLost(self._path) from None
         if self._read_to == (size, log_number_from):
             return
         number = log_number_from
@@ -247,7 +252,10 @@ class GroupedJournalFileBackend(BaseJournalBackend):
         under the lock): with several drivers on one file, another one's crash leaves it while
         this one runs. It is cut off first (:meth:`drop_torn_tail`), else this append's first
         record would join it and be lost."""
-        fd = os.open(self._path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)
+        try:  # not created again: the reader created it, a missing one was deleted since
+            fd = os.open(self._path, os.O_RDWR | os.O_APPEND)
+        except FileNotFoundError:
+            raise JournalLost(self._path) from None
         try:
             end = os.lseek(fd, 0, os.SEEK_END)
             if end and os.pread(fd, 1, end - 1) != b"\n":

@@ -4,9 +4,11 @@ the engine's state from the ledger and the study (see :mod:`hfsweep.core._parts`
 
 from __future__ import annotations
 
+import csv
 import json
 import logging
 import warnings
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -16,6 +18,7 @@ from .._dburl import mask, shown
 from .._journal_url import is_journal, journal_file
 from ..config import make_sampler
 from ..schedulers import FIFOScheduler, OptunaPruner
+from ..training.checkpoint import CheckpointVersionError, DamagedCheckpointError, set_aside
 from ..training.trainer import ArrayTrainer, MemberResult
 from ._drivers import DRIVER_ATTR, Drivers
 from ._rundir import StateVersionError, member_id, trial_number
@@ -128,6 +131,9 @@ class _Resume(_Parts):
 
             # the run directory's journal, or one that drivers share (see _journal_url)
             path = self.dir.journal if storage is None else journal_file(storage)
+            if storage is None and self.dir.state.exists() and not path.is_file():
+                # state.json is written after the journal: the study was there, and is lost
+                raise SweepError(self._study_lost(f"{path} is missing"))
             if storage is not None and self.dir.state.exists() and not path.is_file():
                 raise SweepError(
                     f"cannot resume {self.dir.path}: the journal {path} (storage {storage}) "
@@ -188,6 +194,38 @@ class _Resume(_Parts):
             study.sampler = make_sampler(replace(self.sc.searcher, seed=seed), self.sc.space)
         return study
 
+    def _study_lost(self, what: str, counted: str | None = None) -> str:
+        """The refusal to go on without the run directory's study (its journal, ``what``
+        happened to it): what was lost, as ``trials.csv`` lists it (or as ``counted`` says,
+        from what this run holds in memory), and the ways on."""
+        try:
+            with open(self.dir.trials_csv, newline="", encoding="utf-8") as f:
+                rows: list[dict[str, str]] | None = list(csv.DictReader(f))
+        except (OSError, csv.Error, UnicodeDecodeError):
+            rows = None
+        if rows:
+            by_status = Counter(r.get("status") or r.get("state") or "?" for r in rows)
+            listed = (
+                f"{len(rows)} trial(s) as {self.dir.trials_csv} lists them ("
+                + ", ".join(f"{n} {status}" for status, n in sorted(by_status.items()))
+                + ")"
+            )
+        else:
+            listed = f"{self.dir.trials_csv} lists no trial" if rows == [] else ""
+        listed = "; ".join(x for x in (counted, listed) if x) or "no record of its trials is left"
+        kept = [
+            n for n in ("trials.csv", "histories", "checkpoints") if (self.dir.path / n).exists()
+        ]
+        again = f"hfsweep run {self.sc.source} --resume" if self.sc.source else "resume=True"
+        return (
+            f"{what}: it held this sweep's Optuna study, which is lost with it: {listed}. "
+            "Resuming without it would start a new, empty study and train every trial again, "
+            f"so hfsweep stops here. Restore {self.dir.journal.name} from a backup (or the "
+            f"copy of the whole run directory), then continue with `{again}`; or start the "
+            "sweep over in another `output` directory (`hfsweep run ... --output NEW_DIR`)"
+            + (f". What finished stays readable in {', '.join(kept)}" if kept else "")
+        )
+
     def _restore(self, saved: dict[str, Any] | None) -> None:
         """Rebuild the engine's state from ``state.json`` and the study."""
         from optuna.trial import TrialState
@@ -222,18 +260,9 @@ class _Resume(_Parts):
         for a in self.arrays:
             if a.done:
                 self.dir.remove_array(a.index)  # a crash may have come before its removal
-        # members each unfinished array's checkpoint holds; the others go back to a pool
-        known = {
-            a.index: ArrayTrainer.checkpointed_members(self.dir.array(a.index))
-            for a in self.arrays
-            if not a.done
-        }
-        for a in self.arrays:
-            if a.index in known:
-                self._resume_or_drop(a, known, taken)
-        held = set().union(*known.values())
         # ends the trainer delivered (it will not deliver them again) whose record in the
-        # study was lost with a torn journal: told again below
+        # study was lost with a torn journal: told again below (read before an array whose
+        # checkpoint is gone or damaged is dropped, with its folder)
         delivered = {
             member: result
             for a in self.arrays
@@ -241,6 +270,19 @@ class _Resume(_Parts):
             for member, result in ArrayTrainer.delivered_results(self.dir.array(a.index)).items()
             if member in taken
         }
+        # members each unfinished array's checkpoint holds; the others go back to a pool
+        known: dict[int, set[str]] = {}
+        damaged: set[int] = set()  # arrays whose checkpoint was damaged, set aside
+        for a in self.arrays:
+            if not a.done:
+                members = self._checkpointed(a, trials)
+                known[a.index] = members if members is not None else set()
+                if members is None:
+                    damaged.add(a.index)
+        for a in self.arrays:
+            if a.index in known:
+                self._resume_or_drop(a, known, taken, damaged=a.index in damaged)
+        held = set().union(*known.values())
         retell: list[MemberResult] = []
         for t in sorted(trials, key=lambda t: t.number):
             if t.state == TrialState.RUNNING and member_id(t.number) not in taken:
@@ -385,7 +427,47 @@ class _Resume(_Parts):
         except (ValueError, TypeError):
             return "{}"
 
-    def _resume_or_drop(self, a: _Array, known: dict[int, set[str]], taken: set[str]) -> None:
+    def _checkpointed(self, a: _Array, trials: list[optuna.trial.FrozenTrial]) -> set[str] | None:
+        """The members unfinished array ``a``'s checkpoint holds (none without one), or
+        ``None`` when it was damaged: then it is set aside (see :meth:`_set_aside`), and the
+        array's running trials start again."""
+        from optuna.trial import TrialState
+
+        try:
+            return ArrayTrainer.checkpointed_members(self.dir.array(a.index), a.key)
+        except CheckpointVersionError as exc:
+            raise SweepError(f"cannot resume {self.dir.path}: {exc}") from None
+        except DamagedCheckpointError as exc:
+            running = [
+                t.number
+                for t in trials
+                if t.state == TrialState.RUNNING and t.user_attrs.get("array") == a.index
+            ]
+            self._set_aside(a, exc, running)
+            return None
+
+    def _set_aside(self, a: _Array, exc: DamagedCheckpointError, running: list[int]) -> None:
+        """Move array ``a``'s damaged checkpoint out of the array's folder (which goes when
+        the array is dropped), as ``arrays/array-K.pt.damaged-<UTC time>``, and warn once,
+        naming both files and what happens to the array's trials."""
+        copy = set_aside(exc.path, self.dir.path / "arrays" / f"array-{a.index}.pt")
+        trials = (
+            f"its running trial{'s' * (len(running) != 1)} "
+            + ", ".join(map(str, running))
+            + " start again from step 0, with the same configs and seeds"
+            if running
+            else "it held no running trial"
+        )
+        message = (
+            f"{exc}. The file is kept as {copy} and not read again; array {a.index} is not "
+            f"resumed: {trials}; the trials it had finished keep their results"
+        )
+        _log.warning("%s", message)
+        warnings.warn(message, stacklevel=7)  # hs.sweep's caller
+
+    def _resume_or_drop(
+        self, a: _Array, known: dict[int, set[str]], taken: set[str], *, damaged: bool = False
+    ) -> None:
         """Resume unfinished array ``a`` if its checkpoint holds a running trial of this driver;
         else (it wrote no checkpoint yet, every trial it held has ended, or other drivers adopted
         them while this one was away) drop it: its running trials go back to their pools."""
@@ -393,7 +475,9 @@ class _Resume(_Parts):
         if mine:
             _log.info("array %d: resuming %s from its checkpoint", a.index, ", ".join(mine))
             return
-        if not known[a.index]:  # stopped before its first evaluation boundary
+        if damaged:  # set aside: the warning said so
+            pass
+        elif not known[a.index]:  # stopped before its first evaluation boundary
             _log.info(
                 "array %d: stopped before its first checkpoint; its running trials start again",
                 a.index,

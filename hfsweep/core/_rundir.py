@@ -17,6 +17,8 @@ Layout (``RunDir`` names every path)::
                            at every plan and when the sweep ends
     sweep.log              the log
     arrays/K/              array K's trainer checkpoint while it trains (removed when done)
+    arrays/array-K.pt.damaged-<time>
+                           array K's checkpoint found damaged on resume, kept for a look
     .lock                  held by the process running the sweep (its pid inside)
 
 Every file but the appended ones (the journal, state.jsonl) is written to a temporary file and

@@ -47,6 +47,7 @@ from ..searchers import Searcher
 from ..searchers._source import CustomSource, OptunaSource, TrialSource
 from ..tracking import Callback, make_tracker
 from ..tracking._dispatch import Tracking
+from ..training.checkpoint import DamagedCheckpointError
 from ..training.packed import UnsafeFileError
 from ..training.trainer import ArrayTrainer, Member, _DataCache
 from ._backend import _Backend
@@ -64,6 +65,7 @@ from .ledger import Ledger
 from .packer import NON_LEARNING, Packer, Pending, limit_for_learning
 from .result import (
     _DISK_ERRORS,
+    JournalLost,
     RunDirUnwritable,
     SweepError,
     SweepResult,
@@ -240,6 +242,12 @@ class _Engine(_Resume, _Hooks, _Outcome, _Tracked, _Backend):
                         self.drivers.close()
         except (RunDirBusy, UnsafeFileError) as exc:  # a file of the run dir was refused
             raise SweepError(str(exc)) from None
+        except JournalLost as exc:
+            if self.sc.storage is not None:  # a journal the drivers share: not the run dir's
+                raise
+            ended = len(self.ledger.ended)
+            counted = f"this run had {self.asked} trial(s) in it, {ended} of them ended"
+            raise SweepError(self._study_lost(str(exc), counted)) from None
         except (OSError, RuntimeError) as exc:
             # torch.save meeting a full disk raises RuntimeError (see _torch_write_failed)
             disk = exc if isinstance(exc, OSError) else _torch_write_failed(exc, self.dir.path)
@@ -506,11 +514,14 @@ class _Engine(_Resume, _Hooks, _Outcome, _Tracked, _Backend):
             except (ExecutorError, _Failed):
                 raise
             except Exception as exc:
-                if not _raised_by_the_task(exc):  # the engine's hooks, files, hfsweep's code
+                if resume and isinstance(unwrap(exc), DamagedCheckpointError):
+                    self._restart_damaged(array, unwrap(exc))
+                elif not _raised_by_the_task(exc):  # the engine's hooks, files, hfsweep's code
                     if _blame_hfsweep(exc, self.dir.log):
                         _log.error("array %d: hfsweep's own code raised", array.index, exc_info=exc)
                     raise
-                raise _Failed(f"array {array.index}", unwrap(exc), array.index) from exc
+                else:
+                    raise _Failed(f"array {array.index}", unwrap(exc), array.index) from exc
         with self._lock:
             if self._journal is not None:
                 # the ends of the array's members must be on disk before its checkpoint (and
@@ -520,6 +531,22 @@ class _Engine(_Resume, _Hooks, _Outcome, _Tracked, _Backend):
             array.done = True
             self._save_state()
             self.dir.remove_array(array.index)
+
+    def _restart_damaged(self, array: _Array, exc: BaseException) -> None:
+        """Resumed ``array`` found its checkpoint damaged as it loaded it (a state that does
+        not fit its model; one that does not load at all is found before, see
+        :meth:`_checkpointed`): the file is set aside, and the array's trials still running
+        go back to their key's pool, to train again from step 0. The array is then done."""
+        assert isinstance(exc, DamagedCheckpointError)
+        with self._lock:
+            running = sorted(
+                n for n, t in self.live.items() if t.user_attrs.get("array") == array.index
+            )
+            if exc.path.exists():
+                self._set_aside(array, exc, running)
+            for n in running:
+                config = self.sc.trial_config(self.sampled[n])
+                self.packer.requeue(array.key, Pending(n, config))
 
     def _locked(self, hook: Callable[..., Any]) -> Callable[..., Any]:
         """``hook`` run under the engine's lock (arrays in threads call hooks concurrently)."""

@@ -30,6 +30,16 @@ class SweepError(Exception):
     """A sweep cannot start or go on: the message says why and what to do."""
 
 
+class JournalLost(SweepError):
+    """The journal file was deleted (or moved away) while the sweep had it open: the study it
+    held is gone. Nothing is appended to a new file in its place, which would hold a study
+    without its first records."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(f"{path}, the study's journal, was deleted while the sweep ran")
+        self.path = path
+
+
 class TrainingError(SweepError):
     """Training stopped because code raised while an array trained (or while the profiler
     measured one): almost always the task's code (its model's forward, its loss, its data),

@@ -6,9 +6,11 @@ and read back as plain data only (see ``packed``)."""
 from __future__ import annotations
 
 import base64
+import os
 import pickle
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
@@ -114,7 +116,7 @@ def _checked(path: Path, payload: Mapping[str, Any], settings: Mapping[str, Any]
     """Refuse a checkpoint of another layout version, or one written with other settings than
     ``settings`` (what must not change between a run and its resume)."""
     if payload.get("version") != _CHECKPOINT_VERSION:
-        raise ValueError(
+        raise CheckpointVersionError(
             f"{path}: checkpoint version {payload.get('version')!r} is not "
             f"{_CHECKPOINT_VERSION}; it was written by another hfsweep version"
         )
@@ -126,6 +128,141 @@ def _checked(path: Path, payload: Mapping[str, Any], settings: Mapping[str, Any]
                 f"trainer has {name}={value!r}; resume with the same task and settings, or "
                 "use another checkpoint_dir"
             )
+
+
+class DamagedCheckpointError(ValueError):
+    """An array's ``array.pt`` that cannot be read back as the trainer wrote it: cut short,
+    emptied, overwritten with other bytes (a pickle the safe loader cannot read), or a torch
+    file that is not this array's checkpoint (other keys, another compatibility key, states that do not fit
+    its models). ``path`` is the file, ``reason`` what is wrong with it. A sweep sets such a
+    file aside (:func:`set_aside`) and trains the array's members again instead of stopping."""
+
+    def __init__(self, path: str | os.PathLike[str], reason: str) -> None:
+        super().__init__(f"{os.fspath(path)} is damaged: {reason}")
+        self.path = Path(path)
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[Any, ...]:  # a Ray worker's error reaches the driver whole
+        return (type(self), (self.path, self.reason))
+
+
+class CheckpointVersionError(ValueError):
+    """A checkpoint of another layout version than this hfsweep writes: refused, not misread
+    (nor taken for a damaged one)."""
+
+
+class SavedStateError(ValueError):
+    """A member's saved state (model, optimizer, schedule or dropout stream) that does not fit
+    the array it is loaded into: of other shapes or keys than the member's model has. From a
+    checkpoint read back from disk, the trainer makes it a :class:`DamagedCheckpointError`."""
+
+
+def read_payload(path: Path, key: str | None = None) -> dict[str, Any]:
+    """The contents of the array checkpoint ``path`` (see :func:`_run_payload`), checked to be
+    whole: every field of the layout this version writes, of the right type. With ``key``, the
+    checkpoint must be of that compatibility key (an array's own). Raises
+    :class:`DamagedCheckpointError` for a file that is not; :class:`CheckpointVersionError` for
+    one of another layout version; an error opening it (a permission denied), and the safe
+    loader's refusal of a file that names a type it does not build
+    (:class:`~hfsweep.training.packed.UnsafeFileError`), pass through."""
+    with open(path, "rb") as f:  # a file that cannot be opened at all is not a damaged one
+        if not f.read(1):
+            raise DamagedCheckpointError(path, "it is empty (0 bytes)")
+    try:
+        payload = load_packed(path)
+    except PermissionError:
+        raise
+    except Exception as exc:  # a cut or overwritten file fails in one of many ways
+        if isinstance(exc, UnsafeFileError):
+            if exc.needs is not None:  # a type the file names: planted, or the user's own
+                raise
+            why = str(exc).removeprefix(f"{path}: not loaded: ")
+        else:
+            lines = str(exc).strip().splitlines()
+            why = f"{type(exc).__name__}: {lines[0].split('. ')[0] if lines else '-'}"
+        raise DamagedCheckpointError(path, f"it cannot be loaded ({why[:300]})") from None
+    if isinstance(payload, Mapping) and payload.get("version", _CHECKPOINT_VERSION) != (
+        _CHECKPOINT_VERSION
+    ):
+        raise CheckpointVersionError(
+            f"{path}: checkpoint version {payload.get('version')!r} is not "
+            f"{_CHECKPOINT_VERSION}; it was written by another hfsweep version"
+        )
+    problem = _layout_problem(payload)
+    if problem is not None:
+        raise DamagedCheckpointError(path, problem)
+    if key is not None and payload["key"] is not None and payload["key"] != key:
+        raise DamagedCheckpointError(
+            path, f"it holds an array of {payload['key']}, not of this array's {key}"
+        )
+    return dict(payload)
+
+
+def _layout_problem(payload: Any) -> str | None:
+    """What in ``payload`` is not the layout of an ``array.pt`` of this version, or ``None``."""
+    if not isinstance(payload, Mapping):
+        return f"it holds a {type(payload).__name__}, not an array checkpoint"
+    fields = ("version", "settings", "key", "order", "undelivered", "arrays")
+    missing = [k for k in fields if k not in payload]
+    if missing:
+        return f"it lacks {', '.join(missing)}: it is not an array checkpoint"
+    order = payload["order"]
+    if not isinstance(order, list) or not all(isinstance(i, str) for i in order):
+        return "its member order is not a list of ids"
+    if not isinstance(payload["settings"], Mapping) or not isinstance(
+        payload["undelivered"], Mapping
+    ):
+        return "its settings or undelivered results are not mappings"
+    for member, record in payload["undelivered"].items():
+        if not isinstance(record, Mapping) or not record.keys() >= _RESULT_FIELDS:
+            return f"the result of {member!r} lacks fields"
+    if not isinstance(payload["arrays"], list):
+        return "its arrays are not a list"
+    for array in payload["arrays"]:
+        if not isinstance(array, Mapping) or not {"epoch", "batch", "slots"} <= array.keys():
+            return "an array lacks its data position or slots"
+        if not isinstance(array["slots"], list):
+            return "an array's slots are not a list"
+        for slot in array["slots"]:
+            problem = _slot_problem(slot, set(order))
+            if problem is not None:
+                return problem
+    return None
+
+
+#: the fields of a result record and of a slot record (see _result_record, _slot_dict)
+_RESULT_FIELDS = {"id", "config", "status", "steps", "history", "error", "state"}
+_SLOT_FIELDS = {"id", "config", "resolved", "budget", "steps", "history", "since", "loss_sum"}
+
+
+def _slot_problem(slot: Any, order: set[str]) -> str | None:
+    if slot is None:
+        return None
+    if not isinstance(slot, Mapping) or not _SLOT_FIELDS | {"saved"} <= slot.keys():
+        return "a slot lacks fields"
+    if slot["id"] not in order:
+        return f"slot {slot['id']!r} is not in its member order"
+    saved = slot["saved"]
+    if saved is None:
+        return None
+    if not isinstance(saved, Mapping) or not {"model", "optimizer", "rng"} <= saved.keys():
+        return f"the saved state of {slot['id']!r} lacks its model, optimizer or rng"
+    model = saved["model"]
+    if not isinstance(model, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, Tensor) for k, v in model.items()
+    ):
+        return f"the saved model of {slot['id']!r} is not a state_dict of tensors"
+    return None
+
+
+def set_aside(path: Path, name: Path | None = None) -> Path:
+    """Move the damaged file ``path`` out of the way, to ``<name>.damaged-<UTC time>`` (``name``
+    defaults to ``path`` itself); returns where it went. Kept for a look, never read again."""
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
+    target = Path(f"{name if name is not None else path}.damaged-{stamp}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(path, target)
+    return target
 
 
 #: ``ArrayTrainer(final_states=)``: whose final state a result carries
@@ -223,7 +360,7 @@ def _read_run(
     """The run saved in ``path`` (``array.pt`` in ``directory``), refused if it was written with
     other ``settings``; with ``keep_states``, delivered members' results carry their saved final
     states."""
-    payload = load_packed(path)
+    payload = read_payload(path)
     _checked(path, payload, settings)
     results: dict[str, MemberResult] = {}
     delivered: set[str] = set()

@@ -23,7 +23,7 @@ from ..optim.lr_scheduler import FusedLRScheduler
 from ._frozen import share_frozen_storage
 from ._offload_auto import offload_mode
 from ._offload_step import _StepPlace
-from .checkpoint import _member_state
+from .checkpoint import SavedStateError, _member_state
 from .spec import _ArrayState, _SlotState
 from .step import _set_member_dropout, any_smoothing
 from .task import make_optimizer, make_schedule
@@ -165,7 +165,7 @@ def _build_live(
             )
     for i, s in enumerate(state.slots):
         if s is not None and s.saved is not None:
-            array.load_member_state_dict(i, s.saved["model"])
+            _restoring(s, "model", array.load_member_state_dict, i, s.saved["model"])
     array._share_traces(t._trace_cache.setdefault(key, {}))
     array._defer_tracing(_TRACE_AFTER_CALLS)
     configs = [(s or filler).config for s in state.slots]
@@ -185,10 +185,10 @@ def _build_live(
         if s.saved is None:
             array.manual_seed(i, s.spec.seed)
             continue
-        opt.load_member_state_dict(i, s.saved["optimizer"])
+        _restoring(s, "optimizer", opt.load_member_state_dict, i, s.saved["optimizer"])
         if sched is not None and s.saved.get("scheduler") is not None:
-            sched.load_member_state_dict(i, s.saved["scheduler"])
-        array.set_rng_state(i, s.saved["rng"])
+            _restoring(s, "schedule", sched.load_member_state_dict, i, s.saved["scheduler"])
+        _restoring(s, "dropout stream", array.set_rng_state, i, s.saved["rng"])
         s.saved = None
     array.train()
     engine = None
@@ -239,6 +239,19 @@ def _build_live(
     )
     result.refresh()
     return result
+
+
+def _restoring(slot: _SlotState, what: str, load: Callable[..., object], *args: Any) -> None:
+    """``load(*args)``: ``slot``'s saved ``what`` into the array; a state that does not fit it
+    (other shapes or keys than the member's model has) raises :class:`SavedStateError`."""
+    try:
+        load(*args)
+    except (RuntimeError, KeyError, ValueError, TypeError, IndexError, AttributeError) as exc:
+        lines = str(exc).strip().splitlines()
+        raise SavedStateError(
+            f"the saved {what} of member {slot.member.id!r} does not fit its model "
+            f"({type(exc).__name__}: {lines[0][:300] if lines else '-'})"
+        ) from exc
 
 
 def _models(

@@ -93,7 +93,10 @@ class UnsafeFileError(pickle.UnpicklingError, ValueError):
     """A checkpoint or log was not loaded: loading it would have called something other than the
     constructors of plain data, tensors and the types allowed with
     ``torch.serialization.add_safe_globals``, which could run code. The message names the
-    file and what it needs."""
+    file and what it needs; ``needs`` is that (``None`` where the file names nothing: it is
+    no pickle the loader can read, such as one cut short or overwritten)."""
+
+    needs: str | None = None
 
 
 def _plain_globals() -> dict[str, Any]:
@@ -171,13 +174,15 @@ def _allowed(module: str, name: str) -> Any:
 
 
 def _refusal(source: str | os.PathLike[str], needs: str) -> UnsafeFileError:
-    return UnsafeFileError(
+    refusal = UnsafeFileError(
         f"{os.fspath(source)}: not loaded: it needs {needs}, which hfsweep does not load from "
         "a checkpoint (only plain data, tensors, torch dtypes/devices and NumPy values; "
         "anything else could run code from the file). If you trust this file and the type is "
         "yours (a config value), allow it with torch.serialization.add_safe_globals([...]) "
         "before the run or resume."
     )
+    refusal.needs = needs
+    return refusal
 
 
 class _Restricted(pickle.Unpickler):

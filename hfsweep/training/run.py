@@ -33,6 +33,8 @@ from ._frozen import share_frozen_storage
 from ._offload_auto import split_for_offload
 from .checkpoint import (
     _DELIVERED,
+    DamagedCheckpointError,
+    SavedStateError,
     _encode_record,
     _read_run,
     _result_record,
@@ -115,6 +117,9 @@ class _Run:
         self.pending: list[str] = []  # finished, on_finish not yet called
         self.delivered: set[str] = set()
         self.user_rng: dict[str, Any] = {}
+        #: the checkpoint the saved states of the queue were read from, until the next one
+        #: is written: a state that does not fit its model makes that file damaged
+        self._read_from: Path | None = None
         #: measured seconds per training step by array size (this run's key), for compaction
         self.step_seconds: dict[int, float] = {}
         #: set by a driver training several runs together (:func:`~hfsweep.training.
@@ -249,7 +254,12 @@ class _Run:
         spe = self.t.steps_per_epoch(ref)
         eval_every = self.t.eval_every or spe
         started = time.perf_counter()
-        live = self._build(state, built)
+        try:
+            live = self._build(state, built)
+        except SavedStateError as exc:
+            if self._read_from is None:  # states held in memory: hfsweep's own error
+                raise
+            raise DamagedCheckpointError(self._read_from, str(exc)) from exc
         build_s = models_s + time.perf_counter() - started
         timer = _StepTimer(self.t.device, live.array, self.t._loss, self.t._update)
         _log.info("training an array of %d members (%d steps per epoch)", len(state.slots), spe)
@@ -591,6 +601,7 @@ class _Run:
         payload = _run_payload(self._settings(), self.key, self.order, undelivered, arrays)
         with Phase(CHECKPOINT):
             atomic_save(pack(payload), path)
+        self._read_from = None  # the states saved from now on are this run's
 
     def _settings(self) -> dict[str, Any]:
         """What must not change between a run and its resume."""
@@ -602,6 +613,7 @@ class _Run:
         d = self.t.checkpoint_dir
         assert d is not None
         saved = _read_run(path, self._settings(), d, self.t.keep_states)
+        self._read_from = path
         self.key, self.order, self.queue = saved.key, saved.order, saved.queue
         self.results, self.delivered, self.pending = saved.results, saved.delivered, saved.pending
         known = set(self.order)

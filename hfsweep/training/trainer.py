@@ -28,8 +28,13 @@ from ..fusion._compile import check_compile, mode_for
 from ..offload import OffloadChoice, check_offload, check_offload_step
 from ..optim._compiled import CompiledUpdate
 from ._compiled import CompiledLoss
-from .checkpoint import _DELIVERED, _FINAL_STATES, _read_delivered, _result_from_record
-from .packed import load as load_packed
+from .checkpoint import (
+    _DELIVERED,
+    _FINAL_STATES,
+    _read_delivered,
+    _result_from_record,
+    read_payload,
+)
 from .results import Evaluation, Member, MemberResult, RefillHook, ReportHook
 from .run import _Run
 from .task import Task, TaskError
@@ -230,15 +235,18 @@ class ArrayTrainer:
             return run.execute(members, resume, start_step)
 
     @staticmethod
-    def checkpointed_members(checkpoint_dir: str | os.PathLike[str]) -> set[str]:
+    def checkpointed_members(
+        checkpoint_dir: str | os.PathLike[str], key: str | None = None
+    ) -> set[str]:
         """The ids of every member the checkpoint in ``checkpoint_dir`` holds (training or
         finished): what ``run(..., resume=True)`` continues without being given them. Empty
-        when there is no checkpoint."""
+        when there is no checkpoint. Raises :class:`~hfsweep.training.checkpoint.
+        DamagedCheckpointError` when the checkpoint is not whole, or (given ``key``) is not of
+        compatibility key ``key``."""
         path = Path(checkpoint_dir) / "array.pt"
         if not path.exists():
             return set()
-        payload = load_packed(path)
-        return set(payload.get("order", []))
+        return set(read_payload(path, key)["order"])
 
     @staticmethod
     def delivered_results(checkpoint_dir: str | os.PathLike[str]) -> dict[str, MemberResult]:
