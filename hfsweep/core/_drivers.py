@@ -4,7 +4,9 @@ Optuna users share a study between machines as a matter of course (one PostgreSQ
 driver per machine). Each hfsweep driver is one run directory: its identity is a random id kept
 in ``<run dir>/driver.json``, so a driver killed and resumed from its run directory is the same
 driver and continues its own trials from its arrays' checkpoints. Every trial it asks (or
-adopts) carries the user attr ``driver`` with that id.
+adopts) carries the user attr ``driver`` with that id; a trial it asks is created with it, in
+the same storage write (:func:`hfsweep._compat.ask_with_user_attrs`), so a driver killed just
+after a create leaves a trial that is its own, never one that names nobody.
 
 Liveness: a driver on a shared storage writes a heartbeat, the study system attr
 ``hfsweep:driver:<id>`` (host, pid, run directory, a counter, the wall time), every
@@ -371,6 +373,9 @@ class Drivers:
         for t in trials:
             if t.state != TrialState.RUNNING:
                 continue
+            if t.user_attrs.get(VOID_ATTR):  # a driver stopped while making it void
+                self.void(trial_id(t), t.number, "its driver stopped while making it void")
+                continue
             owner = t.user_attrs.get(DRIVER_ATTR)
             if owner == self.id:
                 own.append(t)
@@ -454,8 +459,11 @@ class Drivers:
                         lost_from = len(trials)  # trial numbers are 0, 1, ... per study
                         asked = list(ask(1))
                         for pair in asked:
-                            pair[0].set_user_attr(DRIVER_ATTR, self.id)  # type: ignore[index]
+                            trial = pair[0]  # type: ignore[index]
+                            if trial.user_attrs.get(DRIVER_ATTR) != self.id:  # not born named
+                                trial.set_user_attr(DRIVER_ATTR, self.id)
                         if self.lock.intact():
+                            self._void_unanswered(lost_from, asked)
                             self.count += len(asked)
                             return asked
                         unsure = asked
@@ -494,33 +502,58 @@ class Drivers:
 
     def _void_cut_off(self, trials: list[Any], first: int) -> list[Any]:
         """``trials`` with those a cut-off ask of this driver created made void: running, from
-        trial ``first`` on, named by no driver or by this one (the ask was not answered, so
-        nothing trains them). Re-read after."""
-        from optuna.trial import TrialState
-
-        cut_off = [
-            t
-            for t in trials
-            if t.number >= first
-            and t.state == TrialState.RUNNING
-            and t.user_attrs.get(DRIVER_ATTR) in (None, self.id)
-            and "array" not in t.user_attrs
-        ]
+        trial ``first`` on, named by this driver (each is created naming it) and never put in
+        an array (the ask was not answered, so nothing trains them). Re-read after."""
+        cut_off = self._unanswered(trials, first, set())
         for t in cut_off:
             self._void(trial_id(t), t.number, "its ask lost the connection to the storage")
         return self.study.get_trials(deepcopy=False) if cut_off else trials
 
+    def _void_unanswered(self, first: int, asked: Sequence[Any]) -> None:
+        """Make void the trials an answered ask created besides ``asked``: a create whose
+        answer was lost and that the storage tried again in place (Optuna's RDB storage
+        retries a failed create by itself) leaves a trial that names this driver, which
+        nothing would train. Counted first (one cheap call): a study holding only the
+        trials before ``first`` and ``asked`` has none."""
+        storage = study_storage(self.study)
+        if storage.get_n_trials(study_id(self.study)) <= first + len(asked):
+            return
+        mine = {pair[0].number for pair in asked}
+        trials = self.study.get_trials(deepcopy=False)
+        for t in self._unanswered(trials, first, mine):
+            self._void(trial_id(t), t.number, "its create was answered only on a second try")
+
+    def _unanswered(
+        self, trials: Iterable[Any], first: int, answered: set[int]
+    ) -> list[optuna.trial.FrozenTrial]:
+        """The running trials from number ``first`` on, besides ``answered``, that name this
+        driver and were never put in an array."""
+        from optuna.trial import TrialState
+
+        return [
+            t
+            for t in trials
+            if t.number >= first
+            and t.number not in answered
+            and t.state == TrialState.RUNNING
+            and t.user_attrs.get(DRIVER_ATTR) == self.id
+            and "array" not in t.user_attrs
+        ]
+
     def _void(self, ident: int, number: int, why: str) -> None:
-        """End trial ``number`` as void (see the module docstring)."""
+        """End trial ``number`` as void, asked across a lost study lock (see the module
+        docstring)."""
+        self.void(ident, number, f"{why} while the study lock was lost (a database restart)")
+
+    def void(self, ident: int, number: int, why: str) -> None:
+        """End running trial ``number`` (storage id ``ident``) as void, saying ``why``: never
+        trained, not counted in ``budget.trials``."""
         from optuna.trial import TrialState
 
         storage = study_storage(self.study)
         if storage.get_trial(ident).state != TrialState.RUNNING:
             return  # made void by an earlier try
-        reason = (
-            f"void: {why} while the study lock was lost (a database restart); never trained, "
-            "not counted in budget.trials"
-        )
+        reason = f"void: {why}; never trained, not counted in budget.trials"
         storage.set_trial_user_attr(ident, VOID_ATTR, True)
         storage.set_trial_user_attr(ident, "status", Status.FAILED.value)
         storage.set_trial_user_attr(ident, "error", reason)
