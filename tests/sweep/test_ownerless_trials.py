@@ -177,3 +177,36 @@ def test_a_plain_optuna_workers_trial_is_left_alone(tmp_path: Path) -> None:
         assert me.claim(study.get_trials()) == ([], [])
     assert me.foreign == 1
     assert study.get_trials()[plain.number].state == TrialState.RUNNING
+
+
+def test_a_custom_searchers_trial_cut_short_before_its_params_is_void_on_resume(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A custom searcher's config is recorded after the create: a trial cut short between the
+    two cannot be rebuilt on resume (the searcher gave its config to a process that is gone),
+    so it is void, the searcher is told it failed, and the budget is asked in full."""
+    import hfsweep as hs
+
+    from ._toy import sweep_config
+    from .test_engine import _ListSearcher
+
+    monkeypatch.setenv("HFSWEEP_CACHE_DIR", str(tmp_path))
+    configs = [{"lr": lr, "momentum": 0.5} for lr in (0.01, 0.05, 0.1, 0.2, 0.3, 0.4)]
+    config = sweep_config(
+        tmp_path / "run",
+        budget={"trials": TRIALS, "epochs": 2},
+        fusion={"size": 2, "device": "cpu"},
+    )
+    _killed_after_create(monkeypatch, nth=2)
+    with pytest.raises(_Killed):
+        hs.sweep(config, searcher=_ListSearcher(configs), progress=False)
+    searcher = _ListSearcher(configs[2:])
+    result = hs.sweep(config, searcher=searcher, resume=True, progress=False)
+
+    trials = result.study.get_trials()
+    void = [t.number for t in trials if t.user_attrs.get(VOID_ATTR)]
+    assert void == [1] and trials[1].state == TrialState.FAIL
+    assert "params ['lr', 'momentum'] were recorded" in trials[1].user_attrs["error"]
+    counted = [t for t in trials if not t.user_attrs.get(VOID_ATTR)]
+    assert len(counted) == TRIALS and {t.state for t in counted} == {TrialState.COMPLETE}
+    assert searcher.told[1] == ("failed", None)
