@@ -450,6 +450,9 @@ class Drivers:
                     with self.lock.fenced():
                         trials = self.study.get_trials(deepcopy=False)
                         if unsure:
+                            assert lost_from is not None
+                            answered = {pair[0].number for pair in unsure}  # type: ignore[index]
+                            trials = self._void_orphans(trials, lost_from, answered)
                             return self._settle(unsure, trials, total)
                         if lost_from is not None:
                             trials = self._void_cut_off(trials, lost_from)
@@ -504,33 +507,26 @@ class Drivers:
         """``trials`` with those a cut-off ask of this driver created made void: running, from
         trial ``first`` on, named by this driver (each is created naming it) and never put in
         an array (the ask was not answered, so nothing trains them). Re-read after."""
-        cut_off = self._unanswered(trials, first, set())
-        for t in cut_off:
-            self._void(trial_id(t), t.number, "its ask lost the connection to the storage")
-        return self.study.get_trials(deepcopy=False) if cut_off else trials
+        return self._void_orphans(trials, first, set())
 
     def _void_unanswered(self, first: int, asked: Sequence[Any]) -> None:
-        """Make void the trials an answered ask created besides ``asked``: a create whose
-        answer was lost and that the storage tried again in place (Optuna's RDB storage
-        retries a failed create by itself) leaves a trial that names this driver, which
-        nothing would train. Counted first (one cheap call): a study holding only the
-        trials before ``first`` and ``asked`` has none."""
+        """Make void the trials an answered ask created besides ``asked`` (see
+        :meth:`_void_orphans`). Counted first, one cheap call: a study that holds no more
+        trials than those before ``first`` and ``asked`` has none."""
         storage = study_storage(self.study)
-        if storage.get_n_trials(study_id(self.study)) <= first + len(asked):
-            return
-        mine = {pair[0].number for pair in asked}
-        trials = self.study.get_trials(deepcopy=False)
-        for t in self._unanswered(trials, first, mine):
-            self._void(trial_id(t), t.number, "its create was answered only on a second try")
+        if storage.get_n_trials(study_id(self.study)) > first + len(asked):
+            mine = {pair[0].number for pair in asked}
+            self._void_orphans(self.study.get_trials(deepcopy=False), first, mine)
 
-    def _unanswered(
-        self, trials: Iterable[Any], first: int, answered: set[int]
-    ) -> list[optuna.trial.FrozenTrial]:
-        """The running trials from number ``first`` on, besides ``answered``, that name this
-        driver and were never put in an array."""
+    def _void_orphans(self, trials: list[Any], first: int, answered: set[int]) -> list[Any]:
+        """``trials`` with this driver's orphans from trial ``first`` on made void: running,
+        named by this driver, never put in an array and not among the ``answered`` trial
+        numbers its ask returned. Nothing would train them: a create whose answer was lost
+        (the ask was cut off, or the storage created the trial again in place, as Optuna's
+        RDB storage retries a failed create by itself). Re-read after."""
         from optuna.trial import TrialState
 
-        return [
+        orphans = [
             t
             for t in trials
             if t.number >= first
@@ -539,6 +535,10 @@ class Drivers:
             and t.user_attrs.get(DRIVER_ATTR) == self.id
             and "array" not in t.user_attrs
         ]
+        for t in orphans:
+            why = "its ask lost the connection to the storage after creating it"
+            self.void(trial_id(t), t.number, f"{why} (a database restart or a dropped connection)")
+        return self.study.get_trials(deepcopy=False) if orphans else trials
 
     def _void(self, ident: int, number: int, why: str) -> None:
         """End trial ``number`` as void, asked across a lost study lock (see the module

@@ -126,12 +126,19 @@ def _study(tmp_path: Path) -> optuna.Study:
     return optuna.create_study(study_name="s", storage=journal_storage(tmp_path / "j"))
 
 
-def test_a_create_answered_only_on_a_second_try_leaves_no_orphan(tmp_path: Path) -> None:
+@pytest.mark.parametrize("lock", ["held", "lost meanwhile"])
+def test_a_create_answered_only_on_a_second_try_leaves_no_orphan(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lock: str
+) -> None:
     """A storage that creates a trial, loses the answer and creates another (Optuna's RDB
     storage tries a failed create again by itself): the first is void, the second is asked,
-    and the budget counts one."""
+    and the budget counts one; also where the study lock was found lost after the ask (a
+    database restart both loses the answer and ends the lock's connection)."""
     study = _study(tmp_path)
     me = Drivers(study, tmp_path / "me", shared=True)
+    if lock == "lost meanwhile":
+        intact = iter([False])
+        monkeypatch.setattr(me.lock, "intact", lambda: next(intact, True))
     storage = study._storage
     original = storage.create_new_trial
 
@@ -148,7 +155,7 @@ def test_a_create_answered_only_on_a_second_try_leaves_no_orphan(tmp_path: Path)
         (0, TrialState.FAIL, True),
         (1, TrialState.RUNNING, False),
     ]
-    assert "answered only on a second try" in trials[0].user_attrs["error"]
+    assert "lost the connection to the storage after creating it" in trials[0].user_attrs["error"]
     assert countable(trials) == me.count == 1
 
 
