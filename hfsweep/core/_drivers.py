@@ -511,11 +511,11 @@ class Drivers:
 
     def _void_unanswered(self, first: int, asked: Sequence[Any]) -> None:
         """Make void the trials an answered ask created besides ``asked`` (see
-        :meth:`_void_orphans`). Counted first, one cheap call: a study that holds no more
-        trials than those before ``first`` and ``asked`` has none."""
-        storage = study_storage(self.study)
-        if storage.get_n_trials(study_id(self.study)) > first + len(asked):
-            mine = {pair[0].number for pair in asked}
+        :meth:`_void_orphans`). Such a trial was created before the answered ones, so where
+        ``asked`` are numbered from ``first`` on, one after another, there is none, and the
+        study need not be read again."""
+        mine = {pair[0].number for pair in asked}
+        if mine != set(range(first, first + len(mine))):
             self._void_orphans(self.study.get_trials(deepcopy=False), first, mine)
 
     def _void_orphans(self, trials: list[Any], first: int, answered: set[int]) -> list[Any]:
