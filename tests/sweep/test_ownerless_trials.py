@@ -96,7 +96,9 @@ def _check(journal: Path, *runs: Path) -> None:
     assert told == Counter({str(n): 1 for n in range(TRIALS)})
 
 
-@pytest.mark.parametrize("then", ["another driver", "its own --resume"])
+@pytest.mark.parametrize(
+    "then", [pytest.param("another driver", marks=pytest.mark.slow), "its own --resume"]
+)
 def test_a_driver_killed_just_after_a_create_leaves_a_trial_that_is_trained_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, then: str
 ) -> None:
