@@ -13,7 +13,7 @@ ray >= 2.60.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +31,7 @@ __all__ = [
     "TORCH_BINDING_OWNERS",
     "OpOverload",
     "TorchDispatchMode",
+    "ask_with_user_attrs",
     "compile_backward_eagerly",
     "compile_in_this_process",
     "distribution_contains",
@@ -225,6 +226,43 @@ def trial_for(study: optuna.Study, frozen: optuna.trial.FrozenTrial) -> optuna.T
     import optuna
 
     return optuna.Trial(study, frozen._trial_id)
+
+
+def ask_with_user_attrs(study: optuna.Study, user_attrs: Mapping[str, Any]) -> optuna.Trial:
+    """``study.ask()``, whose trial carries ``user_attrs`` from its first write: a trial it
+    creates is created with them (one storage write: one transaction of a database, one
+    journal record), so a process killed just after leaves no trial without them. A trial
+    taken from the study's queue of enqueued trials (Optuna's ``WAITING``) gets them just
+    after it is taken, as ``study.ask()`` then ``set_user_attr`` would. Otherwise as
+    ``study.ask()``: the queue first, the sampler's ``before_trial``; Optuna's ``ask`` has no
+    argument for a trial's first attrs, hence its steps here."""
+    import datetime
+
+    import optuna
+    from optuna.trial import FrozenTrial, TrialState
+
+    storage = study._storage
+    study._thread_local.cached_all_trials = None  # as ask(): read the storage afresh
+    ident = study._pop_waiting_trial_id()
+    if ident is None:
+        template = FrozenTrial(
+            number=-1,  # the storage numbers it
+            state=TrialState.RUNNING,
+            value=None,
+            datetime_start=datetime.datetime.now(),
+            datetime_complete=None,
+            params={},
+            distributions={},
+            user_attrs=dict(user_attrs),
+            system_attrs={},
+            intermediate_values={},
+            trial_id=-1,
+        )
+        ident = storage.create_new_trial(study._study_id, template_trial=template)
+    else:
+        for key, value in user_attrs.items():
+            storage.set_trial_user_attr(ident, key, value)
+    return optuna.Trial(study, ident)
 
 
 def trial_id(trial: optuna.Trial | optuna.trial.FrozenTrial) -> int:

@@ -14,6 +14,9 @@ from typing import Any
 import optuna
 import pytest
 import torch
+from optuna.storages import JournalStorage
+from optuna.storages.journal import JournalFileBackend
+from optuna.trial import TrialState
 from packaging.version import Version
 
 from hfsweep import _compat
@@ -89,6 +92,30 @@ def test_optuna_private_names() -> None:
     done = study.get_trials(deepcopy=False)[0]
     assert done.value == 0.75 and done.intermediate_values == {0: 1.5}
     assert math.isclose(done.params["x"], 0.25)
+
+
+def test_optuna_ask_with_user_attrs(tmp_path: Path) -> None:
+    """A new trial carries the attrs in its create record; an enqueued one is taken from the
+    queue first (as ``study.ask()`` does) and gets them too; the sampler sees each trial."""
+    storage = JournalStorage(JournalFileBackend(str(tmp_path / "j")))
+    seen: list[int] = []
+
+    class Sampler(optuna.samplers.RandomSampler):
+        def before_trial(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+            seen.append(trial.number)
+
+    study = optuna.create_study(study_name="s", storage=storage, sampler=Sampler(seed=0))
+    study.enqueue_trial({"x": 0.5})
+    first = _compat.ask_with_user_attrs(study, {"k": 1})
+    second = _compat.ask_with_user_attrs(study, {"k": 2})
+    assert first.suggest_float("x", 0, 1) == 0.5  # the enqueued one
+    assert (first.number, second.number) == (0, 1) and seen == [0, 1]
+    creates = [
+        log for log in JournalFileBackend(str(tmp_path / "j")).read_logs(0) if log["op_code"] == 4
+    ]
+    assert [log.get("user_attrs") for log in creates] == [{}, {"k": 2}]  # born with them
+    assert [t.user_attrs for t in study.get_trials()] == [{"k": 1}, {"k": 2}]
+    assert {t.state for t in study.get_trials()} == {TrialState.RUNNING}
 
 
 def test_tune_private_attributes() -> None:

@@ -4,7 +4,9 @@ Optuna users share a study between machines as a matter of course (one PostgreSQ
 driver per machine). Each hfsweep driver is one run directory: its identity is a random id kept
 in ``<run dir>/driver.json``, so a driver killed and resumed from its run directory is the same
 driver and continues its own trials from its arrays' checkpoints. Every trial it asks (or
-adopts) carries the user attr ``driver`` with that id.
+adopts) carries the user attr ``driver`` with that id; a trial it asks is created with it, in
+the same storage write (:func:`hfsweep._compat.ask_with_user_attrs`), so a driver killed just
+after a create leaves a trial that is its own, never one that names nobody.
 
 Liveness: a driver on a shared storage writes a heartbeat, the study system attr
 ``hfsweep:driver:<id>`` (host, pid, run directory, a counter, the wall time), every
@@ -371,6 +373,9 @@ class Drivers:
         for t in trials:
             if t.state != TrialState.RUNNING:
                 continue
+            if t.user_attrs.get(VOID_ATTR):  # a driver stopped while making it void
+                self.void(trial_id(t), t.number, "its driver stopped while making it void")
+                continue
             owner = t.user_attrs.get(DRIVER_ATTR)
             if owner == self.id:
                 own.append(t)
@@ -445,6 +450,9 @@ class Drivers:
                     with self.lock.fenced():
                         trials = self.study.get_trials(deepcopy=False)
                         if unsure:
+                            assert lost_from is not None
+                            answered = {pair[0].number for pair in unsure}  # type: ignore[index]
+                            trials = self._void_orphans(trials, lost_from, answered)
                             return self._settle(unsure, trials, total)
                         if lost_from is not None:
                             trials = self._void_cut_off(trials, lost_from)
@@ -454,8 +462,11 @@ class Drivers:
                         lost_from = len(trials)  # trial numbers are 0, 1, ... per study
                         asked = list(ask(1))
                         for pair in asked:
-                            pair[0].set_user_attr(DRIVER_ATTR, self.id)  # type: ignore[index]
+                            trial = pair[0]  # type: ignore[index]
+                            if trial.user_attrs.get(DRIVER_ATTR) != self.id:  # not born named
+                                trial.set_user_attr(DRIVER_ATTR, self.id)
                         if self.lock.intact():
+                            self._void_unanswered(lost_from, asked)
                             self.count += len(asked)
                             return asked
                         unsure = asked
@@ -494,33 +505,55 @@ class Drivers:
 
     def _void_cut_off(self, trials: list[Any], first: int) -> list[Any]:
         """``trials`` with those a cut-off ask of this driver created made void: running, from
-        trial ``first`` on, named by no driver or by this one (the ask was not answered, so
-        nothing trains them). Re-read after."""
+        trial ``first`` on, named by this driver (each is created naming it) and never put in
+        an array (the ask was not answered, so nothing trains them). Re-read after."""
+        return self._void_orphans(trials, first, set())
+
+    def _void_unanswered(self, first: int, asked: Sequence[Any]) -> None:
+        """Make void the trials an answered ask created besides ``asked`` (see
+        :meth:`_void_orphans`). Such a trial was created before the answered ones, so where
+        ``asked`` are numbered from ``first`` on, one after another, there is none, and the
+        study need not be read again."""
+        mine = {pair[0].number for pair in asked}
+        if mine != set(range(first, first + len(mine))):
+            self._void_orphans(self.study.get_trials(deepcopy=False), first, mine)
+
+    def _void_orphans(self, trials: list[Any], first: int, answered: set[int]) -> list[Any]:
+        """``trials`` with this driver's orphans from trial ``first`` on made void: running,
+        named by this driver, never put in an array and not among the ``answered`` trial
+        numbers its ask returned. Nothing would train them: a create whose answer was lost
+        (the ask was cut off, or the storage created the trial again in place, as Optuna's
+        RDB storage retries a failed create by itself). Re-read after."""
         from optuna.trial import TrialState
 
-        cut_off = [
+        orphans = [
             t
             for t in trials
             if t.number >= first
+            and t.number not in answered
             and t.state == TrialState.RUNNING
-            and t.user_attrs.get(DRIVER_ATTR) in (None, self.id)
+            and t.user_attrs.get(DRIVER_ATTR) == self.id
             and "array" not in t.user_attrs
         ]
-        for t in cut_off:
-            self._void(trial_id(t), t.number, "its ask lost the connection to the storage")
-        return self.study.get_trials(deepcopy=False) if cut_off else trials
+        for t in orphans:
+            why = "its ask lost the connection to the storage after creating it"
+            self.void(trial_id(t), t.number, f"{why} (a database restart or a dropped connection)")
+        return self.study.get_trials(deepcopy=False) if orphans else trials
 
     def _void(self, ident: int, number: int, why: str) -> None:
-        """End trial ``number`` as void (see the module docstring)."""
+        """End trial ``number`` as void, asked across a lost study lock (see the module
+        docstring)."""
+        self.void(ident, number, f"{why} while the study lock was lost (a database restart)")
+
+    def void(self, ident: int, number: int, why: str) -> None:
+        """End running trial ``number`` (storage id ``ident``) as void, saying ``why``: never
+        trained, not counted in ``budget.trials``."""
         from optuna.trial import TrialState
 
         storage = study_storage(self.study)
         if storage.get_trial(ident).state != TrialState.RUNNING:
             return  # made void by an earlier try
-        reason = (
-            f"void: {why} while the study lock was lost (a database restart); never trained, "
-            "not counted in budget.trials"
-        )
+        reason = f"void: {why}; never trained, not counted in budget.trials"
         storage.set_trial_user_attr(ident, VOID_ATTR, True)
         storage.set_trial_user_attr(ident, "status", Status.FAILED.value)
         storage.set_trial_user_attr(ident, "error", reason)

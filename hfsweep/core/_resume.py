@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from .._compat import trial_for
+from .._compat import trial_for, trial_id
 from .._dburl import mask, shown
 from .._journal_url import is_journal, journal_file
 from ..config import make_sampler
@@ -501,6 +501,18 @@ class _Resume(_Parts):
                 optuna.trial.FixedTrial(t.params) if self.custom is not None else trial
             )
         except (ValueError, TypeError) as exc:
+            missing = [name for name in self.sc.space.names if name not in t.params]
+            if missing and "array" not in t.user_attrs:
+                # its driver stopped between creating it and recording the searcher's
+                # config: nothing can train it, and the budget asks another in its place
+                assert self.drivers is not None
+                self.drivers.void(
+                    trial_id(t),
+                    t.number,
+                    f"its driver stopped before the searcher's params {missing} were recorded",
+                )
+                self.source.tell(t.number, dict(t.params), Status.FAILED.told, None)
+                return None
             self._fail_unstarted(trial, exc)
             return None
         keyed = self._admit(trial, sampled)

@@ -51,7 +51,7 @@ from ..training.checkpoint import DamagedCheckpointError
 from ..training.packed import UnsafeFileError
 from ..training.trainer import ArrayTrainer, Member, _DataCache
 from ._backend import _Backend
-from ._drivers import Drivers
+from ._drivers import DRIVER_ATTR, Drivers
 from ._hooks import _Hooks
 from ._logs import logged_to, quiet_optuna
 from ._outcome import _Outcome
@@ -279,10 +279,13 @@ class _Engine(_Resume, _Hooks, _Outcome, _Tracked, _Backend):
             self._tracked(resumed=saved is not None),
         ):
             self.study = self._open_study()
+            assert self.drivers is not None
+            # every trial names its driver from its first write (see hfsweep.core._drivers)
+            born = {DRIVER_ATTR: self.drivers.id}
             self.source: TrialSource = (
-                OptunaSource(self.study, self.sc.space)
+                OptunaSource(self.study, self.sc.space, born)
                 if self.custom is None
-                else CustomSource(self.study, self.sc.space, self.custom)
+                else CustomSource(self.study, self.sc.space, self.custom, born)
             )
             if self.custom is not None:
                 self.custom.setup(

@@ -10,7 +10,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .._compat import distribution_contains, set_trial_param
+from .._compat import ask_with_user_attrs, distribution_contains, set_trial_param
 from ._base import Searcher
 
 if TYPE_CHECKING:
@@ -26,11 +26,16 @@ class SearcherError(ValueError):
 
 
 class TrialSource:
-    """Asks new trials; subclasses decide where their params come from."""
+    """Asks new trials; subclasses decide where their params come from. Each trial is created
+    with ``user_attrs`` (the driver that asked it: a trial of a shared study names its driver
+    from its first write, see :mod:`hfsweep.core._drivers`)."""
 
-    def __init__(self, study: optuna.Study, space: SearchSpace) -> None:
+    def __init__(
+        self, study: optuna.Study, space: SearchSpace, user_attrs: Mapping[str, Any] | None = None
+    ) -> None:
         self.study = study
         self.space = space
+        self.user_attrs = dict(user_attrs or {})
         #: no more trials to come (a custom searcher said so)
         self.exhausted = False
 
@@ -51,7 +56,7 @@ class OptunaSource(TrialSource):
     def ask(self, n: int) -> list[tuple[optuna.Trial, dict[str, Any]]]:
         out = []
         for _ in range(n):
-            trial = self.study.ask()
+            trial = ask_with_user_attrs(self.study, self.user_attrs)
             out.append((trial, self.space.sample(trial)))
         return out
 
@@ -59,8 +64,14 @@ class OptunaSource(TrialSource):
 class CustomSource(TrialSource):
     """Trials whose params a :class:`Searcher` chose, recorded in the study as its params."""
 
-    def __init__(self, study: optuna.Study, space: SearchSpace, searcher: Searcher) -> None:
-        super().__init__(study, space)
+    def __init__(
+        self,
+        study: optuna.Study,
+        space: SearchSpace,
+        searcher: Searcher,
+        user_attrs: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__(study, space, user_attrs)
         self.searcher = searcher
 
     def ask(self, n: int) -> list[tuple[optuna.Trial, dict[str, Any]]]:
@@ -90,7 +101,7 @@ class CustomSource(TrialSource):
                     "a config is a dict of param values"
                 )
             self.space.sample(_Given(None, config, self.space, number))  # check it all first
-            trial = self.study.ask()
+            trial = ask_with_user_attrs(self.study, self.user_attrs)
             if trial.number != number:
                 raise SearcherError(
                     f"the study got trial {trial.number} where trial {number} was expected: "

@@ -19,6 +19,7 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
+from hfsweep._compat import ask_with_user_attrs
 from hfsweep.core._drivers import DRIVER_ATTR, VOID_ATTR, Drivers, countable
 from hfsweep.core._storage import RetryingStorage, _Retrier, engine_kwargs
 
@@ -37,11 +38,13 @@ def _storage(url: str, flaky: str | None = None, *, after: bool = False) -> Retr
     return RetryingStorage(inner, retrier)
 
 
-def _asker(study: optuna.Study, before: Any = None) -> Any:
+def _asker(study: optuna.Study, driver: Drivers, before: Any = None) -> Any:
+    """Asks as the sweep does: each trial created naming ``driver``."""
+
     def ask(n: int) -> list[tuple[optuna.Trial, None]]:
         if before is not None:
             before()
-        return [(study.ask(), None) for _ in range(n)]
+        return [(ask_with_user_attrs(study, {DRIVER_ATTR: driver.id}), None) for _ in range(n)]
 
     return ask
 
@@ -78,16 +81,16 @@ def test_a_lock_lost_while_asking_does_not_overrun_the_budget(
     b = Drivers(study_b, tmp_path / "b", shared=True)
     assert a.lock.kind == "PostgreSQL advisory lock"
     for _ in range(TOTAL - 1):
-        assert len(b.ask(_asker(study_b), TOTAL)) == 1
+        assert len(b.ask(_asker(study_b, b), TOTAL)) == 1
     got_b: list[Any] = []
 
     def restart_and_b_asks() -> None:
         if got_b:
             return  # A asks again after taking the lock again: no second restart
         _drop_every_connection(url)
-        got_b.extend(b.ask(_asker(study_b), TOTAL))  # takes the lock A held
+        got_b.extend(b.ask(_asker(study_b, b), TOTAL))  # takes the lock A held
 
-    got_a = a.ask(_asker(study_a, restart_and_b_asks), TOTAL)
+    got_a = a.ask(_asker(study_a, a, restart_and_b_asks), TOTAL)
 
     assert len(got_b) == 1 and got_a == []
     trials = optuna.load_study(study_name="s", storage=url).get_trials()
@@ -117,7 +120,7 @@ def test_an_ask_whose_answer_was_lost_leaves_no_orphan(tmp_path: Path) -> None:
     me = Drivers(study, tmp_path / "me", shared=True)
     assert me.lock.kind == "SQLite file lock"
 
-    got = me.ask(_asker(study), 2)
+    got = me.ask(_asker(study, me), 2)
 
     assert [pair[0].number for pair in got] == [1]
     trials = study.get_trials()
@@ -143,5 +146,5 @@ def test_an_ask_that_keeps_losing_the_lock_stops_the_sweep_with_a_clear_error(
     me = Drivers(study, tmp_path / "me", shared=True)
     storage._inner = _Flaky(storage.inner, "get_all_trials", times=100)
     with pytest.raises(StorageUnavailable, match="was lost 8 times in a row while asking"):
-        me.ask(_asker(study), 2)
+        me.ask(_asker(study, me), 2)
     assert optuna.load_study(study_name="s", storage=url).get_trials() == []

@@ -104,9 +104,11 @@ output: run
         #: wall times at which a process of this driver was killed
         self.kills: list[float] = []
 
-    def start(self, **env: str) -> None:
+    def start(self, *, launcher: tuple[str, ...] = ("-m", "hfsweep.cli"), **env: str) -> None:
+        """Start ``hfsweep run --resume`` (through ``launcher``: Python's arguments before
+        the CLI's) with ``env`` added to the test's environment."""
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "hfsweep.cli", "run", str(self.sweep), "--quiet", "--resume"],
+            [sys.executable, *launcher, "run", str(self.sweep), "--quiet", "--resume"],
             cwd=self.folder,
             env={
                 **os.environ,
