@@ -134,6 +134,8 @@ def _profile(args: argparse.Namespace) -> int:
     print()
     print(profile.table())
     print(f"\nchosen B = {profile.chosen}: {profile.reason}")
+    if cache is not None and profile.cached_from is None:
+        print(f"measured now; cached in {cache.path} (--no-cache: neither read nor written)")
     if args.plot is not None:
         try:
             profiler.plot(profile, args.plot)
@@ -412,9 +414,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="PNG of throughput and memory against B (default profile.png)",
     )
     prof.add_argument("--no-plot", dest="plot", action="store_const", const=None)
-    prof.add_argument("--cache", type=Path, default=None, help="profile cache file")
+    prof.add_argument(
+        "--cache",
+        type=Path,
+        default=None,
+        help="profile cache file (default: $HFSWEEP_CACHE_DIR/profiles.json, else "
+        "$XDG_CACHE_HOME/hfsweep/profiles.json, else ~/.cache/hfsweep/profiles.json)",
+    )
     prof.add_argument("--no-cache", action="store_true", help="neither read nor write the cache")
-    prof.add_argument("--refresh", action="store_true", help="measure again even if cached")
+    prof.add_argument(
+        "--refresh",
+        action="store_true",
+        help="measure again even if cached, and cache the new profile (a sweep's size: auto: "
+        "HFSWEEP_PROFILE_REFRESH=1)",
+    )
     prof.set_defaults(func=_profile)
 
     val = sub.add_parser(

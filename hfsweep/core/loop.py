@@ -431,7 +431,8 @@ class _Engine(_Resume, _Hooks, _Outcome, _Tracked, _Backend):
             searcher=f"the {name} searcher",
             unit="trials",
         )
-        _log.info("array size %d for %s: %s", size, self._describe(config), reason)
+        # shown, not only logged: a cached profile says where from, how old, measured under what
+        self._note(f"array size {size} for {self._describe(config)}: {reason}")
         return size
 
     def _fail_unstarted(self, trial: optuna.Trial, exc: Exception) -> None:
