@@ -135,7 +135,7 @@ def _profile(args: argparse.Namespace) -> int:
     print(profile.table())
     print(f"\nchosen B = {profile.chosen}: {profile.reason}")
     if cache is not None and profile.cached_from is None:
-        print(f"measured now; cached in {cache.path} (--no-cache: neither read nor written)")
+        print(f"measured now; cached in {cache.path} (--refresh measures again)")
     if args.plot is not None:
         try:
             profiler.plot(profile, args.plot)
