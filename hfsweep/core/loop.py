@@ -131,42 +131,29 @@ def sweep(
     thread, it handles SIGTERM and SIGINT while it runs where they have Python's default
     handlers, and restores the handlers it found as it returns.
     """
-    # SIGTERM stops the sweep as Ctrl-C does; the process's handlers are restored after
+    # SIGTERM stops the sweep as Ctrl-C does; the process's handlers are restored after (in
+    # this frame: the warnings' stacklevels count the frames up to hs.sweep's caller)
     with stopping_on_signals():
-        return _sweep(
-            config, resume=resume, progress=progress, searcher=searcher, callbacks=callbacks
+        if isinstance(config, SweepConfig):
+            sc = config
+        elif isinstance(config, Mapping):
+            sc = parse_sweep(config)
+        else:
+            sc = load_sweep(config)
+        preflight(sc)  # before the run directory is created: a sweep that cannot run writes nothing
+        check_trackers(sc)  # their libraries import
+        data = _DataCache()  # the dry run's data, which the local backend's arrays train on
+        from ._dryrun import dry_run, runs_on_the_driver
+
+        if runs_on_the_driver(sc):  # before anything is written and the time limit's clock starts
+            dry_run(sc, data=data)
+        if searcher is None and sc.searcher.custom:
+            searcher = make_searcher(sc.searcher)
+        engine = _Engine(sc, resume=resume, progress=progress, searcher=searcher, data=data)
+        engine.tracking = Tracking(
+            [*(make_tracker(t.name, t.options) for t in sc.tracking), *callbacks]
         )
-
-
-def _sweep(
-    config: str | os.PathLike[str] | Mapping[str, Any] | SweepConfig,
-    *,
-    resume: bool,
-    progress: bool,
-    searcher: Searcher | None,
-    callbacks: Sequence[Callback],
-) -> SweepResult:
-    """:func:`sweep`, with the signals' handlers in place."""
-    if isinstance(config, SweepConfig):
-        sc = config
-    elif isinstance(config, Mapping):
-        sc = parse_sweep(config)
-    else:
-        sc = load_sweep(config)
-    preflight(sc)  # before the run directory is created: a sweep that cannot run writes nothing
-    check_trackers(sc)  # their libraries import
-    data = _DataCache()  # the dry run's data, which the local backend's arrays train on
-    from ._dryrun import dry_run, runs_on_the_driver
-
-    if runs_on_the_driver(sc):  # before anything is written and the time limit's clock starts
-        dry_run(sc, data=data)
-    if searcher is None and sc.searcher.custom:
-        searcher = make_searcher(sc.searcher)
-    engine = _Engine(sc, resume=resume, progress=progress, searcher=searcher, data=data)
-    engine.tracking = Tracking(
-        [*(make_tracker(t.name, t.options) for t in sc.tracking), *callbacks]
-    )
-    return engine.run()
+        return engine.run()
 
 
 class _InLedger:
