@@ -35,6 +35,7 @@ from typing import Any
 __all__ = [
     "Terminated",
     "exit_code",
+    "interruptible",
     "reclaim",
     "settle",
     "shielded",
@@ -187,3 +188,26 @@ def shielded() -> Iterator[None]:
         held, state.held = state.held, None
         if held is not None and state.shields == 0:
             _handle(held, None)
+
+
+@contextmanager
+def interruptible() -> Iterator[None]:
+    """A wait inside a :func:`shielded` block where a stop may come at once: nothing is half
+    done while it waits (a retry's pause while the database does not answer). A signal held
+    by the shield, or one that comes meanwhile, raises here."""
+    state = _state
+    if (
+        state is None
+        or not state.shields
+        or threading.current_thread() is not threading.main_thread()
+    ):
+        yield
+        return
+    shields, state.shields = state.shields, 0
+    try:
+        held, state.held = state.held, None
+        if held is not None:
+            _handle(held, None)
+        yield
+    finally:
+        state.shields = shields

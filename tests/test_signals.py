@@ -157,3 +157,21 @@ def test_a_sweep_from_python_leaves_the_handlers_as_it_found_them(tmp_path: Path
     thread.start()
     thread.join()
     assert errors == [] and _handlers() == before
+
+
+def test_a_wait_inside_a_shielded_block_may_be_interrupted() -> None:
+    """A retry's pause while the database does not answer: nothing half done, so a stop held
+    by the shield (or one that comes meanwhile) raises there instead of after the retries."""
+    from hfsweep._signals import interruptible
+
+    steps: list[str] = []
+    with pytest.raises(Terminated), stopping_on_signals(), shielded():
+        signal.raise_signal(signal.SIGTERM)  # held
+        steps.append("call failed")
+        with interruptible():
+            steps.append("waiting")  # pragma: no cover - raised before
+        steps.append("retried")  # pragma: no cover
+    assert steps == ["call failed"]
+    with pytest.raises(KeyboardInterrupt), stopping_on_signals(), shielded(), interruptible():
+        signal.raise_signal(signal.SIGINT)  # comes while it waits
+        pytest.fail("the wait was not interrupted")
