@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shlex
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -132,6 +134,8 @@ def _profile(args: argparse.Namespace) -> int:
     print()
     print(profile.table())
     print(f"\nchosen B = {profile.chosen}: {profile.reason}")
+    if cache is not None and profile.cached_from is None:
+        print(f"measured now; cached in {cache.path} (--refresh measures again)")
     if args.plot is not None:
         try:
             profiler.plot(profile, args.plot)
@@ -208,17 +212,20 @@ def _run(args: argparse.Namespace) -> int:
     except (ConfigError, SweepError, SearcherError) as e:
         _error("run", e, args)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM (hfsweep._signals.Terminated)
+        from ._signals import exit_code, settle
+
+        settle()  # a signal from now on waits for the message
         resume = ["hfsweep", "run", str(args.sweep)]
         if args.output is not None:
             resume += ["--output", str(args.output)]
         print(
-            f"\nhfsweep run: interrupted. Every finished trial is recorded in "
+            f"\nhfsweep run: {_stopped(stop)}. Every finished trial is recorded in "
             f"{_shown(config.output)}; continue with: {shlex.join([*resume, '--resume'])}\n"
             f"See the trials finished so far: {_report_command(config.output)}",
             file=sys.stderr,
         )
-        return 130
+        return exit_code(stop)
     if not args.quiet:
         print(result.summary())
         if result.counts.get(Status.COMPLETED) or result.counts.get(Status.STOPPED):
@@ -227,6 +234,39 @@ def _run(args: argparse.Namespace) -> int:
                 f"{_shown(result.run_dir / 'report')})"
             )
     return 0
+
+
+def _stopped(stop: BaseException) -> str:
+    """How a run ended by ``stop`` ended: ``interrupted`` (Ctrl-C), ``stopped by SIGTERM``."""
+    from ._signals import Terminated
+
+    return str(stop) if isinstance(stop, Terminated) else "interrupted"
+
+
+def _end_now(code: int) -> NoReturn:
+    """End this process with ``code`` now that a signal stopped its sweep and the message is
+    out: the threads still running get a bounded wait, the ``atexit`` functions run (logging's
+    flush among them), and the interpreter's own teardown, which frees every object of torch,
+    Optuna and Ray one by one (seconds, tens of seconds on a loaded machine), is skipped.
+    Everything the run keeps was written and flushed as it happened."""
+    import atexit
+    import os
+    import threading
+    import time
+
+    deadline = time.monotonic() + _THREADS_WAIT_S
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join(max(0.0, deadline - time.monotonic()))
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(code)
+
+
+#: how long a stopped run waits for its threads still running before it ends
+_THREADS_WAIT_S = 5.0
 
 
 def _shown(path: Path) -> str:
@@ -374,9 +414,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="PNG of throughput and memory against B (default profile.png)",
     )
     prof.add_argument("--no-plot", dest="plot", action="store_const", const=None)
-    prof.add_argument("--cache", type=Path, default=None, help="profile cache file")
+    prof.add_argument(
+        "--cache",
+        type=Path,
+        default=None,
+        help="profile cache file (default: $HFSWEEP_CACHE_DIR/profiles.json, else "
+        "$XDG_CACHE_HOME/hfsweep/profiles.json, else ~/.cache/hfsweep/profiles.json)",
+    )
     prof.add_argument("--no-cache", action="store_true", help="neither read nor write the cache")
-    prof.add_argument("--refresh", action="store_true", help="measure again even if cached")
+    prof.add_argument(
+        "--refresh",
+        action="store_true",
+        help="measure again even if cached, and cache the new profile (a sweep's size: auto: "
+        "HFSWEEP_PROFILE_REFRESH=1)",
+    )
     prof.set_defaults(func=_profile)
 
     val = sub.add_parser(
@@ -409,8 +460,21 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``hfsweep`` command."""
     args = build_parser().parse_args(argv)
+    from ._signals import stopped_by, stopping_on_signals
+
     try:
-        return int(args.func(args))
+        # `run`: SIGTERM stops the sweep as Ctrl-C does (see hfsweep._signals)
+        with stopping_on_signals() if args.command == "run" else contextlib.nullcontext():
+            try:
+                code = int(args.func(args))
+            except KeyboardInterrupt as stop:  # before the sweep started: nothing written
+                if args.command != "run":
+                    raise
+                from ._signals import exit_code
+
+                print(f"\nhfsweep run: {_stopped(stop)} before the sweep started", file=sys.stderr)
+                code = exit_code(stop)
+            stopped = stopped_by() is not None
     except Exception as exc:  # not an error hfsweep foresaw: one paragraph, unless --debug
         if getattr(args, "debug", False):
             raise
@@ -429,6 +493,9 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+    if stopped and argv is None:  # the command line's process, not a call from Python
+        _end_now(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -6,12 +6,14 @@ deterministic and assert behaviour, never a timing.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import stat
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -684,3 +686,51 @@ def test_import_is_light():
         "assert not heavy, heavy\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+# ------------------------------------------------------------------ the cache's conditions
+
+
+def test_cache_key_names_threads_and_the_versions(monkeypatch):
+    """What changes a profile's answer is in its key: another thread count, torch or hfsweep
+    version is another key, so a profile measured under them is not reused."""
+    import hfsweep
+
+    sig = signature(mlp())
+    key = cache_key(sig, 64, torch.float32, "cpu")
+    assert f"threads={torch.get_num_threads()}" in key
+    assert f"torch={torch.__version__}" in key and f"hfsweep={hfsweep.__version__}" in key
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert cache_key(sig, 64, torch.float32, "cpu") != key
+    finally:
+        torch.set_num_threads(threads)
+    monkeypatch.setattr(torch, "__version__", "9.9.9")
+    assert cache_key(sig, 64, torch.float32, "cpu") != key
+    monkeypatch.undo()
+    monkeypatch.setattr(hfsweep, "__version__", "9.9.9")
+    assert cache_key(sig, 64, torch.float32, "cpu") != key
+
+
+def test_a_profile_records_when_and_under_what_it_was_measured_and_says_so_when_reused(
+    tmp_path,
+):
+    from hfsweep.sizing._provenance import conditions
+
+    cache = ProfileCache(tmp_path / "profiles.json")
+    measured = dataclasses.replace(
+        make_profile("k1"),
+        measured_at=time.time() - 3 * 3600,
+        measured_under={**conditions("cpu:Test CPU:2cores"), "load": "7.90", "pid": "4242"},
+    )
+    assert measured.provenance() == ""  # measured here: nothing to say
+    cache.put(measured)
+    hit = cache.get("k1")
+    assert hit == measured and hit.cached_from == str(cache.path)
+    said = hit.provenance()
+    assert f"cached profile from {cache.path}, measured 3.0 h ago (" in said
+    assert f"torch {torch.__version__}" in said and "cpu:Test CPU:2cores" in said
+    assert f"{torch.get_num_threads()} threads" in said and "load 7.90 then" in said
+    assert "by process 4242 on" in said
+    assert "--refresh" in said and "HFSWEEP_PROFILE_REFRESH=1" in said

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from .._signals import reclaim
 from ..executors import ExecutorError, LocalExecutor
 from ..executors._alternating import AlternatingExecutor
 from ..sizing.device import DTYPES as _DTYPES
@@ -82,6 +83,7 @@ class _Backend(_Parts):
             else:
                 self.executor = LocalExecutor(self.task, **settings)
                 self.where = str(self.executor.device)
+        reclaim()  # ray.init installs a SIGTERM handler of its own
         try:
             yield
         finally:

@@ -23,6 +23,7 @@ from optuna.storages import BaseStorage
 
 from .._compat_optuna import BaseHeartbeat, FrozenStudy
 from .._dburl import for_driver, mask, scrub
+from .._signals import interruptible
 from ._study_lock import LockLost
 from .result import SweepError
 
@@ -248,7 +249,8 @@ class _Retrier:
                     )
                 if now - first >= self.retry_s:
                     raise self._give_up(exc, now - first) from exc
-                self.sleep(min(wait, first + self.retry_s - now))
+                with interruptible():  # a stop need not wait out the database
+                    self.sleep(min(wait, first + self.retry_s - now))
                 wait = min(wait * 2, _LONGEST_WAIT_S)
                 if reset is not None:
                     reset()

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .._io import grouped_sync
+from .._signals import shielded, stopping_on_signals
 from .._usercode import HOOK, label, unwrap
 from ..config import SweepConfig, load_sweep, make_searcher, parse_sweep
 from ..config.tracking import check_trackers
@@ -125,27 +126,36 @@ def sweep(
     fails alone, and the sweep goes on. A storage database that stops answering is retried
     for ``storage_retry`` seconds, then ``hfsweep.core._storage.StorageUnavailable`` (a
     :class:`SweepError`) stops the sweep, resumable.
-    """
-    if isinstance(config, SweepConfig):
-        sc = config
-    elif isinstance(config, Mapping):
-        sc = parse_sweep(config)
-    else:
-        sc = load_sweep(config)
-    preflight(sc)  # before the run directory is created: a sweep that cannot run writes nothing
-    check_trackers(sc)  # their libraries import
-    data = _DataCache()  # the dry run's data, which the local backend's arrays train on
-    from ._dryrun import dry_run, runs_on_the_driver
 
-    if runs_on_the_driver(sc):  # before anything is written and the time limit's clock starts
-        dry_run(sc, data=data)
-    if searcher is None and sc.searcher.custom:
-        searcher = make_searcher(sc.searcher)
-    engine = _Engine(sc, resume=resume, progress=progress, searcher=searcher, data=data)
-    engine.tracking = Tracking(
-        [*(make_tracker(t.name, t.options) for t in sc.tracking), *callbacks]
-    )
-    return engine.run()
+    Ctrl-C (``KeyboardInterrupt``) and SIGTERM (:class:`~hfsweep._signals.Terminated`, a
+    ``KeyboardInterrupt``) stop the sweep where it is, resumable with ``resume=True``: the
+    trials still training stay ``RUNNING``, every trial told is kept. Called from the main
+    thread, it handles SIGTERM and SIGINT while it runs where they have Python's default
+    handlers, and restores the handlers it found as it returns.
+    """
+    # SIGTERM stops the sweep as Ctrl-C does; the process's handlers are restored after (in
+    # this frame: the warnings' stacklevels count the frames up to hs.sweep's caller)
+    with stopping_on_signals():
+        if isinstance(config, SweepConfig):
+            sc = config
+        elif isinstance(config, Mapping):
+            sc = parse_sweep(config)
+        else:
+            sc = load_sweep(config)
+        preflight(sc)  # before the run directory is created: a sweep that cannot run writes nothing
+        check_trackers(sc)  # their libraries import
+        data = _DataCache()  # the dry run's data, which the local backend's arrays train on
+        from ._dryrun import dry_run, runs_on_the_driver
+
+        if runs_on_the_driver(sc):  # before anything is written and the time limit's clock starts
+            dry_run(sc, data=data)
+        if searcher is None and sc.searcher.custom:
+            searcher = make_searcher(sc.searcher)
+        engine = _Engine(sc, resume=resume, progress=progress, searcher=searcher, data=data)
+        engine.tracking = Tracking(
+            [*(make_tracker(t.name, t.options) for t in sc.tracking), *callbacks]
+        )
+        return engine.run()
 
 
 class _InLedger:
@@ -307,6 +317,12 @@ class _Engine(_Resume, _Hooks, _Outcome, _Tracked, _Backend):
                 raise self._stop(failed) from failed.exc
             finally:
                 stopping = sys.exc_info()[1] is not None
+                if isinstance(sys.exc_info()[1], KeyboardInterrupt):
+                    _log.warning(
+                        "the sweep was %s; the trials still training resume from their "
+                        "checkpoints with --resume",
+                        sys.exc_info()[1] or "interrupted (Ctrl-C)",
+                    )
                 try:
                     self.ledger.compact()  # the whole state in state.json as the sweep stops
                 except OSError:
@@ -413,7 +429,8 @@ class _Engine(_Resume, _Hooks, _Outcome, _Tracked, _Backend):
             searcher=f"the {name} searcher",
             unit="trials",
         )
-        _log.info("array size %d for %s: %s", size, self._describe(config), reason)
+        # shown, not only logged: a cached profile says where from, how old, measured under what
+        self._note(f"array size {size} for {self._describe(config)}: {reason}")
         return size
 
     def _fail_unstarted(self, trial: optuna.Trial, exc: Exception) -> None:
@@ -570,8 +587,10 @@ class _Engine(_Resume, _Hooks, _Outcome, _Tracked, _Backend):
         (see :class:`~hfsweep.core._journal.GroupedJournalFileBackend`). Every write to the study
         takes the engine's lock, so a hold never waits for a thread that waits for it. Not
         around work that can take long (profiling a new key's array sizes): other processes
-        wait for the hold to end."""
-        with self._lock:
+        wait for the hold to end. A Ctrl-C or SIGTERM that comes meanwhile stops the sweep
+        as the block ends (:func:`~hfsweep._signals.shielded`), not inside a tell or the
+        journal's lock."""
+        with shielded(), self._lock:
             if self._journal is None:
                 # a shared study: no other driver adopts a trial while a hook tells it
                 drivers = self.drivers

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .._signals import shielded
 from ..fusion._compile import check_compile
 from ..training.task import Task
 from ..training.trainer import ArrayTrainer, Member
@@ -340,9 +341,10 @@ class RayExecutor(Executor):
         import ray
 
         if self._owns_ray and ray.is_initialized():
-            self._started |= self._ray_processes() if self.settings.address is None else set()
-            ray.shutdown()
-            _reap(self._started)
+            with shielded():  # a second Ctrl-C must not leave Ray's processes behind
+                self._started |= self._ray_processes() if self.settings.address is None else set()
+                ray.shutdown()
+                _reap(self._started)
 
     @staticmethod
     def _ray_processes() -> set[tuple[int, float]]:

@@ -1,15 +1,17 @@
 """Profiles and their cache: what was measured and chosen for one kind of array on one kind of
 device (:class:`Profile`), kept in a JSON file (:class:`ProfileCache`) under :func:`cache_key`
-(the architecture's :func:`signature`, batch size, dtype, hardware and torch version)."""
+(the architecture's :func:`signature`, batch size, dtype, hardware, threads, torch and hfsweep
+versions), with when and under what load it was measured (shown whenever it is reused)."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,7 @@ from torch import nn
 
 from .._io import new_temporary
 from ..offload import OffloadChoice
+from ._provenance import describe_cached
 from ._units import _MIB, _check_budget, _check_int, _fmt_bytes, _fmt_rate
 from .compiled import CompileChoice
 from .device import _describe_device
@@ -97,21 +100,30 @@ def cache_key(
     dtype: torch.dtype | str,
     device: str | torch.device,
 ) -> str:
-    """The key under which a profile is cached: architecture, batch size, dtype, hardware, torch.
+    """The key under which a profile is cached: everything that changes its answer and can be
+    named (the machine's load cannot: it is recorded with the profile and shown on reuse).
 
-    The device part names the hardware, not the index: for CUDA the GPU's name and memory, for
-    the CPU its model name and the cores this process may use. The torch version (major.minor)
-    is part of the key too, since new releases change kernels and memory use. ``dtype`` is a
-    ``torch.dtype`` or a string (``"float32"`` and ``"torch.float32"`` are the same; other strings,
-    such as an autocast mode, are kept as given).
+    Architecture (``model_signature``), batch size and dtype; the hardware, by name, not index:
+    for CUDA the GPU's name and memory and the CUDA version torch was built with, for the CPU
+    its model name, the cores this process may use and torch's intra-op threads
+    (``torch.get_num_threads()``, which ``OMP_NUM_THREADS`` and ``torch.set_num_threads`` set);
+    and the versions of torch and hfsweep, whose kernels and fused steps change time and memory.
+    ``dtype`` is a ``torch.dtype`` or a string (``"float32"`` and ``"torch.float32"`` are the
+    same; other strings, such as an autocast mode, are kept as given).
     """
+    from .. import __version__
+
     if not isinstance(model_signature, str) or not model_signature:
         raise ValueError(f"model_signature must be a non-empty string, got {model_signature!r}")
     batch_size = _check_int("batch_size", batch_size, 1)
-    torch_version = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    hardware = _describe_device(device)
+    if torch.device(device).type == "cpu":
+        hardware = f"{hardware}|threads={torch.get_num_threads()}"
+    elif torch.device(device).type == "cuda":
+        hardware = f"{hardware}|cuda={torch.version.cuda}"
     return (
-        f"{model_signature}|batch={batch_size}|{_dtype_name(dtype)}|{_describe_device(device)}"
-        f"|torch={torch_version}"
+        f"{model_signature}|batch={batch_size}|{_dtype_name(dtype)}|{hardware}"
+        f"|torch={torch.__version__}|hfsweep={__version__}"
     )
 
 
@@ -138,6 +150,13 @@ class Profile:
     compile: CompileChoice | None = None
     #: offloaded or split (``offload: auto``, :func:`~hfsweep.sizing.offloading.profile_offload`)
     offload: OffloadChoice | None = None
+    #: when it was measured (seconds since the epoch) and under what: versions, hardware,
+    #: threads, the machine's load, the process (:func:`~hfsweep.sizing._provenance.conditions`)
+    measured_at: float | None = None
+    measured_under: Mapping[str, str] | None = None
+    #: the cache file a profile read back from a cache came from; ``None``: measured here
+    #: (not part of what the profile is: equal profiles may come from two files)
+    cached_from: str | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "measurements", tuple(_check_measurements(self.measurements)))
@@ -149,6 +168,13 @@ class Profile:
         for name in ("key", "device", "dtype", "reason"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"Profile.{name} must be a string, got {getattr(self, name)!r}")
+
+    def provenance(self) -> str:
+        """Where a cached profile comes from, as one sentence: the cache file, its age, what it
+        was measured under, how to measure again; ``""`` for a profile measured here."""
+        if self.cached_from is None:
+            return ""
+        return describe_cached(self.cached_from, self.measured_at, self.measured_under)
 
     def table(self) -> str:
         """The measurements as a plain-text table; ``*`` marks the chosen size's row."""
@@ -222,6 +248,12 @@ class Profile:
             "reason": self.reason,
             **({"compile": self.compile.to_dict()} if self.compile is not None else {}),
             **({"offload": self.offload.to_dict()} if self.offload is not None else {}),
+            **({"measured_at": self.measured_at} if self.measured_at is not None else {}),
+            **(
+                {"measured_under": dict(self.measured_under)}
+                if self.measured_under is not None
+                else {}
+            ),
         }
 
     @classmethod
@@ -255,11 +287,29 @@ class Profile:
                 reason=d["reason"],
                 compile=CompileChoice.from_dict(d["compile"]) if d.get("compile") else None,
                 offload=OffloadChoice.from_dict(d["offload"]) if d.get("offload") else None,
+                measured_at=_measured_at(d.get("measured_at")),
+                measured_under=_measured_under(d.get("measured_under")),
             )
         except KeyError as exc:
             raise ValueError(f"profile is missing the field {exc.args[0]!r}") from exc
         except TypeError as exc:
             raise ValueError(f"profile is malformed: {exc}") from exc
+
+
+def _measured_at(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"profile measured_at must be a number of seconds, got {value!r}")
+    return float(value)
+
+
+def _measured_under(value: Any) -> dict[str, str] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(f"profile measured_under must be a mapping, got {value!r}")
+    return {str(k): str(v) for k, v in value.items()}
 
 
 def _default_cache_path() -> Path:
@@ -343,7 +393,7 @@ class ProfileCache:
         if entry is None:
             return None
         try:
-            return Profile.from_dict(entry)
+            return dataclasses.replace(Profile.from_dict(entry), cached_from=str(self.path))
         except ValueError as exc:
             _log.warning("ignoring the unreadable profile %r in %s: %s", key, self.path, exc)
             return None

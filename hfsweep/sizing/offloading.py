@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -39,6 +40,7 @@ from ..offload import (
 )
 from ..training._offload_auto import use_offload_profiler
 from ..training.task import Task
+from ._provenance import conditions, refresh_requested
 from .cache import Profile, ProfileCache, cache_key
 from .device import _describe_device
 from .model import Measurement, MemoryModel
@@ -116,10 +118,11 @@ def profile_offload(
     if steps != ("host",):
         arch += f"|offload_step={'+'.join(steps)}"
     key = cache_key(arch, int(y.shape[0]), dtype, device)
-    if cache is not None and not refresh:
+    if cache is not None and not (refresh or refresh_requested()):
         hit = cache.get(key)
         if hit is not None and hit.offload is not None:
             _log.info("offload choice of %s found in the cache (%s)", task.name, key)
+            _log.info("%s", hit.provenance())
             return dataclasses.replace(hit.offload, reason=f"{hit.offload.reason} (cached)")
     if measure is None:
         step = _step_of(
@@ -314,6 +317,8 @@ def _store(
             chosen=choice.fit_size if choice.mode == "split" else choice.size,
             reason=choice.reason,
             offload=choice,
+            measured_at=time.time(),
+            measured_under=conditions(_describe_device(device)),
         )
     )
 

@@ -33,6 +33,7 @@ from ..offload import OffloadChoice, OffloadedArray, check_offload, offload_budg
 from ..training._compiled import CompiledLoss
 from ..training.step import any_smoothing, backward, update
 from ..training.task import Task, fork_rng, make_optimizer, make_schedule
+from ._provenance import conditions, refresh_requested
 from .beyond import offload_beyond
 from .cache import Profile, ProfileCache, cache_key, signature
 from .compiled import DEFAULT_HORIZON_STEPS, CompileChoice, choose_compile
@@ -412,7 +413,7 @@ def profile_task(
     def measure_compiled(size: int, first: list[float]) -> Measurement:
         return step(size, compile=True, first_step=first)
 
-    if cache is not None and not refresh:
+    if cache is not None and not (refresh or refresh_requested()):
         hit = cache.get(key)
         measured = {m.size for m in hit.measurements} if hit is not None else set()
         if hit is not None and (sizes is None or set(sizes) <= measured):
@@ -421,7 +422,7 @@ def profile_task(
             if hit.offload is not None and hit.offload.mode == "host":
                 chosen, reason = hit.offload.size, hit.offload.reason
             cached = dataclasses.replace(
-                hit, budget_bytes=budget, chosen=chosen, reason=f"{reason} (cached profile)"
+                hit, budget_bytes=budget, chosen=chosen, reason=f"{reason} ({hit.provenance()})"
             )
             if not compare_compiled or (hit.compile is not None and hit.compile.size == chosen):
                 return cached
@@ -479,6 +480,8 @@ def profile_task(
         chosen=chosen,
         reason=reason,
         offload=beyond,
+        measured_at=time.time(),
+        measured_under=conditions(_describe_device(device)),
     )
     if compare_compiled:
         step_s = next(m.step_s for m in measurements if m.size == chosen)

@@ -538,3 +538,30 @@ def test_the_profiler_and_the_arrays_share_the_loaded_data(
     result = hs.sweep(config, progress=False)
     assert result.counts["completed"] == 6
     assert len(loads) == 1 and len(given) == 1 and given[0] is not None
+
+
+@pytest.mark.slow
+def test_a_sweep_reusing_a_cached_profile_says_where_from_and_how_old(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """size: auto reads the profile cache every process of the user shares: a profile it
+    reuses is shown with its file, age and the conditions it was measured under, and
+    HFSWEEP_PROFILE_REFRESH=1 measures again."""
+    monkeypatch.setenv("HFSWEEP_CACHE_DIR", str(tmp_path / "cache"))
+    cache = tmp_path / "cache" / "profiles.json"
+
+    def run(name: str) -> str:
+        config = sweep_config(
+            tmp_path / name, budget={"trials": 2, "epochs": 1}, fusion={"size": "auto"}
+        )
+        hs.sweep(config, progress=True)
+        return (tmp_path / name / "sweep.log").read_text()
+
+    first = run("first")
+    assert "array size" in first and "cached profile" not in first
+    second = run("second")
+    assert f"(cached profile from {cache}, measured " in second
+    assert "threads" in second and "HFSWEEP_PROFILE_REFRESH=1" in second
+    assert f"(cached profile from {cache}" in capsys.readouterr().err  # on the progress line
+    monkeypatch.setenv("HFSWEEP_PROFILE_REFRESH", "1")
+    assert "cached profile" not in run("third")

@@ -12,8 +12,10 @@ import signal
 from pathlib import Path
 
 import pytest
+from optuna.trial import TrialState
 
 from ._killed import (
+    _study,
     check_final_study,
     finished,
     interrupt_after,
@@ -123,5 +125,36 @@ def test_ctrl_c_stops_cleanly_and_resumes(tmp_path: Path, monkeypatch: pytest.Mo
     assert "interrupted" in err and "--resume" in err and "Traceback" not in err
     resumed = start_cli(sweep, "--resume")  # the hold is off: HFSWEEP_TEST_HOLD_LOG is unset
     _out, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err
+    check_final_study(run, TRIALS)
+
+
+@pytest.mark.parametrize("backend", ["local", "ray"])
+def test_sigterm_stops_cleanly_and_resumes(
+    tmp_path: Path, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGTERM (timeout, docker stop, Slurm, Kubernetes) takes Ctrl-C's path, on Ray too (whose
+    ray.init installs a SIGTERM handler that would exit 15 unsaid): exit 143, the command that
+    resumes, the trials in training left RUNNING, and the resumed run tells each trial once.
+    HELD_TASK holds its arrays between two steps, mid-epoch, after two tells, and never lets
+    them go on: the stop is honoured there, at the step the arrays are at."""
+    if backend == "ray":
+        pytest.importorskip("ray")
+    sweep = _write_sweep(tmp_path, backend)
+    run = tmp_path / "run"
+    monkeypatch.setenv("HFSWEEP_TEST_HOLD_LOG", str(run / "sweep.log"))
+    with reaped(start_cli(sweep, session=True)) as proc:
+        interrupt_after(proc, run, HOLD_AFTER, signal.SIGTERM)
+        _out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "hfsweep run: stopped by SIGTERM. Every finished trial is recorded in run;" in err
+    assert f"continue with: hfsweep run {sweep} --resume" in err and "Traceback" not in err
+    assert "the sweep was stopped by SIGTERM" in (run / "sweep.log").read_text()
+    study = _study(run)
+    assert any(t.state == TrialState.RUNNING for t in study.get_trials())  # for --resume
+    assert finished(run) < TRIALS
+    monkeypatch.delenv("HFSWEEP_TEST_HOLD_LOG")
+    with reaped(start_cli(sweep, "--resume", session=True)) as resumed:
+        _out, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err
     check_final_study(run, TRIALS)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -35,15 +36,17 @@ _ASHA = {"name": "asha", "options": {"grace_period": 1, "reduction_factor": 2}}
 def test_a_ray_started_for_a_refused_sweep_is_shut_down(tmp_path: Path) -> None:
     """Runs with no Ray up (the shared one is shut down before a test that does not use it):
     the executor starts a local Ray, finds the cluster cannot hold one array, and leaves no Ray
-    behind."""
+    behind, nor the SIGTERM handler ray.init installs: the process's handlers are as they were."""
     if ray.is_initialized():
         pytest.skip("a Ray is already running in this process")
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     with pytest.raises(hs.SweepError, match=r"cannot hold one array's actor \(64 CPUs"):
         hs.sweep(
             sweep_config(tmp_path / "run", backend="ray", ray={"cpus_per_array": 64}),
             progress=False,
         )
     assert not ray.is_initialized()
+    assert {s: signal.getsignal(s) for s in handlers} == handlers
 
 
 @pytest.mark.slow

@@ -139,3 +139,64 @@ def test_an_interrupted_run_says_how_to_resume_and_to_report(
     assert "interrupted. Every finished trial is recorded in my runs/one;" in err
     assert "continue with: hfsweep run sweep.yaml --output 'my runs/one' --resume\n" in err
     assert err.endswith("See the trials finished so far: hfsweep report 'my runs/one'\n")
+
+
+def test_a_run_stopped_by_sigterm_exits_143_and_says_how_to_resume(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """SIGTERM (timeout, docker stop, Slurm, Kubernetes) is hfsweep._signals.Terminated while a
+    sweep runs: Ctrl-C's path, with the shell's status for a SIGTERM (128 + 15)."""
+    import signal
+
+    import hfsweep.core.loop
+    from hfsweep._signals import Terminated
+
+    def terminated(*args: object, **kwargs: object) -> None:
+        raise Terminated(signal.SIGTERM)
+
+    (tmp_path / "sweep.yaml").write_text(TOY_SWEEP)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(hfsweep.core.loop, "sweep", terminated)
+    assert main(["run", "sweep.yaml", "--quiet"]) == 143
+    err = capsys.readouterr().err
+    assert "hfsweep run: stopped by SIGTERM. Every finished trial is recorded in" in err
+    assert "continue with: hfsweep run sweep.yaml --resume\n" in err
+
+
+def test_the_command_stopped_by_a_signal_ends_without_the_interpreter_teardown(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Run as the command (no argv), a stopped run ends its process with os._exit once the
+    message is out and the atexit functions ran: Python's teardown of torch, Optuna and Ray,
+    seconds on a loaded machine, is skipped. A call with its own argv returns."""
+    import atexit
+    import os
+    import signal
+    import sys
+
+    import hfsweep.core.loop
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        signal.raise_signal(signal.SIGINT)  # as a Ctrl-C would, through the run's handler
+
+    class Ended(Exception):
+        pass
+
+    ended: list[int] = []
+    at_exit: list[str] = []
+
+    def exit_now(code: int) -> None:
+        ended.append(code)
+        raise Ended
+
+    (tmp_path / "sweep.yaml").write_text(TOY_SWEEP)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(hfsweep.core.loop, "sweep", interrupted)
+    monkeypatch.setattr(os, "_exit", exit_now)
+    monkeypatch.setattr(atexit, "_run_exitfuncs", lambda: at_exit.append("ran"))
+    monkeypatch.setattr(sys, "argv", ["hfsweep", "run", "sweep.yaml", "--quiet"])
+    with pytest.raises(Ended):
+        main()
+    assert ended == [130] and at_exit == ["ran"]
+    assert "hfsweep run: interrupted." in capsys.readouterr().err
+    assert main(["run", "sweep.yaml", "--quiet"]) == 130  # called from Python: returns

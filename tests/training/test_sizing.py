@@ -60,7 +60,8 @@ def test_profile_task_measures_chooses_and_caches(tmp_path, monkeypatch) -> None
     monkeypatch.setattr("hfsweep.sizing.task.measure_step", measure)
     again = profile_task(tasks.digits_mlp, {"hidden": 32, "lr": 0.3, "dropout": 0.2}, cache=cache)
     assert again.measurements == profile.measurements and again.chosen == profile.chosen
-    assert again.reason.endswith("(cached profile)")
+    assert f"(cached profile from {cache.path}, measured " in again.reason
+    assert again.cached_from == str(cache.path) and again.measured_under is not None
     # sizes the cached profile did not measure, another optimizer: measured anew
     with pytest.raises(Measured):
         profile_task(tasks.digits_mlp, {"hidden": 32}, sizes=[1, 8], cache=cache)
@@ -68,6 +69,17 @@ def test_profile_task_measures_chooses_and_caches(tmp_path, monkeypatch) -> None
         profile_task(tasks.digits_mlp, {"hidden": 32, "optimizer": "adam"}, cache=cache)
     with pytest.raises(Measured):
         profile_task(tasks.digits_mlp, {"hidden": 48}, sizes=[1], cache=cache)
+    # another thread count, asked to refresh: measured anew
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        with pytest.raises(Measured):
+            profile_task(tasks.digits_mlp, {"hidden": 32}, cache=cache)
+    finally:
+        torch.set_num_threads(threads)
+    monkeypatch.setenv("HFSWEEP_PROFILE_REFRESH", "1")  # how a sweep's size: auto refreshes
+    with pytest.raises(Measured):
+        profile_task(tasks.digits_mlp, {"hidden": 32}, cache=cache)
 
 
 def test_cpu_peak_memory_counts_parameters_gradients_and_optimizer_state() -> None:
@@ -111,6 +123,29 @@ def test_cli_profile_prints_the_table_and_the_choice(tmp_path, capsys) -> None:
     assert code == 0
     assert "B=1" in out and "B=2" in out and "chosen B = " in out
     assert plot.stat().st_size > 1000
+    assert f"measured now; cached in {tmp_path / 'c.json'}" in out
+
+
+def test_cli_profile_says_where_a_cached_profile_comes_from_and_refresh_measures_again(
+    tmp_path, capsys
+) -> None:
+    """The cache is shared by every process of the machine's user: a profile taken from it is
+    named with its file, age and conditions (threads, load, versions) and the way to refresh."""
+    cache = tmp_path / "c.json"
+    args = ["profile", "digits_mlp", "--set", "hidden=32", "--sizes", "1,2", "--seconds", "0.05"]
+    args += ["--no-plot", "--cache", str(cache)]
+    assert main(args) == 0
+    first = capsys.readouterr().out
+    assert "B=1 " in first and "measured now" in first
+    assert main(args) == 0
+    again = capsys.readouterr().out
+    assert "  B=1 " not in again  # nothing measured: no progress lines
+    assert f"(cached profile from {cache}, measured " in again
+    assert f"{torch.get_num_threads()} threads" in again and "load " in again
+    assert "hfsweep profile ... --refresh" in again
+    assert main([*args, "--refresh"]) == 0
+    refreshed = capsys.readouterr().out
+    assert "  B=1 " in refreshed and "cached profile" not in refreshed
 
 
 @pytest.mark.parametrize(
