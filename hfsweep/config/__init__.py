@@ -119,7 +119,7 @@ searcher a user names).
 """
 
 from .build import make_sampler, make_searcher
-from .parse import load_sweep, parse_sweep
+from .parse import check_sweep_file, load_sweep, parse_sweep
 from .schema import (
     BACKENDS,
     DTYPES,
@@ -133,6 +133,7 @@ from .schema import (
     SchedulerConfig,
     SearcherConfig,
     SweepConfig,
+    SweepFile,
     TrackerConfig,
 )
 
@@ -149,7 +150,9 @@ __all__ = [
     "SchedulerConfig",
     "SearcherConfig",
     "SweepConfig",
+    "SweepFile",
     "TrackerConfig",
+    "check_sweep_file",
     "load_sweep",
     "make_sampler",
     "make_searcher",

@@ -237,22 +237,40 @@ class Task:
 
     @property
     def known_keys(self) -> list[str]:
-        """Every config key this task understands: hfsweep's own, every optimizer's and
-        schedule's hyperparameters, the task's defaults and its extra per-member keys."""
-        return sorted(
+        """Every config key this task understands, sorted: hfsweep's own, every optimizer's
+        and schedule's hyperparameters, the task's defaults and its extra per-member keys."""
+        return list(self._known_sorted)
+
+    @functools.cached_property
+    def _known_sorted(self) -> tuple[str, ...]:
+        # sorted once per task: checking each key of a large space against a fresh sort made
+        # the check quadratic in the number of keys
+        return tuple(sorted(self._known_set))
+
+    @functools.cached_property
+    def _known_set(self) -> frozenset[str]:
+        """:attr:`known_keys` as a set, built once (the task is frozen)."""
+        return frozenset(
             {*BASE_DEFAULTS, *self.defaults, *self.per_member, *_OPTIMIZER_KEYS, *_SCHEDULE_KEYS}
         )
+
+    def knows(self, key: object) -> bool:
+        """Whether ``key`` is one of :attr:`known_keys` (in constant time)."""
+        try:
+            return key in self._known_set
+        except TypeError:  # an unhashable key is no config key
+            return False
 
     def resolve(self, config: Config) -> dict[str, Any]:
         """``config`` completed with the defaults and checked: unknown keys, bad optimizer or
         schedule names, keys the chosen optimizer does not take, out-of-range values."""
         known = {**BASE_DEFAULTS, **self.defaults}
-        known_keys = self.known_keys
-        unknown = sorted(set(config).difference(known_keys))
+        unknown = [key for key in config if not self.knows(key)]
         if unknown:
+            first = min(unknown, key=str)
             raise TaskError(
-                f"config key {unknown[0]!r} is not known to task {self.name!r}; known keys are "
-                f"{known_keys}"
+                f"config key {first!r} is not known to task {self.name!r}; known keys are "
+                f"{self.known_keys}"
             )
         name = {**known, **config}["optimizer"]
         if name not in OPTIMIZERS:
