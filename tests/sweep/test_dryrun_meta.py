@@ -43,7 +43,7 @@ def _sweep(task: hs.Task, tmp_path: Path) -> Any:
 
 
 def test_a_task_caching_its_base_model_is_refused_saying_why(tmp_path: Path) -> None:
-    @functools.lru_cache(maxsize=None)
+    @functools.lru_cache(maxsize=1)
     def base() -> nn.Module:  # built where it is first called, then shared
         return nn.Linear(8, 8)
 
@@ -56,7 +56,7 @@ def test_a_task_caching_its_base_model_is_refused_saying_why(tmp_path: Path) -> 
 
 
 def test_a_cache_that_builds_on_its_own_device_passes(tmp_path: Path) -> None:
-    @functools.lru_cache(maxsize=None)
+    @functools.lru_cache(maxsize=1)
     def base() -> nn.Module:
         with torch.device("cpu"):  # as the message above advises
             return nn.Linear(8, 8)
