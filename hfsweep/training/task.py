@@ -114,6 +114,8 @@ _RANGES: dict[str, tuple[float, float, bool, bool]] = {
 
 _OPTIMIZER_KEYS = sorted({k for _, keys in OPTIMIZERS.values() for k in keys})
 _SCHEDULE_KEYS = sorted({k for keys in SCHEDULES.values() for k in keys})
+_OPTIMIZER_KEY_SET = frozenset(_OPTIMIZER_KEYS)
+_SCHEDULE_KEY_SET = frozenset(_SCHEDULE_KEYS)
 #: keys that may differ between the members of one array
 PER_MEMBER_KEYS: frozenset[str] = frozenset(
     [
@@ -214,10 +216,11 @@ class Task:
             )
 
     # ------------------------------------------------------------------ configs
-    @property
+    @functools.cached_property
     def per_member_keys(self) -> frozenset[str]:
         """Config keys that may differ between the members of one array: hfsweep's own, the
-        LoRA settings the task's ``defaults`` name, and the task's ``per_member``."""
+        LoRA settings the task's ``defaults`` name, and the task's ``per_member``. Built once
+        (the task is frozen): it is asked for each key of each config split."""
         lora = LORA_PER_MEMBER_KEYS.intersection(self.defaults)
         return PER_MEMBER_KEYS | lora | frozenset(self.per_member)
 
@@ -288,7 +291,8 @@ class Task:
         out = {
             k: v
             for k, v in out.items()
-            if (k not in _OPTIMIZER_KEYS or k in takes) and (k not in _SCHEDULE_KEYS or k in uses)
+            if (k not in _OPTIMIZER_KEY_SET or k in takes)
+            and (k not in _SCHEDULE_KEY_SET or k in uses)
         }
         for key, (low, high, low_open, high_open) in _RANGES.items():
             if (
@@ -318,13 +322,15 @@ class Task:
     def compatibility_key(self, config: Config) -> str:
         """The values that must be equal for two trials to share an array, as canonical JSON."""
         resolved = self.resolve(config)
-        shared = {k: v for k, v in resolved.items() if k not in self.per_member_keys}
+        per_member = self.per_member_keys
+        shared = {k: v for k, v in resolved.items() if k not in per_member}
         return json.dumps(shared, sort_keys=True, default=repr)
 
     def split(self, config: Config) -> tuple[dict[str, Any], str]:
         """``(per-member values, compatibility key)`` of ``config``."""
         resolved = self.resolve(config)
-        member = {k: v for k, v in resolved.items() if k in self.per_member_keys}
+        per_member = self.per_member_keys
+        member = {k: v for k, v in resolved.items() if k in per_member}
         return member, self.compatibility_key(resolved)
 
     # ------------------------------------------------------------------ building

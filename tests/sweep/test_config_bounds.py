@@ -13,6 +13,7 @@ import pytest
 import hfsweep as hs
 from hfsweep.cli import main
 from hfsweep.config import ConfigError, load_sweep, parse_sweep
+from hfsweep.core._dryrun import _configs
 from hfsweep.search_spaces import _yaml
 
 from ._toy import _data, _model
@@ -148,7 +149,7 @@ def _ops_to_check(n: int, budget: int) -> int:
     space: Mapping[str, Any] = {key: {"type": "fixed", "value": 0.5} for key in keys}
     space = {**space, "lr": {"type": "float", "low": 1e-3, "high": 0.1}}
     _Key.ops, _Key.budget = 0, budget
-    try:
+    try:  # the file's checks, then the dry run's configs (resolved, split into their keys)
         sweep = parse_sweep(
             {
                 "task": task,
@@ -159,16 +160,19 @@ def _ops_to_check(n: int, budget: int) -> int:
                 "searcher": "random",
             }
         )
+        configs = _configs(sweep)
     finally:
         _Key.budget = None
+    assert configs
     assert len(sweep.space) == n + 1
     return _Key.ops
 
 
 def test_checking_a_space_of_10000_params_is_linear_in_its_keys() -> None:
-    """Each of a space's keys checked against a fresh sort of the task's keys made this
-    quadratic (over 15 minutes for 10,000 params); every key now costs a bounded number of
-    hashes and comparisons, so ten times the keys cost about ten times the operations."""
+    """Each of a space's keys checked against a fresh sort of the task's keys, and each key of
+    a config split against a fresh set of the per-member keys, made this quadratic (over 15
+    minutes for 10,000 params); every key now costs a bounded number of hashes and
+    comparisons, so ten times the keys cost about ten times the operations."""
     per_key = 1_000  # above the few hundred a key costs (22 sampled configs resolve each)
     small = _ops_to_check(1_000, per_key * 1_000)
     large = _ops_to_check(10_000, per_key * 10_000)  # _TooMany if it grows faster than linear

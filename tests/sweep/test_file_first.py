@@ -71,3 +71,21 @@ def test_a_run_directory_holding_a_sweep_is_refused_first_by_validate_and_run(
         messages.append(err.split(": ", 1)[1])
     assert messages[0] == messages[1]  # one rule, one message
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["optuna.journal"]
+
+
+def test_the_ready_task_names_a_file_is_checked_against_are_the_ready_tasks() -> None:
+    from hfsweep import tasks
+    from hfsweep._names import READY_TASKS
+
+    assert READY_TASKS == tuple(sorted(tasks.TASKS))
+
+
+def test_a_task_name_that_is_not_ready_is_refused_by_the_file_check(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sweep = tmp_path / "sweep.yaml"
+    text = _broken.sweep_yaml("TASK")
+    sweep.write_text("task: digits_mpl\n" + text[text.index("\n") + 1 :])
+    assert main(["validate", "--file-only", str(sweep)]) == 2
+    err = capsys.readouterr().err
+    assert "task: task 'digits_mpl' is not a ready task (did you mean 'digits_mlp'?)" in err
