@@ -9,12 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hfsweep.search_spaces import _yaml
 
 import hfsweep as hs
 from hfsweep.cli import main
 from hfsweep.config import ConfigError, load_sweep, parse_sweep
 from hfsweep.core._dryrun import _configs
-from hfsweep.search_spaces import _yaml
 
 from ._toy import _data, _model
 

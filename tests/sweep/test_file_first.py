@@ -77,7 +77,7 @@ def test_the_ready_task_names_a_file_is_checked_against_are_the_ready_tasks() ->
     from hfsweep import tasks
     from hfsweep._names import READY_TASKS
 
-    assert READY_TASKS == tuple(sorted(tasks.TASKS))
+    assert tuple(sorted(tasks.TASKS)) == READY_TASKS
 
 
 def test_a_task_name_that_is_not_ready_is_refused_by_the_file_check(
