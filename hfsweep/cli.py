@@ -39,7 +39,7 @@ def _parse_sets(items: list[str]) -> dict[str, object]:
     given twice inside a value is refused); a bad item raises ``ValueError`` naming it."""
     import yaml
 
-    from .search_spaces._yaml import DuplicateKeyError, _loader_class
+    from .search_spaces._yaml import DuplicateKeyError, YamlLimitError, _loader_class
 
     config: dict[str, object] = {}
     for item in items:
@@ -48,7 +48,7 @@ def _parse_sets(items: list[str]) -> dict[str, object]:
             raise ValueError(f"--set {item!r}: write KEY=VALUE, e.g. --set hidden=128")
         try:
             config[key] = yaml.load(value, Loader=_loader_class())  # a SafeLoader subclass
-        except (DuplicateKeyError, yaml.YAMLError) as exc:
+        except (DuplicateKeyError, YamlLimitError, yaml.YAMLError) as exc:
             problem = str(exc).replace("\n", " ")
             raise ValueError(f"--set {item!r}: the value is not valid YAML ({problem})") from None
     return config

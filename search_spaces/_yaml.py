@@ -185,7 +185,7 @@ def _compose_node(self: Any, parent: Any, index: Any) -> Any:
 def _too_deep(mark: Any) -> YamlLimitError:
     return YamlLimitError(
         f"it nests mappings and lists deeper than {MAX_DEPTH} levels (at line {mark.line + 1}, "
-        "aliases followed), the deepest hfsweep reads; a sweep file needs a few levels"
+        "counting what aliases bring in), the deepest hfsweep reads; a sweep file needs a few"
     )
 
 

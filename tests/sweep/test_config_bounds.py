@@ -88,7 +88,10 @@ def test_nesting_through_aliases_counts_toward_the_depth(
 ) -> None:
     lines = ["  a0: &a0 [0]"] + [f"  a{i}: &a{i} [*a{i - 1}]" for i in range(1, 150)]
     message = _refused(tmp_path, HEAD + "config:\n" + "\n".join(lines) + "\n", capsys)
-    assert f"deeper than {_yaml.MAX_DEPTH} levels" in message and "aliases followed" in message
+    assert (
+        f"deeper than {_yaml.MAX_DEPTH} levels" in message
+        and "counting what aliases bring in" in message
+    )
 
 
 def test_a_file_past_the_size_bound_is_not_read(
@@ -177,3 +180,11 @@ def test_checking_a_space_of_10000_params_is_linear_in_its_keys() -> None:
     small = _ops_to_check(1_000, per_key * 1_000)
     large = _ops_to_check(10_000, per_key * 10_000)  # _TooMany if it grows faster than linear
     assert large <= 12 * small
+
+
+def test_a_set_value_past_a_bound_is_refused_as_the_value() -> None:
+    from hfsweep.cli import _parse_sets
+
+    levels = ["&l0 [lol]"] + [f"&l{i} [{', '.join([f'*l{i - 1}'] * 10)}]" for i in range(1, 10)]
+    with pytest.raises(ValueError, match=r"--set 'hidden=.*not valid YAML.*more than 100,000"):
+        _parse_sets([f"hidden=[{', '.join(levels)}]"])
