@@ -332,10 +332,10 @@ class SweepFile:
             f"{b.trials} trials of {per} each, {limit}",
             f"searcher {searcher}, scheduler {self.scheduler.name}",
             f"metric {self.metric} ({self.mode})",
-            f"search space: {', '.join(sampled) or '(nothing sampled)'}",
+            f"search space: {_names(sampled) or '(nothing sampled)'}",
         ]
         if fixed:
-            lines.append("fixed: " + ", ".join(f"{k}={v!r}" for k, v in fixed.items()))
+            lines.append("fixed: " + _names([f"{k}={v!r}" for k, v in fixed.items()]))
         lines += [
             f"fusion: size {self.fusion.size}, device {self.fusion.device}, {self.fusion.dtype}",
             f"backend {self.backend}, storage "
@@ -360,6 +360,16 @@ class SweepConfig(SweepFile):
     def _task_line(self) -> str:
         name = self.task.name
         return f"task {name} ({self.task_ref})" if self.task_ref != name else f"task {name}"
+
+
+#: the most names a summary line lists (a generated space may have thousands)
+_SHOWN = 40
+
+
+def _names(items: list[str]) -> str:
+    """``items`` joined, the first :data:`_SHOWN` of them and how many more."""
+    shown = ", ".join(items[:_SHOWN])
+    return shown + (f" and {len(items) - _SHOWN:,} more" if len(items) > _SHOWN else "")
 
 
 def _seconds(seconds: float) -> str:

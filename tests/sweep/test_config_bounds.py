@@ -188,3 +188,25 @@ def test_a_set_value_past_a_bound_is_refused_as_the_value() -> None:
     levels = ["&l0 [lol]"] + [f"&l{i} [{', '.join([f'*l{i - 1}'] * 10)}]" for i in range(1, 10)]
     with pytest.raises(ValueError, match=r"--set 'hidden=.*not valid YAML.*more than 100,000"):
         _parse_sets([f"hidden=[{', '.join(levels)}]"])
+
+
+def test_the_summary_of_a_large_space_lists_a_few_names_and_counts_the_rest(
+    tmp_path: Path,
+) -> None:
+    keys = [f"k{i:05d}" for i in range(1_000)]
+    task = hs.Task(name="wide", model=_model, data=_data, defaults=dict.fromkeys(keys, 0.0))
+    space = {key: {"type": "float", "low": 0.0, "high": 1.0} for key in keys}
+    sweep = parse_sweep(
+        {
+            "task": task,
+            "search_space": space,
+            "budget": {"trials": 2, "epochs": 1},
+            "metric": "val_loss",
+            "mode": "min",
+            "searcher": "random",
+            "output": str(tmp_path / "run"),
+        }
+    )
+    line = next(x for x in sweep.summary().splitlines() if x.startswith("search space:"))
+    assert line.startswith("search space: k00000, k00001, ") and "k00999" not in line
+    assert line.endswith("k00039 and 960 more")
