@@ -41,7 +41,7 @@ def _parse_sets(items: list[str]) -> dict[str, object]:
     given twice inside a value is refused); a bad item raises ``ValueError`` naming it."""
     import yaml
 
-    from .search_spaces._yaml import DuplicateKeyError, _loader_class
+    from .search_spaces._yaml import DuplicateKeyError, YamlLimitError, _loader_class
 
     config: dict[str, object] = {}
     for item in items:
@@ -50,7 +50,7 @@ def _parse_sets(items: list[str]) -> dict[str, object]:
             raise ValueError(f"--set {item!r}: write KEY=VALUE, e.g. --set hidden=128")
         try:
             config[key] = yaml.load(value, Loader=_loader_class())  # a SafeLoader subclass
-        except (DuplicateKeyError, yaml.YAMLError) as exc:
+        except (DuplicateKeyError, YamlLimitError, yaml.YAMLError) as exc:
             problem = str(exc).replace("\n", " ")
             raise ValueError(f"--set {item!r}: the value is not valid YAML ({problem})") from None
     return config
@@ -147,33 +147,50 @@ def _profile(args: argparse.Namespace) -> int:
 
 def _validate(args: argparse.Namespace) -> int:
     sys.dont_write_bytecode = True  # importing a task's .py file must not write __pycache__
-    from .config import ConfigError, load_sweep
-    from .config.tracking import check_trackers
-    from .core._dryrun import dry_run, runs_on_the_driver
-    from .core._preflight import preflight
+    from .config import ConfigError, check_sweep_file, load_sweep
 
-    try:
-        sweep = load_sweep(args.sweep)
-    except ConfigError as e:
-        _error("validate", e, args)
-        return 2
-    if not args.file_only:
+    if args.file_only:  # the file alone: neither the task nor torch is imported
         try:
-            preflight(sweep)
-            check_trackers(sweep)  # a tracker's library that is installed but fails to import
-        except ConfigError as e:
-            print(
-                f"hfsweep validate: {e} (this machine cannot run it; --file-only checks the "
-                "file alone, for a sweep meant for another machine)",
-                file=sys.stderr,
-            )
-            return 2
-        try:
-            if runs_on_the_driver(sweep):  # as in a run: not for a cluster's workers' data
-                dry_run(sweep)  # the task's code, once: after the machine's checks
+            checked = check_sweep_file(args.sweep)
         except ConfigError as e:
             _error("validate", e, args)
             return 2
+        print(f"{args.sweep} is valid:")  # as far as a file is, alone: its summary says so
+        for line in checked.summary().splitlines():
+            print(f"  {line}")
+        return 0
+    try:
+        sweep = load_sweep(args.sweep)  # the file's own checks first, then against the task
+    except ConfigError as e:
+        _error("validate", e, args)
+        return 2
+    from .config.tracking import check_trackers
+    from .core._dryrun import dry_run, runs_on_the_driver
+    from .core._preflight import preflight
+    from .core._rundir import refuse_a_second_start
+    from .core.result import SweepError
+
+    try:  # the rule `hfsweep run` applies first: a run directory that holds a sweep already
+        refuse_a_second_start(sweep.output, sweep.storage, sweep.source, resume=False)
+    except SweepError as e:
+        _error("validate", e, args)
+        return 2
+    try:
+        preflight(sweep)
+        check_trackers(sweep)  # a tracker's library that is installed but fails to import
+    except ConfigError as e:
+        print(
+            f"hfsweep validate: {e} (this machine cannot run it; --file-only checks the "
+            "file alone, for a sweep meant for another machine)",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        if runs_on_the_driver(sweep):  # as in a run: not for a cluster's workers' data
+            dry_run(sweep)  # the task's code, once: after the machine's checks
+    except ConfigError as e:
+        _error("validate", e, args)
+        return 2
     print(f"{args.sweep} is valid:")
     for line in sweep.summary().splitlines():
         print(f"  {line}")
@@ -182,21 +199,28 @@ def _validate(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from .config import ConfigError, load_sweep
+
+    try:  # the file's own checks come first, before the task (and torch) is imported
+        config = load_sweep(args.sweep)
+        if args.output is not None:
+            import dataclasses
+
+            config = dataclasses.replace(config, output=args.output.resolve())
+    except ConfigError as e:
+        print(f"hfsweep run: {e}", file=sys.stderr)
+        return 2
     from .core._preflight import preflight
+    from .core._rundir import refuse_a_second_start
     from .core._storage import StorageUnavailable
     from .core.loop import SweepError, TrainingError, sweep
     from .core.result import RunDirUnwritable
     from .core.status import Status
     from .searchers._source import SearcherError
 
-    try:
-        config = load_sweep(args.sweep)
-        if args.output is not None:
-            import dataclasses
-
-            config = dataclasses.replace(config, output=args.output.resolve())
-        preflight(config)  # sweep() checks again; here so a problem comes before the summary
-    except ConfigError as e:
+    try:  # sweep() checks both again; here so that a problem comes before the summary
+        refuse_a_second_start(config.output, config.storage, config.source, resume=args.resume)
+        preflight(config)
+    except (ConfigError, SweepError) as e:
         print(f"hfsweep run: {e}", file=sys.stderr)
         return 2
     if not args.quiet:

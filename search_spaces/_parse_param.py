@@ -308,6 +308,7 @@ def _parse_categorical(
             path=choices_path,
         )
     choices: list[Any] = []
+    first: dict[Any, int] = {}  # choice -> its index; scalars hash as they compare (1 == 1.0)
     for i, item in enumerate(raw_choices):
         item_path = f"{choices_path}[{i}]"
         ok, value = _scalar(item)
@@ -317,17 +318,18 @@ def _parse_categorical(
                 "float (not NaN), bool or null",
                 path=item_path,
             )
-        for j, earlier in enumerate(choices):
-            if value == earlier:
-                why = (
-                    ""
-                    if same_value(value, earlier) and type(value) is type(earlier)
-                    else " in Python, so Optuna cannot tell them apart"
-                )
-                raise SpaceError(
-                    f"{item!r} equals choices[{j}] ({earlier!r}){why}; choices must be distinct",
-                    path=item_path,
-                )
+        j = first.setdefault(value, i)
+        if j != i:
+            earlier = choices[j]
+            why = (
+                ""
+                if same_value(value, earlier) and type(value) is type(earlier)
+                else " in Python, so Optuna cannot tell them apart"
+            )
+            raise SpaceError(
+                f"{item!r} equals choices[{j}] ({earlier!r}){why}; choices must be distinct",
+                path=item_path,
+            )
         choices.append(value)
     return CategoricalParam(name, choices=tuple(choices), when=when)
 

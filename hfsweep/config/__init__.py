@@ -104,7 +104,11 @@ configs (corners of the space and 20 random draws) pass ``task.resolve``. ``epoc
 
 Every problem raises :class:`ConfigError` naming the file, the YAML path (``budget.trials``,
 ``search_space.lr.low``), the bad value and what is valid. :func:`load_sweep` reads a file,
-:func:`parse_sweep` a mapping (the Python API's route). The result, :class:`SweepConfig`, is
+:func:`parse_sweep` a mapping (the Python API's route); both check the file's own keys, types
+and sections before they import the task. :func:`check_sweep_file` checks a file alone, without
+importing its task or torch, and returns a :class:`SweepFile` (``hfsweep validate --file-only``).
+A file is read within bounds: at most 8 MiB, 100 levels deep, and 100,000 nodes brought in by
+aliases. The result, :class:`SweepConfig`, is
 frozen; :meth:`SweepConfig.to_dict` is its JSON-safe resolved form, which ``parse_sweep`` reads
 back to an equal config.
 
@@ -119,7 +123,7 @@ searcher a user names).
 """
 
 from .build import make_sampler, make_searcher
-from .parse import load_sweep, parse_sweep
+from .parse import check_sweep_file, load_sweep, parse_sweep
 from .schema import (
     BACKENDS,
     DTYPES,
@@ -133,6 +137,7 @@ from .schema import (
     SchedulerConfig,
     SearcherConfig,
     SweepConfig,
+    SweepFile,
     TrackerConfig,
 )
 
@@ -149,7 +154,9 @@ __all__ = [
     "SchedulerConfig",
     "SearcherConfig",
     "SweepConfig",
+    "SweepFile",
     "TrackerConfig",
+    "check_sweep_file",
     "load_sweep",
     "make_sampler",
     "make_searcher",

@@ -60,8 +60,10 @@ def _searcher(
     if isinstance(raw, Mapping):
         seed = f.integer(raw.get("seed", seed), "searcher.seed", 0)
     options = _options(f, raw, "searcher", "{constant_liar: true}")
-    if isinstance(given, str) and ":" in given:
-        return _custom_searcher(f, given, seed, options, path)
+    if isinstance(given, str) and ":" in given:  # built with the task (_check_custom_searcher)
+        where, _, attr = given.rpartition(":")
+        ref = f"{f.relative(where)}:{attr}" if where.endswith(".py") else given
+        return SearcherConfig(name=ref, seed=seed, options=dict(options))
     name = f.choice(given, SEARCHER_NAMES, path)
     import optuna
 
@@ -133,15 +135,12 @@ def _expected_kind(default: object) -> tuple[str, Callable[[object], bool]] | No
     return None
 
 
-def _custom_searcher(
-    f: _Fields, ref: str, seed: int, options: Mapping[str, Any], path: str
-) -> SearcherConfig:
-    """A :class:`hfsweep.Searcher` subclass named ``module:Class`` or ``file.py:Class``,
-    checked by building it with ``options``."""
-    where, _, attr = ref.rpartition(":")
-    if where.endswith(".py"):
-        ref = f"{f.relative(where)}:{attr}"
-    searcher = SearcherConfig(name=ref, seed=seed, options=dict(options))
+def _check_custom_searcher(f: _Fields, searcher: SearcherConfig, raw: object) -> None:
+    """A searcher of your own (``searcher.name`` ``module:Class`` or ``file.py:Class``, from
+    ``raw``, the ``searcher:`` section as given) is a :class:`hfsweep.Searcher` subclass that
+    builds with its options: checked with the task, since importing it runs its code."""
+    path = "searcher.name" if isinstance(raw, Mapping) else "searcher"
+    options = searcher.options
     try:
         make_searcher(searcher)
     except ImportError as exc:
@@ -149,9 +148,8 @@ def _custom_searcher(
     except (TypeError, ValueError) as exc:
         raise f.error(
             "searcher.options" if options else path,
-            f"searcher {ref!r} cannot be built with options {dict(options)!r}: {exc}",
+            f"searcher {searcher.name!r} cannot be built with options {dict(options)!r}: {exc}",
         ) from None
-    return searcher
 
 
 def _scheduler(f: _Fields, raw: object, mode: str, budget: Budget) -> SchedulerConfig:

@@ -9,9 +9,10 @@ import importlib.util
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..training.task import Task, TaskError
+if TYPE_CHECKING:
+    from ..training.task import Task
 
 __all__ = ["load_object", "load_task"]
 
@@ -20,6 +21,7 @@ def load_task(spec: str) -> Task:
     """The :class:`Task` named by ``spec``: ``digits_mlp`` (a ready task in
     :mod:`hfsweep.tasks`), ``package.module:attribute`` or ``path/to/file.py:attribute``."""
     from .. import tasks
+    from ..training.task import Task, TaskError
 
     if ":" not in spec:
         if spec in tasks.TASKS:

@@ -12,23 +12,23 @@ the checks against the task in :mod:`hfsweep.config.validate`.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import re
+import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from .._checks import is_int
 from .._dburl import mask
 from .._journal_url import is_journal, resolve
-from ..offload import OFFLOAD_MODES, OFFLOAD_STEPS
+from .._names import OFFLOAD_MODES, OFFLOAD_STEPS, READY_TASKS
 from ..search_spaces import SearchSpace, SpaceError, load_space
-from ..search_spaces._yaml import load_yaml
-from ..training.task import Task, TaskError
-from .algorithms import _scheduler, _searcher
+from ..search_spaces._yaml import load_yaml, read_yaml_file
+from .algorithms import _check_custom_searcher, _scheduler, _searcher
 from .elastic import _elastic
-from .entry import load_task
 from .fields import _did_you_mean, _Fields, _join
 from .schema import (
     _MAX_EPOCHS,
@@ -41,9 +41,13 @@ from .schema import (
     FusionConfig,
     RayConfig,
     SweepConfig,
+    SweepFile,
 )
 from .tracking import _tracking
-from .validate import _check_config, _check_key, _check_samples
+from .validate import _check_budget_key, _check_config, _check_key, _check_samples
+
+if TYPE_CHECKING:
+    from ..training.task import Task
 
 _MODES = ("max", "min")
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:[0-9]+)?)$")
@@ -96,16 +100,26 @@ _RAY = (
 
 
 def load_sweep(path: str | os.PathLike[str]) -> SweepConfig:
-    """Read and validate the sweep file at ``path``; raises :class:`ConfigError`."""
-    source = Path(path)
+    """Read and validate the sweep file at ``path``; raises :class:`ConfigError`.
+
+    The file's own checks (every key, type and section: :func:`check_sweep_file`) come first;
+    only then is the task imported and the file checked against it."""
+    source, data = _read(path)
+    return parse_sweep(data, source=source)
+
+
+def check_sweep_file(path: str | os.PathLike[str]) -> SweepFile:
+    """Read the sweep file at ``path`` and check it on its own, without importing its task
+    (nor torch): every key with a did-you-mean, types, ranges, the search space, the searcher
+    and scheduler with their options (see :class:`SweepFile` for what is left to the task).
+    Raises :class:`ConfigError`. ``hfsweep validate --file-only`` runs this."""
+    source, data = _read(path)
+    return _Parser(source).check_file(data)
+
+
+def _read(path: str | os.PathLike[str]) -> tuple[Path, Any]:
     file = os.fspath(path)
-    try:
-        text = source.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise ConfigError(
-            f"cannot read the sweep file ({reason}); give a readable UTF-8 YAML file", file=file
-        ) from None
+    text = read_yaml_file(file, error=ConfigError, what="sweep file")
     data = load_yaml(text, file, error=ConfigError, expected="a sweep file is one YAML mapping")
     if data is None:
         raise ConfigError(
@@ -113,7 +127,7 @@ def load_sweep(path: str | os.PathLike[str]) -> SweepConfig:
             f"{', '.join(_REQUIRED)}",
             file=file,
         )
-    return parse_sweep(data, source=source)
+    return Path(path), data
 
 
 def parse_sweep(mapping: Mapping[str, Any], *, source: Path | None = None) -> SweepConfig:
@@ -129,9 +143,24 @@ def parse_sweep(mapping: Mapping[str, Any], *, source: Path | None = None) -> Sw
 
 
 class _Parser(_Fields):
-    """Reads one sweep, a section a method."""
+    """Reads one sweep, a section a method: first the file on its own (:meth:`check_file`), then
+    against its task (:meth:`parse`)."""
 
     def parse(self, raw: object) -> SweepConfig:
+        checked = self.check_file(raw)
+        top: Mapping[str, Any] = raw  # type: ignore[assignment]  # a mapping: check_file() said so
+        task = self.task(top["task"], checked.task_ref)
+        config = self.config_keys(checked.config, task, checked.budget)
+        self.space_keys(checked.space, top["search_space"], task)
+        metric = self.metric(checked.metric, task)
+        _check_samples(self, task, config, checked.space, checked.budget, checked.seed)
+        if checked.searcher.custom:  # a searcher of your own is code, as the task is
+            _check_custom_searcher(self, checked.searcher, top["searcher"])
+        values = {f.name: getattr(checked, f.name) for f in dataclasses.fields(checked)}
+        return SweepConfig(**{**values, "config": config, "metric": metric}, task=task)
+
+    def check_file(self, raw: object) -> SweepFile:
+        """Every check of the sweep that needs neither its task nor this machine."""
         top = self.mapping(raw, "", "task: digits_mlp, search_space: sgd_momentum, budget: ...")
         self.keys(top, _TOP_KEYS, "")
         missing = [k for k in _REQUIRED if k not in top]
@@ -141,13 +170,12 @@ class _Parser(_Fields):
                 f"missing required key {missing[0]!r}; a sweep needs {', '.join(_REQUIRED)}",
             )
         seed = self.integer(top.get("seed", 0), "seed", 0)
-        task_ref, task = self.task(top["task"])
+        task_ref = self.task_ref(top["task"])
         budget = self.budget(top["budget"])
-        config = self.config(top.get("config"), task, budget)
-        space = self.space(top["search_space"], task, config)
-        metric = self.metric(top["metric"], task)
+        config = self.config(top.get("config"), budget)
+        space = self.space(top["search_space"], config)
+        metric = self.string(top["metric"], "metric", "the name of a metric the task reports")
         mode: Literal["max", "min"] = self.choice(top["mode"], _MODES, "mode")  # type: ignore[assignment]
-        _check_samples(self, task, config, space, budget, seed)
         searcher = _searcher(self, top.get("searcher", "tpe"), seed, space, top["search_space"])
         scheduler = _scheduler(self, top.get("scheduler", "fifo"), mode, budget)
         fusion = self.fusion(top.get("fusion"))
@@ -168,9 +196,8 @@ class _Parser(_Fields):
         study_name = stem if study_name is None else self.string(study_name, "study_name", "a name")
         output = top.get("output")
         output = self.string(output, "output", "a folder") if output is not None else f"runs/{stem}"
-        return SweepConfig(
+        return SweepFile(
             task_ref=task_ref,
-            task=task,
             config=config,
             space=space,
             searcher=searcher,
@@ -190,23 +217,49 @@ class _Parser(_Fields):
             tracking=_tracking(self, top.get("tracking")),
         )
 
-    def task(self, raw: object) -> tuple[str, Task]:
-        from .. import tasks
+    def task_ref(self, raw: object) -> str:
+        """The ``task:`` reference as the engine saves it (a file path made absolute), checked
+        without importing anything: a ready task's name, or ``module:attribute`` or
+        ``path/to/file.py:attribute`` whose file exists."""
+        task_module = sys.modules.get("hfsweep.training.task")  # not imported for a file
+        if task_module is not None and isinstance(raw, task_module.Task):  # the Python API's
+            from .. import tasks
+
+            ready = tasks.TASKS.get(raw.name) is raw
+            return raw.name if ready else f"<python object: task {raw.name!r}>"
+        valid = (
+            f"a ready task ({', '.join(READY_TASKS)}), module:attribute or "
+            "path/to/file.py:attribute"
+        )
+        ref = self.string(raw, "task", valid)
+        where, sep, attr = ref.rpartition(":")
+        if not sep:
+            if ref not in READY_TASKS:
+                raise self.error(
+                    "task",
+                    f"task {ref!r} is not a ready task{_did_you_mean(ref, READY_TASKS)} "
+                    f"({', '.join(READY_TASKS)}) nor an entry point; write module:attribute or "
+                    "path/to/file.py:attribute",
+                )
+            return ref
+        if not where or not attr:
+            raise self.error("task", f"task {ref!r}: write {valid}")
+        if where.endswith(".py"):
+            path = self.relative(where)
+            if not path.is_file():
+                raise self.error("task", f"task {ref!r}: file {os.fspath(path)!r} does not exist")
+            return f"{path}:{attr}"
+        return ref
+
+    def task(self, raw: object, ref: str) -> Task:
+        """The task ``ref`` names, imported (``raw`` when it is a task object already)."""
+        from ..training.task import Task, TaskError
+        from .entry import load_task
 
         if isinstance(raw, Task):
-            ready = tasks.TASKS.get(raw.name) is raw
-            return (raw.name if ready else f"<python object: task {raw.name!r}>"), raw
-        ref = self.string(
-            raw,
-            "task",
-            f"a ready task ({', '.join(sorted(tasks.TASKS))}), module:attribute "
-            "or path/to/file.py:attribute",
-        )
-        where, sep, attr = ref.rpartition(":")
-        if sep and where.endswith(".py"):
-            ref = f"{self.relative(where)}:{attr}"
+            return raw
         try:
-            return ref, load_task(ref)
+            return load_task(ref)
         except TaskError as exc:
             raise self.error("task", str(exc)) from None
 
@@ -234,21 +287,24 @@ class _Parser(_Fields):
             return Budget(trials=trials, epochs=value, time_limit_s=limit)
         return Budget(trials=trials, steps=value, time_limit_s=limit)
 
-    def config(self, raw: object, task: Task, budget: Budget) -> dict[str, Any]:
+    def config(self, raw: object, budget: Budget) -> dict[str, Any]:
         if raw is None:
             return {}
         config = self.mapping(raw, "config", "{hidden: 128, batch_size: 64}")
         for key in config:
+            _check_budget_key(self, key, _join("config", key))
+        return dict(config)
+
+    def config_keys(self, config: dict[str, Any], task: Task, budget: Budget) -> dict[str, Any]:
+        """``config`` checked against ``task``: keys it knows, values it resolves."""
+        for key in config:
             _check_key(self, key, task, _join("config", key))
-        config = dict(config)
         _check_config(self, task, budget, config)
         return config
 
-    def space(self, raw: object, task: Task, config: dict[str, Any]) -> SearchSpace:
+    def space(self, raw: object, config: dict[str, Any]) -> SearchSpace:
         ref: Any = raw
-        if isinstance(raw, str) and (
-            raw.lower().endswith((".yaml", ".yml")) or "/" in raw or os.sep in raw
-        ):
+        if isinstance(raw, str) and _is_space_file(raw):
             ref = self.relative(raw)
         elif not isinstance(raw, str | Mapping | SearchSpace):
             raise self.error(
@@ -261,12 +317,10 @@ class _Parser(_Fields):
             space = load_space(ref, path="search_space")
         except SpaceError as exc:
             raise self.space_error(exc, raw) from None
-        where = f" (in {ref})" if isinstance(ref, Path) else ""
-        if isinstance(raw, str) and not where:
-            where = f" (in ready space {raw!r})"
+        where = _space_where(raw, ref)
         for name in space.names:
             path = _join("search_space", name)
-            _check_key(self, name, task, path, where)
+            _check_budget_key(self, name, path, where)
             if name in config:
                 raise self.error(
                     path,
@@ -275,9 +329,16 @@ class _Parser(_Fields):
                 )
         return space
 
-    def metric(self, raw: object, task: Task) -> str:
+    def space_keys(self, space: SearchSpace, raw: object, task: Task) -> None:
+        """Every key of ``space`` (given as ``raw``) is one ``task`` knows."""
+        ref = self.relative(raw) if isinstance(raw, str) and _is_space_file(raw) else raw
+        where = _space_where(raw, ref)
+        for name in space.names:
+            _check_key(self, name, task, _join("search_space", name), where)
+
+    def metric(self, raw: str, task: Task) -> str:
         valid = tuple(task.metric_names)
-        if not isinstance(raw, str) or raw not in valid:
+        if raw not in valid:
             raise self.error(
                 "metric",
                 f"{raw!r} is not a metric task {task.name!r} reports{_did_you_mean(raw, valid)}; "
@@ -439,3 +500,16 @@ class _Parser(_Fields):
             base = self.source.parent if self.source is not None else Path.cwd()
             return resolve(raw, base.resolve())
         return raw
+
+
+def _is_space_file(raw: str) -> bool:
+    """Whether ``search_space: raw`` names a file (else a ready space)."""
+    return raw.lower().endswith((".yaml", ".yml")) or "/" in raw or os.sep in raw
+
+
+def _space_where(raw: object, ref: object) -> str:
+    """Which space a key came from, for messages: `` (in FILE)``, `` (in ready space NAME)``,
+    or nothing for an inline one."""
+    if isinstance(ref, Path):
+        return f" (in {ref})"
+    return f" (in ready space {raw!r})" if isinstance(raw, str) else ""

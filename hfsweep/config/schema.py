@@ -12,12 +12,14 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from .._dburl import mask
 from .._errors import LocatedError
 from ..search_spaces import FixedParam, SearchSpace
-from ..training.task import Task
+
+if TYPE_CHECKING:  # a sweep file is checked without torch, which the task module imports
+    from ..training.task import Task
 
 #: searcher name -> the Optuna sampler class it builds
 _SAMPLERS = {
@@ -238,19 +240,23 @@ class TrackerConfig:
 
 
 @dataclass(frozen=True)
-class SweepConfig:
-    """A validated sweep: what :func:`load_sweep` and :func:`parse_sweep` return.
+class SweepFile:
+    """A sweep file checked on its own, without its task: what :func:`check_sweep_file`
+    returns (``hfsweep validate --file-only``), and the part of a :class:`SweepConfig` that
+    does not need the task.
 
+    Every key, type, range and section is checked, the search space and the searcher and
+    scheduler with their options too; what needs the task's code is not: whether ``config``
+    and the search space use keys the task knows, whether ``metric`` is one it reports, whether
+    sampled configs pass ``task.resolve``, a searcher of your own (``module:Class``).
     ``task_ref`` is the task's reference with a file path made absolute (the resolved form the
-    engine saves), ``task`` the loaded :class:`hfsweep.Task`; ``config`` the fixed values of
-    every trial; ``space`` the search space; ``output`` the run directory (absolute when the
-    sweep came from a file); ``source`` the sweep file, if any; ``storage_retry_s`` how long
-    a lost database connection is retried (None: not at all); ``tracking`` the experiment
-    trackers every trial is sent to.
+    engine saves); ``config`` the fixed values of every trial; ``space`` the search space;
+    ``output`` the run directory (absolute when the sweep came from a file); ``source`` the
+    sweep file, if any; ``storage_retry_s`` how long a lost database connection is retried
+    (None: not at all); ``tracking`` the experiment trackers every trial is sent to.
     """
 
     task_ref: str
-    task: Task
     config: dict[str, Any]
     space: SearchSpace
     searcher: SearcherConfig
@@ -298,6 +304,12 @@ class SweepConfig:
             **({"tracking": [t.to_dict() for t in self.tracking]} if self.tracking else {}),
         }
 
+    def _task_line(self) -> str:
+        return (
+            f"task {self.task_ref} (not imported: the file alone is checked, not the task's "
+            "code, nor the config keys and metric against it)"
+        )
+
     def summary(self) -> str:
         """A few lines describing the sweep, as ``hfsweep validate`` prints them."""
         b = self.budget
@@ -316,16 +328,14 @@ class SweepConfig:
         sampled = [n for n in self.space.names if not isinstance(self.space[n], FixedParam)]
         fixed = {**self.config, **self.space.fixed}
         lines = [
-            f"task {self.task.name} ({self.task_ref})"
-            if self.task_ref != self.task.name
-            else f"task {self.task.name}",
+            self._task_line(),
             f"{b.trials} trials of {per} each, {limit}",
             f"searcher {searcher}, scheduler {self.scheduler.name}",
             f"metric {self.metric} ({self.mode})",
-            f"search space: {', '.join(sampled) or '(nothing sampled)'}",
+            f"search space: {_names(sampled) or '(nothing sampled)'}",
         ]
         if fixed:
-            lines.append("fixed: " + ", ".join(f"{k}={v!r}" for k, v in fixed.items()))
+            lines.append("fixed: " + _names([f"{k}={v!r}" for k, v in fixed.items()]))
         lines += [
             f"fusion: size {self.fusion.size}, device {self.fusion.device}, {self.fusion.dtype}",
             f"backend {self.backend}, storage "
@@ -337,6 +347,29 @@ class SweepConfig:
         if self.tracking:
             lines.append("tracking: " + ", ".join(t.name for t in self.tracking))
         return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class SweepConfig(SweepFile):
+    """A validated sweep: what :func:`load_sweep` and :func:`parse_sweep` return. Its fields
+    are a :class:`SweepFile`'s, checked against the task too, and ``task``, the loaded
+    :class:`hfsweep.Task`."""
+
+    task: Task = field(kw_only=True)
+
+    def _task_line(self) -> str:
+        name = self.task.name
+        return f"task {name} ({self.task_ref})" if self.task_ref != name else f"task {name}"
+
+
+#: the most names a summary line lists (a generated space may have thousands)
+_SHOWN = 40
+
+
+def _names(items: list[str]) -> str:
+    """``items`` joined, the first :data:`_SHOWN` of them and how many more."""
+    shown = ", ".join(items[:_SHOWN])
+    return shown + (f" and {len(items) - _SHOWN:,} more" if len(items) > _SHOWN else "")
 
 
 def _seconds(seconds: float) -> str:

@@ -9,12 +9,14 @@ import math
 import re
 import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..search_spaces import SearchSpace
-from ..training.task import Task, TaskError
 from .fields import _did_you_mean, _Fields, _join
 from .schema import Budget
+
+if TYPE_CHECKING:  # imported by the checks against a task, which has imported it already
+    from ..training.task import Task, TaskError
 
 #: keys the budget sets; config and the search space may not
 _BUDGET_KEYS = {"epochs": "budget.epochs", "max_steps": "budget.steps"}
@@ -22,19 +24,28 @@ _BUDGET_KEYS = {"epochs": "budget.epochs", "max_steps": "budget.steps"}
 _TASK_KEY = re.compile(r"^config (?:key '(\w+)'|(\w+)=)")
 #: random configs drawn from the space to check against task.resolve
 _SAMPLES = 20
+#: the most keys a rejected config may have for each to be left out in turn to find the
+#: culprit (a resolve each); a larger one is searched by bisection (a resolve per halving)
+_LEAVE_ONE_OUT = 64
 
 
-def _check_key(fields: _Fields, key: object, task: Task, path: str, where: str = "") -> None:
-    """``key`` (at ``path``; ``where`` says which space it came from) is a config key of ``task``
-    that the budget does not set."""
-    if key in _BUDGET_KEYS:
+def _check_budget_key(fields: _Fields, key: object, path: str, where: str = "") -> None:
+    """``key`` (at ``path``; ``where`` says which space it came from) is not one the budget
+    sets (a check of the file alone)."""
+    if isinstance(key, str) and key in _BUDGET_KEYS:
         raise fields.error(
             path,
             f"{key!r}{where} is set by the budget; use {_BUDGET_KEYS[key]} (every trial's "
             "budget) instead",
         )
-    known = [k for k in task.known_keys if k not in _BUDGET_KEYS]
-    if key not in known:
+
+
+def _check_key(fields: _Fields, key: object, task: Task, path: str, where: str = "") -> None:
+    """``key`` (at ``path``; ``where`` says which space it came from) is a config key of ``task``
+    that the budget does not set."""
+    _check_budget_key(fields, key, path, where)
+    if not task.knows(key):
+        known = [k for k in task.known_keys if k not in _BUDGET_KEYS]
         raise fields.error(
             path,
             f"{key!r}{where} is not a config key of task {task.name!r}"
@@ -78,9 +89,13 @@ def _first_failure(
 
     The key to blame is the one the task's message names (``config key 'momentum' is not a
     hyperparameter of optimizer 'adam'``, ``config lr=-1.0 ...``) if it is in ``extra``; else
-    the last key of ``extra`` whose removal alone makes it pass; else the first key whose
-    addition makes it fail; ``None`` if ``base`` alone fails.
+    the last key of ``extra`` whose removal alone makes it pass (for an ``extra`` of at most
+    :data:`_LEAVE_ONE_OUT` keys); else a key whose addition to the keys before it makes it fail
+    (found by bisection, so a large space costs a few resolves, not one per key); ``None`` if
+    ``base`` alone fails.
     """
+
+    from ..training.task import TaskError
 
     def fails(config: Mapping[str, Any]) -> bool:
         try:
@@ -98,13 +113,22 @@ def _first_failure(
     if named is not None and (named[1] or named[2]) in extra:
         return named[1] or named[2], error
     keys = list(extra)
-    for key in reversed(keys):
-        if not fails({**base, **{k: extra[k] for k in keys if k != key}}):
-            return key, error
-    for i in range(len(keys) + 1):
-        if fails({**base, **{k: extra[k] for k in keys[:i]}}):
-            return (keys[i - 1] if i else None), error
-    return None, error
+    if len(keys) <= _LEAVE_ONE_OUT:  # a resolve per key: for a space of the usual size only
+        for key in reversed(keys):
+            if not fails({**base, **{k: extra[k] for k in keys if k != key}}):
+                return key, error
+    if fails(base):
+        return None, error
+    # the shortest failing prefix of extra, by bisection: base with keys[:low] passes, with
+    # keys[:high] (all of them) fails, so keys[high - 1] is one whose addition makes it fail
+    low, high = 0, len(keys)
+    while high - low > 1:
+        middle = (low + high) // 2
+        if fails({**base, **{k: extra[k] for k in keys[:middle]}}):
+            high = middle
+        else:
+            low = middle
+    return (keys[high - 1] if keys else None), error
 
 
 class _CornerTrial:

@@ -13,7 +13,9 @@ and one step of training; ``hfsweep validate`` and every sweep start with it.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import warnings
+import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -131,19 +133,30 @@ def _check_size(
     the process killed) rather than fail. The model is built on the meta device (no memory)
     to count its parameters and buffers; the array of two members with their gradients and the
     two models it is built from need at least :data:`_COPIES` times that. A model that cannot
-    be built on the meta device is not checked here."""
+    be built on the meta device is not checked here. A task that keeps the tensors it builds
+    (a base model in ``functools.lru_cache``) would keep meta tensors and fail every real
+    build, blaming the model: that is refused here, saying so."""
     from ..sizing.device import device_budget
 
-    try:
-        with fork_rng(), torch.device("meta"), warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the real build below warns as it should
-            model = sc.task.model(config)
-        tensors = [*model.parameters(), *model.buffers()]
-    except Exception:
+    counted = _count_on_meta(sc.task, config)
+    if counted is None:
         return
+    floats, others, kept = counted
+    gc.collect()  # the meta model is gone: what is left of its tensors, something else holds
+    if any(ref() is not None for ref in kept):
+        raise _error(
+            sc,
+            f"its model(config) keeps tensors from one call to the next (a pretrained part "
+            "held in functools.lru_cache, a global or a class attribute?): hfsweep built the "
+            f"model of the config {_shown(sc, sampled)} on the meta device, to count its "
+            "size before allocating it, and the tensors created then are still held, without "
+            "data, so every later model would be built from them. Create what the cache holds "
+            "on a device of its own (with torch.device('cpu'): inside the cached function), "
+            "or load it once outside model(config), and start a new Python process (this "
+            "one's cache holds the meta tensors now)",
+            raised=False,
+        )
     size = max(dtype.itemsize, 1)
-    floats = sum(t.numel() for t in tensors if t.is_floating_point())
-    others = sum(t.numel() * t.element_size() for t in tensors if not t.is_floating_point())
     need = _COPIES * (floats * size + others)
     try:
         budget = device_budget(device, fraction=1.0)
@@ -158,6 +171,25 @@ def _check_size(
             "smaller, or narrow the search space",
             raised=False,
         )
+
+
+def _count_on_meta(
+    task: Task, config: Mapping[str, Any]
+) -> tuple[int, int, list[weakref.ref[torch.Tensor]]] | None:
+    """``(floating elements, bytes of the other tensors, weak references to every tensor)`` of
+    ``task.model(config)`` built on the meta device (no memory); ``None`` if it cannot be built
+    there. The model and its tensors are dropped on return: a weak reference that still
+    answers after a garbage collection is a tensor the task's own state keeps."""
+    try:
+        with fork_rng(), torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the real build warns as it should
+            model = task.model(config)
+        tensors = [*model.parameters(), *model.buffers()]
+    except Exception:
+        return None
+    floats = sum(t.numel() for t in tensors if t.is_floating_point())
+    others = sum(t.numel() * t.element_size() for t in tensors if not t.is_floating_point())
+    return floats, others, [weakref.ref(t) for t in tensors if t.is_meta]
 
 
 class _FirstBatch:

@@ -21,7 +21,7 @@ from ..schedulers import FIFOScheduler, OptunaPruner
 from ..training.checkpoint import CheckpointVersionError, DamagedCheckpointError, set_aside
 from ..training.trainer import ArrayTrainer, MemberResult
 from ._drivers import DRIVER_ATTR, Drivers
-from ._rundir import StateVersionError, member_id, trial_number
+from ._rundir import StateVersionError, member_id, refuse_a_second_start, trial_number
 from ._stale import describe_missing, lost_with_them, rank_best, unended, unrecorded_arrays
 from .packer import Pending
 from .status import Status
@@ -73,20 +73,15 @@ class _Resume(_Parts):
     """Opening the run directory and the study; rebuilding the state on resume."""
 
     def _prepare_dir(self) -> dict[str, Any] | None:
+        # again, now that the directory is locked: another sweep may have started since
+        refuse_a_second_start(self.dir.path, self.sc.storage, self.sc.source, resume=self.resume)
         try:
             state = self.dir.read_state()
         except StateVersionError as exc:
             raise SweepError(f"cannot resume {self.dir.path}: {exc}") from None
         except ValueError as exc:
             raise SweepError(f"cannot resume {self.dir.path}: {exc}. {_STATE_LOST}") from None
-        has_study = state is not None or (self.sc.storage is None and self.dir.journal.exists())
-        if has_study and not self.resume:
-            raise SweepError(
-                f"{self.dir.path} already holds a sweep; continue it with "
-                f"`hfsweep run {self.sc.source or 'SWEEP'} --resume` (hs.sweep(..., "
-                "resume=True)), or set `output` to another directory"
-            )
-        if has_study and self.dir.config.exists():
+        if self.dir.holds_sweep(self.sc.storage) and self.dir.config.exists():
             before = json.loads(self.dir.config.read_text(encoding="utf-8"))
             before["storage"] = mask(before.get("storage"))  # as an older hfsweep wrote it
             now = json.loads(json.dumps(self.sc.to_dict()))

@@ -59,6 +59,7 @@ __all__ = [
     "RunDirBusy",
     "StateVersionError",
     "member_id",
+    "refuse_a_second_start",
     "trial_number",
 ]
 
@@ -77,6 +78,26 @@ def trial_number(member: str) -> int:
 
 class RunDirBusy(Exception):
     """Another sweep holds the run directory."""
+
+
+def refuse_a_second_start(
+    output: Path, storage: str | None, source: Path | None, *, resume: bool
+) -> None:
+    """The one rule on starting a sweep in a run directory: unless it resumes, a sweep may not
+    start in ``output`` when that holds a sweep already (see :meth:`RunDir.holds_sweep`), since
+    it would add its trials to the other's study and overwrite its state. Raises
+    :class:`~hfsweep.core.result.SweepError` saying how to resume it or go elsewhere.
+    ``hfsweep validate``, ``hfsweep run`` and ``hs.sweep`` check it first, before the machine's
+    checks and the dry run, and the engine again once it holds the directory's lock."""
+    if resume or not RunDir(output).holds_sweep(storage):
+        return
+    from .result import SweepError
+
+    raise SweepError(
+        f"{output} already holds a sweep; continue it with "
+        f"`hfsweep run {source or 'SWEEP'} --resume` (hs.sweep(..., resume=True)), or set "
+        "`output` to another directory"
+    )
 
 
 def _unlocked(path: Path, why: str) -> None:
@@ -137,6 +158,11 @@ class RunDir:
             yield locked
         finally:
             os.close(fd)  # releases the lock (once forked children have closed theirs)
+
+    def holds_sweep(self, storage: str | None) -> bool:
+        """Whether a sweep was started here: the engine's ``state.json`` is here, or, for a
+        sweep with the default storage (``storage`` ``None``), its study's journal is."""
+        return self.state.exists() or (storage is None and self.journal.exists())
 
     # ---------------------------------------------------------------- paths
     @property

@@ -60,7 +60,7 @@ from ._parts import _Array
 from ._preflight import preflight
 from ._progress import Progress
 from ._resume import _Resume
-from ._rundir import RunDir, RunDirBusy, member_id, trial_number
+from ._rundir import RunDir, RunDirBusy, member_id, refuse_a_second_start, trial_number
 from ._tracked import _Tracked
 from .ledger import Ledger
 from .packer import NON_LEARNING, Packer, Pending, limit_for_learning
@@ -110,7 +110,9 @@ def sweep(
     :class:`hfsweep.Callback` instances told of every trial's start, evaluations and end, after
     the trackers the config's ``tracking:`` names (see :mod:`hfsweep.tracking`).
 
-    Before anything is written, the sweep is checked against this machine (an output that
+    Before anything is written, an ``output`` that holds a sweep already is refused unless
+    resuming (the first check, as in ``hfsweep validate``), the sweep is checked against this
+    machine (an output that
     cannot be written, CUDA where there is none, a storage URL whose database driver is
     missing or whose database does not answer), then the task's code runs once (a dry run: its
     model for the space's corner configs, one training step of an array of two on one batch,
@@ -142,6 +144,7 @@ def sweep(
             sc = parse_sweep(config)
         else:
             sc = load_sweep(config)
+        refuse_a_second_start(sc.output, sc.storage, sc.source, resume=resume)  # cheapest first
         preflight(sc)  # before the run directory is created: a sweep that cannot run writes nothing
         check_trackers(sc)  # their libraries import
         data = _DataCache()  # the dry run's data, which the local backend's arrays train on

@@ -31,6 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._names import OFFLOAD_MODES, OFFLOAD_STEPS
+
 __all__ = [
     "OFFLOAD_MODES",
     "OFFLOAD_STEPS",
@@ -46,9 +48,6 @@ __all__ = [
     "state_bytes",
 ]
 
-#: the values ``offload`` takes
-OFFLOAD_MODES = ("none", "host", "auto")
-
 
 def check_offload(value: object, where: str = "offload") -> str:
     """``value`` if it is one of :data:`OFFLOAD_MODES`, else ``ValueError`` naming ``where``."""
@@ -57,12 +56,6 @@ def check_offload(value: object, where: str = "offload") -> str:
             f"{where} must be one of {', '.join(map(repr, OFFLOAD_MODES))}, got {value!r}"
         )
     return value
-
-
-#: where an offloaded array's optimizer step runs (``offload_step``): ``host`` (the fused CPU
-#: step on the host tensors, the default), ``device`` (each shard on the compute device after
-#: its backward), ``auto`` (both measured on the array's first steps, the faster kept)
-OFFLOAD_STEPS = ("host", "device", "auto")
 
 
 def check_offload_step(value: object, where: str = "offload_step") -> str:

@@ -114,6 +114,8 @@ _RANGES: dict[str, tuple[float, float, bool, bool]] = {
 
 _OPTIMIZER_KEYS = sorted({k for _, keys in OPTIMIZERS.values() for k in keys})
 _SCHEDULE_KEYS = sorted({k for keys in SCHEDULES.values() for k in keys})
+_OPTIMIZER_KEY_SET = frozenset(_OPTIMIZER_KEYS)
+_SCHEDULE_KEY_SET = frozenset(_SCHEDULE_KEYS)
 #: keys that may differ between the members of one array
 PER_MEMBER_KEYS: frozenset[str] = frozenset(
     [
@@ -214,10 +216,11 @@ class Task:
             )
 
     # ------------------------------------------------------------------ configs
-    @property
+    @functools.cached_property
     def per_member_keys(self) -> frozenset[str]:
         """Config keys that may differ between the members of one array: hfsweep's own, the
-        LoRA settings the task's ``defaults`` name, and the task's ``per_member``."""
+        LoRA settings the task's ``defaults`` name, and the task's ``per_member``. Built once
+        (the task is frozen): it is asked for each key of each config split."""
         lora = LORA_PER_MEMBER_KEYS.intersection(self.defaults)
         return PER_MEMBER_KEYS | lora | frozenset(self.per_member)
 
@@ -237,22 +240,40 @@ class Task:
 
     @property
     def known_keys(self) -> list[str]:
-        """Every config key this task understands: hfsweep's own, every optimizer's and
-        schedule's hyperparameters, the task's defaults and its extra per-member keys."""
-        return sorted(
+        """Every config key this task understands, sorted: hfsweep's own, every optimizer's
+        and schedule's hyperparameters, the task's defaults and its extra per-member keys."""
+        return list(self._known_sorted)
+
+    @functools.cached_property
+    def _known_sorted(self) -> tuple[str, ...]:
+        # sorted once per task: checking each key of a large space against a fresh sort made
+        # the check quadratic in the number of keys
+        return tuple(sorted(self._known_set))
+
+    @functools.cached_property
+    def _known_set(self) -> frozenset[str]:
+        """:attr:`known_keys` as a set, built once (the task is frozen)."""
+        return frozenset(
             {*BASE_DEFAULTS, *self.defaults, *self.per_member, *_OPTIMIZER_KEYS, *_SCHEDULE_KEYS}
         )
+
+    def knows(self, key: object) -> bool:
+        """Whether ``key`` is one of :attr:`known_keys` (in constant time)."""
+        try:
+            return key in self._known_set
+        except TypeError:  # an unhashable key is no config key
+            return False
 
     def resolve(self, config: Config) -> dict[str, Any]:
         """``config`` completed with the defaults and checked: unknown keys, bad optimizer or
         schedule names, keys the chosen optimizer does not take, out-of-range values."""
         known = {**BASE_DEFAULTS, **self.defaults}
-        known_keys = self.known_keys
-        unknown = sorted(set(config).difference(known_keys))
+        unknown = [key for key in config if not self.knows(key)]
         if unknown:
+            first = min(unknown, key=str)
             raise TaskError(
-                f"config key {unknown[0]!r} is not known to task {self.name!r}; known keys are "
-                f"{known_keys}"
+                f"config key {first!r} is not known to task {self.name!r}; known keys are "
+                f"{self.known_keys}"
             )
         name = {**known, **config}["optimizer"]
         if name not in OPTIMIZERS:
@@ -270,7 +291,8 @@ class Task:
         out = {
             k: v
             for k, v in out.items()
-            if (k not in _OPTIMIZER_KEYS or k in takes) and (k not in _SCHEDULE_KEYS or k in uses)
+            if (k not in _OPTIMIZER_KEY_SET or k in takes)
+            and (k not in _SCHEDULE_KEY_SET or k in uses)
         }
         for key, (low, high, low_open, high_open) in _RANGES.items():
             if (
@@ -300,13 +322,15 @@ class Task:
     def compatibility_key(self, config: Config) -> str:
         """The values that must be equal for two trials to share an array, as canonical JSON."""
         resolved = self.resolve(config)
-        shared = {k: v for k, v in resolved.items() if k not in self.per_member_keys}
+        per_member = self.per_member_keys
+        shared = {k: v for k, v in resolved.items() if k not in per_member}
         return json.dumps(shared, sort_keys=True, default=repr)
 
     def split(self, config: Config) -> tuple[dict[str, Any], str]:
         """``(per-member values, compatibility key)`` of ``config``."""
         resolved = self.resolve(config)
-        member = {k: v for k, v in resolved.items() if k in self.per_member_keys}
+        per_member = self.per_member_keys
+        member = {k: v for k, v in resolved.items() if k in per_member}
         return member, self.compatibility_key(resolved)
 
     # ------------------------------------------------------------------ building

@@ -333,11 +333,17 @@ ERRORS: list[tuple[str, dict[str, Any], str, str]] = [
     ("config-max-steps", with_(config={"max_steps": 3}), "config.max_steps", "use budget.steps"),
     (
         "config-value",
-        with_(config={"batch_size": 64, "lr": -1.0}),
-        "config.lr",
-        "lr=-1.0 must be a finite number >= 0",
+        # (a key of the space, such as lr, would be refused first as searched and fixed both)
+        with_(config={"batch_size": 64, "label_smoothing": -1.0}),
+        "config.label_smoothing",
+        "label_smoothing=-1.0 must be a finite number >= 0",
     ),
-    ("config-optimizer", with_(config={"optimizer": "sgdd"}), "config.optimizer", "is not one of"),
+    (
+        "config-optimizer",
+        with_(config={"optimizer": "sgdd"}, search_space={"lr": 0.1}),
+        "config.optimizer",
+        "is not one of",
+    ),
     (
         "config-combo",
         with_(config={"momentum": 0.9, "optimizer": "adam"}, search_space={"lr": 0.1}),
