@@ -25,6 +25,11 @@ and the degradation ``contended / quiet`` of the medians; an arm degrades no wor
 plain loop when its ratio is at most the plain arm's. The machine's other load is not under the
 script's control; the load averages are in the results so that a reader can judge it.
 Writes ``results/contention_cpu.{md,json}``, or ``STEM.{md,json}`` with ``--out``.
+
+``--probe-ops`` measures the mechanism instead, in this process: one elementwise op
+(``torch.tanh`` into a preallocated tensor) on one model's activations (64 x 64) and on 16
+members' (16 x 64 x 64), with 1 and 2 torch threads, quiet and contended; median, 90th percentile and mean microseconds per op
+(``results/contention_ops_cpu``, or ``--out``).
 """
 
 from __future__ import annotations
@@ -141,6 +146,45 @@ def plain_child(sweep_path: str) -> None:
     log(f"[plain] {result['wall_s']:.1f} s, best {result['best_value']}")
 
 
+def probe_ops(workers: int, kind: str, reps: int = 300) -> list[dict[str, Any]]:
+    """Microseconds per ``torch.tanh`` op by condition, tensor size and thread count."""
+    import torch
+
+    rows = []
+    before = torch.get_num_threads()
+    for cond in CONDITIONS:
+        with Generator(workers if cond == "contended" else 0, kind):
+            for label, n in (
+                ("one model, 64 x 64", 64 * 64),
+                ("16 members, 16 x 64 x 64", 16 * 64 * 64),
+            ):
+                for threads in (1, 2):
+                    torch.set_num_threads(threads)
+                    x, y = torch.randn(n), torch.empty(n)
+                    for _ in range(20):
+                        torch.tanh(x, out=y)
+                    times = []
+                    for _ in range(reps):
+                        t = time.perf_counter()
+                        torch.tanh(x, out=y)
+                        times.append((time.perf_counter() - t) * 1e6)
+                    times.sort()
+                    rows.append(
+                        {
+                            "condition": cond,
+                            "tensor": label,
+                            "threads": threads,
+                            "median_us": statistics.median(times),
+                            "p90_us": times[int(0.9 * len(times))],
+                            "mean_us": statistics.fmean(times),
+                            "load_before": os.getloadavg()[0],
+                        }
+                    )
+                    log(str(rows[-1]))
+    torch.set_num_threads(before)
+    return rows
+
+
 def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
@@ -177,11 +221,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--generator", choices=("spin", "matmul"), default="spin")
     parser.add_argument("--only", default=",".join(ARMS), help=f"arms among {', '.join(ARMS)}")
     parser.add_argument("--out", help="results stem (default results/contention_cpu)")
+    parser.add_argument("--probe-ops", action="store_true", help="time one op (see above)")
     parser.add_argument("--plain-child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.plain_child:
         plain_child(args.plain_child)
         return 0
+    if args.probe_ops:
+        return _write_probe(args, argv)
     arms = [a.strip() for a in args.only.split(",") if a.strip()]
     if not arms or any(a not in ARMS for a in arms):
         parser.error(f"--only {args.only!r}: arms are {', '.join(ARMS)}")
@@ -254,6 +301,34 @@ def main(argv: list[str] | None = None) -> int:
         ],
         cells,
         [{"summary": rows, "runs": runs}],
+    )
+    return 0
+
+
+def _write_probe(args: argparse.Namespace, argv: list[str] | None) -> int:
+    import torch
+    from _results import RESULTS, write_results
+
+    rows = probe_ops(args.workers, args.generator)
+    stem = Path(args.out) if args.out else RESULTS / "contention_ops_cpu"
+    cells = [
+        [
+            f"{r['condition']}, {r['tensor']}, {r['threads']} thread(s)",
+            f"{r['median_us']:.1f}",
+            f"{r['p90_us']:.1f}",
+            f"{r['mean_us']:.1f}",
+            f"{r['load_before']:.2f}",
+        ]
+        for r in rows
+    ]
+    notes = [
+        f"- contended: {args.workers} {args.generator} processes; CPUs in this process's "
+        f"affinity: {len(os.sched_getaffinity(0))} (other users' load included in the load)"
+    ]
+    columns = ["condition, tensor, torch threads", "median us", "p90 us", "mean us", "load"]
+    title = "One elementwise op under CPU contention, by tensor size and torch threads"
+    write_results(
+        stem, "contention.py", argv, torch.device("cpu"), title, notes, columns, cells, rows
     )
     return 0
 
