@@ -6,6 +6,7 @@ results files appear; they never assert a timing (timings live in ``benchmarks/r
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import json
@@ -188,6 +189,28 @@ def test_contention_runs_both_ways_quiet_and_contended(tmp_path, monkeypatch):
         assert _positive(row["contended/quiet"]), row
     md = stem.with_suffix(".md").read_text()
     assert "| contended / quiet |" in md and "load average" in md
+
+
+@pytest.mark.slow
+def test_contention_probe_times_the_op_every_way(tmp_path, monkeypatch):
+    """``contention.py --probe-ops``: both tensor sizes at 1 and 2 threads, quiet and contended,
+    each a positive time, torch's thread count set back, the table written."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    script = importlib.import_module("contention")
+    monkeypatch.setattr(script, "probe_ops", functools.partial(script.probe_ops, reps=5))
+    threads = torch.get_num_threads()
+    stem = tmp_path / "contention_ops_test"
+    assert script.main(["--probe-ops", "--workers", "1", "--out", str(stem)]) == 0
+    assert torch.get_num_threads() == threads
+    rows = json.loads(stem.with_suffix(".json").read_text())["rows"]
+    assert sorted((r["condition"], r["threads"]) for r in rows) == sorted(
+        (c, t) for c in ("quiet", "contended") for t in (1, 2) for _ in range(2)
+    )
+    for row in rows:
+        assert _positive(row["median_us"]) and _positive(row["p90_us"]), row
+    assert "| median us |" in stem.with_suffix(".md").read_text()
 
 
 @pytest.mark.slow
