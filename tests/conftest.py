@@ -64,6 +64,10 @@ def pytest_configure(config: pytest.Config) -> None:
     would skip profiling that a test expects."""
     if "HFSWEEP_CACHE_DIR" not in os.environ:
         os.environ["HFSWEEP_CACHE_DIR"] = tempfile.mkdtemp(prefix="hfsweep-test-cache-")
+    # Tests compare runs value for value (a resumed run against an uninterrupted one): torch's
+    # thread count must not follow the machine's load between them, which changes the rounding
+    # of CPU reductions. The tests of that choice (tests/training/test_threads.py) unset it.
+    os.environ.setdefault("HFSWEEP_CPU_THREADS", "torch")
 
 
 @pytest.fixture(autouse=True)

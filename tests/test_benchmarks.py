@@ -6,6 +6,7 @@ results files appear; they never assert a timing (timings live in ``benchmarks/r
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import json
@@ -138,6 +139,78 @@ def test_bench_bookkeeping_quick_runs(tmp_path, monkeypatch):
         assert _positive(row["plain_s"]) and _positive(row["hfsweep_s"]), row
         assert _positive(row["hfsweep/plain"]) and "baseline_s" not in row, row
     assert "| 64 |" in stem.with_suffix(".md").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # four fresh processes importing torch on a shared 2-core CPU
+def test_contention_runs_both_ways_quiet_and_contended(tmp_path, monkeypatch):
+    """``contention.py`` on a 2-trial, 2-epoch cut of the quick example, one round, one busy
+    process, the plain loop and ``hfsweep run``: each runs quiet and contended in a fresh
+    process, the generator's processes are gone afterwards, and the ratios and the load
+    averages are written. (``hfsweep-torch-threads`` differs from ``hfsweep`` only by an
+    environment variable.)"""
+    import yaml
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    script = importlib.import_module("contention")
+    examples = BENCHMARKS.parent / "examples"
+    sweep = yaml.safe_load((examples / "digits_quick.yaml").read_text())
+    sweep.update(budget={"trials": 2, "epochs": 2}, fusion={"size": 2, "device": "cpu"})
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(sweep))
+    started: list[int] = []
+    popen = script.subprocess.Popen
+
+    def recording(*args, **kwargs):
+        proc = popen(*args, **kwargs)
+        started.append(proc.pid)
+        return proc
+
+    monkeypatch.setattr(script.subprocess, "Popen", recording)
+    stem = tmp_path / "contention_test"
+    argv = ["--sweep", str(path), "--rounds", "1", "--workers", "1", "--only", "plain,hfsweep"]
+    argv += ["--out", str(stem)]
+    assert script.main(argv) == 0
+    for pid in started:  # every process it started has ended (and was reaped)
+        assert not Path(f"/proc/{pid}").exists(), pid
+    data = json.loads(stem.with_suffix(".json").read_text())
+    summary, runs = data["rows"][0]["summary"], data["rows"][0]["runs"]
+    assert [r["arm"] for r in summary] == ["plain", "hfsweep"]
+    assert sorted((r["arm"], r["condition"]) for r in runs) == [
+        ("hfsweep", "contended"),
+        ("hfsweep", "quiet"),
+        ("plain", "contended"),
+        ("plain", "quiet"),
+    ]
+    for run in runs:
+        assert _positive(run["wall_s"]) and _positive(run["cpu_s"]), run
+        assert run["load_before"] >= 0 and run["involuntary_switches"] >= 0
+    for row in summary:
+        assert _positive(row["contended/quiet"]), row
+    md = stem.with_suffix(".md").read_text()
+    assert "| contended / quiet |" in md and "load average" in md
+
+
+@pytest.mark.slow
+def test_contention_probe_times_the_op_every_way(tmp_path, monkeypatch):
+    """``contention.py --probe-ops``: both tensor sizes at 1 and 2 threads, quiet and contended,
+    each a positive time, torch's thread count set back, the table written."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    script = importlib.import_module("contention")
+    monkeypatch.setattr(script, "probe_ops", functools.partial(script.probe_ops, reps=5))
+    threads = torch.get_num_threads()
+    stem = tmp_path / "contention_ops_test"
+    assert script.main(["--probe-ops", "--workers", "1", "--out", str(stem)]) == 0
+    assert torch.get_num_threads() == threads
+    rows = json.loads(stem.with_suffix(".json").read_text())["rows"]
+    assert sorted((r["condition"], r["threads"]) for r in rows) == sorted(
+        (c, t) for c in ("quiet", "contended") for t in (1, 2) for _ in range(2)
+    )
+    for row in rows:
+        assert _positive(row["median_us"]) and _positive(row["p90_us"]), row
+    assert "| median us |" in stem.with_suffix(".md").read_text()
 
 
 @pytest.mark.slow

@@ -31,6 +31,7 @@ from ._compiled import log_compiled
 from ._evaluation import endings, record_evaluations, validation_sums
 from ._frozen import share_frozen_storage
 from ._offload_auto import split_for_offload
+from ._threads import Threads
 from .checkpoint import (
     _DELIVERED,
     DamagedCheckpointError,
@@ -126,6 +127,8 @@ class _Run:
         #: train_together`): the offload engine of each array built, sharing the driver's
         #: ledger and transfer; the run then yields its steps to the driver
         self.engine_for: Callable[[FusedArray], OffloadedArray] | None = None
+        #: on the CPU, the intra-op thread count, chosen again at every boundary (``_threads``)
+        self.threads: Threads | None = None
 
     # ------------------------------------------------------------------ entry
     def execute(
@@ -359,6 +362,8 @@ class _Run:
                 self._save_checkpoint(live)
                 self._deliver()
                 self._at_boundary()
+                if self.threads is not None:
+                    self.threads.revisit()
                 counts.plan(state.slots, eval_every)  # members ended or joined
                 training = any(s is not None for s in state.slots)
                 timer.resume()

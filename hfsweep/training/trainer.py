@@ -28,6 +28,7 @@ from ..fusion._compile import check_compile, mode_for
 from ..offload import OffloadChoice, check_offload, check_offload_step
 from ..optim._compiled import CompiledUpdate
 from ._compiled import CompiledLoss
+from ._threads import training_threads
 from .checkpoint import (
     _DELIVERED,
     _FINAL_STATES,
@@ -231,7 +232,8 @@ class ArrayTrainer:
         run = self._run_class(self, report, refill, on_finish)
         if self.device.type != "cpu":
             return run.execute(members, resume, start_step)
-        with retaining_freed_memory():
+        with retaining_freed_memory(), training_threads() as threads:
+            run.threads = threads
             return run.execute(members, resume, start_step)
 
     @staticmethod
