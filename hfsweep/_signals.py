@@ -17,8 +17,10 @@ ends, so the stop's last steps, and the message, run to their end.
 Handlers are installed only from the main thread (Python allows no other) and only over
 Python's defaults (SIG_DFL for SIGTERM, ``default_int_handler`` for SIGINT): a program that set
 its own keeps it. They are restored as they were when the block ends, whatever a library
-installed meanwhile (``ray.init`` installs a SIGTERM handler of its own, which
-:func:`reclaim` replaces while the sweep runs).
+installed meanwhile. ``ray.init`` installs a SIGTERM handler of its own (one that calls
+``sys.exit``) and ``ray.shutdown`` leaves it: hfsweep starts Ray inside :func:`handlers_kept`,
+which puts back the handlers found before, and :func:`reclaim` puts this module's back where a
+library replaced it while the sweep runs.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from typing import Any
 __all__ = [
     "Terminated",
     "exit_code",
+    "handlers_kept",
     "interruptible",
     "reclaim",
     "settle",
@@ -144,6 +147,22 @@ def stopping_on_signals() -> Iterator[None]:
             assert ending is not None
             for restored, previous in ending.previous.items():
                 signal.signal(restored, previous)
+
+
+@contextmanager
+def handlers_kept() -> Iterator[None]:
+    """The SIGINT and SIGTERM handlers as they are now, put back when the block ends (in the
+    main thread): for a library call that installs its own (``ray.init``)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    found = {signum: signal.getsignal(signum) for signum in _SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in found.items():
+            if handler is not None and signal.getsignal(signum) is not handler:
+                signal.signal(signum, handler)
 
 
 def reclaim() -> None:

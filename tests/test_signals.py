@@ -107,6 +107,26 @@ def test_a_library_handler_installed_meanwhile_is_replaced_while_running_then_un
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
 
 
+def test_a_handler_a_library_installs_while_starting_ray_is_taken_back() -> None:
+    """``ray.init`` installs a SIGTERM handler and ``ray.shutdown`` leaves it: hfsweep starts Ray
+    inside ``handlers_kept``, so a program's handler (here one an earlier Ray left, which the
+    sweep's block does not take over) is the same object after as before."""
+
+    def earlier(signum: int, frame: object) -> None:
+        raise SystemExit(signum)
+
+    def library(signum: int, frame: object) -> None:
+        raise SystemExit(signum)
+
+    signal.signal(signal.SIGTERM, earlier)
+    try:
+        with stopping_on_signals(), _signals.handlers_kept():
+            signal.signal(signal.SIGTERM, library)
+        assert signal.getsignal(signal.SIGTERM) is earlier
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def test_outside_the_main_thread_nothing_is_installed() -> None:
     seen: list[object] = []
 

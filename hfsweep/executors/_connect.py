@@ -38,6 +38,7 @@ from .._compat import (
     ray_localhost_rewritten,
     ray_loopback_switch,
 )
+from .._signals import handlers_kept
 
 __all__ = ["ClusterUnreachable", "Reached", "connect", "on_loopback", "reach"]
 
@@ -97,8 +98,8 @@ def connect(reached: Reached, **init: Any) -> None:
     stands for), so the driver connects on loopback as the cluster's nodes do."""
     import ray
 
-    with on_loopback() if reached.loopback else contextlib.nullcontext():
-        ray.init(address=reached.address, **init)
+    with on_loopback() if reached.loopback else contextlib.nullcontext(), handlers_kept():
+        ray.init(address=reached.address, **init)  # which installs a SIGTERM handler
 
 
 @contextlib.contextmanager

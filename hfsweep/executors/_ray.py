@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .._signals import shielded
+from .._signals import handlers_kept, shielded
 from ..fusion._compile import check_compile
 from ..training.task import Task
 from ..training.trainer import ArrayTrainer, Member
@@ -154,7 +154,7 @@ class RayExecutor(Executor):
         import ray
 
         try:
-            with on_loopback():
+            with on_loopback(), handlers_kept():  # ray.init installs a SIGTERM handler
                 # "local": a Ray of its own even where a `ray start` cluster (or RAY_ADDRESS)
                 # runs, which address=None would join
                 ray.init(address="local", _node_ip_address="127.0.0.1", **_INIT)
