@@ -78,7 +78,9 @@ def _opened(storage: Any) -> Any:
 class _Driver:
     """One run directory's ``hfsweep run --resume`` processes, one after another."""
 
-    def __init__(self, folder: Path, storage: str | None, task: str = SLOW) -> None:
+    def __init__(
+        self, folder: Path, storage: str | None, task: str = SLOW, trials: int = TRIALS
+    ) -> None:
         folder.mkdir()
         self.folder = folder
         self.run = folder / "run"
@@ -91,7 +93,7 @@ search_space:
   momentum: {{type: float, low: 0.0, high: 0.9}}
 searcher: random
 scheduler: {{name: asha, options: {{grace_period: 1, reduction_factor: 2}}}}
-budget: {{trials: {TRIALS}, epochs: 3}}
+budget: {{trials: {trials}, epochs: 3}}
 metric: val_accuracy
 mode: max
 fusion: {{size: 4, device: cpu}}
@@ -233,21 +235,31 @@ def _intervals(driver: _Driver) -> list[tuple[int, float, float]]:
 
 
 def _check(
-    storage: Any, *drivers: _Driver, elsewhere: int | None = None, void: bool = False
+    storage: Any,
+    *drivers: _Driver,
+    elsewhere: int | None = None,
+    void: bool = False,
+    trials: int = TRIALS,
+    kills: int | None = None,
 ) -> None:
-    """The study holds exactly the budget, every trial ended, no trial was told twice (trial
-    ``elsewhere`` by no driver here), and no trial was trained by two drivers at once.
-    ``void``: the storage went away while the drivers asked, so a trial asked twice across
-    it may be void (FAIL, not counted; see hfsweep.core._drivers), beside the budget."""
+    """The study holds exactly the budget (``trials``), every trial ended, no trial was told
+    twice (trial ``elsewhere`` by no driver here), and no trial was trained by two drivers at
+    once. ``void``: the storage went away while the drivers asked, so a trial asked twice
+    across it may be void (FAIL, not counted; see hfsweep.core._drivers), beside the budget.
+    ``kills``: how many processes were SIGKILLed (one per driver unless given), each of which
+    may have lost the log line of one tell."""
     study = optuna.load_study(study_name=STUDY, storage=_opened(storage))
     everything = study.get_trials()
     voided = [t for t in everything if t.user_attrs.get("void")]
     assert (void or not voided) and {t.state for t in voided} <= {TrialState.FAIL}
-    trials = [t for t in everything if not t.user_attrs.get("void")]
+    counted = [t for t in everything if not t.user_attrs.get("void")]
     assert [t.number for t in everything] == list(range(len(everything)))
-    assert len(trials) == TRIALS
-    assert {t.state for t in trials} <= {TrialState.COMPLETE, TrialState.PRUNED}
-    numbers = [t.number for t in trials]
+    assert len(counted) == trials, [(t.number, t.state.name) for t in everything]
+    ended = (TrialState.COMPLETE, TrialState.PRUNED)
+    assert all(t.state in ended for t in counted), [
+        (t.number, t.state.name, t.params, t.user_attrs) for t in counted if t.state not in ended
+    ]
+    numbers = [t.number for t in counted]
     told = Counter(
         n
         for d in drivers
@@ -257,7 +269,8 @@ def _check(
     # tell and the line (the study, checked above, has every trial ended)
     assert max(told.values()) == 1, told
     assert set(told) <= {str(n) for n in numbers if n != elsewhere}
-    assert len(told) >= TRIALS - len(drivers) - (elsewhere is not None), told
+    lost = len(drivers) if kills is None else kills
+    assert len(told) >= trials - lost - (elsewhere is not None), told
     stretches = [[(n, s, e) for n, s, e in _intervals(d)] for d in drivers]
     for i, mine in enumerate(stretches):
         for theirs in stretches[i + 1 :]:
