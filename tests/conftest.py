@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -68,6 +69,22 @@ def pytest_configure(config: pytest.Config) -> None:
     # thread count must not follow the machine's load between them, which changes the rounding
     # of CPU reductions. The tests of that choice (tests/training/test_threads.py) unset it.
     os.environ.setdefault("HFSWEEP_CPU_THREADS", "torch")
+
+
+#: SIGINT's and SIGTERM's handlers as the test process started (Python's defaults)
+_HANDLERS = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_as_at_start() -> Iterator[None]:
+    """Every test ends with SIGINT's and SIGTERM's handlers as the process started: a library
+    a test or a module's fixture ran may leave its own (Ray Tune's SIGINT handler, which only
+    logs; ``ray.init``'s SIGTERM handler), and a later test of hfsweep's signal handling would
+    meet it instead of Python's defaults."""
+    yield
+    for signum, handler in _HANDLERS.items():
+        if handler is not None and signal.getsignal(signum) is not handler:
+            signal.signal(signum, handler)
 
 
 @pytest.fixture(autouse=True)
