@@ -146,6 +146,29 @@ def sweep_config(output: Any, **overrides: Any) -> dict[str, Any]:
     return config
 
 
+def write_sweep_file(folder: Path, backend: str = "local") -> Path:
+    """``folder/sweep.yaml``: 4 trials of TASK for 2 epochs in one float64 array of 4, into
+    ``folder/run`` (the sweep the resume tests damage: a torn journal, a damaged checkpoint)."""
+    sweep = folder / "sweep.yaml"
+    sweep.write_text(
+        f"""
+task: "{Path(__file__).resolve()}:TASK"
+search_space:
+  lr: {{type: float, low: 1.0e-3, high: 0.5, log: true}}
+  momentum: {{type: float, low: 0.0, high: 0.9}}
+searcher: random
+scheduler: fifo
+budget: {{trials: 4, epochs: 2}}
+metric: val_accuracy
+mode: max
+fusion: {{size: 4, device: cpu, dtype: float64}}
+backend: {backend}
+output: run
+"""
+    )
+    return sweep
+
+
 #: the file whose existence holds GATED_TASK's arrays after their first epoch
 GATE_ENV = "HFSWEEP_TEST_GATE"
 

@@ -30,29 +30,9 @@ from hfsweep.cli import main
 from hfsweep.training.packed import load as load_packed
 from hfsweep.training.packed import pack
 
-TOY = Path(__file__).resolve().parent / "_toy.py"
+from ._toy import write_sweep_file as _write_sweep
+
 TRIALS = 4
-
-
-def _write_sweep(folder: Path, backend: str = "local") -> Path:
-    sweep = folder / "sweep.yaml"
-    sweep.write_text(
-        f"""
-task: "{TOY}:TASK"
-search_space:
-  lr: {{type: float, low: 1.0e-3, high: 0.5, log: true}}
-  momentum: {{type: float, low: 0.0, high: 0.9}}
-searcher: random
-scheduler: fifo
-budget: {{trials: {TRIALS}, epochs: 2}}
-metric: val_accuracy
-mode: max
-fusion: {{size: {TRIALS}, device: cpu, dtype: float64}}
-backend: {backend}
-output: run
-"""
-    )
-    return sweep
 
 
 def _run(sweep: Path, run: Path, *extra: str) -> int:

@@ -21,30 +21,11 @@ import hfsweep.training.run
 from hfsweep.cli import main
 from hfsweep.core._journal import GroupedJournalFileBackend, find_torn_tail, journal_storage
 
-TOY = Path(__file__).resolve().parent / "_toy.py"
+from ._toy import write_sweep_file as _write_sweep
+
 TRIALS = 4
 #: the journal's operation codes used here
 _TELL, _USER_ATTR = 6, 8
-
-
-def _write_sweep(folder: Path) -> Path:
-    sweep = folder / "sweep.yaml"
-    sweep.write_text(
-        f"""
-task: "{TOY}:TASK"
-search_space:
-  lr: {{type: float, low: 1.0e-3, high: 0.5, log: true}}
-  momentum: {{type: float, low: 0.0, high: 0.9}}
-searcher: random
-scheduler: fifo
-budget: {{trials: {TRIALS}, epochs: 2}}
-metric: val_accuracy
-mode: max
-fusion: {{size: {TRIALS}, device: cpu, dtype: float64}}
-output: run
-"""
-    )
-    return sweep
 
 
 def _run(sweep: Path, run: Path, *extra: str) -> int:
