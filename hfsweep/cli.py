@@ -211,11 +211,11 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     from .core._preflight import preflight
     from .core._rundir import refuse_a_second_start
-    from .core._storage import StorageUnavailable
     from .core.loop import SweepError, TrainingError, sweep
     from .core.result import RunDirUnwritable
     from .core.status import Status
     from .searchers._source import SearcherError
+    from .storage.database import StorageUnavailable
 
     try:  # sweep() checks both again; here so that a problem comes before the summary
         refuse_a_second_start(config.output, config.storage, config.source, resume=args.resume)

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from .._dburl import mask
 from .._errors import LocatedError
 from ..search_spaces import FixedParam, SearchSpace
+from ..storage.db_url import mask
 
 if TYPE_CHECKING:  # a sweep file is checked without torch, which the task module imports
     from ..training.task import Task

@@ -23,11 +23,11 @@ from ..executors import Executor
 from ..schedulers import TrialScheduler
 from ..searchers import Searcher
 from ..searchers._source import TrialSource
+from ..storage.drivers import Drivers
 from ..tracking import TrialInfo
 from ..tracking._dispatch import Tracking
 from ..training.task import Task
 from ..training.trainer import MemberResult, _DataCache
-from ._drivers import Drivers
 from ._rundir import RunDir
 from .ledger import Ledger
 from .packer import Packer, Pending
@@ -36,7 +36,7 @@ from .status import Status
 if TYPE_CHECKING:
     import optuna
 
-    from ._journal import GroupedJournalFileBackend
+    from ..storage.journal import GroupedJournalFileBackend
     from ._progress import Progress
 
 __all__: list[str] = []

@@ -16,7 +16,7 @@ from optuna.storages.journal import JournalFileOpenLock, JournalFileSymlinkLock
 from optuna.testing.pytest_storages import StorageTestCase
 
 import hfsweep as hs
-from hfsweep.core._journal import GroupedJournalFileBackend
+from hfsweep.storage.journal import GroupedJournalFileBackend
 
 from ._toy import sweep_config
 

@@ -13,8 +13,8 @@ from urllib.parse import quote, unquote
 import pytest
 from _postgres import free_port
 
-from hfsweep._dburl import for_driver, mask, scrub, shown
 from hfsweep.cli import main
+from hfsweep.storage.db_url import for_driver, mask, scrub, shown
 
 from .test_pg_storage import TOY_SWEEP
 

@@ -7,7 +7,7 @@ directory exists. :func:`open_storage` opens the storage the engine uses: SQLAlc
 pooled connection before using it (``pool_pre_ping``), and :class:`RetryingStorage` tries a
 call that lost its connection (the server restarting, a connection closed) again with backoff
 for up to ``storage_retry`` seconds; then :class:`StorageUnavailable` stops the sweep, and
-every call after it fails at once. URLs are shown with their password masked (:mod:`._dburl`).
+every call after it fails at once. URLs are shown with their password masked (:mod:`.db_url`).
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from optuna.storages import BaseStorage
 
 from .._compat_optuna import BaseHeartbeat, FrozenStudy
-from .._dburl import for_driver, mask, scrub
+from .._errors import SweepError
 from .._signals import interruptible
-from ._study_lock import LockLost
-from .result import SweepError
+from .db_url import for_driver, mask, scrub
+from .study_lock import LockLost
 
 if TYPE_CHECKING:
     import optuna
@@ -106,10 +106,10 @@ def server_message(exc: BaseException, url: str) -> str:
 
 
 def check_connection(url: str, timeout_s: float = CONNECT_TIMEOUT_S) -> str | None:
-    """Connect to the database of ``url`` (as :func:`~hfsweep._dburl.for_driver` gives it) once; return None if that works, else
-    the server's message. A file database (SQLite) is not opened: opening creates the file,
-    and a check writes nothing. Gives up after about ``timeout_s`` seconds even where the
-    driver takes no timeout."""
+    """Connect to the database of ``url`` (as :func:`~hfsweep.storage.db_url.for_driver` gives
+    it) once; return None if that works, else the server's message. A file database (SQLite) is
+    not opened: opening creates the file, and a check writes nothing. Gives up after about
+    ``timeout_s`` seconds even where the driver takes no timeout."""
     from sqlalchemy import create_engine
     from sqlalchemy.engine import make_url
     from sqlalchemy.pool import NullPool
@@ -197,8 +197,8 @@ class _Retrier:
     @contextlib.contextmanager
     def fenced(self) -> Iterator[None]:
         """A block of this thread in which a lost connection raises
-        :class:`~hfsweep.core._study_lock.LockLost` at once instead of being tried again (see
-        :meth:`~hfsweep.core._study_lock.StudyLock.fenced`)."""
+        :class:`~hfsweep.storage.study_lock.LockLost` at once instead of being tried again (see
+        :meth:`~hfsweep.storage.study_lock.StudyLock.fenced`)."""
         self._local.fenced = getattr(self._local, "fenced", 0) + 1
         try:
             yield
