@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     import optuna
 
 
-from ._elastic import ElasticPolicy
+from ..elastic.policy import ElasticPolicy
 from ._parts import _Parts
 from .result import StatusCounts, SweepResult, TrainingError, _Failed
 
