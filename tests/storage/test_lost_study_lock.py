@@ -18,12 +18,11 @@ from typing import Any
 import optuna
 import pytest
 from optuna.trial import TrialState
+from sweep.test_pg_storage import _Flaky
 
 from hfsweep._compat import ask_with_user_attrs
 from hfsweep.storage.database import RetryingStorage, _Retrier, engine_kwargs
 from hfsweep.storage.drivers import DRIVER_ATTR, VOID_ATTR, Drivers, countable
-
-from .test_pg_storage import _Flaky
 
 TOTAL = 3
 

@@ -1,6 +1,6 @@
 """The parts of sharing a study between drivers, in one process: the study lock, counting the
 budget under it, and telling a gone driver from a live one (the two-driver sweeps themselves
-are in test_two_drivers.py)."""
+are in tests/sweep/test_two_drivers.py)."""
 
 from __future__ import annotations
 
