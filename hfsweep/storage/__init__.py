@@ -8,6 +8,8 @@
   connection check before anything is written, and the retries through a database restart;
 - :mod:`~hfsweep.storage.db_url`: a database URL's secrets (``${NAME}`` references, its
   password), kept out of files, logs and messages;
+- :mod:`~hfsweep.storage.transient`: whether a storage call failed on a connection lost for a
+  while (a database restarting), which the retries and the study lock ride out;
 - :mod:`~hfsweep.storage.study_lock`: the lock every driver sharing a study takes, of the
   storage's own kind;
 - :mod:`~hfsweep.storage.drivers`: several drivers on one study: who asked each trial, which

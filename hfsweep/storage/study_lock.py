@@ -37,6 +37,8 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext, supp
 from pathlib import Path
 from typing import Any
 
+from .transient import is_transient
+
 try:
     import fcntl
 except ImportError:  # pragma: no cover - only where fcntl is missing (Windows)
@@ -175,8 +177,6 @@ class StudyLock:
                 try:
                     held.__exit__(None, None, None)
                 except Exception as error:
-                    from .database import is_transient  # database imports this module
-
                     # a database lock dies with its connection: a lost one has released it
                     if not is_transient(error):
                         raise
