@@ -81,6 +81,14 @@ class FusedSearcher(Searcher):
                 f"fused searcher owns the budget (Fusion(members={self._state.budget})): set "
                 "num_samples=-1"
             )
+        self._state.stop.set_criteria(spec.get("stop"))
+        if self._state.stop.criteria and not self._state.has_scheduler:
+            raise ValueError(
+                f"tune.RunConfig(stop={self._state.stop.criteria!r}) applies to each member of "
+                "a fused array, which needs the Fusion's scheduler: pass "
+                "tune.TuneConfig(scheduler=fusion.scheduler()) (FIFO) or "
+                "fusion.scheduler(ASHAScheduler(...))"
+            )
         self._state.constants, self._state.sampled = _split_space(config, self._state)
         accepted = self.searcher.set_search_properties(metric, mode, config, **spec)
         self._state.configure(metric or self.searcher.metric, mode or self.searcher.mode)
@@ -105,7 +113,8 @@ class FusedSearcher(Searcher):
             self._warned = True
             _log.warning(
                 "the fused sweep has no FusedScheduler: members train to their budget. Pass "
-                "scheduler=fusion.scheduler(ASHAScheduler(...)) to stop members early"
+                "scheduler=fusion.scheduler(ASHAScheduler(...)) to stop members early (and "
+                "fusion.scheduler() for RunConfig(stop=...) to apply to each member)"
             )
         self._active.add(trial_id)
         self._connect()
@@ -231,6 +240,8 @@ class FusedScheduler(FIFOScheduler):
         return True
 
     def on_trial_add(self, tune_controller: Any, trial: Any) -> None:
+        # RunConfig(stop=...) is judged per member: Tune must never stop an array for it
+        self._state.stop.take_over(tune_controller, trial)
         # Tuner.restore adds every trial of the experiment, ended ones too: only those that
         # will run need the hub
         if getattr(trial, "status", None) not in ("TERMINATED", "ERROR"):
