@@ -29,6 +29,7 @@ from ._tune_format import FINISHED, META
 from ._tune_hub import HubLink
 from ._tune_joint import NativeDecider, TuneDecider
 from ._tune_sweep import SweepState
+from ._tune_trainable import refusal
 
 __all__ = ["SUPPORTED_SCHEDULERS", "FusedScheduler", "FusedSearcher"]
 
@@ -116,6 +117,7 @@ class FusedSearcher(Searcher):
                 "scheduler=fusion.scheduler(ASHAScheduler(...)) to stop members early (and "
                 "fusion.scheduler() for RunConfig(stop=...) to apply to each member)"
             )
+        _raise_refusal(result)
         self._active.add(trial_id)
         self._connect()
         self._state.on_result(trial_id, result)
@@ -248,6 +250,7 @@ class FusedScheduler(FIFOScheduler):
             self._searcher._track(trial.trial_id)
 
     def on_trial_result(self, tune_controller: Any, trial: Any, result: dict[str, Any]) -> str:
+        _raise_refusal(result)
         self._searcher._connect()
         alive = self._state.on_result(trial.trial_id, result)
         # an array whose last members ended at this report is left to end by itself: its
@@ -275,6 +278,14 @@ class FusedScheduler(FIFOScheduler):
 
     def restore(self, checkpoint_path: str) -> None:
         return None
+
+
+def _raise_refusal(result: Mapping[str, Any]) -> None:
+    """Stop the experiment with the refusal an array trainable sent instead of training
+    (``tune.with_parameters(fusion.trainable, ...)``), before any array trains."""
+    message = refusal(result)
+    if message is not None:
+        raise ValueError(message)
 
 
 def _check_supported(scheduler: Any) -> None:

@@ -207,6 +207,26 @@ def test_a_dict_stop_without_the_fusions_scheduler_is_refused_at_fit() -> None:
         )
 
 
+def test_the_trainable_refuses_with_parameters_and_the_driver_raises_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fusion, _, posted, _, _ = _driver({})
+    config = fusion.state._array_config(fusion.state.arrays["A"])
+    sent: list[dict[str, Any]] = []
+    monkeypatch.setattr(tune, "report", lambda metrics, **kw: sent.append(dict(metrics)))
+    # what tune.with_parameters(fusion.trainable, data=..., labels=...) calls in the worker
+    fusion.trainable(config, data=[1, 2], labels=[3])  # type: ignore[call-arg]
+    assert len(sent) == 1  # its only report, before building anything
+    scheduler = fusion._scheduler
+    assert scheduler is not None
+    want = r"with_parameters\(fusion.trainable, data=\.\.\., labels=\.\.\.\).*data function"
+    with pytest.raises(ValueError, match=want):
+        scheduler.on_trial_result(None, _Trial("A", {}), sent[0])
+    with pytest.raises(ValueError, match=want):  # the searcher, without the scheduler
+        fusion._searcher.on_trial_result("A", sent[0])  # type: ignore[union-attr]
+    assert not posted and not fusion.state.ledger.decisions
+
+
 @pytest.fixture(scope="module")
 def ray_up(shared_ray: Any) -> Iterator[None]:
     """The shared local Ray (tests/conftest.py: loopback, 2 CPUs, no dashboard)."""
@@ -351,3 +371,13 @@ def test_a_stopper_judges_each_member_and_stop_all_ends_the_sweep(
     assert set(table["status"]) == {"completed"}, table[["member", "status"]]
     assert (table["evaluations"] == 1).all(), table[["member", "evaluations"]]
     assert fusion.state.finished
+
+
+@pytest.mark.slow
+def test_with_parameters_is_refused_before_any_array_trains(ray_up: None, tmp_path: Path) -> None:
+    fusion = Fusion(_tune_toy.TASK, members=4, array_size=2, device="cpu")
+    wrapped = tune.with_parameters(fusion.trainable, data=list(range(10)))
+    with pytest.raises(Exception, match=r"with_parameters\(fusion.trainable, data=\.\.\.\)") as e:
+        _fit(tmp_path, None, fusion=fusion, trainable=wrapped)
+    assert "Task.data(config)" in str(e.value)
+    assert not fusion.state.ledger.decisions  # no member was evaluated
