@@ -16,6 +16,10 @@ one that never stops an array) and judges each member's own result: a member tha
 scheduler does not see that result (as Tune consults no scheduler for a result that met the
 criterion). ``stop_all()`` stops every member at its next evaluation and asks no new member.
 
+After ``Tuner.restore`` the criterion comes back with the experiment: a dict with the sweep's
+saved state (restored array trials no longer carry it), a callable or ``Stopper`` inside the
+stopper that replaced it on the controller, which Tune saves with its own state.
+
 Ray 2.x gives a scheduler no public way to reach the controller's stopper: :meth:`take_over`
 reads and replaces it through the controller that ``on_trial_add`` receives
 (``_tune_controller._stopper`` of Ray 2.60's ``TrialRunnerWrapper``; the tests check that
@@ -31,7 +35,7 @@ from typing import Any
 
 from hfsweep._checks import is_number
 
-__all__ = ["MemberStop"]
+__all__ = ["ArraysNeverStop", "MemberStop"]
 
 _log = logging.getLogger("hfsweep.tune")
 
@@ -85,13 +89,15 @@ class MemberStop:
                     type(runner).__name__,
                 )
             return
-        if getattr(current, "_hfsweep_never_stops", False):
+        if isinstance(current, ArraysNeverStop):
+            # taken over already, or restored so with the experiment's state (Tune saves its
+            # controller's stopper there): the experiment's stopper is the one it holds
+            self.stopper = current.inner
             return
         from ray.tune.stopper import NoopStopper
 
-        if not isinstance(current, NoopStopper):
-            self.stopper = current
-        runner._stopper = _never_stop()
+        self.stopper = None if isinstance(current, NoopStopper) else current
+        runner._stopper = ArraysNeverStop(self.stopper)
 
     def judge(self, results: Sequence[tuple[str, Mapping[str, Any]]]) -> set[str]:
         """The members among ``results`` (member id, its result) that meet the criterion
@@ -133,23 +139,22 @@ class MemberStop:
         return False
 
     def __getstate__(self) -> dict[str, Any]:
-        # the criterion is taken over again by every fit (a restored one too), from the
-        # experiment: a pickled sweep never carries the user's stopper
+        # a pickled sweep never carries the user's stopper: every fit takes the criterion
+        # over again (a restored one from the saved state and the controller's stopper)
         return dict(MemberStop().__dict__)
 
 
-def _never_stop() -> Any:
-    """What the controller calls in place of the experiment's stopper: a Tune ``Stopper`` that
-    never stops an array (the plugin judges each member, :class:`MemberStop`)."""
-    from ray.tune.stopper import Stopper
+class ArraysNeverStop:
+    """What the controller calls in place of the experiment's stopper (``inner``, ``None``
+    for none): it never stops an array, the plugin judges each member with ``inner``
+    (:class:`MemberStop`). Tune saves it with the experiment's state, ``inner`` with it, so a
+    restored experiment finds the stopper there (with the state it had at the save)."""
 
-    class ArraysNeverStop(Stopper):
-        def __call__(self, trial_id: str, result: dict[str, Any]) -> bool:
-            return False
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
 
-        def stop_all(self) -> bool:
-            return False
+    def __call__(self, trial_id: str, result: Mapping[str, Any]) -> bool:
+        return False
 
-    stopper = ArraysNeverStop()
-    stopper._hfsweep_never_stops = True  # type: ignore[attr-defined]
-    return stopper
+    def stop_all(self) -> bool:
+        return False

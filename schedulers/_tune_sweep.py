@@ -220,6 +220,9 @@ class SweepState(MemberSweep):
             "task": self.task.name,
             **core,
             "decider": self.decider,
+            # a dict RunConfig(stop=...): Tune gives it to restored array trials no more (the
+            # plugin took it off them), and to the searcher only when the experiment starts
+            "stop": dict(self.stop.criteria),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -230,6 +233,7 @@ class SweepState(MemberSweep):
         super().load_state_dict(state)
         self.uid = str(state["uid"])
         self.decider = state["decider"]
+        self.stop.set_criteria(state.get("stop") or {})
         self._trials = {}
         _RESTORED[self.uid] = self
 

@@ -11,6 +11,8 @@ small Tune experiment (a few seconds: ``slow``).
 from __future__ import annotations
 
 import json
+import os
+import signal
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,7 +29,12 @@ from ray import cloudpickle, tune  # noqa: E402
 from ray.tune.execution.tune_controller import TrialRunnerWrapper  # noqa: E402
 from ray.tune.search import Searcher  # noqa: E402
 from ray.tune.search.optuna import OptunaSearch  # noqa: E402
-from ray.tune.stopper import FunctionStopper, NoopStopper, Stopper  # noqa: E402
+from ray.tune.stopper import (  # noqa: E402
+    FunctionStopper,
+    MaximumIterationStopper,
+    NoopStopper,
+    Stopper,
+)
 
 from hfsweep.core.status import Status  # noqa: E402
 
@@ -136,9 +143,17 @@ def test_tune_hands_the_stop_to_the_fusion_and_never_stops_an_array() -> None:
     fusion, _, _, _, controller = _driver(user)
     assert fusion.state.stop.stopper is user
     # Tune calls the controller's stopper with the array's results: it never stops one
-    assert controller._stopper is not user and isinstance(controller._stopper, Stopper)
-    assert not controller._stopper("A", {"training_iteration": 99, "val_accuracy": 1.0})
-    assert not controller._stopper.stop_all()
+    never = controller._stopper
+    assert never is not user
+    assert not never("A", {"training_iteration": 99, "val_accuracy": 1.0})
+    assert not never.stop_all()
+    # Tune saves its controller's stopper with the experiment: a restored experiment's
+    # controller holds the one that never stops, and the member stop finds the user's in it
+    fusion.state.stop.stopper = None
+    scheduler = fusion._scheduler
+    assert scheduler is not None
+    scheduler.on_trial_add(TrialRunnerWrapper(controller, None), _Trial("B", {}))
+    assert fusion.state.stop.stopper is user and controller._stopper is never
 
 
 def test_a_dict_stop_judges_each_member_on_its_own_training_iteration() -> None:
@@ -157,6 +172,25 @@ def test_a_dict_stop_judges_each_member_on_its_own_training_iteration() -> None:
     assert posted["t3"]["go"] == {"A-1": False}
     assert inner.outcome == {"A-0": "COMPLETE", "A-1": "COMPLETE"}
     assert set(inner.told.values()) == {1}
+
+
+def test_a_dict_stop_is_saved_with_the_sweep_and_applies_after_a_restore() -> None:
+    """Tune hands a dict stop to the searcher only when an experiment starts, and a restored
+    array trial comes back without it (the plugin took it off): the saved state carries it."""
+    fusion, _, _, _, _ = _driver({"training_iteration": 2})
+    fusion.state.on_result("A", _report("t0", [("A-0", 1, 0.3)]))
+    saved = fusion._searcher.get_state()  # type: ignore[union-attr]
+    again = Fusion(_tune_toy.TASK, members=2, array_size=2, device="cpu")
+    searcher = again.searcher(_Searcher(2))
+    again.scheduler()
+    searcher.set_state(saved)
+    assert again.state.stop.criteria == {"training_iteration": 2}
+    posted: dict[str, dict[str, Any]] = {}
+    again.state.post = lambda token, message: posted.__setitem__(token, message)
+    result = _report("t1", [("A-0", 2, 0.4), ("A-1", 1, 0.9)])
+    again.state.on_result("A", result)
+    assert posted["t1"]["go"] == {"A-0": False, "A-1": True}
+    assert again.state.members["A-0"].status == "completed"
 
 
 def test_a_metric_threshold_stops_only_the_member_that_meets_it() -> None:
@@ -246,6 +280,7 @@ def _fit(
     fusion: Fusion | None = None,
     trainable: Any = None,
     one_at_a_time: bool = False,
+    callbacks: list[Any] | None = None,
 ) -> tuple[Any, Fusion]:
     """A Tune experiment over ``members`` members of the toy task in arrays of two, FIFO."""
     fusion = fusion or Fusion(_tune_toy.TASK, members=members, array_size=2, device="cpu")
@@ -261,7 +296,9 @@ def _fit(
             search_alg=fusion.searcher(searcher),
             scheduler=fusion.scheduler(),
         ),
-        run_config=tune.RunConfig(storage_path=str(tmp_path), name="stop", verbose=0, stop=stop),
+        run_config=tune.RunConfig(
+            storage_path=str(tmp_path), name="stop", verbose=0, stop=stop, callbacks=callbacks
+        ),
     )
     return tuner.fit(), fusion
 
@@ -381,3 +418,35 @@ def test_with_parameters_is_refused_before_any_array_trains(ray_up: None, tmp_pa
         _fit(tmp_path, None, fusion=fusion, trainable=wrapped)
     assert "Task.data(config)" in str(e.value)
     assert not fusion.state.ledger.decisions  # no member was evaluated
+
+
+class _InterruptOnce(tune.Callback):
+    """Sends this process SIGINT (Ctrl+C) at the first array result, once per ``marker``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def on_trial_result(self, *args: Any, **info: Any) -> None:
+        if not self.marker.exists():
+            self.marker.write_text("interrupted")
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+@pytest.mark.slow
+def test_a_stopper_still_judges_each_member_after_tuner_restore(
+    ray_up: None, tmp_path: Path
+) -> None:
+    marker = tmp_path / "interrupted"
+    first, fusion = _fit(
+        tmp_path,
+        MaximumIterationStopper(2),
+        one_at_a_time=True,
+        callbacks=[_InterruptOnce(marker)],
+    )
+    assert marker.exists()
+    assert "running" in set(member_results(first.experiment_path)["status"])  # unfinished
+    results = tune.Tuner.restore(first.experiment_path, trainable=fusion.trainable).fit()
+    assert not results.errors
+    table = member_results(results)
+    assert len(table) == 4
+    assert set(table["status"]) == {"completed"} and (table["evaluations"] == 2).all(), table
