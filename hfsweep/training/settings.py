@@ -131,7 +131,7 @@ def array_settings(values: Mapping[str, Any], source: Source) -> ArraySettings:
     for key in values:
         if key not in ARRAY_KEYS:
             raise SettingsError(
-                key, f"is not an array setting; the settings: {', '.join(ARRAY_KEYS)}", source
+                key, f"not an array setting; the settings are {', '.join(ARRAY_KEYS)}", source
             )
     v = {**ArraySettings().to_dict(), **values}
 
