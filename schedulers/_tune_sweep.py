@@ -44,6 +44,7 @@ from hfsweep.training.task import Task
 
 from ._tune_format import FINISHED, META, STATE_FORMAT, upgraded
 from ._tune_joint import Decider, MemberController, MemberTrial, NoDecider
+from ._tune_stop import MemberStop
 
 __all__ = ["SweepState", "restored_state"]
 
@@ -77,6 +78,7 @@ class SweepState(Sweep):
         self.searcher: Any = None
         self.decider: Decider = NoDecider()
         self.has_scheduler = False
+        self._stop = MemberStop()
         #: param_space values that are not sampled, and the names of the sampled ones
         self.constants: dict[str, Any] = {}
         self.sampled: list[str] = []
@@ -87,6 +89,15 @@ class SweepState(Sweep):
         state = self.__dict__.copy()
         state.update(post=None, _trials={})
         return state
+
+    @property
+    def stop(self) -> MemberStop:
+        """``RunConfig(stop=...)``, judged per member (taken over from Tune by the wrappers
+        at every ``fit``; a state pickled by an hfsweep without it gets an empty one)."""
+        found = self.__dict__.get("_stop")
+        if not isinstance(found, MemberStop):
+            found = self.__dict__["_stop"] = MemberStop()
+        return found
 
     @property
     def hub_name(self) -> str:
@@ -158,6 +169,9 @@ class SweepState(Sweep):
             "task": self.task.name,
             **core,
             "decider": self.decider,
+            # a dict RunConfig(stop=...): Tune gives it to restored array trials no more (the
+            # plugin took it off them), and to the searcher only when the experiment starts
+            "stop": dict(self.stop.criteria),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -168,6 +182,7 @@ class SweepState(Sweep):
         super().load_state_dict(state)
         self.uid = str(state["uid"])
         self.decider = state["decider"]
+        self.stop.set_criteria(state.get("stop") or {})
         self._trials = {}
         _RESTORED[self.uid] = self
 
@@ -225,12 +240,22 @@ class _TuneDecider:
         self.state = state
 
     def decide(self, fresh: list[tuple[MemberRecord, dict[str, Any]]]) -> dict[str, bool]:
+        """A member that meets ``RunConfig(stop=...)`` stops (complete, see
+        :meth:`at_budget`) and its result does not reach the scheduler, as Tune consults no
+        scheduler for a result that met the criterion; the scheduler decides on the others."""
         state = self.state
-        judged = [(state._trial(rec), _tune_result(rec, row)) for rec, row in fresh]
-        return state.decider.decide(state._controller(), judged, state.metric or "")
+        seen = [(rec, _tune_result(rec, row)) for rec, row in fresh]
+        stop = state.stop
+        met = stop.judge([(rec.id, result) for rec, result in seen]) if stop.active else set()
+        if stop.all_stopped:
+            state.inner_finished = True  # stop_all(): no new member is asked
+        judged = [(state._trial(rec), result) for rec, result in seen if rec.id not in met]
+        go = state.decider.decide(state._controller(), judged, state.metric or "") if judged else {}
+        return {**go, **{m: False for m in met}}
 
-    def at_budget(self, result: Mapping[str, Any]) -> bool:
-        return self.state.decider.at_budget(result)
+    def at_budget(self, member: MemberRecord, result: Mapping[str, Any]) -> bool:
+        """A member stopped by ``RunConfig(stop=...)`` or at the scheduler's budget completed."""
+        return self.state.stop.met(member.id) or self.state.decider.at_budget(result)
 
     def end(self, member: MemberRecord, status: Status, result: Mapping[str, Any] | None) -> None:
         state = self.state

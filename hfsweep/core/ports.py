@@ -62,9 +62,9 @@ class DeciderPort(Protocol):
         (judged together, never first come, first served); a member not named goes on."""
         ...
 
-    def at_budget(self, result: Mapping[str, Any]) -> bool:
-        """Whether a member the scheduler stopped after ``result`` reached the scheduler's own
-        budget (ASHA's ``max_t``): it ends ``COMPLETED``, not ``STOPPED``."""
+    def at_budget(self, member: MemberRecord, result: Mapping[str, Any]) -> bool:
+        """Whether ``member``, stopped after ``result``, reached the decider's own budget
+        (ASHA's ``max_t``, a stop criterion it met): it ends ``COMPLETED``, not ``STOPPED``."""
         ...
 
     def end(self, member: MemberRecord, status: Status, result: Mapping[str, Any] | None) -> None:

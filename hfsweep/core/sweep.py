@@ -509,7 +509,8 @@ class _RecordsDoor:
         return self.sweep.decider_port.decide(fresh)
 
     def at_budget(self, evaluation: Evaluated) -> bool:
-        return self.sweep.decider_port.at_budget(evaluation.seen)
+        rec = self.sweep.members[evaluation.member]
+        return self.sweep.decider_port.at_budget(rec, evaluation.seen)
 
     def hear(self, evaluation: Evaluated, searcher: bool) -> None:
         if searcher:

@@ -57,7 +57,7 @@ class FakeDecider:
     def decide(self, fresh: list[tuple[MemberRecord, dict[str, Any]]]) -> dict[str, bool]:
         return {rec.id: result["acc"] >= self.floor for rec, result in fresh}
 
-    def at_budget(self, result: Mapping[str, Any]) -> bool:
+    def at_budget(self, member: MemberRecord, result: Mapping[str, Any]) -> bool:
         return False
 
     def end(self, member: MemberRecord, status: Status, result: Mapping[str, Any] | None) -> None:
