@@ -92,6 +92,10 @@ class SweepState(MemberSweep):
         state.update(post=None, _trials={}, journal=None, _outbox=[])
         return state
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # a sweep an earlier hfsweep pickled (an experiment's tuner.pkl) had no own save
+        self.__dict__.update({"journal": None, "saves": 0, "_outbox": [], **state})
+
     @property
     def hub_name(self) -> str:
         """The name of the Ray actor that carries answers to this sweep's trainables."""

@@ -77,6 +77,11 @@ class FusedSearcher(Searcher):
         self._saved_arrays: dict[str, Any] | None = None
         self._reconcile = False
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # a searcher an earlier hfsweep pickled (an experiment's tuner.pkl) lacks the newer parts
+        fresh: dict[str, Any] = {"_restored_trials": {}, "_saved_arrays": None, "_reconcile": False}
+        self.__dict__.update({**fresh, **state})
+
     # ------------------------------------------------------------------ configuration
     def set_search_properties(
         self, metric: str | None, mode: str | None, config: dict[str, Any], **spec: Any
