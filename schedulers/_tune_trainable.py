@@ -25,6 +25,7 @@ not kept.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -33,7 +34,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,7 @@ from hfsweep.core.status import Status
 from hfsweep.executors import ArrayHooks, LocalExecutor
 from hfsweep.sizing.device import DTYPES, resolve_device
 from hfsweep.training import Evaluation, Member, MemberResult
+from hfsweep.training.settings import ArraySettings
 from hfsweep.training.task import Task
 
 from ._tune_format import META, WEIGHTS_DIR, weights_file
@@ -61,17 +63,14 @@ TRAINABLE_NAME = "hfsweep_array"
 @dataclass(frozen=True)
 class TrainSpec:
     """How a worker trains an array: the task (an :class:`hfsweep.Task`, or a name that
-    ``hfsweep`` resolves: a ready task, ``module:attribute``, ``/abs/path.py:attribute``),
-    device (``"auto"``: CUDA when the worker sees a GPU), dtype name, evaluation period, and
-    whether arrays keep frozen tensors every member holds identically once (``share_frozen``,
-    as in :func:`hfsweep.fuse`)."""
+    ``hfsweep`` resolves: a ready task, ``module:attribute``, ``/abs/path.py:attribute``), the
+    sweep's array settings (:class:`~hfsweep.training.settings.ArraySettings`: device,
+    ``"auto"`` meaning CUDA when the worker sees a GPU, dtype, evaluation period, shared frozen
+    tensors, compile, offload), and whether arrays trace their forwards."""
 
     task: Task | str
-    device: str = "auto"
-    dtype: str = "float32"
-    eval_every: int | None = None
+    arrays: ArraySettings = field(default_factory=ArraySettings)
     trace: bool = True
-    share_frozen: bool = True
 
     def load_task(self) -> Task:
         """The task object (loaded in the worker when given by name)."""
@@ -83,7 +82,7 @@ class TrainSpec:
 
     def torch_device(self) -> torch.device:
         """The device this worker trains on."""
-        return torch.device(resolve_device(self.device))
+        return torch.device(resolve_device(self.arrays.device))
 
 
 def make_trainable(spec: TrainSpec) -> Callable[[dict[str, Any]], None]:
@@ -132,11 +131,8 @@ def make_executor(spec: TrainSpec, task: Task) -> LocalExecutor:
     """The executor that trains a trial's array in the worker, as ``spec`` says."""
     return LocalExecutor(
         task,
-        device=spec.torch_device(),
-        dtype=DTYPES[spec.dtype],
-        eval_every=spec.eval_every,
+        arrays=dataclasses.replace(spec.arrays, device=str(spec.torch_device())),
         trace=spec.trace,
-        share_frozen=spec.share_frozen,
         # a stopped member may be one the driver counts complete (at the scheduler's
         # budget): the channel keeps the weights of those and of the completed ones
         final_states="all",

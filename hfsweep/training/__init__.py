@@ -13,6 +13,8 @@ One job per module, each importing only those below it in this list:
 - ``checkpoint``: the trainer's files and records, read back as plain data only.
 - ``spec``: :class:`~hfsweep.training.spec.TrialSpec` (one member's config, budget, seeds and
   data position), a slot's progress, an array's data position.
+- ``settings``: :class:`ArraySettings`, how every array of a sweep trains, and the one check of
+  them for a sweep file's ``fusion:`` and the Tune plugin's ``Fusion(...)``.
 - ``results``: :class:`Member`, :class:`Evaluation`, :class:`MemberResult` and the hooks.
 - ``task``: :class:`~hfsweep.Task`, the user's model, data, loss and metrics, and the optimizers
   and schedules its configs name.
@@ -23,10 +25,12 @@ Users import these names from :mod:`hfsweep` (and :mod:`hfsweep.trainer`).
 
 from ._together import ArrayJob, train_together
 from .results import Evaluation, Member, MemberResult, RefillHook, ReportHook
+from .settings import ArraySettings
 from .trainer import ArrayTrainer
 
 __all__ = [
     "ArrayJob",
+    "ArraySettings",
     "ArrayTrainer",
     "Evaluation",
     "Member",

@@ -38,6 +38,7 @@ from .checkpoint import (
 )
 from .results import Evaluation, Member, MemberResult, RefillHook, ReportHook
 from .run import _Run
+from .settings import ArraySettings
 from .task import Task, TaskError
 
 __all__ = ["ArrayTrainer", "Evaluation", "Member", "MemberResult", "RefillHook", "ReportHook"]
@@ -201,6 +202,37 @@ class ArrayTrainer:
         self._data_cache = _DataCache()
         #: traced forwards by compatibility key, shared by the arrays this trainer builds
         self._trace_cache: dict[str, dict[Any, Any]] = {}
+
+    @classmethod
+    def from_settings(
+        cls,
+        task: Task,
+        settings: ArraySettings,
+        *,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        trace: bool = True,
+        keep_states: bool = True,
+        final_states: str = "all",
+    ) -> ArrayTrainer:
+        """A trainer of ``task``'s arrays as a sweep's ``settings`` say (its device, dtype,
+        evaluation period, shared frozen tensors, compile and offload: what executors and Ray
+        workers build their trainers from; ``alternate`` is theirs: a trainer trains one
+        array). The other arguments are the constructor's."""
+        return cls(
+            task,
+            device=settings.resolved_device(),
+            dtype=settings.torch_dtype(),
+            eval_every=settings.eval_every,
+            checkpoint_dir=checkpoint_dir,
+            trace=trace,
+            keep_states=keep_states,
+            final_states=final_states,
+            share_frozen=settings.share_frozen,
+            compile=settings.compile,
+            offload=settings.offload,
+            device_memory=settings.device_memory,
+            offload_step=settings.offload_step,
+        )
 
     # ------------------------------------------------------------------ public
     def run(
