@@ -52,7 +52,14 @@ from hfsweep.training.task import Task
 from ._tune_format import META, WEIGHTS_DIR, weights_file
 from ._tune_hub import await_answer, connect
 
-__all__ = ["DTYPES", "TrainSpec", "make_executor", "make_trainable"]
+__all__ = [
+    "DTYPES",
+    "TrainSpec",
+    "make_executor",
+    "make_trainable",
+    "refusal",
+    "with_parameters_refused",
+]
 
 #: the file in the trainer's checkpoint directory that holds the channel's own state
 _CHANNEL_FILE = "hfsweep_channel.json"
@@ -86,9 +93,16 @@ class TrainSpec:
 
 
 def make_trainable(spec: TrainSpec) -> Callable[[dict[str, Any]], None]:
-    """A Tune function trainable that trains the array in its config as ``spec`` says."""
+    """A Tune function trainable that trains the array in its config as ``spec`` says.
 
-    def hfsweep_array(config: dict[str, Any]) -> None:
+    Wrapped in ``tune.with_parameters(..., name=object)`` it refuses to train (see
+    :func:`refusal`): it sends the refusal as its only report, and the driver stops the
+    experiment with it before any array trains."""
+
+    def hfsweep_array(config: dict[str, Any], **params: Any) -> None:
+        if params:
+            _refuse(config, with_parameters_refused(sorted(params)))
+            return
         train_array(config, spec)
 
     hfsweep_array.__name__ = hfsweep_array.__qualname__ = TRAINABLE_NAME
@@ -125,6 +139,50 @@ def train_array(config: Mapping[str, Any], spec: TrainSpec) -> None:
         channel.close()
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def with_parameters_refused(names: Sequence[str]) -> str:
+    """Why the array trainable refuses ``tune.with_parameters(fusion.trainable, ...)`` with
+    objects called ``names``, and what to do instead."""
+    given = ", ".join(f"{n}=..." for n in names)
+    return (
+        f"tune.with_parameters(fusion.trainable, {given}) cannot pass objects to a fused "
+        "array: an hfsweep task builds each member's model and data from its config alone "
+        "(Task.model(config), Task.data(config)), in the worker that trains the array, and "
+        "the same task runs under `hfsweep run` and hs.sweep. Load the data inside the task's "
+        "data function (it runs in each worker; keep it in a module-level cache to load it "
+        "once per worker), put small settings in param_space, and pass fusion.trainable to "
+        "tune.Tuner as it is (tune.with_resources(fusion.trainable, ...) is fine)"
+    )
+
+
+def refusal(result: Mapping[str, Any] | None) -> str | None:
+    """The refusal an array trainable sent as its report ``result`` (a Tune result), if any:
+    the driver raises it, so that the experiment stops before an array trains."""
+    raw = (result or {}).get(META)
+    if not isinstance(raw, str) or _REFUSED not in raw:
+        return None
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return None
+    found = data.get(_REFUSED) if isinstance(data, Mapping) else None
+    return str(found) if found else None
+
+
+#: the key of a trainable's refusal in its report's payload (see :func:`refusal`)
+_REFUSED = "refused"
+
+
+def _refuse(config: Mapping[str, Any], message: str) -> None:
+    """Send ``message`` as this array's only report, untrained (no checkpoint): the driver
+    raises it (:func:`refusal`)."""
+    from ray import tune
+
+    meta = config.get(META)
+    metric = str(meta.get("metric")) if isinstance(meta, Mapping) else "hfsweep_refused"
+    payload = {"token": uuid.uuid4().hex, "evaluations": [], "final": True, _REFUSED: message}
+    tune.report({metric: math.nan, META: json.dumps(payload)})
 
 
 def make_executor(spec: TrainSpec, task: Task) -> LocalExecutor:

@@ -109,6 +109,12 @@ experiment keeps it until its restored run finishes or Ray shuts down.
   schedulers (:class:`~hfsweep.schedulers.TrialScheduler`). ``PAUSE`` counts as go on. A
   member that ASHA stops at ``max_t`` is told as completed. Use the task's ``epochs`` as
   ``max_t``.
+- ``tune.RunConfig(stop=...)`` (a dict of thresholds, a callable or a ``Stopper``) is judged
+  per member, on the member's own result: a member that meets it ends completed (weights kept)
+  and its array-mates go on; a ``Stopper``'s ``stop_all()`` stops every member at its next
+  evaluation. It needs ``fusion.scheduler(...)`` (:mod:`._tune_stop`).
+- ``tune.with_parameters(fusion.trainable, ...)`` is refused before any array trains: a task
+  builds its data from the config, in the worker; load large data in the task's ``data``.
 - Members of one array are asked together: with TPE, ``OptunaSearch(sampler=TPESampler(
   constant_liar=True))`` keeps them apart.
 - Every report carries a checkpoint of the whole array (and the weights of its members that
