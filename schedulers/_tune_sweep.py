@@ -1,11 +1,12 @@
-"""The fused Tune sweep's state: the sweep core's :class:`~hfsweep.core.member_sweep.MemberSweep`
-seen through Tune's interfaces.
+"""The fused Tune sweep's state: the one :class:`~hfsweep.core.sweep.Sweep` seen through
+Tune's interfaces.
 
 One :class:`SweepState` sits behind both Tune wrappers (the searcher and the scheduler). Asking,
 packing by compatibility key, turning an array's report into per-member decisions and ends,
 telling each end once, refill and the end of an array are the core's (see
-:mod:`hfsweep.core.member_sweep` and :mod:`hfsweep.core.array_reports`, with the members'
-records in :mod:`hfsweep.core.members`). This adapter adds only what is Tune's:
+:mod:`hfsweep.core.sweep`, with the members' records in :mod:`hfsweep.core.members`). This
+adapter adds only what is Tune's, through the sweep's two ports
+(:mod:`hfsweep.core.ports`):
 
 - the inner searcher is a Tune ``Searcher``: members are asked with ``suggest(member id)``
   (``FINISHED`` ends the asking), told of evaluations with ``on_trial_result`` and of their
@@ -35,9 +36,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from hfsweep.core import members as _members
-from hfsweep.core.member_sweep import MemberSweep
 from hfsweep.core.members import ArrayRecord, MemberRecord
+from hfsweep.core.ports import EXHAUSTED, Exhausted
 from hfsweep.core.status import Status
+from hfsweep.core.sweep import Sweep
 from hfsweep.training.task import Task
 
 from ._tune_format import FINISHED, META, STATE_FORMAT, upgraded
@@ -57,19 +59,20 @@ def restored_state(uid: str) -> SweepState | None:
     return _RESTORED.get(uid)
 
 
-class SweepState(MemberSweep):
+class SweepState(Sweep):
     """Everything the driver knows about one fused Tune sweep (see the module docstring).
 
     ``uid`` names the sweep among the Ray actors; ``sizing`` is
-    :class:`~hfsweep.core.member_sweep.MemberSweep`'s ``members``, ``array_size`` and
-    ``refill``.
+    :class:`~hfsweep.core.sweep.Sweep`'s ``members``, ``array_size`` and ``refill``. The
+    sweep's ports are :class:`_TuneSearcher` over :attr:`searcher` and :class:`_TuneDecider`
+    over :attr:`decider`.
     """
 
     log = logging.getLogger("hfsweep.tune")
     metric_hint = "set tune.TuneConfig(metric=..., mode=...) (or on the inner searcher)"
 
     def __init__(self, task: Task, *, uid: str, **sizing: Any) -> None:
-        super().__init__(task, **sizing)
+        super().__init__(task, searcher=_TuneSearcher(self), decider=_TuneDecider(self), **sizing)
         self.uid = uid
         #: the inner Tune searcher (``suggest``, ``on_trial_result``, ``on_trial_complete``)
         self.searcher: Any = None
@@ -136,18 +139,9 @@ class SweepState(MemberSweep):
         }
         return config
 
-    def _draw(self, member_id: str) -> Mapping[str, Any] | None:
-        suggestion = self.searcher.suggest(member_id)
-        if isinstance(suggestion, str) and suggestion == FINISHED:
-            self.inner_finished = True
-            return None
-        if suggestion is None:
-            return None
-        return {**self.constants, **dict(suggestion)}
-
     def on_result(self, trial_id: str, result: Mapping[str, Any]) -> bool:
         """Process one Tune result of array ``trial_id`` (see
-        :meth:`~hfsweep.core.array_reports.ArrayReports.on_report`); returns whether the array
+        :meth:`~hfsweep.core.sweep.Sweep.on_report`); returns whether the array
         has a member left to train."""
         array = self.arrays.get(trial_id)
         seen = None if array is None else (array.last_token, array.done)
@@ -159,62 +153,16 @@ class SweepState(MemberSweep):
     def ends_by_itself(self, trial_id: str, result: Mapping[str, Any] | None) -> bool:
         """Whether array ``trial_id``'s trainable ends on its own after Tune result ``result``,
         so Tune must not stop it (see
-        :meth:`~hfsweep.core.array_reports.ArrayReports.ends_by_itself`)."""
+        :meth:`~hfsweep.core.sweep.Sweep.ends_by_itself`)."""
         return super().ends_by_itself(trial_id, _payload(result))
 
     def on_complete(
         self, trial_id: str, result: Mapping[str, Any] | None, error: bool = False
     ) -> None:
         """Tune ended array trial ``trial_id`` for good (``error``: it failed past its
-        retries); see :meth:`~hfsweep.core.array_reports.ArrayReports.on_array_end`."""
+        retries); see :meth:`~hfsweep.core.sweep.Sweep.on_array_end`."""
         self.on_array_end(trial_id, None if error else _payload(result), error)
         self._flush(save=True)
-
-    # ------------------------------------------------------------------ the core's hooks
-    def _result(self, rec: MemberRecord, result: dict[str, Any]) -> dict[str, Any]:
-        """A member's evaluation as a Tune result dict: under the member's id, naming its
-        array trial."""
-        return {**result, "trial_id": rec.id, "hfsweep_array": rec.array}
-
-    def _decide(self, fresh: list[tuple[MemberRecord, dict[str, Any]]]) -> dict[str, bool]:
-        """A member that meets ``RunConfig(stop=...)`` stops (complete, see
-        :meth:`_at_budget`) and its result does not reach the scheduler, as Tune consults no
-        scheduler for a result that met the criterion; the scheduler decides on the others."""
-        met = (
-            self.stop.judge([(rec.id, result) for rec, result in fresh])
-            if self.stop.active
-            else set()
-        )
-        if self.stop.all_stopped:
-            self.inner_finished = True  # stop_all(): no new member is asked
-        judged = [(self._trial(rec), result) for rec, result in fresh if rec.id not in met]
-        go = self.decider.decide(self._controller(), judged, self.metric or "") if judged else {}
-        return {**go, **{m: False for m in met}}
-
-    def _at_budget(self, result: Mapping[str, Any]) -> bool:
-        """A member stopped by ``RunConfig(stop=...)`` or at the scheduler's budget completed."""
-        return self.stop.met(result.get("trial_id")) or self.decider.at_budget(result)
-
-    def _heard(self, rec: MemberRecord, result: Mapping[str, Any]) -> None:
-        self._outbox.append(("result", rec.id, dict(result)))
-
-    def _told(self, rec: MemberRecord, status: Status, result: Mapping[str, Any] | None) -> None:
-        """``COMPLETED``: ``on_trial_complete(id, result)``. ``STOPPED``:
-        ``on_trial_complete(id, result without the metric)``, which OptunaSearch records as
-        pruned (its intermediate values stay). ``FAILED``: ``on_trial_complete(id, None,
-        error=True)``. The searcher is told after the sweep saved the end (:meth:`_flush`)."""
-        self.decider.end(
-            self._controller(), self._trial(rec), status, dict(result) if result else None
-        )
-        if status is Status.COMPLETED:
-            assert result is not None
-            self._outbox.append(("complete", rec.id, dict(result)))
-        elif status is Status.STOPPED:
-            told = {k: v for k, v in (result or {}).items() if k != self.metric}
-            told.update(hfsweep_status=status.value, hfsweep_last_value=rec.value)
-            self._outbox.append(("complete", rec.id, told))
-        else:
-            self._outbox.append(("failed", rec.id))
 
     def _give(self, array: ArrayRecord) -> None:
         # the searcher hears this report's evaluations and ends before it is asked for more
@@ -306,6 +254,7 @@ class SweepState(MemberSweep):
         self.packer.requeue(rec.key, member)
         return True
 
+    # ------------------------------------------------------------------ the ports' helpers
     def _controller(self) -> MemberController:
         """The controller a Tune scheduler sees: the running members are its live trials."""
         return MemberController(
@@ -347,6 +296,83 @@ class SweepState(MemberSweep):
         self.stop.set_criteria(state.get("stop") or {})
         self._trials = {}
         _RESTORED[self.uid] = self
+
+
+def _tune_result(rec: MemberRecord, result: Mapping[str, Any]) -> dict[str, Any]:
+    """A member's evaluation as a Tune result dict: under the member's id, naming its array
+    trial."""
+    return {**result, "trial_id": rec.id, "hfsweep_array": rec.array}
+
+
+class _TuneSearcher:
+    """The sweep's searcher port over the inner Tune searcher: ``suggest(member id)`` asks
+    (:data:`FINISHED` ends the asking), ``on_trial_result`` hears an evaluation and
+    ``on_trial_complete`` an end."""
+
+    def __init__(self, state: SweepState) -> None:
+        self.state = state
+
+    def ask(self, member_id: str) -> Mapping[str, Any] | Exhausted | None:
+        suggestion = self.state.searcher.suggest(member_id)
+        if isinstance(suggestion, str) and suggestion == FINISHED:
+            return EXHAUSTED
+        if suggestion is None:
+            return None
+        return {**self.state.constants, **dict(suggestion)}
+
+    def report(self, member: MemberRecord, result: Mapping[str, Any]) -> None:
+        self.state._outbox.append(("result", member.id, _tune_result(member, result)))
+
+    def tell(self, member: MemberRecord, status: Status, result: Mapping[str, Any] | None) -> None:
+        """``COMPLETED``: ``on_trial_complete(id, result)``. ``STOPPED``:
+        ``on_trial_complete(id, result without the metric)``, which OptunaSearch records as
+        pruned (its intermediate values stay). ``FAILED``: ``on_trial_complete(id, None,
+        error=True)``. The calls wait in the sweep's outbox until it saved the end
+        (:meth:`SweepState._flush`)."""
+        outbox = self.state._outbox
+        if status is Status.COMPLETED:
+            assert result is not None
+            outbox.append(("complete", member.id, _tune_result(member, result)))
+        elif status is Status.STOPPED:
+            metric = self.state.metric
+            seen = _tune_result(member, result) if result else {}
+            told = {k: v for k, v in seen.items() if k != metric}
+            told.update(hfsweep_status=status.value, hfsweep_last_value=member.value)
+            outbox.append(("complete", member.id, told))
+        else:
+            outbox.append(("failed", member.id))
+
+
+class _TuneDecider:
+    """The sweep's decider port over the inner scheduler's :class:`~._tune_joint.Decider`:
+    each member a :class:`~._tune_joint.MemberTrial`, its evaluation a Tune result dict, the
+    running members the controller's live trials."""
+
+    def __init__(self, state: SweepState) -> None:
+        self.state = state
+
+    def decide(self, fresh: list[tuple[MemberRecord, dict[str, Any]]]) -> dict[str, bool]:
+        """A member that meets ``RunConfig(stop=...)`` stops (complete, see
+        :meth:`at_budget`) and its result does not reach the scheduler, as Tune consults no
+        scheduler for a result that met the criterion; the scheduler decides on the others."""
+        state = self.state
+        seen = [(rec, _tune_result(rec, row)) for rec, row in fresh]
+        stop = state.stop
+        met = stop.judge([(rec.id, result) for rec, result in seen]) if stop.active else set()
+        if stop.all_stopped:
+            state.inner_finished = True  # stop_all(): no new member is asked
+        judged = [(state._trial(rec), result) for rec, result in seen if rec.id not in met]
+        go = state.decider.decide(state._controller(), judged, state.metric or "") if judged else {}
+        return {**go, **{m: False for m in met}}
+
+    def at_budget(self, member: MemberRecord, result: Mapping[str, Any]) -> bool:
+        """A member stopped by ``RunConfig(stop=...)`` or at the scheduler's budget completed."""
+        return self.state.stop.met(member.id) or self.state.decider.at_budget(result)
+
+    def end(self, member: MemberRecord, status: Status, result: Mapping[str, Any] | None) -> None:
+        state = self.state
+        seen = _tune_result(member, result) if result else None
+        state.decider.end(state._controller(), state._trial(member), status, seen)
 
 
 def _payload(result: Mapping[str, Any] | None) -> dict[str, Any] | None:
