@@ -128,7 +128,8 @@ class FusedSearcher(Searcher):
             _log.warning(
                 "the fused sweep has no FusedScheduler: members train to their budget. Pass "
                 "scheduler=fusion.scheduler(ASHAScheduler(...)) to stop members early (and "
-                "fusion.scheduler() for RunConfig(stop=...) to apply to each member)"
+                "fusion.scheduler() for RunConfig(stop=...) to apply to each member, and for "
+                "Tuner.restore after a hard kill to keep every end already told)"
             )
         _raise_refusal(result)
         self._active.add(trial_id)
