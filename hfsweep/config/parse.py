@@ -25,8 +25,7 @@ from .._checks import is_int
 from .._dburl import mask
 from .._journal_url import is_journal, resolve
 from .._names import OFFLOAD_MODES, OFFLOAD_STEPS, READY_TASKS
-from ..search_spaces import SearchSpace, SpaceError, load_space
-from ..search_spaces._yaml import load_yaml, read_yaml_file
+from ..search_spaces import SearchSpace, SpaceError, load_space, load_yaml, read_yaml_file
 from .algorithms import _check_custom_searcher, _scheduler, _searcher
 from .elastic import _elastic
 from .fields import _did_you_mean, _Fields, _join

@@ -13,8 +13,7 @@ from typing import Any
 import torch
 
 from .._signals import reclaim
-from ..executors import ExecutorError, LocalExecutor
-from ..executors._alternating import AlternatingExecutor
+from ..executors import AlternatingExecutor, ExecutorError, LocalExecutor
 from ..sizing.device import DTYPES as _DTYPES
 from ..sizing.device import resolve_device
 from ._elastic import ElasticPolicy
@@ -37,7 +36,7 @@ class _Backend(_Parts):
         sc = self.sc
         dtype = _DTYPES[sc.fusion.dtype]
         if sc.backend == "ray":
-            from ..executors._ray import RayExecutor
+            from ..executors import RayExecutor
 
             try:
                 self.executor = RayExecutor(

@@ -21,12 +21,11 @@ from typing import TYPE_CHECKING, Any
 from ..config import SweepConfig
 from ..executors import Executor
 from ..schedulers import TrialScheduler
-from ..searchers import Searcher
-from ..searchers._source import TrialSource
-from ..tracking import TrialInfo
-from ..tracking._dispatch import Tracking
+from ..searchers import Searcher, TrialSource
+from ..tracking import Tracking, TrialInfo
+from ..training import DataCache as _DataCache
+from ..training import MemberResult
 from ..training.task import Task
-from ..training.trainer import MemberResult, _DataCache
 from ._drivers import Drivers
 from ._rundir import RunDir
 from .ledger import Ledger

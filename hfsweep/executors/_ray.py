@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .._signals import handlers_kept, shielded
-from ..fusion._compile import check_compile
+from ..fusion import check_compile
 from ..training.task import Task
 from ..training.trainer import ArrayTrainer, Member
 from ._connect import ClusterUnreachable, connect, on_loopback, reach

@@ -7,14 +7,10 @@ from typing import Any
 
 import torch
 
-from ..fusion._compile import check_compile
+from ..fusion import check_compile
 from ..offload import OffloadChoice
+from ..training import ArrayTrainer, DataCache, Member
 from ..training.task import Task
-from ..training.trainer import (
-    ArrayTrainer,
-    Member,
-    _DataCache,
-)
 from .base import ArrayHooks, Executor, Folder
 
 __all__ = ["LocalExecutor"]
@@ -30,7 +26,7 @@ class LocalExecutor(Executor):
     the engine keeps its best completed trials'; the Tune plugin, which trains each array
     through a local executor in its trial, asks for ``"all"``), ``trace`` whether arrays
     trace their forwards and ``offload`` whether they keep their state in host memory, with
-    ``device_memory`` bytes on the device (see :class:`~hfsweep.trainer.ArrayTrainer`; with
+    ``device_memory`` bytes on the device (see :class:`~hfsweep.ArrayTrainer`; with
     ``offload="auto"`` the profiler's array size may be one larger than the device holds,
     trained offloaded, where it measured that faster: :func:`~hfsweep.profile_task`).
     ``compile``: ``True`` or ``False`` for every
@@ -46,7 +42,7 @@ class LocalExecutor(Executor):
         device: str | torch.device,
         dtype: torch.dtype,
         eval_every: int | None,
-        data: _DataCache | None = None,
+        data: DataCache | None = None,
         final_states: str = "completed",
         trace: bool = True,
         share_frozen: bool = True,
@@ -76,7 +72,7 @@ class LocalExecutor(Executor):
         #: traced forwards shared by every array of this sweep (see ArrayTrainer)
         self._trace_cache: dict[str, dict[Any, Any]] = {}
         #: the loaded data, shared by the profiler and every array of this sweep
-        self._data_cache = data if data is not None else _DataCache()
+        self._data_cache = data if data is not None else DataCache()
 
     #: arrays this executor trains at once
     @property

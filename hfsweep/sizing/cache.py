@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import _version
 from .._io import new_temporary
 from ..offload import OffloadChoice
 from ._provenance import describe_cached
@@ -111,8 +112,6 @@ def cache_key(
     ``dtype`` is a ``torch.dtype`` or a string (``"float32"`` and ``"torch.float32"`` are the
     same; other strings, such as an autocast mode, are kept as given).
     """
-    from .. import __version__
-
     if not isinstance(model_signature, str) or not model_signature:
         raise ValueError(f"model_signature must be a non-empty string, got {model_signature!r}")
     batch_size = _check_int("batch_size", batch_size, 1)
@@ -123,7 +122,7 @@ def cache_key(
         hardware = f"{hardware}|cuda={torch.version.cuda}"
     return (
         f"{model_signature}|batch={batch_size}|{_dtype_name(dtype)}|{hardware}"
-        f"|torch={torch.__version__}|hfsweep={__version__}"
+        f"|torch={torch.__version__}|hfsweep={_version.__version__}"
     )
 
 

@@ -5,7 +5,7 @@ the most members whose peak memory on the device, activations included, stays wi
 
 The rule itself (what fits, when there is nothing to measure, which rate wins) is
 :mod:`hfsweep.offload`'s (:func:`~hfsweep.offload.choose_by_rate`); this module measures the two
-rates through :func:`~hfsweep.sizing.task.measure_step` (the trainer's own training step, on the
+rates through :func:`~hfsweep.sizing.timing.measure_step` (the trainer's own training step, on the
 task's first batch) and keeps the choice in the profile cache under a key of its own: the
 architecture, optimizer and input as :func:`~hfsweep.profile_task`'s, plus ``offload=auto``, the
 budget in bytes and B, so that a resumed or repeated run reads it back instead of measuring again.
@@ -38,12 +38,13 @@ from ..offload import (
     frozen_bytes,
     state_bytes,
 )
-from ..training._offload_auto import use_offload_profiler
+from ..training import use_offload_profiler
 from ..training.task import Task
 from ._provenance import conditions, refresh_requested
 from .cache import Profile, ProfileCache, cache_key
 from .device import _describe_device
 from .model import Measurement, MemoryModel
+from .timing import _arch, _model_and_batch, _step_of
 
 __all__ = ["profile_offload"]
 
@@ -100,8 +101,6 @@ def profile_offload(
     ``device`` counts as not offloadable. A step other than the host's is part of the cache
     key.
     """
-    from .task import _arch, _model_and_batch, _step_of  # task imports this module first
-
     device = torch.device(device)
     resolved = task.resolve(config or {})
     model, x, y = _model_and_batch(task, resolved, device, dtype, data)
