@@ -42,6 +42,7 @@ from hfsweep.training.task import Task
 
 from ._tune_format import FINISHED, META, STATE_FORMAT, upgraded
 from ._tune_joint import Decider, MemberController, MemberTrial, NoDecider
+from ._tune_stop import MemberStop
 
 __all__ = ["SweepState", "restored_state"]
 
@@ -74,6 +75,7 @@ class SweepState(MemberSweep):
         self.searcher: Any = None
         self.decider: Decider = NoDecider()
         self.has_scheduler = False
+        self._stop = MemberStop()
         #: param_space values that are not sampled, and the names of the sampled ones
         self.constants: dict[str, Any] = {}
         self.sampled: list[str] = []
@@ -84,6 +86,15 @@ class SweepState(MemberSweep):
         state = self.__dict__.copy()
         state.update(post=None, _trials={})
         return state
+
+    @property
+    def stop(self) -> MemberStop:
+        """``RunConfig(stop=...)``, judged per member (taken over from Tune by the wrappers
+        at every ``fit``; a state pickled by an hfsweep without it gets an empty one)."""
+        found = self.__dict__.get("_stop")
+        if not isinstance(found, MemberStop):
+            found = self.__dict__["_stop"] = MemberStop()
+        return found
 
     @property
     def hub_name(self) -> str:
@@ -147,11 +158,23 @@ class SweepState(MemberSweep):
         return {**result, "trial_id": rec.id, "hfsweep_array": rec.array}
 
     def _decide(self, fresh: list[tuple[MemberRecord, dict[str, Any]]]) -> dict[str, bool]:
-        judged = [(self._trial(rec), result) for rec, result in fresh]
-        return self.decider.decide(self._controller(), judged, self.metric or "")
+        """A member that meets ``RunConfig(stop=...)`` stops (complete, see
+        :meth:`_at_budget`) and its result does not reach the scheduler, as Tune consults no
+        scheduler for a result that met the criterion; the scheduler decides on the others."""
+        met = (
+            self.stop.judge([(rec.id, result) for rec, result in fresh])
+            if self.stop.active
+            else set()
+        )
+        if self.stop.all_stopped:
+            self.inner_finished = True  # stop_all(): no new member is asked
+        judged = [(self._trial(rec), result) for rec, result in fresh if rec.id not in met]
+        go = self.decider.decide(self._controller(), judged, self.metric or "") if judged else {}
+        return {**go, **{m: False for m in met}}
 
     def _at_budget(self, result: Mapping[str, Any]) -> bool:
-        return self.decider.at_budget(result)
+        """A member stopped by ``RunConfig(stop=...)`` or at the scheduler's budget completed."""
+        return self.stop.met(result.get("trial_id")) or self.decider.at_budget(result)
 
     def _heard(self, rec: MemberRecord, result: Mapping[str, Any]) -> None:
         self.searcher.on_trial_result(rec.id, dict(result))
@@ -197,6 +220,9 @@ class SweepState(MemberSweep):
             "task": self.task.name,
             **core,
             "decider": self.decider,
+            # a dict RunConfig(stop=...): Tune gives it to restored array trials no more (the
+            # plugin took it off them), and to the searcher only when the experiment starts
+            "stop": dict(self.stop.criteria),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -207,6 +233,7 @@ class SweepState(MemberSweep):
         super().load_state_dict(state)
         self.uid = str(state["uid"])
         self.decider = state["decider"]
+        self.stop.set_criteria(state.get("stop") or {})
         self._trials = {}
         _RESTORED[self.uid] = self
 

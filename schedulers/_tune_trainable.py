@@ -25,6 +25,7 @@ not kept.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -33,7 +34,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,12 +46,20 @@ from hfsweep.core.status import Status
 from hfsweep.executors import ArrayHooks, LocalExecutor
 from hfsweep.sizing.device import DTYPES, resolve_device
 from hfsweep.training import Evaluation, Member, MemberResult
+from hfsweep.training.settings import ArraySettings
 from hfsweep.training.task import Task
 
 from ._tune_format import META, WEIGHTS_DIR, weights_file
 from ._tune_hub import await_answer, connect
 
-__all__ = ["DTYPES", "TrainSpec", "make_executor", "make_trainable"]
+__all__ = [
+    "DTYPES",
+    "TrainSpec",
+    "make_executor",
+    "make_trainable",
+    "refusal",
+    "with_parameters_refused",
+]
 
 #: the file in the trainer's checkpoint directory that holds the channel's own state
 _CHANNEL_FILE = "hfsweep_channel.json"
@@ -61,17 +70,14 @@ TRAINABLE_NAME = "hfsweep_array"
 @dataclass(frozen=True)
 class TrainSpec:
     """How a worker trains an array: the task (an :class:`hfsweep.Task`, or a name that
-    ``hfsweep`` resolves: a ready task, ``module:attribute``, ``/abs/path.py:attribute``),
-    device (``"auto"``: CUDA when the worker sees a GPU), dtype name, evaluation period, and
-    whether arrays keep frozen tensors every member holds identically once (``share_frozen``,
-    as in :func:`hfsweep.fuse`)."""
+    ``hfsweep`` resolves: a ready task, ``module:attribute``, ``/abs/path.py:attribute``), the
+    sweep's array settings (:class:`~hfsweep.training.settings.ArraySettings`: device,
+    ``"auto"`` meaning CUDA when the worker sees a GPU, dtype, evaluation period, shared frozen
+    tensors, compile, offload), and whether arrays trace their forwards."""
 
     task: Task | str
-    device: str = "auto"
-    dtype: str = "float32"
-    eval_every: int | None = None
+    arrays: ArraySettings = field(default_factory=ArraySettings)
     trace: bool = True
-    share_frozen: bool = True
 
     def load_task(self) -> Task:
         """The task object (loaded in the worker when given by name)."""
@@ -83,13 +89,20 @@ class TrainSpec:
 
     def torch_device(self) -> torch.device:
         """The device this worker trains on."""
-        return torch.device(resolve_device(self.device))
+        return torch.device(resolve_device(self.arrays.device))
 
 
 def make_trainable(spec: TrainSpec) -> Callable[[dict[str, Any]], None]:
-    """A Tune function trainable that trains the array in its config as ``spec`` says."""
+    """A Tune function trainable that trains the array in its config as ``spec`` says.
 
-    def hfsweep_array(config: dict[str, Any]) -> None:
+    Wrapped in ``tune.with_parameters(..., name=object)`` it refuses to train (see
+    :func:`refusal`): it sends the refusal as its only report, and the driver stops the
+    experiment with it before any array trains."""
+
+    def hfsweep_array(config: dict[str, Any], **params: Any) -> None:
+        if params:
+            _refuse(config, with_parameters_refused(sorted(params)))
+            return
         train_array(config, spec)
 
     hfsweep_array.__name__ = hfsweep_array.__qualname__ = TRAINABLE_NAME
@@ -128,15 +141,56 @@ def train_array(config: Mapping[str, Any], spec: TrainSpec) -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
+def with_parameters_refused(names: Sequence[str]) -> str:
+    """Why the array trainable refuses ``tune.with_parameters(fusion.trainable, ...)`` with
+    objects called ``names``, and what to do instead."""
+    given = ", ".join(f"{n}=..." for n in names)
+    return (
+        f"tune.with_parameters(fusion.trainable, {given}) cannot pass objects to a fused "
+        "array: an hfsweep task builds each member's model and data from its config alone "
+        "(Task.model(config), Task.data(config)), in the worker that trains the array, and "
+        "the same task runs under `hfsweep run` and hs.sweep. Load the data inside the task's "
+        "data function (it runs in each worker; keep it in a module-level cache to load it "
+        "once per worker), put small settings in param_space, and pass fusion.trainable to "
+        "tune.Tuner as it is (tune.with_resources(fusion.trainable, ...) is fine)"
+    )
+
+
+def refusal(result: Mapping[str, Any] | None) -> str | None:
+    """The refusal an array trainable sent as its report ``result`` (a Tune result), if any:
+    the driver raises it, so that the experiment stops before an array trains."""
+    raw = (result or {}).get(META)
+    if not isinstance(raw, str) or _REFUSED not in raw:
+        return None
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return None
+    found = data.get(_REFUSED) if isinstance(data, Mapping) else None
+    return str(found) if found else None
+
+
+#: the key of a trainable's refusal in its report's payload (see :func:`refusal`)
+_REFUSED = "refused"
+
+
+def _refuse(config: Mapping[str, Any], message: str) -> None:
+    """Send ``message`` as this array's only report, untrained (no checkpoint): the driver
+    raises it (:func:`refusal`)."""
+    from ray import tune
+
+    meta = config.get(META)
+    metric = str(meta.get("metric")) if isinstance(meta, Mapping) else "hfsweep_refused"
+    payload = {"token": uuid.uuid4().hex, "evaluations": [], "final": True, _REFUSED: message}
+    tune.report({metric: math.nan, META: json.dumps(payload)})
+
+
 def make_executor(spec: TrainSpec, task: Task) -> LocalExecutor:
     """The executor that trains a trial's array in the worker, as ``spec`` says."""
     return LocalExecutor(
         task,
-        device=spec.torch_device(),
-        dtype=DTYPES[spec.dtype],
-        eval_every=spec.eval_every,
+        arrays=dataclasses.replace(spec.arrays, device=str(spec.torch_device())),
         trace=spec.trace,
-        share_frozen=spec.share_frozen,
         # a stopped member may be one the driver counts complete (at the scheduler's
         # budget): the channel keeps the weights of those and of the completed ones
         final_states="all",

@@ -29,6 +29,7 @@ from ._tune_format import FINISHED, META
 from ._tune_hub import HubLink
 from ._tune_joint import NativeDecider, TuneDecider
 from ._tune_sweep import SweepState
+from ._tune_trainable import refusal
 
 __all__ = ["SUPPORTED_SCHEDULERS", "FusedScheduler", "FusedSearcher"]
 
@@ -81,6 +82,14 @@ class FusedSearcher(Searcher):
                 f"fused searcher owns the budget (Fusion(members={self._state.budget})): set "
                 "num_samples=-1"
             )
+        self._state.stop.set_criteria(spec.get("stop"))
+        if self._state.stop.criteria and not self._state.has_scheduler:
+            raise ValueError(
+                f"tune.RunConfig(stop={self._state.stop.criteria!r}) applies to each member of "
+                "a fused array, which needs the Fusion's scheduler: pass "
+                "tune.TuneConfig(scheduler=fusion.scheduler()) (FIFO) or "
+                "fusion.scheduler(ASHAScheduler(...))"
+            )
         self._state.constants, self._state.sampled = _split_space(config, self._state)
         accepted = self.searcher.set_search_properties(metric, mode, config, **spec)
         self._state.configure(metric or self.searcher.metric, mode or self.searcher.mode)
@@ -105,8 +114,10 @@ class FusedSearcher(Searcher):
             self._warned = True
             _log.warning(
                 "the fused sweep has no FusedScheduler: members train to their budget. Pass "
-                "scheduler=fusion.scheduler(ASHAScheduler(...)) to stop members early"
+                "scheduler=fusion.scheduler(ASHAScheduler(...)) to stop members early (and "
+                "fusion.scheduler() for RunConfig(stop=...) to apply to each member)"
             )
+        _raise_refusal(result)
         self._active.add(trial_id)
         self._connect()
         self._state.on_result(trial_id, result)
@@ -231,12 +242,15 @@ class FusedScheduler(FIFOScheduler):
         return True
 
     def on_trial_add(self, tune_controller: Any, trial: Any) -> None:
+        # RunConfig(stop=...) is judged per member: Tune must never stop an array for it
+        self._state.stop.take_over(tune_controller, trial)
         # Tuner.restore adds every trial of the experiment, ended ones too: only those that
         # will run need the hub
         if getattr(trial, "status", None) not in ("TERMINATED", "ERROR"):
             self._searcher._track(trial.trial_id)
 
     def on_trial_result(self, tune_controller: Any, trial: Any, result: dict[str, Any]) -> str:
+        _raise_refusal(result)
         self._searcher._connect()
         alive = self._state.on_result(trial.trial_id, result)
         # an array whose last members ended at this report is left to end by itself: its
@@ -264,6 +278,14 @@ class FusedScheduler(FIFOScheduler):
 
     def restore(self, checkpoint_path: str) -> None:
         return None
+
+
+def _raise_refusal(result: Mapping[str, Any]) -> None:
+    """Stop the experiment with the refusal an array trainable sent instead of training
+    (``tune.with_parameters(fusion.trainable, ...)``), before any array trains."""
+    message = refusal(result)
+    if message is not None:
+        raise ValueError(message)
 
 
 def _check_supported(scheduler: Any) -> None:

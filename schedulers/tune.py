@@ -103,6 +103,12 @@ experiment keeps it until its restored run finishes or Ray shuts down.
   schedulers (:class:`~hfsweep.schedulers.TrialScheduler`). ``PAUSE`` counts as go on. A
   member that ASHA stops at ``max_t`` is told as completed. Use the task's ``epochs`` as
   ``max_t``.
+- ``tune.RunConfig(stop=...)`` (a dict of thresholds, a callable or a ``Stopper``) is judged
+  per member, on the member's own result: a member that meets it ends completed (weights kept)
+  and its array-mates go on; a ``Stopper``'s ``stop_all()`` stops every member at its next
+  evaluation. It needs ``fusion.scheduler(...)`` (:mod:`._tune_stop`).
+- ``tune.with_parameters(fusion.trainable, ...)`` is refused before any array trains: a task
+  builds its data from the config, in the worker; load large data in the task's ``data``.
 - Members of one array are asked together: with TPE, ``OptunaSearch(sampler=TPESampler(
   constant_liar=True))`` keeps them apart.
 - Every report carries a checkpoint of the whole array (and the weights of its members that
@@ -127,12 +133,13 @@ from typing import Any
 from hfsweep._checks import in_range, is_int
 from hfsweep.config import MAX_TRIALS
 from hfsweep.core.packer import limit_for_learning
+from hfsweep.training.settings import FUSION, ArraySettings, SettingsError, array_settings
 from hfsweep.training.task import Task
 
 from . import _tune_results
 from ._tune_results import *  # noqa: F403 - reading a finished sweep, as _tune_results.__all__ lists
 from ._tune_sweep import SweepState, restored_state
-from ._tune_trainable import DTYPES, TRAINABLE_NAME, TrainSpec, make_trainable
+from ._tune_trainable import TRAINABLE_NAME, TrainSpec, make_trainable
 from ._tune_wrappers import SUPPORTED_SCHEDULERS, FusedScheduler, FusedSearcher
 
 __all__ = [
@@ -173,6 +180,26 @@ class Fusion:
             ``share_frozen`` of :func:`hfsweep.fuse` and a sweep file's
             ``fusion.share_frozen``; ``False`` gives every member its own copy. The profiler's
             ``"auto"`` array size measures arrays built the same way.
+        compile: ``True`` compiles each array's traced forward, backward and loss with
+            ``torch.compile`` in the worker (a sweep file's ``fusion.compile``; CUDA graphs on
+            CUDA); ``False`` (default) trains them eager. ``"auto"`` (the profiler's choice)
+            is refused: the choice is made where arrays are sized, in the driver, and is not
+            carried to Tune's trials.
+        offload: ``"none"`` (default), ``"host"`` (each array's stacked state in host memory,
+            streamed through the device shard by shard; same results) or ``"auto"``
+            (``"host"`` only for an array that does not fit the device), as a sweep file's
+            ``fusion.offload`` (docs/offload.md). Not with ``compile``.
+        device_memory: bytes the offload engine may hold on the device (with ``offload``
+            ``"host"`` or ``"auto"``; ``None``: a CUDA device's free memory).
+        offload_step: where an offloaded array's optimizer steps: ``"host"`` (default),
+            ``"device"`` or ``"auto"`` (both timed, the faster kept); needs ``offload``.
+        alternate: offloaded arrays trained at once on one device, their shards alternating.
+            Only ``1``: each Tune trial trains one array in a trainable of its own, so there
+            is no other array in its process to alternate with.
+
+    Every argument is checked here, before anything trains, by the rules a sweep file's
+    ``fusion:`` section is checked by (:func:`~hfsweep.training.settings.array_settings`);
+    an error names the argument (``Fusion(offload=...)``) and what would be valid.
     """
 
     def __init__(
@@ -186,6 +213,11 @@ class Fusion:
         eval_every: int | None = None,
         refill: bool = True,
         share_frozen: bool = True,
+        compile: bool = False,
+        offload: str = "none",
+        device_memory: int | None = None,
+        offload_step: str = "host",
+        alternate: int = 1,
     ) -> None:
         if not is_int(members) or not in_range(members, 1, MAX_TRIALS):
             raise ValueError(
@@ -197,27 +229,24 @@ class Fusion:
                 f"Fusion(array_size={array_size!r}): give an integer >= 1 or 'auto' (the "
                 "profiler's choice)"
             )
-        if dtype not in DTYPES:
-            raise ValueError(f"Fusion(dtype={dtype!r}): choose one of {sorted(DTYPES)}")
-        if device not in ("auto", "cpu") and not device.startswith("cuda"):
-            raise ValueError(f"Fusion(device={device!r}): choose 'auto', 'cpu' or 'cuda[:N]'")
-        if eval_every is not None and not (is_int(eval_every) and eval_every >= 1):
-            raise ValueError(f"Fusion(eval_every={eval_every!r}): give an integer >= 1 (steps)")
-        if not isinstance(share_frozen, bool):
-            raise ValueError(
-                f"Fusion(share_frozen={share_frozen!r}): {type(share_frozen).__name__} is not "
-                "True or False (True keeps frozen tensors every member holds identically once)"
-            )
+        arrays = array_settings(
+            {
+                "device": device,
+                "dtype": dtype,
+                "eval_every": eval_every,
+                "share_frozen": share_frozen,
+                "compile": compile,
+                "offload": offload,
+                "device_memory": device_memory,
+                "offload_step": offload_step,
+                "alternate": alternate,
+            },
+            FUSION,
+        )
+        _check_for_tune(arrays)
         loaded, ref = _task(task)
         self.task = loaded
-        self._spec = TrainSpec(
-            task=ref,
-            device=device,
-            dtype=dtype,
-            eval_every=eval_every,
-            trace=True,
-            share_frozen=share_frozen,
-        )
+        self._spec = TrainSpec(task=ref, arrays=arrays, trace=True)
         size: int | Callable[[Mapping[str, Any]], int]
         size = self._profiled_size if array_size == "auto" else int(array_size)
         self._state = SweepState(
@@ -277,13 +306,17 @@ class Fusion:
         from hfsweep.sizing.task import profile_task
 
         device = self._spec.torch_device()
+        arrays = self._spec.arrays
         profile = profile_task(
             self.task,
             config,
             device=device,
-            dtype=DTYPES[self._spec.dtype],
+            dtype=arrays.torch_dtype(),
             cache=ProfileCache(),
-            share_frozen=self._spec.share_frozen,
+            share_frozen=arrays.share_frozen,
+            # as the workers' trainers build them: beyond the device, offloaded
+            offload="auto" if arrays.offload == "auto" else "none",
+            device_memory=arrays.device_memory,
         )
         size, reason = limit_for_learning(
             int(profile.chosen),
@@ -303,6 +336,26 @@ class Fusion:
         while hasattr(inner, "searcher") and not hasattr(inner, "_sampler"):
             inner = inner.searcher  # ConcurrencyLimiter and other wrappers
         return not _draws_blind(inner)
+
+
+def _check_for_tune(arrays: ArraySettings) -> None:
+    """Refuse the array settings that a sweep file takes but Tune's trials cannot honour."""
+    if arrays.compile == "auto":
+        raise SettingsError(
+            "compile",
+            "'auto' (the profiler's choice) is not supported by the Tune plugin: the choice "
+            "is made where arrays are sized, in the driver, and is not carried to Tune's "
+            "trials; give compile=True or compile=False",
+            FUSION,
+        )
+    if arrays.alternate != 1:
+        raise SettingsError(
+            "alternate",
+            f"{arrays.alternate} trains that many offloaded arrays at once in one process; a "
+            "Tune trial trains one array in a trainable of its own, so there is none to "
+            "alternate with: give alternate=1",
+            FUSION,
+        )
 
 
 def _draws_blind(searcher: Any) -> bool:

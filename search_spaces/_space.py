@@ -290,7 +290,8 @@ def _order(params: dict[str, Param], path: str) -> list[str]:
     """Params in the given order, except that each comes after those its condition names:
     each step places the first param (in the given order) whose condition names only placed
     ones. Kahn's algorithm with a heap of ready params by position: O(n log n + conditions),
-    where rescanning the remaining params at each step was quadratic in a large space."""
+    so a large space is ordered in about linear time (rescanning the remaining params at each
+    step would be quadratic)."""
     names = list(params)
     position = {name: i for i, name in enumerate(names)}
     waiting = {name: len(params[name].when) for name in names}

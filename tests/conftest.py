@@ -21,6 +21,10 @@ RAY_TESTS = (
     "tests/tune/test_tune_ray.py::",
     # the LoRA task through the Tune plugin, on the shared Ray
     "tests/tune/test_tune_lora.py::",
+    # RunConfig(stop=...) and tune.with_parameters under a Fusion, on the shared Ray
+    "tests/tune/test_tune_stop.py::",
+    # Fusion's compile and offload in Tune runs, on the shared Ray
+    "tests/tune/test_tune_array_settings.py::",
     # experiment trackers on the driver of a sweep with backend: ray, on the shared Ray
     "tests/tracking/test_ray.py::",
     # a three-node Ray cluster on loopback (ray.cluster_utils.Cluster) per test

@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING, Any, Literal
 from .._checks import is_int
 from .._dburl import mask
 from .._journal_url import is_journal, resolve
-from .._names import OFFLOAD_MODES, OFFLOAD_STEPS, READY_TASKS
+from .._names import READY_TASKS
 from ..search_spaces import SearchSpace, SpaceError, load_space, load_yaml, read_yaml_file
+from ..training.settings import ARRAY_KEYS, YAML, SettingsError, array_settings
 from .algorithms import _check_custom_searcher, _scheduler, _searcher
 from .elastic import _elastic
 from .fields import _did_you_mean, _Fields, _join
@@ -33,7 +34,6 @@ from .schema import (
     _MAX_EPOCHS,
     _MAX_STEPS,
     BACKENDS,
-    DTYPES,
     MAX_TRIALS,
     Budget,
     ConfigError,
@@ -49,7 +49,6 @@ if TYPE_CHECKING:
     from ..training.task import Task
 
 _MODES = ("max", "min")
-_DEVICE = re.compile(r"^(auto|cpu|cuda(:[0-9]+)?)$")
 _STORAGE = re.compile(
     r"^(\$\{|journal://|(sqlite|postgresql|postgres|mysql|oracle|mssql)(\+[A-Za-z0-9_]+)?://)"
 )
@@ -75,18 +74,8 @@ _TOP_KEYS = (
 )
 _REQUIRED = ("task", "search_space", "budget", "metric", "mode")
 _BUDGET = ("trials", "epochs", "steps", "time_limit")
-_FUSION = (
-    "size",
-    "device",
-    "dtype",
-    "eval_every",
-    "share_frozen",
-    "compile",
-    "offload",
-    "device_memory",
-    "alternate",
-    "offload_step",
-)
+#: ``size`` (the packer's) and every array setting (:class:`~hfsweep.training.settings.ArraySettings`)
+_FUSION = ("size", *ARRAY_KEYS)
 _RAY = (
     "address",
     "cpus_per_array",
@@ -358,79 +347,12 @@ class _Parser(_Fields):
                     f"{f['size']!r} is not 'auto' or an integer >= 1 (the array size B)",
                 )
             size = int(f["size"])
-        device = f.get("device", "auto")
-        if not isinstance(device, str) or not _DEVICE.match(device):
-            raise self.error(
-                "fusion.device", f"{device!r} is not a device; give auto, cpu, cuda or cuda:N"
-            )
-        dtype = self.choice(f.get("dtype", "float32"), DTYPES, "fusion.dtype")
-        every = f.get("eval_every")
-        if every is not None:
-            every = self.integer(every, "fusion.eval_every", 1)
-        share = f.get("share_frozen", True)
-        if not isinstance(share, bool):
-            raise self.error(
-                "fusion.share_frozen",
-                f"{share!r} ({type(share).__name__}) is not true or false (keep frozen tensors "
-                "every member holds identically once)",
-            )
-        compile = f.get("compile", False)
-        if not (isinstance(compile, bool) or compile == "auto"):
-            raise self.error(
-                "fusion.compile",
-                f"{compile!r} is not valid; give true (torch.compile the fused step), false or "
-                "auto (the profiler times both and keeps the faster)",
-            )
-        offload = self.choice(f.get("offload", "none"), OFFLOAD_MODES, "fusion.offload")
-        if offload != "none" and compile is not False:
-            raise self.error(
-                "fusion.compile",
-                f"{compile!r} together with offload: {offload} is not supported yet (an "
-                "offloaded array runs its shards uncompiled); give compile: false, or "
-                "offload: none",
-            )
-        memory = f.get("device_memory")
-        if memory is not None:
-            if offload == "none":
-                raise self.error(
-                    "fusion.device_memory",
-                    f"{memory!r} is the offload engine's budget on the device; it needs "
-                    "offload: host or auto (or remove it)",
-                )
-            memory = self.integer(memory, "fusion.device_memory", 1)
-        alternate = self.integer(f.get("alternate", 1), "fusion.alternate", 1, 64, "arrays")
-        if alternate > 1 and offload != "host":
-            raise self.error(
-                "fusion.alternate",
-                f"{alternate} trains that many offloaded arrays at once, their shards in turn; "
-                f"it needs offload: host (got offload: {offload}); give alternate: 1, or "
-                "offload: host",
-            )
-        step = self.choice(f.get("offload_step", "host"), OFFLOAD_STEPS, "fusion.offload_step")
-        if step != "host" and offload == "none":
-            raise self.error(
-                "fusion.offload_step",
-                f"{step!r} says where an offloaded array's optimizer steps; it needs offload: "
-                "host or auto (got offload: none); give offload_step: host, or offload",
-            )
-        if step != "host" and alternate > 1:
-            raise self.error(
-                "fusion.offload_step",
-                f"{step!r} is not supported with alternate: {alternate} yet (arrays trained "
-                "together step on the host); give offload_step: host, or alternate: 1",
-            )
-        return FusionConfig(
-            size=size,
-            device=device,
-            dtype=dtype,
-            eval_every=every,
-            share_frozen=share,
-            compile=compile,
-            offload=offload,
-            device_memory=memory,
-            alternate=alternate,
-            offload_step=step,
-        )
+        values = {k: f[k] for k in ARRAY_KEYS if k in f}
+        try:
+            arrays = array_settings(values, YAML)
+        except SettingsError as exc:
+            raise self.error(f"fusion.{exc.key}", exc.problem) from None
+        return FusionConfig(size=size, **arrays.to_dict())
 
     def ray(self, raw: object, backend: str) -> RayConfig:
         if raw is None:

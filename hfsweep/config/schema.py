@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from .._dburl import mask
 from .._errors import LocatedError
 from ..search_spaces import FixedParam, SearchSpace
+from ..training.settings import ArraySettings
 
 if TYPE_CHECKING:  # a sweep file is checked without torch, which the task module imports
     from ..training.task import Task
@@ -162,6 +163,13 @@ class FusionConfig:
     def to_dict(self) -> dict[str, Any]:
         """The ``fusion:`` mapping."""
         return dataclasses.asdict(self)
+
+    @property
+    def arrays(self) -> ArraySettings:
+        """Every setting but ``size``: how each array trains, as the executors take it."""
+        values = self.to_dict()
+        del values["size"]
+        return ArraySettings(**values)
 
 
 @dataclass(frozen=True)

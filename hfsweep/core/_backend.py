@@ -5,10 +5,10 @@ sweep ends; see :mod:`hfsweep.core._parts`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import torch
 
@@ -34,24 +34,12 @@ class _Backend(_Parts):
     def _executor(self) -> Iterator[None]:
         """The executor for the config's backend while the sweep runs, closed after."""
         sc = self.sc
-        dtype = _DTYPES[sc.fusion.dtype]
+        arrays = sc.fusion.arrays
         if sc.backend == "ray":
             from ..executors import RayExecutor
 
             try:
-                self.executor = RayExecutor(
-                    self.task,
-                    device=sc.fusion.device,
-                    dtype=dtype,
-                    eval_every=sc.fusion.eval_every,
-                    settings=sc.ray,
-                    share_frozen=sc.fusion.share_frozen,
-                    offload=sc.fusion.offload,
-                    device_memory=sc.fusion.device_memory,
-                    alternate=sc.fusion.alternate,
-                    offload_step=sc.fusion.offload_step,
-                    compile=sc.fusion.compile,
-                )
+                self.executor = RayExecutor(self.task, arrays=arrays, settings=sc.ray)
             except ExecutorError as exc:
                 raise SweepError(f"backend ray: {exc}") from exc
             self.where = f"a Ray worker (up to {self.executor.slots} array(s) at once)"
@@ -61,26 +49,12 @@ class _Backend(_Parts):
             device = resolve_device(sc.fusion.device)
             if device.startswith("cuda") and not torch.cuda.is_available():
                 raise SweepError(f"fusion.device is {device!r} but torch sees no CUDA device")
-            settings: dict[str, Any] = dict(
-                device=device,
-                dtype=dtype,
-                eval_every=sc.fusion.eval_every,
-                data=self._data,
-                share_frozen=sc.fusion.share_frozen,
-                compile=sc.fusion.compile,
-                offload=sc.fusion.offload,
-                device_memory=sc.fusion.device_memory,
-                offload_step=sc.fusion.offload_step,
-            )
-            if sc.fusion.alternate > 1:
-                self.executor = AlternatingExecutor(
-                    self.task, alternate=sc.fusion.alternate, **settings
-                )
-                self.where = (
-                    f"{device} ({sc.fusion.alternate} offloaded arrays at once, alternating)"
-                )
+            arrays = dataclasses.replace(arrays, device=device)
+            if arrays.alternate > 1:
+                self.executor = AlternatingExecutor(self.task, arrays=arrays, data=self._data)
+                self.where = f"{device} ({arrays.alternate} offloaded arrays at once, alternating)"
             else:
-                self.executor = LocalExecutor(self.task, **settings)
+                self.executor = LocalExecutor(self.task, arrays=arrays, data=self._data)
                 self.where = str(self.executor.device)
         reclaim()  # ray.init installs a SIGTERM handler of its own
         try:

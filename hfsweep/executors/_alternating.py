@@ -35,6 +35,7 @@ from typing import Any
 from .._malloc import retaining_freed_memory_on
 from ..training import ArrayJob, StepDriver
 from ..training.results import Member, MemberResult
+from ..training.settings import ArraySettings
 from ..training.task import Task
 from ._errors import Stopped
 from .base import ArrayHooks, Folder
@@ -163,24 +164,23 @@ class AlternatingExecutor(LocalExecutor):
     """A :class:`~hfsweep.executors.LocalExecutor` that trains up to ``alternate`` offloaded
     arrays at once on its device, their shards alternating (see the module docstring).
 
-    Its arrays offload (``offload="host"``: each array's state in host memory, streamed
-    through the device shard by shard) and share one budget on the device,
-    ``device_memory`` (each array's shards at most a quarter of it over ``alternate``, as
-    :func:`hfsweep.train_together` cuts them), stepped with the lockstep schedule and one
-    shard of prefetch (``train_together``'s defaults). The other arguments are the local
-    executor's; ``compile`` must stay off (offloaded arrays run uncompiled).
+    Its arrays offload (``arrays.offload="host"``: each array's state in host memory,
+    streamed through the device shard by shard), up to ``arrays.alternate`` at once, and
+    share one budget on the device, ``device_memory`` (each array's shards at most a quarter of
+    it over ``alternate``, as :func:`hfsweep.train_together` cuts them), stepped with the
+    lockstep schedule and one shard of prefetch (``train_together``'s defaults). The other
+    arguments are the local executor's; ``compile`` is off (offloaded arrays run uncompiled).
     """
 
     def __init__(
         self,
         task: Task,
         *,
-        alternate: int,
-        **settings: Any,
+        arrays: ArraySettings,
+        **options: Any,
     ) -> None:
-        super().__init__(task, **settings)
-        if isinstance(alternate, bool) or not isinstance(alternate, int) or alternate < 1:
-            raise ValueError(f"alternate must be an int >= 1 (arrays at once), got {alternate!r}")
+        super().__init__(task, arrays=arrays, **options)
+        alternate = arrays.alternate
         if self.offload != "host":
             raise ValueError(
                 f"alternate={alternate} trains offloaded arrays' shards in turn; it needs "

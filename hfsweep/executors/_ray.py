@@ -31,10 +31,8 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from .._signals import handlers_kept, shielded
-from ..fusion import check_compile
+from ..training.settings import ArraySettings
 from ..training.task import Task
 from ..training.trainer import ArrayTrainer, Member
 from ._connect import ClusterUnreachable, connect, on_loopback, reach
@@ -71,8 +69,9 @@ class RayExecutor(Executor):
     ``alternate`` of them (offloaded, ``offload="host"``) in each actor.
 
     Connects to the Ray cluster at ``settings.address``, or uses the Ray this process already
-    initialised, or starts a local one for the run (shut down by :meth:`close`). ``compile``:
-    as the local executor's, the choice of ``"auto"`` carried from the profiling actor to
+    initialised, or starts a local one for the run (shut down by :meth:`close`). ``arrays``:
+    how every array trains (:class:`~hfsweep.training.settings.ArraySettings`, each actor
+    builds its local executor from them); ``compile``: as the local executor's, the choice of ``"auto"`` carried from the profiling actor to
     the training ones (see the module docstring); not with offload yet.
     """
 
@@ -80,47 +79,33 @@ class RayExecutor(Executor):
         self,
         task: Task,
         *,
-        device: str,
-        dtype: torch.dtype,
-        eval_every: int | None,
+        arrays: ArraySettings,
         settings: RayConfig,
-        share_frozen: bool = True,
-        offload: str = "none",
-        device_memory: int | None = None,
-        alternate: int = 1,
-        offload_step: str = "host",
-        compile: bool | str = False,
     ) -> None:
         import ray
 
-        if compile != "auto":
-            check_compile(compile, "compile")
-        if compile is not False and offload != "none":
-            raise ValueError(
-                f"compile={compile!r} is not supported with offload={offload!r} yet (offloaded "
-                "shards train uncompiled); give compile=False, or offload='none'"
-            )
-        if isinstance(alternate, bool) or not isinstance(alternate, int) or alternate < 1:
-            raise ValueError(f"alternate must be an int >= 1 (arrays at once), got {alternate!r}")
-        if alternate > 1 and (offload != "host" or settings.elastic.enabled):
+        alternate = arrays.alternate
+        if alternate > 1 and settings.elastic.enabled:
             raise ValueError(
                 f"alternate={alternate} trains offloaded arrays' shards in turn; it needs "
-                f"offload='host' (got {offload!r}) and arrays that are not elastic"
+                "arrays that are not elastic"
             )
         self.task = task
-        self.device = device
-        self.dtype = dtype
-        self.eval_every = eval_every
-        self.share_frozen = share_frozen
+        #: how every array trains (see :class:`~hfsweep.training.settings.ArraySettings`)
+        self.arrays = arrays
+        self.device = arrays.device
+        self.dtype = arrays.torch_dtype()
+        self.eval_every = arrays.eval_every
+        self.share_frozen = arrays.share_frozen
         #: each actor's arrays offload on its own device, within ``device_memory`` bytes there
         #: (``None``: that device's free memory)
-        self.offload = offload
-        self.device_memory = device_memory
+        self.offload = arrays.offload
+        self.device_memory = arrays.device_memory
         #: the most arrays one actor trains at once, their shards alternating
         self.alternate = alternate
-        self.offload_step = offload_step
+        self.offload_step = arrays.offload_step
         #: every array's ``compile=``; ``"auto"``: the profiler's choice by compatibility key
-        self.compile = compile
+        self.compile: bool | str = arrays.compile
         #: ``compile: auto``: the profiling actors' choices by compatibility key, handed to the
         #: actors that train the key (under ``_choice_lock``: the engine's threads ask at once)
         self._compile_choice: dict[str, bool] = {}
@@ -143,7 +128,7 @@ class RayExecutor(Executor):
             self._ray_processes() if self._owns_ray and settings.address is None else set()
         )
         try:
-            self._setup(task, device, settings)
+            self._setup(task, arrays.device, settings)
         except BaseException:
             self._shutdown()
             raise
@@ -291,16 +276,8 @@ class RayExecutor(Executor):
             scheduling_strategy=strategy, max_concurrency=concurrency
         ).remote(
             self.task,
-            device=self.device,
-            dtype=self.dtype,
-            eval_every=self.eval_every,
+            arrays=self.arrays,
             threads=max(1, int(self.cpus_per_array)),
-            share_frozen=self.share_frozen,
-            offload=self.offload,
-            device_memory=self.device_memory,
-            alternate=self.alternate,
-            offload_step=self.offload_step,
-            compile=self.compile,
         )
 
     def _acquire(self) -> Any:

@@ -20,6 +20,7 @@ took its profile.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import socket
@@ -32,6 +33,7 @@ import torch
 
 from .._usercode import describe, keep_traceback, label, phase_of, remote_traceback
 from ..sizing.device import resolve_device
+from ..training.settings import ArraySettings
 from ..training.task import Task
 from ..training.trainer import Member
 from ._alternating import AlternatingExecutor
@@ -53,47 +55,25 @@ class ArrayWorker:
     ``device`` ``"auto"`` means CUDA when the actor sees a GPU, else the CPU; ``threads`` caps
     torch's intra-op threads at the CPUs the actor reserved, so arrays sharing a machine do not
     oversubscribe it. A worker keeps its traced forwards across the arrays it trains.
-    ``offload`` and ``device_memory``: as the local executor's, on this actor's device (without
-    ``device_memory``, within a CUDA device's free memory; on a CPU ``auto`` then keeps arrays
-    as they are). ``compile``: as the local executor's; each array's own comes with
+    ``arrays``: the sweep's array settings, as the local executor takes them, on this
+    actor's device (without ``device_memory``, within a CUDA device's free memory; on a CPU
+    ``offload: auto`` then keeps arrays as they are); ``compile``: each array's own comes with
     :meth:`start` (see the module docstring).
     """
 
-    def __init__(
-        self,
-        task: Task,
-        *,
-        device: str,
-        dtype: torch.dtype,
-        eval_every: int | None,
-        threads: int,
-        share_frozen: bool = True,
-        offload: str = "none",
-        device_memory: int | None = None,
-        alternate: int = 1,
-        offload_step: str = "host",
-        compile: bool | str = False,
-    ) -> None:
+    def __init__(self, task: Task, *, arrays: ArraySettings, threads: int) -> None:
         torch.set_num_threads(max(1, threads))
-        device = resolve_device(device)
+        device = resolve_device(arrays.device)
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise RuntimeError(
                 f"fusion.device is {device!r} but the Ray worker on {socket.gethostname()} sees "
                 "no CUDA device; give the arrays GPUs (ray.gpus_per_array) or use device: cpu"
             )
-        settings: dict[str, Any] = dict(
-            device=device,
-            dtype=dtype,
-            eval_every=eval_every,
-            share_frozen=share_frozen,
-            offload=offload,
-            device_memory=device_memory,
-            offload_step=offload_step,
-        )
+        arrays = dataclasses.replace(arrays, device=device)
         self.local = (
-            AlternatingExecutor(task, alternate=alternate, **settings)
-            if alternate > 1
-            else LocalExecutor(task, compile=compile, **settings)
+            AlternatingExecutor(task, arrays=arrays)
+            if arrays.alternate > 1
+            else LocalExecutor(task, arrays=arrays)
         )
         #: each array's (events, answers), by its folder
         self._lines: dict[str, tuple[queue.Queue[Event], queue.Queue[Any]]] = {}

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from ..fusion import check_compile
 from ..offload import OffloadChoice
 from ..training import ArrayTrainer, DataCache, Member
+from ..training.settings import ArraySettings
 from ..training.task import Task
 from .base import ArrayHooks, Executor, Folder
 
@@ -21,16 +22,18 @@ class LocalExecutor(Executor):
 
     The engine hands it one array at a time with its hooks; the array trainer checkpoints into
     the array's folder, and ``resume=True`` continues from that checkpoint after a crash.
-    ``data`` is a cache of loaded data to start from (the engine's dry run loaded it).
+    ``arrays`` say how every array trains (device, dtype, evaluation period, shared frozen
+    tensors, compile, offload; the sweep file's ``fusion:`` or ``Fusion(...)``, checked once
+    by :func:`~hfsweep.training.settings.array_settings`); ``arrays.alternate`` is
+    :class:`~hfsweep.executors._alternating.AlternatingExecutor`'s, this one trains one array
+    at a time. ``data`` is a cache of loaded data to start from (the engine's dry run loaded it).
     ``final_states`` says which ended members' results carry their weights (``"completed"``:
     the engine keeps its best completed trials'; the Tune plugin, which trains each array
     through a local executor in its trial, asks for ``"all"``), ``trace`` whether arrays
-    trace their forwards and ``offload`` whether they keep their state in host memory, with
-    ``device_memory`` bytes on the device (see :class:`~hfsweep.ArrayTrainer`; with
-    ``offload="auto"`` the profiler's array size may be one larger than the device holds,
-    trained offloaded, where it measured that faster: :func:`~hfsweep.profile_task`).
-    ``compile``: ``True`` or ``False`` for every
-    array, or ``"auto"``: the profiler's choice for each compatibility key
+    trace their forwards. With ``offload="auto"`` the profiler's array size may be one larger
+    than the device holds, trained offloaded, where it measured that faster
+    (:func:`~hfsweep.profile_task`). ``compile``: ``True`` or ``False`` for every array, or
+    ``"auto"``: the profiler's choice for each compatibility key
     (:func:`~hfsweep.profiler.choose_compile`; uncompiled where no profile was taken, a fixed
     ``fusion.size``).
     """
@@ -39,34 +42,27 @@ class LocalExecutor(Executor):
         self,
         task: Task,
         *,
-        device: str | torch.device,
-        dtype: torch.dtype,
-        eval_every: int | None,
+        arrays: ArraySettings,
         data: DataCache | None = None,
         final_states: str = "completed",
         trace: bool = True,
-        share_frozen: bool = True,
-        compile: bool | str = False,
-        offload: str = "none",
-        device_memory: int | None = None,
-        offload_step: str = "host",
     ) -> None:
         self.task = task
-        self.device = torch.device(device)
-        self.dtype = dtype
-        self.eval_every = eval_every
+        #: how every array trains (see :class:`~hfsweep.training.settings.ArraySettings`)
+        self.arrays = arrays
+        self.device = torch.device(arrays.resolved_device())
+        self.dtype = arrays.torch_dtype()
+        self.eval_every = arrays.eval_every
         self.final_states = final_states
         self.trace = trace
-        self.share_frozen = share_frozen
-        if compile != "auto":
-            check_compile(compile, "fusion.compile")
-        self.compile = compile
+        self.share_frozen = arrays.share_frozen
+        self.compile: bool | str = arrays.compile
         #: ``compile: auto``: the profiler's choice by compatibility key
         self._compile_choice: dict[str, bool] = {}
-        self.offload = offload
-        self.device_memory = device_memory
+        self.offload = arrays.offload
+        self.device_memory = arrays.device_memory
         #: where an offloaded array's optimizer steps (``fusion.offload_step``)
-        self.offload_step = offload_step
+        self.offload_step = arrays.offload_step
         #: ``offload: auto``: the profiler's offloaded array size and why, by compatibility key
         self._offload_choice: dict[str, OffloadChoice] = {}
         #: traced forwards shared by every array of this sweep (see ArrayTrainer)
@@ -155,20 +151,15 @@ class LocalExecutor(Executor):
         if compile == "auto":
             key = self.task.compatibility_key(members[0].config) if members else ""
             compile = self._compile_choice.get(key, False)
-        trainer = ArrayTrainer(
+        # decided: on or off for this array (ArraySettings.compile's values are True, False, auto)
+        arrays = dataclasses.replace(self.arrays, device=str(self.device), compile=bool(compile))
+        trainer = ArrayTrainer.from_settings(
             self.task,
-            device=self.device,
-            dtype=self.dtype,
-            eval_every=self.eval_every,
+            arrays,
             checkpoint_dir=checkpoint_dir,
             trace=self.trace,
-            share_frozen=self.share_frozen,
-            compile=compile,
             keep_states=False,
             final_states=self.final_states,
-            offload=self.offload,
-            device_memory=self.device_memory,
-            offload_step=self.offload_step,
         )
         for key, choice in self._offload_choice.items():
             trainer._offload_plans[(key, choice.size)] = choice

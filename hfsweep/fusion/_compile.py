@@ -111,7 +111,8 @@ def _without_skipped_cat_inputs(graph: torch.fx.GraphModule) -> torch.fx.GraphMo
     Hugging Face's key-value cache concatenates each new key to an empty ``[0]`` tensor. Eager
     ``cat`` returns a contiguous copy of the key; compiled, the concatenation of one tensor is a
     copy in the key's own (transposed) layout, and the attention's ``view`` of it, valid in the
-    eager run the trace recorded, fails to compile (every compiled GPT-2 ran uncompiled). The
+    eager run the trace recorded, fails to compile (without this rewrite every compiled GPT-2
+    would fall back to the uncompiled trace). The
     trace recorded each result's layout (``meta["val"]``): a cat is rewritten only where its
     result was contiguous, so the rewrite keeps the eager layout."""
 

@@ -22,8 +22,8 @@ no copy of its old memory behind.
 Forward and backward call the kernels autograd would call (``convolution`` and
 ``convolution_backward``, ``native_batch_norm`` and ``native_batch_norm_backward``) on the same
 memory with the same arguments: the values are identical. Each parameter's gradient is returned
-viewed as the parameter, one view per parameter in the backward as before; the forward's views
-are gone. With ``create_graph`` the backward reads the parameters through differentiable views
+viewed as the parameter, one view per parameter in the backward; the forward dispatches no
+view. With ``create_graph`` the backward reads the parameters through differentiable views
 instead, so second derivatives still reach them.
 """
 

@@ -11,7 +11,8 @@ This pass replaces such a product of a traced graph, where the transposed tensor
 input (a parameter or buffer of the array), by :class:`_StackedLinear`, whose backward computes
 the weight's gradient as ``grad^T @ x`` directly in ``[B, out, in]`` (as ``torch``'s own
 ``F.linear`` backward does for one weight: ``grad^T @ x``) and the bias's as one sum. The forward
-dispatches the same operators as before; the backward four per layer instead of ten. A run of
+dispatches the same operators as the product it replaces; the backward four per layer where
+autograd's takes ten. A run of
 such products from the graph's input (an MLP) is then computed features-first with autograd's
 own products instead, no Python left in its step (:mod:`._graph_features_first`); a Linear
 alone keeps this one.

@@ -306,10 +306,10 @@ class _Tracing:
         are per-member data in the array (dropout ``p``, read from ``member_p``) are left out.
         Which of a module's keys are public settings is remembered with the key set it was
         worked out from (:data:`_public_keys`): a call compares each module's keys with that set
-        (one comparison in C) and reads only the remembered settings' values, where reading
-        every key of every module's ``__dict__`` was most of the trace lookup's time. A key
-        added, removed or replaced since is seen by the comparison, and the settings are worked
-        out again; a changed value is read as before.
+        (one comparison in C) and reads only the remembered settings' values, since reading
+        every key of every module's ``__dict__`` on each call would be most of the trace
+        lookup's time. A key added, removed or replaced since is seen by the comparison, and the
+        settings are worked out again; a changed value is read on the next call.
         """
         out: list[Any] = []
         cache = self._public_keys

@@ -11,7 +11,7 @@ are taken over the same values either way.
 ``momentum=None`` (a cumulative average) needs a per-member averaging factor, which one native
 call cannot take: there the factor is a tensor (each member keeps its own count, so a slot
 refilled with a fresh trial restarts its cumulative average at 1) and the statistics are updated
-by hand, as before.
+by hand.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ in cache-sized blocks.
 The mask and scale come from one custom op (``hfsweep::dropout_multiplier``) whose batching rule
 computes every member's at once. Under ``vmap`` each of the fifty-odd small ops would otherwise
 pass through the batching layer, and a traced array forward would record each of them: in a
-small MLP the dropout layer took about 85% of the time to trace the whole forward.
+small MLP the dropout layer would take about 85% of the time to trace the whole forward.
 
 The input is multiplied by that multiplier through a second op (``hfsweep::dropout_apply``,
 :func:`apply_multiplier`): the same product, but what autograd keeps for the backward is a

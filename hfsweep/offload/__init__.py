@@ -1,5 +1,5 @@
 """Offload: a fused array whose stacked state lives in host memory and streams through the
-compute device shard by shard (issue 22; Hydra's parameter spilling and double buffering).
+compute device shard by shard (Hydra's parameter spilling and double buffering).
 
 - ``_errors``: :class:`OffloadError`, :class:`OffloadBudgetError`.
 - ``_ledger``: :class:`ResidentLedger`, the bytes held on the compute side against a budget.
@@ -19,7 +19,7 @@ compute device shard by shard (issue 22; Hydra's parameter spilling and double b
   shards alternating so that one's transfers overlap another's compute (Hydra's shard
   alternation; in lockstep, phase-shifted by one forward, or by readiness: ``SCHEDULES``;
   each array ``prefetch_depth`` shards ahead; the trainer's through ``hs.train_together``,
-  not used by ``hfsweep run`` yet).
+  and ``hfsweep run``'s with ``fusion.alternate``).
 - ``_policy``: the ``offload`` values and what ``auto`` decides: by memory
   (:func:`choose_offload`), and by measured throughput where both ways fit (:func:`choose_by_rate`);
   the ``offload_step`` values and where ``auto`` steps (:func:`choose_step`).

@@ -41,17 +41,15 @@ each next fetch started as a shard starts computing).
 
 Measured on a 2-core CPU with an injected delay per fetch
 (``benchmarks/results/offload_alternate_cpu.md``: two arrays of six shards, a on a batch of
-8, transfer-bound, b on 1024, compute-bound; ``docs/offload.md`` says which run is which),
-no schedule and no depth beats the lockstep by more than the noise, and the deeper prefetch
-for the transfer-bound array, which the turn model of the runs before asked for, is slower:
-``prefetch_depth=(3, 1)`` under ``ready`` took 1.01 to 1.17 of the lockstep's step over four
-delays (0.98 to 1.22 in a second, noisier run: above the lockstep in seven rows of eight),
-``ready`` at depth 1 0.93 to 1.04, the shift with b first 0.94 to 1.14 (0.96 to 1.12 in the
-runs before, a first 1.09 to 1.22); the lockstep 0.82 to 0.97 of the two arrays stepped
-alone, and in the first run every arm at least 8% above the larger of the sum of transfers
-and the sum of
-computes. Why (the benchmark's queue model, ``benchmarks/_queue_model.py``, which replays the
-turns and fetches with the link as one first-in-first-out queue and follows the first run's
+8, transfer-bound, b on 1024, compute-bound; ``docs/offload.md`` has the runs), no schedule
+and no depth beats the lockstep by more than the noise, and a deeper prefetch for the
+transfer-bound array is slower: ``prefetch_depth=(3, 1)`` under ``ready`` takes 0.98 to 1.22
+of the lockstep's step over four delays (above it in seven rows of eight), ``ready`` at
+depth 1 0.93 to 1.04, the shift with b first 0.94 to 1.14 (a first 1.09 to 1.22); the
+lockstep takes 0.82 to 0.97 of the two arrays stepped alone, and on the quieter run every
+arm stays at least 8% above the larger of the sum of transfers and the sum of computes. Why
+(the benchmark's queue model, ``benchmarks/_queue_model.py``, which replays the turns and
+fetches with the link as one first-in-first-out queue and follows the quieter run's
 ratios): the link copies in the order fetches start, so more of a's fetches in flight do not
 overlap each other, they take the link earlier, in b's forward, where one fetch per array
 per shard already keeps it busy, and queue ahead of b's next fetch: b's compute waits. The
@@ -62,9 +60,9 @@ copied before the others' not yet started (a copy under way is not interrupted;
 :class:`~hfsweep.offload.CpuTransfer` honours it, :class:`~hfsweep.offload.CudaTransfer`'s
 one stream copies in the order issued and does not), so a's deeper prefetch only takes the
 link where b has no fetch waiting. The queue model with a two-class link, replayed on both
-runs' rows (``python benchmarks/_queue_model.py RESULT.json``), predicted ``ready`` with
+runs' rows (``python benchmarks/_queue_model.py RESULT.json``), predicts ``ready`` with
 ``prefetch_depth=(3, 1)`` and ``urgent=(1,)`` at 0.905 to 0.977 of the lockstep (over 5% in
-five rows of eight); measured: see ``docs/offload.md``
+five rows of eight); measured, see ``docs/offload.md``
 (``benchmarks/results/offload_alternate_priority_cpu.md``). The lockstep stays the default;
 ``ready``, the depth and ``urgent`` are options.
 
@@ -79,7 +77,7 @@ budget, no more than half, and the boundary activations the other half. With
 ``prefetch_depth`` ``d_i`` per array, an array waiting holds at most ``d_i`` shards and the
 one computing ``d_i + 1`` and its gradients, ``D + 2`` shards in all for ``D`` the sum of
 the depths; the shard limit is then the budget over the larger of ``4m`` and ``2 (D + 2)``
-(``4m`` where every depth is 1, as before), so the shards and gradients still take at most
+(``4m`` where every depth is 1), so the shards and gradients still take at most
 half. Deeper prefetch means smaller shards within a budget, not a larger share: the budget's
 division stays. The ``ready`` schedule holds no more boundary activations than the lockstep
 at the end of its forwards (every array's all at once), the most any order can hold. The shift keeps that
@@ -90,8 +88,8 @@ all at once); the tests check its ledger's peak against the lockstep's.
 
 The trainer uses it through :func:`hfsweep.train_together` (several ``ArrayTrainer`` runs,
 each step of all of them one :meth:`~AlternatingArrays.step` over engines it builds:
-:meth:`AlternatingArrays.of_engines`). What this is not yet: ``hfsweep run``'s executor steps
-one array at a time and does not use it; arrays cut between their blocks (``cut="blocks"``, whose
+:meth:`AlternatingArrays.of_engines`), and ``hfsweep run`` through it with
+``fusion.alternate``. Arrays cut between their blocks (``cut="blocks"``, whose
 own forward calls the units) are not alternated (they are cut along the graph here, or
 refused).
 """

@@ -22,7 +22,7 @@ state fits the shard limit, by the rule the graph cut sizes its shards with
 (:func:`~hfsweep.offload._shards.grow_runs`; a tensor two units share counts once): a group is
 fetched to the compute side once for all its units, so a model of many small blocks makes one
 fetch per group, not per block, where the budget allows; under a tight budget each block is a
-shard of its own, as before. A unit is never cut inside.
+shard of its own. A unit is never cut inside.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from .model import Measurement, MemoryModel
 
 __all__ = ["profile_sizes"]
 
-# The sizing modules log under the name users configure for them since they were one module.
+# Every sizing module logs under ``hfsweep.profiler``, the one name users configure for them.
 _log = logging.getLogger("hfsweep.profiler")
 
 

@@ -21,6 +21,8 @@ One job per module, each importing only those below it in this list:
 - ``checkpoint``: the trainer's files and records, read back as plain data only.
 - ``spec``: :class:`~hfsweep.training.spec.TrialSpec` (one member's config, budget, seeds and
   data position), a slot's progress, an array's data position.
+- ``settings``: :class:`ArraySettings`, how every array of a sweep trains, and the one check of
+  them for a sweep file's ``fusion:`` and the Tune plugin's ``Fusion(...)``.
 - ``results``: :class:`Member`, :class:`Evaluation`, :class:`MemberResult` and the hooks.
 - ``task``: :class:`~hfsweep.Task`, the user's model, data, loss and metrics, and the optimizers
   and schedules its configs name.
@@ -40,12 +42,14 @@ from .base import DataCache, TrainerBase
 from .live import LiveArray
 from .results import Evaluation, Member, MemberResult, RefillHook, ReportHook
 from .run import ArrayRun
+from .settings import ArraySettings
 from .spec import ArrayState
 from .trainer import ArrayTrainer
 
 __all__ = [
     "ArrayJob",
     "ArrayRun",
+    "ArraySettings",
     "ArrayState",
     "ArrayTrainer",
     "CompiledLoss",

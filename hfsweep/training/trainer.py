@@ -11,6 +11,7 @@ member's progress.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 
 from .._malloc import retaining_freed_memory
@@ -18,6 +19,8 @@ from ._threads import training_threads
 from .base import TrainerBase
 from .results import Evaluation, Member, MemberResult, RefillHook, ReportHook
 from .run import ArrayRun
+from .settings import ArraySettings
+from .task import Task
 
 __all__ = ["ArrayTrainer", "Evaluation", "Member", "MemberResult", "RefillHook", "ReportHook"]
 
@@ -68,6 +71,37 @@ class ArrayTrainer(TrainerBase):
 
     #: what :meth:`run` executes (a data-parallel worker's trainer sets its own, on shards)
     run_class: type[ArrayRun] = ArrayRun
+
+    @classmethod
+    def from_settings(
+        cls,
+        task: Task,
+        settings: ArraySettings,
+        *,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        trace: bool = True,
+        keep_states: bool = True,
+        final_states: str = "all",
+    ) -> ArrayTrainer:
+        """A trainer of ``task``'s arrays as a sweep's ``settings`` say (its device, dtype,
+        evaluation period, shared frozen tensors, compile and offload: what executors and Ray
+        workers build their trainers from; ``alternate`` is theirs: a trainer trains one
+        array). The other arguments are the constructor's."""
+        return cls(
+            task,
+            device=settings.resolved_device(),
+            dtype=settings.torch_dtype(),
+            eval_every=settings.eval_every,
+            checkpoint_dir=checkpoint_dir,
+            trace=trace,
+            keep_states=keep_states,
+            final_states=final_states,
+            share_frozen=settings.share_frozen,
+            compile=settings.compile,
+            offload=settings.offload,
+            device_memory=settings.device_memory,
+            offload_step=settings.offload_step,
+        )
 
     # ------------------------------------------------------------------ public
     def run(

@@ -24,6 +24,7 @@ from hfsweep.executors._worker import ArrayWorker
 from hfsweep.profiler import Measurement, MemoryModel, Profile, choose_compile
 from hfsweep.sizing import task as sizing_task
 from hfsweep.training import Member
+from hfsweep.training.settings import YAML, ArraySettings, array_settings
 
 ray = pytest.importorskip("ray")
 from ray.exceptions import RayActorError  # noqa: E402
@@ -60,11 +61,8 @@ class _Actor:
         self.dies_after_start = False
         self.worker = ArrayWorker(
             TASK,
-            device="cpu",
-            dtype=torch.float32,
-            eval_every=None,
+            arrays=ArraySettings(device="cpu", compile=compile),  # type: ignore[arg-type]
             threads=torch.get_num_threads(),
-            compile=compile,
         )
         self.array_size = _Method(self, self.worker.array_size)
         self.reply = _Method(self, self.worker.reply)
@@ -132,6 +130,10 @@ def built(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
         def __init__(self, *args: Any, **kw: Any) -> None:
             made.append((str(kw["checkpoint_dir"]), kw["compile"]))
 
+        @classmethod
+        def from_settings(cls, task: Any, settings: Any, **kw: Any) -> Trainer:
+            return cls(task, compile=settings.compile, **kw)
+
         def run(self, *args: Any, **kw: Any) -> None:
             pass
 
@@ -146,11 +148,8 @@ def _executor(compile: bool | str, actors: list[_Actor]) -> _Executor:
     _Executor.pool = _Pool(actors)
     return _Executor(
         TASK,
-        device="cpu",
-        dtype=torch.float32,
-        eval_every=None,
+        arrays=ArraySettings(device="cpu", compile=compile),  # type: ignore[arg-type]
         settings=RayConfig(max_failures=2),
-        compile=compile,
     )
 
 
@@ -237,16 +236,8 @@ def test_the_actors_are_made_with_compile_and_say_so(monkeypatch: pytest.MonkeyP
 
 
 def test_compile_with_offload_is_refused(built: list[Any]) -> None:
-    with pytest.raises(ValueError, match=r"compile=True is not supported with offload='host'"):
-        _Executor(
-            TASK,
-            device="cpu",
-            dtype=torch.float32,
-            eval_every=None,
-            settings=RayConfig(),
-            offload="host",
-            compile=True,
-        )
+    with pytest.raises(ValueError, match=r"fusion\.compile: True together with offload: host"):
+        array_settings({"offload": "host", "compile": True}, YAML)
 
 
 def test_an_elastic_array_is_launched_with_the_profilers_choice(
@@ -265,11 +256,8 @@ def test_an_elastic_array_is_launched_with_the_profilers_choice(
     _Executor.pool = _Pool([_Actor("a", "auto")])
     executor = _Executor(
         TASK,
-        device="cpu",
-        dtype=torch.float32,
-        eval_every=None,
+        arrays=ArraySettings(device="cpu", compile="auto"),
         settings=RayConfig(elastic=ElasticConfig(enabled=True)),
-        compile="auto",
     )
     executor.policy = object()  # type: ignore[assignment]
     monkeypatch.setattr(executor._pool, "fit", lambda: 2, raising=False)

@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
 from sweep._toy import TASK
 
 from hfsweep.config import RayConfig
 from hfsweep.executors import RayExecutor
+from hfsweep.training.settings import ArraySettings
 
 ray = pytest.importorskip("ray")
 
@@ -34,9 +34,7 @@ def test_no_address_starts_a_ray_of_its_own(monkeypatch: pytest.MonkeyPatch) -> 
     with pytest.raises(_Called):
         RayExecutor(
             TASK,
-            device="cpu",
-            dtype=torch.float32,
-            eval_every=None,
+            arrays=ArraySettings(device="cpu"),
             settings=RayConfig(address=None),
         )
     assert seen["address"] == "local"

@@ -23,6 +23,7 @@ from hfsweep.offload import OffloadError
 from hfsweep.sizing.beyond import offload_beyond
 from hfsweep.sizing.cache import ProfileCache
 from hfsweep.sizing.model import Measurement, MemoryModel
+from hfsweep.training.settings import ArraySettings
 
 
 def _m(size: int, rate: float, peak: int = 0) -> Measurement:
@@ -170,11 +171,7 @@ def test_the_executor_trains_the_offloaded_size_it_chose(
     monkeypatch.setenv("HFSWEEP_CACHE_DIR", str(tmp_path / "cache"))
     executor = LocalExecutor(
         toy_task(),
-        device="cpu",
-        dtype=torch.float64,
-        eval_every=None,
-        offload="auto",
-        device_memory=BUDGET,
+        arrays=ArraySettings(device="cpu", dtype="float64", offload="auto", device_memory=BUDGET),
     )
     size, reason = executor.array_size(SGD[0])
     assert size == 4 and "B=4 offloaded" in reason

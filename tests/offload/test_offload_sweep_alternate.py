@@ -30,6 +30,7 @@ from hfsweep.config import ConfigError, parse_sweep
 from hfsweep.executors import ArrayHooks, Stopped
 from hfsweep.executors._alternating import AlternatingExecutor
 from hfsweep.offload import AlternatingArrays
+from hfsweep.training.settings import YAML, ArraySettings, array_settings
 
 #: test_offload_sweep's sweep, with six trials: three arrays of two
 BASE: dict[str, Any] = {**OFFLOAD_SWEEP, "budget": {"trials": 6, "epochs": 1}}
@@ -115,11 +116,9 @@ def test_hfsweep_run_trains_arrays_together_each_trial_as_alone(
 def _executor(alternate: int = 2) -> AlternatingExecutor:
     return AlternatingExecutor(
         TASK,
-        alternate=alternate,
-        device="cpu",
-        dtype=torch.float64,
-        eval_every=2,
-        offload="host",
+        arrays=ArraySettings(
+            device="cpu", dtype="float64", eval_every=2, offload="host", alternate=alternate
+        ),
         final_states="all",
     )
 
@@ -291,11 +290,9 @@ def test_a_profile_holds_the_arrays_between_two_steps(
 
 def test_the_executor_refuses_what_it_cannot_alternate() -> None:
     with pytest.raises(ValueError, match=r"needs offload='host', got offload='none'"):
-        AlternatingExecutor(TASK, alternate=2, device="cpu", dtype=torch.float64, eval_every=None)
-    with pytest.raises(ValueError, match=r"alternate must be an int >= 1"):
-        AlternatingExecutor(
-            TASK, alternate=0, device="cpu", dtype=torch.float64, eval_every=None, offload="host"
-        )
+        AlternatingExecutor(TASK, arrays=ArraySettings(device="cpu", alternate=2))
+    with pytest.raises(ValueError, match=r"fusion\.alternate: 0 \(int\) is not an integer from 1"):
+        array_settings({"alternate": 0, "offload": "host"}, YAML)
     assert _executor(3).slots == 3
 
 

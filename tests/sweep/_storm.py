@@ -1,8 +1,8 @@
 """A driver storm (issue 45): three ``hfsweep run --resume`` drivers share one study, each in a
-run directory of its own, started together; a seeded RNG SIGKILLs a random one of them at
-random moments and each killed driver is resumed at once, until all of them exit 0. One start
-of one driver is made to kill itself just after Optuna created a trial for it (before hfsweep
-wrote anything else about it: the window in which, before the fix, a trial was left with no
+run directory of its own; a seeded RNG SIGKILLs a random one of them at random moments and
+each killed driver is resumed at once, until all of them exit 0. The first start of one driver
+(the others start once it is dead) kills itself just after Optuna created a trial for it
+(before hfsweep wrote anything else about it: the window in which, before the fix, a trial was left with no
 params and no owner, RUNNING for good).
 
 The test (tests/sweep/test_driver_storm.py) runs small storms; bigger ones run from the
@@ -79,10 +79,17 @@ def storm(folder: Path, storage: str, *, trials: int, seed: int, kills: int) -> 
     cutting = True
     began = time.monotonic()
     try:
+        # The cutting driver starts first and the others once it has died: its first array
+        # (fusion size 4 >= nth) creates its nth trial for certain. Started together, the others
+        # could take the whole budget while it was still importing on a loaded machine, and
+        # the storm would miss the window it exists to hit.
+        drivers[cut].start(launcher=(str(KILLER), str(nth)), **ENV)
+        report.starts += 1
+        _died_after_create(drivers[cut], nth)
         for i, d in enumerate(drivers):
-            launcher = (str(KILLER), str(nth)) if i == cut else ("-m", "hfsweep.cli")
-            d.start(launcher=launcher, **ENV)
-            report.starts += 1
+            if i != cut:
+                d.start(**ENV)
+                report.starts += 1
         while True:
             if time.monotonic() - began > STORM_S:
                 pytest.fail(f"storm still running after {STORM_S} s: {report}")
@@ -133,6 +140,21 @@ def storm(folder: Path, storage: str, *, trials: int, seed: int, kills: int) -> 
             if d.proc is not None and d.proc.poll() is None:
                 d.proc.kill()  # by its pid
                 d.proc.communicate(timeout=60)
+
+
+def _died_after_create(driver: _Driver, nth: int) -> None:
+    """Wait until ``driver``, started to kill itself after its ``nth`` create, has done so."""
+    assert driver.proc is not None
+    deadline = time.monotonic() + STORM_S / 3
+    while (code := driver.proc.poll()) is None:
+        if time.monotonic() > deadline:
+            pytest.fail(f"{driver.folder.name} did not create {nth} trials in {STORM_S / 3:.0f} s")
+        time.sleep(POLL_S)
+    if code != -signal.SIGKILL:
+        _out, err = driver.proc.communicate(timeout=60)
+        pytest.fail(
+            f"{driver.folder.name} exited {code} before its {nth}th create killed it:\n{err[-5000:]}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,7 @@
 """Driver storms (issue 45): three ``hfsweep run --resume`` drivers share one study on a
 ``journal://`` file or on PostgreSQL; seeded random SIGKILLs hit random drivers at random
-moments (and one driver kills itself just after Optuna created a trial for it), each killed
-driver is resumed, and once all exit 0 the whole budget is finished, exactly, none running,
+moments (and one driver, started first, kills itself just after Optuna created a trial for
+it), each killed driver is resumed, and once all exit 0 the whole budget is finished, exactly, none running,
 none told twice, none trained by two drivers at once (tests/sweep/_storm.py).
 
 Before the fix a trial created just before its driver's death named no driver: no driver

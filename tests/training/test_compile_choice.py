@@ -19,6 +19,7 @@ from hfsweep.profiler import (
     choose_compile,
 )
 from hfsweep.sizing import task as sizing_task
+from hfsweep.training.settings import YAML, ArraySettings, array_settings
 
 
 def test_a_faster_compiled_step_wins_once_it_pays_for_its_compile_time() -> None:
@@ -122,16 +123,20 @@ def test_the_local_executor_trains_as_the_profile_chose(monkeypatch: pytest.Monk
         def __init__(self, *args: Any, **kw: Any) -> None:
             made.append(kw["compile"])
 
+        @classmethod
+        def from_settings(cls, task: Any, settings: Any, **kw: Any) -> Trainer:
+            return cls(task, compile=settings.compile, **kw)
+
         def run(self, *args: Any, **kw: Any) -> None:
             pass
 
     monkeypatch.setattr(sizing_task, "profile_task", fake_profile)
     monkeypatch.setattr(local, "ArrayTrainer", Trainer)
-    executor = local.LocalExecutor(task, device="cpu", dtype=None, eval_every=None, compile="auto")  # type: ignore[arg-type]
+    executor = local.LocalExecutor(task, arrays=ArraySettings(device="cpu", compile="auto"))
     assert executor.array_size({}) == (2, "r")
     member = type("M", (), {"config": {}})()
     hooks = ArrayHooks(report=None, refill=None, on_finish=None)  # type: ignore[arg-type]
     executor.run_array("d", [member], hooks, resume=False)  # type: ignore[arg-type]
     assert made == [True]
-    with pytest.raises(ValueError, match=r"fusion\.compile='sometimes'"):
-        local.LocalExecutor(task, device="cpu", dtype=None, eval_every=None, compile="sometimes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"fusion\.compile: 'sometimes' is not valid"):
+        array_settings({"compile": "sometimes"}, YAML)

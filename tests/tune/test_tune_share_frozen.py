@@ -71,7 +71,7 @@ def test_the_workers_arrays_share_the_frozen_backbone_as_the_fusion_says(
 
     monkeypatch.setattr(live, "fuse", recording)
     fusion = Fusion(TASK, members=2, array_size=2, device="cpu", share_frozen=share)
-    assert Fusion(TASK, members=2, array_size=2)._spec.share_frozen is True  # the default
+    assert Fusion(TASK, members=2, array_size=2)._spec.arrays.share_frozen is True  # the default
     executor = make_executor(fusion._spec, TASK)
     finished: list[hs.MemberResult] = []
     hooks = ArrayHooks(
