@@ -122,7 +122,7 @@ def markdown(
         "of the queue (`bounded=False`) and each array's remaining budget. elastic is given, "
         "as `hfsweep run` gives it with ASHA, the count bounded one standard error below the "
         "mix's and each array's expected end and member-seconds from ASHA's rungs "
-        "(`hfsweep.core._survival`: a member survives each rung ahead with probability 1/eta, "
+        "(`hfsweep.elastic.survival`: a member survives each rung ahead with probability 1/eta, "
         "independently). A plan's "
         "requests that return an array to the workers it had at the same instant cost nothing "
         "(the trainer drops a request for the workers it has).",

@@ -17,9 +17,9 @@ from pathlib import Path
 
 from _elastic_account import Account, bounds
 
-from hfsweep.core._survival import RungSurvival
-from hfsweep.core.allocator import Allocator, ArrayState, WaitingPool
 from hfsweep.core.packer import Packer
+from hfsweep.elastic.allocator import Allocator, ArrayState, WaitingPool
+from hfsweep.elastic.survival import RungSurvival
 from hfsweep.profiler import (
     AllReduceCost,
     Measurement,
@@ -376,7 +376,7 @@ class Sim:
 
     def expected(self, a: Array) -> tuple[float | None, float | None]:
         """``(expected_s, expected_member_s)`` of ``a`` on one worker from the rung model
-        (``hfsweep.core._survival``), or ``(None, None)`` without it: each member's progress
+        (``hfsweep.elastic.survival``), or ``(None, None)`` without it: each member's progress
         in epochs (its full epochs and the array's current one's share) and one epoch's seconds
         on one worker at the array's size."""
         if self.survival is None:

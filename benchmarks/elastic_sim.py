@@ -1,5 +1,5 @@
 """A discrete-event simulation of a sweep at cluster scale: static arrays (one accelerator each,
-for life) against elastic arrays (``hfsweep.core.allocator`` deciding workers per array).
+for life) against elastic arrays (``hfsweep.elastic.allocator`` deciding workers per array).
 
 Nothing trains: a fake clock advances from one array's evaluation boundary to the next. The
 per-step costs are this machine's measured ones (``results/elastic_profiles_cpu.json``, written
@@ -29,7 +29,7 @@ from _elastic_account import ARMS
 from _elastic_report import markdown
 from _elastic_sweep import Result, Sim, load_models, make_trials
 
-from hfsweep.core.allocator import Allocator
+from hfsweep.elastic.allocator import Allocator
 from hfsweep.profiler import AllReduceCost
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -43,9 +43,9 @@ from sweep_vs_optuna import PRUNER_OPTIONS, _device, log, prefill_profiles, run_
 from hfsweep.config import parse_sweep
 from hfsweep.core import loop as _engine
 from hfsweep.core._hooks import _Hooks
-from hfsweep.core._journal import GroupedJournalFileBackend
 from hfsweep.fusion._tracing import _Tracing
 from hfsweep.searchers import _source
+from hfsweep.storage.journal import GroupedJournalFileBackend
 from hfsweep.training import run
 
 #: (owner, function name, phase): what is timed, in the order the table lists the phases

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["FusionError", "LocatedError"]
+__all__ = ["FusionError", "LocatedError", "SweepError"]
 
 
 class FusionError(ValueError):
@@ -38,3 +38,7 @@ def _rebuild_located(
     cls: type[LocatedError], problem: str, path: str, file: str | None
 ) -> LocatedError:
     return cls(problem, path=path, file=file)
+
+
+class SweepError(Exception):
+    """A sweep cannot start or go on: the message says why and what to do."""

@@ -208,11 +208,11 @@ def _run(args: argparse.Namespace) -> int:
         print(f"hfsweep run: {e}", file=sys.stderr)
         return 2
     from .core import preflight, refuse_a_second_start
-    from .core._storage import StorageUnavailable  # being moved to hfsweep.storage (issue 46)
     from .core.loop import SweepError, TrainingError, sweep
     from .core.result import RunDirUnwritable
     from .core.status import Status
     from .searchers import SearcherError
+    from .storage.database import StorageUnavailable
 
     try:  # sweep() checks both again; here so that a problem comes before the summary
         refuse_a_second_start(config.output, config.storage, config.source, resume=args.resume)

@@ -1,6 +1,6 @@
 """The names the Tune plugin's trial configs, results and checkpoint files use, and the format
 its sweep state is saved in inside Tune's searcher checkpoint (the state itself is the sweep
-core's :class:`~hfsweep.core.member_sweep.MemberSweep`, adapted in :mod:`._tune_sweep`).
+core's :class:`~hfsweep.core.sweep.Sweep`, adapted in :mod:`._tune_sweep`).
 
 The state is saved as plain data (Tune pickles it with the searcher; the result readers load it
 without running code, so no enum or class of hfsweep's is in it): format

@@ -180,6 +180,8 @@ def _members(source: Any, *, checkpoints: bool) -> list[TunedMember]:
         member_id, ckpt = str(r["id"]), arrays.get(str(r["array"]))
         if ckpt is not None and not _holds(ckpt, member_id):
             ckpt = None
+        if ckpt is None and checkpoints and Status.parse(r["status"]) is Status.COMPLETED:
+            ckpt = _earlier_checkpoint(source, member_id)
         out.append(
             TunedMember(
                 id=member_id,
@@ -215,6 +217,25 @@ def _array_checkpoints(source: Any) -> dict[str, Any]:
     if not isinstance(source, ExperimentAnalysis):
         source = ExperimentAnalysis(os.fspath(source))
     return {t.trial_id: t.checkpoint for t in source.trials if t.checkpoint is not None}
+
+
+def _earlier_checkpoint(source: Any, member_id: str) -> Any:
+    """The newest Tune checkpoint in the experiment directory that holds ``member_id``'s
+    weights, when its array's newest one does not: after a hard kill of the driver, an array
+    that Tune had not saved (or a member its replay does not train again) kept its weights only
+    in the checkpoints it wrote before the kill. ``None`` for a live source or none found."""
+    live = getattr(source, "state", None)
+    if live is not None and hasattr(live, "state_dict"):
+        return None
+    folder = os.fspath(getattr(source, "experiment_path", source))
+    name = glob.escape(weights_file(member_id))
+    found = glob.glob(os.path.join(glob.escape(folder), "*", "checkpoint_*", WEIGHTS_DIR, name))
+    if not found:
+        return None
+    from ray.tune import Checkpoint
+
+    newest = max(found, key=lambda p: (os.path.basename(os.path.dirname(os.path.dirname(p))), p))
+    return Checkpoint.from_directory(os.path.dirname(os.path.dirname(newest)))
 
 
 def _holds(checkpoint: Any, member_id: str) -> bool:

@@ -28,6 +28,7 @@ from ._base import TrialScheduler
 from ._tune_format import FINISHED, META
 from ._tune_hub import HubLink
 from ._tune_joint import NativeDecider, TuneDecider
+from ._tune_journal import Journal, restore_searcher
 from ._tune_sweep import SweepState
 from ._tune_trainable import refusal
 
@@ -70,6 +71,17 @@ class FusedSearcher(Searcher):
         #: the array trials Tune has started and not yet ended (the hub must outlive them)
         self._active: set[str] = set()
         self._warned = False
+        #: a restored experiment: Tune's trials (id -> status as restored), the arrays as
+        #: Tune's save recorded them, and whether the sweep went on from its own newer save and
+        #: must still agree with those trials
+        self._restored_trials: dict[str, str] = {}
+        self._saved_arrays: dict[str, Any] | None = None
+        self._reconcile = False
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # a searcher an earlier hfsweep pickled (an experiment's tuner.pkl) lacks the newer parts
+        fresh: dict[str, Any] = {"_restored_trials": {}, "_saved_arrays": None, "_reconcile": False}
+        self.__dict__.update({**fresh, **state})
 
     # ------------------------------------------------------------------ configuration
     def set_search_properties(
@@ -98,6 +110,7 @@ class FusedSearcher(Searcher):
 
     # ------------------------------------------------------------------ Tune's calls
     def suggest(self, trial_id: str) -> dict[Any, Any] | None:
+        self._settle()
         self._connect()
         config = self._state.suggest(trial_id)
         if isinstance(config, str):  # Tune's Searcher.FINISHED is a string, too
@@ -115,16 +128,19 @@ class FusedSearcher(Searcher):
             _log.warning(
                 "the fused sweep has no FusedScheduler: members train to their budget. Pass "
                 "scheduler=fusion.scheduler(ASHAScheduler(...)) to stop members early (and "
-                "fusion.scheduler() for RunConfig(stop=...) to apply to each member)"
+                "fusion.scheduler() for RunConfig(stop=...) to apply to each member, and for "
+                "Tuner.restore after a hard kill to keep every end already told)"
             )
         _raise_refusal(result)
         self._active.add(trial_id)
+        self._settle()
         self._connect()
         self._state.on_result(trial_id, result)
 
     def on_trial_complete(
         self, trial_id: str, result: dict[str, Any] | None = None, error: bool = False
     ) -> None:
+        self._settle()
         self._state.on_complete(trial_id, result, error)
         self._active.discard(trial_id)
         if self._state.finished:
@@ -140,9 +156,46 @@ class FusedSearcher(Searcher):
         return self._state.state_dict()
 
     def set_state(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`get_state` returned (``Tuner.restore``)."""
+        """Restore what :meth:`get_state` returned (``Tuner.restore``). The sweep's own save
+        in the experiment directory, if newer, is loaded once Tune names the directory
+        (:meth:`_added`)."""
         self._state.load_state_dict(state)
+        self._state.journal = None
         self._hub = None  # a restored run recreates the hub under the saved name
+        self._saved_arrays = {str(a): dict(r) for a, r in state["arrays"].items()}
+
+    def _added(self, trial: Any) -> None:
+        """Tune added array trial ``trial`` (a new one, or one of a restored experiment, with
+        its restored status). The first names the experiment's storage, where the sweep saves
+        itself before its searcher hears anything (:mod:`._tune_journal`); in a restored
+        experiment, a save there newer than Tune's is loaded, with the inner searcher as it
+        was then, and the sweep later brought to agree with Tune's trials (:meth:`_settle`)."""
+        self._restored_trials[trial.trial_id] = str(getattr(trial, "status", ""))
+        if self._state.journal is not None:
+            return
+        journal = Journal.of_trial(trial)
+        if journal is None:
+            return
+        self._state.journal = journal
+        saved = journal.read() if self._saved_arrays is not None else None
+        if saved is not None and int(saved["saves"]) > self._state.saves:
+            _log.info(
+                "restoring from the fused sweep's own save %s (newer than Tune's)", journal.path
+            )
+            restore_searcher(self.searcher, saved["searcher"])
+            self._state.resume_from(saved)
+            self._reconcile = True
+        else:
+            self._state.save_now()
+
+    def _settle(self) -> None:
+        """Once Tune added every trial of a restored experiment, bring the sweep loaded from
+        its own save to agree with them (:meth:`~._tune_sweep.SweepState.reconcile`)."""
+        if not self._reconcile:
+            return
+        self._reconcile = False
+        self._state.reconcile(self._restored_trials, self._saved_arrays or {})
+        self._state.save_now()
 
     def save(self, checkpoint_path: str) -> None:
         raise NotImplementedError(
@@ -246,11 +299,13 @@ class FusedScheduler(FIFOScheduler):
         self._state.stop.take_over(tune_controller, trial)
         # Tuner.restore adds every trial of the experiment, ended ones too: only those that
         # will run need the hub
+        self._searcher._added(trial)
         if getattr(trial, "status", None) not in ("TERMINATED", "ERROR"):
             self._searcher._track(trial.trial_id)
 
     def on_trial_result(self, tune_controller: Any, trial: Any, result: dict[str, Any]) -> str:
         _raise_refusal(result)
+        self._searcher._settle()
         self._searcher._connect()
         alive = self._state.on_result(trial.trial_id, result)
         # an array whose last members ended at this report is left to end by itself: its

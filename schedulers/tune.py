@@ -62,10 +62,16 @@ member's state and the sweep core's ledger (:class:`hfsweep.core.ledger.Ledger`:
 decisions taken and how each member ended, as ``hfsweep run`` keeps them in ``state.json``). Each array report carries a Tune checkpoint of
 the array trainer, so ``FailureConfig(max_failures=...)`` retries an array from its last report
 and ``Tuner.restore(path, fusion.trainable)`` continues an interrupted experiment: replayed
-evaluations get the decisions already taken, and no member is told twice. "Told once" is
-counted by the inner searcher that the restored experiment runs with: after Ctrl+C Tune saves
-the searcher last, so nothing is lost; after a hard kill of the driver, members told since
-Tune's last periodic save are told again to the restored searcher, which had not heard of them.
+evaluations get the decisions already taken, and no member is told twice. Tune saves the
+experiment only now and then (``TUNE_GLOBAL_CHECKPOINT_S``), so the sweep also saves itself,
+with the inner searcher, in the experiment directory (``hfsweep-sweep.journal``) before the
+inner searcher hears anything. A restore after a hard kill of the driver (SIGKILL, a lost
+machine) goes on from that save when it is newer than Tune's: every member whose end the
+searcher was told keeps that end and value, every member it was asked for is in the results,
+the restored searcher is told nothing it had heard, and members still training at the kill
+train again (from their array's last checkpoint Tune saved, or from the start) and end once.
+This needs the fused scheduler (``fusion.scheduler(...)``), which tells the sweep where the
+experiment is, and an inner searcher that saves itself (``save``/``restore``, as Tune's do).
 
 **After a restore.** ``Tuner.restore`` unpickles a new searcher from the experiment, so the
 objects of the first run (``fusion.searcher(...)``'s return value and its ``.state``) keep the

@@ -5,7 +5,7 @@ The dashboard runs as users start it, the README's ``optuna-dashboard`` command 
 script, in a subprocess this test starts and stops by pid), on 127.0.0.1 and a free port, for:
 
 - the run directory's journal file (``storage: null``, hfsweep's default: ``<run>/optuna.journal``,
-  written by hfsweep's own journal backend, ``hfsweep.core._journal``);
+  written by hfsweep's own journal backend, ``hfsweep.storage.journal``);
 - a journal file shared by drivers (``storage: journal:///abs/path``);
 - a PostgreSQL study (a real server on loopback, tests/_postgres.py; skipped without its binaries).
 

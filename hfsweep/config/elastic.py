@@ -1,7 +1,7 @@
 """``ray.elastic:``, the elastic-array settings of a sweep on ``backend: ray``.
 
 Elastic arrays train on several workers and are resized while they run by the allocator
-(:mod:`hfsweep.core.allocator`, carried out by :mod:`hfsweep.core._elastic`). The settings are
+(:mod:`hfsweep.elastic.allocator`, carried out by :mod:`hfsweep.elastic.policy`). The settings are
 validated here like every other section. :data:`WIRED` says whether ``backend: ray`` runs
 elastic arrays; while it is False (it was, before the allocator was connected), ``enabled:
 true`` is refused with a :class:`~hfsweep.config.ConfigError` at ``ray.elastic.enabled``
@@ -67,7 +67,7 @@ def _elastic(fields: _Fields, raw: object) -> ElasticConfig:
     if enabled and not WIRED:
         raise fields.error(
             "ray.elastic.enabled",
-            "true is not supported yet: the elastic allocator (hfsweep.core.allocator) is not "
+            "true is not supported yet: the elastic allocator (hfsweep.elastic.allocator) is not "
             "connected to backend: ray in this version, so every array would still get one "
             "worker; set enabled: false (or remove ray.elastic). See docs/elastic-allocator.md",
         )

@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from .._checks import is_int
-from .._dburl import mask
-from .._journal_url import is_journal, resolve
 from .._names import READY_TASKS
 from ..search_spaces import SearchSpace, SpaceError, load_space, load_yaml, read_yaml_file
+from ..storage.db_url import mask
+from ..storage.journal_url import is_journal, resolve
 from ..training.settings import ARRAY_KEYS, YAML, SettingsError, array_settings
 from .algorithms import _check_custom_searcher, _scheduler, _searcher
 from .elastic import _elastic

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from .._dburl import mask
 from .._errors import LocatedError
 from ..search_spaces import FixedParam, SearchSpace
+from ..storage.db_url import mask
 from ..training.settings import ArraySettings
 
 if TYPE_CHECKING:  # a sweep file is checked without torch, which the task module imports
@@ -180,7 +180,7 @@ class ElasticConfig:
     ``max_workers_per_array`` workers (``None``: up to the cluster); an array is resized at most
     once per ``resize_every_s`` seconds, a resize pauses an array for ``resize_cost_s`` seconds
     and must gain more than that (a grow before the array's next rung), and an array paused because workers are short waits at most ``max_wait_s`` seconds
-    (:mod:`hfsweep.core._elastic` carries the allocator's plans out on ``backend: ray``).
+    (:mod:`hfsweep.elastic.policy` carries the allocator's plans out on ``backend: ray``).
     ``scaling`` is how the allocator knows what more workers give an array: ``"model"`` (each
     compatibility key's profile modelled from a measured one-worker step and this machine's
     measured all-reduce cost, cached) or ``"perfect"`` (assumed: k workers are k times one).

@@ -13,13 +13,13 @@ from contextlib import contextmanager
 import torch
 
 from .._signals import reclaim
+from ..elastic.policy import ElasticPolicy
+from ..elastic.scaling import SweepScaling
+from ..elastic.survival import from_scheduler
 from ..executors import AlternatingExecutor, ExecutorError, LocalExecutor
 from ..sizing.device import DTYPES as _DTYPES
 from ..sizing.device import resolve_device
-from ._elastic import ElasticPolicy
 from ._parts import _Parts
-from ._scaling import SweepScaling
-from ._survival import from_scheduler
 from .result import SweepError
 
 _log = logging.getLogger("hfsweep.sweep")

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     import optuna
 
 
-from ._elastic import ElasticPolicy
+from ..elastic.policy import ElasticPolicy
 from ._parts import _Parts
 from .result import StatusCounts, SweepResult, TrainingError, _Failed
 
@@ -137,7 +137,7 @@ class _Outcome(_Parts):
         """The last :meth:`_publish` of a run. While an error stops the sweep, a storage that
         is not answering (the likely error) leaves the files as they are, and the error that
         stopped the sweep is the one raised: resuming writes them again."""
-        from ._storage import StorageUnavailable
+        from ..storage.database import StorageUnavailable
 
         stopping = sys.exc_info()[1] is not None
         try:

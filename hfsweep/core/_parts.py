@@ -22,11 +22,11 @@ from ..config import SweepConfig
 from ..executors import Executor
 from ..schedulers import TrialScheduler
 from ..searchers import Searcher, TrialSource
+from ..storage.drivers import Drivers
 from ..tracking import Tracking, TrialInfo
 from ..training import DataCache as _DataCache
 from ..training import MemberResult
 from ..training.task import Task
-from ._drivers import Drivers
 from ._rundir import RunDir
 from .ledger import Ledger
 from .packer import Packer, Pending
@@ -35,7 +35,7 @@ from .status import Status
 if TYPE_CHECKING:
     import optuna
 
-    from ._journal import GroupedJournalFileBackend
+    from ..storage.journal import GroupedJournalFileBackend
     from ._progress import Progress
 
 __all__: list[str] = []

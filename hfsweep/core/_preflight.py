@@ -23,10 +23,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .._dburl import mask, scrub
-from .._journal_url import is_journal
-from .._journal_url import problem as journal_problem
 from ..config import ConfigError
+from ..storage.db_url import mask, scrub
+from ..storage.journal_url import is_journal
+from ..storage.journal_url import problem as journal_problem
 
 if TYPE_CHECKING:
     from ..config import SweepConfig
@@ -204,7 +204,7 @@ def _check_storage(sc: SweepConfig) -> None:
         if found is not None:
             raise _error(sc, "storage", f"{sc.storage}: {found}")
         return
-    from .._dburl import UnsetVariable, for_driver
+    from ..storage.db_url import UnsetVariable, for_driver
 
     try:
         written = for_driver(sc.storage)  # the password percent-encoded: SQLAlchemy reads it whole
@@ -266,7 +266,7 @@ def _check_storage(sc: SweepConfig) -> None:
             f"({exc}): pip install {package}"
         )
         raise _error(sc, "storage", problem) from None
-    from ._storage import check_connection
+    from ..storage.database import check_connection
 
     answer = check_connection(written)
     if answer is not None:

@@ -14,13 +14,13 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from .._compat import trial_for, trial_id
-from .._dburl import mask, shown
-from .._journal_url import is_journal, journal_file
 from ..config import make_sampler
 from ..schedulers import FIFOScheduler, OptunaPruner
+from ..storage.db_url import mask, shown
+from ..storage.drivers import DRIVER_ATTR, Drivers
+from ..storage.journal_url import is_journal, journal_file
 from ..training.checkpoint import CheckpointVersionError, DamagedCheckpointError, set_aside
 from ..training.trainer import ArrayTrainer, MemberResult
-from ._drivers import DRIVER_ATTR, Drivers
 from ._rundir import StateVersionError, member_id, refuse_a_second_start, trial_number
 from ._stale import describe_missing, lost_with_them, rank_best, unended, unrecorded_arrays
 from .packer import Pending
@@ -108,7 +108,7 @@ class _Resume(_Parts):
 
         storage: Any = self.sc.storage
         if storage is not None and not is_journal(storage):
-            from ._storage import open_storage, study_exists
+            from ..storage.database import open_storage, study_exists
 
             resume = f"hfsweep run {self.sc.source} --resume" if self.sc.source else "resume=True"
             storage = open_storage(
@@ -122,9 +122,9 @@ class _Resume(_Parts):
                     "back, or start a new sweep in another output directory"
                 )
         else:
-            from ._journal import GroupedJournalFileBackend
+            from ..storage.journal import GroupedJournalFileBackend
 
-            # the run directory's journal, or one that drivers share (see _journal_url)
+            # the run directory's journal, or one drivers share (see hfsweep.storage.journal_url)
             path = self.dir.journal if storage is None else journal_file(storage)
             if storage is None and self.dir.state.exists() and not path.is_file():
                 # state.json is written after the journal: the study was there, and is lost

@@ -304,7 +304,7 @@ class RunDir:
 
     def write_elastic(self, totals: Mapping[str, Any]) -> None:
         """``elastic.json``: the elastic allocator's wait and idle totals
-        (:meth:`~hfsweep.core._elastic.ElasticPolicy.totals`)."""
+        (:meth:`~hfsweep.elastic.policy.ElasticPolicy.totals`)."""
         atomic_write_text(self.elastic, json.dumps(dict(totals), indent=2) + "\n")
 
     def write_best(self, best: Mapping[str, Any] | None) -> None:

@@ -1,6 +1,6 @@
 """An array's evaluations at one step turned into decisions and ends: the one rule every front
 door applies (``hfsweep run``'s executor hooks, :mod:`hfsweep.core._hooks`, and the Tune
-plugin's :class:`~hfsweep.core.array_reports.ArrayReports`).
+plugin's :class:`~hfsweep.core.sweep.Sweep`).
 
 :func:`judge` takes the evaluations an array reported together (:class:`Evaluated`) and:
 

@@ -45,13 +45,14 @@ from ..executors import ArrayHooks, Executor, ExecutorError, Stopped
 from ..schedulers import OptunaPruner, make_scheduler
 from ..search_spaces import FixedParam
 from ..searchers import CustomSource, OptunaSource, Searcher, TrialSource
+from ..storage.drivers import DRIVER_ATTR, Drivers
+from ..storage.journal import JournalLost
 from ..tracking import Callback, Tracking, make_tracker
 from ..training import ArrayTrainer, Member
 from ..training import DataCache as _DataCache
 from ..training.checkpoint import DamagedCheckpointError
 from ..training.packed import UnsafeFileError
 from ._backend import _Backend
-from ._drivers import DRIVER_ATTR, Drivers
 from ._hooks import _Hooks
 from ._logs import logged_to, quiet_optuna
 from ._outcome import _Outcome
@@ -65,7 +66,6 @@ from .ledger import Ledger
 from .packer import NON_LEARNING, Packer, Pending, limit_for_learning
 from .result import (
     _DISK_ERRORS,
-    JournalLost,
     RunDirUnwritable,
     SweepError,
     SweepResult,
@@ -80,7 +80,7 @@ from .status import Status
 if TYPE_CHECKING:
     import optuna
 
-    from ._journal import GroupedJournalFileBackend
+    from ..storage.journal import GroupedJournalFileBackend
 
 __all__ = ["SweepError", "SweepResult", "TrainingError", "sweep"]
 
@@ -125,7 +125,7 @@ def sweep(
     raised while an array trained: that array's trials and every other unfinished one are then
     ``FAIL`` in the study, none is left ``RUNNING``. A trial whose ``model(config)`` raises
     fails alone, and the sweep goes on. A storage database that stops answering is retried
-    for ``storage_retry`` seconds, then ``hfsweep.core._storage.StorageUnavailable`` (a
+    for ``storage_retry`` seconds, then ``hfsweep.storage.database.StorageUnavailable`` (a
     :class:`SweepError`) stops the sweep, resumable.
 
     Ctrl-C (``KeyboardInterrupt``) and SIGTERM (:class:`~hfsweep._signals.Terminated`, a
@@ -292,7 +292,7 @@ class _Engine(_Resume, _Hooks, _Outcome, _Tracked, _Backend):
         ):
             self.study = self._open_study()
             assert self.drivers is not None
-            # every trial names its driver from its first write (see hfsweep.core._drivers)
+            # every trial names its driver from its first write (see hfsweep.storage.drivers)
             born = {DRIVER_ATTR: self.drivers.id}
             self.source: TrialSource = (
                 OptunaSource(self.study, self.sc.space, born)
@@ -586,7 +586,7 @@ class _Engine(_Resume, _Hooks, _Outcome, _Tracked, _Backend):
     @contextmanager
     def _journal_held(self) -> Iterator[None]:
         """The engine's lock, then the journal's lock for every append until the block ends
-        (see :class:`~hfsweep.core._journal.GroupedJournalFileBackend`). Every write to the study
+        (see :class:`~hfsweep.storage.journal.GroupedJournalFileBackend`). Every write to the study
         takes the engine's lock, so a hold never waits for a thread that waits for it. Not
         around work that can take long (profiling a new key's array sizes): other processes
         wait for the hold to end. A Ctrl-C or SIGTERM that comes meanwhile stops the sweep

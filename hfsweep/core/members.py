@@ -6,7 +6,7 @@ values, state and user attributes are there. A front door whose searcher is opaq
 Tune plugin drives any Tune searcher: ``suggest(id)``, ``on_trial_result``,
 ``on_trial_complete``, nothing to read back) has no such store, so the core keeps one record per
 member (:class:`MemberRecord`) and one per array (:class:`ArrayRecord`: its members, those that
-joined it through refill and those it handed back). :class:`~hfsweep.core.member_sweep.MemberSweep`
+joined it through refill and those it handed back). :class:`~hfsweep.core.sweep.Sweep`
 holds them; how a member ended is the :class:`~hfsweep.core.ledger.Ledger`'s, as in ``hfsweep
 run``, and a record's final status agrees with it (:func:`agree`).
 
@@ -44,7 +44,7 @@ class MemberRecord:
     error: str | None = None
     #: added to the clock its array reports for it: after a retry or restore, the array's
     #: clock goes on from its checkpoint's, not from the member's last evaluation (see
-    #: :meth:`~hfsweep.core.array_reports.ArrayReports.on_report`)
+    #: :meth:`~hfsweep.core.sweep.Sweep.on_report`)
     clock_shift: float = 0.0
 
     @property

@@ -9,8 +9,8 @@ array's freed slots from the same pool.
 
 Every front door drives this one packer: the sweep engine behind ``hs.sweep`` and ``hfsweep
 run`` (items are :class:`Pending` trials of an Optuna study), and the Ray Tune plugin through
-:class:`~hfsweep.core.member_sweep.MemberSweep` (items are member ids). It knows neither Optuna nor Tune: a front door gives it three callables, one that
-asks one trial (:class:`Ask`), one that sizes a new key (:class:`SizeOf`), and one that says
+:class:`~hfsweep.core.sweep.Sweep` (items are member ids). It knows neither Optuna nor
+Tune: a front door gives it three callables, one that asks one trial (:class:`Ask`), one that sizes a new key (:class:`SizeOf`), and one that says
 whether more trials may be asked (the budget, a time limit, a searcher that is finished).
 """
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .._errors import SweepError
 from .._usercode import NOT_TRAINING, OPTIMIZER_STEP, describe, phase_of, unwrap
 from ..training.task import TaskError
 from ._progress import _counted
@@ -24,20 +25,6 @@ if TYPE_CHECKING:
     import optuna
 
 __all__ = ["StatusCounts", "SweepError", "SweepResult", "TrainingError"]
-
-
-class SweepError(Exception):
-    """A sweep cannot start or go on: the message says why and what to do."""
-
-
-class JournalLost(SweepError):
-    """The journal file was deleted (or moved away) while the sweep had it open: the study it
-    held is gone. Nothing is appended to a new file in its place, which would hold a study
-    without its first records."""
-
-    def __init__(self, path: str) -> None:
-        super().__init__(f"{path}, the study's journal, was deleted while the sweep ran")
-        self.path = path
 
 
 class TrainingError(SweepError):

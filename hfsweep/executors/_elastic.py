@@ -62,7 +62,7 @@ _POLL_S = 0.2
 
 class WorkerPolicy(Protocol):
     """Who decides how many workers each elastic array trains on (the engine's allocator,
-    :mod:`hfsweep.core._elastic`). ``total`` is how many workers the cluster holds now; every
+    :mod:`hfsweep.elastic.policy`). ``total`` is how many workers the cluster holds now; every
     method may ask other arrays to resize (:func:`~hfsweep.parallel.request_resize`)."""
 
     def started(

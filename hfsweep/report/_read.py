@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from .._dburl import UnsetVariable, for_driver, scrub, shown
+from ..storage.db_url import UnsetVariable, for_driver, scrub, shown
 from ._errors import _RUN_FIRST, ReportError
 
 if TYPE_CHECKING:
@@ -122,8 +122,8 @@ def load_study(run: Path, sweep: SweepRecord) -> optuna.Study:
     from optuna.storages import BaseStorage, JournalStorage
     from optuna.storages.journal import JournalFileBackend
 
-    from .._journal_url import is_journal, journal_file
-    from ..core._journal import JournalPrefix, find_torn_tail
+    from ..storage.journal import JournalPrefix, find_torn_tail
+    from ..storage.journal_url import is_journal, journal_file
 
     storage: str | BaseStorage
     if sweep.storage is None or is_journal(sweep.storage):  # a run dir's or a shared journal

@@ -28,7 +28,7 @@ class SearcherError(ValueError):
 class TrialSource:
     """Asks new trials; subclasses decide where their params come from. Each trial is created
     with ``user_attrs`` (the driver that asked it: a trial of a shared study names its driver
-    from its first write, see :mod:`hfsweep.core._drivers`)."""
+    from its first write, see :mod:`hfsweep.storage.drivers`)."""
 
     def __init__(
         self, study: optuna.Study, space: SearchSpace, user_attrs: Mapping[str, Any] | None = None

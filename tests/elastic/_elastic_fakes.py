@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from hfsweep.config.schema import ElasticConfig
-from hfsweep.core._elastic import ElasticPolicy
+from hfsweep.elastic.policy import ElasticPolicy
 from hfsweep.training.results import Evaluation
 
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from hfsweep.core.allocator import Allocator, ArrayState, Plan, WaitingPool, _best
+from hfsweep.elastic.allocator import Allocator, ArrayState, Plan, WaitingPool, _best
 from hfsweep.profiler import AllReduceCost, ScalingProfile, model_scaling
 
 #: a profile that scales well: 1.9x at 2, 3.4x at 4, 5.6x at 8, 8x at 16

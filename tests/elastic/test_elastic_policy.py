@@ -1,4 +1,4 @@
-"""The allocator as ``hfsweep run`` uses it (hfsweep.core._elastic.ElasticPolicy), on a fake
+"""The allocator as ``hfsweep run`` uses it (hfsweep.elastic.policy.ElasticPolicy), on a fake
 clock with no Ray: arrays starting and ending, members stopping, workers lost and the cluster
 shrinking; each change of a running array's workers is a resize request in its folder."""
 

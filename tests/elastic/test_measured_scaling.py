@@ -1,4 +1,4 @@
-"""Measured scaling fed back to the allocator (hfsweep.core._elastic.ElasticPolicy): the
+"""Measured scaling fed back to the allocator (hfsweep.elastic.policy.ElasticPolicy): the
 intervals between an array's reports at the worker counts it trained on replace the scaling
 profile's speed-ups, change the allocator's next decision, and are cached for the next sweep.
 On a fake clock, no Ray."""
@@ -14,8 +14,8 @@ from _elastic_fakes import FakeClock as _Clock
 from _elastic_fakes import evals as _evals
 
 from hfsweep.config.schema import ElasticConfig
-from hfsweep.core._elastic import ElasticPolicy
-from hfsweep.core._scaling import SweepScaling
+from hfsweep.elastic.policy import ElasticPolicy
+from hfsweep.elastic.scaling import SweepScaling
 from hfsweep.sizing.allreduce import ScalingCache
 from hfsweep.sizing.scaling import ScalingProfile
 

@@ -1,5 +1,5 @@
 """A ``pause`` of the allocator carried out by ``hfsweep run``'s elastic policy
-(hfsweep.core._elastic.ElasticPolicy), on a fake clock with no Ray: after a node left, the
+(hfsweep.elastic.policy.ElasticPolicy), on a fake clock with no Ray: after a node left, the
 array the plan pauses is asked to stop at its next evaluation boundary (a resize to 0 workers),
 its relaunch waits, and it goes on when a later plan gives it workers: after ``max_wait_s`` in
 the place of the array that last (re)started, or when the cluster grows again."""
@@ -13,7 +13,7 @@ import pytest
 from _elastic_fakes import FakeClock as _Clock
 from _elastic_fakes import fake_policy
 
-from hfsweep.core._elastic import ElasticPolicy
+from hfsweep.elastic.policy import ElasticPolicy
 from hfsweep.parallel import read_resize
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from _elastic_fakes import FakeClock, fake_policy
 
-from hfsweep.core._elastic import ElasticPolicy
-from hfsweep.core.allocator import Allocator, ArrayState, WaitingPool
+from hfsweep.elastic.allocator import Allocator, ArrayState, WaitingPool
+from hfsweep.elastic.policy import ElasticPolicy
 from hfsweep.parallel import read_resize
 from hfsweep.parallel._run import RESIZE_FILE
 from hfsweep.profiler import ScalingProfile

@@ -12,8 +12,8 @@ import pytest
 from _elastic_fakes import FakeClock, evals, fake_policy
 from hfsweep.schedulers import ASHAScheduler, FIFOScheduler, HyperbandScheduler
 
-from hfsweep.core._survival import RungSurvival, from_scheduler
-from hfsweep.core.allocator import Allocator, ArrayState
+from hfsweep.elastic.allocator import Allocator, ArrayState
+from hfsweep.elastic.survival import RungSurvival, from_scheduler
 from hfsweep.profiler import ScalingProfile
 
 #: ASHA with the simulator's settings: rungs at 1, 3 and 9 of 27 epochs, reduction factor 3

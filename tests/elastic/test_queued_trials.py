@@ -18,7 +18,7 @@ from pathlib import Path
 
 from _elastic_fakes import FakeClock, evals, fake_policy
 
-from hfsweep.core.allocator import Allocator, ArrayState, WaitingPool
+from hfsweep.elastic.allocator import Allocator, ArrayState, WaitingPool
 from hfsweep.parallel import read_resize
 from hfsweep.profiler import ScalingProfile
 

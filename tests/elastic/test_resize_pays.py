@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from _elastic_fakes import FakeClock, evals, fake_policy
 
-from hfsweep.core._elastic import ElasticPolicy
-from hfsweep.core.allocator import Allocator, ArrayState, WaitingPool
+from hfsweep.elastic.allocator import Allocator, ArrayState, WaitingPool
+from hfsweep.elastic.policy import ElasticPolicy
 from hfsweep.parallel import read_resize
 from hfsweep.profiler import ScalingProfile
 

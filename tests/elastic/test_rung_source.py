@@ -1,5 +1,5 @@
 """One source of rungs for ``hfsweep run``'s elastic policy: where the trial scheduler's rung
-model (``pruner``, a :class:`~hfsweep.core._survival.RungSurvival`) is given, each array's
+model (``pruner``, a :class:`~hfsweep.elastic.survival.RungSurvival`) is given, each array's
 horizon is measured to its rungs (every bracket's), the same rungs its expected end is
 computed from; ``rungs`` given beside it must agree, and a pair that does not is refused with
 an error that names both."""
@@ -11,8 +11,8 @@ from _elastic_fakes import FakeClock, evals
 from hfsweep.schedulers import HyperbandScheduler
 
 from hfsweep.config.schema import ElasticConfig
-from hfsweep.core._elastic import ElasticPolicy
-from hfsweep.core._survival import RungSurvival, from_scheduler
+from hfsweep.elastic.policy import ElasticPolicy
+from hfsweep.elastic.survival import RungSurvival, from_scheduler
 
 #: asynchronous Hyperband on 27 epochs: brackets with rungs at 1, 3, 9; 3, 9; 9; none
 HYPERBAND = HyperbandScheduler(max_resource=27, reduction_factor=3)

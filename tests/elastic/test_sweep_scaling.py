@@ -1,4 +1,4 @@
-"""The scaling profiles of an elastic sweep (hfsweep.core._scaling.SweepScaling): modelled
+"""The scaling profiles of an elastic sweep (hfsweep.elastic.scaling.SweepScaling): modelled
 from a one-worker step measured here and the all-reduce cost, cached in the scaling cache, and
 read back from it on resume without measuring again; the policy decides with them."""
 
@@ -13,9 +13,9 @@ from torch import nn
 
 import hfsweep as hs
 from hfsweep.config.schema import ElasticConfig
-from hfsweep.core import _scaling as scaling_module
-from hfsweep.core._elastic import ElasticPolicy
-from hfsweep.core._scaling import SweepScaling
+from hfsweep.elastic import scaling as scaling_module
+from hfsweep.elastic.policy import ElasticPolicy
+from hfsweep.elastic.scaling import SweepScaling
 from hfsweep.sizing.allreduce import ScalingCache, allreduce_key
 from hfsweep.sizing.scaling import AllReduceCost
 from hfsweep.tasks import TensorBatches

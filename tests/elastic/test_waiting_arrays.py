@@ -1,5 +1,5 @@
 """The allocator's ``start``/``wait`` decisions for waiting trials, carried out by ``hfsweep
-run``'s elastic policy (hfsweep.core._elastic.ElasticPolicy) on a fake clock with no Ray.
+run``'s elastic policy (hfsweep.elastic.policy.ElasticPolicy) on a fake clock with no Ray.
 
 An array the engine has formed is a pool of waiting trials to the allocator until a plan gives
 it workers: ``started`` answers 0 when its workers do more growing the running arrays (or none
@@ -19,7 +19,7 @@ from _elastic_fakes import FakeClock as _Clock
 from _elastic_fakes import evals as _evals
 from _elastic_fakes import fake_policy
 
-from hfsweep.core._elastic import ElasticPolicy
+from hfsweep.elastic.policy import ElasticPolicy
 from hfsweep.parallel import read_resize
 
 

@@ -15,7 +15,7 @@ import pytest
 from _elastic_fakes import FakeClock, evals
 from test_waiting_arrays import _asha_tail
 
-from hfsweep.core._elastic import ElasticPolicy
+from hfsweep.elastic.policy import ElasticPolicy
 from hfsweep.parallel import read_resize
 
 

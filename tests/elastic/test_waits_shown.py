@@ -16,8 +16,8 @@ from test_waiting_arrays import _asha_tail
 
 from hfsweep.core._progress import Progress
 from hfsweep.core._rundir import RunDir
-from hfsweep.core.allocator import Allocator, ArrayState, WaitingPool
 from hfsweep.core.result import StatusCounts, SweepResult
+from hfsweep.elastic.allocator import Allocator, ArrayState, WaitingPool
 from hfsweep.profiler import ScalingProfile
 
 _FLAT = ScalingProfile("k", {1: 100.0, 2: 100.0})  # a second worker gains nothing

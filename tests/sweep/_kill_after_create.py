@@ -12,7 +12,7 @@ from typing import Any
 from optuna.storages import JournalStorage
 
 from hfsweep.cli import main
-from hfsweep.core._storage import RetryingStorage
+from hfsweep.storage.database import RetryingStorage
 
 _made = [0]
 

@@ -13,8 +13,8 @@ import pytest
 from optuna.storages.journal import JournalFileBackend
 
 from hfsweep._io import append_lines, atomic_write_text, grouped_sync, read_lines
-from hfsweep.core import _journal
-from hfsweep.core._journal import GroupedJournalFileBackend, journal_storage
+from hfsweep.storage import journal as _journal
+from hfsweep.storage.journal import GroupedJournalFileBackend, journal_storage
 
 from ._clock import FakeTime
 

@@ -19,10 +19,10 @@ from optuna.trial import TrialState
 
 import hfsweep as hs
 from hfsweep.config import ConfigError, parse_sweep
-from hfsweep.core import _journal
 from hfsweep.core import loop as _engine
 from hfsweep.core._rundir import RunDir
 from hfsweep.searchers._source import SearcherError
+from hfsweep.storage import journal as _journal
 
 from ._clock import FakeTime, TickingClock
 from ._toy import TASK, sweep_config

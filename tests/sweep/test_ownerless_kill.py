@@ -69,7 +69,7 @@ def test_a_database_stopped_inside_an_ask_past_storage_retry_leaves_the_trial_to
     trial named no driver and stayed RUNNING for good (an outage like this lost 1 trial of 100
     in a three-driver storm)."""
     from hfsweep.cli import main
-    from hfsweep.core._storage import RetryingStorage
+    from hfsweep.storage.database import RetryingStorage
 
     from .test_pg_storage import TOY_SWEEP, _tells
 

@@ -30,8 +30,8 @@ from optuna.trial import TrialState
 
 from hfsweep._compat import ask_with_user_attrs
 from hfsweep.cli import main
-from hfsweep.core._drivers import DRIVER_ATTR, VOID_ATTR, Drivers, countable
-from hfsweep.core._journal import journal_storage
+from hfsweep.storage.drivers import DRIVER_ATTR, VOID_ATTR, Drivers, countable
+from hfsweep.storage.journal import journal_storage
 
 TOY = Path(__file__).resolve().parent / "_toy.py"
 TRIALS = 4

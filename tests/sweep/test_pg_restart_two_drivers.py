@@ -3,7 +3,7 @@ two drivers share a study: neither may take the other for gone.
 
 Heartbeats cannot be written while the storage is away, so when it comes back every driver's
 heartbeat looks stopped. A driver whose own heartbeat was held up by the outage gives the others
-a whole grace period from then (``hfsweep.core._drivers``); without that, two live drivers adopted each other's trials after the restart, trained them twice, and
+a whole grace period from then (``hfsweep.storage.drivers``); without that, two live drivers adopted each other's trials after the restart, trained them twice, and
 one of them stopped with ``unexpected KeyError`` (a trial it had just re-adopted was both told
 and waiting for a slot).
 
@@ -21,9 +21,9 @@ from typing import Any
 import optuna
 import pytest
 
-from hfsweep.core import _drivers
-from hfsweep.core._drivers import Beat, Drivers
-from hfsweep.core._journal import journal_storage
+from hfsweep.storage import drivers as _drivers
+from hfsweep.storage.drivers import Beat, Drivers
+from hfsweep.storage.journal import journal_storage
 
 from ._toy import GATE_ENV
 from .test_two_drivers import HERE, _check, _Driver, _wait

@@ -18,9 +18,9 @@ from sqlalchemy.exc import OperationalError
 
 import hfsweep as hs
 from hfsweep import report
-from hfsweep._dburl import mask, scrub
 from hfsweep.cli import main
 from hfsweep.config import ConfigError, parse_sweep
+from hfsweep.storage.db_url import mask, scrub
 
 from . import _gated
 from ._toy import sweep_config
@@ -126,7 +126,7 @@ def test_a_port_that_never_answers_is_given_up_on() -> None:
     check ends with the driver's timeout instead of hanging."""
     import socket
 
-    from hfsweep.core._storage import check_connection
+    from hfsweep.storage.database import check_connection
 
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
@@ -323,7 +323,7 @@ class _Flaky:
 
 
 def _retrying(inner: Any, retry_s: float) -> tuple[Any, list[float]]:
-    from hfsweep.core._storage import RetryingStorage, _Retrier
+    from hfsweep.storage.database import RetryingStorage, _Retrier
 
     waits: list[float] = []
     now = [0.0]
@@ -359,7 +359,7 @@ def test_after_giving_up_every_call_fails_at_once() -> None:
     in a finally) raise the same error without waiting the whole time again."""
     import optuna
 
-    from hfsweep.core._storage import StorageUnavailable
+    from hfsweep.storage.database import StorageUnavailable
 
     memory = optuna.storages.InMemoryStorage()
     study_id = memory.create_new_study([optuna.study.StudyDirection.MINIMIZE], "s")

@@ -17,7 +17,7 @@ from optuna.trial import TrialState
 from hfsweep import report
 from hfsweep.cli import main
 from hfsweep.config import parse_sweep
-from hfsweep.core._journal import GroupedJournalFileBackend
+from hfsweep.storage.journal import GroupedJournalFileBackend
 
 TOY = Path(__file__).resolve().parent / "_toy.py"
 SWEEP = f"""\

@@ -19,7 +19,7 @@ from optuna.trial import TrialState
 
 import hfsweep.training.run
 from hfsweep.cli import main
-from hfsweep.core._journal import GroupedJournalFileBackend, find_torn_tail, journal_storage
+from hfsweep.storage.journal import GroupedJournalFileBackend, find_torn_tail, journal_storage
 
 from ._toy import write_sweep_file as _write_sweep
 

@@ -245,7 +245,7 @@ def _check(
     """The study holds exactly the budget (``trials``), every trial ended, no trial was told
     twice (trial ``elsewhere`` by no driver here), and no trial was trained by two drivers at
     once. ``void``: the storage went away while the drivers asked, so a trial asked twice
-    across it may be void (FAIL, not counted; see hfsweep.core._drivers), beside the budget.
+    across it may be void (FAIL, not counted; see hfsweep.storage.drivers), beside the budget.
     ``kills``: how many processes were SIGKILLed (one per driver unless given), each of which
     may have lost the log line of one tell."""
     study = optuna.load_study(study_name=STUDY, storage=_opened(storage))
@@ -386,8 +386,8 @@ def test_a_resumed_driver_leaves_trials_adopted_between_its_first_read_and_its_l
     them while b trained them too (here a's tells were then refused as another driver's; in
     CI, where b had finished one first, a's tell crashed)."""
     import hfsweep as hs
-    from hfsweep.core._drivers import DRIVER_ATTR, Drivers
     from hfsweep.core._resume import _Resume
+    from hfsweep.storage.drivers import DRIVER_ATTR, Drivers
 
     a = _Driver(tmp_path / "a", shared, HELD)
     a.start(HFSWEEP_TEST_HOLD_LOG=str(a.run / "sweep.log"))

@@ -706,3 +706,18 @@ def test_a_key_first_met_in_a_refill_is_sized_when_the_next_array_starts_after_a
         assert isinstance(config, dict)
         assert [m["id"] for m in config["hfsweep"]["members"]] == ["A-2", "A-3"]
     assert asked == [8, 16, 16]  # once in each restored state
+
+
+def test_an_unpickled_state_tells_its_own_searcher_and_scheduler() -> None:
+    """Tune pickles the searcher, and the sweep state with it: the state's two ports (its
+    searcher and decider) must talk to the unpickled state's Tune searcher and scheduler, not
+    to the objects the state was pickled from."""
+    state, _ = _asha_state_after_one_report()
+    searcher = state.searcher
+    unpickled = pickle.loads(pickle.dumps(state))
+    assert unpickled.searcher is not searcher
+    unpickled.on_result("A", _report("t2", [("A-0", 4, 0.95)], final=True))
+    assert unpickled.searcher.told == Counter({"A-1": 1, "A-0": 1})
+    assert unpickled.searcher.outcome["A-0"] == "COMPLETE"
+    assert searcher.told == Counter({"A-1": 1})  # the original heard nothing more
+    assert state.members["A-0"].status is Status.RUNNING

@@ -13,8 +13,8 @@ import optuna
 import pytest
 from sqlalchemy.exc import IntegrityError
 
-from hfsweep.core import _storage
-from hfsweep.core._storage import open_storage
+from hfsweep.storage import database as _storage
+from hfsweep.storage.database import open_storage
 
 
 def _collision() -> IntegrityError:

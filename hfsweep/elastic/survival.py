@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 
-__all__: list[str] = []
+__all__ = ["RungSurvival", "check_rung_sources", "from_scheduler"]
 
 #: rungs at most this close to a member's progress count as reached (the schedulers' rounding)
 _EPS = 1e-9

@@ -12,11 +12,10 @@ from urllib.parse import quote, unquote
 
 import pytest
 from _postgres import free_port
+from sweep.test_pg_storage import TOY_SWEEP
 
-from hfsweep._dburl import for_driver, mask, scrub, shown
 from hfsweep.cli import main
-
-from .test_pg_storage import TOY_SWEEP
+from hfsweep.storage.db_url import for_driver, mask, scrub, shown
 
 #: passwords no hfsweep message or file name holds any 3 characters of
 PASSWORDS = {
@@ -91,9 +90,9 @@ def test_the_driver_gets_the_whole_password_and_messages_none_of_it(
 
 
 def test_the_config_repr_holds_no_password() -> None:
-    from hfsweep.config import parse_sweep
+    from sweep._toy import sweep_config
 
-    from ._toy import sweep_config
+    from hfsweep.config import parse_sweep
 
     password = PASSWORDS["long"]
     config = parse_sweep({**sweep_config("run"), "storage": f"postgresql://me:{password}@db/x"})

@@ -1,6 +1,32 @@
-"""An array's report turned into per-member decisions and ends, refill of its freed slots, and
-its end: the part of :class:`~hfsweep.core.member_sweep.MemberSweep` that answers a running
-array (see there).
+"""The one sweep: members asked and packed into arrays, an array's report turned into
+per-member decisions and ends, refill, requeue, the end of an array, and the whole state as
+plain data.
+
+:class:`Sweep` owns the three things every door shares:
+
+- the :class:`~hfsweep.core.packer.Packer`: the pools of waiting members by compatibility key,
+  each key's array size, the asking loop of a new array and of a refill (at most
+  :data:`~hfsweep.core.packer.REFILL_ASKS` asks per refill) and the requeue of members an array
+  never started;
+- the :class:`~hfsweep.core.ledger.Ledger`: the decision log, how each member ended (once, by
+  :meth:`~hfsweep.core.ledger.Ledger.settle`) and each key's array size;
+- one table of member records (:class:`~hfsweep.core.members.MemberRecord`: status, config,
+  key, array, history, value) and one record per array
+  (:class:`~hfsweep.core.members.ArrayRecord`).
+
+It writes the lifecycle once: :meth:`Sweep.start_array`, :meth:`Sweep.on_report` (the core's one
+rule, :func:`hfsweep.core.judging.judge`: replays answered from the decision log, the metric
+check, diverged members failed, the joint decision, every decision and end saved in the ledger
+before the searcher hears), refill of freed slots, requeue of members an array never started,
+the end of a member and of an array (:meth:`Sweep.on_array_end`), and
+:meth:`Sweep.state_dict`/:meth:`Sweep.load_state_dict`. It talks out only through two narrow
+ports (:mod:`hfsweep.core.ports`): a searcher (ask, report, tell) and a decider (decide, at
+budget, end). A door translates its API to those ports and to the report format below; the Ray
+Tune plugin is one (:mod:`hfsweep.schedulers._tune_sweep`).
+
+A door asks for one array at a time, and again later (Tune asks its searcher so): an array
+smaller than its size starts only when nothing more can be asked or nothing runs (``partial`` of
+:meth:`~hfsweep.core.packer.Packer.next_array`).
 
 A report is the mapping an array's trainer sends at every evaluation: its ``token`` (a report
 seen again is not processed again), the ``evaluations`` (member, step, epoch, metrics, time,
@@ -8,78 +34,99 @@ whether it was the member's last), the members whose end the trainer saw (``ende
 non-finite gradients), the refill members it never started (``unused``), how many members it
 took from the answers so far (``consumed``) and whether some wait in its queue (``queued``),
 whether it resumed from a checkpoint (``resumed``) and whether this is its last word
-(``final``).
+(``final``). The answer goes back through :attr:`Sweep.post`.
 
-The report's evaluations are processed by the core's one rule,
-:func:`hfsweep.core.judging.judge`, exactly as ``hfsweep run``'s executor hooks process theirs:
-replays answered from the decision log, the metric check, diverged members failed, the joint
-decision by the front door's scheduler, every decision and end recorded in the ledger
-(:meth:`hfsweep.core.ledger.Ledger.settle`) before the searcher hears. This class is that
-rule's front door for member records (``_RecordsDoor``). A member ends once and is told to the
-searcher in the front door's terms. Freed slots are refilled by the core's packer
-(:meth:`hfsweep.core.packer.Packer.refill`, :meth:`~hfsweep.core.packer.Packer.requeue`, as
-``hfsweep run`` refills and requeues).
+Member statuses are :class:`~hfsweep.core.status.Status`: ``WAITING`` (asked, in its key's
+pool), ``RUNNING`` (in an array), then ``COMPLETED``, ``STOPPED`` or ``FAILED`` (told; final).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
+from dataclasses import asdict
 from typing import Any
 
 from .._checks import is_finite
+from ..training.task import Task
 from . import judging
 from .judging import Evaluated
 from .ledger import Ledger
-from .members import ArrayRecord, MemberRecord
-from .packer import Packer
+from .members import ArrayRecord, MemberRecord, agree, counts
+from .packer import Packer, Pools
+from .ports import EXHAUSTED, DeciderPort, SearcherPort
 from .status import Status
 
-__all__ = ["ArrayReports"]
+__all__ = ["Sweep"]
 
 
-class ArrayReports:
-    """The report-handling part of :class:`~hfsweep.core.member_sweep.MemberSweep` (which sets
-    these attributes): the sweep's members and arrays, its packer and ledger, the metric, and
-    ``post`` (how an answer reaches the array's trainer)."""
+class Sweep:
+    """Everything a driver knows about one sweep (see the module docstring).
 
-    log: logging.Logger
-    members: dict[str, MemberRecord]
-    arrays: dict[str, ArrayRecord]
-    packer: Packer[str]
-    ledger: Ledger
-    metric: str | None
-    mode: str | None
-    refill: bool
-    post: Callable[[str, dict[str, Any]], None] | None
+    ``task`` checks configs and computes compatibility keys; ``members`` is the budget (how many
+    member configs are asked in all); ``array_size`` is the array size for every key, or a
+    callable ``config -> size`` asked once per key (the profiler); ``refill`` gives freed slots
+    new members of the same key; ``searcher`` and ``decider`` are the two ports.
+    """
+
+    #: where the sweep's messages go (a door names its own logger)
+    log = logging.getLogger("hfsweep.sweep")
     #: how a user sets the metric and mode, for the error that asks for them
     metric_hint = "set the sweep's metric and mode"
 
-    # ------------------------------------------------------------------ the front door's part
-    def _decide(self, fresh: list[tuple[MemberRecord, dict[str, Any]]]) -> dict[str, bool]:
-        """The front door's scheduler on an array's fresh evaluations, jointly: member id ->
-        go on (a member it does not name goes on)."""
-        raise NotImplementedError
+    def __init__(
+        self,
+        task: Task,
+        *,
+        members: int,
+        array_size: int | Callable[[Mapping[str, Any]], int],
+        searcher: SearcherPort,
+        decider: DeciderPort,
+        refill: bool = True,
+    ) -> None:
+        self.task = task
+        self.budget = members
+        self.array_size = array_size
+        self.refill = refill
+        self.searcher_port = searcher
+        self.decider_port = decider
+        self.metric: str | None = None
+        self.mode: str | None = None
+        #: ``post(token, message)``: hands the answer to a report to its array's trainer
+        self.post: Callable[[str, dict[str, Any]], None] | None = None
+        self._reset()
 
-    def _at_budget(self, result: Mapping[str, Any]) -> bool:
-        """Whether a member the scheduler stopped after ``result`` reached its budget (it is
-        then ``COMPLETED``, not ``STOPPED``)."""
-        raise NotImplementedError
+    def _reset(self) -> None:
+        #: the member table: one record per member asked, by id
+        self.members: dict[str, MemberRecord] = {}
+        self.arrays: dict[str, ArrayRecord] = {}
+        #: the decision log, the members' ends and the array sizes
+        self.ledger = Ledger()
+        #: the pools of waiting members (by id), the array size per key, and refill
+        self.packer: Packer[str] = Packer(
+            ask=self._ask, size=self._size, may_ask=self._can_ask, budget=self.budget
+        )
+        self.packer.sizes = self.ledger.sizes  # one dict: the packer sizes, the ledger saves
+        self.counters: dict[str, int] = {}
+        self.asked = 0
+        #: the searcher said it has no member config to give, ever again
+        self.inner_finished = False
+        #: the budget is spent (or the searcher finished) and every member is told
+        self.finished = False
 
-    def _heard(self, rec: MemberRecord, result: Mapping[str, Any]) -> None:
-        """Tell the searcher of ``rec``'s evaluation ``result`` (a finite metric)."""
-        raise NotImplementedError
+    @property
+    def decisions(self) -> dict[str, bool]:
+        """The decision log (``"<member>@<step>"`` -> go on): the ledger's."""
+        return self.ledger.decisions
 
-    def _told(self, rec: MemberRecord, status: Status, result: Mapping[str, Any] | None) -> None:
-        """Tell the scheduler and the searcher that ``rec`` ended with ``status`` (settled and
-        recorded in :attr:`ledger` and the record already); ``result`` its last evaluation."""
-        raise NotImplementedError
-
-    def _result(self, rec: MemberRecord, result: dict[str, Any]) -> dict[str, Any]:
-        """What the scheduler and searcher see of ``rec``'s evaluation ``result`` (a history
-        row, with ``time_this_iter_s`` and ``done`` when it is fresh): the front door adds how
-        its API names the member and its array (``rec.array``)."""
-        return result
+    def configure(self, metric: str | None, mode: str | None) -> None:
+        """Set the metric and mode (a ``None`` leaves the one set before)."""
+        if metric:
+            self.metric = metric
+        if mode:
+            if mode not in ("min", "max"):
+                raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
+            self.mode = mode
 
     def _require_metric(self) -> str:
         if self.metric is None or self.mode is None:
@@ -88,6 +135,76 @@ class ArrayReports:
                 f"{self.metric_hint}"
             )
         return self.metric
+
+    # ------------------------------------------------------------------ asking and packing
+    def start_array(self, array_id: str) -> ArrayRecord | None:
+        """A new array ``array_id`` of members asked and packed by key; ``None`` when none
+        can start now (and :attr:`finished` set when none ever will: the budget is spent and
+        every member is told)."""
+        if self.finished:
+            return None
+        self._require_metric()
+        # an array smaller than its size when nothing more can come, or when nothing runs (the
+        # searcher waits for results that only a running array can give)
+        started = self.packer.next_array(
+            array_id, partial=lambda: not self._can_ask() or not self._live_arrays()
+        )
+        if started is None:
+            if not self._can_ask() and not self._live_arrays():
+                self.finished = True
+                self.log.info("all %d members asked and told: the search is finished", self.asked)
+            return None
+        key, taken = started
+        array = ArrayRecord(id=array_id, key=key, size=self.packer.sizes[key], members=taken)
+        self.arrays[array_id] = array
+        for mid in taken:
+            rec = self.members[mid]
+            rec.array, rec.status = array_id, Status.RUNNING
+        self.log.info("array %s: %d members (%s)", array_id, len(taken), ", ".join(taken))
+        return array
+
+    def _can_ask(self) -> bool:
+        return self.asked < self.budget and not self.inner_finished
+
+    def _new_id(self, prefix: str) -> str:
+        n = self.counters.get(prefix, 0)
+        while f"{prefix}-{n}" in self.members:
+            n += 1
+        self.counters[prefix] = n + 1
+        return f"{prefix}-{n}"
+
+    def _ask(self, prefix: str) -> list[tuple[str, str]] | None:
+        """Ask the searcher for one member config (named after ``prefix``, the array it is
+        asked for): ``[(key, member id)]`` for the packer to pool, empty if the task rejected
+        it (it is told ``FAILED``), ``None`` when the searcher has none now or none ever
+        again."""
+        member_id = self._new_id(prefix)
+        drawn = self.searcher_port.ask(member_id)
+        if drawn is EXHAUSTED:
+            self.inner_finished = True
+            self.log.info("the inner searcher is finished after %d members", self.asked)
+            return None
+        if drawn is None:
+            return None
+        assert isinstance(drawn, Mapping)
+        self.asked += 1
+        rec = MemberRecord(id=member_id, config=dict(drawn), key="")
+        self.members[member_id] = rec
+        try:
+            rec.key = self.task.compatibility_key(rec.config)
+        except (ValueError, TypeError) as exc:
+            self.log.warning("member %s failed before training: %s", member_id, exc)
+            self._end(rec, Status.FAILED, None, error=f"{type(exc).__name__}: {exc}")
+            return []
+        return [(rec.key, member_id)]
+
+    def _size(self, key: str, member_id: str) -> int:
+        """The array size to ask for ``key``, whose first member is ``member_id``."""
+        config = self.members[member_id].config
+        return self.array_size(config) if callable(self.array_size) else self.array_size
+
+    def _live_arrays(self) -> list[ArrayRecord]:
+        return [a for a in self.arrays.values() if not a.done]
 
     # ------------------------------------------------------------------ array reports
     def on_report(self, array_id: str, report: Mapping[str, Any] | None) -> bool:
@@ -189,13 +306,13 @@ class ArrayReports:
         for end in report.get("ended", []):
             rec = self._member(array, end["member"])
             if not rec.told:
-                last = self._last_result(rec, array)
+                last = self._last_result(rec)
                 value = None if last is None else last.get(str(self.metric))
                 status = judging.trainer_status(end["status"], value)  # as hfsweep run's
                 failed = status is Status.FAILED
                 self._end(rec, status, None if failed else last, error=end.get("error"))
         for mid in report.get("unused", []):
-            self._return(array, self._member(array, mid))
+            self._requeue(array, self._member(array, mid))
 
     def _member(self, array: ArrayRecord, member_id: str) -> MemberRecord:
         rec = self.members.get(member_id)
@@ -206,15 +323,14 @@ class ArrayReports:
             )
         return rec
 
-    def _last_result(self, rec: MemberRecord, array: ArrayRecord) -> dict[str, Any] | None:
-        if not rec.history:
-            return None
-        return self._result(rec, dict(rec.history[-1]))
+    @staticmethod
+    def _last_result(rec: MemberRecord) -> dict[str, Any] | None:
+        return dict(rec.history[-1]) if rec.history else None
 
     def _alive(self, array: ArrayRecord) -> bool:
         return not array.done and any(not self.members[m].told for m in array.all_members())
 
-    # ------------------------------------------------------------------ ends
+    # ------------------------------------------------------------------ member ends
     def _end(
         self,
         rec: MemberRecord,
@@ -224,31 +340,32 @@ class ArrayReports:
         error: str | None = None,
     ) -> None:
         """Record how ``rec`` ended (in the ledger, which holds it once, by the core's rule,
-        and in its record) and tell the scheduler and the searcher, once."""
+        and in its record) and tell the decider and the searcher, once."""
         assert status.final and not rec.told, (rec.id, status)
         metric = self._require_metric()
         value = rec.history[-1].get(metric) if rec.history else None
         settled = self.ledger.settle(rec.id, status, value, metric)
         if settled is None:
             raise AssertionError(f"member {rec.id} ended twice: the ledger holds its end")
-        self._record_end(rec, settled[0], result, error or settled[1])
+        self._finish(rec, settled[0], result, error or settled[1])
 
-    def _record_end(
+    def _finish(
         self,
         rec: MemberRecord,
         status: Status,
         result: Mapping[str, Any] | None,
         error: str | None,
     ) -> None:
-        """``rec`` ended with ``status`` (settled in the ledger already): its record, and the
-        scheduler and searcher told."""
+        """``rec`` ended with ``status`` (settled in the ledger already): its record, then the
+        decider and the searcher told."""
         value = rec.history[-1].get(str(self.metric)) if rec.history else None
         rec.status, rec.error = status, error
         rec.value = float(value) if is_finite(value) else None
-        self._told(rec, status, result)
+        self.decider_port.end(rec, status, result)
+        self.searcher_port.tell(rec, status, result)
         self.log.info("member %s %s (%s=%s)", rec.id, status, self.metric, rec.value)
 
-    # ------------------------------------------------------------------ refill
+    # ------------------------------------------------------------------ refill and requeue
     def _give(self, array: ArrayRecord) -> None:
         """New members of ``array``'s key for its free slots: from the pool, else asked.
         An array that ended gets none: nothing would train or tell them."""
@@ -261,7 +378,7 @@ class ArrayReports:
             array.given.append(mid)
             self.log.info("member %s joins array %s", mid, array.id)
 
-    def _return(self, array: ArrayRecord, rec: MemberRecord) -> None:
+    def _requeue(self, array: ArrayRecord, rec: MemberRecord) -> None:
         """``rec`` never started in ``array``: it waits for another array of its key."""
         if rec.told or rec.history:
             return
@@ -290,18 +407,59 @@ class ArrayReports:
             if error:
                 self._end(rec, Status.FAILED, None, error=f"array trial {array_id} failed")
             elif rec.history:
-                self._end(rec, Status.STOPPED, self._last_result(rec, array))
+                self._end(rec, Status.STOPPED, self._last_result(rec))
             else:
-                self._return(array, rec)
+                self._requeue(array, rec)
         array.done = True
+
+    # ------------------------------------------------------------------ persistence
+    def state_dict(self) -> dict[str, Any]:
+        """The members, arrays, pools, ledger and counts as plain data (statuses by value);
+        a door adds what it needs to find and check a saved state (its format)."""
+        return {
+            "metric": self.metric,
+            "mode": self.mode,
+            "budget": self.budget,
+            "asked": self.asked,
+            "inner_finished": self.inner_finished,
+            "finished": self.finished,
+            "members": {m: r.as_dict() for m, r in self.members.items()},
+            "arrays": {a: asdict(r) for a, r in self.arrays.items()},
+            "pools": self.packer.pools.as_dict(),
+            "ledger": self.ledger.state_dict(),
+            "counters": dict(self.counters),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output; the records and the ledger are brought to
+        agree (:func:`~hfsweep.core.members.agree`)."""
+        self._reset()
+        self.configure(state.get("metric"), state.get("mode"))
+        self.budget = int(state["budget"])
+        self.asked = int(state["asked"])
+        self.inner_finished = bool(state["inner_finished"])
+        self.finished = bool(state["finished"])
+        self.members = {m: MemberRecord.from_dict(r) for m, r in state["members"].items()}
+        self.arrays = {a: ArrayRecord(**r) for a, r in state["arrays"].items()}
+        self.packer.budget = self.budget
+        self.packer.pools = Pools({str(k): [str(m) for m in v] for k, v in state["pools"].items()})
+        self.ledger.load_state_dict(state["ledger"])  # its sizes: the packer's dict, in place
+        agree(self.members.values(), self.ledger)
+        self.counters = {k: int(v) for k, v in state["counters"].items()}
+
+    # ------------------------------------------------------------------ summaries
+    def counts(self) -> dict[Status, int]:
+        """Members by status, every status listed (a :class:`Status` is equal to its value:
+        ``counts()["stopped"]`` works too)."""
+        return counts(self.members.values())
 
 
 class _RecordsDoor:
-    """The front door of :func:`~hfsweep.core.judging.judge` for :class:`ArrayReports`: member
-    facts in the :class:`~hfsweep.core.members.MemberRecord`\\ s, decisions by the front door's
-    scheduler (``_decide``), the searcher told through ``_heard`` and ``_told``."""
+    """What :func:`~hfsweep.core.judging.judge` asks of a sweep, for one report: member facts
+    in the member table, decisions by the decider port, the searcher told through the
+    searcher port."""
 
-    def __init__(self, sweep: ArrayReports, array: ArrayRecord, report: Mapping[str, Any]) -> None:
+    def __init__(self, sweep: Sweep, array: ArrayRecord, report: Mapping[str, Any]) -> None:
         self.sweep = sweep
         self.array = array
         self.elapsed = float(report.get("elapsed", 0.0))
@@ -325,7 +483,7 @@ class _RecordsDoor:
             rec.clock_shift = float(first["time_total_s"]) - self.times[rec.id]
 
     def record(self, evaluation: Evaluated) -> dict[str, Any]:
-        """A history row appended to the member's record; returns the result its scheduler and
+        """A history row appended to the member's record; returns the result its decider and
         searcher see (with ``time_this_iter_s`` and ``done``)."""
         rec = self.sweep.members[evaluation.member]
         # the member's own training time since it joined its array (kept through the array's
@@ -344,19 +502,22 @@ class _RecordsDoor:
         }
         rec.history.append(row)
         since = max(own - before, 0.0)
-        return self.sweep._result(rec, {**row, "time_this_iter_s": since, "done": evaluation.final})
+        return {**row, "time_this_iter_s": since, "done": evaluation.final}
 
     def decide(self, judged: list[Evaluated]) -> dict[str, bool]:
-        return self.sweep._decide([(self.sweep.members[e.member], e.seen) for e in judged])
+        fresh = [(self.sweep.members[e.member], e.seen) for e in judged]
+        return self.sweep.decider_port.decide(fresh)
 
     def at_budget(self, evaluation: Evaluated) -> bool:
-        return self.sweep._at_budget(evaluation.seen)
+        rec = self.sweep.members[evaluation.member]
+        return self.sweep.decider_port.at_budget(rec, evaluation.seen)
 
     def hear(self, evaluation: Evaluated, searcher: bool) -> None:
         if searcher:
-            self.sweep._heard(self.sweep.members[evaluation.member], evaluation.seen)
+            rec = self.sweep.members[evaluation.member]
+            self.sweep.searcher_port.report(rec, evaluation.seen)
 
     def ended(self, evaluation: Evaluated, status: Status, error: str | None) -> None:
         rec = self.sweep.members[evaluation.member]
         result = None if status is Status.FAILED and evaluation.diverged else evaluation.seen
-        self.sweep._record_end(rec, status, result, error)
+        self.sweep._finish(rec, status, result, error)

@@ -66,7 +66,7 @@ so workers freed one after another before it resizes go to it in one step rather
 to several arrays that then cool. Before the tail the cooldown holds for it as for any array.
 
 **Knowing the pruner.** Where the trial scheduler's rungs and reduction factor are known
-(ASHA, asynchronous Hyperband: :mod:`hfsweep.core._survival`), each array also comes with the
+(ASHA, asynchronous Hyperband: :mod:`hfsweep.elastic.survival`), each array also comes with the
 one-worker seconds until its last member is expected to stop (``ArrayState.expected_s``) and
 its members' expected member-seconds (``expected_member_s``), a member surviving each rung ahead
 with probability ``1 / reduction_factor``. Then (a) arrays, and formed arrays of waiting trials,

@@ -18,12 +18,11 @@ from typing import Any
 import optuna
 import pytest
 from optuna.trial import TrialState
+from sweep.test_pg_storage import _Flaky
 
 from hfsweep._compat import ask_with_user_attrs
-from hfsweep.core._drivers import DRIVER_ATTR, VOID_ATTR, Drivers, countable
-from hfsweep.core._storage import RetryingStorage, _Retrier, engine_kwargs
-
-from .test_pg_storage import _Flaky
+from hfsweep.storage.database import RetryingStorage, _Retrier, engine_kwargs
+from hfsweep.storage.drivers import DRIVER_ATTR, VOID_ATTR, Drivers, countable
 
 TOTAL = 3
 
@@ -138,7 +137,7 @@ def test_an_ask_whose_answer_was_lost_leaves_no_orphan(tmp_path: Path) -> None:
 def test_an_ask_that_keeps_losing_the_lock_stops_the_sweep_with_a_clear_error(
     tmp_path: Path,
 ) -> None:
-    from hfsweep.core._storage import StorageUnavailable
+    from hfsweep.storage.database import StorageUnavailable
 
     url = f"sqlite:///{tmp_path / 'study.db'}"
     storage = _storage(url)

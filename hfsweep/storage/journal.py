@@ -20,8 +20,8 @@ from typing import Any, Protocol
 import optuna
 from optuna.storages.journal import BaseJournalBackend, JournalFileBackend, JournalFileSymlinkLock
 
+from .._errors import SweepError
 from .._io import written
-from .result import JournalLost
 
 __all__ = [
     "GroupedJournalFileBackend",
@@ -52,6 +52,16 @@ _OPERATIONS = {
     9: "set trial system attr",
     10: "discard trials",
 }
+
+
+class JournalLost(SweepError):
+    """The journal file was deleted (or moved away) while the sweep had it open: the study it
+    held is gone. Nothing is appended to a new file in its place, which would hold a study
+    without its first records."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(f"{path}, the study's journal, was deleted while the sweep ran")
+        self.path = path
 
 
 class _FileLock(Protocol):

@@ -42,11 +42,11 @@ from ..sizing.scaling import ScalingProfile, model_scaling
 from ..sizing.task import _model_and_batch, measure_step
 from ..training.task import Task
 
-__all__: list[str] = []
+__all__ = ["SweepScaling", "measured_profile", "short_key"]
 
 
 class SweepScaling:
-    """Scaling profiles by compatibility key for :class:`~hfsweep.core._elastic.ElasticPolicy`
+    """Scaling profiles by compatibility key for :class:`~hfsweep.elastic.policy.ElasticPolicy`
     (see the module docstring). ``device``/``dtype`` are where the one-worker step is measured
     (the sweep's ``fusion`` settings, resolved in the driver); ``backend`` the collective
     (``"gloo"`` or ``"nccl"``) whose all-reduce cost the model uses; ``max_workers`` the
@@ -149,7 +149,7 @@ def measured_profile(given: ScalingProfile, median: Mapping[int, float]) -> Scal
     point not measured above a measured one keeps the profile's error there: it is scaled by
     the measured/profile ratio of the nearest measured count below it, so a model 2.5x
     optimistic at 2 workers is not believed at 4 (the elastic policy's measured feedback,
-    :mod:`hfsweep.core._elastic`)."""
+    :mod:`hfsweep.elastic.policy`)."""
     k0 = min(median)
     anchor = given.rate(k0)
     points = {**given.points, **{k: anchor * m / median[k0] for k, m in median.items()}}

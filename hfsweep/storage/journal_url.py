@@ -13,7 +13,7 @@ database by URL, so a journal file is written as a URL with the scheme ``journal
 - ``~`` and ``${NAME}`` references (to environment variables) are expanded where the file is
   opened.
 
-The file is opened with :class:`~hfsweep.core._journal.GroupedJournalFileBackend` and Optuna's
+The file is opened with :class:`~hfsweep.storage.journal.GroupedJournalFileBackend` and Optuna's
 symlink lock (the lock of a plain ``JournalFileBackend(path)``, so Optuna workers and
 optuna-dashboard can share it). Its folder must exist and be writable (checked by ``hfsweep
 validate`` and before a run creates anything); the file is created by the first driver.
@@ -60,8 +60,8 @@ def resolve(storage: str, base: Path) -> str:
 
 def journal_file(storage: str) -> Path:
     """The journal file a ``journal://`` storage names, its ``${NAME}`` references and ``~``
-    expanded (raises :class:`hfsweep._dburl.UnsetVariable` for an unset one)."""
-    from ._dburl import expand
+    expanded (raises :class:`hfsweep.storage.db_url.UnsetVariable` for an unset one)."""
+    from .db_url import expand
 
     return Path(expand(storage[len(SCHEME) :])).expanduser()
 
@@ -69,7 +69,7 @@ def journal_file(storage: str) -> Path:
 def problem(storage: str) -> str | None:
     """Why the journal file of ``storage`` cannot be used, or ``None``: an empty path, a
     folder that is missing or not writable, a path that is a folder. Writes nothing."""
-    from ._dburl import UnsetVariable
+    from .db_url import UnsetVariable
 
     if not storage[len(SCHEME) :]:
         return "names no file; write journal:///abs/path/study.log or journal://relative/path"

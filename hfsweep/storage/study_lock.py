@@ -37,6 +37,8 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext, supp
 from pathlib import Path
 from typing import Any
 
+from .transient import is_transient
+
 try:
     import fcntl
 except ImportError:  # pragma: no cover - only where fcntl is missing (Windows)
@@ -91,8 +93,8 @@ class StudyLock:
         self._conn: Any = None
         self._check: Callable[[Any], bool] | None = None
         self.kind, self._take = self._choose(storage)
-        #: the retrier of a storage that rides out a database restart (hfsweep.core._storage): the
-        #: lock is taken through it too, else a restart would end the sweep at the next hook
+        #: the retrier of a storage that rides out a database restart (hfsweep.storage.database):
+        #: the lock is taken through it too, else a restart would end the sweep at the next hook
         self._retrier = getattr(
             find_backend(storage, lambda o: hasattr(o, "_retrier")), "_retrier", None
         )
@@ -175,8 +177,6 @@ class StudyLock:
                 try:
                     held.__exit__(None, None, None)
                 except Exception as error:
-                    from ._storage import is_transient  # _storage imports the engine
-
                     # a database lock dies with its connection: a lost one has released it
                     if not is_transient(error):
                         raise

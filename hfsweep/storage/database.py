@@ -7,7 +7,7 @@ directory exists. :func:`open_storage` opens the storage the engine uses: SQLAlc
 pooled connection before using it (``pool_pre_ping``), and :class:`RetryingStorage` tries a
 call that lost its connection (the server restarting, a connection closed) again with backoff
 for up to ``storage_retry`` seconds; then :class:`StorageUnavailable` stops the sweep, and
-every call after it fails at once. URLs are shown with their password masked (:mod:`._dburl`).
+every call after it fails at once. URLs are shown with their password masked (:mod:`.db_url`).
 """
 
 from __future__ import annotations
@@ -22,10 +22,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from optuna.storages import BaseStorage
 
 from .._compat_optuna import BaseHeartbeat, FrozenStudy
-from .._dburl import for_driver, mask, scrub
+from .._errors import SweepError
 from .._signals import interruptible
-from ._study_lock import LockLost
-from .result import SweepError
+from .db_url import for_driver, mask, scrub
+from .study_lock import LockLost
+from .transient import causes, is_transient
 
 if TYPE_CHECKING:
     import optuna
@@ -38,7 +39,6 @@ __all__ = [
     "StorageUnavailable",
     "check_connection",
     "engine_kwargs",
-    "is_transient",
     "open_storage",
     "server_message",
     "study_exists",
@@ -95,7 +95,7 @@ def server_message(exc: BaseException, url: str) -> str:
     """The database driver's own message behind ``exc`` (``FATAL: password authentication
     failed for user "me"``), on one line, without the password."""
     found = exc
-    for cause in _chain(exc):
+    for cause in causes(exc):
         orig = getattr(cause, "orig", None)  # SQLAlchemy's DBAPIError: the driver's error
         if isinstance(orig, BaseException):
             found = orig
@@ -106,10 +106,10 @@ def server_message(exc: BaseException, url: str) -> str:
 
 
 def check_connection(url: str, timeout_s: float = CONNECT_TIMEOUT_S) -> str | None:
-    """Connect to the database of ``url`` (as :func:`~hfsweep._dburl.for_driver` gives it) once; return None if that works, else
-    the server's message. A file database (SQLite) is not opened: opening creates the file,
-    and a check writes nothing. Gives up after about ``timeout_s`` seconds even where the
-    driver takes no timeout."""
+    """Connect to the database of ``url`` (as :func:`~hfsweep.storage.db_url.for_driver` gives
+    it) once; return None if that works, else the server's message. A file database (SQLite) is
+    not opened: opening creates the file, and a check writes nothing. Gives up after about
+    ``timeout_s`` seconds even where the driver takes no timeout."""
     from sqlalchemy import create_engine
     from sqlalchemy.engine import make_url
     from sqlalchemy.pool import NullPool
@@ -135,30 +135,6 @@ def check_connection(url: str, timeout_s: float = CONNECT_TIMEOUT_S) -> str | No
     if not outcome:
         return f"no answer within {timeout_s + 2:g} s (is the host reachable?)"
     return outcome[0]
-
-
-def is_transient(exc: BaseException) -> bool:
-    """Whether ``exc`` (or an exception behind it) is a lost or refused connection that may
-    pass: the server restarting or shutting down, a connection it closed, one not yet
-    possible. SQLAlchemy raises those as ``OperationalError``, ``InterfaceError`` or an error
-    that invalidated the connection; Optuna wraps them in ``StorageInternalError``."""
-    from sqlalchemy import exc as sa
-
-    return any(
-        isinstance(cause, sa.OperationalError | sa.InterfaceError)
-        or (isinstance(cause, sa.DBAPIError) and cause.connection_invalidated)
-        for cause in _chain(exc)
-    )
-
-
-def _chain(exc: BaseException) -> Iterator[BaseException]:
-    """``exc``, then the exceptions behind it (its cause, else its context), each once."""
-    seen: set[int] = set()
-    cause: BaseException | None = exc
-    while cause is not None and id(cause) not in seen:
-        seen.add(id(cause))
-        yield cause
-        cause = cause.__cause__ or cause.__context__
 
 
 # ---------------------------------------------------------------------------- retrying
@@ -197,8 +173,8 @@ class _Retrier:
     @contextlib.contextmanager
     def fenced(self) -> Iterator[None]:
         """A block of this thread in which a lost connection raises
-        :class:`~hfsweep.core._study_lock.LockLost` at once instead of being tried again (see
-        :meth:`~hfsweep.core._study_lock.StudyLock.fenced`)."""
+        :class:`~hfsweep.storage.study_lock.LockLost` at once instead of being tried again (see
+        :meth:`~hfsweep.storage.study_lock.StudyLock.fenced`)."""
         self._local.fenced = getattr(self._local, "fenced", 0) + 1
         try:
             yield
@@ -337,7 +313,7 @@ def _created_meanwhile(exc: BaseException) -> bool:
     return any(
         isinstance(cause, sa.IntegrityError)
         or (isinstance(cause, sa.ProgrammingError) and "already exists" in str(cause))
-        for cause in _chain(exc)
+        for cause in causes(exc)
     )
 
 

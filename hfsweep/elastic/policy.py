@@ -2,7 +2,7 @@
 
 :class:`ElasticPolicy` is the Ray executor's :class:`~hfsweep.executors._elastic.WorkerPolicy`
 when ``ray.elastic.enabled``: it keeps every running array's state (members, progress through
-the budget, workers), asks the :class:`~hfsweep.core.allocator.Allocator` at every event (an
+the budget, workers), asks the :class:`~hfsweep.elastic.allocator.Allocator` at every event (an
 array starts or resumes, an array ends, members stop, workers are lost, the cluster's workers
 change, i.e. a node joined or left) and carries out its plan: the starting array gets its
 workers, a running array whose workers change is asked to resize at its next evaluation
@@ -23,7 +23,7 @@ a timer plan that changes nothing is not logged).
 
 The allocator's ``start``/``wait`` decisions for waiting trials are carried out too. An array
 the engine has formed (its trials taken from their pool) is, until its first launch, one of the
-plan's :class:`~hfsweep.core.allocator.WaitingPool` s, named after it: the plan may start it or
+plan's :class:`~hfsweep.elastic.allocator.WaitingPool` s, named after it: the plan may start it or
 leave it waiting when its workers save more member-seconds growing the running arrays.
 :meth:`ElasticPolicy.started` then answers 0 and the executor waits, asking
 :meth:`~ElasticPolicy.waiting`, as a paused array does (it has no workers, no actors and no
@@ -45,14 +45,14 @@ What the allocator is given:
   measured on an array of its compatibility key, or one second where none was.
 - ``horizon_s``: with the trial scheduler's rungs in budget units (ASHA's or Hyperband's, where
   members may stop: the ``pruner``'s, every bracket's, :attr:`RungSurvival.rungs
-  <hfsweep.core._survival.RungSurvival.rungs>`, where one is given; else ``rungs``, for a caller
+  <hfsweep.elastic.survival.RungSurvival.rungs>`, where one is given; else ``rungs``, for a caller
   that knows where members may stop but has no rung model), the budget from the array's
   furthest member to the next rung above it, times the same one-unit seconds; the allocator makes no resize that
   would not pay for itself before it. Without rungs (FIFO, median stopping, Optuna pruners),
   or past the last rung, none is given (the array's remaining time counts). A member refilled
   behind the furthest one may reach an earlier rung; that one is not seen.
 - ``expected_s`` and ``expected_member_s``: with ``pruner`` (the trial scheduler's rung model,
-  :class:`~hfsweep.core._survival.RungSurvival`: ASHA's or Hyperband's rungs, bracket shares
+  :class:`~hfsweep.elastic.survival.RungSurvival`: ASHA's or Hyperband's rungs, bracket shares
   and reduction factor), the one-worker seconds until the array's last member is expected to
   stop, and its members' expected one-worker seconds in all, from each member's progress at
   its last report (a member survives each rung ahead with probability 1/reduction factor),
@@ -63,7 +63,7 @@ What the allocator is given:
   (FIFO, median stopping, Optuna pruners) none is given, as before.
 - the scaling profile of the array's compatibility key: when the first array of a key is
   placed, the policy asks its ``scaling`` source (the engine's
-  :class:`~hfsweep.core._scaling.SweepScaling` with ``ray.elastic.scaling: model``: the cached
+  :class:`~hfsweep.elastic.scaling.SweepScaling` with ``ray.elastic.scaling: model``: the cached
   profile, else one modelled from a measured one-worker step and the measured all-reduce cost,
   then cached) once, outside its lock, and logs which it got. Without a source (``scaling:
   perfect``), or when the source has none or fails (logged with the reason), the profile is
@@ -73,7 +73,7 @@ What the allocator is given:
   an array (never one across a relaunch, which holds the restart) gives that array's key a
   measured rate at the worker count it trained on, in member-units/s (its live members over the
   seconds per budget unit). Once a key has rates at two or more worker counts, their medians
-  replace the profile's points (:func:`~hfsweep.core._scaling.measured_profile`), so the
+  replace the profile's points (:func:`~hfsweep.elastic.scaling.measured_profile`), so the
   allocator's speed-ups become measured ones. The change is logged against what the profile
   said, and the key's profile is handed to the source's ``remember`` (the scaling cache) when
   an array of it ends, so the next sweep starts from the measured points.
@@ -95,9 +95,9 @@ from ..parallel import read_resize, request_resize
 from ..sizing.scaling import ScalingProfile
 from ..training.results import Evaluation
 from ._allocation import earlier_totals
-from ._scaling import measured_profile, short_key
-from ._survival import RungSurvival, check_rung_sources
 from .allocator import Allocator, ArrayState, Plan, WaitingPool
+from .scaling import measured_profile, short_key
+from .survival import RungSurvival, check_rung_sources
 
 __all__ = ["ElasticPolicy", "ScalingSource"]
 
@@ -108,7 +108,7 @@ _log = logging.getLogger("hfsweep.elastic")
 _KEEP_RATES = 20
 
 #: ``(compatibility key, a trial's config of it or None, members) -> (profile or None, how)``:
-#: where the policy gets a key's scaling profile (:class:`~hfsweep.core._scaling.SweepScaling`)
+#: where the policy gets a key's scaling profile (:class:`~hfsweep.elastic.scaling.SweepScaling`)
 ScalingSource = Callable[[str, Mapping[str, Any] | None, int], tuple[ScalingProfile | None, str]]
 
 
@@ -364,6 +364,7 @@ class ElasticPolicy:
         return last is not None and self.clock() - last.now >= self.allocator.timer_s
 
     def reported(self, folder: str, evaluations: Sequence[Evaluation], live: int) -> None:
+        """Learn the array's speed from its ``evaluations``; re-decide if members stopped."""
         with self._lock:
             entry = self._arrays.get(folder)
             if entry is None or not evaluations:
@@ -389,6 +390,7 @@ class ElasticPolicy:
                 self._decide("members stopped", self._total or 1)
 
     def ended(self, folder: str, total: int) -> None:
+        """The array's workers are free: re-decide the others; cache a measured scaling."""
         with self._lock:
             entry = self._arrays.pop(folder, None)
             if entry is not None and self._arrays:
@@ -564,7 +566,7 @@ class ElasticPolicy:
         self._record()
 
     def totals(self) -> dict[str, Any]:
-        """The allocator's account so far (:meth:`~hfsweep.core.allocator.Allocator.waits`):
+        """The allocator's account so far (:meth:`~hfsweep.elastic.allocator.Allocator.waits`):
         ``arrays_waited_s`` summed over arrays its plans left without workers,
         ``workers_idle_s`` over the workers they left idle, up to now; the ``plans`` made and
         the cluster's ``workers`` at the last. The plans' view, not the workers': a resize

@@ -1,7 +1,8 @@
-"""The sweep core for an opaque searcher (``hfsweep.core.member_sweep``) on its own: members
-asked and packed by key, an array's report turned into decisions and ends, each end told once
-(also for a replayed report), refill, the end of an array, and a save and restore, driven by a
-scripted front door instead of Ray Tune; and the ledger's one rule for ending a member."""
+"""The one sweep (``hfsweep.core.sweep.Sweep``) on its own: members asked and packed by key, an
+array's report turned into decisions and ends, each end told once (also for a replayed report),
+refill, the end of an array, and a save and restore, driven through its two ports by a fake
+searcher and a fake decider instead of Ray Tune; and the ledger's one rule for ending a
+member."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ from torch import nn
 
 import hfsweep as hs
 from hfsweep.core.ledger import Ledger
-from hfsweep.core.member_sweep import MemberSweep
 from hfsweep.core.members import MemberRecord
+from hfsweep.core.ports import EXHAUSTED, Exhausted
 from hfsweep.core.status import Status
+from hfsweep.core.sweep import Sweep
 
 TASK = hs.Task(
     name="core_toy",
@@ -27,37 +29,59 @@ TASK = hs.Task(
 )
 
 
-class Scripted(MemberSweep):
-    """A front door whose searcher hands out ``configs`` in order and whose scheduler stops
-    every member whose value is below ``floor``; it records what it tells."""
+class FakeSearcher:
+    """Hands out ``configs`` in order, then says it is exhausted; records what it hears."""
 
-    def __init__(self, configs: list[dict[str, Any]], floor: float, **sizing: Any) -> None:
-        super().__init__(TASK, **sizing)
+    def __init__(self, configs: list[dict[str, Any]]) -> None:
         self.configs = list(configs)
-        self.floor = floor
         self.heard: list[tuple[str, int]] = []
         self.told: Counter[str] = Counter()
+
+    def ask(self, member_id: str) -> Mapping[str, Any] | Exhausted | None:
+        return self.configs.pop(0) if self.configs else EXHAUSTED
+
+    def report(self, member: MemberRecord, result: Mapping[str, Any]) -> None:
+        self.heard.append((member.id, result["step"]))
+
+    def tell(self, member: MemberRecord, status: Status, result: Mapping[str, Any] | None) -> None:
+        self.told[member.id] += 1
+
+
+class FakeDecider:
+    """Stops every member whose value is below ``floor``; records the ends it is told."""
+
+    def __init__(self, floor: float) -> None:
+        self.floor = floor
+        self.ended: list[tuple[str, Status]] = []
+
+    def decide(self, fresh: list[tuple[MemberRecord, dict[str, Any]]]) -> dict[str, bool]:
+        return {rec.id: result["acc"] >= self.floor for rec, result in fresh}
+
+    def at_budget(self, member: MemberRecord, result: Mapping[str, Any]) -> bool:
+        return False
+
+    def end(self, member: MemberRecord, status: Status, result: Mapping[str, Any] | None) -> None:
+        self.ended.append((member.id, status))
+
+
+class Scripted(Sweep):
+    """A sweep over a :class:`FakeSearcher` and a :class:`FakeDecider`, its answers kept."""
+
+    def __init__(self, configs: list[dict[str, Any]], floor: float, **sizing: Any) -> None:
+        self.fake_searcher = FakeSearcher(configs)
+        self.fake_decider = FakeDecider(floor)
+        super().__init__(TASK, searcher=self.fake_searcher, decider=self.fake_decider, **sizing)
         self.posted: dict[str, dict[str, Any]] = {}
         self.post = lambda token, message: self.posted.__setitem__(token, message)
         self.configure("acc", "max")
 
-    def _draw(self, member_id: str) -> Mapping[str, Any] | None:
-        if not self.configs:
-            self.inner_finished = True
-            return None
-        return self.configs.pop(0)
+    @property
+    def heard(self) -> list[tuple[str, int]]:
+        return self.fake_searcher.heard
 
-    def _decide(self, fresh: list[tuple[MemberRecord, dict[str, Any]]]) -> dict[str, bool]:
-        return {rec.id: result["acc"] >= self.floor for rec, result in fresh}
-
-    def _at_budget(self, result: Mapping[str, Any]) -> bool:
-        return False
-
-    def _heard(self, rec: MemberRecord, result: Mapping[str, Any]) -> None:
-        self.heard.append((rec.id, result["step"]))
-
-    def _told(self, rec: MemberRecord, status: Status, result: Mapping[str, Any] | None) -> None:
-        self.told[rec.id] += 1
+    @property
+    def told(self) -> Counter[str]:
+        return self.fake_searcher.told
 
 
 def _report(token: str, evals: list[tuple[str, int, float]], **extra: Any) -> dict[str, Any]:
@@ -103,6 +127,12 @@ def test_an_array_report_becomes_decisions_ends_told_once_and_a_refill() -> None
     assert sweep.members["A-2"].error == "acc is nan"
     sweep.on_array_end("A", None)
     assert sweep.told == Counter({"A-0": 1, "A-1": 1, "A-2": 1})
+    # each end reaches the decider once, in the order the members ended
+    assert sweep.fake_decider.ended == [
+        ("A-1", Status.STOPPED),
+        ("A-0", Status.COMPLETED),
+        ("A-2", Status.FAILED),
+    ]
     assert sweep.start_array("B") is None and sweep.finished
 
 

@@ -1,4 +1,4 @@
-"""The allocator's dynamic program (:mod:`hfsweep.core.allocator`): the worker counts tried
+"""The allocator's dynamic program (:mod:`hfsweep.elastic.allocator`): the worker counts tried
 per array, and the choice of one count per array that maximises the objective within the
 cluster's workers."""
 

@@ -1,6 +1,6 @@
 """The parts of sharing a study between drivers, in one process: the study lock, counting the
 budget under it, and telling a gone driver from a live one (the two-driver sweeps themselves
-are in test_two_drivers.py)."""
+are in tests/sweep/test_two_drivers.py)."""
 
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ from typing import Any
 import optuna
 import pytest
 
-from hfsweep.core import _drivers
-from hfsweep.core._drivers import DRIVER_ATTR, Beat, Drivers, driver_id
-from hfsweep.core._journal import journal_storage
-from hfsweep.core._study_lock import StudyLock
+from hfsweep.storage import drivers as _drivers
+from hfsweep.storage.drivers import DRIVER_ATTR, Beat, Drivers, driver_id
+from hfsweep.storage.journal import journal_storage
+from hfsweep.storage.study_lock import StudyLock
 
 
 def _study(storage: Any) -> optuna.Study:

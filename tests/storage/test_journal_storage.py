@@ -14,11 +14,10 @@ import optuna
 import pytest
 from optuna.storages.journal import JournalFileOpenLock, JournalFileSymlinkLock
 from optuna.testing.pytest_storages import StorageTestCase
+from sweep._toy import sweep_config
 
 import hfsweep as hs
-from hfsweep.core._journal import GroupedJournalFileBackend
-
-from ._toy import sweep_config
+from hfsweep.storage.journal import GroupedJournalFileBackend
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
 """What the elastic allocator decides over and what it returns: the records of
-:mod:`hfsweep.core.allocator` (re-exported there, where they are documented as its API).
+:mod:`hfsweep.elastic.allocator` (re-exported there, where they are documented as its API).
 
 :class:`ArrayState` is a runnable array and :class:`WaitingPool` the trials waiting for a new
 one, as the allocator sees them; :class:`Decision` is what happens to one of them and
@@ -36,7 +36,7 @@ class ArrayState:
     shrink to a few members there.
 
     ``expected_s`` and ``expected_member_s`` are the end estimate that knows the pruner
-    (:mod:`hfsweep.core._survival`, given where the trial scheduler's rungs and reduction factor
+    (:mod:`hfsweep.elastic.survival`, given where the trial scheduler's rungs and reduction factor
     are known; ``None``: not known): the one-worker seconds until the array's last member is
     expected to stop, and the one-worker member-seconds its members are expected to train in
     all. Given them, the allocator weighs the array by ``expected_member_s`` (instead of

@@ -26,7 +26,7 @@ continued it, and a retry would be a new trial past the budget) and Optuna 5's j
 has none.
 
 A driver trains only the running trials it owns and those whose owner is gone, which it adopts
-(under :class:`~hfsweep.core._study_lock.StudyLock`, so two drivers never adopt one trial) by
+(under :class:`~hfsweep.storage.study_lock.StudyLock`, so two drivers never adopt one trial) by
 setting ``driver`` to its own id; another live driver's trials are left alone and counted.
 ``budget.trials`` counts every trial of the study, whichever driver asked it: each ask counts
 the study's trials and creates one under the study lock, so drivers together ask exactly the
@@ -59,8 +59,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from .._compat import study_id, study_storage, trial_for, trial_id
 from .._io import atomic_write_text
-from ._study_lock import LockLost, StudyLock
-from .status import Status
+from .._status import Status
+from .study_lock import LockLost, StudyLock
 
 if TYPE_CHECKING:
     import optuna
@@ -148,6 +148,8 @@ class Beat:
 
     @classmethod
     def parse(cls, driver: str, raw: Any) -> Beat | None:
+        """The heartbeat ``driver`` wrote, from the study system attr's value ``raw``; None
+        for a value that is not one (written by another version, or by hand)."""
         if not isinstance(raw, dict):
             return None
         try:
@@ -297,7 +299,7 @@ class Drivers:
         try:
             self.beat(ended=True)
         except Exception as exc:
-            from ._storage import StorageUnavailable  # _storage imports the engine
+            from .database import StorageUnavailable  # imports optuna
 
             # a storage the sweep gave up on has been reported already, once
             quiet = isinstance(exc, StorageUnavailable)
@@ -478,7 +480,7 @@ class Drivers:
                         )
                 except LockLost:
                     continue
-        from ._storage import StorageUnavailable  # _storage imports the study lock
+        from .database import StorageUnavailable  # imports optuna
 
         raise StorageUnavailable(
             f"the study lock ({self.lock.kind}) of study {self.study.study_name!r} was lost "
