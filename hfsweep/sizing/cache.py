@@ -25,7 +25,7 @@ from ..offload import OffloadChoice
 from ._provenance import describe_cached
 from ._units import _MIB, _check_budget, _check_int, _fmt_bytes, _fmt_rate
 from .compiled import CompileChoice
-from .device import _describe_device
+from .device import describe_device
 from .model import Measurement, MemoryModel, _check_measurements, _fits
 
 __all__ = ["Profile", "ProfileCache", "cache_key", "signature"]
@@ -115,7 +115,7 @@ def cache_key(
     if not isinstance(model_signature, str) or not model_signature:
         raise ValueError(f"model_signature must be a non-empty string, got {model_signature!r}")
     batch_size = _check_int("batch_size", batch_size, 1)
-    hardware = _describe_device(device)
+    hardware = describe_device(device)
     if torch.device(device).type == "cpu":
         hardware = f"{hardware}|threads={torch.get_num_threads()}"
     elif torch.device(device).type == "cuda":

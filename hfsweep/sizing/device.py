@@ -11,7 +11,7 @@ import torch
 from .._devices import DTYPES, resolve_device
 from ._units import _GIB, _MIB
 
-__all__ = ["DTYPES", "device_budget", "resolve_device"]
+__all__ = ["DTYPES", "describe_device", "device_budget", "resolve_device"]
 
 
 def _check_fraction(fraction: object) -> float:
@@ -103,7 +103,7 @@ def _cpu_count() -> int:
     return os.cpu_count() or 1
 
 
-def _describe_device(device: str | torch.device) -> str:
+def describe_device(device: str | torch.device) -> str:
     """The device's hardware in words, e.g. ``cuda:NVIDIA H100 80GB HBM3:79GiB``."""
     dev = torch.device(device)
     if dev.type == "cuda":

@@ -42,9 +42,9 @@ from ..training import use_offload_profiler
 from ..training.task import Task
 from ._provenance import conditions, refresh_requested
 from .cache import Profile, ProfileCache, cache_key
-from .device import _describe_device
+from .device import describe_device
 from .model import Measurement, MemoryModel
-from .timing import _arch, _model_and_batch, _step_of
+from .timing import _arch, _step_of, model_and_batch
 
 __all__ = ["profile_offload"]
 
@@ -103,7 +103,7 @@ def profile_offload(
     """
     device = torch.device(device)
     resolved = task.resolve(config or {})
-    model, x, y = _model_and_batch(task, resolved, device, dtype, data)
+    model, x, y = model_and_batch(task, resolved, device, dtype, data)
     member = max(state_bytes(model, share_frozen=share_frozen), 1)
     shared = frozen_bytes(model) if share_frozen else 0
     fit = min(fit_size(member, device_memory, shared), size)
@@ -307,7 +307,7 @@ def _store(
     cache.put(
         Profile(
             key=key,
-            device=_describe_device(device),
+            device=describe_device(device),
             batch_size=int(y.shape[0]),
             dtype=str(dtype).removeprefix("torch."),
             measurements=measured,
@@ -317,7 +317,7 @@ def _store(
             reason=choice.reason,
             offload=choice,
             measured_at=time.time(),
-            measured_under=conditions(_describe_device(device)),
+            measured_under=conditions(describe_device(device)),
         )
     )
 

@@ -27,11 +27,11 @@ from ._provenance import conditions, refresh_requested
 from .beyond import offload_beyond
 from .cache import Profile, ProfileCache, cache_key
 from .compiled import DEFAULT_HORIZON_STEPS, CompileChoice, choose_compile
-from .device import _describe_device, device_budget
+from .device import describe_device, device_budget
 from .measure import _is_oom, profile_sizes
 from .model import Measurement, MemoryModel, choose_size
 from .offloading import profile_offload  # noqa: F401  (registers it with the trainer)
-from .timing import _arch, _model_and_batch, _step_of, measure_step, settled, time_steps
+from .timing import _arch, _step_of, measure_step, model_and_batch, settled, time_steps
 
 __all__ = ["measure_step", "profile_task", "settled", "time_steps"]
 
@@ -105,7 +105,7 @@ def profile_task(
     device = torch.device(device)
     check_offload(offload, "profile_task(offload=...)")
     resolved = task.resolve(config or {})
-    model, x, y = _model_and_batch(task, resolved, device, dtype, data)
+    model, x, y = model_and_batch(task, resolved, device, dtype, data)
     batch_size = int(y.shape[0])
     arch = _arch(model, resolved, x, share_frozen)
     budget = device_budget(device, budget_fraction) if device_memory is None else device_memory
@@ -177,7 +177,7 @@ def profile_task(
         chosen, reason = beyond.size, beyond.reason
     profile = Profile(
         key=key,
-        device=_describe_device(device),
+        device=describe_device(device),
         batch_size=batch_size,
         dtype=str(dtype).removeprefix("torch."),
         measurements=tuple(measurements),
@@ -187,7 +187,7 @@ def profile_task(
         reason=reason,
         offload=beyond,
         measured_at=time.time(),
-        measured_under=conditions(_describe_device(device)),
+        measured_under=conditions(describe_device(device)),
     )
     if compare_compiled:
         step_s = next(m.step_s for m in measurements if m.size == chosen)

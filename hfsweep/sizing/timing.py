@@ -35,7 +35,7 @@ from ..training.task import Task, fork_rng, make_optimizer, make_schedule
 from .cache import signature
 from .model import Measurement
 
-__all__ = ["measure_step", "settled", "time_steps"]
+__all__ = ["measure_step", "model_and_batch", "settled", "time_steps"]
 
 
 class _LiveTensorBytes(TorchDispatchMode):
@@ -274,7 +274,7 @@ def _time_array(
     return Measurement(size=size, samples_per_s=size * n / step_s, peak_bytes=peak, step_s=step_s)
 
 
-def _model_and_batch(
+def model_and_batch(
     task: Task,
     resolved: Mapping[str, Any],
     device: torch.device,
