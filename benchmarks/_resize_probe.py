@@ -92,8 +92,8 @@ def _install() -> None:
         timed_train._probed = True  # type: ignore[attr-defined]
         parallel_ray.train_worker = timed_train
     _timed(torch.distributed, "init_process_group", "pg_init")
-    _timed(training_run._Run, "_load_checkpoint", "load")
-    _timed(training_run._Run, "_build", "build")
+    _timed(training_run.ArrayRun, "_load_checkpoint", "load")
+    _timed(training_run.ArrayRun, "_build", "build")
     _timed(parallel_run._DataParallelRun, "_save_checkpoint", "checkpoint")
     _timed(parallel_run._DataParallelRun, "_at_boundary", "boundary")
     update = training_run.update

@@ -84,7 +84,7 @@ from torch import Tensor, nn
 
 import hfsweep as hs
 from hfsweep._malloc import retain_freed_memory
-from hfsweep.sizing.task import _LiveTensorBytes
+from hfsweep.sizing.timing import _LiveTensorBytes
 from hfsweep.tasks import TensorBatches
 from hfsweep.tasks._models import BasicBlock, ResNet
 from hfsweep.training import run as _trainer_run

@@ -40,7 +40,7 @@ from torch import nn
 
 import hfsweep as hs
 from hfsweep.offload import OffloadedArray
-from hfsweep.sizing.task import _LiveTensorBytes  # the profiler's CPU peak, op by op
+from hfsweep.sizing.timing import _LiveTensorBytes  # the profiler's CPU peak, op by op
 
 
 class LoraBert(nn.Module):

@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from ._version import __version__
+
 if TYPE_CHECKING:
     from . import optim
     from ._errors import FusionError
@@ -72,8 +74,6 @@ def __getattr__(name: str) -> Any:
 def __dir__() -> list[str]:
     return sorted({*globals(), *_WHERE})
 
-
-__version__ = "0.1.0.dev0"
 
 __all__ = [
     "ArrayJob",

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from . import optim as fused_optim
 from .fusion import fuse, member_losses
-from .tasks._data import digits
+from .tasks import digits
 from .testing import MLP
 
 

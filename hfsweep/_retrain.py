@@ -88,11 +88,11 @@ def retrain(
     the data's start with a warning (exact only for trials that started their array).
     """
     from .config import parse_sweep
-    from .report import _load_study, _read_sweep
+    from .report import load_study, read_sweep
 
     run = Path(run_dir)
     sweep_json = run / "sweep.json"
-    spec = _read_sweep(run)
+    spec = read_sweep(run)
     with sweep_json.open(encoding="utf-8") as f:
         saved = json.load(f)
     if task is not None:
@@ -103,7 +103,7 @@ def retrain(
             "run directory cannot name: pass it, hs.retrain(run_dir, number, task=your_task)"
         )
     sc = parse_sweep(saved)
-    study = _load_study(run, spec)
+    study = load_study(run, spec)
     trials = {t.number: t for t in study.get_trials(deepcopy=False)}
     if number not in trials:
         raise ValueError(

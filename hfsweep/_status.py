@@ -4,7 +4,7 @@ A trial (a member of an array) is ``WAITING`` in a pool, ``RUNNING`` in an array
 ``COMPLETED`` (its budget trained, or a stop at the budget), ``STOPPED`` (the trial scheduler
 stopped it early) or ``FAILED``. The values are the trainer's own strings (``"completed"``,
 ``"stopped"``, ``"failed"``), so a :class:`Status` compares equal to them and a status string
-read from a file or a :class:`~hfsweep.trainer.MemberResult` converts with ``Status(text)``.
+read from a file or a :class:`~hfsweep.MemberResult` converts with ``Status(text)``.
 
 The journal (Optuna), ``state.json``, trials.csv, the progress line, the report and the Tune
 plugin all use this vocabulary; the translations to Optuna's trial states (``COMPLETE``,

@@ -41,7 +41,7 @@ def _parse_sets(items: list[str]) -> dict[str, object]:
     given twice inside a value is refused); a bad item raises ``ValueError`` naming it."""
     import yaml
 
-    from .search_spaces._yaml import DuplicateKeyError, YamlLimitError, _loader_class
+    from .search_spaces import DuplicateKeyError, YamlLimitError, yaml_loader
 
     config: dict[str, object] = {}
     for item in items:
@@ -49,7 +49,7 @@ def _parse_sets(items: list[str]) -> dict[str, object]:
         if not sep or not key:
             raise ValueError(f"--set {item!r}: write KEY=VALUE, e.g. --set hidden=128")
         try:
-            config[key] = yaml.load(value, Loader=_loader_class())  # a SafeLoader subclass
+            config[key] = yaml.load(value, Loader=yaml_loader())  # a SafeLoader subclass
         except (DuplicateKeyError, YamlLimitError, yaml.YAMLError) as exc:
             problem = str(exc).replace("\n", " ")
             raise ValueError(f"--set {item!r}: the value is not valid YAML ({problem})") from None
@@ -165,9 +165,7 @@ def _validate(args: argparse.Namespace) -> int:
         _error("validate", e, args)
         return 2
     from .config.tracking import check_trackers
-    from .core._dryrun import dry_run, runs_on_the_driver
-    from .core._preflight import preflight
-    from .core._rundir import refuse_a_second_start
+    from .core import dry_run, preflight, refuse_a_second_start, runs_on_the_driver
     from .core.result import SweepError
 
     try:  # the rule `hfsweep run` applies first: a run directory that holds a sweep already
@@ -209,12 +207,11 @@ def _run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"hfsweep run: {e}", file=sys.stderr)
         return 2
-    from .core._preflight import preflight
-    from .core._rundir import refuse_a_second_start
+    from .core import preflight, refuse_a_second_start
     from .core.loop import SweepError, TrainingError, sweep
     from .core.result import RunDirUnwritable
     from .core.status import Status
-    from .searchers._source import SearcherError
+    from .searchers import SearcherError
     from .storage.database import StorageUnavailable
 
     try:  # sweep() checks both again; here so that a problem comes before the summary
@@ -338,7 +335,7 @@ _DEBUG_HELP = "on an error, print the Python traceback behind the message too"
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``hfsweep`` and its subcommands."""
-    from . import __version__
+    from ._version import __version__
 
     parser = argparse.ArgumentParser(
         prog="hfsweep",

@@ -8,10 +8,13 @@ order of the reports never matters. Ready schedulers: :class:`FIFOScheduler` (st
 :class:`ASHAScheduler`, :class:`HyperbandScheduler` (asynchronous), :class:`MedianStoppingScheduler`,
 and :class:`OptunaPruner` for any Optuna pruner; :func:`make_scheduler` builds them by name.
 Optuna is imported only when an :class:`OptunaPruner` is built.
+
+:func:`encode_float`/:func:`decode_float` write a non-finite value as strict JSON and read it
+back, for the schedulers' and the sweep ledger's saved reports.
 """
 
 from ._asha import ASHAScheduler, HyperbandScheduler
-from ._base import STATUSES, Decision, Report, TrialScheduler
+from ._base import STATUSES, Decision, Report, TrialScheduler, decode_float, encode_float
 from ._factory import SCHEDULER_NAMES, make_scheduler
 from ._fifo import FIFOScheduler
 from ._median import MedianStoppingScheduler
@@ -29,5 +32,7 @@ __all__ = [
     "OptunaPruner",
     "Report",
     "TrialScheduler",
+    "decode_float",
+    "encode_float",
     "make_scheduler",
 ]

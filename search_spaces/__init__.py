@@ -16,21 +16,31 @@ Optuna's static distributions and a grid for ``GridSampler``. :func:`load_space`
 from a mapping, a YAML file or the name of a ready space (:func:`ready_spaces`).
 
 Importing this package does not import Optuna; the methods that need it import it.
+
+Every YAML file hfsweep reads goes through :func:`load_yaml`/:func:`read_yaml_file` and one
+loader (:func:`yaml_loader`), which refuse a key given twice (:class:`DuplicateKeyError`) and
+a document too large, deep or aliased (:class:`YamlLimitError`).
 """
 
 from ._errors import SpaceError
 from ._params import CategoricalParam, FixedParam, FloatParam, IntParam, Param
 from ._ready import load_space, ready_spaces
 from ._space import SearchSpace
+from ._yaml import DuplicateKeyError, YamlLimitError, load_yaml, read_yaml_file, yaml_loader
 
 __all__ = [
     "CategoricalParam",
+    "DuplicateKeyError",
     "FixedParam",
     "FloatParam",
     "IntParam",
     "Param",
     "SearchSpace",
     "SpaceError",
+    "YamlLimitError",
     "load_space",
+    "load_yaml",
+    "read_yaml_file",
     "ready_spaces",
+    "yaml_loader",
 ]

@@ -29,6 +29,7 @@ __all__ = [
     "YamlLimitError",
     "load_yaml",
     "read_yaml_file",
+    "yaml_loader",
 ]
 
 #: the largest sweep or search-space file read, in bytes (8 MiB)
@@ -201,7 +202,10 @@ def _compose_document(self: Any) -> Any:
         self._hfsweep_sizes = {}  # ids of nodes that are gone must not be looked up again
 
 
-def _loader_class() -> type:
+def yaml_loader() -> type:
+    """The PyYAML loader every YAML file and value of hfsweep is read with: a ``SafeLoader``
+    that reads ``1e-4`` as a float and refuses a key given twice, a document nested too deep
+    and aliases that expand too far (the command line's ``--set`` values use it too)."""
     global _loader
     if _loader is None:
         import yaml
@@ -238,7 +242,7 @@ def load_yaml(
     import yaml
 
     try:
-        return yaml.load(text, Loader=_loader_class())  # a SafeLoader subclass
+        return yaml.load(text, Loader=yaml_loader())  # a SafeLoader subclass
     except DuplicateKeyError as exc:
         raise error(exc.problem, path=exc.path, file=source) from None
     except YamlLimitError as exc:

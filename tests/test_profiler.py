@@ -709,7 +709,7 @@ def test_cache_key_names_threads_and_the_versions(monkeypatch):
     monkeypatch.setattr(torch, "__version__", "9.9.9")
     assert cache_key(sig, 64, torch.float32, "cpu") != key
     monkeypatch.undo()
-    monkeypatch.setattr(hfsweep, "__version__", "9.9.9")
+    monkeypatch.setattr(hfsweep._version, "__version__", "9.9.9")
     assert cache_key(sig, 64, torch.float32, "cpu") != key
 
 

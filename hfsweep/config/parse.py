@@ -23,8 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from .._checks import is_int
 from .._names import READY_TASKS
-from ..search_spaces import SearchSpace, SpaceError, load_space
-from ..search_spaces._yaml import load_yaml, read_yaml_file
+from ..search_spaces import SearchSpace, SpaceError, load_space, load_yaml, read_yaml_file
 from ..storage.db_url import mask
 from ..storage.journal_url import is_journal, resolve
 from ..training.settings import ARRAY_KEYS, YAML, SettingsError, array_settings

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..tracking._registry import TRACKERS, Option, import_problem, missing
+from ..tracking import TRACKERS, Option, import_problem, missing
 from .fields import _did_you_mean, _Fields
 from .schema import ConfigError, SweepConfig, TrackerConfig
 

@@ -23,7 +23,7 @@ _BUDGET_KEYS = {"epochs": "budget.epochs", "max_steps": "budget.steps"}
 #: the config key a TaskError's message names
 _TASK_KEY = re.compile(r"^config (?:key '(\w+)'|(\w+)=)")
 #: random configs drawn from the space to check against task.resolve
-_SAMPLES = 20
+RANDOM_SAMPLES = 20
 #: the most keys a rejected config may have for each to be left out in turn to find the
 #: culprit (a resolve each); a larger one is searched by bisection (a resolve per halving)
 _LEAVE_ONE_OUT = 64
@@ -69,9 +69,9 @@ def _check_samples(
     budget: Budget,
     seed: int,
 ) -> None:
-    """Every config :func:`_samples` draws from ``space`` passes ``task.resolve``."""
+    """Every config :func:`sample_configs` draws from ``space`` passes ``task.resolve``."""
     base = {**budget.trial_config(), **config}
-    for sample in _samples(space, seed):
+    for sample in sample_configs(space, seed):
         culprit, exc = _first_failure(task, base, sample)
         if exc is not None:
             path = _join("search_space", culprit) if culprit is not None else "search_space"
@@ -157,7 +157,7 @@ class _CornerTrial:
         return choices[self.index % len(choices)]
 
 
-def _samples(space: SearchSpace, seed: int) -> list[dict[str, Any]]:
+def sample_configs(space: SearchSpace, seed: int) -> list[dict[str, Any]]:
     """Configs to check: the corners of the space (every categorical choice at both ends of
     the ranges), then random draws."""
     import optuna
@@ -175,7 +175,7 @@ def _samples(space: SearchSpace, seed: int) -> list[dict[str, Any]]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=seed))
-            for _ in range(_SAMPLES):
+            for _ in range(RANDOM_SAMPLES):
                 trial = study.ask()
                 out.append(space.sample(trial))
                 study.tell(trial, 0.0)

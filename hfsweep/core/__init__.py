@@ -11,4 +11,33 @@ Named ``core`` rather than ``sweep``: a subpackage ``hfsweep.sweep`` would shado
 function ``hs.sweep`` once imported.
 """
 
-__all__: list[str] = []
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._dryrun import dry_run, runs_on_the_driver
+    from ._preflight import preflight
+    from ._rundir import refuse_a_second_start
+
+#: what the command line asks of the core before a sweep starts, by the module it lives in;
+#: imported on first use (PEP 562), so that importing one of the core's modules stays as light
+#: as that module
+_WHERE = {
+    "dry_run": "._dryrun",
+    "runs_on_the_driver": "._dryrun",
+    "preflight": "._preflight",
+    "refuse_a_second_start": "._rundir",
+}
+
+__all__ = ["dry_run", "preflight", "refuse_a_second_start", "runs_on_the_driver"]
+
+
+def __getattr__(name: str) -> Any:
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(where, __name__), name)
+    globals()[name] = value
+    return value

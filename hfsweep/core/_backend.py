@@ -16,8 +16,7 @@ from .._signals import reclaim
 from ..elastic.policy import ElasticPolicy
 from ..elastic.scaling import SweepScaling
 from ..elastic.survival import from_scheduler
-from ..executors import ExecutorError, LocalExecutor
-from ..executors._alternating import AlternatingExecutor
+from ..executors import AlternatingExecutor, ExecutorError, LocalExecutor
 from ..sizing.device import DTYPES as _DTYPES
 from ..sizing.device import resolve_device
 from ._parts import _Parts
@@ -37,7 +36,7 @@ class _Backend(_Parts):
         sc = self.sc
         arrays = sc.fusion.arrays
         if sc.backend == "ray":
-            from ..executors._ray import RayExecutor
+            from ..executors import RayExecutor
 
             try:
                 self.executor = RayExecutor(self.task, arrays=arrays, settings=sc.ray)

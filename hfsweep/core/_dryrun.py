@@ -23,10 +23,10 @@ import torch
 
 from .._usercode import describe, phase_of
 from ..config import ConfigError, SweepConfig
-from ..config.validate import _SAMPLES, _samples
+from ..config.validate import RANDOM_SAMPLES, sample_configs
 from ..sizing.device import DTYPES, resolve_device
+from ..training import ArrayTrainer, DataCache, Member
 from ..training.task import Task, fork_rng
-from ..training.trainer import ArrayTrainer, Member, _DataCache
 from .result import _blame_hfsweep, _raised_by_the_task
 
 __all__ = ["dry_run"]
@@ -47,7 +47,7 @@ def runs_on_the_driver(sc: SweepConfig) -> bool:
 
 
 def dry_run(
-    sc: SweepConfig, *, device: str | torch.device | None = None, data: _DataCache | None = None
+    sc: SweepConfig, *, device: str | torch.device | None = None, data: DataCache | None = None
 ) -> None:
     """Run the task of ``sc`` once, as described in the module docstring.
 
@@ -213,8 +213,10 @@ def _configs(sc: SweepConfig) -> list[tuple[dict[str, Any], dict[str, Any]]]:
     out: list[tuple[dict[str, Any], dict[str, Any]]] = []
     seen: set[str] = set()
     keys: set[str] = set()
-    samples = _samples(sc.space, sc.seed)
-    corners = len(samples) - _SAMPLES  # _samples gives the corners, then the random draws
+    samples = sample_configs(sc.space, sc.seed)
+    corners = (
+        len(samples) - RANDOM_SAMPLES
+    )  # sample_configs gives the corners, then the random draws
     for n, sampled in enumerate(samples):
         try:
             config = sc.task.resolve(sc.trial_config(sampled))

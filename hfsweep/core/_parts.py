@@ -21,13 +21,12 @@ from typing import TYPE_CHECKING, Any
 from ..config import SweepConfig
 from ..executors import Executor
 from ..schedulers import TrialScheduler
-from ..searchers import Searcher
-from ..searchers._source import TrialSource
+from ..searchers import Searcher, TrialSource
 from ..storage.drivers import Drivers
-from ..tracking import TrialInfo
-from ..tracking._dispatch import Tracking
+from ..tracking import Tracking, TrialInfo
+from ..training import DataCache as _DataCache
+from ..training import MemberResult
 from ..training.task import Task
-from ..training.trainer import MemberResult, _DataCache
 from ._rundir import RunDir
 from .ledger import Ledger
 from .packer import Packer, Pending

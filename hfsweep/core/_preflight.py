@@ -284,7 +284,7 @@ def _check_ray(sc: SweepConfig) -> None:
     ``ray.connect_timeout_s`` (``ray.init`` alone would wait for ever)."""
     if sc.backend != "ray" or sc.ray.address is None:
         return
-    from ..executors._connect import ClusterUnreachable, reach
+    from ..executors import ClusterUnreachable, reach
 
     try:
         reach(sc.ray.address, sc.ray.connect_timeout_s)

@@ -31,8 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
-from ..schedulers import Decision, Report, TrialScheduler
-from ..schedulers._base import decode_float, encode_float
+from ..schedulers import Decision, Report, TrialScheduler, decode_float, encode_float
 from ._ledger_file import LedgerFile
 from .status import Status
 

@@ -44,15 +44,14 @@ from ..config.tracking import check_trackers
 from ..executors import ArrayHooks, Executor, ExecutorError, Stopped
 from ..schedulers import OptunaPruner, make_scheduler
 from ..search_spaces import FixedParam
-from ..searchers import Searcher
-from ..searchers._source import CustomSource, OptunaSource, TrialSource
+from ..searchers import CustomSource, OptunaSource, Searcher, TrialSource
 from ..storage.drivers import DRIVER_ATTR, Drivers
 from ..storage.journal import JournalLost
-from ..tracking import Callback, make_tracker
-from ..tracking._dispatch import Tracking
+from ..tracking import Callback, Tracking, make_tracker
+from ..training import ArrayTrainer, Member
+from ..training import DataCache as _DataCache
 from ..training.checkpoint import DamagedCheckpointError
 from ..training.packed import UnsafeFileError
-from ..training.trainer import ArrayTrainer, Member, _DataCache
 from ._backend import _Backend
 from ._hooks import _Hooks
 from ._logs import logged_to, quiet_optuna

@@ -11,7 +11,7 @@ for that key's :class:`~hfsweep.profiler.ScalingProfile`:
   (a resumed sweep, a second sweep of the same kind of array);
 - **modelled** otherwise, by :func:`~hfsweep.profiler.model_scaling`: the one-worker step time
   of an array of that many members is *measured* in the driver process on its device (a few
-  steps, :func:`~hfsweep.sizing.task.measure_step`, about ``min_seconds``), the gradient bytes
+  steps, :func:`~hfsweep.sizing.timing.measure_step`, about ``min_seconds``), the gradient bytes
   are every member's trainable parameters, and the all-reduce cost is this machine's, cached
   (measured once per machine with two local processes, :meth:`ScalingCache.allreduce`). The
   profile is cached before it is used.
@@ -37,9 +37,9 @@ from typing import Any
 import torch
 
 from ..sizing.allreduce import ScalingCache
-from ..sizing.device import _describe_device
+from ..sizing.device import describe_device
 from ..sizing.scaling import ScalingProfile, model_scaling
-from ..sizing.task import _model_and_batch, measure_step
+from ..sizing.timing import measure_step, model_and_batch
 from ..training.task import Task
 
 __all__ = ["SweepScaling", "measured_profile", "short_key"]
@@ -76,7 +76,7 @@ class SweepScaling:
         """Where ``key``'s profile is cached: the compatibility key, the dtype, the device's
         hardware and the collective backend."""
         dtype = str(self.dtype).removeprefix("torch.")
-        return f"{key}|{dtype}|{_describe_device(self.device)}|{self.backend}"
+        return f"{key}|{dtype}|{describe_device(self.device)}|{self.backend}"
 
     def __call__(
         self, key: str, config: Mapping[str, Any] | None, members: int
@@ -109,7 +109,7 @@ class SweepScaling:
     ) -> tuple[ScalingProfile, str]:
         """The modelled profile (see the module docstring) and how it was made."""
         resolved = self.task.resolve(config)
-        model, x, y = _model_and_batch(self.task, resolved, self.device, self.dtype)
+        model, x, y = model_and_batch(self.task, resolved, self.device, self.dtype)
         batch_size = int(y.shape[0])
         step = measure_step(
             self.task,

@@ -3,7 +3,7 @@ device, their shards alternating (issue 22, Hydra's shard alternation in ``hfswe
 
 The engine calls :meth:`~AlternatingExecutor.run_array` from up to ``alternate`` threads of its
 own pool and blocks each call until its array has ended. The arrays train together through
-the trainer level's driver (:class:`hfsweep.training._together._Driver`, what
+the trainer level's driver (:class:`hfsweep.training._together.StepDriver`, what
 :func:`hfsweep.train_together` runs): one driver thread takes each array's run in as its call
 arrives, advances every run to its next step and steps them as one
 :class:`~hfsweep.offload.AlternatingArrays` step, so one array's shard fetches overlap
@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from .._malloc import retaining_freed_memory_on
-from ..training._together import ArrayJob, _Driver
+from ..training import ArrayJob, StepDriver
 from ..training.results import Member, MemberResult
 from ..training.settings import ArraySettings
 from ..training.task import Task
@@ -272,7 +272,7 @@ class AlternatingExecutor(LocalExecutor):
         """The driver thread: takes arrays in as they arrive, steps every array in training
         as one, hands each array's end to its thread; ends when no array is left (the next
         ``run_array`` starts another) or the executor is closed."""
-        driver = _Driver(self.device, self.device_memory, self.alternate)
+        driver = StepDriver(self.device, self.device_memory, self.alternate)
         boxes: dict[int, _Mailbox] = {}
         failure: BaseException | None = None
         try:
@@ -293,7 +293,7 @@ class AlternatingExecutor(LocalExecutor):
             for box in [*boxes.values(), *(b for _j, b in left)]:
                 box.end(failure)
 
-    def _round(self, driver: _Driver, boxes: dict[int, _Mailbox]) -> bool:
+    def _round(self, driver: StepDriver, boxes: dict[int, _Mailbox]) -> bool:
         """Take the arrays that arrived in, step every array once, hand over the ends;
         ``False`` when the driver thread should end (closed, or no array left)."""
         with self._cond:

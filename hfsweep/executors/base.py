@@ -38,10 +38,10 @@ Subclass :class:`Executor` and implement its four members:
       ``False`` stops there (a pruned trial); members left out go on. Answers must be applied
       before the array trains another step.
     - ``refill()`` when a member ended and its slot is free: a new
-      :class:`~hfsweep.trainer.Member` of the same compatibility key, or ``None`` (the slot
+      :class:`~hfsweep.Member` of the same compatibility key, or ``None`` (the slot
       stays empty).
     - ``on_finish(result)`` for each member as it ends (completed, stopped or failed), at least
-      once: an :class:`~hfsweep.trainer.ArrayTrainer` with a ``checkpoint_dir`` records each
+      once: an :class:`~hfsweep.ArrayTrainer` with a ``checkpoint_dir`` records each
       delivery after the hook returns, so a resumed array delivers again only an end whose
       record a crash cut off (the engine tells each trial once, whatever it hears twice).
     - ``requeue(member)`` (optional) hands a member back unstarted: an executor that restarts
@@ -53,7 +53,7 @@ Subclass :class:`Executor` and implement its four members:
     there, so that ``resume=True`` (after the driver crashed, was killed or was interrupted)
     continues the array from its last checkpoint: ``members`` is then empty, or lists only
     members the checkpoint does not hold yet. The simplest correct executor trains with an
-    :class:`~hfsweep.trainer.ArrayTrainer` on that folder (see ``local.py``); a remote one must
+    :class:`~hfsweep.ArrayTrainer` on that folder (see ``local.py``); a remote one must
     put the checkpoints where the driver's machine reads them (a shared file system).
     Errors: raise :class:`~hfsweep.executors.ExecutorError` when the executor cannot go on (no
     resources for an array, workers that keep dying), :class:`~hfsweep.executors.Stopped` when

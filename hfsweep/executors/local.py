@@ -9,13 +9,9 @@ from typing import Any
 import torch
 
 from ..offload import OffloadChoice
+from ..training import ArrayTrainer, DataCache, Member
 from ..training.settings import ArraySettings
 from ..training.task import Task
-from ..training.trainer import (
-    ArrayTrainer,
-    Member,
-    _DataCache,
-)
 from .base import ArrayHooks, Executor, Folder
 
 __all__ = ["LocalExecutor"]
@@ -47,7 +43,7 @@ class LocalExecutor(Executor):
         task: Task,
         *,
         arrays: ArraySettings,
-        data: _DataCache | None = None,
+        data: DataCache | None = None,
         final_states: str = "completed",
         trace: bool = True,
     ) -> None:
@@ -72,7 +68,7 @@ class LocalExecutor(Executor):
         #: traced forwards shared by every array of this sweep (see ArrayTrainer)
         self._trace_cache: dict[str, dict[Any, Any]] = {}
         #: the loaded data, shared by the profiler and every array of this sweep
-        self._data_cache = data if data is not None else _DataCache()
+        self._data_cache = data if data is not None else DataCache()
 
     #: arrays this executor trains at once
     @property

@@ -34,8 +34,8 @@ from ._graph_fold import forget_views
 from ._peft import load_member_lora, set_member_lora
 from ._plan import unsupported_reason
 from ._random import STREAM_KEY, FunctionalStream
-from ._shared import adapt_state_dict, same_values, unshare_slot, writes_buffers
-from ._state import _owners, _places, _plan_state_dict, _Slot, _with_metadata
+from ._shared import same_values, unshare_slot, writes_buffers
+from ._state import StackedSlot, _owners, _places, _plan_state_dict, _with_metadata
 from ._streams import (
     _assign_dropout,
     _check_stream_value,
@@ -77,7 +77,7 @@ class FusedArray(_Tracing, nn.Module):
         template: nn.Module,
         prototype: nn.Module,
         size: int,
-        slots: list[_Slot],
+        slots: list[StackedSlot],
         trace: bool,
         functional: FunctionalStream | None = None,
     ) -> None:
@@ -517,8 +517,35 @@ class FusedArray(_Tracing, nn.Module):
         _log.info("%s is now kept per member: %s", slot.name, reason)
 
     def _adapt_shared(self, state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
-        """``state_dict`` with each value of a stacked/shared tensor in this array's layout."""
-        return adapt_state_dict(self, state_dict)
+        """``state_dict`` (of this array, perhaps saved by an array that shared other tensors) with
+        each value in this array's layout: a stacked value for a tensor this array shares is taken
+        once when its rows are equal (else the tensor becomes per member, :meth:`_unshare`), an
+        unstacked value for a tensor this array stacks is given to every member."""
+        where = {(id(d), n): j for d, n, j in self._swap_places}
+        keys: dict[str, int] = {}
+        for path, m in self.module.named_modules(remove_duplicate=False):
+            for store in (m._parameters, m._buffers):
+                for n in store:
+                    j = where.get((id(store), n))
+                    if j is not None:
+                        keys[f"module.{path}.{n}" if path else f"module.{n}"] = j
+        out = OrderedDict(state_dict)
+        out._metadata = getattr(state_dict, "_metadata", None)  # type: ignore[attr-defined]
+        size = self.size
+        for key, j in keys.items():
+            value = out.get(key)
+            if not isinstance(value, Tensor):
+                continue
+            current = self._state()[j]
+            if self._slots[j].shared:
+                if value.dim() == current.dim() + 1 and value.shape == (size, *current.shape):
+                    if all(torch.equal(value[0], v) for v in value[1:]):
+                        out[key] = value[0]
+                    else:
+                        self._unshare(j, reason=f"the loaded {key!r} differs between members")
+            elif value.shape == current.shape[1:]:
+                out[key] = value.unsqueeze(0).expand(size, *value.shape)
+        return out
 
     def _forward_buffers(self) -> list[Tensor]:
         """The buffers a forward may update (BatchNorm statistics, dropout call counters): every

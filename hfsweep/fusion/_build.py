@@ -17,7 +17,7 @@ from ._peft import lora_slots
 from ._plan import dropout_feature_dims, stream_attribute, unsupported_reason
 from ._random import FunctionalStream, StreamFloat
 from ._shared import shareable
-from ._state import _owners, _places, _Slot
+from ._state import StackedSlot, _owners, _places
 from ._streams import (
     _ATTENTION_SALTS,
     _STREAM_LIMIT,
@@ -79,7 +79,7 @@ def build_array(
     template_owners = _owners(template)
     member0_owners = _owners(ref)
     template_paths = {id(m): path for path, m in template.named_modules(remove_duplicate=False)}
-    slots: list[_Slot] = []
+    slots: list[StackedSlot] = []
     with torch.no_grad():
         for name, places in template_places.items():
             owner0, attr0 = member_places[0][name][0]
@@ -94,7 +94,7 @@ def build_array(
                     module._parameters.pop(attr, None)
                     module._buffers[attr] = value
                 slots.append(
-                    _Slot(
+                    StackedSlot(
                         name=name,
                         is_param=is_param,
                         places=[(m._buffers, attr) for m, attr in owners],
@@ -109,7 +109,7 @@ def build_array(
             )
             for owner, attr in places:
                 owner[attr] = value
-            slots.append(_Slot(name=name, is_param=is_param, places=places))
+            slots.append(StackedSlot(name=name, is_param=is_param, places=places))
 
     device = slots[0].places[0][0][slots[0].places[0][1]].device if slots else torch.device("cpu")
     # One default dropout seed per member from torch's global generator (on the CPU, so the
@@ -142,7 +142,9 @@ def build_array(
         }
         for name, value in settings.items():
             module.register_buffer(name, value)
-            slots.append(_Slot(f"{path}.{name}", False, [(module._buffers, name)], setting=True))
+            slots.append(
+                StackedSlot(f"{path}.{name}", False, [(module._buffers, name)], setting=True)
+            )
         if attr == "dropout":
             _update_attention_masks(module)
         else:  # forward code reading the layer's p for a functional dropout gets its stream
@@ -153,7 +155,7 @@ def build_array(
         stream = FunctionalStream(seeds.to(device, copy=True))
         for name in ("member_seed", "member_calls"):
             slots.append(
-                _Slot(f"<functional>.{name}", False, [(stream._buffers, name)], setting=True)
+                StackedSlot(f"<functional>.{name}", False, [(stream._buffers, name)], setting=True)
             )
     array = FusedArray(template, prototype, size, slots, trace, stream)
     if dropout is not None:

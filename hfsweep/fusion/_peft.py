@@ -4,7 +4,7 @@ A LoRA layer computes ``base(x) + lora_B(lora_A(dropout(x))) * scaling[adapter]`
 ``scaling = lora_alpha / r`` a Python float in a dict. A float cannot vary under ``vmap``, so the
 array keeps each member's scaling in a ``[B]`` setting buffer (``hfsweep_scaling_<adapter>``)
 and, for the duration of a call, puts the member's value into the layer's ``scaling`` dict (a
-second place of that slot, see :class:`~hfsweep.fusion._state._Slot`). ``lora_dropout`` is an
+second place of that slot, see :class:`~hfsweep.fusion._state.StackedSlot`). ``lora_dropout`` is an
 ``nn.Dropout`` per adapter, which the array already gives a per-member probability.
 
 So members may differ in ``lora_alpha`` and ``lora_dropout`` (their configs are compared without
@@ -23,7 +23,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from ._state import _Slot
+from ._state import StackedSlot
 
 __all__ = [
     "PER_MEMBER_CONFIG_FIELDS",
@@ -83,11 +83,11 @@ def configs_agree(a: Any, b: Any) -> bool:
 
 def lora_slots(
     template: nn.Module, models: Sequence[nn.Module], device: torch.device
-) -> list[_Slot]:
+) -> list[StackedSlot]:
     """Per-member ``scaling`` and ``lora_alpha`` of every LoRA layer of ``template`` as setting
     buffers; the ``scaling`` buffer's slot also names the layer's ``scaling`` dict entry, so a
     call puts the member's value there."""
-    slots: list[_Slot] = []
+    slots: list[StackedSlot] = []
     for path, module in template.named_modules():
         if not is_lora_layer(module):
             continue
@@ -104,7 +104,7 @@ def lora_slots(
             module.register_buffer(_ALPHA + adapter, alpha)
             prefix = f"{path}." if path else ""
             slots.append(
-                _Slot(
+                StackedSlot(
                     f"{prefix}{_SCALING}{adapter}",
                     False,
                     [(module._buffers, _SCALING + adapter), (lora.scaling, adapter)],
@@ -112,7 +112,7 @@ def lora_slots(
                 )
             )
             slots.append(
-                _Slot(
+                StackedSlot(
                     f"{prefix}{_ALPHA}{adapter}",
                     False,
                     [(module._buffers, _ALPHA + adapter)],

@@ -16,8 +16,8 @@ from ..nn import (
     FusedRReLUMixin,
     FusedSpectralNormMixin,
     FusedWeightNormMixin,
+    feature_dims,
 )
-from ..nn._dropout import feature_dims
 
 __all__ = ["dropout_feature_dims", "fused_class", "stream_attribute", "unsupported_reason"]
 

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from .._errors import FusionError
-from ..nn._dropout import apply_multiplier, key_multiplier, key_uniform, stream_multiplier
+from ..nn import apply_multiplier, key_multiplier, key_uniform, stream_multiplier
 from ._check import describe_path
 
 __all__ = [
@@ -40,6 +40,7 @@ __all__ = [
     "StreamFloat",
     "active_randomness",
     "draws_functionally",
+    "is_random_call",
     "member_randomness",
 ]
 
@@ -374,6 +375,13 @@ _REFUSED: dict[Any, tuple[str, Callable[[Sequence[Any], dict[str, Any]], bool]]]
         )
     },
 }
+
+
+def is_random_call(target: Any) -> bool:
+    """Whether ``target`` (a function or a ``Tensor`` method) is a random call of forward code
+    that a fused array routes through its members' streams or refuses (``F.dropout``,
+    ``torch.rand``...): what a traced graph that must not draw is checked against."""
+    return target in _ROUTES or target in _REFUSED
 
 
 def _name(func: Any) -> str:

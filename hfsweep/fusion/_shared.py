@@ -17,20 +17,16 @@ a persistent buffer may be a running average that forward updates from each memb
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.nn.utils.parametrizations import _SpectralNorm
 
-from ._state import _Slot
+from ._state import StackedSlot
 
-if TYPE_CHECKING:
-    from ._array import FusedArray
-
-__all__ = ["adapt_state_dict", "same_values", "shareable", "unshare_slot", "writes_buffers"]
+__all__ = ["same_values", "shareable", "unshare_slot", "writes_buffers"]
 
 
 #: modules whose buffers are known and written only in training mode
@@ -80,7 +76,7 @@ def same_values(shared: Tensor, value: Any) -> bool:
     return bool(torch.equal(shared, value.to(device=shared.device, dtype=shared.dtype)))
 
 
-def unshare_slot(slot: _Slot, template: nn.Module, prototype: nn.Module, size: int) -> None:
+def unshare_slot(slot: StackedSlot, template: nn.Module, prototype: nn.Module, size: int) -> None:
     """Stack ``slot``'s shared tensor ``size`` times and store it in ``template`` as it would be
     without sharing: a parameter (``requires_grad=False``) back in its module's parameters, in
     the module's order, or a stacked buffer. ``slot`` then describes the stacked tensor."""
@@ -109,35 +105,3 @@ def unshare_slot(slot: _Slot, template: nn.Module, prototype: nn.Module, size: i
         places.append((module._parameters, attr))
     slot.places[:] = places
     slot.shared = False
-
-
-def adapt_state_dict(array: FusedArray, state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
-    """``state_dict`` (of ``array``, perhaps saved by an array that shared other tensors) with
-    each value in ``array``'s layout: a stacked value for a tensor ``array`` shares is taken
-    once when its rows are equal (else the tensor becomes per member, :meth:`_unshare`), an
-    unstacked value for a tensor ``array`` stacks is given to every member."""
-    where = {(id(d), n): j for d, n, j in array._swap_places}
-    keys: dict[str, int] = {}
-    for path, m in array.module.named_modules(remove_duplicate=False):
-        for store in (m._parameters, m._buffers):
-            for n in store:
-                j = where.get((id(store), n))
-                if j is not None:
-                    keys[f"module.{path}.{n}" if path else f"module.{n}"] = j
-    out = OrderedDict(state_dict)
-    out._metadata = getattr(state_dict, "_metadata", None)  # type: ignore[attr-defined]
-    size = array.size
-    for key, j in keys.items():
-        value = out.get(key)
-        if not isinstance(value, Tensor):
-            continue
-        current = array._state()[j]
-        if array._slots[j].shared:
-            if value.dim() == current.dim() + 1 and value.shape == (size, *current.shape):
-                if all(torch.equal(value[0], v) for v in value[1:]):
-                    out[key] = value[0]
-                else:
-                    array._unshare(j, reason=f"the loaded {key!r} differs between members")
-        elif value.shape == current.shape[1:]:
-            out[key] = value.unsqueeze(0).expand(size, *value.shape)
-    return out

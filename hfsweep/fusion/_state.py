@@ -1,4 +1,4 @@
-"""A fused array's stacked tensors and where they live: :class:`_Slot` (one stacked tensor and
+"""A fused array's stacked tensors and where they live: :class:`StackedSlot` (one stacked tensor and
 every place in the template that refers to it), and the maps from a model's parameters and buffers
 to the modules that hold them, which a member's ``state_dict`` and ``load_member`` go through."""
 
@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 
 @dataclass
-class _Slot:
+class StackedSlot:
     """One stacked tensor and every place in the template that refers to it (tied weights)."""
 
     name: str
@@ -47,7 +47,7 @@ def _owners(model: nn.Module) -> dict[str, list[tuple[nn.Module, str]]]:
 
 
 def _plan_state_dict(
-    prototype: nn.Module, slots: list[_Slot]
+    prototype: nn.Module, slots: list[StackedSlot]
 ) -> tuple[list[tuple[str, int]], Any] | None:
     """Which stacked tensor each entry of a member's ``state_dict`` is, from the prototype's
     ``state_dict`` on the meta device; ``None`` if some entry is not one of them (extra state,

@@ -23,7 +23,7 @@ from torch.overrides import TorchFunctionMode
 
 from .._compat import pytree
 from .._errors import FusionError
-from ..nn._shard import current_shard
+from ..nn import current_shard
 from ._check import describe_path
 from ._compile import (
     compile_error,
@@ -35,7 +35,7 @@ from ._compile import (
 from ._graph import simplify
 from ._random import FunctionalStream, member_randomness
 from ._recompute import intercepting
-from ._state import _Slot
+from ._state import StackedSlot
 
 _log = logging.getLogger("hfsweep.fusion")
 
@@ -103,7 +103,7 @@ class _Tracing:
     functional: FunctionalStream | None
     _size: int
     _draws_refused: str | None
-    _slots: list[_Slot]
+    _slots: list[StackedSlot]
     _swap_places: list[tuple[dict[str, Any], str, int]]
     _dims: tuple[int | None, ...]
     _trace_enabled: bool

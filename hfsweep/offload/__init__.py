@@ -28,7 +28,7 @@ Users reach it through ``hs.ArrayTrainer(..., offload="host")`` or ``fusion: {of
 in a sweep file; see docs/offload.md.
 """
 
-from ._alternate import SCHEDULES, AlternatingArrays
+from ._alternate import SCHEDULES, AlternatingArrays, Schedule
 from ._engine import OffloadedArray
 from ._errors import OffloadBudgetError, OffloadError
 from ._ledger import ResidentLedger
@@ -62,6 +62,7 @@ __all__ = [
     "OffloadError",
     "OffloadedArray",
     "ResidentLedger",
+    "Schedule",
     "Shard",
     "Transfer",
     "check_offload",

@@ -36,8 +36,7 @@ from typing import Any
 
 from torch import Tensor, fx, nn
 
-from ..fusion import FusedArray
-from ..fusion._random import _REFUSED, _ROUTES, draws_functionally
+from ..fusion import FusedArray, draws_functionally, is_random_call
 from ._errors import OffloadError
 
 __all__ = ["Shard", "plan_shards"]
@@ -300,12 +299,11 @@ def _check_no_random_calls(array: FusedArray, body: Sequence[fx.Node]) -> None:
     are fine; a random call this check cannot see (inside a layer of a library's class) is
     refused when the shard runs (every shard refuses them, with one member too, where no
     ``vmap`` does), never drawn wrongly."""
-    random = {*_ROUTES, *_REFUSED}
     for n in body:
         drawn = None
-        if n.op == "call_function" and n.target in random:
+        if n.op == "call_function" and is_random_call(n.target):
             drawn = getattr(n.target, "__name__", str(n.target))
-        elif n.op == "call_method" and getattr(Tensor, str(n.target), None) in random:
+        elif n.op == "call_method" and is_random_call(getattr(Tensor, str(n.target), None)):
             drawn = f"Tensor.{n.target}"
         elif n.op == "call_module" and _known_to_draw(
             array._prototype.get_submodule(str(n.target))

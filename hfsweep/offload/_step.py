@@ -43,13 +43,12 @@ import torch
 import torch.optim.optimizer as _optim_hooks
 from torch import Tensor
 
-from ..optim import FusedOptimizer
-from ..optim._base import _inactive_rows
+from ..optim import FusedOptimizer, inactive_rows
 from ._shards import stacked_bytes
 
 if TYPE_CHECKING:
-    from ._engine import OffloadedArray
     from ._resident import _Resident
+    from ._view import EngineView
 
 __all__: list[str] = []
 
@@ -211,7 +210,7 @@ class _DeviceStep:
                 work_states.append(states[i])
                 hps.append(hp)
             work = (work_params, work_states, hps)
-            saved = _inactive_rows(work_params, work_states, inactive)
+            saved = inactive_rows(work_params, work_states, inactive)
             update, constants = opt._group_update(opt.param_groups[index], flags)
             try:
                 if opt._compiled is None:
@@ -264,7 +263,7 @@ def _nonfinite(grads: Sequence[Tensor], inactive: Tensor | None) -> list[int]:
 
 
 def _step_shard(
-    engine: OffloadedArray,
+    engine: EngineView,
     stepper: _DeviceStep,
     host: Sequence[Tensor],
     tensors: Sequence[Tensor],

@@ -51,7 +51,7 @@ from ._resident import _Resident, grads_to_host
 from ._shards import Shard
 
 if TYPE_CHECKING:
-    from ._engine import OffloadedArray
+    from ._view import EngineView
 
 __all__ = ["BlockRunner"]
 
@@ -154,7 +154,7 @@ class BlockRunner:
     caller's input is not counted). The tensors the model's own code between the units keeps
     for its backward are not counted (BERT's and GPT-2's keep none of a block's size)."""
 
-    def __init__(self, engine: OffloadedArray, shards: list[Shard]) -> None:
+    def __init__(self, engine: EngineView, shards: list[Shard]) -> None:
         self.engine = engine
         self.shards = shards
         #: every unit, in module order; ``_group_of[u]``: the shard (group) that holds unit u

@@ -31,8 +31,7 @@ import dataclasses
 
 from torch import nn
 
-from ..fusion import FusedArray
-from ..fusion._state import _Slot
+from ..fusion import FusedArray, StackedSlot
 from ._errors import OffloadError
 from ._shards import (
     _DRAWS_REFUSED,
@@ -104,7 +103,7 @@ def _unit_paths(template: nn.Module, lists: list[str], model_name: str) -> list[
     return units
 
 
-def _within(slot: _Slot, path: str) -> _Slot:
+def _within(slot: StackedSlot, path: str) -> StackedSlot:
     """``slot`` as a unit at ``path`` sees it: the owners of a tensor kept once (where it goes
     back to when it becomes per member) relative to the unit, those outside it left out (the
     whole array unshares, and the engine cuts its units again, before any unit runs)."""

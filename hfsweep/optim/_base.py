@@ -30,7 +30,7 @@ from ._groups import ParamsT as ParamsT
 from ._groups import member_values, param_groups
 from ._observed import observed_step
 
-__all__ = ["FusedOptimizer", "HyperParameter"]
+__all__ = ["FusedOptimizer", "HyperParameter", "inactive_rows"]
 
 _log = logging.getLogger("hfsweep.optim")
 
@@ -221,7 +221,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             # step tensors the count then adds to
             steps = [state["step"] for state in states]
             block = self._step_block(index, states, steps)
-            saved = _inactive_rows(params, states, inactive)
+            saved = inactive_rows(params, states, inactive)
             update, constants = self._group_update(group, self._flags[index])
             if self._compiled is None:
                 update(work, group, self._flags[index], *constants)
@@ -625,7 +625,7 @@ def _fmt(value: Any) -> str:
     return repr(value)
 
 
-def _inactive_rows(
+def inactive_rows(
     params: list[Tensor], states: list[dict[str, Any]], inactive: Tensor | None
 ) -> list[tuple[Tensor, Tensor, Tensor]]:
     """``(tensor, rows, their values)`` of the inactive members in every parameter and state

@@ -26,15 +26,19 @@ from torch import Tensor
 from .._io import atomic_write_text
 from .._usercode import Phase
 from ..fusion import FusedArray
-from ..nn import FusedBatchNormMixin
-from ..nn._shard import batch_shard
+from ..nn import FusedBatchNormMixin, batch_shard
 from ..optim import clip_grad_norm_
-from ..training import ArrayTrainer, Evaluation, Member, MemberResult
-from ..training._evaluation import add_metrics
-from ..training.live import _Live
+from ..training import (
+    ArrayRun,
+    ArrayState,
+    ArrayTrainer,
+    Evaluation,
+    LiveArray,
+    Member,
+    MemberResult,
+    add_metrics,
+)
 from ..training.results import RefillHook, ReportHook
-from ..training.run import _Run
-from ..training.spec import _ArrayState
 from ..training.task import Task
 from ._collectives import Group
 from ._split import batch_rows, shard_bounds, take_rows
@@ -78,8 +82,8 @@ def read_resize(checkpoint_dir: str | Path) -> int | None:
     return value
 
 
-class _DataParallelRun(_Run):
-    """:class:`~hfsweep.training.run._Run` on one worker's shards (see the module docstring)."""
+class _DataParallelRun(ArrayRun):
+    """:class:`~hfsweep.training.run.ArrayRun` on one worker's shards (see the module docstring)."""
 
     t: DataParallelTrainer
 
@@ -96,14 +100,14 @@ class _DataParallelRun(_Run):
         self.shard = (0, 0, 0)
 
     # ------------------------------------------------------------------ training
-    def _stream(self, config: Mapping[str, Any], state: _ArrayState) -> Iterator[Any]:
+    def _stream(self, config: Mapping[str, Any], state: ArrayState) -> Iterator[Any]:
         for epoch, index, batch in super()._stream(config, state):
             total = batch_rows(batch)
             start, stop = shard_bounds(total, self.group.size, self.group.rank)
             self.shard = (start, stop - start, total)
             yield epoch, index, take_rows(batch, start, stop)
 
-    def _backward(self, live: _Live, x: Any, y: Any) -> Tensor:
+    def _backward(self, live: LiveArray, x: Any, y: Any) -> Tensor:
         offset, rows, total = self.shard
         array = live.array
         params = [p for p in array.parameters() if p.requires_grad]
@@ -156,7 +160,7 @@ class _DataParallelRun(_Run):
             for tensors in by_dtype.values():
                 self.group.broadcast_(tensors)
 
-    def _out_of_memory(self, live: _Live, error: str) -> list[_ArrayState] | None:
+    def _out_of_memory(self, live: LiveArray, error: str) -> list[ArrayState] | None:
         raise RuntimeError(
             f"worker {self.group.rank} of a data-parallel array of {self.group.size} ran out of "
             f"memory ({error}); a data-parallel array does not split itself yet: train it on "
@@ -164,14 +168,14 @@ class _DataParallelRun(_Run):
         )
 
     def _compact_size(
-        self, state: _ArrayState, array: FusedArray, busy: int, build_s: float
+        self, state: ArrayState, array: FusedArray, busy: int, build_s: float
     ) -> int | None:
         # a choice from measured step times: rank 0's, or the workers would build other arrays
         choice = super()._compact_size(state, array, busy, build_s) if self.group.leader else None
         return self.group.share(choice)
 
     # ------------------------------------------------------------------ evaluation
-    def _validation_sums(self, live: _Live, val: Any) -> tuple[dict[str, Tensor], int]:
+    def _validation_sums(self, live: LiveArray, val: Any) -> tuple[dict[str, Tensor], int]:
         array = live.array
         sums: dict[str, Tensor] = {}
         count = 0
@@ -206,7 +210,7 @@ class _DataParallelRun(_Run):
     def _writes_files(self) -> bool:
         return self.group.leader and super()._writes_files()
 
-    def _save_checkpoint(self, running: _Live | None) -> None:
+    def _save_checkpoint(self, running: LiveArray | None) -> None:
         if self.group.leader:
             super()._save_checkpoint(running)
 
@@ -253,7 +257,7 @@ class DataParallelTrainer(ArrayTrainer):
     another number of workers.
     """
 
-    _run_class = _DataParallelRun
+    run_class = _DataParallelRun
 
     def __init__(self, task: Task, **options: Any) -> None:
         super().__init__(task, **options)

@@ -38,10 +38,17 @@ from pathlib import Path
 from ._errors import NothingToReport, ReportError
 from ._parallel import _plot_parallel
 from ._plots import _plot_curves, _plot_history, _plot_importance
-from ._read import _load_study, _read_sweep
+from ._read import SweepRecord, load_study, read_sweep
 from ._trials import _trial_counts
 
-__all__ = ["NothingToReport", "ReportError", "write_report"]
+__all__ = [
+    "NothingToReport",
+    "ReportError",
+    "SweepRecord",
+    "load_study",
+    "read_sweep",
+    "write_report",
+]
 
 
 def write_report(
@@ -62,8 +69,8 @@ def write_report(
             ``storage`` database) is missing or cannot be read; the message names the path.
     """
     run = Path(run_dir)
-    sweep = _read_sweep(run)
-    study = _load_study(run, sweep)
+    sweep = read_sweep(run)
+    study = load_study(run, sweep)
     trials = study.get_trials(deepcopy=False)
     if not any(t.state.is_finished() for t in trials):
         raise NothingToReport(f"{run}: nothing to report yet: {_trial_counts(trials)}")

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._checks import is_number
 from ._plots import _new_figure, _save
-from ._read import _Sweep
+from ._read import SweepRecord
 from ._trials import _best, _completed
 
 if TYPE_CHECKING:
@@ -114,7 +114,7 @@ def _axes(done: Sequence[tuple[FrozenTrial, float]]) -> list[_Axis]:
 
 
 def _plot_parallel(
-    trials: Sequence[FrozenTrial], sweep: _Sweep, title: str, path: Path
+    trials: Sequence[FrozenTrial], sweep: SweepRecord, title: str, path: Path
 ) -> Path | None:
     """One line per completed trial through its parameters' axes and its value, colored by value.
 

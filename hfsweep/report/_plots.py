@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from ..core.status import Status
 from ._histories import _Curve, _read_histories
-from ._read import _Sweep
+from ._read import SweepRecord
 from ._trials import _STATUS_COLORS, _best, _best_so_far, _completed, _status, _value
 
 if TYPE_CHECKING:
@@ -53,7 +53,7 @@ def _save(fig: Figure, path: Path) -> Path:
 
 
 def _plot_history(
-    trials: Sequence[FrozenTrial], sweep: _Sweep, title: str, path: Path
+    trials: Sequence[FrozenTrial], sweep: SweepRecord, title: str, path: Path
 ) -> Path | None:
     """Each trial's value by trial number, marked by status, and the best completed value so far.
 
@@ -128,7 +128,9 @@ def _varying_params(done: Sequence[tuple[FrozenTrial, float]]) -> list[str]:
     return [name for name, values in seen.items() if len(values) >= 2]
 
 
-def _plot_importance(study: optuna.Study, sweep: _Sweep, title: str, path: Path) -> Path | None:
+def _plot_importance(
+    study: optuna.Study, sweep: SweepRecord, title: str, path: Path
+) -> Path | None:
     """Bars of ``optuna.importance.get_param_importances`` over the parameters that vary.
 
     Needs two or more completed trials and two or more varying parameters: with fewer, Optuna's
@@ -177,7 +179,7 @@ def _plot_importance(study: optuna.Study, sweep: _Sweep, title: str, path: Path)
 
 
 def _plot_curves(
-    run: Path, trials: Sequence[FrozenTrial], sweep: _Sweep, title: str, path: Path
+    run: Path, trials: Sequence[FrozenTrial], sweep: SweepRecord, title: str, path: Path
 ) -> Path | None:
     """The metric against epoch (step for a budget in steps) for every trial with a history,
     colored by how the trial ended, the best completed trial drawn last in black."""

@@ -18,8 +18,8 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class _Sweep:
-    """What the report needs from ``sweep.json``."""
+class SweepRecord:
+    """What the report (and :func:`hfsweep.retrain`) needs from a run's ``sweep.json``."""
 
     metric: str
     mode: Literal["max", "min"]
@@ -28,8 +28,9 @@ class _Sweep:
     resource: Literal["epoch", "step"]  # the learning curves' x axis, from the budget's unit
 
 
-def _read_sweep(run: Path) -> _Sweep:
-    """``run/sweep.json``, checked for the keys the report uses."""
+def read_sweep(run: Path) -> SweepRecord:
+    """``run/sweep.json``, checked for the keys the report uses; :class:`ReportError` names
+    what is missing."""
     if not run.exists():
         raise ReportError(f"{run}: no such run directory; {_RUN_FIRST}")
     if not run.is_dir():
@@ -71,7 +72,7 @@ def _read_sweep(run: Path) -> _Sweep:
     resource: Literal["epoch", "step"] = (
         "step" if isinstance(budget, Mapping) and budget.get("steps") is not None else "epoch"
     )
-    return _Sweep(metric, "max" if mode == "max" else "min", storage, study_name, resource)
+    return SweepRecord(metric, "max" if mode == "max" else "min", storage, study_name, resource)
 
 
 def _sweep_file_hint(path: Path) -> str:
@@ -115,7 +116,7 @@ def _sqlite_file(url: str) -> Path | None:
     return None if rest in ("", ":memory:") else Path(rest)
 
 
-def _load_study(run: Path, sweep: _Sweep) -> optuna.Study:
+def load_study(run: Path, sweep: SweepRecord) -> optuna.Study:
     """The sweep's study: from ``sweep.storage`` if set, else from ``run/optuna.journal``."""
     import optuna
     from optuna.storages import BaseStorage, JournalStorage

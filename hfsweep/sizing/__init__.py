@@ -10,11 +10,14 @@ One job per module, each importing only those above it in this list:
 - ``plotting``: a PNG of a profile.
 - ``beyond``: ``size: auto`` with ``offload: auto``: sizes beyond what the device holds,
   measured offloaded (:func:`~hfsweep.sizing.beyond.offload_beyond`).
+- ``timing``: timing one array's real training step through the trainer
+  (:func:`~hfsweep.sizing.timing.measure_step`) and its peak memory.
 - ``offloading``: ``offload: auto`` where some members fit, by measured throughput
-  (:func:`~hfsweep.sizing.offloading.profile_offload`): it measures through ``task`` (imported
-  when called) and hands itself to the trainer, which cannot import it.
-- ``task``: measuring a task's real training step through the trainer (:func:`profile_task`).
-  ``task`` and ``offloading`` import the trainer, so this package itself imports neither.
+  (:func:`~hfsweep.sizing.offloading.profile_offload`): it measures through ``timing`` and
+  hands itself to the trainer, which cannot import it.
+- ``task``: a task's profile over array sizes (:func:`profile_task`); importing it registers
+  ``offloading`` with the trainer. ``timing``, ``offloading`` and ``task`` import the trainer,
+  so this package itself imports none of them.
 
 Users import the public names from :mod:`hfsweep.profiler`, which gathers them from these
 modules (and ``profile_task`` from :mod:`hfsweep`); the package itself re-exports nothing, so

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 
 import torch
 
+from .. import _version
 from .device import _cpu_count
 
 __all__: list[str] = []
@@ -42,10 +43,8 @@ def _load() -> float | None:
 
 def conditions(device_description: str) -> dict[str, str]:
     """The conditions a profile is measured under now: versions, hardware, threads, load."""
-    from .. import __version__
-
     found = {
-        "hfsweep": __version__,
+        "hfsweep": _version.__version__,
         "torch": torch.__version__,
         "device": device_description,
         "threads": str(torch.get_num_threads()),

@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 
 from ._units import _check_int
 from .cache import ProfileCache, _default_cache_path, _replace_file
-from .device import _describe_device
+from .device import describe_device
 from .scaling import AllReduceCost, ScalingProfile
 
 __all__ = ["ScalingCache", "allreduce_key", "measure_allreduce"]
@@ -116,7 +116,7 @@ def measure_allreduce(
                 p.join()
     source = (
         f"measured: {backend} all_reduce, {workers} processes on 127.0.0.1 of "
-        f"{_describe_device('cpu')}, median of {repeats}"
+        f"{describe_device('cpu')}, median of {repeats}"
     )
     return AllReduceCost.fit(points, workers=workers, source=source), points
 
@@ -124,7 +124,7 @@ def measure_allreduce(
 def allreduce_key(backend: str = "gloo", device: str = "cpu") -> str:
     """The cache key of this machine's all-reduce cost: backend, hardware, torch version."""
     torch_version = ".".join(torch.__version__.split("+")[0].split(".")[:2])
-    return f"allreduce|{backend}|{_describe_device(device)}|torch={torch_version}"
+    return f"allreduce|{backend}|{describe_device(device)}|torch={torch_version}"
 
 
 class ScalingCache:

@@ -19,12 +19,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import _version
 from .._io import new_temporary
 from ..offload import OffloadChoice
 from ._provenance import describe_cached
 from ._units import _MIB, _check_budget, _check_int, _fmt_bytes, _fmt_rate
 from .compiled import CompileChoice
-from .device import _describe_device
+from .device import describe_device
 from .model import Measurement, MemoryModel, _check_measurements, _fits
 
 __all__ = ["Profile", "ProfileCache", "cache_key", "signature"]
@@ -111,19 +112,17 @@ def cache_key(
     ``dtype`` is a ``torch.dtype`` or a string (``"float32"`` and ``"torch.float32"`` are the
     same; other strings, such as an autocast mode, are kept as given).
     """
-    from .. import __version__
-
     if not isinstance(model_signature, str) or not model_signature:
         raise ValueError(f"model_signature must be a non-empty string, got {model_signature!r}")
     batch_size = _check_int("batch_size", batch_size, 1)
-    hardware = _describe_device(device)
+    hardware = describe_device(device)
     if torch.device(device).type == "cpu":
         hardware = f"{hardware}|threads={torch.get_num_threads()}"
     elif torch.device(device).type == "cuda":
         hardware = f"{hardware}|cuda={torch.version.cuda}"
     return (
         f"{model_signature}|batch={batch_size}|{_dtype_name(dtype)}|{hardware}"
-        f"|torch={torch.__version__}|hfsweep={__version__}"
+        f"|torch={torch.__version__}|hfsweep={_version.__version__}"
     )
 
 

@@ -8,28 +8,10 @@ import platform
 
 import torch
 
+from .._devices import DTYPES, resolve_device
 from ._units import _GIB, _MIB
 
-__all__ = ["DTYPES", "device_budget", "resolve_device"]
-
-#: The floating dtypes a sweep, the Tune plugin and a retrained trial accept, by their YAML name.
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "bfloat16": torch.bfloat16,
-}
-
-
-def resolve_device(device: str | torch.device) -> str:
-    """``device`` with ``"auto"`` replaced: ``"cuda"`` where torch sees a CUDA device, else ``"cpu"``.
-
-    Any other device (``"cpu"``, ``"cuda:1"``, ``torch.device("cuda", 1)``) comes back as its name;
-    whether it exists is for the caller to check, since only the caller can say where the name came
-    from (a YAML key, a command-line flag, an argument).
-    """
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return str(device)
+__all__ = ["DTYPES", "describe_device", "device_budget", "resolve_device"]
 
 
 def _check_fraction(fraction: object) -> float:
@@ -121,7 +103,7 @@ def _cpu_count() -> int:
     return os.cpu_count() or 1
 
 
-def _describe_device(device: str | torch.device) -> str:
+def describe_device(device: str | torch.device) -> str:
     """The device's hardware in words, e.g. ``cuda:NVIDIA H100 80GB HBM3:79GiB``."""
     dev = torch.device(device)
     if dev.type == "cuda":

@@ -5,7 +5,7 @@ the most members whose peak memory on the device, activations included, stays wi
 
 The rule itself (what fits, when there is nothing to measure, which rate wins) is
 :mod:`hfsweep.offload`'s (:func:`~hfsweep.offload.choose_by_rate`); this module measures the two
-rates through :func:`~hfsweep.sizing.task.measure_step` (the trainer's own training step, on the
+rates through :func:`~hfsweep.sizing.timing.measure_step` (the trainer's own training step, on the
 task's first batch) and keeps the choice in the profile cache under a key of its own: the
 architecture, optimizer and input as :func:`~hfsweep.profile_task`'s, plus ``offload=auto``, the
 budget in bytes and B, so that a resumed or repeated run reads it back instead of measuring again.
@@ -38,12 +38,13 @@ from ..offload import (
     frozen_bytes,
     state_bytes,
 )
-from ..training._offload_auto import use_offload_profiler
+from ..training import use_offload_profiler
 from ..training.task import Task
 from ._provenance import conditions, refresh_requested
 from .cache import Profile, ProfileCache, cache_key
-from .device import _describe_device
+from .device import describe_device
 from .model import Measurement, MemoryModel
+from .timing import _arch, _step_of, model_and_batch
 
 __all__ = ["profile_offload"]
 
@@ -100,11 +101,9 @@ def profile_offload(
     ``device`` counts as not offloadable. A step other than the host's is part of the cache
     key.
     """
-    from .task import _arch, _model_and_batch, _step_of  # task imports this module first
-
     device = torch.device(device)
     resolved = task.resolve(config or {})
-    model, x, y = _model_and_batch(task, resolved, device, dtype, data)
+    model, x, y = model_and_batch(task, resolved, device, dtype, data)
     member = max(state_bytes(model, share_frozen=share_frozen), 1)
     shared = frozen_bytes(model) if share_frozen else 0
     fit = min(fit_size(member, device_memory, shared), size)
@@ -308,7 +307,7 @@ def _store(
     cache.put(
         Profile(
             key=key,
-            device=_describe_device(device),
+            device=describe_device(device),
             batch_size=int(y.shape[0]),
             dtype=str(dtype).removeprefix("torch."),
             measurements=measured,
@@ -318,7 +317,7 @@ def _store(
             reason=choice.reason,
             offload=choice,
             measured_at=time.time(),
-            measured_under=conditions(_describe_device(device)),
+            measured_under=conditions(describe_device(device)),
         )
     )
 

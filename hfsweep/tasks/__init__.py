@@ -22,15 +22,17 @@ from typing import TYPE_CHECKING, Any
 from ..training.task import Task, TaskError
 from ._data import TensorBatches, digits, markov_tokens, pattern_images
 from ._lora import text_lora
-from ._models import MLP, DigitsCNN, ResNet, TokenTransformer, _p
+from ._models import MLP, BasicBlock, DigitsCNN, ResNet, TokenTransformer, _p
 
 if TYPE_CHECKING:
     from torch import Tensor
 
 __all__ = [
     "TASKS",
+    "BasicBlock",
     "TensorBatches",
     "cifar_resnet",
+    "digits",
     "digits_cnn",
     "digits_mlp",
     "get",

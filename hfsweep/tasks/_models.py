@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["MLP", "DigitsCNN", "ResNet", "TokenTransformer"]
+__all__ = ["MLP", "BasicBlock", "DigitsCNN", "ResNet", "TokenTransformer"]
 
 
 def _p(config: Mapping[str, Any]) -> float:

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..tasks._models import BasicBlock
+from ..tasks import BasicBlock
 
 __all__ = [
     "MLP",

@@ -16,6 +16,11 @@ which hears every evaluation and end from any executor (local or Ray). Their lib
 optional extras (``pip install "hfsweep[mlflow]"``, ``[tensorboard]``, ``[wandb]``), imported
 only when a sweep uses them. A tracker that raises while the sweep runs gets one
 :class:`TrackingWarning` and is dropped for the rest of the run; the sweep goes on.
+
+The sweep file's ``tracking:`` section is checked against :data:`TRACKERS` (each tracker's
+options, :class:`Option`; :func:`missing` and :func:`import_problem` say what a tracker
+lacks), and the sweep hands its events to one :class:`Tracking`, which calls every tracker
+and callback.
 """
 
 from __future__ import annotations
@@ -24,16 +29,21 @@ from collections.abc import Mapping
 from typing import Any
 
 from ._base import Callback, SweepInfo, TrialInfo
-from ._dispatch import TrackingWarning
-from ._registry import TRACKERS
+from ._dispatch import Tracking, TrackingWarning
+from ._registry import TRACKERS, Option, import_problem, missing
 
 __all__ = [
+    "TRACKERS",
     "TRACKER_NAMES",
     "Callback",
+    "Option",
     "SweepInfo",
+    "Tracking",
     "TrackingWarning",
     "TrialInfo",
+    "import_problem",
     "make_tracker",
+    "missing",
 ]
 
 #: the trackers ``tracking:`` may name

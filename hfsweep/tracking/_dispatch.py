@@ -40,6 +40,7 @@ class Tracking:
         return bool(self.callbacks)
 
     def sweep_started(self, sweep: SweepInfo) -> None:
+        """The sweep ``sweep`` starts: every tracker and callback hears it first."""
         self._each("on_sweep_start", lambda c: c.on_sweep_start(sweep))
 
     def trial_started(self, trial: TrialInfo) -> None:

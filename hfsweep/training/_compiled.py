@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from .._compat import dynamo_graphs_compiled
-from ..fusion._compile import compile_error, warn_fallback
+from ..fusion import compile_error, warn_fallback
 from .task import Task, TaskError
 
 __all__ = ["CompiledLoss", "log_compiled"]

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from .._usercode import Phase
 from .results import Evaluation
-from .spec import _ArrayState
+from .spec import ArrayState
 from .task import Task
 
 
@@ -54,7 +54,7 @@ def validation_sums(
 
 
 def record_evaluations(
-    state: _ArrayState,
+    state: ArrayState,
     due: list[int],
     steps_per_epoch: int,
     sums: Mapping[str, Tensor],

@@ -30,11 +30,11 @@ from ..offload import (
     offload_budget,
     state_bytes,
 )
-from .spec import _ArrayState, _SlotState
+from .spec import ArrayState, _SlotState
 from .task import Task, fork_rng
 
 if TYPE_CHECKING:
-    from .trainer import ArrayTrainer
+    from .base import TrainerBase
 
 __all__ = [
     "OffloadProfiler",
@@ -75,7 +75,7 @@ def use_offload_profiler(profiler: OffloadProfiler) -> None:
     _PROFILER[:] = [profiler]
 
 
-def offload_plan(t: ArrayTrainer, key: str, config: Mapping[str, Any], size: int) -> OffloadChoice:
+def offload_plan(t: TrainerBase, key: str, config: Mapping[str, Any], size: int) -> OffloadChoice:
     """How ``t`` (``offload="auto"``) trains an array of ``size`` members of ``config`` (of the
     compatibility key ``key``): ``"none"``, ``"host"`` or ``"split"`` (see
     :class:`~hfsweep.offload.OffloadChoice`); logged once per trainer, key and size."""
@@ -123,7 +123,7 @@ def offload_plan(t: ArrayTrainer, key: str, config: Mapping[str, Any], size: int
     return choice
 
 
-def split_for_offload(t: ArrayTrainer, key: str, state: _ArrayState) -> list[_ArrayState] | None:
+def split_for_offload(t: TrainerBase, key: str, state: ArrayState) -> list[ArrayState] | None:
     """The arrays ``state``'s members train as instead, where ``offload="auto"`` chose to split
     it (at the same data position, each member with its slot as it is); ``None`` to train it as
     it is (offloaded or not: :func:`offload_mode` says)."""
@@ -153,10 +153,10 @@ def split_for_offload(t: ArrayTrainer, key: str, state: _ArrayState) -> list[_Ar
         len(busy),
         ", ".join(str(len(part)) for part in parts),
     )
-    return [_ArrayState(part, state.epoch, state.batch) for part in parts]
+    return [ArrayState(part, state.epoch, state.batch) for part in parts]
 
 
-def offload_mode(t: ArrayTrainer, key: str, config: Mapping[str, Any], size: int) -> str:
+def offload_mode(t: TrainerBase, key: str, config: Mapping[str, Any], size: int) -> str:
     """``"none"`` or ``"host"``: whether ``t`` offloads an array of ``size`` members of
     ``config`` (an array ``auto`` split is not built: :func:`split_for_offload`)."""
     if t.offload != "auto":

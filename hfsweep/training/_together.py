@@ -3,7 +3,7 @@
 
 Each array is one :class:`ArrayJob`: its own :class:`~hfsweep.ArrayTrainer` (``offload="host"``)
 with the members and hooks its :meth:`~hfsweep.ArrayTrainer.run` would get. Every job's run is
-the trainer's own loop (:meth:`~hfsweep.training.run._Run.steps`): its data stream, losses,
+the trainer's own loop (:meth:`~hfsweep.training.run.ArrayRun.steps`): its data stream, losses,
 non-finite isolation, evaluations, reports, refills, checkpoints, resume and budgets are the
 ones it has alone. The loop hands each training step's forward, loss and backward out as a
 :class:`~hfsweep.training.run.StepRequest`; the driver here collects one request from every job
@@ -39,17 +39,17 @@ from ..offload import (
     AlternatingArrays,
     OffloadedArray,
     ResidentLedger,
+    Schedule,
     Transfer,
     default_transfer,
 )
-from ..offload._alternate import Schedule
 from ..optim import clip_grad_norm_
 from .checkpoint import _rng_state, _set_rng_state
 from .results import Member, MemberResult, RefillHook, ReportHook
-from .run import StepRequest, _Run
+from .run import ArrayRun, StepRequest
 from .trainer import ArrayTrainer
 
-__all__ = ["ArrayJob", "train_together"]
+__all__ = ["ArrayJob", "StepDriver", "train_together"]
 
 
 @dataclass
@@ -94,7 +94,7 @@ def train_together(
     raised."""
     _check(jobs, schedule, prefetch_depth)
     first = jobs[0].trainer
-    driver = _Driver(
+    driver = StepDriver(
         first.device, first.device_memory, len(jobs), schedule, prefetch_depth, transfer
     )
     results: dict[int, list[MemberResult]] = {}
@@ -143,9 +143,9 @@ def _check(jobs: Sequence[ArrayJob], schedule: str, prefetch_depth: int) -> None
                 "step their optimizers on the host (the device step is not alternated yet): "
                 "give offload_step='host'"
             )
-        if t._run_class is not _Run:
+        if t.run_class is not ArrayRun:
             raise ValueError(
-                f"{where}.trainer runs {t._run_class.__name__}, not the plain trainer's run: "
+                f"{where}.trainer runs {t.run_class.__name__}, not the plain trainer's run: "
                 "a data-parallel array is not trained together with others"
             )
         if id(t) in trainers:
@@ -177,7 +177,7 @@ _Loop = Generator[StepRequest, Tensor, list[MemberResult]]
 _Reply = Tensor | BaseException | None
 
 
-class _Driver:
+class StepDriver:
     """Runs advanced in turn (see the module's docstring): :meth:`add` a job's run, then each
     :meth:`round` takes every run to its next step request or its end and runs the requests
     as one alternating step. Runs may be added between rounds (an executor's arrays start
@@ -221,7 +221,7 @@ class _Driver:
     def add(self, job: ArrayJob) -> int:
         """Start ``job``'s run (on torch's global generators as they are now, as ``run()``
         starts on the caller's); its key in :meth:`round`'s outcomes."""
-        run = _Run(job.trainer, job.report, job.refill, job.on_finish)
+        run = ArrayRun(job.trainer, job.report, job.refill, job.on_finish)
         run.engine_for = self._engine
         key = self._added
         self._added += 1

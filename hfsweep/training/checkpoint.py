@@ -23,7 +23,7 @@ from .packed import UnsafeFileError
 from .packed import load as load_packed
 from .packed import loads as loads_plain
 from .results import Member, MemberResult
-from .spec import TrialSpec, _ArrayState, _SlotState
+from .spec import ArrayState, TrialSpec, _SlotState
 
 if TYPE_CHECKING:
     from ..fusion import FusedArray
@@ -323,7 +323,7 @@ def _run_payload(
     key: str | None,
     order: Sequence[str],
     undelivered: Sequence[MemberResult],
-    arrays: Sequence[tuple[_ArrayState, Sequence[_SlotState | None]]],
+    arrays: Sequence[tuple[ArrayState, Sequence[_SlotState | None]]],
 ) -> dict[str, Any]:
     """The contents of ``array.pt``: a run's ``settings``, compatibility ``key`` and member
     ``order``, the results of members that ended but whose ``on_finish`` was not called yet (a
@@ -351,7 +351,7 @@ class _SavedRun:
     results: dict[str, MemberResult]  #: every member that ended, by id
     delivered: set[str]  #: those whose ``on_finish`` was called
     pending: list[str]  #: those whose ``on_finish`` is still to be called
-    queue: list[_ArrayState]
+    queue: list[ArrayState]
 
 
 def _read_run(
@@ -375,7 +375,7 @@ def _read_run(
             results[member_id] = _result_from_record(record, record["state"])
             pending.append(member_id)
     queue = [
-        _ArrayState([_slot_from_dict(d) for d in a["slots"]], a["epoch"], a["batch"])
+        ArrayState([_slot_from_dict(d) for d in a["slots"]], a["epoch"], a["batch"])
         for a in payload["arrays"]
     ]
     return _SavedRun(payload["key"], list(payload["order"]), results, delivered, pending, queue)

@@ -1,7 +1,7 @@
-"""The live array: a fused array in training with its optimizer, schedule and per-member tensors
-(:class:`_Live`), how it is built from slots, and the snapshots of its members' states that go on
-in other arrays (two halves after an out-of-memory error, a smaller one once most slots are idle)
-or into a checkpoint."""
+"""The live array: a fused array in training with its optimizer, schedule and per-member
+tensors (:class:`LiveArray`), how it is built from slots, and the snapshots of its members'
+states that go on in other arrays (two halves after an out-of-memory error, a smaller one once
+most slots are idle) or into a checkpoint."""
 
 from __future__ import annotations
 
@@ -24,12 +24,12 @@ from ._frozen import share_frozen_storage
 from ._offload_auto import offload_mode
 from ._offload_step import _StepPlace
 from .checkpoint import SavedStateError, _member_state
-from .spec import _ArrayState, _SlotState
+from .spec import ArrayState, _SlotState
 from .step import _set_member_dropout, any_smoothing
 from .task import make_optimizer, make_schedule
 
 if TYPE_CHECKING:
-    from .trainer import ArrayTrainer
+    from .base import TrainerBase
 
 _log = logging.getLogger("hfsweep.trainer")
 #: an array traces a call signature at its 16th call. A trace pays for itself after 30-100
@@ -41,12 +41,12 @@ _TRACE_AFTER_CALLS = 16
 
 
 @dataclass
-class _Live:
+class LiveArray:
     """An array in training: its slots and data position (``state``), the fused model, optimizer
     and schedule, and the per-member values every step reads: label smoothing, the training
     loss summed since each member's last evaluation (float64) and the gradient clipping norms."""
 
-    state: _ArrayState
+    state: ArrayState
     array: FusedArray
     opt: FusedOptimizer
     sched: FusedLRScheduler | None
@@ -102,13 +102,13 @@ class _Live:
             )
         return out
 
-    def split(self) -> list[_ArrayState]:
+    def split(self) -> list[ArrayState]:
         """Two arrays holding every member's current state, at the same data position."""
         state = self.state
         live = [s for s in self.snapshot() if s is not None]
         half = (len(live) + 1) // 2
         halves = [
-            _ArrayState(list(part), state.epoch, state.batch) for part in (live[:half], live[half:])
+            ArrayState(list(part), state.epoch, state.batch) for part in (live[:half], live[half:])
         ]
         _log.warning(
             "out of memory with an array of %d: going on as arrays of %d and %d members",
@@ -118,7 +118,7 @@ class _Live:
         )
         return halves
 
-    def compacted(self, size: int) -> _ArrayState:
+    def compacted(self, size: int) -> ArrayState:
         """The busy members' current states in an array of ``size`` slots (idle ones last)."""
         busy = [s for s in self.snapshot() if s is not None]
         _log.info(
@@ -128,7 +128,7 @@ class _Live:
             size,
         )
         idle: list[_SlotState | None] = [None] * (size - len(busy))
-        return _ArrayState([*busy, *idle], self.state.epoch, self.state.batch)
+        return ArrayState([*busy, *idle], self.state.epoch, self.state.batch)
 
 
 def _close_engine(engine: OffloadedArray, *, owns_transfer: bool) -> None:
@@ -141,12 +141,12 @@ def _close_engine(engine: OffloadedArray, *, owns_transfer: bool) -> None:
 
 
 def _build_live(
-    t: ArrayTrainer,
+    t: TrainerBase,
     key: str,
-    state: _ArrayState,
+    state: ArrayState,
     built: Mapping[int, nn.Module],
     engine_for: Callable[[FusedArray], OffloadedArray] | None = None,
-) -> _Live:
+) -> LiveArray:
     """The live array of ``state``'s slots on ``t``'s device: new members' models from
     ``built``, restored members' weights, optimizer and schedule state and dropout streams from
     their saved state; idle slots are filled with copies and kept inactive. An offloaded
@@ -208,7 +208,7 @@ def _build_live(
             )
             place.prepare()
         except BaseException:
-            # no _Live holds the engine yet, so nothing else would close it: its transfer's
+            # no LiveArray holds the engine yet, so nothing else would close it: its transfer's
             # threads or streams, and what it holds on the compute side, go with the error
             _close_engine(engine, owns_transfer=engine_for is None)
             raise
@@ -226,7 +226,7 @@ def _build_live(
     loss_sum = torch.tensor(
         [s.loss_sum if s else 0.0 for s in state.slots], dtype=torch.float64, device=t.device
     )
-    result = _Live(
+    result = LiveArray(
         state,
         array,
         opt,
@@ -255,7 +255,7 @@ def _restoring(slot: _SlotState, what: str, load: Callable[..., object], *args: 
 
 
 def _models(
-    t: ArrayTrainer, state: _ArrayState, filler: _SlotState, built: Mapping[int, nn.Module]
+    t: TrainerBase, state: ArrayState, filler: _SlotState, built: Mapping[int, nn.Module]
 ) -> list[nn.Module]:
     """One model per slot to fuse: a new member's from ``built``. Slots whose weights
     come from a saved state (loaded into the array afterwards) and idle slots
@@ -288,7 +288,7 @@ def _models(
     return models
 
 
-def _clip_values(state: _ArrayState) -> Tensor | None:
+def _clip_values(state: ArrayState) -> Tensor | None:
     """Each slot's gradient clipping norm (inf for none), or ``None`` when no member clips."""
     values = [s.config["grad_clip"] if s else None for s in state.slots]
     if all(v is None for v in values):

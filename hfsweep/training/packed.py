@@ -9,7 +9,7 @@ dtype on the way, in CPU memory (a checkpoint of a GPU array needs no second cop
 :func:`unpack` rebuilds it with a copy of each tensor, of its shape and dtype, on the CPU, where
 the trainer loads its checkpoints anyway. Plain tensors come back (a ``Parameter`` as a tensor
 without grad); a tensor object found twice (tied weights, or a frozen backbone every member of a
-fine-tuning array shares, see :meth:`~hfsweep.training.live._Live.snapshot`) is stored once and
+fine-tuning array shares, see :meth:`~hfsweep.training.live.LiveArray.snapshot`) is stored once and
 comes back as separate copies (so that writing into one never changes another), and tensors that
 shared storage come back separate.
 

@@ -2,8 +2,8 @@
 it trains one after another (more than one after an out-of-memory split or a compaction), each
 member's evaluations, ends and refills, and the checkpoint written at every evaluation.
 
-The run's loop is a generator (:meth:`_Run.steps`): alone it never yields (:meth:`_Run.execute`
-drains it), and under :func:`~hfsweep.training.train_together` it yields each training step's
+The run's loop is a generator (:meth:`ArrayRun.steps`): alone it never yields
+(:meth:`ArrayRun.execute` drains it), and under :func:`~hfsweep.training.train_together` it yields each training step's
 forward, loss and backward as a :class:`StepRequest` to the driver, which steps several runs'
 requests together (their offloaded shards alternating) and sends each its ``[B]`` losses back,
 or throws the step's out-of-memory error in. Everything else (data, evaluation, refill,
@@ -11,7 +11,6 @@ checkpoints) stays in the run's own loop, so a run trains the same either way.""
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
@@ -44,10 +43,10 @@ from .checkpoint import (
     _set_rng_state,
     _write_member,
 )
-from .live import _build_live, _Live
+from .live import LiveArray, _build_live
 from .packed import pack
 from .results import Evaluation, Member, MemberResult, RefillHook, ReportHook
-from .spec import TrialSpec, _ArrayState, _SlotState
+from .spec import ArrayState, TrialSpec, _SlotState, key_difference
 from .step import (
     _batches,
     _choose_compaction,
@@ -58,15 +57,10 @@ from .step import (
     backward,
     update,
 )
-from .task import (
-    TaskError,
-    fork_rng,
-    optimizer_values,
-    schedule_args,
-)
+from .task import TaskError, fork_rng, optimizer_values, schedule_args
 
 if TYPE_CHECKING:
-    from .trainer import ArrayTrainer
+    from .base import TrainerBase
 
 _log = logging.getLogger("hfsweep.trainer")
 
@@ -76,13 +70,13 @@ class StepRequest:
     """One training step a run hands to its driver: the forward, loss and backward of
     ``live``'s array on the batch ``(x, y)``; the driver sends back the ``[B]`` losses."""
 
-    run: _Run
-    live: _Live
+    run: ArrayRun
+    live: LiveArray
     x: Any
     y: Any
 
 
-#: what :meth:`_Run.steps` yields, is sent, and returns
+#: what :meth:`ArrayRun.steps` yields, is sent, and returns
 _Steps = Generator[StepRequest, Tensor, list[MemberResult]]
 
 
@@ -96,12 +90,21 @@ def _drain(steps: Generator[StepRequest, Tensor, Any]) -> Any:
     raise RuntimeError(f"a run trained alone handed its step out: {request!r}")
 
 
-class _Run:
-    """One call of :meth:`ArrayTrainer.run`: a queue of arrays (more than one after an OOM split)."""
+class ArrayRun:
+    r"""One call of :meth:`ArrayTrainer.run`: a queue of arrays (more than one after an OOM split).
+
+    The trainer's extension point: a trainer that trains its arrays differently sets its own
+    subclass as :attr:`ArrayTrainer.run_class <hfsweep.training.ArrayTrainer.run_class>` (as
+    :class:`hfsweep.parallel.DataParallelTrainer` does, on one worker's shards). A subclass may
+    override these methods and keeps their meaning: ``_stream`` (the batches), ``_backward``
+    (a step's forward, loss and backward), ``_validation_sums``, ``_at_boundary`` (at each
+    evaluation boundary), ``_out_of_memory``, ``_compact_size``, ``_report``, ``_next_member``
+    (refill), ``_writes_files``, ``_save_checkpoint`` and ``_deliver`` (results to
+    ``on_finish``); the arrays it trains are :class:`~hfsweep.training.live.LiveArray`."""
 
     def __init__(
         self,
-        trainer: ArrayTrainer,
+        trainer: TrainerBase,
         report: ReportHook | None,
         refill: RefillHook | None,
         on_finish: Callable[[MemberResult], None] | None,
@@ -114,7 +117,7 @@ class _Run:
         self.results: dict[str, MemberResult] = {}
         self.order: list[str] = []
         self.key: str | None = None
-        self.queue: list[_ArrayState] = []
+        self.queue: list[ArrayState] = []
         self.pending: list[str] = []  # finished, on_finish not yet called
         self.delivered: set[str] = set()
         self.user_rng: dict[str, Any] = {}
@@ -156,7 +159,7 @@ class _Run:
                     raise ValueError(f"member id {dup[0]!r} appears twice; ids must be unique")
                 slots = [self._new_slot(m, start_step) for m in members]
                 spe = self.t.steps_per_epoch(slots[0].config)
-                self.queue = [_ArrayState(list(slots), *divmod(start_step, spe))]
+                self.queue = [ArrayState(list(slots), *divmod(start_step, spe))]
             self._deliver()
             while self.queue:
                 reshaped = yield from self._train(self.queue[0])
@@ -208,7 +211,7 @@ class _Run:
             _set_rng_state(mine)
 
     # ------------------------------------------------------------------ slots
-    def _position(self, state: _ArrayState, member: Member | None = None) -> int:
+    def _position(self, state: ArrayState, member: Member | None = None) -> int:
         """``state``'s place in the data stream in steps (``epoch * steps_per_epoch + batch``);
         the steps per epoch from a member of it, or from ``member`` when it has none."""
         live = next((s.config for s in state.slots if s is not None), None)
@@ -226,7 +229,7 @@ class _Run:
         elif key != self.key:
             raise TaskError(
                 f"member {member.id!r} cannot join this array: its shared config "
-                f"{_diff(self.key, key)} differs from the array's"
+                f"{key_difference(self.key, key)} differs from the array's"
             )
         if member.id in self.results or any(
             s is not None and s.member.id == member.id for a in self.queue for s in a.slots
@@ -237,9 +240,7 @@ class _Run:
         return _SlotState(spec)
 
     # ------------------------------------------------------------------ one array
-    def _train(
-        self, state: _ArrayState
-    ) -> Generator[StepRequest, Tensor, list[_ArrayState] | None]:
+    def _train(self, state: ArrayState) -> Generator[StepRequest, Tensor, list[ArrayState] | None]:
         """Train ``state`` until no member is left. Returns the arrays to train instead, with
         every member's current state, when it must change shape: two halves after an
         out-of-memory error, or a compact array once at most half of the slots are busy and no
@@ -279,14 +280,14 @@ class _Run:
 
     def _train_steps(
         self,
-        state: _ArrayState,
-        live: _Live,
+        state: ArrayState,
+        live: LiveArray,
         counts: _StepCounts,
         timer: _StepTimer,
         ref: Mapping[str, Any],
         eval_every: int,
         build_s: float,
-    ) -> Generator[StepRequest, Tensor, list[_ArrayState] | None]:
+    ) -> Generator[StepRequest, Tensor, list[ArrayState] | None]:
         """The training steps of :meth:`_train` (``ref``: a member's config), until no member
         is left or the array must change shape."""
         spe = self.t.steps_per_epoch(ref)
@@ -369,7 +370,7 @@ class _Run:
                 timer.resume()
         return None
 
-    def _step(self, live: _Live, x: Any, y: Any) -> Generator[StepRequest, Tensor, Tensor]:
+    def _step(self, live: LiveArray, x: Any, y: Any) -> Generator[StepRequest, Tensor, Tensor]:
         """Forward and backward of one training step: :meth:`_backward` here, or, with a
         driver (:attr:`engine_for`), handed to it as a :class:`StepRequest`; the ``[B]``
         losses either way (the driver throws a failed step's out-of-memory error in)."""
@@ -378,7 +379,7 @@ class _Run:
         losses = yield StepRequest(self, live, x, y)
         return losses
 
-    def _backward(self, live: _Live, x: Any, y: Any) -> Tensor:
+    def _backward(self, live: LiveArray, x: Any, y: Any) -> Tensor:
         """Forward and backward of one training step on the batch ``(x, y)``; the ``[B]``
         losses (a data-parallel worker reduces its shard's with the others')."""
         smoothing = live.smoothing if live.smoothes else None
@@ -390,7 +391,7 @@ class _Run:
         """Called at every evaluation boundary once the checkpoint is written and the ended
         members are delivered: where a data-parallel run may stop to be resized."""
 
-    def _out_of_memory(self, live: _Live, error: str) -> list[_ArrayState] | None:
+    def _out_of_memory(self, live: LiveArray, error: str) -> list[ArrayState] | None:
         """The arrays to go on with after a training step ran out of memory: two halves while
         two members or more train; one member alone if idle slots kept it company; and when a
         member runs out of memory alone, it fails (its config needs more memory than the
@@ -404,7 +405,7 @@ class _Run:
         self._finish(live, busy[0], "failed", why)
         return None
 
-    def _unreplayable(self, live: _Live, error: str) -> None:
+    def _unreplayable(self, live: LiveArray, error: str) -> None:
         """A training step ran out of memory after the device step had updated some of its
         shards on the host: it cannot be replayed exactly, so the array's members fail with
         the reason (and what to change) instead of splitting and replaying it."""
@@ -418,7 +419,7 @@ class _Run:
                 self._finish(live, i, "failed", why)
 
     def _compact_size(
-        self, state: _ArrayState, array: FusedArray, busy: int, build_s: float
+        self, state: ArrayState, array: FusedArray, busy: int, build_s: float
     ) -> int | None:
         """The size to rebuild the array at with ``busy`` members, or ``None`` to keep it.
 
@@ -436,15 +437,15 @@ class _Run:
             lambda b: build_s + array._retrace_seconds(b),
         )
 
-    def _compacted(self, live: _Live, size: int) -> _ArrayState:
+    def _compacted(self, live: LiveArray, size: int) -> ArrayState:
         """The busy members' current states in an array of ``size`` slots (idle ones last)."""
         return live.compacted(size)
 
-    def _build(self, state: _ArrayState, built: Mapping[int, nn.Module]) -> _Live:
+    def _build(self, state: ArrayState, built: Mapping[int, nn.Module]) -> LiveArray:
         """The live array of ``state`` (``built``: the new members' models, by slot)."""
         return _build_live(self.t, self.key or "", state, built, self.engine_for)
 
-    def _new_models(self, state: _ArrayState) -> dict[int, nn.Module]:
+    def _new_models(self, state: ArrayState) -> dict[int, nn.Module]:
         """The models of the members that start training in ``state`` (no saved state), by
         slot, each built from its config (its seeded initialisation); with ``share_frozen``,
         each one's frozen tensors equal to the first one's share its storage as soon as it is
@@ -485,7 +486,7 @@ class _Run:
             self.pending.append(slot.member.id)
             return None
 
-    def _stream(self, config: Mapping[str, Any], state: _ArrayState) -> Iterator[Any]:
+    def _stream(self, config: Mapping[str, Any], state: ArrayState) -> Iterator[Any]:
         """Batches of the shared training data from the array's position, forever, each epoch
         in the order fixed by ``(data_seed, epoch)``."""
         train, _ = self.t._dataset(config)
@@ -494,7 +495,7 @@ class _Run:
         return _batches(self.task.name, train, spe, data_seed, state.epoch, state.batch)
 
     # ------------------------------------------------------------------ evaluation
-    def _evaluate(self, live: _Live, due: list[int], spe: int) -> None:
+    def _evaluate(self, live: LiveArray, due: list[int], spe: int) -> None:
         """Evaluate the members in slots ``due`` (see :mod:`._evaluation`), report them and end
         those whose results or the report hook's decisions end."""
         _, val = self.t._dataset(live.state.slots[due[0]].config)  # type: ignore[union-attr]
@@ -508,7 +509,7 @@ class _Run:
         for i, status, error in endings(due, evaluations, self._report(evaluations)):
             self._finish(live, i, status, error)
 
-    def _validation_sums(self, live: _Live, val: Any) -> tuple[dict[str, Tensor], int]:
+    def _validation_sums(self, live: LiveArray, val: Any) -> tuple[dict[str, Tensor], int]:
         """Each validation metric summed over the samples of ``val`` (``[B]`` float64 per
         name), and the number of samples."""
         return validation_sums(self.task, val, self.t._to_device, live.forward)
@@ -532,7 +533,7 @@ class _Run:
         return self.t.checkpoint_dir is not None
 
     # ------------------------------------------------------------------ finishing and refill
-    def _finish(self, live: _Live, i: int, status: str, error: str | None) -> None:
+    def _finish(self, live: LiveArray, i: int, status: str, error: str | None) -> None:
         s = live.state.slots[i]
         assert s is not None
         wanted = self.t.final_states == "all" or (
@@ -561,7 +562,7 @@ class _Run:
         self.pending.append(s.member.id)
         _log.info("member %s %s after %d steps", s.member.id, status, s.steps)
 
-    def _refill(self, live: _Live) -> None:
+    def _refill(self, live: LiveArray) -> None:
         """Fill the free slots with members from the refill hook while it gives any."""
         assert self.refill is not None
         state, array, opt, sched = live.state, live.array, live.opt, live.sched
@@ -593,7 +594,7 @@ class _Run:
         d = self.t.checkpoint_dir
         return None if d is None else d / "array.pt"
 
-    def _save_checkpoint(self, running: _Live | None) -> None:
+    def _save_checkpoint(self, running: LiveArray | None) -> None:
         """Write every array of the queue (the running one from its live tensors) atomically."""
         path = self._checkpoint_path()
         if path is None:
@@ -625,7 +626,7 @@ class _Run:
         fresh = [m for m in members if m.id not in known]
         if fresh:
             if not self.queue:
-                self.queue = [_ArrayState([])]
+                self.queue = [ArrayState([])]
             slots = self.queue[-1].slots
             for m in fresh:
                 # a free slot first: the array keeps its size
@@ -641,9 +642,3 @@ class _Run:
             len(self.results),
             sum(s is not None for a in self.queue for s in a.slots),
         )
-
-
-def _diff(a: str, b: str) -> str:
-    da, db = json.loads(a), json.loads(b)
-    keys = sorted(k for k in set(da) | set(db) if da.get(k) != db.get(k))
-    return ", ".join(f"{k}={db.get(k)!r} (array: {da.get(k)!r})" for k in keys[:3])

@@ -66,13 +66,13 @@ class ArraySettings:
 
     def torch_dtype(self) -> torch.dtype:
         """:attr:`dtype` as a ``torch.dtype``."""
-        from ..sizing.device import DTYPES
+        from .._devices import DTYPES
 
         return DTYPES[self.dtype]
 
     def resolved_device(self) -> str:
         """:attr:`device` in this process (``auto``: ``cuda`` where torch sees a GPU)."""
-        from ..sizing.device import resolve_device
+        from .._devices import resolve_device
 
         return resolve_device(self.device)
 

@@ -1,16 +1,17 @@
 """What is training where: one member's trial as the trainer trains it (:class:`TrialSpec`), a
 slot holding one with its progress (:class:`_SlotState`), and an array of slots at one position in
-the shared data stream (:class:`_ArrayState`)."""
+the shared data stream (:class:`ArrayState`)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from .results import Member
 
-__all__ = ["TrialSpec"]
+__all__ = ["ArrayState", "TrialSpec", "key_difference"]
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,17 @@ class _SlotState:
 
 
 @dataclass
-class _ArrayState:
+class ArrayState:
+    """One array of a run: its slots (``None``: a free one) and the position of its shared data
+    stream (``epoch``, ``batch``), as a run queues it and its checkpoint stores it."""
+
     slots: list[_SlotState | None]
     epoch: int = 0
     batch: int = 0
+
+
+def key_difference(a: str, b: str) -> str:
+    """The first keys in which two compatibility keys (JSON objects) differ, for messages."""
+    da, db = json.loads(a), json.loads(b)
+    keys = sorted(k for k in set(da) | set(db) if da.get(k) != db.get(k))
+    return ", ".join(f"{k}={db.get(k)!r} (array: {da.get(k)!r})" for k in keys[:3])

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 import hfsweep as hs
 from hfsweep._compat import TorchDispatchMode, pytree
-from hfsweep.sizing.task import _LiveTensorBytes
+from hfsweep.sizing.timing import _LiveTensorBytes
 
 peft = pytest.importorskip("peft")
 

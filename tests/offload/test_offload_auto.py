@@ -205,7 +205,7 @@ def _train_auto(
 ) -> tuple[list[hs.MemberResult], list[str]]:
     """The members of ``SGD`` trained by an ``offload="auto"`` trainer with ``budget`` bytes of
     device memory, ``fake`` measuring; the results and the trainer's log messages."""
-    monkeypatch.setattr("hfsweep.sizing.task.measure_step", fake)
+    monkeypatch.setattr("hfsweep.sizing.timing.measure_step", fake)
     with caplog.at_level(logging.INFO, logger="hfsweep.trainer"):
         results = hs.ArrayTrainer(
             toy_task(), dtype=torch.float64, offload="auto", device_memory=budget
@@ -257,7 +257,7 @@ def test_the_trainer_offloads_when_that_is_faster_and_resumes_without_measuring(
     task = toy_task()
     trials = members(SGD[:2])  # an array of 2 members trains them as one of 3 would
     fake = FakeRates(offloaded=150.0, on_device=100.0)
-    monkeypatch.setattr("hfsweep.sizing.task.measure_step", fake)
+    monkeypatch.setattr("hfsweep.sizing.timing.measure_step", fake)
 
     def trainer() -> hs.ArrayTrainer:
         return hs.ArrayTrainer(

@@ -54,7 +54,7 @@ def _choose(
     config: dict[str, Any] = ADAMW[0],
     **kwargs: Any,
 ) -> OffloadChoice:
-    monkeypatch.setattr("hfsweep.sizing.task.measure_step", fake)
+    monkeypatch.setattr("hfsweep.sizing.timing.measure_step", fake)
     return profile_offload(
         toy_task(),
         config,
@@ -147,7 +147,7 @@ def test_the_trainer_asks_for_the_profile_with_its_offload_step(
 def test_the_real_step_is_measured_with_the_offload_step(
     step: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from hfsweep.sizing import task as sizing
+    from hfsweep.sizing import timing as sizing
 
     stepped: list[bool] = []
     update = sizing.update

@@ -52,7 +52,7 @@ def test_the_trainer_with_auto(
     def no_measuring(*args: object, **kwargs: object) -> None:
         raise AssertionError("offload: auto measured where offload was the only way")
 
-    monkeypatch.setattr("hfsweep.sizing.task.measure_step", no_measuring)
+    monkeypatch.setattr("hfsweep.sizing.timing.measure_step", no_measuring)
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="hfsweep.trainer"):
         spilled = hs.ArrayTrainer(

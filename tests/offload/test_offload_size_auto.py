@@ -118,7 +118,7 @@ def test_profile_task_chooses_an_offloaded_size_and_caches_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     fake = FakeRates(PER_MEMBER)
-    monkeypatch.setattr("hfsweep.sizing.task.measure_step", fake)
+    monkeypatch.setattr("hfsweep.sizing.timing.measure_step", fake)
     cache = ProfileCache(tmp_path / "profiles.json")
     profile = _profile(cache, "auto")
     assert sorted(fake.calls) == [(1, False), (2, False), (4, True)]  # max_size=4
@@ -149,7 +149,7 @@ def test_a_model_larger_than_the_device_gets_an_offloaded_size(
     has nothing to choose from and says so; with ``offload: auto`` it measures offloaded sizes
     and chooses one (B >= 1 trains)."""
     fake = NoneFits(PER_MEMBER)
-    monkeypatch.setattr("hfsweep.sizing.task.measure_step", fake)
+    monkeypatch.setattr("hfsweep.sizing.timing.measure_step", fake)
     cache = ProfileCache(tmp_path / "profiles.json")
     with pytest.raises(torch.OutOfMemoryError):
         _profile(cache, "none")
@@ -167,7 +167,7 @@ def test_the_executor_trains_the_offloaded_size_it_chose(
     configs = [*SGD, {**SGD[0], "seed": 7, "lr": 0.03}]
     reference = hs.ArrayTrainer(toy_task(), dtype=torch.float64).run(members(configs))
     fake = FakeRates(PER_MEMBER)
-    monkeypatch.setattr("hfsweep.sizing.task.measure_step", fake)
+    monkeypatch.setattr("hfsweep.sizing.timing.measure_step", fake)
     monkeypatch.setenv("HFSWEEP_CACHE_DIR", str(tmp_path / "cache"))
     executor = LocalExecutor(
         toy_task(),
@@ -216,7 +216,7 @@ def test_a_sweep_file_sizes_arrays_beyond_its_device_memory(
     of 4 on the device."""
     plain = _sweep(tmp_path / "plain", {"size": 4})
     fake = FakeRates(PER_MEMBER)
-    monkeypatch.setattr("hfsweep.sizing.task.measure_step", fake)
+    monkeypatch.setattr("hfsweep.sizing.timing.measure_step", fake)
     monkeypatch.setenv("HFSWEEP_CACHE_DIR", str(tmp_path / "cache"))
     auto = _sweep(tmp_path / "auto", {"size": "auto", "offload": "auto", "device_memory": BUDGET})
     assert (4, True) in fake.calls

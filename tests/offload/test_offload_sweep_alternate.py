@@ -297,7 +297,7 @@ def test_the_executor_refuses_what_it_cannot_alternate() -> None:
 
 
 def test_the_data_cache_keeps_one_dataset_per_array_trained_at_once() -> None:
-    from hfsweep.training.trainer import _DataCache
+    from hfsweep.training import DataCache
 
     built: list[int] = []
     task = hs.Task(
@@ -306,12 +306,12 @@ def test_the_data_cache_keeps_one_dataset_per_array_trained_at_once() -> None:
         data=lambda config: built.append(config["batch_size"]) or TASK.data(config),
         defaults={**TASK.defaults},
     )
-    cache = _DataCache(entries=2)
+    cache = DataCache(entries=2)
     small, large = (task.resolve({"batch_size": b}) for b in (8, 16))
     for config in (small, large, small, large, small):
         cache.get(task, config)
     assert built == [8, 16]  # two keys at once: each built once
-    one = _DataCache()
+    one = DataCache()
     for config in (small, large, small):
         one.get(task, config)
     assert built == [8, 16, 8, 16, 8]  # one entry: each switch rebuilds

@@ -165,7 +165,7 @@ def test_the_password_and_the_whole_url_come_from_the_environment(
     assert saved["storage"] == url
     assert main(["run", "sweep.yaml", "--quiet", "--resume"]) == 0
     run = Path("runs/sweep")
-    assert len(report._load_study(run, report._read_sweep(run)).trials) == 4  # what report reads
+    assert len(report.load_study(run, report.read_sweep(run)).trials) == 4  # what report reads
     assert PASSWORD not in _all_outputs(capsys, tmp_path / "runs")
 
     monkeypatch.setenv("HFSWEEP_TEST_DB_URL", postgres)

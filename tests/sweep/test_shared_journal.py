@@ -95,7 +95,7 @@ def test_a_sweep_on_a_shared_journal_runs_resumes_and_reports(
     )
     assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 4
     assert main(["run", str(sweep), "--quiet", "--resume"]) == 0  # nothing left: ends at once
-    assert len(report._load_study(run, report._read_sweep(run)).trials) == 4
+    assert len(report.load_study(run, report.read_sweep(run)).trials) == 4
     capsys.readouterr()
     journal.rename(tmp_path / "moved.log")  # resuming must not start over in a new file
     assert main(["run", str(sweep), "--quiet", "--resume"]) == 2

@@ -25,7 +25,7 @@ import pytest
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
-from hfsweep.trainer import ArrayTrainer
+from hfsweep.training import ArrayTrainer
 
 from ._killed import _default_sigint
 from ._toy import HOLD_AFTER, _tells

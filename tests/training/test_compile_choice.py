@@ -86,7 +86,7 @@ def test_profile_task_measures_compiled_at_the_chosen_size_and_caches_the_choice
             kw["first_step"].append(2.5 + step_s)
         return Measurement(size, size * 32 / step_s, 1000 * size, step_s)
 
-    monkeypatch.setattr(sizing_task, "measure_step", fake_measure_step)
+    monkeypatch.setattr("hfsweep.sizing.timing.measure_step", fake_measure_step)
     cache = ProfileCache(tmp_path / "p.json")
     task = make_task()
     profile = sizing_task.profile_task(

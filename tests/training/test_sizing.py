@@ -8,7 +8,8 @@ import torch
 import hfsweep as hs
 from hfsweep import profiler, tasks
 from hfsweep.cli import main
-from hfsweep.sizing.task import _LiveTensorBytes, measure_step, profile_task
+from hfsweep.sizing.task import profile_task
+from hfsweep.sizing.timing import _LiveTensorBytes, measure_step
 
 
 def test_live_tensor_bytes_follows_allocations_and_frees() -> None:
@@ -57,7 +58,7 @@ def test_profile_task_measures_chooses_and_caches(tmp_path, monkeypatch) -> None
     def measure(*args, **kwargs):
         raise Measured
 
-    monkeypatch.setattr("hfsweep.sizing.task.measure_step", measure)
+    monkeypatch.setattr("hfsweep.sizing.timing.measure_step", measure)
     again = profile_task(tasks.digits_mlp, {"hidden": 32, "lr": 0.3, "dropout": 0.2}, cache=cache)
     assert again.measurements == profile.measurements and again.chosen == profile.chosen
     assert f"(cached profile from {cache.path}, measured " in again.reason

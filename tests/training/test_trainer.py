@@ -708,12 +708,16 @@ def test_final_states_must_be_known() -> None:
         hs.ArrayTrainer(make_task(), final_states="best")
 
 
-def test_the_trainer_keeps_the_names_users_import() -> None:
-    """``hfsweep.trainer`` is where users import the trainer from; its code moved to
-    ``hfsweep.training``, and the old name gives the same objects."""
-    import hfsweep.trainer
+def test_the_trainer_names_are_imported_from_hs_and_the_old_modules_are_gone() -> None:
+    """The trainer's names come from :mod:`hfsweep` (``hs.ArrayTrainer``...) and
+    :mod:`hfsweep.training`; ``hfsweep.trainer`` and ``hfsweep.packing``, which only re-exported
+    them (and the packer) under older paths, are gone."""
+    import importlib
+
     import hfsweep.training
 
     for name in ("ArrayTrainer", "Evaluation", "Member", "MemberResult"):
-        assert getattr(hfsweep.trainer, name) is getattr(hfsweep.training, name)
-        assert getattr(hfsweep.trainer, name) is getattr(hs, name)
+        assert getattr(hs, name) is getattr(hfsweep.training, name)
+    for old in ("hfsweep.trainer", "hfsweep.packing"):
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(old)
