@@ -44,9 +44,9 @@ from hfsweep._checks import is_finite
 from hfsweep._io import atomic_save
 from hfsweep.core.status import Status
 from hfsweep.executors import ArrayHooks, LocalExecutor
+from hfsweep.settings import ArraySettings
 from hfsweep.sizing.device import DTYPES, resolve_device
 from hfsweep.training import Evaluation, Member, MemberResult
-from hfsweep.training.settings import ArraySettings
 from hfsweep.training.task import Task
 
 from ._tune_format import META, WEIGHTS_DIR, weights_file
@@ -71,7 +71,7 @@ TRAINABLE_NAME = "hfsweep_array"
 class TrainSpec:
     """How a worker trains an array: the task (an :class:`hfsweep.Task`, or a name that
     ``hfsweep`` resolves: a ready task, ``module:attribute``, ``/abs/path.py:attribute``), the
-    sweep's array settings (:class:`~hfsweep.training.settings.ArraySettings`: device,
+    sweep's array settings (:class:`~hfsweep.settings.ArraySettings`: device,
     ``"auto"`` meaning CUDA when the worker sees a GPU, dtype, evaluation period, shared frozen
     tensors, compile, offload), and whether arrays trace their forwards."""
 

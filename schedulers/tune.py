@@ -139,7 +139,7 @@ from typing import Any
 from hfsweep._checks import in_range, is_int
 from hfsweep.config import MAX_TRIALS
 from hfsweep.core.packer import limit_for_learning
-from hfsweep.training.settings import FUSION, ArraySettings, SettingsError, array_settings
+from hfsweep.settings import FUSION, ArraySettings, SettingsError, array_settings
 from hfsweep.training.task import Task
 
 from . import _tune_results
@@ -204,7 +204,7 @@ class Fusion:
             is no other array in its process to alternate with.
 
     Every argument is checked here, before anything trains, by the rules a sweep file's
-    ``fusion:`` section is checked by (:func:`~hfsweep.training.settings.array_settings`);
+    ``fusion:`` section is checked by (:func:`~hfsweep.settings.array_settings`);
     an error names the argument (``Fusion(offload=...)``) and what would be valid.
     """
 

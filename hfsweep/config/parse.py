@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Any, Literal
 from .._checks import is_int
 from .._names import READY_TASKS
 from ..search_spaces import SearchSpace, SpaceError, load_space, load_yaml, read_yaml_file
+from ..settings import ARRAY_KEYS, YAML, SettingsError, array_settings
 from ..storage.db_url import mask
 from ..storage.journal_url import is_journal, resolve
-from ..training.settings import ARRAY_KEYS, YAML, SettingsError, array_settings
 from .algorithms import _check_custom_searcher, _scheduler, _searcher
 from .elastic import _elastic
 from .fields import _did_you_mean, _Fields, _join
@@ -74,7 +74,7 @@ _TOP_KEYS = (
 )
 _REQUIRED = ("task", "search_space", "budget", "metric", "mode")
 _BUDGET = ("trials", "epochs", "steps", "time_limit")
-#: ``size`` (the packer's) and every array setting (:class:`~hfsweep.training.settings.ArraySettings`)
+#: ``size`` (the packer's) and every array setting (:class:`~hfsweep.settings.ArraySettings`)
 _FUSION = ("size", *ARRAY_KEYS)
 _RAY = (
     "address",

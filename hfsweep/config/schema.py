@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from .._errors import LocatedError
 from ..search_spaces import FixedParam, SearchSpace
+from ..settings import ArraySettings
 from ..storage.db_url import mask
-from ..training.settings import ArraySettings
 
 if TYPE_CHECKING:  # a sweep file is checked without torch, which the task module imports
     from ..training.task import Task

@@ -33,9 +33,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from .._malloc import retaining_freed_memory_on
+from ..settings import ArraySettings
 from ..training import ArrayJob, StepDriver
 from ..training.results import Member, MemberResult
-from ..training.settings import ArraySettings
 from ..training.task import Task
 from ._errors import Stopped
 from .base import ArrayHooks, Folder

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .._signals import handlers_kept, shielded
-from ..training.settings import ArraySettings
+from ..settings import ArraySettings
 from ..training.task import Task
 from ..training.trainer import ArrayTrainer, Member
 from ._connect import ClusterUnreachable, connect, on_loopback, reach
@@ -70,7 +70,7 @@ class RayExecutor(Executor):
 
     Connects to the Ray cluster at ``settings.address``, or uses the Ray this process already
     initialised, or starts a local one for the run (shut down by :meth:`close`). ``arrays``:
-    how every array trains (:class:`~hfsweep.training.settings.ArraySettings`, each actor
+    how every array trains (:class:`~hfsweep.settings.ArraySettings`, each actor
     builds its local executor from them); ``compile``: as the local executor's, the choice of ``"auto"`` carried from the profiling actor to
     the training ones (see the module docstring); not with offload yet.
     """
@@ -91,7 +91,7 @@ class RayExecutor(Executor):
                 "arrays that are not elastic"
             )
         self.task = task
-        #: how every array trains (see :class:`~hfsweep.training.settings.ArraySettings`)
+        #: how every array trains (see :class:`~hfsweep.settings.ArraySettings`)
         self.arrays = arrays
         self.device = arrays.device
         self.dtype = arrays.torch_dtype()

@@ -32,8 +32,8 @@ from typing import Any
 import torch
 
 from .._usercode import describe, keep_traceback, label, phase_of, remote_traceback
+from ..settings import ArraySettings
 from ..sizing.device import resolve_device
-from ..training.settings import ArraySettings
 from ..training.task import Task
 from ..training.trainer import Member
 from ._alternating import AlternatingExecutor

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 
 from ..offload import OffloadChoice
+from ..settings import ArraySettings
 from ..training import ArrayTrainer, DataCache, Member
-from ..training.settings import ArraySettings
 from ..training.task import Task
 from .base import ArrayHooks, Executor, Folder
 
@@ -24,7 +24,7 @@ class LocalExecutor(Executor):
     the array's folder, and ``resume=True`` continues from that checkpoint after a crash.
     ``arrays`` say how every array trains (device, dtype, evaluation period, shared frozen
     tensors, compile, offload; the sweep file's ``fusion:`` or ``Fusion(...)``, checked once
-    by :func:`~hfsweep.training.settings.array_settings`); ``arrays.alternate`` is
+    by :func:`~hfsweep.settings.array_settings`); ``arrays.alternate`` is
     :class:`~hfsweep.executors._alternating.AlternatingExecutor`'s, this one trains one array
     at a time. ``data`` is a cache of loaded data to start from (the engine's dry run loaded it).
     ``final_states`` says which ended members' results carry their weights (``"completed"``:
@@ -48,7 +48,7 @@ class LocalExecutor(Executor):
         trace: bool = True,
     ) -> None:
         self.task = task
-        #: how every array trains (see :class:`~hfsweep.training.settings.ArraySettings`)
+        #: how every array trains (see :class:`~hfsweep.settings.ArraySettings`)
         self.arrays = arrays
         self.device = torch.device(arrays.resolved_device())
         self.dtype = arrays.torch_dtype()

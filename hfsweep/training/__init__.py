@@ -34,6 +34,7 @@ other names here are what hfsweep's other packages (the executors, the profiler,
 data-parallel trainer) build on.
 """
 
+from ..settings import ArraySettings
 from ._compiled import CompiledLoss
 from ._evaluation import add_metrics
 from ._offload_auto import use_offload_profiler
@@ -42,7 +43,6 @@ from .base import DataCache, TrainerBase
 from .live import LiveArray
 from .results import Evaluation, Member, MemberResult, RefillHook, ReportHook
 from .run import ArrayRun
-from .settings import ArraySettings
 from .spec import ArrayState
 from .trainer import ArrayTrainer
 

@@ -15,11 +15,11 @@ import os
 from collections.abc import Callable, Sequence
 
 from .._malloc import retaining_freed_memory
+from ..settings import ArraySettings
 from ._threads import training_threads
 from .base import TrainerBase
 from .results import Evaluation, Member, MemberResult, RefillHook, ReportHook
 from .run import ArrayRun
-from .settings import ArraySettings
 from .task import Task
 
 __all__ = ["ArrayTrainer", "Evaluation", "Member", "MemberResult", "RefillHook", "ReportHook"]

@@ -22,9 +22,9 @@ from hfsweep.executors import ArrayHooks, RayExecutor
 from hfsweep.executors import local as local_module
 from hfsweep.executors._worker import ArrayWorker
 from hfsweep.profiler import Measurement, MemoryModel, Profile, choose_compile
+from hfsweep.settings import YAML, ArraySettings, array_settings
 from hfsweep.sizing import task as sizing_task
 from hfsweep.training import Member
-from hfsweep.training.settings import YAML, ArraySettings, array_settings
 
 ray = pytest.importorskip("ray")
 from ray.exceptions import RayActorError  # noqa: E402

@@ -9,7 +9,7 @@ from sweep._toy import TASK
 
 from hfsweep.config import RayConfig
 from hfsweep.executors import RayExecutor
-from hfsweep.training.settings import ArraySettings
+from hfsweep.settings import ArraySettings
 
 ray = pytest.importorskip("ray")
 

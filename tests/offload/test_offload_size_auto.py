@@ -20,10 +20,10 @@ import hfsweep as hs
 from hfsweep.executors.base import ArrayHooks
 from hfsweep.executors.local import LocalExecutor
 from hfsweep.offload import OffloadError
+from hfsweep.settings import ArraySettings
 from hfsweep.sizing.beyond import offload_beyond
 from hfsweep.sizing.cache import ProfileCache
 from hfsweep.sizing.model import Measurement, MemoryModel
-from hfsweep.training.settings import ArraySettings
 
 
 def _m(size: int, rate: float, peak: int = 0) -> Measurement:

@@ -30,7 +30,7 @@ from hfsweep.config import ConfigError, parse_sweep
 from hfsweep.executors import ArrayHooks, Stopped
 from hfsweep.executors._alternating import AlternatingExecutor
 from hfsweep.offload import AlternatingArrays
-from hfsweep.training.settings import YAML, ArraySettings, array_settings
+from hfsweep.settings import YAML, ArraySettings, array_settings
 
 #: test_offload_sweep's sweep, with six trials: three arrays of two
 BASE: dict[str, Any] = {**OFFLOAD_SWEEP, "budget": {"trials": 6, "epochs": 1}}

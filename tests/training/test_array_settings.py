@@ -16,7 +16,7 @@ from hfsweep.schedulers.tune import Fusion
 
 from hfsweep.config import ConfigError, FusionConfig, parse_sweep
 from hfsweep.config import parse as parse_module
-from hfsweep.training.settings import ARRAY_KEYS, ArraySettings
+from hfsweep.settings import ARRAY_KEYS, ArraySettings
 
 BASE: dict[str, Any] = {
     "task": "digits_mlp",

@@ -18,8 +18,8 @@ from hfsweep.profiler import (
     ProfileCache,
     choose_compile,
 )
+from hfsweep.settings import YAML, ArraySettings, array_settings
 from hfsweep.sizing import task as sizing_task
-from hfsweep.training.settings import YAML, ArraySettings, array_settings
 
 
 def test_a_faster_compiled_step_wins_once_it_pays_for_its_compile_time() -> None:

@@ -21,8 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from .._checks import is_int
-from .._names import OFFLOAD_MODES, OFFLOAD_STEPS
+from ._checks import is_int
+from ._names import OFFLOAD_MODES, OFFLOAD_STEPS
 
 if TYPE_CHECKING:
     import torch
@@ -66,13 +66,13 @@ class ArraySettings:
 
     def torch_dtype(self) -> torch.dtype:
         """:attr:`dtype` as a ``torch.dtype``."""
-        from .._devices import DTYPES
+        from ._devices import DTYPES
 
         return DTYPES[self.dtype]
 
     def resolved_device(self) -> str:
         """:attr:`device` in this process (``auto``: ``cuda`` where torch sees a GPU)."""
-        from .._devices import resolve_device
+        from ._devices import resolve_device
 
         return resolve_device(self.device)
 
